@@ -1,0 +1,1 @@
+"""meshforge.checkpoint: see docs/architecture.md for what lives here."""

@@ -1,0 +1,1 @@
+"""meshforge.config: see docs/architecture.md for what lives here."""

@@ -1,0 +1,1 @@
+"""meshforge.data: see docs/architecture.md for what lives here."""

@@ -1,0 +1,1 @@
+"""meshforge.infer: see docs/architecture.md for what lives here."""

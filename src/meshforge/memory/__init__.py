@@ -1,0 +1,1 @@
+"""meshforge.memory: see docs/architecture.md for what lives here."""

@@ -1,0 +1,1 @@
+"""meshforge.models: see docs/architecture.md for what lives here."""

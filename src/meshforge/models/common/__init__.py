@@ -1,0 +1,1 @@
+"""meshforge.models.common: see docs/architecture.md for what lives here."""

@@ -1,0 +1,1 @@
+"""meshforge.monitor: see docs/architecture.md for what lives here."""

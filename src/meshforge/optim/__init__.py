@@ -1,0 +1,1 @@
+"""meshforge.optim: see docs/architecture.md for what lives here."""

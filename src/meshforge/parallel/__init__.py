@@ -1,0 +1,1 @@
+"""meshforge.parallel: see docs/architecture.md for what lives here."""

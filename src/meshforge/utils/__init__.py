@@ -1,0 +1,1 @@
+"""meshforge.utils: see docs/architecture.md for what lives here."""
