@@ -1,0 +1,141 @@
+"""Grouped-query self-attention through ``scaled_dot_product_attention``.
+
+Three masking cases, chosen once per forward by the model:
+
+* no ``segment_ids``: ``is_causal=True`` and no mask tensor, the fastest SDPA path;
+* ``segment_ids`` [B, S] (1, 2, ... per packed document, 0 = padding): a boolean
+  block-diagonal causal mask ``[B, 1, S, S]`` built once and shared by all layers,
+  so no token attends across documents. Padding tokens attend to earlier padding
+  tokens of the same row (segment 0 equals segment 0), so every query row keeps at
+  least its diagonal and SDPA never normalises an all-masked row (which gives NaN).
+
+Key/value heads are shared across query-head groups with SDPA's ``enable_gqa``
+instead of materialising repeated K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshforge.models.common.norms import RMSNorm
+from meshforge.models.common.rope import apply_rotary
+
+
+def segment_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask ``[B, 1, S, S]``: True where query i may attend key j.
+
+    Args:
+        segment_ids: ``[B, S]`` integers, equal ids form one document; 0 marks padding.
+
+    Returns:
+        ``(segment[i] == segment[j]) & (j <= i)``, broadcastable over heads.
+    """
+    seq_len = segment_ids.shape[-1]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=segment_ids.device).tril_()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+def positions_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids ``[B, S]`` that restart at 0 at the start of every segment.
+
+    A segment starts where the id differs from the previous token's id, so two
+    adjacent documents must carry different ids (1, 2, ...), as the batch contract says.
+    """
+    seq_len = segment_ids.shape[-1]
+    index = torch.arange(seq_len, device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - start_index
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped K/V heads, optional per-head q/k RMSNorm and RoPE.
+
+    Module and parameter names follow transformers (``q_proj``, ``k_proj``, ``v_proj``,
+    ``o_proj``, ``q_norm``, ``k_norm``) so state dicts load without renaming.
+
+    Args:
+        hidden_size: Model width.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads (divides ``num_heads``).
+        head_dim: Per-head size, independent of ``hidden_size / num_heads``.
+        bias: Bias on the four projections.
+        qk_norm: Apply RMSNorm over ``head_dim`` to queries and keys before RoPE (Qwen3).
+        norm_eps: Epsilon of the q/k norms.
+        dropout: Attention-probability dropout in training mode.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool = False,
+        qk_norm: bool = True,
+        norm_eps: float = 1e-6,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = head_dim**-0.5
+        self.dropout = dropout
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, norm_eps)
+            self.k_norm = RMSNorm(head_dim, norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attend over ``x`` ([B, S, hidden]).
+
+        Args:
+            x: Normalised hidden states.
+            rope: ``(cos, sin)`` from :class:`~meshforge.models.common.rope.RotaryEmbedding`.
+            mask: Boolean ``[B, 1, S, S]`` mask, or None for plain causal attention.
+
+        Returns:
+            ``[B, S, hidden]`` after the output projection.
+        """
+        batch, seq_len, _ = x.shape
+        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        cos, sin = rope
+        q = apply_rotary(q, cos, sin).transpose(1, 2)
+        k = apply_rotary(k, cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None,
+            scale=self.scaling,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))

@@ -1,0 +1,182 @@
+"""Structural hyper-parameters of the built-in Qwen3 family and its named flavors.
+
+``Qwen3Args`` mirrors transformers' ``Qwen3Config`` (5.24) field for field, with the
+same names and defaults, so a ``config.json`` or the ``model:`` passthrough keys of a
+YAML map onto it one to one. Besides ``rope_parameters`` (how transformers 5.24
+spells RoPE) it accepts the older top-level ``rope_theta`` that most published
+``config.json`` files still carry. This module does not import torch, so the config
+system can check option keys without it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+DEFAULT_ROPE_THETA = 10_000.0
+
+
+@dataclass(frozen=True)
+class Qwen3Args:
+    """Qwen3 decoder configuration (names and defaults of ``transformers.Qwen3Config``)."""
+
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 22016
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 32
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_parameters: dict[str, Any] | None = None
+    rope_theta: float | None = None
+    attention_bias: bool = False
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    max_window_layers: int = 28
+    layer_types: list[str] | None = None
+    attention_dropout: float = 0.0
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
+                f"got {self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
+        if not 0.0 <= float(self.attention_dropout) < 1.0:
+            raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
+        if self.rope_parameters is not None:
+            if not isinstance(self.rope_parameters, dict):
+                raise ValueError(f"rope_parameters: must be a mapping, got {self.rope_parameters!r}")
+            rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(
+                    f"rope_parameters.rope_type: not supported yet: {rope_type!r} (built: 'default')"
+                )
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types: needs one entry per layer ({self.num_hidden_layers}), got {len(self.layer_types)}"
+            )
+
+    @property
+    def theta(self) -> float:
+        """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 10000."""
+        if self.rope_parameters and "rope_theta" in self.rope_parameters:
+            return float(self.rope_parameters["rope_theta"])
+        if self.rope_theta is not None:
+            return float(self.rope_theta)
+        return DEFAULT_ROPE_THETA
+
+    @property
+    def uses_sliding_window(self) -> bool:
+        """Whether any layer would use sliding-window attention (as transformers derives it)."""
+        if self.layer_types is not None:
+            return "sliding_attention" in self.layer_types
+        return bool(
+            self.use_sliding_window
+            and self.sliding_window is not None
+            and self.max_window_layers < self.num_hidden_layers
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """Keyword arguments for ``transformers.Qwen3Config`` that describe the same model."""
+        out = asdict(self)
+        out.pop("rope_theta")
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.theta}
+        return out
+
+
+OPTION_KEYS: frozenset[str] = frozenset(f.name for f in fields(Qwen3Args)) | {"flavor"}
+
+FLAVORS: dict[str, Qwen3Args] = {
+    # The demo model: a few million parameters, trains on 2 CPU cores in minutes.
+    "tiny": Qwen3Args(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+    ),
+    # For unit and distributed tests: as small as still exercises GQA and q/k norms.
+    "debug": Qwen3Args(
+        vocab_size=8192,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+    ),
+}
+
+
+def unknown_option_message(key: str, known: frozenset[str] | set[str]) -> str:
+    """Reason text for an option key that is not declared, with a close match if any."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown Qwen3 option{hint}"
+
+
+def from_options(options: dict[str, Any]) -> Qwen3Args:
+    """Build ``Qwen3Args`` from the ``model:`` passthrough keys.
+
+    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys
+    override its fields. Without a flavor the transformers defaults apply.
+
+    Args:
+        options: Option mapping, e.g. ``{"flavor": "tiny", "num_hidden_layers": 2}``.
+
+    Returns:
+        The validated arguments.
+
+    Raises:
+        ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
+            or an invalid value.
+    """
+    unknown = sorted(k for k in options if k not in OPTION_KEYS)
+    if unknown:
+        reasons = ", ".join(f"{k!r} ({unknown_option_message(k, OPTION_KEYS)})" for k in unknown)
+        raise ValueError(f"unknown Qwen3 model option(s): {reasons}")
+    options = dict(options)
+    flavor = options.pop("flavor", None)
+    if flavor is None:
+        base = Qwen3Args()
+    elif flavor in FLAVORS:
+        base = FLAVORS[flavor]
+    else:
+        raise ValueError(f"flavor: unknown Qwen3 flavor {flavor!r}; use one of {sorted(FLAVORS)}")
+    return replace(base, **options)
