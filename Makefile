@@ -1,0 +1,49 @@
+# Set-up, demo and tests. Every target creates .venv on first use (CPU torch 2.13.0 only:
+# the pin keeps pip from pulling a multi-GB CUDA build).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.meshforge-installed
+TEST_ENV := $(CURDIR)/build/test-env
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install demo test test-fast lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/meshforge train
+
+define test_env
+	mkdir -p $(TEST_ENV)/tmp $(TEST_ENV)/hf $(TEST_ENV)/inductor $(TEST_ENV)/tiktoken
+	export TMPDIR=$(TEST_ENV)/tmp HF_HOME=$(TEST_ENV)/hf TORCHINDUCTOR_CACHE_DIR=$(TEST_ENV)/inductor \
+	  TIKTOKEN_CACHE_DIR=$(TEST_ENV)/tiktoken OMP_NUM_THREADS=1;
+endef
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format src tests benchmarks scripts
+	$(VENV)/bin/ruff check --fix src tests benchmarks scripts
+
+test: $(STAMP) lint
+	$(test_env) $(VENV)/bin/pytest -q tests
+
+test-fast: $(STAMP) lint
+	$(test_env) $(VENV)/bin/pytest -q -m "not slow" tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/step_throughput.py
+
+clean:
+	rm -rf build output .pytest_cache .ruff_cache

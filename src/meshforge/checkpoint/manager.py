@@ -1,0 +1,220 @@
+"""Save and resume training state with torch.distributed.checkpoint (DCP).
+
+On disk, one folder per saved step: `{save_path}/{prefix}-{step:08d}/` with the DCP shards of the
+model (and optimizer), `trainer_state.json` (step, tokens seen, data position, LR scheduler),
+`rng/rank_XXXXX.pt` (every RNG of every rank) and a `COMPLETE` marker written last. A folder
+without the marker (a crash mid-save) is never loaded and is replaced by the next save of that
+step. DCP stores global tensor shapes, so a checkpoint saved with N ranks loads with M.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from meshforge.utils.distributed import barrier
+
+COMPLETE_MARKER = "COMPLETE"
+TRAINER_STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class LoadedState:
+    """What a resume restores besides model/optimizer tensors (those are loaded in place)."""
+
+    path: Path
+    trainer_state: dict[str, Any]
+    rng_state: dict[str, Any] | None
+    optimizer_loaded: bool
+
+
+def step_dir_name(prefix: str, step: int) -> str:
+    return f"{prefix}-{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE_MARKER).is_file()
+
+
+def list_complete_steps(root: Path) -> list[tuple[int, Path]]:
+    """Complete step folders under a run's checkpoint folder, oldest first."""
+    found: list[tuple[int, Path]] = []
+    if not root.is_dir():
+        return found
+    for child in root.iterdir():
+        match = re.fullmatch(r".+-(\d{8,})", child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def resolve_load_path(load_path: str | Path) -> Path:
+    """A step folder as it is, or a run's checkpoint folder -> its latest complete step.
+
+    Raises:
+        FileNotFoundError: naming `checkpoint.load_path` and what was looked for.
+    """
+    path = Path(load_path).expanduser().resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint.load_path: {path} does not exist")
+    if is_complete(path):
+        return path
+    if (path / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"checkpoint.load_path: {path} has no {COMPLETE_MARKER} marker (the save did not finish)"
+        )
+    steps = list_complete_steps(path)
+    if not steps and (path / "checkpoints").is_dir():
+        steps = list_complete_steps(path / "checkpoints")
+    if not steps:
+        raise FileNotFoundError(
+            f"checkpoint.load_path: {path} holds no complete checkpoint (a step folder with a "
+            f"{COMPLETE_MARKER} marker, or a folder of them)"
+        )
+    return steps[-1][1]
+
+
+class CheckpointManager:
+    """Periodic saves, retention and resume for one run.
+
+    Args:
+        save_dir: folder that receives the step folders.
+        prefix: step folder prefix (`checkpoint.prefix`).
+        interval: save every this many steps (`checkpoint.save_interleaved_steps`).
+        keep: how many complete step folders to keep (`checkpoint.save_max`).
+        enabled: `checkpoint.enable_save`.
+        save_optimizer: False for `checkpoint.no_save_optim` (weights only, no exact resume).
+        rank: this process's global rank; rank 0 writes the shared files.
+    """
+
+    def __init__(
+        self,
+        *,
+        save_dir: Path,
+        prefix: str,
+        interval: int,
+        keep: int,
+        enabled: bool,
+        save_optimizer: bool,
+        rank: int,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.save_dir = save_dir
+        self.prefix = prefix
+        self.interval = interval
+        self.keep = keep
+        self.enabled = enabled
+        self.save_optimizer = save_optimizer
+        self.rank = rank
+        self.log = log
+        self.last_saved_step: int | None = None
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        """Save on every `interval`-th step and always at the last step."""
+        if not self.enabled or step == self.last_saved_step:
+            return False
+        return step % self.interval == 0 or step == last_step
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict[str, Any],
+        rng_state: dict[str, Any],
+    ) -> Path:
+        """Write one step folder collectively (every rank must call this)."""
+        target = self.save_dir / step_dir_name(self.prefix, step)
+        if self.rank == 0:
+            if target.exists():
+                shutil.rmtree(target)
+            target.mkdir(parents=True)
+        barrier()
+        if self.save_optimizer:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(model)}
+        dcp.save(state, checkpoint_id=str(target))
+        (target / "rng").mkdir(exist_ok=True)
+        torch.save(rng_state, target / "rng" / f"rank_{self.rank:05d}.pt")
+        barrier()
+        if self.rank == 0:
+            payload = dict(trainer_state, has_optimizer=self.save_optimizer)
+            (target / TRAINER_STATE_FILE).write_text(json.dumps(payload, indent=2, default=_json_default))
+            (target / COMPLETE_MARKER).write_text(f"{step}\n")
+            self._prune()
+        barrier()
+        self.last_saved_step = step
+        return target
+
+    def _prune(self) -> None:
+        steps = list_complete_steps(self.save_dir)
+        for _, old in steps[: max(0, len(steps) - self.keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+            self.log(f"checkpoint: removed {old} (checkpoint.save_max={self.keep})")
+
+    def load(
+        self,
+        load_path: str | Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        load_optimizer: bool,
+    ) -> LoadedState:
+        """Load a checkpoint into `model` (and `optimizer`) in place, collectively.
+
+        With `load_optimizer=False` (`checkpoint.no_load_optim: true`) only the weights are loaded
+        and the run starts at step 0 with a fresh optimizer, schedule and data position.
+        """
+        path = resolve_load_path(load_path)
+        meta = json.loads((path / TRAINER_STATE_FILE).read_text())
+        if load_optimizer and not meta.get("has_optimizer", True):
+            raise ValueError(
+                f"checkpoint.load_path: {path} was saved without optimizer state "
+                "(checkpoint.no_save_optim); set checkpoint.no_load_optim: true to load its weights only"
+            )
+        if load_optimizer:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+            )
+            rank_file = path / "rng" / f"rank_{self.rank:05d}.pt"
+            rng = torch.load(rank_file, weights_only=False) if rank_file.is_file() else None
+            trainer_state = meta
+        else:
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+            rng, trainer_state = None, {}
+        if dist.is_initialized():
+            barrier()
+        return LoadedState(path=path, trainer_state=trainer_state, rng_state=rng, optimizer_loaded=load_optimizer)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -1,0 +1,420 @@
+"""The training loop: one `Trainer` for pretraining and SFT, with small overridable hooks.
+
+Build order (DESIGN.md "A run, step by step"): process group and mesh -> tokenizer -> model on
+the meta device -> parallelize (FSDP) -> materialise weights -> optimizer and schedule -> data
+-> checkpoint (resume) -> metric sinks. A component receives its own config section and explicit
+arguments, never the whole config. To change one piece of a step, subclass and override
+`forward_backward`, `clip_grads` or `log_step` instead of copying `train_step`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from meshforge.checkpoint.manager import CheckpointManager
+from meshforge.config import TrainConfig, check_trainable, dump_config
+from meshforge.loss import count_valid_tokens, cross_entropy_sum
+from meshforge.monitor.metrics import JsonlMetrics, TensorBoardMetrics, format_step_line
+from meshforge.parallel.dims import ParallelDims
+from meshforge.resources import resolve_path
+from meshforge.utils import distributed as dist_utils
+from meshforge.utils.device import backend_for, peak_memory_bytes, resolve_device
+from meshforge.utils.log import get_logger
+from meshforge.utils.seed import rng_state, set_deterministic, set_rng_state, set_seed
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(value: str | None, *, key: str, default: torch.dtype = torch.float32) -> torch.dtype:
+    """Map a config dtype name to a torch dtype (the config already checked the spelling)."""
+    if value is None:
+        return default
+    try:
+        return _DTYPES[str(value).lower()]
+    except KeyError:
+        raise ValueError(f"{key}: unknown dtype {value!r}; valid: {', '.join(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's global batch is split (DESIGN.md: GA = gbs // (dp * lbs))."""
+
+    local_batch_size: int
+    data_parallel: int
+    grad_accum_steps: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.local_batch_size * self.data_parallel * self.grad_accum_steps
+
+
+def plan_batches(training: Any, data_parallel: int) -> tuple[BatchPlan, str | None]:
+    """Derive gradient accumulation from the `training` section; returns the plan and a note.
+
+    Raises:
+        ValueError: when `data_parallel * local_batch_size > global_batch_size`.
+    """
+    local = int(training.local_batch_size)
+    accum = getattr(training, "gradient_accumulation_steps", None)
+    if accum is not None:
+        return BatchPlan(local, data_parallel, int(accum)), None
+    global_bs = int(training.global_batch_size)
+    per_micro = data_parallel * local
+    if per_micro > global_bs:
+        raise ValueError(
+            f"training.global_batch_size: {global_bs} is smaller than data-parallel ranks ({data_parallel}) "
+            f"x training.local_batch_size ({local}) = {per_micro}"
+        )
+    plan = BatchPlan(local, data_parallel, global_bs // per_micro)
+    note = None
+    if global_bs % per_micro:
+        note = (
+            f"training.global_batch_size {global_bs} is not a multiple of data-parallel ranks ({data_parallel}) "
+            f"x local_batch_size ({local}); using {plan.global_batch_size} (as the reference does)"
+        )
+    return plan, note
+
+
+@dataclass
+class TrainSummary:
+    """What a finished run reports (also printed as the closing paragraph)."""
+
+    steps: int
+    final_loss: float
+    tokens_per_s: float
+    output_dir: Path
+    last_checkpoint: Path | None
+    losses: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    """Runs one training job described by a validated `TrainConfig`."""
+
+    def __init__(self, cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> None:
+        check_trainable(cfg)
+        self.cfg = cfg
+        self.logger = get_logger("trainer")
+        self.log = log or self.logger.info
+        self.step = 0
+        self.tokens_seen = 0
+        self._last_checkpoint: Path | None = None
+
+    # ----------------------------------------------------------------------------- set-up
+    def setup(self) -> None:
+        cfg = self.cfg
+        set_deterministic(bool(cfg.training.deterministic))
+        set_seed(int(cfg.training.seed))
+        self.dist = dist_utils.env_dist_info()
+        self.device = resolve_device(cfg.context.device_target, local_rank=self.dist.local_rank)
+        dist_utils.init_process_group(backend_for(self.device), self.dist)
+        self.dims = ParallelDims.from_config(cfg.parallelism, self.dist.world_size)
+        if self.dims.hsdp:
+            raise ValueError("not supported yet: parallelism.data_parallel_shard (HSDP: fewer shard ranks than data ranks)")
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.plan, note = plan_batches(cfg.training, self.dims.dp)
+        if note:
+            self.log(f"warning: {note}")
+
+        self.output_dir = resolve_path(cfg.training.output_dir)
+        if self.dist.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(dump_config(cfg))
+        self.log(
+            f"meshforge: {self.dims.describe()} on {self.device.type} | global batch "
+            f"{self.plan.global_batch_size} = dp {self.plan.data_parallel} x local {self.plan.local_batch_size} "
+            f"x accumulation {self.plan.grad_accum_steps} | output {self.output_dir}"
+        )
+
+        self.tokenizer = self._build_tokenizer()
+        self.model = self._build_model()
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.loader = self._build_data()
+        self.data_iter: Iterator[dict[str, torch.Tensor]] = iter(self.loader)
+        self.checkpointer = self._build_checkpointer()
+        self._maybe_resume()
+        self._build_metric_sinks()
+
+    def _build_tokenizer(self) -> Any:
+        from meshforge.data.tokenizer import build_tokenizer
+
+        model_cfg = self.cfg.model
+        path = model_cfg.tokenizer_name_or_path or model_cfg.model_name_or_path
+        if not path:
+            raise ValueError(
+                "model.tokenizer_name_or_path: no tokenizer given (a local Hugging Face tokenizer folder, "
+                "e.g. meshforge://assets/tokenizer)"
+            )
+        return build_tokenizer(
+            str(path),
+            use_fast=bool(model_cfg.use_fast_tokenizer),
+            trust_remote_code=bool(model_cfg.trust_remote_code),
+        )
+
+    def _build_model(self) -> nn.Module:
+        from meshforge.models.materialize import materialize_and_init
+        from meshforge.models.registry import resolve_family
+        from meshforge.parallel.fsdp import apply_fsdp
+
+        model_cfg = self.cfg.model
+        family = resolve_family(model_cfg.model_type, model_cfg.architectures, getattr(model_cfg, "model_id", None))
+        options = dict(model_cfg.model_extra or {})
+        params_dtype = parse_dtype(getattr(model_cfg, "params_dtype", None), key="model.params_dtype")
+        compute_dtype = parse_dtype(model_cfg.compute_dtype, key="model.compute_dtype", default=params_dtype)
+        self.compute_dtype = compute_dtype
+        with torch.device("meta"):
+            model = family.build(options)
+        model.to(dtype=params_dtype)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None) or options.get("vocab_size")
+        if vocab is not None and len(self.tokenizer) > int(vocab):
+            raise ValueError(
+                f"model.vocab_size: {vocab} is smaller than the tokenizer's {len(self.tokenizer)} tokens"
+            )
+        self.fsdp = self.dims.dp_shard > 1
+        if self.fsdp:
+            par = self.cfg.parallelism
+            policy = getattr(par, "reshard_after_forward_policy", "default")
+            apply_fsdp(
+                model,
+                self.dims.mesh_for(self.mesh, "fsdp"),
+                param_dtype=compute_dtype if compute_dtype != params_dtype else None,
+                reduce_dtype=torch.float32,
+                reshard_policy=policy,
+            )
+        materialize_and_init(model, device=self.device, seed=int(self.cfg.training.seed), init_fn=model.init_full_parameter_)
+        num_params = sum(p.numel() for p in model.parameters())
+        self.log(
+            f"model: {family.name} with {num_params / 1e6:.2f}M parameters ({params_dtype} weights, "
+            f"{compute_dtype} compute{', FSDP over ' + str(self.dims.dp_shard) + ' ranks' if self.fsdp else ''})"
+        )
+        self.num_params = num_params
+        return model
+
+    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
+        from meshforge.optim.build import build_optimizer
+        from meshforge.optim.schedulers import build_lr_scheduler
+
+        opt = self.cfg.optimizer
+        sched = self.cfg.lr_scheduler
+        optimizer = build_optimizer(
+            self.model.named_parameters(),
+            type=opt.type,
+            learning_rate=float(sched.learning_rate),
+            betas=tuple(opt.betas),
+            eps=float(opt.eps),
+            weight_decay=float(opt.weight_decay),
+            weight_decay_include=opt.weight_decay_include,
+            weight_decay_exclude=opt.weight_decay_exclude,
+            options=dict(opt.model_extra or {}),
+        )
+        scheduler = build_lr_scheduler(
+            optimizer,
+            type=sched.type,
+            learning_rate=float(sched.learning_rate),
+            total_steps=int(self.cfg.training.steps),
+            options=dict(sched.model_extra or {}),
+        )
+        return optimizer, scheduler
+
+    def _build_data(self) -> Any:
+        from meshforge.data.build import build_train_loader
+
+        batch_mesh = self.dims.mesh_for(self.mesh, "batch")
+        return build_train_loader(
+            self.cfg.train_dataset,
+            tokenizer=self.tokenizer,
+            local_batch_size=self.plan.local_batch_size,
+            dp_rank=batch_mesh.get_local_rank(),
+            dp_size=self.dims.dp,
+            seed=int(self.cfg.training.seed),
+            log=self.log,
+        )
+
+    def _build_checkpointer(self) -> CheckpointManager:
+        ckpt = self.cfg.checkpoint
+        save_dir = resolve_path(ckpt.save_path) if ckpt.save_path else self.output_dir / "checkpoints"
+        return CheckpointManager(
+            save_dir=save_dir,
+            prefix=ckpt.prefix,
+            interval=int(ckpt.save_interleaved_steps),
+            keep=int(ckpt.save_max),
+            enabled=bool(ckpt.enable_save),
+            save_optimizer=not bool(ckpt.no_save_optim),
+            rank=self.dist.rank,
+            log=self.log,
+        )
+
+    def _maybe_resume(self) -> None:
+        ckpt = self.cfg.checkpoint
+        if not ckpt.load_path:
+            return
+        loaded = self.checkpointer.load(
+            resolve_path(ckpt.load_path), self.model, self.optimizer, load_optimizer=not bool(ckpt.no_load_optim)
+        )
+        if not loaded.optimizer_loaded:
+            self.log(f"checkpoint: loaded weights from {loaded.path} (no_load_optim: starting at step 0)")
+            return
+        state = loaded.trainer_state
+        self.step = int(state["step"])
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["data"])
+        self.data_iter = iter(self.loader)
+        if loaded.rng_state is not None:
+            set_rng_state(loaded.rng_state)
+        else:
+            self.log(f"warning: {loaded.path} has no RNG state for rank {self.dist.rank}; RNGs start fresh")
+        self.log(f"checkpoint: resumed from {loaded.path} at step {self.step}")
+
+    def _build_metric_sinks(self) -> None:
+        self.jsonl: JsonlMetrics | None = None
+        self.tensorboard: TensorBoardMetrics | None = None
+        if not self.dist.is_main:
+            return
+        self.jsonl = JsonlMetrics(self.output_dir / "metrics.jsonl", resume_step=self.step)
+        tb = self.cfg.monitor.tensorboard
+        if tb.output_dir:
+            self.tensorboard = TensorBoardMetrics(
+                resolve_path(tb.output_dir), log_interval=int(tb.log_interval), queue_size=int(tb.queue_size)
+            )
+
+    # ----------------------------------------------------------------------------- hooks
+    def forward_backward(self, batch: dict[str, torch.Tensor], global_tokens: torch.Tensor) -> torch.Tensor:
+        """Forward one micro-batch, backward its share of the global mean; return its loss sum."""
+        inputs = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+        autocast = self.compute_dtype != torch.float32 and not self.fsdp
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
+            logits = self.model(batch["input_ids"], **inputs)
+        loss_sum = cross_entropy_sum(logits, batch["labels"])
+        # Dividing by the global token count (not the local one) makes the summed gradients over
+        # micro-batches and ranks equal the gradient of the global-batch mean.
+        (loss_sum / global_tokens).backward()
+        return loss_sum.detach()
+
+    def clip_grads(self) -> torch.Tensor:
+        """Clip the global gradient norm to `training.max_norm`; return the pre-clip norm."""
+        from meshforge.optim.clip import clip_grad_norm_
+
+        return clip_grad_norm_(self.model.parameters(), float(self.cfg.training.max_norm))
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        """Write one step's metrics to every sink (rank 0 only)."""
+        if self.jsonl is not None:
+            self.jsonl.write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+        interval = max(1, int(getattr(self.cfg.training, "log_interval", 1) or 1))
+        total = int(self.cfg.training.steps)
+        if record["step"] % interval == 0 or record["step"] in (1, total):
+            self.log(format_step_line(record, total))
+
+    # ----------------------------------------------------------------------------- loop
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over `grad_accum_steps` micro-batches."""
+        micro = [self._to_device(next(self.data_iter)) for _ in range(self.plan.grad_accum_steps)]
+        local_tokens = sum(count_valid_tokens(mb["labels"]) for mb in micro)
+        loss_group = self.dims.mesh_for(self.mesh, "loss").get_group()
+        global_tokens = dist_utils.all_reduce_sum(torch.as_tensor(local_tokens, device=self.device), loss_group)
+        global_tokens = global_tokens.clamp(min=1).to(torch.float32)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for mb in micro:
+            loss_sum += self.forward_backward(mb, global_tokens)
+        loss = dist_utils.all_reduce_sum(loss_sum, loss_group) / global_tokens
+        grad_norm = self.clip_grads()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        step_tokens = sum(int(mb["input_ids"].numel()) for mb in micro) * self.dims.dp
+        return {
+            "loss": float(loss),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens": step_tokens,
+            "valid_tokens": int(global_tokens.item()),
+        }
+
+    def train(self) -> TrainSummary:
+        """Run from the current step to `training.steps`, saving and logging as configured."""
+        total = int(self.cfg.training.steps)
+        if self.step >= total:
+            self.log(f"nothing to do: resumed at step {self.step} >= training.steps {total}")
+        start_time = time.perf_counter()
+        start_step = self.step
+        losses: list[float] = []
+        run_tokens = 0
+        self.model.train()
+        while self.step < total:
+            t0 = time.perf_counter()
+            metrics = self.train_step()
+            self.step += 1
+            elapsed = time.perf_counter() - t0
+            self.tokens_seen += metrics["tokens"]
+            run_tokens += metrics["tokens"]
+            if not math.isfinite(metrics["loss"]):
+                raise FloatingPointError(
+                    f"step {self.step}: loss is {metrics['loss']} (grad norm {metrics['grad_norm']}); "
+                    "lower lr_scheduler.learning_rate or check the data"
+                )
+            record = {
+                "step": self.step,
+                **metrics,
+                "tokens_per_s": metrics["tokens"] / max(elapsed, 1e-9),
+                "tokens_seen": self.tokens_seen,
+                "elapsed_s": time.perf_counter() - start_time,
+                "memory_bytes": peak_memory_bytes(self.device),
+            }
+            losses.append(metrics["loss"])
+            self.log_step(record)
+            if self.checkpointer.should_save(self.step, total):
+                self._save()
+        wall = time.perf_counter() - start_time
+        summary = TrainSummary(
+            steps=self.step - start_step,
+            final_loss=losses[-1] if losses else float("nan"),
+            tokens_per_s=run_tokens / wall if wall > 0 else 0.0,
+            output_dir=self.output_dir,
+            last_checkpoint=self._last_checkpoint,
+            losses=losses,
+        )
+        self.close()
+        return summary
+
+    def _save(self) -> None:
+        trainer_state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
+            "world_size": self.dist.world_size,
+            "global_batch_size": self.plan.global_batch_size,
+        }
+        self._last_checkpoint = self.checkpointer.save(
+            self.step, self.model, self.optimizer, trainer_state, rng_state()
+        )
+        self.log(f"checkpoint: saved step {self.step} to {self._last_checkpoint}")
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None

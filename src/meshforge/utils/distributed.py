@@ -1,0 +1,67 @@
+"""Process-group set-up from torchrun's environment, or a one-process group otherwise.
+
+A single process still gets a (one-rank) process group so that every code path - meshes,
+DCP checkpoints, collectives in the loss - is the same with 1 or N processes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_dist_info() -> DistInfo:
+    """Read rank/world from torchrun's variables (defaults: one process)."""
+    return DistInfo(
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def init_process_group(backend: str, info: DistInfo, *, timeout_s: int = 600) -> None:
+    """Initialise the default process group (idempotent)."""
+    if dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout)
+    else:
+        if info.world_size != 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={info.world_size} but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun"
+            )
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum a tensor over a group (returns a new tensor; a no-op copy on one rank)."""
+    out = value.detach().clone()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

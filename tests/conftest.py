@@ -1,0 +1,106 @@
+"""Shared test fixtures: offline Hugging Face, a tiny training config, and a run launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY_CONFIG = """
+training:
+  steps: 4
+  local_batch_size: 2
+  global_batch_size: 4
+  seed: 7
+  deterministic: true
+  log_interval: 1
+optimizer:
+  type: AdamW
+  weight_decay: 0.1
+lr_scheduler:
+  type: ConstantWarmUpLR
+  learning_rate: 3.e-3
+  warmup_steps: 2
+train_dataset:
+  dataloader:
+    type: TextDataLoader
+    data_path: {data}
+    seq_length: 32
+    shuffle: true
+model:
+  model_type: qwen3
+  tokenizer_name_or_path: meshforge://assets/tokenizer
+  vocab_size: 8192
+  hidden_size: 64
+  intermediate_size: 128
+  num_hidden_layers: 2
+  num_attention_heads: 4
+  num_key_value_heads: 2
+  head_dim: 16
+  tie_word_embeddings: true
+checkpoint:
+  save_interleaved_steps: 2
+  save_max: 3
+"""
+
+
+def write_corpus(path: Path, num_docs: int = 300) -> Path:
+    """A small deterministic English-like corpus (no network, no bundled-corpus tokenisation cost)."""
+    words = (
+        "the model reads a file and returns the value of each key in order while the loader keeps "
+        "its position so that a resumed run sees exactly the same samples as before"
+    ).split()
+    with path.open("w") as f:
+        for i in range(num_docs):
+            text = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(20 + i % 30))
+            f.write(json.dumps({"text": f"Document {i}: {text}."}) + "\n")
+    return path
+
+
+@pytest.fixture
+def tiny_config(tmp_path: Path) -> Path:
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY_CONFIG.format(data=corpus))
+    return cfg
+
+
+def run_train(
+    config: Path, overrides: list[str], *, nproc: int = 1, cwd: Path, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run `meshforge train` in fresh processes (torchrun when nproc > 1); fail with its output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "meshforge", "train", "--config", str(config), *overrides]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "meshforge",
+            "train",
+            "--config",
+            str(config),
+            *overrides,
+        ]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]

@@ -1,0 +1,85 @@
+"""End-to-end `meshforge train`: the built-in demo from another directory, outputs, and refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import read_metrics, run_train
+
+
+def test_demo_runs_from_any_directory_and_writes_its_outputs(tmp_path: Path) -> None:
+    out = tmp_path / "demo-out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshforge", "train", "--training.steps=3", f"--training.output_dir={out}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "built-in demo" in proc.stdout
+    assert "step 3/3" in proc.stdout and "tok/s" in proc.stdout
+    assert "Done: 3 steps" in proc.stdout
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s", "memory_bytes"):
+        assert key in records[0]
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["training"]["steps"] == 3
+    assert resolved["model"]["hidden_size"] == 256
+    step_dir = out / "checkpoints" / "checkpoint-00000003"
+    assert (step_dir / "COMPLETE").is_file()
+    state = json.loads((step_dir / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["tokens_seen"] == 3 * records[0]["tokens"]
+
+
+def test_training_loss_falls_and_checkpoints_are_pruned(tiny_config: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run_train(
+        tiny_config,
+        ["--training.steps=12", f"--training.output_dir={out}", "--checkpoint.save_max=2"],
+        cwd=tmp_path,
+    )
+    records = read_metrics(out)
+    assert records[-1]["loss"] < records[0]["loss"] * 0.9
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert saved == ["checkpoint-00000010", "checkpoint-00000012"]
+
+
+def test_unsupported_feature_is_refused_at_start(tiny_config: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshforge",
+            "train",
+            "--config",
+            str(tiny_config),
+            "--recompute.mode=full",
+            "--recompute.full_recompute_layer=['0-1']",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "not supported yet: recompute.mode" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_override_names_the_key(tiny_config: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshforge", "train", "--config", str(tiny_config), "--training.stpes=3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "stpes" in proc.stderr and "steps" in proc.stderr
