@@ -1,0 +1,209 @@
+"""Training-step throughput: built-in Qwen3 vs transformers' Qwen3ForCausalLM on CPU.
+
+Both models get the same config, the same weights (ours loads the HF state dict),
+the same batch and the same AdamW, and run the same plain loop: forward, sum of
+token cross-entropy divided by the token count, backward, AdamW step, zero_grad.
+After warm-up steps, timed blocks of steps alternate between the two models (the
+order flips every repeat) so background load on a shared machine hits both alike;
+the ratio is total tokens/s of ours over theirs within this one run.
+
+Model FLOPs per token = 6 * N_matmul + 12 * L * H * D * S, where N_matmul counts
+every weight that takes part in a matmul (all projections and the LM head, a tied
+head included; not the embedding lookup and not norm weights) and the second term
+is QK^T and PV (2 * 2 * S * H * D per token and layer forward, x3 with backward,
+causal half not discounted). The share of peak divides achieved GFLOP/s by the best
+fp32 ``torch.mm`` rate measured in the same run on large square matrices.
+
+Run: ``python benchmarks/step_throughput.py [--quick] [--shape small|large|all]``.
+Prints one JSON line per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import resource
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from meshforge.models.qwen3.args import Qwen3Args  # noqa: E402
+from meshforge.models.qwen3.model import Qwen3ForCausalLM  # noqa: E402
+
+SHAPES = {
+    # Overhead-bound: small matrices, elementwise work and Python dispatch weigh a lot.
+    "small": dict(
+        args=dict(
+            vocab_size=8192,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            tie_word_embeddings=True,
+        ),
+        batch=8,
+        seq=256,
+        target_ratio=1.3,
+        target_peak=None,
+    ),
+    # Compute-bound: matmuls dominate.
+    "large": dict(
+        args=dict(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=4,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+            tie_word_embeddings=False,
+        ),
+        batch=2,
+        seq=1024,
+        target_ratio=1.05,
+        target_peak=0.90,
+    ),
+}
+
+
+def measure_mm_peak(size: int = 2048, reps: int = 4, trials: int = 3) -> float:
+    """Best fp32 ``torch.mm`` GFLOP/s over a few trials of ``reps`` square products."""
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    out = torch.empty(size, size)
+    torch.mm(a, b, out=out)
+    best = 0.0
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+        dt = time.perf_counter() - t0
+        best = max(best, 2 * size**3 * reps / dt / 1e9)
+    return best
+
+
+def make_pair(args: Qwen3Args, seed: int = 0):
+    """transformers model (sdpa attention) and ours with identical weights."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(**{**args.to_hf_dict(), "use_cache": False})
+    config._attn_implementation = "sdpa"
+    hf = transformers.Qwen3ForCausalLM(config).float().train()
+    ours = Qwen3ForCausalLM(args).train()
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    return hf, ours
+
+
+class Runner:
+    """One model, its AdamW and the shared batch; ``step()`` is one training step."""
+
+    def __init__(self, name: str, model: torch.nn.Module, batch: dict[str, torch.Tensor], is_hf: bool):
+        self.name = name
+        self.model = model
+        self.is_hf = is_hf
+        self.input_ids = batch["input_ids"]
+        self.labels = batch["labels"].flatten()
+        self.num_tokens = int((self.labels != -100).sum())
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        self.seconds = 0.0
+        self.tokens = 0
+        self.losses: list[float] = []
+
+    def step(self) -> float:
+        if self.is_hf:
+            logits = self.model(input_ids=self.input_ids, use_cache=False).logits
+        else:
+            logits = self.model(self.input_ids)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), self.labels, reduction="sum") / self.num_tokens
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def timed_block(self, steps: int) -> None:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.losses.append(self.step())
+        self.seconds += time.perf_counter() - t0
+        self.tokens += steps * self.input_ids.numel()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def run_shape(name: str, spec: dict, *, warmup: int, steps: int, repeats: int, peak: float) -> dict:
+    args = Qwen3Args(**spec["args"], max_position_embeddings=max(2048, spec["seq"]), rope_theta=1e6)
+    hf, ours = make_pair(args)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
+    batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    runners = [Runner("transformers", hf, batch, True), Runner("meshforge", ours, batch, False)]
+    for r in runners:
+        for _ in range(warmup):
+            r.step()
+    for i in range(repeats):
+        for r in runners if i % 2 == 0 else runners[::-1]:
+            r.timed_block(steps)
+    theirs, mine = runners
+    flops_per_token = ours.flops_per_token(spec["seq"])
+    gflops = {r.name: flops_per_token * r.tokens_per_s / 1e9 for r in runners}
+    ratio = mine.tokens_per_s / theirs.tokens_per_s
+    result = {
+        "shape": name,
+        "batch": spec["batch"],
+        "seq": spec["seq"],
+        "hidden": args.hidden_size,
+        "layers": args.num_hidden_layers,
+        "vocab": args.vocab_size,
+        "params": ours.num_params(),
+        "tokens_per_s": {r.name: round(r.tokens_per_s, 1) for r in runners},
+        "ratio": round(ratio, 3),
+        "gflops": {k: round(v, 2) for k, v in gflops.items()},
+        "share_of_peak": {k: round(v / peak, 3) for k, v in gflops.items()},
+        "mm_peak_gflops": round(peak, 2),
+        "target_ratio": spec["target_ratio"],
+        "target_share_of_peak": spec["target_peak"],
+        # Same data, weights and optimizer: the last losses should agree closely.
+        "last_loss": {r.name: round(r.losses[-1], 5) for r in runners},
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "timed_steps_each": steps * repeats,
+        "threads": torch.get_num_threads(),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
+    parser.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per model")
+    parser.add_argument("--steps", type=int, default=None, help="steps per timed block")
+    parser.add_argument("--repeats", type=int, default=None, help="timed blocks per model")
+    opts = parser.parse_args(argv)
+    torch.set_num_threads(opts.threads)
+    warmup = opts.warmup if opts.warmup is not None else (1 if opts.quick else 3)
+    steps = opts.steps if opts.steps is not None else (1 if opts.quick else 3)
+    repeats = opts.repeats if opts.repeats is not None else (2 if opts.quick else 6)
+    names = list(SHAPES) if opts.shape == "all" else [opts.shape]
+    peak = measure_mm_peak(trials=1 if opts.quick else 3)
+    for name in names:
+        result = run_shape(name, SHAPES[name], warmup=warmup, steps=steps, repeats=repeats, peak=peak)
+        # Re-measure the peak after each shape and keep the best, so a busy moment
+        # during the first measurement does not flatter the share of peak.
+        print(json.dumps(result), flush=True)
+        peak = max(peak, measure_mm_peak(trials=1 if opts.quick else 2))
+
+
+if __name__ == "__main__":
+    main()
