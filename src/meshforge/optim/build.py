@@ -1,0 +1,135 @@
+"""Build the optimizer for `optimizer:` from named parameters.
+
+Only AdamW is built (`torch.optim.AdamW`, decoupled weight decay); other recognised types
+(`Muon`) fail with `not supported yet: optimizer.type=...`.
+
+Implementation choice (`optimizer.fused` / `optimizer.foreach`, both optional): by default
+the fused kernel is used when every parameter is on a CPU or CUDA device. Measured on the
+project's 2-core CPU, one AdamW step over 7.3 M fp32 parameters (a 4-layer, hidden-256 model with
+an 8192 vocabulary) takes 12.6 ms with the single-tensor loop (torch's CPU default), 9.8 ms with
+foreach, 1.7 ms fused. Fused is deterministic (element-wise, no reductions) and works on FSDP2
+DTensor parameters; its results differ from the loop implementations by about one float32 ulp.
+On other devices torch's own default is kept.
+
+Parameter groups: group 0 holds the parameters with weight decay, group 1 those without (see
+`param_groups.py`); both groups always exist, even if empty, so that optimizer state dicts
+have the same structure for every model and rule set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshforge.optim.param_groups import describe_param_groups, split_weight_decay
+from meshforge.optim.specs import resolve_optimizer_options
+
+__all__ = ["build_optimizer"]
+
+log = logging.getLogger(__name__)
+
+_FUSED_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def _check_hparams(
+    learning_rate: float, betas: Sequence[float], eps: float, weight_decay: float
+) -> tuple[float, float]:
+    # The config system checks these too; the builder repeats the checks so that it can be used
+    # (and unit-tested) on its own with the same messages.
+    def num(x: Any) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool)
+
+    if not num(learning_rate) or learning_rate < 0:
+        raise ValueError(f"lr_scheduler.learning_rate: must be a number >= 0, got {learning_rate!r}")
+    if isinstance(betas, str) or len(betas) != 2 or not all(num(b) and 0 <= b < 1 for b in betas):
+        raise ValueError(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
+    if not num(eps) or eps <= 0:
+        raise ValueError(f"optimizer.eps: must be a number > 0, got {eps!r}")
+    if not num(weight_decay) or weight_decay < 0:
+        raise ValueError(f"optimizer.weight_decay: must be a number >= 0, got {weight_decay!r}")
+    return float(betas[0]), float(betas[1])
+
+
+def _implementation(params: list[nn.Parameter], fused: bool | None, foreach: bool | None) -> dict[str, Any]:
+    if fused and foreach:
+        raise ValueError("optimizer.fused: conflicts with optimizer.foreach; set at most one of them to true")
+    if fused is not None or foreach is not None:
+        return {"fused": fused, "foreach": foreach}
+    devices = {p.device.type for p in params}
+    if devices and devices <= _FUSED_DEVICES and all(p.is_floating_point() for p in params):
+        return {"fused": True, "foreach": None}
+    return {"fused": None, "foreach": None}
+
+
+def build_optimizer(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    *,
+    type: str,  # noqa: A002 - mirrors the config key
+    learning_rate: float,
+    betas: Sequence[float],
+    eps: float,
+    weight_decay: float,
+    weight_decay_include: Sequence[str] | None,
+    weight_decay_exclude: Sequence[str] | None,
+    options: Mapping[str, Any],
+) -> torch.optim.Optimizer:
+    """Build the optimizer.
+
+    Args:
+        named_params: `model.named_parameters()` (after parallelization: DTensor parameters are
+            fine); parameters with `requires_grad=False` are skipped.
+        type: `optimizer.type` (case-insensitive: `AdamW`, `adamw`).
+        learning_rate: `lr_scheduler.learning_rate`; the scheduler sets the actual per-step lr.
+        betas, eps, weight_decay: `optimizer.*`.
+        weight_decay_include, weight_decay_exclude: name rules (see `param_groups.py`).
+        options: the section's passthrough keys (`amsgrad`, `fused`, `foreach`).
+
+    Returns:
+        A `torch.optim.AdamW` with two groups: decay (`weight_decay`), no decay (0.0).
+
+    Raises:
+        ValueError: naming the config key for a bad value, an unknown or unbuilt type, or a
+            weight-decay rule that matches nothing or conflicts.
+    """
+    canon, opts = resolve_optimizer_options(type, options)
+    beta1, beta2 = _check_hparams(learning_rate, betas, eps, weight_decay)
+    groups = split_weight_decay(
+        named_params,
+        weight_decay_include=weight_decay_include,
+        weight_decay_exclude=weight_decay_exclude,
+    )
+    decay = [p for _, p in groups.decay]
+    no_decay = [p for _, p in groups.no_decay]
+    if not decay and not no_decay:
+        raise ValueError("optimizer: the model has no trainable parameters (all have requires_grad=False)")
+    impl = _implementation(decay + no_decay, opts.pop("fused", None), opts.pop("foreach", None))
+    assert canon == "AdamW", canon  # the only built type; resolve_optimizer_options refuses others
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": float(weight_decay)},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=float(learning_rate),
+        betas=(beta1, beta2),
+        eps=float(eps),
+        amsgrad=bool(opts.get("amsgrad", False)),
+        **impl,
+    )
+    log.info(
+        "optimizer AdamW (%s): %s", _impl_name(impl), describe_param_groups(groups, weight_decay=weight_decay)
+    )
+    return optimizer
+
+
+def _impl_name(impl: Mapping[str, Any]) -> str:
+    if impl.get("fused"):
+        return "fused"
+    if impl.get("foreach"):
+        return "foreach"
+    if impl.get("foreach") is False:
+        return "single-tensor"
+    return "torch default"

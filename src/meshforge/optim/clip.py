@@ -1,0 +1,119 @@
+"""Global gradient-norm clipping that is correct for FSDP2/TP DTensor gradients.
+
+Semantics (MindFormers, `training.max_norm`): compute the global L2 norm of all gradients,
+then `clip_coef = max_norm / (norm + 1e-6)`; gradients are scaled by it only when it is below 1.
+A non-finite norm is returned as it is and nothing is scaled: the trainer decides what to do
+with such a step (skip, stop, log).
+
+With sharded gradients the norm must cover every shard: for each device mesh, the DTensor
+norm of its gradients is a partial value that `full_tensor()` reduces across that mesh (one
+all-reduce per mesh, not per parameter); norms of different meshes (e.g. dense vs. expert
+weights) and of plain tensors are then combined as `sqrt(sum(n_i^2))`. The result is a plain,
+replicated float32 scalar tensor, the same on every rank.
+
+No host synchronisation: the decision "scale or not" is made with tensor ops (a factor of
+exactly 1.0 leaves gradients bitwise unchanged), so CUDA steps do not stall on `.item()`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["clip_grad_norm_", "total_grad_norm"]
+
+_EPS = 1e-6
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # Imported lazily: torch.distributed may be unavailable in minimal builds.
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def total_grad_norm(grads: list[torch.Tensor], *, foreach: bool | None = None) -> torch.Tensor:
+    """Global L2 norm of `grads` (plain tensors and/or DTensors) as a plain float32 scalar.
+
+    Args:
+        grads: gradient tensors; DTensors may live on different meshes.
+        foreach: passed to `torch.nn.utils.get_total_norm` (None: torch chooses).
+
+    Returns:
+        A 0-dim float32 tensor, replicated (identical on every rank).
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    plain: list[torch.Tensor] = []
+    for g in grads:
+        if _is_dtensor(g):
+            by_mesh.setdefault(g.device_mesh, []).append(g)
+        else:
+            plain.append(g)
+    parts: list[torch.Tensor] = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0, error_if_nonfinite=False, foreach=foreach)
+        # The DTensor norm is Partial over the sharded mesh axes; full_tensor() all-reduces it.
+        parts.append(norm.full_tensor().to(torch.float32))
+    if plain:
+        norm = torch.nn.utils.get_total_norm(plain, 2.0, error_if_nonfinite=False, foreach=foreach)
+        parts.append(norm.to(torch.float32))
+    if len(parts) == 1:
+        return parts[0]
+    device = parts[0].device
+    return torch.linalg.vector_norm(torch.stack([p.to(device) for p in parts]), 2.0)
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    *,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip gradients in place to a global L2 norm of `max_norm`; return the pre-clip norm.
+
+    Args:
+        parameters: parameters (or one tensor) whose `.grad` to clip; those without a gradient
+            are ignored. Plain tensors and FSDP2/TP DTensors are both fine.
+        max_norm: `training.max_norm`, > 0.
+        foreach: use the multi-tensor kernels (None: torch chooses).
+
+    Returns:
+        The global gradient norm before clipping: a plain 0-dim float32 tensor, the same on
+        every rank. It may be inf/NaN, in which case the gradients were left untouched.
+
+    Raises:
+        ValueError: `max_norm` is not a finite number > 0.
+    """
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, int | float)
+        or not math.isfinite(max_norm)
+        or max_norm <= 0
+    ):
+        raise ValueError(f"training.max_norm: must be a finite number > 0, got {max_norm!r}")
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = total_grad_norm(grads, foreach=foreach)
+    if not grads:
+        return norm
+    coef = max_norm / (norm + _EPS)
+    # Scale only when clipping is needed and the norm is finite; otherwise multiply by exactly 1.
+    coef = torch.where(torch.isfinite(norm) & (coef < 1.0), coef, torch.ones_like(coef))
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, group in by_device.items():
+        factor = coef.to(device)
+        if foreach is False:
+            for g in group:
+                g.mul_(factor)
+        else:
+            torch._foreach_mul_(group, factor)
+    return norm
