@@ -106,10 +106,11 @@ def clip_grad_norm_(
     coef = max_norm / (norm + _EPS)
     # Scale only when clipping is needed and the norm is finite; otherwise multiply by exactly 1.
     coef = torch.where(torch.isfinite(norm) & (coef < 1.0), coef, torch.ones_like(coef))
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    # One foreach call per (device, mesh): a foreach op cannot mix DTensors and plain tensors.
+    buckets: dict[tuple[torch.device, object], list[torch.Tensor]] = {}
     for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    for device, group in by_device.items():
+        buckets.setdefault((g.device, g.device_mesh if _is_dtensor(g) else None), []).append(g)
+    for (device, _), group in buckets.items():
         factor = coef.to(device)
         if foreach is False:
             for g in group:
