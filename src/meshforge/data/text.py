@@ -16,8 +16,9 @@ A folder stands for every such file below it, in sorted path order (hidden names
 malformed record raises ValueError naming `file:line` (or `file: item i` for .json). Empty
 documents are skipped and counted; nothing else is dropped without being reported in the summary.
 
-Caching the token stream is not worth its invalidation rules here: the 2 MB demo corpus tokenizes in
-about 0.4 s on one core.
+Caching the token stream is not worth its invalidation rules here: the 2 MB demo corpus (490k tokens)
+is read and tokenized in under a second on two CPU cores. Everything is held in memory on every rank;
+for corpora beyond a few hundred MB, preprocess into Megatron indexed files instead.
 """
 
 from __future__ import annotations
