@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -229,6 +230,7 @@ def test_scheduler_state_dict_round_trip() -> None:
     _run(opt, sched, 4)
     state = sched.state_dict()
     assert "lr_fn" not in state and state["last_epoch"] == 4
+    assert json.loads(json.dumps(state)) == state  # plain numbers: fits trainer_state.json
     rest = _run(opt, sched, 5)
     # A fresh optimizer (as with no_load_optim) and scheduler restored from the state continue exactly.
     opt2 = _optimizer()

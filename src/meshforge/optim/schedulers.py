@@ -15,8 +15,9 @@ Conventions (shared by all types):
 * `warmup_steps` wins over `warmup_ratio` when both are given (MindFormers lets the ratio win;
   an explicit count is the less surprising choice). `warmup_ratio` gives
   `int(total_steps * warmup_ratio)` steps.
-* `total_steps` is `training.steps` unless the section sets `total_steps` (> 0; null or -1 keep
-  `training.steps`, as in MindFormers). A schedule reads it only where its values depend on
+* `total_steps` is `training.steps` unless the section sets `total_steps` > 0 (null, -1 or 0
+  keep `training.steps`, as in MindFormers); a longer horizon lets a short run follow the
+  schedule of a longer one (e.g. run k steps now, resume to 2k later with identical values). A schedule reads it only where its values depend on
   it: `ConstantWarmUpLR` with `warmup_steps` (or without warm-up) never does, so its values do not
   change when a run is extended and resumed.
 * `min_lr` (MindSpeed's name) is an alias of `lr_end`; giving both is an error. An explicit

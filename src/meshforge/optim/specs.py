@@ -132,7 +132,7 @@ _WARMUP = (
     OptionSpec(
         "total_steps",
         "int",
-        "Horizon of the schedule; null or -1 means training.steps (MindFormers semantics).",
+        "Horizon of the schedule; null or a value <= 0 (MindFormers writes -1) means training.steps.",
     ),
 )
 
