@@ -1,0 +1,42 @@
+"""`checkpoint:` section: what to save, where, how often, and what to load at start (light).
+
+Defaults follow the MindFormers code (NOTES 1a); `save_epochs` and `save_hf_weights` give the
+MindSpeed-LLM keys of the same name a native home.
+"""
+
+from __future__ import annotations
+
+from meshforge.config.base import AtLeastOne, Bool, Int, StrictSection, describe
+
+
+class CheckpointConfig(StrictSection):
+    """Saving and loading of DCP checkpoints."""
+
+    enable_save: Bool = describe(True, "Save checkpoints during and at the end of training.")
+    save_path: str = describe("", "Folder for checkpoints; empty means `{training.output_dir}/checkpoints`.")
+    save_max: AtLeastOne | None = describe(
+        5, "Keep at most this many complete checkpoints (oldest pruned); null keeps all."
+    )
+    save_interleaved_steps: AtLeastOne = describe(1000, "Save every this many optimizer steps.")
+    no_save_optim: Bool = describe(
+        False, "Save model weights only, without optimizer state (no exact resume)."
+    )
+    async_save: Bool = describe(False, "Save asynchronously so training continues while writing.")
+    prefix: str = describe("checkpoint", "Name prefix of each step folder: `{prefix}-{step:08d}`.")
+    remove_redundancy: Bool = describe(False, "Drop replicated data across ranks when saving.")
+    load_path: str = describe(
+        "", "Checkpoint to start from: a run folder (latest complete step) or a step folder; empty = none."
+    )
+    load_balanced: Bool = describe(False, "Balance checkpoint loading across ranks.")
+    no_load_optim: Bool = describe(False, "Load model weights only, not optimizer/scheduler state.")
+    load_worker_number: AtLeastOne = describe(1, "Number of threads used to read a checkpoint.")
+    save_global_layout_cache: Bool = describe(
+        True, "Cache the global sharding layout to speed up later loads."
+    )
+    reshard_worker_num: AtLeastOne = describe(1, "Number of workers used when resharding on load.")
+    save_epochs: Int | None = describe(
+        None, "Also save at every this many epoch boundaries (MindSpeed `save_epochs`)."
+    )
+    save_hf_weights: Bool = describe(
+        False, "Export Hugging Face safetensors at the end of training (MindSpeed `save_hf_weights`)."
+    )

@@ -1,0 +1,202 @@
+"""Checks beyond loading: component passthrough keys, essentials, world size, features not built.
+
+`validate_config` (for `meshforge config validate`) sorts findings into errors and warnings;
+`check_trainable` (called by `meshforge train` before anything heavy) turns everything that would
+make the run wrong into one ConfigError. Components are imported lazily and only through their
+light spec modules; a component that is missing is reported as "cannot check", never as valid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshforge.config.base import ConfigError, Issue
+from meshforge.config.root import TrainConfig
+from meshforge.config.rules import layer_issues
+from meshforge.config.unsupported import unsupported_entries
+
+logger = logging.getLogger("meshforge.config")
+
+
+@dataclass
+class Report:
+    """Findings of a full check: errors make a config unusable, warnings do not."""
+
+    errors: list[Issue] = field(default_factory=list)
+    warnings: list[Issue] = field(default_factory=list)
+
+
+def _component_issues(cfg: TrainConfig) -> tuple[list[Issue], list[Issue]]:
+    """(issues reported by components for passthrough keys, components that could not check)."""
+    found: list[Issue] = []
+    unchecked: list[Issue] = []
+
+    def ask(section: str, module: str, func: str, call: Callable[[Any], list[Issue]]) -> None:
+        try:
+            mod = __import__(module, fromlist=[func])
+            checker = getattr(mod, func)
+        except (ImportError, AttributeError) as exc:
+            unchecked.append(
+                (section, f"component not available, passthrough keys not checked ({module}.{func}: {exc})")
+            )
+            return
+        for key, reason in call(checker) or []:
+            found.append((f"{section}.{key}" if key else section, reason))
+
+    model = cfg.model
+    ask(
+        "model",
+        "meshforge.models.registry",
+        "check_model_options",
+        lambda f: f(model.model_type, model.architectures, model.model_id, dict(model.model_extra or {})),
+    )
+    loader = cfg.train_dataset.dataloader
+    ask(
+        "train_dataset.dataloader",
+        "meshforge.data.specs",
+        "check_dataloader_options",
+        lambda f: f(loader.type, dict(loader.model_extra or {})),
+    )
+    opt, sched = cfg.optimizer, cfg.lr_scheduler
+    ask(
+        "optimizer",
+        "meshforge.optim.specs",
+        "check_optimizer_options",
+        lambda f: f(opt.type, dict(opt.model_extra or {})),
+    )
+    ask(
+        "lr_scheduler",
+        "meshforge.optim.specs",
+        "check_scheduler_options",
+        lambda f: f(sched.type, dict(sched.model_extra or {})),
+    )
+    return found, unchecked
+
+
+def _essentials(cfg: TrainConfig) -> list[Issue]:
+    issues = []
+    model = cfg.model
+    if not (model.model_type or model.model_name_or_path or model.architectures or model.model_id):
+        issues.append(
+            ("model", "no model given: set model.model_type (e.g. qwen3) or model.model_name_or_path")
+        )
+    if not cfg.train_dataset.dataloader.type:
+        issues.append(
+            (
+                "train_dataset.dataloader.type",
+                "no data loader type given: set it, e.g. TextDataLoader with data_path and seq_length",
+            )
+        )
+    return issues
+
+
+def num_layers_from_model_dir(cfg: TrainConfig) -> tuple[int | None, str]:
+    """Layer count from `model.num_hidden_layers`, else from `<model_name_or_path>/config.json`."""
+    known = cfg.model.num_hidden_layers()
+    if known is not None:
+        return known, "model.num_hidden_layers"
+    name = cfg.model.model_name_or_path
+    if not name:
+        return None, ""
+    path = Path(name).expanduser() / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return None, ""
+    value = data.get("num_hidden_layers") if isinstance(data, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value, str(path)
+    return None, ""
+
+
+def world_size_issues(cfg: TrainConfig, world_size: int) -> tuple[list[Issue], list[Issue]]:
+    """Degrees against `world_size` via ParallelDims, and dp * local_batch_size <= global_batch_size."""
+    errors: list[Issue] = []
+    warnings: list[Issue] = []
+    par = cfg.parallelism
+    try:
+        from meshforge.parallel.dims import ParallelDims
+    except ImportError as exc:
+        warnings.append(
+            ("parallelism", f"ParallelDims not available, degrees checked by meshforge.config only ({exc})")
+        )
+    else:
+        try:
+            ParallelDims.from_config(par, world_size)
+        except ValueError as exc:
+            errors.append(("parallelism", str(exc)))
+    others = par.tensor_parallel * par.context_parallel * par.pipeline_parallel
+    if world_size % others:
+        errors.append(
+            (
+                "parallelism",
+                f"world size {world_size} is not divisible by tensor x context x pipeline parallel = {others}",
+            )
+        )
+        return errors, warnings
+    dp = world_size // others
+    if par.data_parallel_shard > 0 and dp % par.data_parallel_shard:
+        errors.append(
+            (
+                "parallelism.data_parallel_shard",
+                f"{par.data_parallel_shard} does not divide the data-parallel size {dp}",
+            )
+        )
+    try:
+        cfg.training.accumulation_steps(dp)
+    except ValueError as exc:
+        errors.append(("training.global_batch_size", str(exc).split(": ", 1)[-1]))
+    return errors, warnings
+
+
+def validate_config(cfg: TrainConfig, *, world_size: int | None = None) -> Report:
+    """Every check that does not open data or checkpoints; unsupported features and passthrough issues warn."""
+    report = Report()
+    num_layers, source = num_layers_from_model_dir(cfg)
+    if num_layers is not None and source != "model.num_hidden_layers":
+        # Layers known only from config.json: the load-time rules could not check them.
+        report.errors += [(p, f"{r} (layer count from {source})") for p, r in layer_issues(cfg, num_layers)]
+    if world_size is not None:
+        errors, warnings = world_size_issues(cfg, world_size)
+        report.errors += errors
+        report.warnings += warnings
+    found, unchecked = _component_issues(cfg)
+    report.warnings += found + unchecked
+    report.warnings += _essentials(cfg)
+    report.warnings += [(e.path, f"not supported yet: {e.path} ({e.note})") for e in unsupported_entries(cfg)]
+    return report
+
+
+def check_trainable(
+    cfg: TrainConfig, *, world_size: int | None = None, log: Callable[[str], None] | None = None
+) -> None:
+    """Refuse a config that `meshforge train` cannot run as written.
+
+    Raises:
+        ConfigError: "not supported yet: <key path>" for each feature not built, passthrough keys
+            that no component declares, a missing model or data loader type, layer specs out of range.
+    """
+    issues: list[Issue] = [
+        (e.path, f"not supported yet: {e.path} ({e.note})") for e in unsupported_entries(cfg)
+    ]
+    issues += _essentials(cfg)
+    found, unchecked = _component_issues(cfg)
+    issues += found
+    warn = log or logger.warning
+    for path, reason in unchecked:
+        warn(f"warning: {path}: {reason}")
+    num_layers, source = num_layers_from_model_dir(cfg)
+    if num_layers is not None and source != "model.num_hidden_layers":
+        issues += layer_issues(cfg, num_layers)
+    if world_size is not None:
+        errors, warnings = world_size_issues(cfg, world_size)
+        issues += errors
+        for path, reason in warnings:
+            warn(f"warning: {path}: {reason}")
+    if issues:
+        raise ConfigError(issues)

@@ -1,0 +1,198 @@
+"""Cross-section rules: checks that need more than one section (light; no file or data access).
+
+`cross_section_issues` runs at every load. `layer_issues` runs when the model's layer count is
+known (from `model.num_hidden_layers`, or a config.json read by `config validate`/`check_trainable`).
+Each returns (key path, reason) pairs; the caller decides whether they are errors.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshforge.config.layer_spec import check_layer_specs, expand_layers
+
+if TYPE_CHECKING:
+    from meshforge.config.root import TrainConfig
+
+Issue = tuple[str, str]
+
+
+def _family(cfg: TrainConfig) -> str:
+    model = cfg.model
+    return str(model.model_id or model.model_type or "")
+
+
+def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
+    """Rules that combine sections and need neither the model code nor any file."""
+    issues: list[Issue] = []
+    training, par, data = cfg.training, cfg.parallelism, cfg.train_dataset
+
+    data_seq = data.seq_length()
+    if cfg.model.seq_length is not None and data_seq is not None and cfg.model.seq_length != data_seq:
+        issues.append(
+            (
+                "model.seq_length",
+                f"{cfg.model.seq_length} differs from the data's sequence length {data_seq} "
+                f"({_data_seq_path(cfg)}); the data's value rules: remove model.seq_length or make them equal",
+            )
+        )
+
+    alias = cfg.model.use_flash_attention
+    if (
+        alias is not None
+        and "use_flash_attn" in cfg.kernels.model_fields_set
+        and alias != cfg.kernels.use_flash_attn
+    ):
+        issues.append(
+            (
+                "model.use_flash_attention",
+                f"{alias} contradicts kernels.use_flash_attn ({cfg.kernels.use_flash_attn}); it is an alias, set one of them",
+            )
+        )
+
+    if (
+        training.gradient_accumulation_steps is None
+        and training.local_batch_size > training.global_batch_size
+    ):
+        issues.append(
+            (
+                "training.global_batch_size",
+                f"{training.global_batch_size} is smaller than training.local_batch_size ({training.local_batch_size}); "
+                "it must be at least data-parallel size x local_batch_size",
+            )
+        )
+
+    if data.reset_attention_mask and training.local_batch_size != 1:
+        issues.append(
+            (
+                "train_dataset.reset_attention_mask",
+                f"requires training.local_batch_size == 1, got {training.local_batch_size}",
+            )
+        )
+
+    if training.eval_interval is not None and data.eval_dataset is None and data.val_size <= 1e-6:
+        issues.append(
+            (
+                "training.eval_interval",
+                "needs evaluation data: set train_dataset.eval_dataset or train_dataset.val_size",
+            )
+        )
+
+    prof = cfg.profiler
+    if prof.enable_profiling and prof.start_step > training.steps:
+        issues.append(
+            (
+                "profiler.start_step",
+                f"{prof.start_step} is after the last step (training.steps = {training.steps})",
+            )
+        )
+
+    if cfg.recompute.modules and cfg.recompute.mode != "full":
+        issues.append(
+            (
+                "recompute.modules",
+                f"module patterns are recomputed whole: needs recompute.mode 'full', got '{cfg.recompute.mode}'",
+            )
+        )
+
+    family = _family(cfg)
+    if family == "qwen3_next" and par.context_parallel > 1 and par.cp_method() != "ulysses":
+        issues.append(
+            ("parallelism.context_parallel_method", "qwen3_next with context_parallel > 1 requires 'ulysses'")
+        )
+    for switch in ("use_ascend_mhc", "use_triton_swiglu_limit"):
+        if getattr(cfg.kernels, switch) and family != "deepseek_v4":
+            issues.append(
+                (
+                    f"kernels.{switch}",
+                    f"only available for deepseek_v4 models, not {family or 'an unset model'}",
+                )
+            )
+
+    stage_spec = par.pipeline_parallel_layers_per_stage
+    if (
+        par.pipeline_parallel > 1
+        and isinstance(stage_spec, list)
+        and len(stage_spec) != par.pipeline_parallel
+    ):
+        issues.append(
+            (
+                "parallelism.pipeline_parallel_layers_per_stage",
+                f"has {len(stage_spec)} entries; needs one per pipeline stage ({par.pipeline_parallel})",
+            )
+        )
+    if isinstance(stage_spec, str) and stage_spec != "auto":
+        issues.append(
+            ("parallelism.pipeline_parallel_layers_per_stage", f"a string must be 'auto', got {stage_spec!r}")
+        )
+
+    num_layers = cfg.model.num_hidden_layers()
+    if num_layers is not None:
+        issues.extend(layer_issues(cfg, num_layers))
+    return issues
+
+
+def _data_seq_path(cfg: TrainConfig) -> str:
+    extra = cfg.train_dataset.dataloader.model_extra or {}
+    if "seq_length" in extra:
+        return "train_dataset.dataloader.seq_length"
+    if isinstance(extra.get("config"), dict) and "seq_length" in extra["config"]:
+        return "train_dataset.dataloader.config.seq_length"
+    return "train_dataset.cutoff_len"
+
+
+def layer_issues(cfg: TrainConfig, num_layers: int) -> list[Issue]:
+    """Layer specs, swap prefetch and PP stage split checked against `num_layers` decoder layers."""
+    issues: list[Issue] = []
+    rec, comm, swap = cfg.recompute, cfg.recompute_comm, cfg.swap
+    issues += check_layer_specs(rec.full_recompute_layer, num_layers, "recompute.full_recompute_layer")
+    for key, specs in (rec.select_module or {}).items():
+        issues += check_layer_specs(specs, num_layers, f"recompute.select_module.{key}")
+    for key, specs in (comm.select_module or {}).items():
+        issues += check_layer_specs(specs, num_layers, f"recompute_comm.select_module.{key}")
+    if cfg.lora_config is not None:
+        issues += check_layer_specs(cfg.lora_config.exclude_layers, num_layers, "lora_config.exclude_layers")
+    for name, items in (("layer_swap", swap.layer_swap), ("op_swap", swap.op_swap)):
+        for i, item in enumerate(items or []):
+            path = f"swap.{name}[{i}].layers"
+            found = check_layer_specs(item.layers, num_layers, path)
+            issues += found
+            top = max(expand_layers(item.layers), default=-1)
+            if swap.enable and not found and top + swap.default_prefetch >= num_layers:
+                issues.append(
+                    (
+                        path,
+                        f"last layer {top} + swap.default_prefetch {swap.default_prefetch} must be < {num_layers} layers",
+                    )
+                )
+    if swap.enable and not 1 <= swap.default_prefetch <= num_layers - 1:
+        issues.append(
+            (
+                "swap.default_prefetch",
+                f"must be in [1, {num_layers - 1}] for {num_layers} layers, got {swap.default_prefetch}",
+            )
+        )
+    targets = cfg.monitor.moe_monitor.target_layers
+    if isinstance(targets, list):
+        for i, layer in enumerate(targets):
+            if layer >= num_layers:
+                issues.append(
+                    (
+                        f"monitor.moe_monitor.target_layers[{i}]",
+                        f"layer {layer} is out of range [0, {num_layers - 1}]",
+                    )
+                )
+    elif isinstance(targets, int) and targets > num_layers:
+        issues.append(
+            ("monitor.moe_monitor.target_layers", f"{targets} is more than the model's {num_layers} layers")
+        )
+    par = cfg.parallelism
+    chunks = par.pipeline_parallel * par.pipeline_parallel_interleave_num
+    if par.pipeline_parallel > 1 and par.pipeline_parallel_layers_per_stage == "auto" and num_layers % chunks:
+        issues.append(
+            (
+                "parallelism.pipeline_parallel_layers_per_stage",
+                f"'auto' needs num_hidden_layers ({num_layers}) divisible by pipeline_parallel x interleave ({chunks})",
+            )
+        )
+    return issues

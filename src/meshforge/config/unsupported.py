@@ -1,0 +1,235 @@
+"""The one list of configuration keys whose features are not built yet.
+
+`check_trainable` refuses a run that sets any of them (`not supported yet: <key path>`), and
+`config validate` lists them as warnings, so nothing is silently ignored. When a feature lands,
+delete its entry here. Every predicate is False for the default config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from meshforge.data.config import SFT_FIELDS, TrainDatasetConfig
+from meshforge.infer.config import InferenceConfig
+from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
+from meshforge.parallel.config import (
+    MS_CHUNK_KWARGS,
+    MS_EP_MODULES,
+    MS_FSDP_MODULES,
+    MS_LAYER_MODULES,
+    MS_TP_COLWISE,
+    MS_TP_ROWWISE,
+)
+
+if TYPE_CHECKING:
+    from meshforge.config.root import TrainConfig
+
+
+class Unsupported(NamedTuple):
+    """A feature that is configurable but not built: where, when it is on, and a short note."""
+
+    path: str
+    is_set: Callable[[TrainConfig], bool]
+    note: str
+
+
+def _sft_default(name: str) -> object:
+    return TrainDatasetConfig.model_fields[name].default
+
+
+def _sft_entries() -> list[Unsupported]:
+    return [
+        Unsupported(
+            f"train_dataset.{name}",
+            lambda c, n=name: getattr(c.train_dataset, n) != _sft_default(n),
+            "SFT data pipeline (comes with the SFT data work)",
+        )
+        for name in SFT_FIELDS
+    ]
+
+
+def _hf_dir(c: TrainConfig) -> bool:
+    return bool(c.model.model_name_or_path)
+
+
+_P = "parallelism"
+ENTRIES: list[Unsupported] = [
+    Unsupported(f"{_P}.tensor_parallel", lambda c: c.parallelism.tensor_parallel > 1, "tensor parallelism"),
+    Unsupported(
+        f"{_P}.context_parallel", lambda c: c.parallelism.context_parallel > 1, "context parallelism"
+    ),
+    Unsupported(
+        f"{_P}.pipeline_parallel", lambda c: c.parallelism.pipeline_parallel > 1, "pipeline parallelism"
+    ),
+    Unsupported(f"{_P}.expert_parallel", lambda c: c.parallelism.expert_parallel > 1, "expert parallelism"),
+    Unsupported(f"{_P}.ep_fsdp_size", lambda c: c.parallelism.ep_fsdp_size > 1, "expert FSDP"),
+    Unsupported(f"{_P}.cpu_offload", lambda c: c.parallelism.cpu_offload, "FSDP CPU offload"),
+    Unsupported(f"{_P}.context_parallel_async", lambda c: c.parallelism.context_parallel_async, "async CP"),
+    Unsupported(
+        f"{_P}.pipeline_parallel_overlap_p2p",
+        lambda c: c.parallelism.pipeline_parallel_overlap_p2p,
+        "PP overlap",
+    ),
+    Unsupported(
+        f"{_P}.pipeline_parallel_overlap_b_f",
+        lambda c: c.parallelism.pipeline_parallel_overlap_b_f,
+        "PP overlap",
+    ),
+    Unsupported(
+        f"{_P}.pipeline_parallel_enable_dxdw_split",
+        lambda c: c.parallelism.pipeline_parallel_enable_dxdw_split,
+        "PP dx/dw split",
+    ),
+    Unsupported(f"{_P}.enable_mc2", lambda c: c.parallelism.enable_mc2, "MC2 fused TP communication"),
+    Unsupported(f"{_P}.enable_loss_parallel", lambda c: c.parallelism.enable_loss_parallel, "loss parallel"),
+    Unsupported(
+        f"{_P}.data_parallel_shard_strategy",
+        lambda c: c.parallelism.data_parallel_shard_strategy != "optim_grads_params",
+        "ZeRO-1/2 style sharding",
+    ),
+    Unsupported(
+        f"{_P}.dense_fsdp_shard_size",
+        lambda c: c.parallelism.dense_fsdp_shard_size is not None,
+        "separate dense shard size",
+    ),
+    Unsupported(
+        f"{_P}.fsdp_modules",
+        lambda c: c.parallelism.fsdp_modules not in (MS_FSDP_MODULES, MS_LAYER_MODULES),
+        "custom FSDP wrapping",
+    ),
+    Unsupported(
+        f"{_P}.ignored_modules", lambda c: bool(c.parallelism.ignored_modules), "FSDP ignored modules"
+    ),
+    Unsupported(
+        f"{_P}.shard_placement_fn",
+        lambda c: c.parallelism.shard_placement_fn is not None,
+        "custom shard placement",
+    ),
+    Unsupported(
+        f"{_P}.efsdp_shard_placement_fn",
+        lambda c: c.parallelism.efsdp_shard_placement_fn != "shard_by_dim_1",
+        "expert FSDP placement",
+    ),
+    Unsupported(
+        f"{_P}.hook_modules",
+        lambda c: c.parallelism.hook_modules != MS_LAYER_MODULES,
+        "custom prefetch hooks",
+    ),
+    Unsupported(f"{_P}.tp_colwise", lambda c: c.parallelism.tp_colwise != MS_TP_COLWISE, "custom TP plan"),
+    Unsupported(f"{_P}.tp_rowwise", lambda c: c.parallelism.tp_rowwise != MS_TP_ROWWISE, "custom TP plan"),
+    Unsupported(f"{_P}.ep_modules", lambda c: c.parallelism.ep_modules != MS_EP_MODULES, "custom EP plan"),
+    Unsupported(
+        f"{_P}.ep_fsdp_modules", lambda c: c.parallelism.ep_fsdp_modules != MS_EP_MODULES, "custom EP plan"
+    ),
+    Unsupported(
+        f"{_P}.ep_dispatcher", lambda c: c.parallelism.ep_dispatcher != "eager", "fused/mc2 EP dispatch"
+    ),
+    Unsupported(
+        f"{_P}.num_to_forward_prefetch",
+        lambda c: c.parallelism.num_to_forward_prefetch != 1,
+        "FSDP prefetch depth",
+    ),
+    Unsupported(
+        f"{_P}.num_to_backward_prefetch",
+        lambda c: c.parallelism.num_to_backward_prefetch != 1,
+        "FSDP prefetch depth",
+    ),
+    Unsupported(
+        f"{_P}.disable_gradient_division",
+        lambda c: not c.parallelism.disable_gradient_division,
+        "FSDP mean-reduction",
+    ),
+    Unsupported(
+        f"{_P}.enable_chunk_batch", lambda c: c.parallelism.enable_chunk_batch, "chunked micro-batches"
+    ),
+    Unsupported(f"{_P}.chunk_mbs", lambda c: c.parallelism.chunk_mbs != 1, "chunked micro-batches"),
+    Unsupported(
+        f"{_P}.chunk_mbs_modules",
+        lambda c: c.parallelism.chunk_mbs_modules != MS_LAYER_MODULES,
+        "chunked micro-batches",
+    ),
+    Unsupported(
+        f"{_P}.chunk_mbs_kwarg_names",
+        lambda c: c.parallelism.chunk_mbs_kwarg_names != MS_CHUNK_KWARGS,
+        "chunked micro-batches",
+    ),
+    Unsupported("recompute.mode", lambda c: c.recompute.mode != "None", "activation recomputation"),
+    Unsupported("recompute_comm.enable", lambda c: c.recompute_comm.enable, "communication recomputation"),
+    Unsupported("swap.enable", lambda c: c.swap.enable, "activation offload"),
+    Unsupported("profiler.enable_profiling", lambda c: c.profiler.enable_profiling, "profiling"),
+    Unsupported("monitor.moe_monitor", lambda c: c.monitor.moe_monitor.is_set(), "MoE monitor"),
+    Unsupported(
+        "monitor.train_state", lambda c: c.monitor.train_state != TrainStateConfig(), "train-state monitor"
+    ),
+    Unsupported(
+        "monitor.health_checkpoint",
+        lambda c: c.monitor.health_checkpoint != HealthCheckpointConfig(),
+        "health checks",
+    ),
+    Unsupported("lora_config", lambda c: c.lora_config is not None, "LoRA"),
+    Unsupported("callbacks", lambda c: bool(c.callbacks), "user callbacks"),
+    Unsupported("optimizer.type", lambda c: c.optimizer.type != "AdamW", "optimizers other than AdamW"),
+    Unsupported(
+        "optimizer.accumulate_allreduce_grads_in_fp32",
+        lambda c: not c.optimizer.accumulate_allreduce_grads_in_fp32,
+        "low-precision gradient accumulation",
+    ),
+    Unsupported("model.model_name_or_path", _hf_dir, "loading Hugging Face weights/configs"),
+    Unsupported("model.model_id", lambda c: c.model.model_id is not None, "MindSpeed model_id selection"),
+    Unsupported(
+        "model.quant_recipe_name",
+        lambda c: c.model.quant_recipe_name is not None,
+        "low-precision (mxfp8) training",
+    ),
+    Unsupported(
+        "model.use_flash_attention", lambda c: bool(c.model.use_flash_attention), "flash-attention kernel"
+    ),
+    *[
+        Unsupported(f"kernels.{name}", lambda c, n=name: n in c.kernels.enabled(), "fused kernel / compile")
+        for name in (
+            "use_flash_attn",
+            "use_fused_rmsnorm",
+            "use_fused_rotary_pos_emb",
+            "moe_grouped_gemm",
+            "use_triton_gdn",
+            "use_flash_gdn",
+            "use_triton_rmsnormgated",
+            "use_ascend_mhc",
+            "use_triton_swiglu_limit",
+            "fix_router",
+            "compile",
+        )
+    ],
+    Unsupported("kernels.chunk_loss_size", lambda c: c.kernels.chunk_loss_size is not None, "chunked loss"),
+    Unsupported("checkpoint.load_balanced", lambda c: c.checkpoint.load_balanced, "balanced loading"),
+    Unsupported(
+        "checkpoint.remove_redundancy", lambda c: c.checkpoint.remove_redundancy, "redundancy-free saving"
+    ),
+    Unsupported("checkpoint.async_save", lambda c: c.checkpoint.async_save, "asynchronous saving"),
+    Unsupported("checkpoint.save_hf_weights", lambda c: c.checkpoint.save_hf_weights, "HF export at the end"),
+    Unsupported(
+        "checkpoint.save_epochs", lambda c: c.checkpoint.save_epochs is not None, "epoch-based saving"
+    ),
+    Unsupported(
+        "training.rampup_batch_size", lambda c: c.training.rampup_batch_size is not None, "batch-size ramp-up"
+    ),
+    Unsupported("training.epochs", lambda c: c.training.epochs is not None, "epoch-based run length"),
+    Unsupported("training.eval_interval", lambda c: c.training.eval_interval is not None, "evaluation"),
+    Unsupported("training.stage", lambda c: c.training.stage != "pt", "SFT stage"),
+    Unsupported(
+        "training.router_aux_loss_coef", lambda c: c.training.router_aux_loss_coef != 0, "MoE auxiliary loss"
+    ),
+    *_sft_entries(),
+    Unsupported("inference", lambda c: c.inference != InferenceConfig(), "generation (`meshforge generate`)"),
+]
+
+
+def unsupported_entries(cfg: TrainConfig) -> list[Unsupported]:
+    """The entries whose feature `cfg` turns on."""
+    return [entry for entry in ENTRIES if entry.is_set(cfg)]
+
+
+def unsupported_features(cfg: TrainConfig) -> list[str]:
+    """Key paths of features that `cfg` sets but that are not built yet (empty for the defaults)."""
+    return [entry.path for entry in unsupported_entries(cfg)]

@@ -1,0 +1,227 @@
+"""`train_dataset:` section: the data loader and its data (light: pydantic only).
+
+`train_dataset.dataloader` keeps undeclared keys for the loader named by its `type` (checked by
+`meshforge.data.specs`). The SFT fields of MindSpeed-LLM DataArguments live directly under
+`train_dataset`, with the `__post_init__` rules of that class (NOTES 1b), one of them done better:
+`interleave_probs` is checked against the real number of datasets, not the characters of a string.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import field_validator, model_validator
+
+from meshforge.config.base import (
+    Bool,
+    Int,
+    NonNegFloat,
+    PassthroughSection,
+    PosInt,
+    StrictSection,
+    describe,
+    rule_error,
+)
+
+SFT_LOADER = "SFTDataLoader"
+MEGATRON_LOADER = "BlendedMegatronDatasetDataLoader"
+
+
+class DataloaderConfig(PassthroughSection):
+    """The loader type and the options every loader shares; others pass through to the type."""
+
+    type: str | None = describe(
+        None, "Loader type, e.g. TextDataLoader (raw text), BlendedMegatronDatasetDataLoader, SFTDataLoader."
+    )
+    shuffle: Bool = describe(False, "Shuffle the sample order (seeded by training.seed).")
+    column_names: list[str] = describe(["input_ids", "labels"], "Columns produced by the dataset.")
+    python_multiprocessing: Bool = describe(False, "Load with Python worker processes.")
+
+
+def count_datasets(dataset: Any) -> int:
+    """How many datasets `dataset` names: a list, comma-separated names, or one inline dict."""
+    if dataset is None:
+        return 0
+    if isinstance(dataset, list):
+        return len(dataset)
+    if isinstance(dataset, dict):
+        return 1
+    return len([name for name in str(dataset).split(",") if name.strip()])
+
+
+# SFT (MindSpeed DataArguments) field names, so the unsupported list can find them in one place.
+SFT_FIELDS = (
+    "template",
+    "dataset",
+    "eval_dataset",
+    "dataset_dir",
+    "cutoff_len",
+    "train_on_prompt",
+    "mask_history",
+    "streaming",
+    "buffer_size",
+    "mix_strategy",
+    "interleave_probs",
+    "overwrite_cache",
+    "preprocessing_batch_size",
+    "preprocessing_num_workers",
+    "max_samples",
+    "eval_num_beams",
+    "ignore_pad_token_for_loss",
+    "val_size",
+    "eval_on_each_dataset",
+    "packing",
+    "neat_packing",
+    "tool_format",
+    "default_system",
+    "enable_thinking",
+    "tokenized_path",
+    "data_shared_file_system",
+    "no_shared_storage",
+    "create_attention_mask_in_dataloader",
+    "dataloader_type",
+    "reset_attention_mask",
+    "append_eod",
+)
+
+
+class TrainDatasetConfig(StrictSection):
+    """Training data: the loader plus options that apply to every loader and the SFT data fields."""
+
+    dataloader: DataloaderConfig = describe(DataloaderConfig(), "Loader type and its options.")
+    drop_remainder: Bool = describe(True, "Drop the last incomplete batch.")
+    num_parallel_workers: Int = describe(8, "Data loading workers (MindSpeed dataloader_num_workers).")
+    prefetch_size: PosInt = describe(1, "Batches prefetched per worker.")
+    numa_enable: Bool = describe(False, "Bind loader workers to the NUMA node of the device.")
+    use_distribute_dataset: Bool = describe(False, "Use a distributed dataset (MindFormers switch).")
+    pin_memory: Bool = describe(True, "Pin host memory of batches (MindSpeed dataloader_pin_memory).")
+    persistent_workers: Bool = describe(False, "Keep loader workers alive between epochs.")
+    # SFT data (MindSpeed-LLM / LLaMA-Factory DataArguments).
+    template: str | None = describe(None, "Chat template name (e.g. qwen3); null = from the tokenizer.")
+    dataset: dict[str, Any] | str | list[str] | None = describe(
+        None, "SFT dataset(s): comma-separated names from dataset_info.json, a list, or an inline dict."
+    )
+    eval_dataset: dict[str, Any] | str | list[str] | None = describe(
+        None, "Evaluation dataset(s); exclusive with val_size."
+    )
+    dataset_dir: str = describe("./configs/fsdp2/data", "Folder holding dataset_info.json and data files.")
+    cutoff_len: PosInt = describe(2048, "Maximum tokens per encoded example (the packed row length).")
+    train_on_prompt: Bool = describe(False, "Also train on prompt tokens; exclusive with mask_history.")
+    mask_history: Bool = describe(False, "Train only on the last turn; exclusive with train_on_prompt.")
+    streaming: Bool = describe(
+        False, "Stream the dataset; needs an integer val_size, exclusive with max_samples."
+    )
+    buffer_size: PosInt = describe(16384, "Shuffle buffer size when streaming.")
+    mix_strategy: Literal["concat", "interleave_under", "interleave_over"] = describe(
+        "concat", "How several datasets are mixed."
+    )
+    interleave_probs: str | list[NonNegFloat] | None = describe(
+        None, "Sampling probability per dataset for interleave strategies (comma-separated or a list)."
+    )
+    overwrite_cache: Bool = describe(False, "Rebuild cached preprocessed data.")
+    preprocessing_batch_size: PosInt = describe(
+        1000, "Examples per preprocessing batch (packing never crosses batches)."
+    )
+    preprocessing_num_workers: PosInt | None = describe(None, "Preprocessing processes.")
+    max_samples: PosInt | None = describe(None, "Keep only the first N examples of each dataset (debugging).")
+    eval_num_beams: PosInt | None = describe(None, "Beams used by generation during evaluation.")
+    ignore_pad_token_for_loss: Bool = describe(True, "Exclude padding from the loss.")
+    val_size: NonNegFloat = describe(0.0, "Validation split: a fraction in (0, 1) or a number of examples.")
+    eval_on_each_dataset: Bool = describe(False, "Evaluate each dataset separately.")
+    packing: Bool = describe(False, "Pack several examples per row (greedy knapsack).")
+    neat_packing: Bool = describe(False, "Packing without cross-example attention (forces packing on).")
+    tool_format: str | None = describe(None, "Tool-call format used by the template.")
+    default_system: str | None = describe(None, "System prompt replacing the template's default.")
+    enable_thinking: Bool | None = describe(
+        True, "Reasoning templates: keep/add thinking (null keeps data as is)."
+    )
+    tokenized_path: str | None = describe(None, "Folder to save or load the tokenized dataset.")
+    data_shared_file_system: Bool = describe(False, "Data lives on a file system shared by all nodes.")
+    no_shared_storage: Bool = describe(False, "Each node preprocesses its own copy.")
+    create_attention_mask_in_dataloader: Bool = describe(
+        False, "Build explicit attention masks in the loader."
+    )
+    dataloader_type: Literal["single"] = describe("single", "Sampler kind: single (sequential) only.")
+    reset_attention_mask: Bool = describe(
+        False, "Pretraining packs: no attention across EOD (needs append_eod, batch 1)."
+    )
+    append_eod: Bool = describe(False, "Append an EOD token to each document when preprocessing.")
+
+    @field_validator("dataset", "eval_dataset", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == {} else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neat_forces_packing(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("neat_packing") is True and "packing" not in data:
+            data = {**data, "packing": True}
+        return data
+
+    @model_validator(mode="after")
+    def _rules(self) -> TrainDatasetConfig:
+        if self.val_size > 1e-6:
+            if self.dataset is None:
+                raise rule_error("val_size", "a validation split needs train_dataset.dataset")
+            if self.eval_dataset is not None:
+                raise rule_error("val_size", "val_size and train_dataset.eval_dataset are mutually exclusive")
+        if self.interleave_probs is not None:
+            if self.mix_strategy == "concat":
+                raise rule_error(
+                    "interleave_probs",
+                    "only used with mix_strategy interleave_under/interleave_over, not concat",
+                )
+            probs = self.probabilities()
+            n = count_datasets(self.dataset)
+            if len(probs) != n:
+                raise rule_error(
+                    "interleave_probs",
+                    f"has {len(probs)} values but train_dataset.dataset names {n} dataset(s)",
+                )
+        if self.streaming:
+            if self.val_size > 1e-6 and self.val_size != int(self.val_size):
+                raise rule_error(
+                    "val_size",
+                    f"streaming needs an integer val_size (a number of examples), got {self.val_size}",
+                )
+            if self.max_samples is not None:
+                raise rule_error("max_samples", "cannot be combined with streaming")
+        if self.mask_history and self.train_on_prompt:
+            raise rule_error("mask_history", "mask_history and train_on_prompt are mutually exclusive")
+        if self.neat_packing and not self.packing:
+            raise rule_error("packing", "neat_packing requires packing (leave packing unset or true)")
+        if self.reset_attention_mask and not self.append_eod:
+            raise rule_error("reset_attention_mask", "requires train_dataset.append_eod: true")
+        return self
+
+    def probabilities(self) -> list[float]:
+        """`interleave_probs` as floats (empty when unset)."""
+        value = self.interleave_probs
+        if value is None:
+            return []
+        if isinstance(value, list):
+            return list(value)
+        try:
+            return [float(p) for p in value.split(",") if p.strip()]
+        except ValueError:
+            raise rule_error("interleave_probs", f"must be comma-separated numbers, got {value!r}") from None
+
+    def seq_length(self) -> int | None:
+        """The data's sequence length wherever the loader keeps it, or None.
+
+        `dataloader.seq_length` (text loader), `dataloader.config.seq_length` (Megatron loader), or
+        `cutoff_len` for the SFT loader (a packed row is `cutoff_len` tokens long).
+        """
+        extra = self.dataloader.model_extra or {}
+        value = extra.get("seq_length")
+        if value is None and isinstance(extra.get("config"), dict):
+            value = extra["config"].get("seq_length")
+        if value is None and self.dataloader.type == SFT_LOADER:
+            return self.cutoff_len
+        if isinstance(value, bool):
+            return None
+        try:
+            return int(value) if value is not None else None
+        except (TypeError, ValueError):
+            return None

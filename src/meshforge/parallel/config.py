@@ -1,0 +1,214 @@
+"""`parallelism:` section: FSDP/HSDP, TP/SP, CP, PP and EP degrees and their options (light).
+
+Fields and defaults follow the MindFormers ParallelismConfig (NOTES 1a); the MindSpeed-LLM
+ParallelArguments get native homes here (module patterns, FSDP prefetch, EP dispatcher, mixed
+precision dtypes, chunked micro-batches). `sequence_parallel` follows tensor parallelism
+automatically, as the MindFormers document says; its code's error for tp > 1 without it is
+deliberately not reproduced. Degree products against a world size are checked by `ParallelDims`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import field_validator, model_validator
+
+from meshforge.config.base import AtLeastOne, Bool, Int, PosInt, StrictSection, describe, rule_error
+
+MS_FSDP_MODULES = ["model.layers.{*}", "model.embed_tokens", "lm_head"]
+MS_TP_COLWISE = ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj"]
+MS_TP_ROWWISE = ["*.o_proj", "*.down_proj"]
+MS_EP_MODULES = ["model.layers.{*}.mlp.experts"]
+MS_LAYER_MODULES = ["model.layers.{*}"]
+MS_CHUNK_KWARGS = ["position_embeddings", "position_ids", "attention_mask", "input_ids"]
+
+DType = Literal["bf16", "fp16", "fp32"]
+
+
+def normalize_pattern(pattern: str) -> str:
+    """`{}` (MindSpeed's documented default) means `{*}`: any layer number."""
+    return pattern.replace("{}", "{*}")
+
+
+def _normalize_patterns(value: object) -> object:
+    if isinstance(value, list):
+        return [normalize_pattern(v) if isinstance(v, str) else v for v in value]
+    return value
+
+
+class ParallelismConfig(StrictSection):
+    """Parallel layout of the run."""
+
+    data_parallel_shard: Int = describe(
+        -1, "FSDP shard group size; -1 = all ranks left after the other degrees (pure FSDP)."
+    )
+    data_parallel_shard_strategy: Literal["optim_grads_params", "optim_grads", "optim"] = describe(
+        "optim_grads_params", "What FSDP shards: optimizer state, gradients and parameters."
+    )
+    reshard_after_forward_policy: Literal["always", "never", "default"] = describe(
+        "default", "Free gathered parameters after forward: always, never, or default (not under PP)."
+    )
+    reshard_after_forward: Bool | None = describe(
+        None, "MindSpeed alias: true = policy always, false = never; must agree with an explicit policy."
+    )
+    cpu_offload: Bool = describe(False, "Offload FSDP parameters, gradients and optimizer state to CPU.")
+    disable_gradient_division: Bool = describe(
+        True, "Sum gradients in FSDP reduce (loss is normalised by tokens)."
+    )
+    dense_fsdp_shard_size: PosInt | None = describe(
+        None, "Shard size for dense (non-expert) weights; null = dp shard."
+    )
+    tensor_parallel: PosInt = describe(1, "Tensor-parallel degree (sequence parallel follows it).")
+    context_parallel: PosInt = describe(1, "Context-parallel degree (sequence split across ranks).")
+    context_parallel_method: Literal["colossal", "ulysses", "hybrid", "ring", "kvallgather"] = describe(
+        "colossal",
+        "CP algorithm: colossal (ring attention; `ring` is an alias), ulysses, hybrid, kvallgather.",
+    )
+    context_parallel_async: Bool = describe(False, "Asynchronous CP communication hooks.")
+    ulysses_degree_in_cp: PosInt | None = describe(None, "Ulysses degree inside CP; required for hybrid CP.")
+    context_parallel_mask_type: Literal["causal"] = describe(
+        "causal", "Attention mask type supported by the CP path."
+    )
+    pipeline_parallel: PosInt = describe(1, "Pipeline-parallel degree (number of stages).")
+    pipeline_parallel_layers_per_stage: list[list[Int]] | list[str] | str | None = describe(
+        "auto", "Layers per PP stage: 'auto' (even split) or one spec string per rank."
+    )
+    pipeline_parallel_schedule: str = describe(
+        "1f1b", "PP schedule name (e.g. 1f1b, gpipe, interleaved1f1b)."
+    )
+    pipeline_parallel_microbatch_size: PosInt = describe(1, "Micro-batch size inside the PP schedule.")
+    pipeline_parallel_interleave_num: PosInt = describe(
+        1, "Model chunks per PP rank (interleaved schedules)."
+    )
+    pipeline_parallel_overlap_p2p: Bool = describe(False, "Overlap PP send/recv with compute.")
+    pipeline_parallel_overlap_b_f: Bool = describe(
+        False, "Overlap backward and forward of adjacent micro-batches."
+    )
+    pipeline_parallel_enable_dxdw_split: Bool = describe(
+        False, "Split input-grad and weight-grad passes in PP."
+    )
+    pipeline_parallel_p2p_transport: str = describe("plain", "Transport used for PP point-to-point messages.")
+    sequence_parallel: Bool = describe(
+        False, "Informational: sequence parallelism is on whenever tensor_parallel > 1."
+    )
+    enable_mc2: Bool = describe(False, "Fuse TP matmul with communication (Ascend MC2).")
+    enable_loss_parallel: Bool = describe(
+        False, "Compute the loss on vocab-sharded logits (TP loss parallel)."
+    )
+    expert_parallel: PosInt = describe(1, "Expert-parallel degree for MoE layers.")
+    npu_nums_per_device: PosInt = describe(8, "Accelerator ranks per node (Ascend alltoall_deredundancy).")
+    moe_token_dispatcher_type: Literal["alltoall", "alltoall_deredundancy"] = describe(
+        "alltoall",
+        "MoE token dispatch: alltoall, or alltoall_deredundancy (needs expert_parallel >= npu_nums_per_device).",
+    )
+    expert_parallel_async_d2h: Bool = describe(False, "Copy expert token counts to host asynchronously.")
+    expert_parallel_use_safe_tokens: Bool = describe(True, "Guard against empty experts in EP dispatch.")
+    # MindSpeed-LLM ParallelArguments homes.
+    ep_fsdp_size: PosInt = describe(
+        1, "FSDP degree inside each expert-parallel group (MindSpeed ep_fsdp_size)."
+    )
+    fsdp_modules: list[str] = describe(
+        list(MS_FSDP_MODULES), "Module patterns wrapped by FSDP; must be non-empty."
+    )
+    ignored_modules: list[str] | None = describe(
+        None, "Module patterns whose parameters FSDP does not shard."
+    )
+    shard_placement_fn: str | None = describe(None, "Custom FSDP shard placement function for dense modules.")
+    efsdp_shard_placement_fn: Literal["shard_by_dim_0", "shard_by_dim_1"] = describe(
+        "shard_by_dim_1", "Shard placement of expert weights under expert FSDP."
+    )
+    hook_modules: list[str] = describe(
+        list(MS_LAYER_MODULES), "Module patterns that get FSDP prefetch hooks."
+    )
+    fsdp_implementation: Literal["native"] = describe("native", "FSDP implementation: PyTorch's fully_shard.")
+    tp_colwise: list[str] = describe(list(MS_TP_COLWISE), "Module patterns split column-wise under TP.")
+    tp_rowwise: list[str] = describe(list(MS_TP_ROWWISE), "Module patterns split row-wise under TP.")
+    ep_modules: list[str] = describe(list(MS_EP_MODULES), "Expert containers distributed over EP.")
+    ep_fsdp_modules: list[str] = describe(list(MS_EP_MODULES), "Expert containers sharded by expert FSDP.")
+    ep_dispatcher: Literal["eager", "fused", "mc2"] = describe(
+        "eager", "Expert-parallel all-to-all dispatcher."
+    )
+    param_dtype: DType | None = describe(
+        None, "FSDP parameter dtype for compute; null follows model.compute_dtype."
+    )
+    reduce_dtype: DType = describe("fp32", "FSDP gradient reduce dtype.")
+    num_to_forward_prefetch: Int = describe(1, "Modules prefetched ahead in forward.")
+    num_to_backward_prefetch: Int = describe(1, "Modules prefetched ahead in backward.")
+    enable_chunk_batch: Bool = describe(
+        False, "Split each micro-batch into chunks through the layers (MindSpeed)."
+    )
+    chunk_mbs: AtLeastOne = describe(1, "Number of chunks per micro-batch when enable_chunk_batch.")
+    chunk_mbs_batch_dim: Int = describe(0, "Batch dimension split by chunking.")
+    chunk_mbs_modules: list[str] = describe(list(MS_LAYER_MODULES), "Module patterns run chunk by chunk.")
+    chunk_mbs_arg_indexs: list[Int] = describe([0], "Positional argument indices chunked.")
+    chunk_mbs_kwarg_names: list[str] = describe(list(MS_CHUNK_KWARGS), "Keyword arguments chunked.")
+
+    _normalize = field_validator(
+        "fsdp_modules",
+        "ignored_modules",
+        "hook_modules",
+        "tp_colwise",
+        "tp_rowwise",
+        "ep_modules",
+        "ep_fsdp_modules",
+        "chunk_mbs_modules",
+        mode="before",
+    )(classmethod(lambda cls, v: _normalize_patterns(v)))
+
+    @model_validator(mode="after")
+    def _rules(self) -> ParallelismConfig:
+        if self.data_parallel_shard == 0 or self.data_parallel_shard < -1:
+            raise rule_error(
+                "data_parallel_shard", f"must be -1 (all ranks) or positive, got {self.data_parallel_shard}"
+            )
+        if (
+            self.moe_token_dispatcher_type == "alltoall_deredundancy"
+            and self.expert_parallel < self.npu_nums_per_device
+        ):
+            raise rule_error(
+                "moe_token_dispatcher_type",
+                f"alltoall_deredundancy requires parallelism.expert_parallel ({self.expert_parallel}) >= "
+                f"parallelism.npu_nums_per_device ({self.npu_nums_per_device})",
+            )
+        if not self.fsdp_modules:
+            raise rule_error("fsdp_modules", "must list at least one module pattern")
+        if self.num_to_forward_prefetch < 0:
+            raise rule_error("num_to_forward_prefetch", f"must be >= 0, got {self.num_to_forward_prefetch}")
+        if self.num_to_backward_prefetch < 0:
+            raise rule_error("num_to_backward_prefetch", f"must be >= 0, got {self.num_to_backward_prefetch}")
+        method = self.cp_method()
+        if (
+            self.context_parallel > 1
+            and method == "ulysses"
+            and self.ulysses_degree_in_cp not in (None, self.context_parallel)
+        ):
+            raise rule_error(
+                "ulysses_degree_in_cp",
+                f"ulysses CP requires ulysses_degree_in_cp == context_parallel ({self.context_parallel}), got {self.ulysses_degree_in_cp}",
+            )
+        if self.context_parallel > 1 and method == "hybrid":
+            u = self.ulysses_degree_in_cp
+            if u is None or not (1 < u < self.context_parallel) or self.context_parallel % u:
+                raise rule_error(
+                    "ulysses_degree_in_cp",
+                    f"hybrid CP requires 1 < ulysses_degree_in_cp < context_parallel ({self.context_parallel}) dividing it, got {u}",
+                )
+        if self.reshard_after_forward is not None and self.reshard_after_forward_policy != "default":
+            wanted = "always" if self.reshard_after_forward else "never"
+            if wanted != self.reshard_after_forward_policy:
+                raise rule_error(
+                    "reshard_after_forward",
+                    f"{self.reshard_after_forward} contradicts reshard_after_forward_policy "
+                    f"'{self.reshard_after_forward_policy}'; set only one of them",
+                )
+        return self
+
+    def cp_method(self) -> str:
+        """The CP algorithm with aliases resolved (`ring` -> `colossal`)."""
+        return "colossal" if self.context_parallel_method == "ring" else self.context_parallel_method
+
+    def resolved_reshard_policy(self) -> str:
+        """`reshard_after_forward_policy` with the MindSpeed boolean alias applied."""
+        if self.reshard_after_forward is not None and self.reshard_after_forward_policy == "default":
+            return "always" if self.reshard_after_forward else "never"
+        return self.reshard_after_forward_policy

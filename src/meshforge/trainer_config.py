@@ -1,0 +1,102 @@
+"""`training:` section: run length, batch sizes, clipping, seed, output folder (light: no torch).
+
+Lives beside `trainer.py`, which consumes it. Holds the MindFormers TrainingConfig fields with the
+code's `__post_init__` rules, plus native homes for MindSpeed TrainingArguments (`output_dir`,
+`gradient_accumulation_steps`, `epochs`, `stage`, loss coefficients, logging switches).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import model_validator
+
+from meshforge.config.base import (
+    AtLeastOne,
+    Bool,
+    Float,
+    Int,
+    NonNegFloat,
+    PosFloat,
+    PosInt,
+    StrictSection,
+    describe,
+    rule_error,
+)
+
+
+class TrainingConfig(StrictSection):
+    """How long and with what batch the run trains."""
+
+    steps: AtLeastOne = describe(1000, "Total number of optimizer steps of the run (also when resuming).")
+    local_batch_size: PosInt = describe(1, "Micro-batch size per data-parallel rank.")
+    global_batch_size: PosInt = describe(
+        1, "Samples per optimizer step; accumulation steps = global_batch_size // (dp * local_batch_size)."
+    )
+    max_norm: PosFloat = describe(1.0, "Clip the global gradient norm to this value every step.")
+    seed: Int = describe(42, "Random seed for initialisation, data order and dropout.")
+    deterministic: Bool = describe(False, "Use deterministic algorithms (bitwise-reproducible, slower).")
+    rampup_batch_size: list[Any] | None = describe(
+        None, "Batch-size ramp-up [start > 0, increment > 0, ramp samples >= 0]; not built yet."
+    )
+    output_dir: str = describe(
+        "./output", "Run folder: resolved config, metrics.jsonl, default checkpoint folder."
+    )
+    gradient_accumulation_steps: PosInt | None = describe(
+        None, "Micro-batches per step; exclusive with an explicit global_batch_size (MindSpeed key)."
+    )
+    epochs: PosFloat | None = describe(
+        None, "Train for this many epochs instead of `steps` (MindSpeed num_train_epochs)."
+    )
+    eval_interval: PosInt | None = describe(None, "Evaluate every this many steps (needs an eval dataset).")
+    log_interval: PosInt = describe(1, "Log every this many steps (MindSpeed logging_steps).")
+    stage: Literal["pt", "sft"] = describe(
+        "pt", "Training stage: pretraining (pt) or supervised fine-tuning (sft)."
+    )
+    calculate_per_token_loss: Bool = describe(
+        False, "MindSpeed switch; meshforge always normalises the loss by the global valid-token count."
+    )
+    router_aux_loss_coef: NonNegFloat = describe(0.0, "Weight of the MoE router auxiliary loss.")
+    indexer_loss_coeff: Float = describe(1.0, "Weight of the sparse-attention indexer loss (DSA models).")
+    mtp_loss_scaling_factor: NonNegFloat = describe(0.3, "Weight of the multi-token-prediction loss.")
+    log_throughput: Bool = describe(
+        False, "Log throughput figures (MindSpeed key; meshforge logs tokens/s always)."
+    )
+    log_cpu_memory: Bool = describe(False, "Log host memory use every logged step.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> TrainingConfig:
+        ramp = self.rampup_batch_size
+        if ramp is not None:
+            ok = len(ramp) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in ramp)
+            if not ok or ramp[0] <= 0 or ramp[1] <= 0 or ramp[2] < 0:
+                raise rule_error(
+                    "rampup_batch_size",
+                    f"must be three integers [start > 0, increment > 0, samples >= 0], got {ramp}",
+                )
+        if self.gradient_accumulation_steps is not None and "global_batch_size" in self.model_fields_set:
+            raise rule_error(
+                "gradient_accumulation_steps",
+                "set either training.gradient_accumulation_steps or training.global_batch_size, not both",
+            )
+        return self
+
+    def accumulation_steps(self, dp: int) -> int:
+        """Micro-batches per optimizer step for `dp` data-parallel ranks.
+
+        Raises:
+            ValueError: when `dp * local_batch_size > global_batch_size`.
+        """
+        if self.gradient_accumulation_steps is not None:
+            return self.gradient_accumulation_steps
+        per_step = dp * self.local_batch_size
+        if per_step > self.global_batch_size:
+            raise ValueError(
+                f"training.global_batch_size: {self.global_batch_size} is smaller than data-parallel size {dp} "
+                f"x local_batch_size {self.local_batch_size} = {per_step}"
+            )
+        return self.global_batch_size // per_step
+
+    def effective_global_batch_size(self, dp: int) -> int:
+        """Samples per optimizer step for `dp` ranks (rounds down like the reference)."""
+        return self.accumulation_steps(dp) * dp * self.local_batch_size
