@@ -212,10 +212,10 @@ def test_empty_group_still_present() -> None:
 @pytest.mark.parametrize(
     ("kw", "fragment"),
     [
-        ({"type": "Muon"}, "not supported yet: optimizer.type=Muon; built: AdamW"),
+        ({"type": "Muon"}, "not supported yet: optimizer.type=Muon; built: AdamW, FusedAdamW"),
         (
             {"type": "Adam"},
-            "optimizer.type: unknown optimizer type 'Adam'; built: AdamW; did you mean 'AdamW'?",
+            "optimizer.type: unknown optimizer type 'Adam'; built: AdamW, FusedAdamW; did you mean 'AdamW'?",
         ),
         ({"betas": [0.9]}, "optimizer.betas: expected two numbers in [0, 1)"),
         ({"betas": [0.9, 1.0]}, "optimizer.betas"),
@@ -236,8 +236,12 @@ def test_build_errors_name_the_key(kw: dict, fragment: str) -> None:
     assert fragment in str(err.value)
 
 
-def test_type_is_case_insensitive() -> None:
+def test_type_is_case_insensitive_and_fused_adamw_forces_fused() -> None:
     assert isinstance(_build(Tiny(), type="adamw"), torch.optim.AdamW)
+    opt = _build(Tiny(), type="FusedAdamW")
+    assert opt.defaults["fused"] is True and opt.defaults["foreach"] is None
+    with pytest.raises(ValueError, match="optimizer.foreach: unknown key for optimizer type FusedAdamW"):
+        _build(Tiny(), type="fusedadamw", options={"foreach": True})
 
 
 def test_check_optimizer_options() -> None:
@@ -247,7 +251,7 @@ def test_check_optimizer_options() -> None:
     assert problems[0] == ("amsgrad", "expected true or false, got 1")
     assert problems[1][0] == "lr" and "unknown key for optimizer type AdamW" in problems[1][1]
     assert check_optimizer_options("Muon", {"anything": 1}) == []  # recognised, not built: refused by train
-    assert optimizer_not_built("muon") == "not supported yet: optimizer.type=Muon; built: AdamW"
+    assert optimizer_not_built("muon") == "not supported yet: optimizer.type=Muon; built: AdamW, FusedAdamW"
     assert optimizer_not_built("AdamW") is None
     assert check_optimizer_options("SGD", {})[0][0] == "type"
 

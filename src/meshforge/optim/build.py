@@ -1,7 +1,8 @@
 """Build the optimizer for `optimizer:` from named parameters.
 
-Only AdamW is built (`torch.optim.AdamW`, decoupled weight decay); other recognised types
-(`Muon`) fail with `not supported yet: optimizer.type=...`.
+Built: `AdamW` (`torch.optim.AdamW`, decoupled weight decay) and `FusedAdamW` (MindSpeed's
+`fused_adamw`: the same with the fused kernel forced). Other recognised types (`Muon`) fail with
+`not supported yet: optimizer.type=...`.
 
 Implementation choice (`optimizer.fused` / `optimizer.foreach`, both optional): by default
 the fused kernel is used when every parameter is on a CPU or CUDA device. Measured on the
@@ -82,7 +83,7 @@ def build_optimizer(
     Args:
         named_params: `model.named_parameters()` (after parallelization: DTensor parameters are
             fine); parameters with `requires_grad=False` are skipped.
-        type: `optimizer.type` (case-insensitive: `AdamW`, `adamw`).
+        type: `optimizer.type`, case-insensitive (`AdamW`, `adamw`, `FusedAdamW`).
         learning_rate: `lr_scheduler.learning_rate`; the scheduler sets the actual per-step lr.
         betas, eps, weight_decay: `optimizer.*`.
         weight_decay_include, weight_decay_exclude: name rules (see `param_groups.py`).
@@ -106,8 +107,11 @@ def build_optimizer(
     no_decay = [p for _, p in groups.no_decay]
     if not decay and not no_decay:
         raise ValueError("optimizer: the model has no trainable parameters (all have requires_grad=False)")
-    impl = _implementation(decay + no_decay, opts.pop("fused", None), opts.pop("foreach", None))
-    assert canon == "AdamW", canon  # the only built type; resolve_optimizer_options refuses others
+    if canon == "FusedAdamW":
+        impl = {"fused": True, "foreach": None}
+    else:
+        assert canon == "AdamW", canon  # resolve_optimizer_options refuses unbuilt types
+        impl = _implementation(decay + no_decay, opts.pop("fused", None), opts.pop("foreach", None))
     optimizer = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": float(weight_decay)},
@@ -120,7 +124,10 @@ def build_optimizer(
         **impl,
     )
     log.info(
-        "optimizer AdamW (%s): %s", _impl_name(impl), describe_param_groups(groups, weight_decay=weight_decay)
+        "optimizer %s (%s): %s",
+        canon,
+        _impl_name(impl),
+        describe_param_groups(groups, weight_decay=weight_decay),
     )
     return optimizer
 

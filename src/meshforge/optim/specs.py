@@ -78,28 +78,29 @@ class OptionSpec:
 
 # ----------------------------------------------------------------------------- optimizers
 
-OPTIMIZERS_BUILT: tuple[str, ...] = ("AdamW",)
-# Declared by the reference (MindFormers `optimizer.type`, MindSpeed `optimizer: muon|fused_adamw`)
-# but not built yet: `config validate` accepts them, `train` refuses them.
+# `FusedAdamW` is MindSpeed's `optimizer: fused_adamw`: AdamW with the fused kernel forced.
+OPTIMIZERS_BUILT: tuple[str, ...] = ("AdamW", "FusedAdamW")
+# Declared by the references (MindFormers `optimizer.type`, MindSpeed `optimizer: muon`) but not
+# built yet: `config validate` accepts them, `train` refuses them (see `optimizer_not_built`).
 OPTIMIZERS_PLANNED: tuple[str, ...] = ("Muon",)
 
+_ADAMW_OPTIONS = (
+    OptionSpec("amsgrad", "bool", "Use the AMSGrad variant of Adam.", default=False),
+    OptionSpec(
+        "fused",
+        "optional_bool",
+        "Fused kernel; null lets meshforge choose (fused on CPU/CUDA, see optim/build.py).",
+    ),
+    OptionSpec(
+        "foreach",
+        "optional_bool",
+        "Multi-tensor (foreach) implementation; null lets meshforge choose (see optim/build.py).",
+    ),
+)
+
 OPTIMIZER_SPECS: dict[str, dict[str, OptionSpec]] = {
-    "AdamW": {
-        s.name: s
-        for s in (
-            OptionSpec("amsgrad", "bool", "Use the AMSGrad variant of Adam.", default=False),
-            OptionSpec(
-                "fused",
-                "optional_bool",
-                "Fused kernel; null lets meshforge choose (fused on CPU/CUDA, see optim/build.py).",
-            ),
-            OptionSpec(
-                "foreach",
-                "optional_bool",
-                "Multi-tensor (foreach) implementation; null lets meshforge choose (see optim/build.py).",
-            ),
-        )
-    },
+    "AdamW": {s.name: s for s in _ADAMW_OPTIONS},
+    "FusedAdamW": {s.name: s for s in _ADAMW_OPTIONS if s.name == "amsgrad"},
 }
 
 # ----------------------------------------------------------------------------- schedulers
