@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from meshforge.parallel.patterns import compile_pattern, is_pattern, match_modules
+from meshforge.parallel.patterns import compile_pattern, is_pattern, match_modules, suggest_names
 
 CASES = [
     # pattern, name, expected
@@ -131,3 +131,13 @@ def test_match_modules_on_real_module() -> None:
 def test_patterns_module_is_light() -> None:
     code = "import sys, meshforge.parallel.patterns; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_suggestions_rank_by_similarity_and_skip_repeated_layers() -> None:
+    names = ["model.embed_tokens.weight"] + [
+        f"model.layers.{i}.{m}" for i in range(3) for m in ("self_attn.q_proj.bias", "mlp.gate_proj.weight")
+    ]
+    got = suggest_names("biass", names)
+    assert got[0] == "model.layers.0.self_attn.q_proj.bias"
+    assert len(got) == 3  # one name per shape: layers 1 and 2 repeat layer 0
+    assert suggest_names("embeding", names)[0] == "model.embed_tokens.weight"

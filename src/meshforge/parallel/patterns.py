@@ -130,18 +130,26 @@ def compile_pattern(pattern: str) -> ModulePattern:
 def suggest_names(wanted: str, names: Sequence[str], *, limit: int = 4) -> list[str]:
     """A few real names to show next to a rule that matched nothing.
 
-    Prefers names close to `wanted` (ignoring pattern tokens); falls back to the first names.
+    Names are ranked by similarity to `wanted` (pattern tokens removed), comparing against the
+    whole name and against each dotted component, so that `biass` finds `...q_proj.bias`. Only
+    one name per layer-independent shape is shown (`model.layers.0.mlp` stands for every layer),
+    so the examples differ from each other.
     """
     names = [n for n in names if n]
     if not names:
         return []
-    probe = re.sub(r"\{[^}]*\}", "0", wanted).replace("*", "").replace("?", "")
-    close = difflib.get_close_matches(probe, names, n=limit, cutoff=0.4)
-    if not close:
-        # Names containing the last dotted component are usually what the user meant.
-        tail = probe.strip(".").rsplit(".", 1)[-1]
-        close = [n for n in names if tail and tail in n][:limit]
-    return close or list(names[:limit])
+    probe = re.sub(r"\{[^}]*\}", "0", wanted).replace("*", "").replace("?", "").strip(".")
+
+    def score(name: str) -> float:
+        parts = [name, *name.split(".")]
+        return max(difflib.SequenceMatcher(None, probe, p).ratio() for p in parts)
+
+    shapes: dict[str, str] = {}
+    for n in names:
+        shapes.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)", "N", n), n)
+    representatives = list(shapes.values())
+    ranked = sorted(representatives, key=score, reverse=True) if probe else representatives
+    return ranked[:limit]
 
 
 def match_modules(
