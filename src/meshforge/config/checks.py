@@ -114,6 +114,14 @@ def num_layers_from_model_dir(cfg: TrainConfig) -> tuple[int | None, str]:
     return None, ""
 
 
+def _split_path(message: str, default: str) -> Issue:
+    """`parallelism.x: reason` -> ("parallelism.x", "reason"); other messages stay under `default`."""
+    head, sep, rest = message.partition(": ")
+    if sep and head.replace(".", "").replace("_", "").isalnum() and "." in head or head == default:
+        return head, rest
+    return default, message
+
+
 def world_size_issues(cfg: TrainConfig, world_size: int) -> tuple[list[Issue], list[Issue]]:
     """Degrees against `world_size` via ParallelDims, and dp * local_batch_size <= global_batch_size."""
     errors: list[Issue] = []
@@ -123,35 +131,37 @@ def world_size_issues(cfg: TrainConfig, world_size: int) -> tuple[list[Issue], l
         from meshforge.parallel.dims import ParallelDims
     except ImportError as exc:
         warnings.append(
-            ("parallelism", f"ParallelDims not available, degrees checked by meshforge.config only ({exc})")
+            ("parallelism", f"ParallelDims not available; only the basic degree check ran ({exc})")
         )
+        others = par.tensor_parallel * par.context_parallel * par.pipeline_parallel
+        if world_size % others:
+            errors.append(
+                ("parallelism", f"world size {world_size} is not divisible by tp x cp x pp = {others}")
+            )
+            return errors, warnings
+        dp = world_size // others
     else:
         try:
-            ParallelDims.from_config(par, world_size)
+            dp = ParallelDims.from_config(par, world_size).dp
         except ValueError as exc:
-            errors.append(("parallelism", str(exc)))
-    others = par.tensor_parallel * par.context_parallel * par.pipeline_parallel
-    if world_size % others:
-        errors.append(
-            (
-                "parallelism",
-                f"world size {world_size} is not divisible by tensor x context x pipeline parallel = {others}",
-            )
-        )
-        return errors, warnings
-    dp = world_size // others
-    if par.data_parallel_shard > 0 and dp % par.data_parallel_shard:
-        errors.append(
-            (
-                "parallelism.data_parallel_shard",
-                f"{par.data_parallel_shard} does not divide the data-parallel size {dp}",
-            )
-        )
+            errors.append(_split_path(str(exc), "parallelism"))
+            return errors, warnings
     try:
         cfg.training.accumulation_steps(dp)
     except ValueError as exc:
-        errors.append(("training.global_batch_size", str(exc).split(": ", 1)[-1]))
+        errors.append(_split_path(str(exc), "training.global_batch_size"))
     return errors, warnings
+
+
+def _dedupe(issues: list[Issue]) -> list[Issue]:
+    """Drop a second issue on the same key path (two checkers often spot the same missing key)."""
+    seen: set[str] = set()
+    out = []
+    for path, reason in issues:
+        if path not in seen:
+            seen.add(path)
+            out.append((path, reason))
+    return out
 
 
 def validate_config(cfg: TrainConfig, *, world_size: int | None = None) -> Report:
@@ -166,9 +176,11 @@ def validate_config(cfg: TrainConfig, *, world_size: int | None = None) -> Repor
         report.errors += errors
         report.warnings += warnings
     found, unchecked = _component_issues(cfg)
-    report.warnings += found + unchecked
     report.warnings += _essentials(cfg)
+    report.warnings += found + unchecked
     report.warnings += [(e.path, f"not supported yet: {e.path} ({e.note})") for e in unsupported_entries(cfg)]
+    report.errors = _dedupe(report.errors)
+    report.warnings = _dedupe(report.warnings)
     return report
 
 
@@ -199,4 +211,4 @@ def check_trainable(
         for path, reason in warnings:
             warn(f"warning: {path}: {reason}")
     if issues:
-        raise ConfigError(issues)
+        raise ConfigError(_dedupe(issues))

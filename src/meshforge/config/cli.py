@@ -1,0 +1,159 @@
+"""`meshforge config {validate,show,schema,import}`: inspect configs without importing torch.
+
+`validate` runs every rule (errors exit 2 with `error: <key path>: <reason>` lines, no traceback;
+features not built yet and unchecked passthrough keys are warnings, exit 0). `show` prints the
+resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM file to
+native YAML. Also runnable as `python -m meshforge.config.cli ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshforge.config.base import ConfigError
+
+
+def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Register the `config` command and its sub-commands on a `meshforge` argparse subparsers object."""
+    config = subparsers.add_parser(
+        "config", help="validate, show, import or describe configs", description=__doc__
+    )
+    sub = config.add_subparsers(dest="config_command", metavar="{validate,show,schema,import}")
+    sub.required = True
+
+    validate = sub.add_parser("validate", help="check a config file against every rule")
+    validate.add_argument("file", help="native or MindSpeed-format YAML")
+    validate.add_argument(
+        "--world-size", type=int, default=None, help="also check parallel degrees for N processes"
+    )
+    validate.add_argument(
+        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
+    )
+    validate.add_argument(
+        "overrides", nargs=argparse.REMAINDER, default=[], help="--section.key=value overrides"
+    )
+
+    show = sub.add_parser("show", help="print the resolved config (defaults filled) as YAML")
+    show.add_argument("file", help="native or MindSpeed-format YAML")
+    show.add_argument(
+        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
+    )
+    show.add_argument("overrides", nargs=argparse.REMAINDER, default=[], help="--section.key=value overrides")
+
+    schema = sub.add_parser("schema", help="write the JSON schema of the config (for editors)")
+    schema.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+
+    imp = sub.add_parser("import", help="convert a MindSpeed-LLM YAML to native YAML")
+    imp.add_argument("file", help="MindSpeed-format YAML")
+    imp.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    imp.add_argument("-q", "--quiet", action="store_true", help="do not report what each key became")
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The `--section.key=value` overrides; options given after them are parsed here.
+
+    Overrides are collected with argparse.REMAINDER (argparse has no way to accept arbitrary
+    `--a.b=c` options), so `--world-size`/`--format` written after the file land there too.
+    """
+    rest = argparse.ArgumentParser(add_help=False)
+    rest.add_argument("--world-size", type=int, default=None)
+    rest.add_argument("--format", choices=["native", "mindspeed"], default=None)
+    known, remaining = rest.parse_known_args(list(getattr(args, "overrides", None) or []))
+    for name in ("world_size", "format"):
+        if getattr(known, name) is not None and hasattr(args, name):
+            setattr(args, name, getattr(known, name))
+    bad = [r for r in remaining if "=" not in r]
+    if bad:
+        raise ConfigError([(b, "expected a --section.key=value override") for b in bad])
+    return [o if o.startswith("--") else f"--{o}" for o in remaining]
+
+
+def _write(text: str, output: str | None) -> None:
+    if output:
+        Path(output).write_text(text, encoding="utf-8")
+        print(f"wrote {output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from meshforge.config.checks import validate_config
+    from meshforge.config.loader import load_config
+
+    notes: list[str] = []
+    overrides = _overrides(args)
+    cfg = load_config(args.file, overrides, fmt=args.format, log=notes.append)
+    report = validate_config(cfg, world_size=args.world_size)
+    for line in notes:
+        print(f"import: {line}", file=sys.stderr)
+    for path, reason in report.warnings:
+        print(f"warning: {path}: {reason}", file=sys.stderr)
+    if report.errors:
+        print(str(ConfigError(report.errors)), file=sys.stderr)
+        return 2
+    where = f" for world size {args.world_size}" if args.world_size else ""
+    print(f"{args.file}: valid{where} ({len(report.warnings)} warning(s))")
+    return 0
+
+
+def run_config_command(args: argparse.Namespace) -> int:
+    """Run a parsed `config` sub-command; returns the exit status (0 ok, 2 invalid config)."""
+    from meshforge.config.dump import dump_config
+    from meshforge.config.loader import load_config, load_native_dict
+    from meshforge.config.schema import schema_json
+
+    try:
+        if args.config_command == "validate":
+            return _validate(args)
+        if args.config_command == "show":
+            overrides = _overrides(args)
+            cfg = load_config(args.file, overrides, fmt=args.format)
+            _write(dump_config(cfg), None)
+            return 0
+        if args.config_command == "schema":
+            _write(schema_json(), args.output)
+            return 0
+        if args.config_command == "import":
+            notes: list[str] = []
+            data, _, kind = load_native_dict(args.file, fmt="mindspeed", log=notes.append)
+            # Validate the result so `import` never prints a config that `train` would reject on load.
+            from meshforge.config.loader import config_from_dict, dump_yaml
+
+            config_from_dict(data, source=args.file)
+            if not args.quiet:
+                for line in notes:
+                    print(f"import: {line}", file=sys.stderr)
+            header = f"# Imported from {args.file} (MindSpeed-LLM format) by `meshforge config import`.\n"
+            _write(header + dump_yaml(data), args.output)
+            return 0
+    except ConfigError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    raise SystemExit(f"unknown config command {args.config_command!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m meshforge.config.cli <sub-command> ...`."""
+    parser = argparse.ArgumentParser(prog="meshforge")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_config_commands(subparsers)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "config":
+        argv = ["config", *argv]
+    args, extra = parser.parse_known_args(argv)
+    bad = [e for e in extra if not (e.startswith("--") and "=" in e)]
+    if bad:
+        parser.error(f"unrecognised arguments: {' '.join(bad)}")
+    if extra:
+        args.overrides = [*(getattr(args, "overrides", None) or []), *extra]
+    return run_config_command(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
