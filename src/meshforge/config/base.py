@@ -246,7 +246,15 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> list[Issu
             msg = msg[len("Value error, ") :]
         elif kind == "assertion_error" and msg.startswith("Assertion failed, "):
             msg = msg[len("Assertion failed, ") :]
-        elif kind not in ("meshforge_rule", "not_a_mapping", "bool_not_number"):
+        elif kind == "bool_type":
+            msg = f"must be true or false (got {item.get('input')!r})"
+        elif kind not in (
+            "meshforge_rule",
+            "not_a_mapping",
+            "bool_not_number",
+            "layer_spec",
+            "layer_spec_order",
+        ):
             got = item.get("input", None)
             if not isinstance(got, dict | list) and kind != "extra_forbidden":
                 msg = f"{msg} (got {got!r})"

@@ -42,23 +42,23 @@ def parse_layer_spec(value: Any) -> LayerRange:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise PydanticCustomError(
             "layer_spec",
-            "layer spec must be a string like '0-3' or '5' or an int, got {got!r}",
-            {"got": value},
+            "layer spec must be a string like '0-3' or '5' or an int, got {got}",
+            {"got": repr(value)},
         )
     match = _SPEC.match(str(value).strip())
     if not match:
         raise PydanticCustomError(
             "layer_spec",
-            "invalid layer spec {got!r}: write 'lo-hi' (inclusive) or a single layer number, quoted in YAML",
-            {"got": value},
+            "invalid layer spec {got}: write 'lo-hi' (inclusive) or a single layer number, quoted in YAML",
+            {"got": repr(value)},
         )
     lo = int(match.group(1))
     hi = int(match.group(2)) if match.group(2) is not None else lo
     if lo > hi:
         raise PydanticCustomError(
             "layer_spec",
-            "invalid layer spec {got!r}: start {lo} is greater than end {hi}",
-            {"got": value, "lo": lo, "hi": hi},
+            "invalid layer spec {got}: start {lo} is greater than end {hi}",
+            {"got": repr(value), "lo": lo, "hi": hi},
         )
     return LayerRange(lo, hi)
 
@@ -68,7 +68,7 @@ def _ascending(specs: list[LayerRange]) -> list[LayerRange]:
         if cur.lo <= prev.hi:
             raise PydanticCustomError(
                 "layer_spec_order",
-                "layer specs must be strictly ascending and non-overlapping: {cur!r} starts at or before the end of {prev!r}",
+                "layer specs must be strictly ascending and non-overlapping: '{cur}' starts at or before the end of '{prev}'",
                 {"cur": str(cur), "prev": str(prev)},
             )
     return specs

@@ -46,7 +46,7 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
         issues.append(
             (
                 "model.use_flash_attention",
-                f"{alias} contradicts kernels.use_flash_attn ({cfg.kernels.use_flash_attn}); it is an alias, set one of them",
+                f"{str(alias).lower()} contradicts kernels.use_flash_attn ({str(cfg.kernels.use_flash_attn).lower()}); it is an alias, set one of them",
             )
         )
 

@@ -46,6 +46,7 @@ def _sft_entries() -> list[Unsupported]:
             "SFT data pipeline (comes with the SFT data work)",
         )
         for name in SFT_FIELDS
+        if name != "dataloader_type"  # a single allowed value: nothing to refuse
     ]
 
 

@@ -198,7 +198,7 @@ class ParallelismConfig(StrictSection):
             if wanted != self.reshard_after_forward_policy:
                 raise rule_error(
                     "reshard_after_forward",
-                    f"{self.reshard_after_forward} contradicts reshard_after_forward_policy "
+                    f"{str(self.reshard_after_forward).lower()} contradicts reshard_after_forward_policy "
                     f"'{self.reshard_after_forward_policy}'; set only one of them",
                 )
         return self
