@@ -107,6 +107,40 @@ def test_wsd_values() -> None:
     assert k(55) == approx(LR - (LR - 1e-7) * 0.5) and k(T) == approx(1e-7)
 
 
+def test_polynomial_values() -> None:
+    T, W = 110, 10
+    f = lr_schedule("PolynomialWithWarmUpLR", LR, T, {"warmup_steps": W, "power": 2.0, "lr_end": 1e-5})
+    assert f(0) == 0.0 and f(W) == approx(LR)
+    assert f(60) == approx(1e-5 + (LR - 1e-5) * 0.25)  # midpoint: (1 - 1/2) ** 2
+    assert f(T - 1) == approx(1e-5 + (LR - 1e-5) * 0.01**2)  # still decaying on the last step
+    assert f(T) == approx(1e-5) and f(T + 7) == approx(1e-5)
+    g = lr_schedule("PolynomialWithWarmUpLR", LR, None, {"warmup_steps": W, "decay_steps": 20, "min_lr": 0})
+    assert g(20) == approx(LR / 2) and g(30) == 0.0  # decay_steps is the length after the warm-up
+    assert lr_schedule("PolynomialWithWarmUpLR", LR, 100, {})(100) == approx(1e-7)  # MindFormers floor
+
+
+def test_cosine_with_restarts_values() -> None:
+    T, W = 110, 10
+    f = lr_schedule("CosineWithRestartsAndWarmUpLR", LR, T, {"warmup_steps": W, "num_cycles": 2})
+    assert f(5) == approx(LR / 2) and f(W) == approx(LR)
+    assert f(35) == approx(LR / 2)  # half-way through the first of two cycles
+    assert f(59) == approx(LR * 0.5 * (1 + math.cos(math.pi * 0.98)))  # near the bottom
+    assert f(60) == approx(LR)  # hard restart
+    assert f(85) == approx(LR / 2) and f(T) == 0.0 and f(500) == 0.0
+
+
+def test_cosine_annealing_values() -> None:
+    f = lr_schedule("CosineAnnealingLR", LR, None, {"t_max": 10, "eta_min": 1e-4})
+    assert f(0) == approx(LR) and f(5) == approx(1e-4 + (LR - 1e-4) / 2) and f(10) == approx(1e-4)
+    assert f(20) == approx(LR)  # periodic, as torch's closed form
+    g = lr_schedule("CosineAnnealingWarmRestarts", LR, None, {"t_0": 4, "t_mult": 2})
+    # Periods 4, 8, 16: restarts at t = 4, 12, 28.
+    assert [g(t) == approx(LR) for t in (0, 4, 12, 28)] == [True] * 4
+    assert g(2) == approx(LR / 2) and g(8) == approx(LR / 2) and g(20) == approx(LR / 2)
+    h = lr_schedule("CosineAnnealingWarmRestarts", LR, None, {"t_0": 4})
+    assert h(6) == approx(LR / 2) and h(8) == approx(LR)
+
+
 def test_total_steps_option_overrides_training_steps() -> None:
     f = lr_schedule("LinearWithWarmUpLR", LR, 50, {"total_steps": 100})
     assert f(50) == approx(LR / 2)
@@ -157,7 +191,15 @@ def test_total_steps_option_overrides_training_steps() -> None:
         ("CosineWithWarmUpLR", 100, {"warmup_steps": 2.5}, "expected an integer"),
         ("CosineWithWarmUpLR", 100, {"num_cycles": 0}, "lr_scheduler.num_cycles: must be in (0, inf]"),
         ("CosineLR", 100, {}, "lr_scheduler.type: unknown lr_scheduler type 'CosineLR'"),
-        ("PolynomialWithWarmUpLR", 100, {}, "not supported yet: lr_scheduler.type=PolynomialWithWarmUpLR"),
+        ("ConstantWithCoolDownLR", 100, {}, "not supported yet: lr_scheduler.type=ConstantWithCoolDownLR"),
+        (
+            "CosineAnnealingLR",
+            100,
+            {},
+            "lr_scheduler.t_max: required for lr_scheduler type CosineAnnealingLR",
+        ),
+        ("CosineAnnealingWarmRestarts", 100, {"t_0": None}, "lr_scheduler.t_0: required"),
+        ("PolynomialWithWarmUpLR", 100, {"power": 0}, "lr_scheduler.power: must be in (0, inf]"),
     ],
 )
 def test_schedule_errors_name_the_key(type_: str, total, options: dict, fragment: str) -> None:

@@ -41,6 +41,19 @@ Types:
   `decay_start_steps`, else `int(T * decay_start_ratio)`, else `T - int(T * decay_ratio)`
   (`decay_ratio` = share of the run spent decaying, the common WSD knob), else the end of the
   warm-up (no stable phase).
+* `PolynomialWithWarmUpLR`: warm-up, then `lr_end + (lr - lr_end) * (1 - (t - W) / L) ** power`
+  for W <= t < W + L, `lr_end` after, with L = `decay_steps`, else total_steps - W (`power` 1.0,
+  `lr_end` 1e-7 by default, as in MindFormers). Deliberate difference: MindFormers compares the
+  absolute step with L and so drops to `lr_end` W steps early; here the decay lasts L steps.
+* `CosineWithRestartsAndWarmUpLR`: warm-up, then `num_cycles` (default 1) hard-restarted
+  half-cosines from `learning_rate` to `lr_end` between W and D (`decay_steps`, default
+  total_steps), `lr_end` from D on (MindFormers returns 0 there; `lr_end` is the floor it asked for).
+* `CosineAnnealingLR`: `eta_min + (lr - eta_min) * (1 + cos(pi t / t_max)) / 2`, periodic, no
+  warm-up; `t_max` is required. Never reads total_steps.
+* `CosineAnnealingWarmRestarts` (SGDR): the same over periods `t_0`, `t_0 * t_mult`, ...,
+  restarting at `learning_rate`; `t_0` is required. Never reads total_steps.
+
+`ConstantWithCoolDownLR` is recognised but not built (`not supported yet`).
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshforge.optim.specs import resolve_scheduler_options
@@ -77,34 +91,184 @@ class _Total:
         return total
 
 
-def _warmup_steps(opts: Mapping[str, Any], total: _Total) -> int:
-    """Warm-up length: `warmup_steps`, else `int(total * warmup_ratio)`, else 0."""
-    if opts.get("warmup_steps") is not None:
-        return int(opts["warmup_steps"])
-    if opts.get("warmup_ratio") is not None:
-        return int(total.get("warmup_ratio") * opts["warmup_ratio"])
-    return 0
+@dataclass
+class _Ctx:
+    """What every schedule builder gets: the peak, typed options, the lazy total, the warm-up."""
+
+    canon: str
+    lr: float
+    opts: dict[str, Any]
+    raw: Mapping[str, Any]  # the options as written, to tell an explicit lr_end from a default
+    total: _Total
+    warmup: int = 0
+    init: float = 0.0
+
+    def ramp(self, t: int) -> float:
+        return self.init + (self.lr - self.init) * t / self.warmup
+
+    def lr_end(self) -> float:
+        lr_end = float(self.opts["lr_end"])
+        explicit = "min_lr" if "min_lr" in self.raw else "lr_end" if "lr_end" in self.raw else None
+        if explicit and lr_end > self.lr:
+            raise ValueError(
+                f"{_S}.{explicit}: the final learning rate ({lr_end:g}) is above "
+                f"{_S}.learning_rate ({self.lr:g}); the decay would increase it"
+            )
+        return lr_end
+
+    def fits(self, end: int, end_name: str) -> None:
+        if self.warmup > end:
+            raise ValueError(
+                f"{_S}.warmup_steps: the warm-up ({self.warmup} steps) is longer than {end_name} ({end})"
+            )
+
+    def decay_end(self, *, ratio: bool) -> tuple[int, str]:
+        """The step where a cosine-type decay ends: decay_steps, int(T*decay_ratio), or T."""
+        if self.opts.get("decay_steps") is not None:
+            end, name = int(self.opts["decay_steps"]), f"{_S}.decay_steps"
+        elif ratio and self.opts.get("decay_ratio") is not None:
+            end = int(self.total.get("decay_ratio") * self.opts["decay_ratio"])
+            name = f"int(total_steps * {_S}.decay_ratio)"
+        else:
+            end, name = self.total.get(self.canon), "the schedule"
+        self.fits(end, name)
+        return end, name
 
 
-def _warmup(lr: float, init: float, warmup: int) -> Callable[[int], float]:
+def _constant(c: _Ctx) -> Callable[[int], float]:
+    return lambda t: c.ramp(t) if t < c.warmup else c.lr
+
+
+def _linear(c: _Ctx) -> Callable[[int], float]:
+    lr, lr_end, warmup, T = c.lr, c.lr_end(), c.warmup, c.total.get(c.canon)
+    c.fits(T, "the schedule")
+    span = max(1, T - warmup)
+
     def at(t: int) -> float:
-        return init + (lr - init) * t / warmup
+        if t < warmup:
+            return c.ramp(t)
+        return lr_end + (lr - lr_end) * max(0.0, (T - t) / span)
 
     return at
 
 
-def _check_floor(lr: float, options: Mapping[str, Any], lr_end: float) -> None:
-    explicit = "min_lr" if "min_lr" in options else "lr_end" if "lr_end" in options else None
-    if explicit and lr_end > lr:
+def _cosine(c: _Ctx) -> Callable[[int], float]:
+    lr, lr_end, warmup = c.lr, c.lr_end(), c.warmup
+    D, _ = c.decay_end(ratio=True)
+    span = max(1, D - warmup)
+    cycles = float(c.opts["num_cycles"])
+
+    def at(t: int) -> float:
+        if t >= D:
+            return lr_end
+        if t < warmup:
+            return c.ramp(t)
+        factor = 0.5 * (1.0 + math.cos(math.pi * 2.0 * cycles * (t - warmup) / span))
+        return lr_end + (lr - lr_end) * max(0.0, factor)
+
+    return at
+
+
+def _wsd(c: _Ctx) -> Callable[[int], float]:
+    lr, lr_end, warmup, T = c.lr, c.lr_end(), c.warmup, c.total.get(c.canon)
+    c.fits(T, "the schedule")
+    o = c.opts
+    if o.get("decay_start_steps") is not None:
+        S, key = int(o["decay_start_steps"]), "decay_start_steps"
+    elif o.get("decay_start_ratio") is not None:
+        S, key = int(T * o["decay_start_ratio"]), "decay_start_ratio"
+    elif o.get("decay_ratio") is not None:
+        S, key = T - int(T * o["decay_ratio"]), "decay_ratio"
+    else:
+        S, key = warmup, ""
+    if key and not warmup <= S <= T:
         raise ValueError(
-            f"{_S}.{explicit}: the final learning rate ({lr_end:g}) is above "
-            f"{_S}.learning_rate ({lr:g}); the decay would increase it"
+            f"{_S}.{key}: the decay would start at step {S}, which must lie between the end "
+            f"of the warm-up ({warmup}) and the total steps ({T})"
         )
+    span = max(1, T - S)
+
+    def at(t: int) -> float:
+        if t < warmup:
+            return c.ramp(t)
+        if t < S:
+            return lr
+        return lr - (lr - lr_end) * min(1.0, (t - S) / span)
+
+    return at
 
 
-def _check_warmup_fits(warmup: int, end: int, end_name: str) -> None:
-    if warmup > end:
-        raise ValueError(f"{_S}.warmup_steps: the warm-up ({warmup} steps) is longer than {end_name} ({end})")
+def _polynomial(c: _Ctx) -> Callable[[int], float]:
+    lr, lr_end, warmup, power = c.lr, c.lr_end(), c.warmup, float(c.opts["power"])
+    if c.opts.get("decay_steps") is not None:
+        span = int(c.opts["decay_steps"])
+    else:
+        T = c.total.get(c.canon)
+        c.fits(T, "the schedule")
+        span = max(1, T - warmup)
+
+    def at(t: int) -> float:
+        if t < warmup:
+            return c.ramp(t)
+        if t >= warmup + span:
+            return lr_end
+        return lr_end + (lr - lr_end) * (1.0 - (t - warmup) / span) ** power
+
+    return at
+
+
+def _cosine_restarts(c: _Ctx) -> Callable[[int], float]:
+    lr, lr_end, warmup = c.lr, c.lr_end(), c.warmup
+    D, _ = c.decay_end(ratio=False)
+    span = max(1, D - warmup)
+    cycles = float(c.opts["num_cycles"])
+
+    def at(t: int) -> float:
+        if t >= D:
+            return lr_end
+        if t < warmup:
+            return c.ramp(t)
+        phase = (cycles * (t - warmup) / span) % 1.0
+        return lr_end + (lr - lr_end) * 0.5 * (1.0 + math.cos(math.pi * phase))
+
+    return at
+
+
+def _cosine_annealing(c: _Ctx) -> Callable[[int], float]:
+    lr, eta_min, t_max = c.lr, float(c.opts["eta_min"]), int(c.opts["t_max"])
+    # Periodic like torch's closed form: back at learning_rate after 2 * t_max steps.
+    return lambda t: eta_min + (lr - eta_min) * 0.5 * (1.0 + math.cos(math.pi * t / t_max))
+
+
+def _cosine_warm_restarts(c: _Ctx) -> Callable[[int], float]:
+    lr, eta_min = c.lr, float(c.opts["eta_min"])
+    t_0, t_mult = int(c.opts["t_0"]), int(c.opts["t_mult"])
+
+    def at(t: int) -> float:
+        # Integer walk over the periods (t_0, t_0*t_mult, ...): exact at every restart, unlike
+        # the closed form through log(), which can misplace a boundary by rounding.
+        period = t_0
+        if t_mult == 1:
+            t %= t_0
+        else:
+            while t >= period:
+                t -= period
+                period *= t_mult
+        return eta_min + (lr - eta_min) * 0.5 * (1.0 + math.cos(math.pi * t / period))
+
+    return at
+
+
+_BUILDERS: dict[str, Callable[[_Ctx], Callable[[int], float]]] = {
+    "ConstantWarmUpLR": _constant,
+    "LinearWithWarmUpLR": _linear,
+    "CosineWithWarmUpLR": _cosine,
+    "WarmUpStableDecayLR": _wsd,
+    "PolynomialWithWarmUpLR": _polynomial,
+    "CosineWithRestartsAndWarmUpLR": _cosine_restarts,
+    "CosineAnnealingLR": _cosine_annealing,
+    "CosineAnnealingWarmRestarts": _cosine_warm_restarts,
+}
 
 
 def lr_schedule(
@@ -134,82 +298,13 @@ def lr_schedule(
     canon, opts = resolve_scheduler_options(type, options)
     if canon is None:
         return lambda t: lr
-    total = _Total(total_steps, opts.get("total_steps"))
-    warmup = _warmup_steps(opts, total)
-    init = float(opts.get("warmup_lr_init") or 0.0)
-    ramp = _warmup(lr, init, warmup)
-
-    if canon == "ConstantWarmUpLR":
-        return lambda t: ramp(t) if t < warmup else lr
-
-    lr_end = float(opts["lr_end"])
-    _check_floor(lr, options, lr_end)
-
-    if canon == "LinearWithWarmUpLR":
-        T = total.get(canon)
-        _check_warmup_fits(warmup, T, "the schedule")
-        span = max(1, T - warmup)
-
-        def linear(t: int) -> float:
-            if t < warmup:
-                return ramp(t)
-            return lr_end + (lr - lr_end) * max(0.0, (T - t) / span)
-
-        return linear
-
-    if canon == "CosineWithWarmUpLR":
-        if opts.get("decay_steps") is not None:
-            D = int(opts["decay_steps"])
-            end_name = f"{_S}.decay_steps"
-        elif opts.get("decay_ratio") is not None:
-            D = int(total.get("decay_ratio") * opts["decay_ratio"])
-            end_name = f"int(total_steps * {_S}.decay_ratio)"
-        else:
-            D = total.get(canon)
-            end_name = "the schedule"
-        _check_warmup_fits(warmup, D, end_name)
-        span = max(1, D - warmup)
-        cycles = float(opts["num_cycles"])
-
-        def cosine(t: int) -> float:
-            if t >= D:
-                return lr_end
-            if t < warmup:
-                return ramp(t)
-            progress = (t - warmup) / span
-            factor = max(0.0, 0.5 * (1.0 + math.cos(math.pi * 2.0 * cycles * progress)))
-            return lr_end + (lr - lr_end) * factor
-
-        return cosine
-
-    if canon == "WarmUpStableDecayLR":
-        T = total.get(canon)
-        _check_warmup_fits(warmup, T, "the schedule")
-        if opts.get("decay_start_steps") is not None:
-            S, start_key = int(opts["decay_start_steps"]), "decay_start_steps"
-        elif opts.get("decay_start_ratio") is not None:
-            S, start_key = int(T * opts["decay_start_ratio"]), "decay_start_ratio"
-        elif opts.get("decay_ratio") is not None:
-            S, start_key = T - int(T * opts["decay_ratio"]), "decay_ratio"
-        else:
-            S, start_key = warmup, ""
-        if start_key and not warmup <= S <= T:
-            raise ValueError(
-                f"{_S}.{start_key}: the decay would start at step {S}, which must lie between the end "
-                f"of the warm-up ({warmup}) and the total steps ({T})"
-            )
-        span = max(1, T - S)
-
-        def wsd(t: int) -> float:
-            if t < warmup:
-                return ramp(t)
-            if t < S:
-                return lr
-            return lr - (lr - lr_end) * min(1.0, (t - S) / span)
-
-        return wsd
-
-    raise AssertionError(f"scheduler {canon} has a spec but no implementation")  # pragma: no cover
+    ctx = _Ctx(canon=canon, lr=lr, opts=opts, raw=options, total=_Total(total_steps, opts.get("total_steps")))
+    if opts.get("warmup_steps") is not None:
+        ctx.warmup = int(opts["warmup_steps"])
+    elif opts.get("warmup_ratio") is not None:
+        ctx.warmup = int(ctx.total.get("warmup_ratio") * opts["warmup_ratio"])
+    ctx.init = float(opts.get("warmup_lr_init") or 0.0)
+    return _BUILDERS[canon](ctx)
 
 
 @functools.cache

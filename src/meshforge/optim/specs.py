@@ -56,6 +56,7 @@ class OptionSpec:
         default: value used when the key is absent (None means "not set").
         lo, hi: inclusive bounds (None = unbounded); `lo_open`/`hi_open` make them exclusive.
         alias_of: canonical key this one is another name for (e.g. `min_lr` -> `lr_end`).
+        required: the type cannot be built without this key.
     """
 
     name: str
@@ -67,6 +68,7 @@ class OptionSpec:
     lo_open: bool = False
     hi_open: bool = False
     alias_of: str | None = None
+    required: bool = False
 
     def range_text(self) -> str:
         left = "(" if self.lo_open else "["
@@ -110,15 +112,13 @@ SCHEDULERS_BUILT: tuple[str, ...] = (
     "LinearWithWarmUpLR",
     "CosineWithWarmUpLR",
     "WarmUpStableDecayLR",
-)
-# Other MindFormers schedule names: recognised, refused by `train` until built.
-SCHEDULERS_PLANNED: tuple[str, ...] = (
-    "CosineWithRestartsAndWarmUpLR",
     "PolynomialWithWarmUpLR",
-    "ConstantWithCoolDownLR",
+    "CosineWithRestartsAndWarmUpLR",
     "CosineAnnealingLR",
     "CosineAnnealingWarmRestarts",
 )
+# Other MindFormers schedule names: recognised, refused by `train` until built.
+SCHEDULERS_PLANNED: tuple[str, ...] = ("ConstantWithCoolDownLR",)
 
 _WARMUP = (
     OptionSpec("warmup_steps", "int", "Steps of linear warm-up; wins over warmup_ratio.", lo=0),
@@ -207,11 +207,59 @@ SCHEDULER_SPECS: dict[str, dict[str, OptionSpec]] = {
     ),
 }
 
+_ETA_MIN = OptionSpec("eta_min", "float", "Lowest learning rate of each cosine.", default=0.0, lo=0.0)
+SCHEDULER_SPECS["PolynomialWithWarmUpLR"] = _table(
+    *_WARMUP,
+    *_lr_end(1e-7),
+    OptionSpec(
+        "power",
+        "float",
+        "Exponent of the polynomial decay (1.0 = linear).",
+        default=1.0,
+        lo=0.0,
+        lo_open=True,
+    ),
+    OptionSpec(
+        "decay_steps",
+        "int",
+        "Length of the decay after the warm-up (default: total_steps - warm-up); lr_end afterwards.",
+        lo=1,
+    ),
+)
+SCHEDULER_SPECS["CosineWithRestartsAndWarmUpLR"] = _table(
+    *_WARMUP,
+    *_lr_end(0.0),
+    OptionSpec(
+        "num_cycles",
+        "float",
+        "Number of restarts (hard restarts to the peak) between the warm-up and decay_steps.",
+        default=1.0,
+        lo=0.0,
+        lo_open=True,
+    ),
+    OptionSpec(
+        "decay_steps", "int", "Step at which the schedule ends at lr_end (default: total_steps).", lo=1
+    ),
+)
+SCHEDULER_SPECS["CosineAnnealingLR"] = _table(
+    OptionSpec(
+        "t_max", "int", "Steps of one half-cosine from learning_rate to eta_min.", lo=1, required=True
+    ),
+    _ETA_MIN,
+)
+SCHEDULER_SPECS["CosineAnnealingWarmRestarts"] = _table(
+    OptionSpec("t_0", "int", "Steps until the first restart.", lo=1, required=True),
+    OptionSpec("t_mult", "int", "Factor by which each period grows after a restart.", default=1, lo=1),
+    _ETA_MIN,
+)
+
 # Pairs that contradict each other when both are given (neither has precedence).
 _EXCLUSIVE: dict[str, tuple[tuple[str, str], ...]] = {
     "LinearWithWarmUpLR": (("lr_end", "min_lr"),),
     "CosineWithWarmUpLR": (("lr_end", "min_lr"),),
     "WarmUpStableDecayLR": (("lr_end", "min_lr"), ("decay_start_ratio", "decay_ratio")),
+    "PolynomialWithWarmUpLR": (("lr_end", "min_lr"),),
+    "CosineWithRestartsAndWarmUpLR": (("lr_end", "min_lr"),),
 }
 
 # ----------------------------------------------------------------------------- helpers
@@ -332,6 +380,9 @@ def _check(
     for a, b in exclusive:
         if a in values and b in values:
             problems.append((b, f"conflicts with {a}: give only one of them"))
+    for name, spec in table.items():
+        if spec.required and values.get(name) is None and all(k != name for k, _ in problems):
+            problems.append((name, f"required for {owner}: {spec.description}"))
     return values, problems
 
 
