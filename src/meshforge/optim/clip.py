@@ -11,6 +11,9 @@ all-reduce per mesh, not per parameter); norms of different meshes (e.g. dense v
 weights) and of plain tensors are then combined as `sqrt(sum(n_i^2))`. The result is a plain,
 replicated float32 scalar tensor, the same on every rank.
 
+Pipeline parallelism (not built yet) will need one more reduction: each stage holds different
+parameters, so the squared norms must also be summed over the `pp` mesh.
+
 No host synchronisation: the decision "scale or not" is made with tensor ops (a factor of
 exactly 1.0 leaves gradients bitwise unchanged), so CUDA steps do not stall on `.item()`.
 """

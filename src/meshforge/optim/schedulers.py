@@ -17,9 +17,10 @@ Conventions (shared by all types):
   `int(total_steps * warmup_ratio)` steps.
 * `total_steps` is `training.steps` unless the section sets `total_steps` > 0 (null, -1 or 0
   keep `training.steps`, as in MindFormers); a longer horizon lets a short run follow the
-  schedule of a longer one (e.g. run k steps now, resume to 2k later with identical values). A schedule reads it only where its values depend on
-  it: `ConstantWarmUpLR` with `warmup_steps` (or without warm-up) never does, so its values do not
-  change when a run is extended and resumed.
+  schedule of a longer one (run k steps now, resume to 2k later with identical values).
+  A schedule reads it only where its values depend on it: `ConstantWarmUpLR` with
+  `warmup_steps` (or without warm-up) never does, so its values do not change when a run is
+  extended and resumed.
 * `min_lr` (MindSpeed's name) is an alias of `lr_end`; giving both is an error. An explicit
   floor above `learning_rate` is an error.
 * `lr_scheduler.type: null` means a constant `learning_rate` and takes no options.
