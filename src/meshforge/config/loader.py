@@ -158,8 +158,10 @@ def _ms_key(key: str, value: Any) -> bool:
     if key in ("data", "parallel", "optimization"):
         return True
     # `recompute`/`optimizer` are both a native section (mapping) and a MindSpeed flat key (bool/str).
-    if key in ("recompute", "optimizer"):
-        return not isinstance(value, dict)
+    if key == "recompute":
+        return isinstance(value, bool)
+    if key == "optimizer":
+        return isinstance(value, str)
     return key in importer.ALL_KEYS and key not in SECTIONS
 
 

@@ -60,7 +60,25 @@ class TrainConfig(StrictSection):
                 for k, v in data.items()
                 if not (v is None and k in cls.model_fields and k != "lora_config")
             }
+            data = _flash_alias(data)
         return data
+
+
+def _flash_alias(data: dict[str, Any]) -> dict[str, Any]:
+    """Carry `model.use_flash_attention` into `kernels.use_flash_attn` unless the latter is written.
+
+    One switch, two spellings (the MindFormers model key and the MindSpeed kernel flag): the
+    trainer reads `kernels`; a contradiction between two written values is an error in rules.py.
+    """
+    model, kernels = data.get("model"), data.get("kernels", {})
+    if (
+        isinstance(model, dict)
+        and isinstance(kernels, dict)
+        and isinstance(model.get("use_flash_attention"), bool)
+    ):
+        if "use_flash_attn" not in kernels:
+            data = {**data, "kernels": {**kernels, "use_flash_attn": model["use_flash_attention"]}}
+    return data
 
 
 SECTIONS: tuple[str, ...] = tuple(TrainConfig.model_fields)

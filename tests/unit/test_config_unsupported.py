@@ -1,0 +1,211 @@
+"""The "not supported yet" list: silent for the defaults, each entry fires on its own key path."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshforge.config import ConfigError, TrainConfig, check_trainable, config_from_dict, unsupported_features
+from meshforge.config.unsupported import ENTRIES
+
+# A minimal config that turns each entry's feature on (validity rules satisfied).
+TRIGGERS: dict[str, dict] = {
+    "parallelism.tensor_parallel": {"parallelism": {"tensor_parallel": 2}},
+    "parallelism.context_parallel": {"parallelism": {"context_parallel": 2}},
+    "parallelism.pipeline_parallel": {"parallelism": {"pipeline_parallel": 2}},
+    "parallelism.expert_parallel": {"parallelism": {"expert_parallel": 2}},
+    "parallelism.ep_fsdp_size": {"parallelism": {"ep_fsdp_size": 2}},
+    "parallelism.cpu_offload": {"parallelism": {"cpu_offload": True}},
+    "parallelism.context_parallel_async": {"parallelism": {"context_parallel_async": True}},
+    "parallelism.pipeline_parallel_overlap_p2p": {"parallelism": {"pipeline_parallel_overlap_p2p": True}},
+    "parallelism.pipeline_parallel_overlap_b_f": {"parallelism": {"pipeline_parallel_overlap_b_f": True}},
+    "parallelism.pipeline_parallel_enable_dxdw_split": {
+        "parallelism": {"pipeline_parallel_enable_dxdw_split": True}
+    },
+    "parallelism.enable_mc2": {"parallelism": {"enable_mc2": True}},
+    "parallelism.enable_loss_parallel": {"parallelism": {"enable_loss_parallel": True}},
+    "parallelism.data_parallel_shard_strategy": {"parallelism": {"data_parallel_shard_strategy": "optim"}},
+    "parallelism.dense_fsdp_shard_size": {"parallelism": {"dense_fsdp_shard_size": 2}},
+    "parallelism.fsdp_modules": {"parallelism": {"fsdp_modules": ["model.layers.{*}.mlp"]}},
+    "parallelism.ignored_modules": {"parallelism": {"ignored_modules": ["lm_head"]}},
+    "parallelism.shard_placement_fn": {"parallelism": {"shard_placement_fn": "my_fn"}},
+    "parallelism.efsdp_shard_placement_fn": {"parallelism": {"efsdp_shard_placement_fn": "shard_by_dim_0"}},
+    "parallelism.hook_modules": {"parallelism": {"hook_modules": ["model.norm"]}},
+    "parallelism.tp_colwise": {"parallelism": {"tp_colwise": ["*.q_proj"]}},
+    "parallelism.tp_rowwise": {"parallelism": {"tp_rowwise": ["*.o_proj"]}},
+    "parallelism.ep_modules": {"parallelism": {"ep_modules": ["model.layers.{*}.moe"]}},
+    "parallelism.ep_fsdp_modules": {"parallelism": {"ep_fsdp_modules": ["model.layers.{*}.moe"]}},
+    "parallelism.ep_dispatcher": {"parallelism": {"ep_dispatcher": "fused"}},
+    "parallelism.num_to_forward_prefetch": {"parallelism": {"num_to_forward_prefetch": 2}},
+    "parallelism.num_to_backward_prefetch": {"parallelism": {"num_to_backward_prefetch": 0}},
+    "parallelism.disable_gradient_division": {"parallelism": {"disable_gradient_division": False}},
+    "parallelism.enable_chunk_batch": {"parallelism": {"enable_chunk_batch": True}},
+    "parallelism.chunk_mbs": {"parallelism": {"chunk_mbs": 2}},
+    "parallelism.chunk_mbs_modules": {"parallelism": {"chunk_mbs_modules": ["model.layers.{0-3}"]}},
+    "parallelism.chunk_mbs_kwarg_names": {"parallelism": {"chunk_mbs_kwarg_names": ["input_ids"]}},
+    "recompute.mode": {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"]}},
+    "recompute_comm.enable": {"recompute_comm": {"enable": True, "select_module": {"attn": ["0"]}}},
+    "swap.enable": {"swap": {"enable": True}},
+    "profiler.enable_profiling": {"profiler": {"enable_profiling": True}},
+    "monitor.moe_monitor": {"monitor": {"moe_monitor": {"target_layers": [0]}}},
+    "monitor.train_state": {"monitor": {"train_state": {"local_loss": True}}},
+    "monitor.health_checkpoint": {"monitor": {"health_checkpoint": {"global_norm_skip_time": 3}}},
+    "lora_config": {"lora_config": {}},
+    "callbacks": {"callbacks": [{"type": "Printer"}]},
+    "optimizer.type": {"optimizer": {"type": "Muon"}},
+    "optimizer.accumulate_allreduce_grads_in_fp32": {
+        "optimizer": {"accumulate_allreduce_grads_in_fp32": False}
+    },
+    "model.model_name_or_path": {"model": {"model_name_or_path": "/models/qwen3"}},
+    "model.model_id": {"model": {"model_id": "qwen3"}},
+    "model.quant_recipe_name": {"model": {"quant_recipe_name": "mxfp8"}},
+    "model.use_flash_attention": {"model": {"use_flash_attention": True}},
+    "kernels.use_flash_attn": {"kernels": {"use_flash_attn": "auto"}},
+    "kernels.use_fused_rmsnorm": {"kernels": {"use_fused_rmsnorm": True}},
+    "kernels.use_fused_rotary_pos_emb": {"kernels": {"use_fused_rotary_pos_emb": True}},
+    "kernels.moe_grouped_gemm": {"kernels": {"moe_grouped_gemm": True}},
+    "kernels.use_triton_gdn": {"kernels": {"use_triton_gdn": True}},
+    "kernels.use_flash_gdn": {"kernels": {"use_flash_gdn": True}},
+    "kernels.use_triton_rmsnormgated": {"kernels": {"use_triton_rmsnormgated": True}},
+    "kernels.use_ascend_mhc": {"model": {"model_id": "deepseek_v4"}, "kernels": {"use_ascend_mhc": True}},
+    "kernels.use_triton_swiglu_limit": {
+        "model": {"model_id": "deepseek_v4"},
+        "kernels": {"use_triton_swiglu_limit": True},
+    },
+    "kernels.fix_router": {"kernels": {"fix_router": True}},
+    "kernels.compile": {"kernels": {"compile": True}},
+    "kernels.chunk_loss_size": {"kernels": {"chunk_loss_size": 1024}},
+    "checkpoint.load_balanced": {"checkpoint": {"load_balanced": True}},
+    "checkpoint.remove_redundancy": {"checkpoint": {"remove_redundancy": True}},
+    "checkpoint.async_save": {"checkpoint": {"async_save": True}},
+    "checkpoint.save_hf_weights": {"checkpoint": {"save_hf_weights": True}},
+    "checkpoint.save_epochs": {"checkpoint": {"save_epochs": 1}},
+    "training.rampup_batch_size": {"training": {"rampup_batch_size": [1, 1, 100]}},
+    "training.epochs": {"training": {"epochs": 2}},
+    "training.eval_interval": {"training": {"eval_interval": 10}, "train_dataset": {"eval_dataset": "dev"}},
+    "training.stage": {"training": {"stage": "sft"}},
+    "training.router_aux_loss_coef": {"training": {"router_aux_loss_coef": 0.01}},
+    "inference": {"inference": {"max_new_tokens": 16}},
+    # SFT data fields under train_dataset.
+    "train_dataset.template": {"train_dataset": {"template": "qwen3"}},
+    "train_dataset.dataset": {"train_dataset": {"dataset": "alpaca"}},
+    "train_dataset.eval_dataset": {"train_dataset": {"eval_dataset": "dev"}},
+    "train_dataset.dataset_dir": {"train_dataset": {"dataset_dir": "./data"}},
+    "train_dataset.cutoff_len": {"train_dataset": {"cutoff_len": 1024}},
+    "train_dataset.train_on_prompt": {"train_dataset": {"train_on_prompt": True}},
+    "train_dataset.mask_history": {"train_dataset": {"mask_history": True}},
+    "train_dataset.streaming": {"train_dataset": {"streaming": True}},
+    "train_dataset.buffer_size": {"train_dataset": {"buffer_size": 10}},
+    "train_dataset.mix_strategy": {"train_dataset": {"mix_strategy": "interleave_over"}},
+    "train_dataset.interleave_probs": {
+        "train_dataset": {"dataset": "a,b", "mix_strategy": "interleave_under", "interleave_probs": "0.5,0.5"}
+    },
+    "train_dataset.overwrite_cache": {"train_dataset": {"overwrite_cache": True}},
+    "train_dataset.preprocessing_batch_size": {"train_dataset": {"preprocessing_batch_size": 10}},
+    "train_dataset.preprocessing_num_workers": {"train_dataset": {"preprocessing_num_workers": 2}},
+    "train_dataset.max_samples": {"train_dataset": {"max_samples": 5}},
+    "train_dataset.eval_num_beams": {"train_dataset": {"eval_num_beams": 2}},
+    "train_dataset.ignore_pad_token_for_loss": {"train_dataset": {"ignore_pad_token_for_loss": False}},
+    "train_dataset.val_size": {"train_dataset": {"dataset": "a", "val_size": 0.1}},
+    "train_dataset.eval_on_each_dataset": {"train_dataset": {"eval_on_each_dataset": True}},
+    "train_dataset.packing": {"train_dataset": {"packing": True}},
+    "train_dataset.neat_packing": {"train_dataset": {"neat_packing": True}},
+    "train_dataset.tool_format": {"train_dataset": {"tool_format": "qwen"}},
+    "train_dataset.default_system": {"train_dataset": {"default_system": "Be brief."}},
+    "train_dataset.enable_thinking": {"train_dataset": {"enable_thinking": False}},
+    "train_dataset.tokenized_path": {"train_dataset": {"tokenized_path": "./tok"}},
+    "train_dataset.data_shared_file_system": {"train_dataset": {"data_shared_file_system": True}},
+    "train_dataset.no_shared_storage": {"train_dataset": {"no_shared_storage": True}},
+    "train_dataset.create_attention_mask_in_dataloader": {
+        "train_dataset": {"create_attention_mask_in_dataloader": True}
+    },
+    "train_dataset.reset_attention_mask": {
+        "train_dataset": {"reset_attention_mask": True, "append_eod": True}
+    },
+    "train_dataset.append_eod": {"train_dataset": {"append_eod": True}},
+}
+
+
+def test_default_config_has_no_unsupported_features():
+    assert unsupported_features(TrainConfig()) == []
+
+
+def test_every_entry_has_a_trigger():
+    assert sorted(TRIGGERS) == sorted(entry.path for entry in ENTRIES)
+
+
+@pytest.mark.parametrize("path", sorted(TRIGGERS))
+def test_entry_fires_on_its_key(path):
+    cfg = config_from_dict(TRIGGERS[path])
+    assert path in unsupported_features(cfg)
+
+
+def test_defaults_written_out_are_not_features():
+    cfg = config_from_dict(
+        {
+            "parallelism": {
+                "fsdp_modules": ["model.layers.{}", "model.embed_tokens", "lm_head"],
+                "tensor_parallel": 1,
+            },
+            "inference": {"max_new_tokens": 512},
+            "monitor": {"train_state": {"local_loss": False}},
+            "recompute": {"mode": "None"},
+        }
+    )
+    assert unsupported_features(cfg) == []
+
+
+def test_check_trainable_refuses_with_key_path():
+    cfg = config_from_dict(
+        {
+            "model": {"model_type": "qwen3"},
+            "train_dataset": {
+                "dataloader": {"type": "TextDataLoader", "data_path": "x.txt", "seq_length": 8}
+            },
+            "parallelism": {"tensor_parallel": 2},
+            "swap": {"enable": True},
+        }
+    )
+    with pytest.raises(ConfigError) as info:
+        check_trainable(cfg)
+    text = str(info.value)
+    assert "error: parallelism.tensor_parallel: not supported yet: parallelism.tensor_parallel" in text
+    assert "error: swap.enable: not supported yet: swap.enable" in text
+
+
+def test_check_trainable_needs_a_model_and_a_loader():
+    with pytest.raises(ConfigError) as info:
+        check_trainable(TrainConfig())
+    paths = [p for p, _ in info.value.issues]
+    assert "model" in paths and "train_dataset.dataloader.type" in paths
+    assert "no model given: set model.model_type (e.g. qwen3) or model.model_name_or_path" in str(info.value)
+
+
+def test_check_trainable_reports_unknown_passthrough_key():
+    pytest.importorskip("meshforge.models.registry")
+    cfg = config_from_dict(
+        {
+            "model": {"model_type": "qwen3", "num_hiden_layers": 2},
+            "train_dataset": {
+                "dataloader": {"type": "TextDataLoader", "data_path": "x.txt", "seq_length": 8}
+            },
+        }
+    )
+    with pytest.raises(ConfigError) as info:
+        check_trainable(cfg)
+    assert "model.num_hiden_layers" in [p for p, _ in info.value.issues]
+    assert "num_hidden_layers" in str(info.value)
+
+
+def test_check_trainable_layers_from_config_json(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 2}')
+    cfg = config_from_dict(
+        {
+            "model": {"model_name_or_path": str(tmp_path)},
+            "recompute": {"mode": "full", "full_recompute_layer": ["0-3"]},
+        }
+    )
+    with pytest.raises(ConfigError) as info:
+        check_trainable(cfg)
+    assert any(
+        p == "recompute.full_recompute_layer[0]" and "out of range [0, 1]" in r for p, r in info.value.issues
+    )
