@@ -218,6 +218,19 @@ def test_ring_is_colossal(tmp_path):
     assert cfg.parallelism.cp_method() == "colossal"
 
 
+def test_reshard_alias_sets_policy(tmp_path):
+    assert (
+        _load(
+            tmp_path, "parallelism:\n  reshard_after_forward: false\n"
+        ).parallelism.reshard_after_forward_policy
+        == "never"
+    )
+    cfg = _load(
+        tmp_path, "parallelism:\n  reshard_after_forward: true\n  reshard_after_forward_policy: always\n"
+    )
+    assert cfg.parallelism.reshard_after_forward_policy == "always"
+
+
 def test_braces_pattern_normalised(tmp_path):
     cfg = _load(tmp_path, "parallelism:\n  fsdp_modules: ['model.layers.{}', lm_head]\n")
     assert cfg.parallelism.fsdp_modules == ["model.layers.{*}", "lm_head"]
@@ -248,7 +261,8 @@ def test_mindspeed_grouped_import():
     assert cfg.train_dataset.probabilities() == [0.7, 0.3]
     assert cfg.parallelism.data_parallel_shard == -1
     assert cfg.parallelism.fsdp_modules == ["model.layers.{*}", "model.embed_tokens", "lm_head"]
-    assert cfg.parallelism.param_dtype == "bf16" and cfg.parallelism.reduce_dtype == "fp32"
+    assert cfg.model.compute_dtype == "bfloat16" and cfg.model.params_dtype == "float32"
+    assert cfg.parallelism.param_dtype is None and cfg.parallelism.reduce_dtype == "fp32"
     assert cfg.recompute.mode == "full" and cfg.recompute.modules == ["model.layers.{*}"]
     assert cfg.training.output_dir == "./output/qwen3_sft"
     assert cfg.training.local_batch_size == 1 and cfg.training.gradient_accumulation_steps == 4
@@ -295,7 +309,7 @@ def test_mindspeed_defaults_applied(tmp_path):
     assert cfg.lr_scheduler.type == "CosineWithWarmUpLR"
     assert cfg.lr_scheduler.model_extra == {"warmup_ratio": 0.03, "min_lr": 1e-6}
     assert cfg.checkpoint.save_max == 3 and cfg.training.deterministic is True
-    assert cfg.parallelism.param_dtype == "bf16"
+    assert cfg.model.compute_dtype == "bfloat16"  # MindSpeed param_dtype bf16
     assert cfg.train_dataset.drop_remainder is False and cfg.train_dataset.num_parallel_workers == 0
 
 

@@ -38,6 +38,8 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.num_to_forward_prefetch": {"parallelism": {"num_to_forward_prefetch": 2}},
     "parallelism.num_to_backward_prefetch": {"parallelism": {"num_to_backward_prefetch": 0}},
     "parallelism.disable_gradient_division": {"parallelism": {"disable_gradient_division": False}},
+    "parallelism.param_dtype": {"parallelism": {"param_dtype": "bf16"}},
+    "parallelism.reduce_dtype": {"parallelism": {"reduce_dtype": "bf16"}},
     "parallelism.enable_chunk_batch": {"parallelism": {"enable_chunk_batch": True}},
     "parallelism.chunk_mbs": {"parallelism": {"chunk_mbs": 2}},
     "parallelism.chunk_mbs_modules": {"parallelism": {"chunk_mbs_modules": ["model.layers.{0-3}"]}},
@@ -149,6 +151,7 @@ def test_defaults_written_out_are_not_features():
             "inference": {"max_new_tokens": 512},
             "monitor": {"train_state": {"local_loss": False}},
             "recompute": {"mode": "None"},
+            "model": {"compute_dtype": "bf16"},
         }
     )
     assert unsupported_features(cfg) == []

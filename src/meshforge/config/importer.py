@@ -376,7 +376,6 @@ def _parallel(flat, given, to, choice, say) -> None:
         "ep_modules",
         "ep_fsdp_modules",
         "ep_dispatcher",
-        "param_dtype",
         "reduce_dtype",
         "num_to_forward_prefetch",
         "num_to_backward_prefetch",
@@ -389,6 +388,11 @@ def _parallel(flat, given, to, choice, say) -> None:
     ):
         if key in flat:
             to(f"parallelism.{key}", flat[key], key)
+    if "param_dtype" in flat:
+        # MindSpeed's FSDP param_dtype is the compute dtype of the sharded model; master weights stay fp32.
+        dtype = choice("param_dtype", {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"})
+        if dtype:
+            to("model.compute_dtype", dtype, "param_dtype")
     if flat.get("recompute") is True:
         to("recompute.mode", "full", "recompute")
         to("recompute.modules", flat.get("recompute_modules", ["model.layers.{*}"]), "recompute_modules")

@@ -50,6 +50,14 @@ def _sft_entries() -> list[Unsupported]:
     ]
 
 
+_SHORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _param_dtype_differs(c: TrainConfig) -> bool:
+    dtype = c.parallelism.param_dtype
+    return dtype is not None and _SHORT_DTYPES[dtype] != c.model.compute_dtype
+
+
 def _hf_dir(c: TrainConfig) -> bool:
     return bool(c.model.model_name_or_path)
 
@@ -140,6 +148,10 @@ ENTRIES: list[Unsupported] = [
         f"{_P}.disable_gradient_division",
         lambda c: not c.parallelism.disable_gradient_division,
         "FSDP mean-reduction",
+    ),
+    Unsupported(f"{_P}.param_dtype", _param_dtype_differs, "FSDP param dtype other than model.compute_dtype"),
+    Unsupported(
+        f"{_P}.reduce_dtype", lambda c: c.parallelism.reduce_dtype != "fp32", "low-precision gradient reduce"
     ),
     Unsupported(
         f"{_P}.enable_chunk_batch", lambda c: c.parallelism.enable_chunk_batch, "chunked micro-batches"

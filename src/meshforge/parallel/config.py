@@ -155,6 +155,16 @@ class ParallelismConfig(StrictSection):
         mode="before",
     )(classmethod(lambda cls, v: _normalize_patterns(v)))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reshard_alias(cls, data: object) -> object:
+        # MindSpeed's boolean spelling sets the policy the FSDP code reads, unless a policy is written.
+        if isinstance(data, dict) and isinstance(data.get("reshard_after_forward"), bool):
+            if "reshard_after_forward_policy" not in data:
+                policy = "always" if data["reshard_after_forward"] else "never"
+                data = {**data, "reshard_after_forward_policy": policy}
+        return data
+
     @model_validator(mode="after")
     def _rules(self) -> ParallelismConfig:
         if self.data_parallel_shard == 0 or self.data_parallel_shard < -1:
@@ -193,7 +203,7 @@ class ParallelismConfig(StrictSection):
                     "ulysses_degree_in_cp",
                     f"hybrid CP requires 1 < ulysses_degree_in_cp < context_parallel ({self.context_parallel}) dividing it, got {u}",
                 )
-        if self.reshard_after_forward is not None and self.reshard_after_forward_policy != "default":
+        if self.reshard_after_forward is not None:
             wanted = "always" if self.reshard_after_forward else "never"
             if wanted != self.reshard_after_forward_policy:
                 raise rule_error(
@@ -206,9 +216,3 @@ class ParallelismConfig(StrictSection):
     def cp_method(self) -> str:
         """The CP algorithm with aliases resolved (`ring` -> `colossal`)."""
         return "colossal" if self.context_parallel_method == "ring" else self.context_parallel_method
-
-    def resolved_reshard_policy(self) -> str:
-        """`reshard_after_forward_policy` with the MindSpeed boolean alias applied."""
-        if self.reshard_after_forward is not None and self.reshard_after_forward_policy == "default":
-            return "always" if self.reshard_after_forward else "never"
-        return self.reshard_after_forward_policy
