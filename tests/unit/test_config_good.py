@@ -358,3 +358,10 @@ def test_config_load_does_not_import_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_mapping_doc_lists_every_mindspeed_key():
+    from meshforge.config.importer import ALL_KEYS
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "config-mapping.md").read_text(encoding="utf-8")
+    assert [key for key in ALL_KEYS if f"| `{key}` |" not in doc] == []
