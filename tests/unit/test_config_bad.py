@@ -408,3 +408,9 @@ def test_forced_native_format_rejects_mindspeed_keys(tmp_path):
     err = _error(tmp_path, "model_name_or_path: /m\n", fmt="native")
     assert err.issues[0][0] == "model_name_or_path"
     assert "Unknown configuration keys for the top level" in str(err)
+
+
+def test_too_deep_nesting(tmp_path):
+    text = "model:\n  x: " + "[" * 40 + "]" * 40 + "\n"
+    err = _error(tmp_path, text)
+    assert "nesting is too deep" in str(err)

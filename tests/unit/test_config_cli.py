@@ -129,6 +129,10 @@ def test_schema(tmp_path, capsys):
         if not spec.get("description")
     ]
     assert missing == []
+    # Top-level sections: described on the property or (pydantic drops a duplicate) on the referenced model.
+    for name, prop in props.items():
+        ref = prop.get("$ref", "").rsplit("/", 1)[-1]
+        assert prop.get("description") or defs.get(ref, {}).get("description"), name
     assert main(["schema"]) == 0
     assert json.loads(capsys.readouterr().out)["title"] == "meshforge training config"
 
@@ -163,3 +167,12 @@ def test_module_entry_point_subprocess(tmp_path, text, code):
     assert "Traceback" not in proc.stderr
     if code:
         assert "error: training.steps:" in proc.stderr
+
+
+def test_ascend_only_knob_warns_on_cpu(tmp_path, capsys):
+    path = _write(tmp_path, GOOD + "context:\n  device_target: cpu\n  max_device_memory: 30GB\n")
+    assert main(["validate", path]) == 0
+    assert (
+        "warning: context.max_device_memory: Ascend-only setting, no effect on device 'cpu'"
+        in capsys.readouterr().err
+    )
