@@ -365,3 +365,34 @@ def test_mapping_doc_lists_every_mindspeed_key():
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "config-mapping.md").read_text(encoding="utf-8")
     assert [key for key in ALL_KEYS if f"| `{key}` |" not in doc] == []
+
+
+SECTION_MODULES = [
+    "meshforge.models.config",
+    "meshforge.parallel.config",
+    "meshforge.data.config",
+    "meshforge.optim.config",
+    "meshforge.trainer_config",
+    "meshforge.checkpoint.config",
+    "meshforge.memory.config",
+    "meshforge.monitor.config",
+    "meshforge.profiling",
+    "meshforge.callbacks",
+    "meshforge.utils.context_config",
+    "meshforge.infer.config",
+]
+
+
+def test_each_section_module_imports_first_without_torch():
+    """Components import their own section first: no circular import, no torch."""
+    import subprocess
+
+    code = (
+        "import importlib, sys\n"
+        "name = sys.argv[1]\n"
+        "importlib.import_module(name)\n"
+        "assert 'torch' not in sys.modules, name\n"
+    )
+    for name in SECTION_MODULES:
+        proc = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, f"{name}: {proc.stderr}"

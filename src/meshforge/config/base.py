@@ -209,11 +209,11 @@ _UNION_TAGS = ("function-", "list[", "dict[", "union[", "tagged-union[", "nullab
 
 
 def _clean_loc(loc: tuple[Any, ...]) -> list[Any]:
-    """Drop pydantic's internal union/validator tags from a location."""
+    """Drop pydantic's internal tags (`int`, `literal['auto']`, `function-after[...]`): they are not keys."""
     out = []
     for part in loc:
         if isinstance(part, str) and (
-            part.startswith(_UNION_TAGS) or part in ("int", "str", "float", "bool")
+            part.startswith(_UNION_TAGS) or "[" in part or part in ("int", "str", "float", "bool", "none")
         ):
             continue
         out.append(part)
@@ -224,6 +224,7 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> list[Issu
     """Convert a pydantic ValidationError into (key path, reason) issues, one per distinct path."""
     issues: list[Issue] = []
     seen: dict[str, int] = {}
+    merged: dict[str, list[str]] = {}
     for item in err.errors(include_url=False):
         loc = _clean_loc(tuple(item.get("loc", ())))
         ctx = item.get("ctx") or {}
@@ -258,12 +259,30 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> list[Issu
             got = item.get("input", None)
             if not isinstance(got, dict | list) and kind != "extra_forbidden":
                 msg = f"{msg} (got {got!r})"
-        # Union members each report the same path: keep the first, it names the main type.
+        # Union members each report the same path: merge them into one "none of these forms" reason.
         if path in seen:
+            merged[path].append(msg)
             continue
         seen[path] = len(issues)
+        merged[path] = [msg]
         issues.append((path, msg))
-    return issues
+    return [(path, _merge(merged[path])) for path, _ in issues]
+
+
+def _merge(messages: list[str]) -> str:
+    if len(messages) == 1:
+        return messages[0]
+    got = ""
+    parts = []
+    for msg in messages:
+        head, sep, tail = msg.rpartition(" (got ")
+        if sep:
+            got = f" (got {tail}"
+            msg = head
+        msg = _lower_first(msg)
+        if msg not in parts:
+            parts.append(msg)
+    return "matches none of the allowed forms: " + "; ".join(parts) + got
 
 
 def _lower_first(text: str) -> str:
