@@ -33,7 +33,17 @@ _EXPORTS = {
     "unsupported_features": "meshforge.config.unsupported",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ConfigError",
+    "Report",
+    "TrainConfig",
+    "check_trainable",
+    "config_from_dict",
+    "dump_config",
+    "load_config",
+    "unsupported_features",
+    "validate_config",
+]
 
 
 def __getattr__(name: str) -> Any:
