@@ -198,10 +198,36 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         "model.use_flash_attention", lambda c: bool(c.model.use_flash_attention), "flash-attention kernel"
     ),
+    Unsupported("model.resize_vocab", lambda c: c.model.resize_vocab, "vocabulary resizing"),
+    Unsupported("model.split_special_tokens", lambda c: c.model.split_special_tokens, "tokenizer options"),
+    Unsupported("model.add_tokens", lambda c: c.model.add_tokens is not None, "adding tokens"),
+    Unsupported(
+        "model.add_special_tokens", lambda c: c.model.add_special_tokens is not None, "adding tokens"
+    ),
+    Unsupported(
+        "model.new_special_tokens_config",
+        lambda c: c.model.new_special_tokens_config is not None,
+        "adding tokens",
+    ),
+    Unsupported(
+        "model.init_special_tokens", lambda c: c.model.init_special_tokens != "noise_init", "adding tokens"
+    ),
+    Unsupported("training.log_cpu_memory", lambda c: c.training.log_cpu_memory, "host-memory logging"),
+    Unsupported(
+        "checkpoint.load_worker_number", lambda c: c.checkpoint.load_worker_number != 1, "parallel loading"
+    ),
+    Unsupported(
+        "checkpoint.reshard_worker_num", lambda c: c.checkpoint.reshard_worker_num != 1, "parallel resharding"
+    ),
+    # Set through its alias model.use_flash_attention, flash attention is reported under that key.
+    Unsupported(
+        "kernels.use_flash_attn",
+        lambda c: "use_flash_attn" in c.kernels.enabled() and not c.model.use_flash_attention,
+        "flash-attention kernel",
+    ),
     *[
         Unsupported(f"kernels.{name}", lambda c, n=name: n in c.kernels.enabled(), "fused kernel / compile")
         for name in (
-            "use_flash_attn",
             "use_fused_rmsnorm",
             "use_fused_rotary_pos_emb",
             "moe_grouped_gemm",
