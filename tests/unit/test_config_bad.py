@@ -298,6 +298,27 @@ BAD = [
         "divisible",
     ),
     (
+        "pp-stage-chunks",
+        "parallelism:\n  pipeline_parallel: 2\n  pipeline_parallel_interleave_num: 2\n"
+        "  pipeline_parallel_layers_per_stage: ['0-1,4-5', '2-3']\n",
+        "parallelism.pipeline_parallel_layers_per_stage[1]",
+        "needs pipeline_parallel_interleave_num = 2",
+    ),
+    (
+        "pp-stage-gap",
+        "model:\n  num_hidden_layers: 8\nparallelism:\n  pipeline_parallel: 2\n"
+        "  pipeline_parallel_layers_per_stage: ['0-2', '4-7']\n",
+        "parallelism.pipeline_parallel_layers_per_stage",
+        "starts at layer 4, expected 3",
+    ),
+    (
+        "pp-stage-short",
+        "model:\n  num_hidden_layers: 8\nparallelism:\n  pipeline_parallel: 2\n"
+        "  pipeline_parallel_layers_per_stage: ['0-2', '3-6']\n",
+        "parallelism.pipeline_parallel_layers_per_stage",
+        "the model has 8 layers",
+    ),
+    (
         "recompute-modules-mode",
         "recompute:\n  modules: ['model.layers.{*}']\n",
         "recompute.modules",

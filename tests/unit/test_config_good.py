@@ -396,3 +396,17 @@ def test_each_section_module_imports_first_without_torch():
     for name in SECTION_MODULES:
         proc = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, f"{name}: {proc.stderr}"
+
+
+def test_pipeline_stage_strings(tmp_path):
+    text = (
+        "model:\n  num_hidden_layers: 8\nparallelism:\n  pipeline_parallel: 2\n  pipeline_parallel_interleave_num: 2\n"
+        "  pipeline_parallel_layers_per_stage: ['0-1,4-5', '2-3,6-7']\n"
+    )
+    cfg = _load(tmp_path, text)
+    from meshforge.config.rules import stage_chunks
+
+    assert stage_chunks(cfg.parallelism.pipeline_parallel_layers_per_stage) == [
+        [LayerRange(0, 1), LayerRange(4, 5)],
+        [LayerRange(2, 3), LayerRange(6, 7)],
+    ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshforge.config.layer_spec import check_layer_specs, expand_layers
+from meshforge.config.layer_spec import LayerRange, check_layer_specs, expand_layers, parse_layer_spec
 
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
@@ -125,11 +125,67 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
         issues.append(
             ("parallelism.pipeline_parallel_layers_per_stage", f"a string must be 'auto', got {stage_spec!r}")
         )
+    if isinstance(stage_spec, list) and all(isinstance(item, str) for item in stage_spec):
+        issues.extend(_stage_string_issues(stage_spec, par.pipeline_parallel_interleave_num))
 
     num_layers = cfg.model.num_hidden_layers()
     if num_layers is not None:
         issues.extend(layer_issues(cfg, num_layers))
     return issues
+
+
+def stage_chunks(spec: list[str]) -> list[list[LayerRange]]:
+    """Parse per-rank PP stage strings (`'0-3,8-11'`): one list of layer ranges (chunks) per rank."""
+    return [[parse_layer_spec(chunk) for chunk in item.split(",")] for item in spec]
+
+
+def _stage_string_issues(spec: list[str], interleave: int) -> list[Issue]:
+    path = "parallelism.pipeline_parallel_layers_per_stage"
+    issues: list[Issue] = []
+    for rank, item in enumerate(spec):
+        chunks = [c for c in item.split(",")]
+        if len(chunks) != interleave:
+            issues.append(
+                (
+                    f"{path}[{rank}]",
+                    f"has {len(chunks)} chunk(s); needs pipeline_parallel_interleave_num = {interleave}",
+                )
+            )
+        for chunk in chunks:
+            try:
+                parse_layer_spec(chunk)
+            except ValueError as exc:  # PydanticCustomError is a ValueError
+                issues.append((f"{path}[{rank}]", str(exc)))
+    return issues
+
+
+def _stage_layer_issues(spec: list[str], num_layers: int) -> list[Issue]:
+    """Chunk c of rank r is virtual stage c * pp + r; the stages in order must tile [0, N-1] exactly."""
+    path = "parallelism.pipeline_parallel_layers_per_stage"
+    try:
+        per_rank = stage_chunks(spec)
+    except ValueError:
+        return []  # reported by _stage_string_issues
+    pp = len(per_rank)
+    stages: dict[int, LayerRange] = {}
+    for rank, chunks in enumerate(per_rank):
+        for c, chunk in enumerate(chunks):
+            stages[c * pp + rank] = chunk
+    expected = 0
+    for virtual in sorted(stages):
+        chunk = stages[virtual]
+        if chunk.lo != expected:
+            return [
+                (
+                    path,
+                    f"virtual stage {virtual} starts at layer {chunk.lo}, expected {expected}: stages must cover "
+                    f"layers 0..{num_layers - 1} in order without gaps or overlaps",
+                )
+            ]
+        expected = chunk.hi + 1
+    if expected != num_layers:
+        return [(path, f"stages cover layers 0..{expected - 1}; the model has {num_layers} layers")]
+    return []
 
 
 def _data_seq_path(cfg: TrainConfig) -> str:
@@ -187,6 +243,9 @@ def layer_issues(cfg: TrainConfig, num_layers: int) -> list[Issue]:
             ("monitor.moe_monitor.target_layers", f"{targets} is more than the model's {num_layers} layers")
         )
     par = cfg.parallelism
+    stage_spec = par.pipeline_parallel_layers_per_stage
+    if isinstance(stage_spec, list) and stage_spec and all(isinstance(item, str) for item in stage_spec):
+        issues.extend(_stage_layer_issues(stage_spec, num_layers))
     chunks = par.pipeline_parallel * par.pipeline_parallel_interleave_num
     if par.pipeline_parallel > 1 and par.pipeline_parallel_layers_per_stage == "auto" and num_layers % chunks:
         issues.append(
