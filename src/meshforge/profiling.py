@@ -7,11 +7,20 @@ positive) plus homes for the MindSpeed `profile_*` switches (`record_shapes`, `e
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import model_validator
+from pydantic import BeforeValidator, model_validator
 
 from meshforge.config.base import Bool, Int, PosInt, StrictSection, describe, rule_error
+
+
+def _level(value: Any) -> Any:
+    # Numbers may be written as strings ("1"), as everywhere in the config; a bool is not a level.
+    if isinstance(value, bool):
+        raise ValueError(f"a boolean is not a profiler level (got {str(value).lower()}); use 0, 1 or 2")
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value
 
 
 class ProfilerConfig(StrictSection):
@@ -22,7 +31,9 @@ class ProfilerConfig(StrictSection):
     end_step: PosInt = describe(1, "Last profiled step (inclusive, >= start_step).")
     output_path: str | None = describe(None, "Folder for traces; null = `{training.output_dir}/profile`.")
     profiler_rank: list[Int] | None = describe(None, "Ranks that profile; null = all ranks.")
-    profiler_level: Literal[0, 1, 2] = describe(0, "Detail level 0, 1 or 2 (higher collects more).")
+    profiler_level: Annotated[Literal[0, 1, 2], BeforeValidator(_level)] = describe(
+        0, "Detail level 0, 1 or 2 (higher collects more)."
+    )
     mstx: Bool = describe(False, "Collect lightweight mstx markers (Ascend).")
     profile_memory: Bool = describe(False, "Record tensor memory allocations.")
     profile_cpu: Bool = describe(True, "Record CPU activity.")

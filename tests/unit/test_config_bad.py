@@ -68,6 +68,7 @@ BAD = [
         "profiler.profiler_level",
         "cannot be null",
     ),
+    ("profiler-level-bool", "profiler:\n  profiler_level: true\n", "profiler.profiler_level", "boolean"),
     (
         "gdn-exclusive",
         "kernels:\n  use_flash_gdn: true\n  use_triton_gdn: true\n",

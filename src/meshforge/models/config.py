@@ -16,8 +16,8 @@ from pydantic import field_validator, model_validator
 
 from meshforge.config.base import (
     Bool,
-    Float,
     NonNegFloat,
+    NonNegInt,
     PassthroughSection,
     PosInt,
     StrictSection,
@@ -155,7 +155,7 @@ class KernelsConfig(StrictSection):
     use_triton_swiglu_limit: Bool = describe(False, "Triton clamped SwiGLU kernel (deepseek_v4 only).")
     fix_router: Bool = describe(False, "Fix the expert assignment to balance load (performance tuning only).")
     pre_tokens: PosInt = describe(1048576, "Flash-attention sparse window: tokens before each query.")
-    next_tokens: Float = describe(0, "Flash-attention sparse window: tokens after each query.")
+    next_tokens: NonNegInt = describe(0, "Flash-attention sparse window: tokens after each query.")
     compile: Bool = describe(False, "torch.compile each decoder layer.")
 
     @model_validator(mode="after")
@@ -164,8 +164,6 @@ class KernelsConfig(StrictSection):
             raise rule_error(
                 "use_flash_gdn", "use_flash_gdn and use_triton_gdn are mutually exclusive; enable at most one"
             )
-        if self.next_tokens < 0:
-            raise rule_error("next_tokens", f"must be >= 0, got {self.next_tokens}")
         return self
 
     def enabled(self) -> list[str]:
