@@ -218,6 +218,12 @@ MS_DEFAULTS: dict[str, Any] = {
 }
 
 
+Flat = dict[str, Any]
+To = Callable[[str, Any, str], None]  # (native path, value, MindSpeed key)
+Choice = Callable[[str, dict[str, Any]], Any]  # (MindSpeed key, table) -> mapped value or None
+Say = Callable[[str], None]
+
+
 def flatten(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Issue]]:
     """Flatten grouped MindSpeed YAML into {key: value}; unknown keys become issues."""
     flat: dict[str, Any] = {}
@@ -342,7 +348,8 @@ def import_mindspeed(raw: dict[str, Any], log: Callable[[str], None] | None = No
     return native
 
 
-def _parallel(flat, given, to, choice, say) -> None:
+def _parallel(flat: Flat, given: Flat, to: To, choice: Choice, say: Say) -> None:
+    """ParallelArguments (and `param_dtype` -> model.compute_dtype, `recompute` -> recompute)."""
     simple = {
         "tp_size": "tensor_parallel",
         "ep_size": "expert_parallel",
@@ -402,7 +409,8 @@ def _parallel(flat, given, to, choice, say) -> None:
             say("recompute_modules -> unused: recompute is false")
 
 
-def _training(flat, given, to, choice, say, issues) -> None:
+def _training(flat: Flat, given: Flat, to: To, choice: Choice, say: Say, issues: list[Issue]) -> None:
+    """TrainingArguments, including the profiling keys."""
     simple = {
         "output_dir": "training.output_dir",
         "deterministic": "training.deterministic",
@@ -493,7 +501,7 @@ def _training(flat, given, to, choice, say, issues) -> None:
     _profile_window(flat, to, issues)
 
 
-def _profile_window(flat, to, issues) -> None:
+def _profile_window(flat: Flat, to: To, issues: list[Issue]) -> None:
     """MindSpeed: start (inclusive, >= 0) .. end (exclusive, -1 = to the end); native: 1-based inclusive."""
     if "profile_step_start" not in flat and "profile_step_end" not in flat:
         return
