@@ -124,7 +124,9 @@ class Trainer:
         dist_utils.init_process_group(backend_for(self.device), self.dist)
         self.dims = ParallelDims.from_config(cfg.parallelism, self.dist.world_size)
         if self.dims.hsdp:
-            raise ValueError("not supported yet: parallelism.data_parallel_shard (HSDP: fewer shard ranks than data ranks)")
+            raise ValueError(
+                "not supported yet: parallelism.data_parallel_shard (HSDP: fewer shard ranks than data ranks)"
+            )
         self.mesh = self.dims.build_mesh(self.device.type)
         self.plan, note = plan_batches(cfg.training, self.dims.dp)
         if note:
@@ -171,7 +173,9 @@ class Trainer:
         from meshforge.parallel.fsdp import apply_fsdp
 
         model_cfg = self.cfg.model
-        family = resolve_family(model_cfg.model_type, model_cfg.architectures, getattr(model_cfg, "model_id", None))
+        family = resolve_family(
+            model_cfg.model_type, model_cfg.architectures, getattr(model_cfg, "model_id", None)
+        )
         options = dict(model_cfg.model_extra or {})
         params_dtype = parse_dtype(getattr(model_cfg, "params_dtype", None), key="model.params_dtype")
         compute_dtype = parse_dtype(model_cfg.compute_dtype, key="model.compute_dtype", default=params_dtype)
@@ -195,7 +199,9 @@ class Trainer:
                 reduce_dtype=torch.float32,
                 reshard_policy=policy,
             )
-        materialize_and_init(model, device=self.device, seed=int(self.cfg.training.seed), init_fn=model.init_full_parameter_)
+        materialize_and_init(
+            model, device=self.device, seed=int(self.cfg.training.seed), init_fn=model.init_full_parameter_
+        )
         num_params = sum(p.numel() for p in model.parameters())
         self.log(
             f"model: {family.name} with {num_params / 1e6:.2f}M parameters ({params_dtype} weights, "
@@ -240,6 +246,7 @@ class Trainer:
             local_batch_size=self.plan.local_batch_size,
             dp_rank=batch_mesh.get_local_rank(),
             dp_size=self.dims.dp,
+            global_batch_size=self.plan.global_batch_size,
             seed=int(self.cfg.training.seed),
             log=self.log,
         )
@@ -263,7 +270,10 @@ class Trainer:
         if not ckpt.load_path:
             return
         loaded = self.checkpointer.load(
-            resolve_path(ckpt.load_path), self.model, self.optimizer, load_optimizer=not bool(ckpt.no_load_optim)
+            resolve_path(ckpt.load_path),
+            self.model,
+            self.optimizer,
+            load_optimizer=not bool(ckpt.no_load_optim),
         )
         if not loaded.optimizer_loaded:
             self.log(f"checkpoint: loaded weights from {loaded.path} (no_load_optim: starting at step 0)")
@@ -328,7 +338,9 @@ class Trainer:
         micro = [self._to_device(next(self.data_iter)) for _ in range(self.plan.grad_accum_steps)]
         local_tokens = sum(count_valid_tokens(mb["labels"]) for mb in micro)
         loss_group = self.dims.mesh_for(self.mesh, "loss").get_group()
-        global_tokens = dist_utils.all_reduce_sum(torch.as_tensor(local_tokens, device=self.device), loss_group)
+        global_tokens = dist_utils.all_reduce_sum(
+            torch.as_tensor(local_tokens, device=self.device), loss_group
+        )
         global_tokens = global_tokens.clamp(min=1).to(torch.float32)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for mb in micro:

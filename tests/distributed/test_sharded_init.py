@@ -67,4 +67,6 @@ def test_two_rank_init_equals_one_process(tmp_path: Path) -> None:
     for name, tensor in single.items():
         assert torch.equal(sharded[name], tensor), name
     # Different parameters really got different draws.
-    assert not torch.equal(single["model.layers.0.mlp.up_proj.weight"][:8], single["model.layers.1.mlp.up_proj.weight"][:8])
+    assert not torch.equal(
+        single["model.layers.0.mlp.up_proj.weight"][:8], single["model.layers.1.mlp.up_proj.weight"][:8]
+    )

@@ -273,12 +273,26 @@ def test_clip_matches_torch(scale: float, foreach: bool | None) -> None:
     ours, ref = _params_with_grads(scale), _params_with_grads(scale)
     n_ours = clip_grad_norm_(ours, 1.0, foreach=foreach)
     n_ref = torch.nn.utils.clip_grad_norm_(ref, 1.0, foreach=foreach)
-    assert torch.equal(n_ours, n_ref)
+    exact = torch.linalg.vector_norm(
+        torch.cat([p.grad.double().flatten() for p in _params_with_grads(scale)])
+    )
+    # Ours accumulates in float64 on the CPU: at least as close to the exact norm as torch's.
+    assert abs(n_ours.double() - exact) <= abs(n_ref.double() - exact) + 1e-12
+    assert n_ours.item() == pytest.approx(n_ref.item(), rel=1e-6)
     for a, b in zip(ours, ref):
-        assert torch.equal(a.grad, b.grad)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ours]))
     if scale > 1:
         assert total.item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_clip_norm_is_precise_on_large_cpu_gradients() -> None:
+    # torch's fp32 CPU norm drifts by ~1e-6..1e-5 on 0.5M elements; the logged norm must not
+    # depend on that (it made 1- and 2-process grad norms differ by 5e-5 relative).
+    p = nn.Parameter(torch.zeros(8192, 64))
+    p.grad = torch.randn(8192, 64, generator=torch.Generator().manual_seed(0))
+    exact = p.grad.double().norm().item()
+    assert clip_grad_norm_([p], 1e9).item() == pytest.approx(exact, rel=1e-7)
 
 
 def test_clip_leaves_small_grads_bitwise_unchanged() -> None:

@@ -19,6 +19,21 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 InitFn = Callable[[str, torch.Tensor, torch.Generator], None]
 
 
+def _shared_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, name, owner module, owner name) for every parameter that aliases an earlier one."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    aliases: list[tuple[nn.Module, str, nn.Module, str]] = []
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) in first:
+                aliases.append((module, name, *first[id(param)]))
+            else:
+                first[id(param)] = (module, name)
+    return aliases
+
+
 def parameter_seed(seed: int, fqn: str) -> int:
     """A stable per-parameter seed, identical on every rank and every run."""
     digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
@@ -33,7 +48,12 @@ def materialize_and_init(model: nn.Module, *, device: torch.device, seed: int, i
         init_fn: fills one full CPU tensor in place, given its fully qualified name and a
             seeded generator (each model family provides it).
     """
+    ties = _shared_parameters(model)
     model.to_empty(device=device)
+    # `to_empty` re-creates each module's parameters separately, which unties shared weights
+    # (e.g. tied input/output embeddings): point every alias back at the first owner's tensor.
+    for module, name, owner, owner_name in ties:
+        setattr(module, name, getattr(owner, owner_name))
     for fqn, param in model.named_parameters():
         full = torch.empty(param.shape, dtype=param.dtype, device="cpu")
         generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, fqn))

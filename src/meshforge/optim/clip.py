@@ -44,7 +44,8 @@ def total_grad_norm(grads: list[torch.Tensor], *, foreach: bool | None = None) -
 
     Args:
         grads: gradient tensors; DTensors may live on different meshes.
-        foreach: passed to `torch.nn.utils.get_total_norm` (None: torch chooses).
+        foreach: unused for the norm (kept for signature compatibility; each tensor's norm is
+            computed on its own so that CPU norms can accumulate in float64).
 
     Returns:
         A 0-dim float32 tensor, replicated (identical on every rank).
@@ -60,16 +61,28 @@ def total_grad_norm(grads: list[torch.Tensor], *, foreach: bool | None = None) -
             plain.append(g)
     parts: list[torch.Tensor] = []
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0, error_if_nonfinite=False, foreach=foreach)
         # The DTensor norm is Partial over the sharded mesh axes; full_tensor() all-reduces it.
-        parts.append(norm.full_tensor().to(torch.float32))
+        parts.append(_sum_of_norms(group).full_tensor())
     if plain:
-        norm = torch.nn.utils.get_total_norm(plain, 2.0, error_if_nonfinite=False, foreach=foreach)
-        parts.append(norm.to(torch.float32))
-    if len(parts) == 1:
-        return parts[0]
+        parts.append(_sum_of_norms(plain))
     device = parts[0].device
-    return torch.linalg.vector_norm(torch.stack([p.to(device) for p in parts]), 2.0)
+    total = torch.linalg.vector_norm(torch.stack([p.to(device, torch.float64) for p in parts]), 2.0)
+    return total.to(torch.float32)
+
+
+def _sum_of_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over a list of tensors on one mesh (or plain), accumulated precisely.
+
+    torch's CPU norm kernels accumulate in float32 sequentially (about 6e-6 relative error on a
+    0.5M-element gradient, measured), which made the logged grad norm depend on how the tensor was
+    sharded. On the CPU each tensor's norm is therefore computed in float64; accelerators reduce
+    with trees and keep float32 (no float64 copy of large gradients).
+    """
+    norms = []
+    for g in grads:
+        dtype = torch.float64 if g.device.type == "cpu" else torch.float32
+        norms.append(torch.linalg.vector_norm(g, 2.0, dtype=dtype).to(torch.float64))
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 def clip_grad_norm_(
