@@ -25,7 +25,7 @@ def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     Returns:
         A float32 CPU tensor of shape ``[head_dim // 2]``.
     """
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
 
 
 class RotaryEmbedding(nn.Module):
