@@ -211,7 +211,9 @@ class CheckpointManager:
             rng, trainer_state = None, {}
         if dist.is_initialized():
             barrier()
-        return LoadedState(path=path, trainer_state=trainer_state, rng_state=rng, optimizer_loaded=load_optimizer)
+        return LoadedState(
+            path=path, trainer_state=trainer_state, rng_state=rng, optimizer_loaded=load_optimizer
+        )
 
 
 def _json_default(value: Any) -> Any:

@@ -48,7 +48,9 @@ def _component_issues(cfg: TrainConfig) -> tuple[list[Issue], list[Issue]]:
         try:
             reported = call(checker) or []
         except Exception as exc:  # a component bug must not turn `config validate` into a traceback
-            unchecked.append((section, f"passthrough check failed ({module}.{func}: {type(exc).__name__}: {exc})"))
+            unchecked.append(
+                (section, f"passthrough check failed ({module}.{func}: {type(exc).__name__}: {exc})")
+            )
             return
         for key, reason in reported:
             found.append((f"{section}.{key}" if key else section, reason))

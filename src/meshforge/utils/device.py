@@ -38,7 +38,9 @@ def resolve_device(device_target: str, *, local_rank: int = 0) -> torch.device:
         kind = "cuda" if torch.cuda.is_available() else ("npu" if _npu_available() else "cpu")
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"context.device_target: {device_target!r} requested but CUDA is not available")
+            raise RuntimeError(
+                f"context.device_target: {device_target!r} requested but CUDA is not available"
+            )
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     if kind == "npu":
