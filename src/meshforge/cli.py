@@ -96,14 +96,18 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         trainer.setup()
         summary = trainer.train()
     except ConfigError as err:
+        destroy_process_group(synchronize=False)
         if rank == 0:
             print(str(err), file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as err:
+        destroy_process_group(synchronize=False)
         print(f"error: {err}", file=sys.stderr)
         return 2
-    finally:
-        destroy_process_group()
+    except BaseException:
+        destroy_process_group(synchronize=False)
+        raise
+    destroy_process_group()
     if rank == 0:
         where = f"checkpoint {summary.last_checkpoint}" if summary.last_checkpoint else "no checkpoint saved"
         logger.info(

@@ -126,6 +126,7 @@ def _worker(rank: int, init_file: str, errors) -> None:
         for (n, p), (_, q) in zip(net.named_parameters(), ref.named_parameters()):
             # Same fused kernel, element-wise: the shards equal the full-tensor update exactly.
             assert torch.equal(p.full_tensor(), q.detach()), n
+        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
     finally:

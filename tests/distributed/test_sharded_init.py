@@ -49,6 +49,7 @@ def _worker(rank: int, world: int, store_path: str, out_path: str) -> None:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save(full, out_path)
+        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
     finally:
         dist.destroy_process_group()
 

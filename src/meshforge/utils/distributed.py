@@ -49,9 +49,18 @@ def init_process_group(backend: str, info: DistInfo, *, timeout_s: int = 600) ->
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_process_group(*, synchronize: bool = True) -> None:
+    """Tear the group down; with `synchronize`, first wait until every rank got here.
+
+    Without the barrier a rank that finishes early can destroy its gloo context while a peer's
+    last transfer to it is still in flight, which aborts the peer ("terminate called without an
+    active exception"). Skip it on error paths, where a peer may never arrive.
+    """
+    if not dist.is_initialized():
+        return
+    if synchronize and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def all_reduce_sum(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
