@@ -221,3 +221,10 @@ def test_check_trainable_layers_from_config_json(tmp_path):
     assert any(
         p == "recompute.full_recompute_layer[0]" and "out of range [0, 1]" in r for p, r in info.value.issues
     )
+
+
+def test_built_optimizer_spellings_are_not_refused() -> None:
+    # The importer writes MindSpeed's `adamw` / `fused_adamw`; both are built.
+    for name in ("AdamW", "adamw", "FusedAdamW"):
+        cfg = config_from_dict({"optimizer": {"type": name}})
+        assert "optimizer.type" not in unsupported_features(cfg), name

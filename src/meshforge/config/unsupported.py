@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from meshforge.data.config import SFT_FIELDS, TrainDatasetConfig
 from meshforge.infer.config import InferenceConfig
 from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
+from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
     MS_CHUNK_KWARGS,
     MS_EP_MODULES,
@@ -182,7 +183,11 @@ ENTRIES: list[Unsupported] = [
     ),
     Unsupported("lora_config", lambda c: c.lora_config is not None, "LoRA"),
     Unsupported("callbacks", lambda c: bool(c.callbacks), "user callbacks"),
-    Unsupported("optimizer.type", lambda c: c.optimizer.type != "AdamW", "optimizers other than AdamW"),
+    Unsupported(
+        "optimizer.type",
+        lambda c: optimizer_not_built(c.optimizer.type) is not None,
+        "optimizers not built yet",
+    ),
     Unsupported(
         "optimizer.accumulate_allreduce_grads_in_fp32",
         lambda c: not c.optimizer.accumulate_allreduce_grads_in_fp32,
