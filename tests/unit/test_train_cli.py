@@ -83,3 +83,84 @@ def test_bad_override_names_the_key(tiny_config: Path, tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "stpes" in proc.stderr and "steps" in proc.stderr
+
+
+def test_resume_into_the_same_folder_and_weights_only_loading(tiny_config: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    tb = tmp_path / "tb"
+    run_train(
+        tiny_config,
+        ["--training.steps=4", f"--training.output_dir={run}", f"--monitor.tensorboard.output_dir={tb}"],
+        cwd=tmp_path,
+    )
+    first = read_metrics(run)
+    assert list(tb.glob("events.out.tfevents.*")), "TensorBoard wrote no event file"
+
+    # Resume from the step-2 folder into the same run folder: metrics.jsonl keeps steps 1-2 and
+    # continues; the resumed steps reproduce the original ones.
+    step2 = run / "checkpoints" / "checkpoint-00000002"
+    run_train(
+        tiny_config,
+        ["--training.steps=4", f"--training.output_dir={run}", f"--checkpoint.load_path={step2}"],
+        cwd=tmp_path,
+    )
+    again = read_metrics(run)
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    assert [r["loss"] for r in again] == [r["loss"] for r in first]
+
+    # Weights only: a fresh run (step 1, fresh schedule) starting from the trained weights.
+    fresh = tmp_path / "fresh"
+    proc = run_train(
+        tiny_config,
+        [
+            "--training.steps=1",
+            f"--training.output_dir={fresh}",
+            f"--checkpoint.load_path={run / 'checkpoints'}",
+            "--checkpoint.no_load_optim=true",
+        ],
+        cwd=tmp_path,
+    )
+    assert "no_load_optim" in proc.stdout
+    weights_only = read_metrics(fresh)
+    assert weights_only[0]["step"] == 1 and weights_only[0]["lr"] == first[0]["lr"]
+    assert weights_only[0]["loss"] < first[0]["loss"] - 0.05
+
+
+def test_checkpoint_without_optimizer_cannot_be_resumed_exactly(tiny_config: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run_train(
+        tiny_config,
+        ["--training.steps=2", f"--training.output_dir={run}", "--checkpoint.no_save_optim=true"],
+        cwd=tmp_path,
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshforge",
+            "train",
+            "--config",
+            str(tiny_config),
+            "--training.steps=3",
+            f"--training.output_dir={tmp_path / 'again'}",
+            f"--checkpoint.load_path={run / 'checkpoints'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "checkpoint.load_path" in proc.stderr and "no_load_optim" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_disabled_saving_writes_no_checkpoint(tiny_config: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = run_train(
+        tiny_config,
+        ["--training.steps=2", f"--training.output_dir={run}", "--checkpoint.enable_save=false"],
+        cwd=tmp_path,
+    )
+    assert not (run / "checkpoints").exists()
+    assert "no checkpoint saved" in proc.stdout
