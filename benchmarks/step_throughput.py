@@ -25,6 +25,8 @@ import datetime as _dt
 import json
 import os
 import resource
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -100,17 +102,80 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def make_pair(args: Qwen3Args, seed: int = 0):
-    """transformers model (sdpa attention) and ours with identical weights."""
+def build_hf(args: Qwen3Args, seed: int = 0) -> torch.nn.Module:
+    """transformers' Qwen3ForCausalLM (sdpa attention, no KV cache) for ``args``."""
     import transformers
 
     torch.manual_seed(seed)
     config = transformers.Qwen3Config(**{**args.to_hf_dict(), "use_cache": False})
     config._attn_implementation = "sdpa"
-    hf = transformers.Qwen3ForCausalLM(config).float().train()
+    return transformers.Qwen3ForCausalLM(config).float().train()
+
+
+def make_pair(args: Qwen3Args, seed: int = 0):
+    """transformers model and ours with identical weights."""
+    hf = build_hf(args, seed)
     ours = Qwen3ForCausalLM(args).train()
     ours.load_state_dict(hf.state_dict(), strict=True)
     return hf, ours
+
+
+def shape_args(spec: dict) -> Qwen3Args:
+    return Qwen3Args(**spec["args"], max_position_embeddings=max(2048, spec["seq"]), rope_theta=1e6)
+
+
+def shape_batch(spec: dict, vocab_size: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def _rss_mb() -> float:
+    """Peak resident set of this process in MB.
+
+    Linux's ``VmHWM`` is per address space, so a child started with exec does not
+    inherit the parent's peak (``ru_maxrss`` does); other systems fall back to it.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_child(model_name: str, shape: str, adamw: str) -> None:
+    """Run in a fresh process: build one model, train 2 steps, print its peak RSS (MB)."""
+    import transformers  # noqa: F401  (both children pay the same import, so baselines match)
+
+    spec = SHAPES[shape]
+    args = shape_args(spec)
+    before = _rss_mb()
+    model = build_hf(args) if model_name == "transformers" else Qwen3ForCausalLM(args).train()
+    runner = Runner(
+        model_name, model, shape_batch(spec, args.vocab_size), model_name == "transformers", adamw
+    )
+    for _ in range(2):
+        runner.step()
+    print(json.dumps({"peak_rss_mb": round(_rss_mb(), 1), "rss_before_model_mb": round(before, 1)}))
+
+
+def measure_rss(shape: str, adamw: str, threads: int) -> dict[str, float]:
+    """Peak RSS of a 2-step run of each model alone, each in its own process.
+
+    Returns each peak and each peak minus the RSS just before the model was built
+    (torch and transformers imported).
+    """
+    out = {}
+    for name in ("transformers", "meshforge"):
+        cmd = [sys.executable, __file__, "--rss-child", name, "--shape", shape, "--adamw", adamw]
+        proc = subprocess.run([*cmd, "--threads", str(threads)], capture_output=True, text=True, check=True)
+        child = json.loads(proc.stdout.strip().splitlines()[-1])
+        out[name] = child["peak_rss_mb"]
+        out[f"{name}_over_baseline"] = round(child["peak_rss_mb"] - child["rss_before_model_mb"], 1)
+    return out
 
 
 class Runner:
@@ -157,14 +222,41 @@ class Runner:
         return self.tokens / self.seconds
 
 
+_CATEGORIES = (
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+    ("attention", ("scaled_dot_product",)),
+    ("loss", ("log_softmax", "nll_loss")),
+    ("optimizer", ("adam",)),
+)
+
+
+def step_breakdown(runner: Runner, steps: int = 2) -> dict[str, float]:
+    """Milliseconds per step by kind of kernel (self CPU time under torch.profiler)."""
+    totals = {name: 0.0 for name, _ in _CATEGORIES} | {"other": 0.0}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.step()
+    for event in prof.key_averages():
+        key = event.key.lower()
+        kind = next((name for name, needles in _CATEGORIES if any(n in key for n in needles)), "other")
+        totals[kind] += event.self_cpu_time_total / 1e3 / steps
+    return {k: round(v, 1) for k, v in totals.items()}
+
+
 def run_shape(
-    name: str, spec: dict, *, warmup: int, steps: int, repeats: int, peak: float, adamw: str
+    name: str,
+    spec: dict,
+    *,
+    warmup: int,
+    steps: int,
+    repeats: int,
+    peak: float,
+    adamw: str,
+    breakdown: bool = False,
 ) -> dict:
-    args = Qwen3Args(**spec["args"], max_position_embeddings=max(2048, spec["seq"]), rope_theta=1e6)
+    args = shape_args(spec)
     hf, ours = make_pair(args)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, args.vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
-    batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    batch = shape_batch(spec, args.vocab_size)
     runners = [
         Runner("transformers", hf, batch, True, adamw),
         Runner("meshforge", ours, batch, False, adamw),
@@ -192,6 +284,7 @@ def run_shape(
     ratio = mine.tokens_per_s / theirs.tokens_per_s
     # Per-repeat ratios: each pair of neighbouring blocks saw similar background load.
     pair_ratios = sorted(t / m for t, m in zip(theirs.block_seconds, mine.block_seconds))
+    best_ratio = min(theirs.block_seconds) / min(mine.block_seconds)
     result = {
         "shape": name,
         "batch": spec["batch"],
@@ -204,6 +297,7 @@ def run_shape(
         "ratio": round(ratio, 3),
         "ratio_median_of_pairs": round(pair_ratios[len(pair_ratios) // 2], 3),
         "ratio_min_max_of_pairs": [round(pair_ratios[0], 3), round(pair_ratios[-1], 3)],
+        "ratio_of_fastest_steps": round(best_ratio, 3),
         "adamw": adamw,
         "gflops": {k: round(v, 2) for k, v in gflops.items()},
         "share_of_peak": {k: round(v / peak_median, 3) for k, v in median_gflops.items()},
@@ -213,11 +307,13 @@ def run_shape(
         "target_share_of_peak": spec["target_peak"],
         # Same data, weights and optimizer: the last losses should agree closely.
         "last_loss": {r.name: round(r.losses[-1], 5) for r in runners},
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mb_this_process": round(_rss_mb(), 1),
         "timed_steps_each": steps * repeats,
         "threads": torch.get_num_threads(),
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
+    if breakdown:
+        result["ms_per_step_by_kernel"] = {r.name: step_breakdown(r) for r in runners}
     return result
 
 
@@ -235,8 +331,16 @@ def main(argv: list[str] | None = None) -> None:
         default="fused",
         help="AdamW implementation for both models (fused is ~8x faster than the others on CPU)",
     )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also profile one step of each: ms by kind of kernel"
+    )
+    parser.add_argument("--no-rss", action="store_true", help="skip the per-model peak-RSS child runs")
+    parser.add_argument("--rss-child", choices=["transformers", "meshforge"], help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
+    if opts.rss_child:
+        rss_child(opts.rss_child, opts.shape, opts.adamw)
+        return
     warmup = opts.warmup if opts.warmup is not None else (1 if opts.quick else 3)
     # One step per block: alternating every step keeps both models under the same load.
     steps = opts.steps if opts.steps is not None else 1
@@ -245,8 +349,17 @@ def main(argv: list[str] | None = None) -> None:
     peak = measure_mm_peak(trials=1 if opts.quick else 3)
     for name in names:
         result = run_shape(
-            name, SHAPES[name], warmup=warmup, steps=steps, repeats=repeats, peak=peak, adamw=opts.adamw
+            name,
+            SHAPES[name],
+            warmup=warmup,
+            steps=steps,
+            repeats=repeats,
+            peak=peak,
+            adamw=opts.adamw,
+            breakdown=opts.breakdown,
         )
+        if not opts.no_rss:
+            result["peak_rss_mb"] = measure_rss(name, opts.adamw, opts.threads)
         print(json.dumps(result), flush=True)
 
 
