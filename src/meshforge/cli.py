@@ -110,8 +110,12 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     destroy_process_group()
     if rank == 0:
         where = f"checkpoint {summary.last_checkpoint}" if summary.last_checkpoint else "no checkpoint saved"
+        tail = summary.losses[-10:]
+        smoothed = sum(tail) / len(tail) if tail else float("nan")
+        first = summary.losses[0] if summary.losses else float("nan")
         logger.info(
-            f"\nDone: {summary.steps} steps, final loss {summary.final_loss:.4f}, "
+            f"\nDone: {summary.steps} steps, final loss {summary.final_loss:.4f} (mean of the last "
+            f"{len(tail)}: {smoothed:.4f}; first step: {first:.4f}), "
             f"{summary.tokens_per_s:,.0f} tokens/s overall. Outputs in {summary.output_dir} "
             f"(config.yaml, metrics.jsonl); {where}."
         )

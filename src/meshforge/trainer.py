@@ -22,7 +22,8 @@ import torch.nn as nn
 from meshforge.checkpoint.manager import CheckpointManager
 from meshforge.config import TrainConfig, check_trainable, dump_config
 from meshforge.loss import count_valid_tokens, cross_entropy_sum
-from meshforge.monitor.metrics import JsonlMetrics, TensorBoardMetrics, format_step_line
+from meshforge.monitor.console import ConsoleProgress
+from meshforge.monitor.metrics import JsonlMetrics, TensorBoardMetrics
 from meshforge.parallel.dims import ParallelDims
 from meshforge.resources import resolve_path
 from meshforge.utils import distributed as dist_utils
@@ -293,8 +294,16 @@ class Trainer:
     def _build_metric_sinks(self) -> None:
         self.jsonl: JsonlMetrics | None = None
         self.tensorboard: TensorBoardMetrics | None = None
+        self.console: ConsoleProgress | None = None
         if not self.dist.is_main:
             return
+        self.console = ConsoleProgress(
+            total=int(self.cfg.training.steps),
+            start=self.step,
+            interval=int(getattr(self.cfg.training, "log_interval", 1) or 1),
+            emit=self.log,
+            live=ConsoleProgress.wanted(self.dist.is_main),
+        )
         self.jsonl = JsonlMetrics(self.output_dir / "metrics.jsonl", resume_step=self.step)
         tb = self.cfg.monitor.tensorboard
         if tb.output_dir:
@@ -327,10 +336,8 @@ class Trainer:
             self.jsonl.write(record)
         if self.tensorboard is not None:
             self.tensorboard.write(record)
-        interval = max(1, int(getattr(self.cfg.training, "log_interval", 1) or 1))
-        total = int(self.cfg.training.steps)
-        if record["step"] % interval == 0 or record["step"] in (1, total):
-            self.log(format_step_line(record, total))
+        if self.console is not None:
+            self.console.update(record)
 
     # ----------------------------------------------------------------------------- loop
     def train_step(self) -> dict[str, Any]:
@@ -370,32 +377,13 @@ class Trainer:
         losses: list[float] = []
         run_tokens = 0
         self.model.train()
-        while self.step < total:
-            t0 = time.perf_counter()
-            metrics = self.train_step()
-            self.step += 1
-            elapsed = time.perf_counter() - t0
-            self.tokens_seen += metrics["tokens"]
-            run_tokens += metrics["tokens"]
-            if not math.isfinite(metrics["loss"]):
-                raise FloatingPointError(
-                    f"step {self.step}: loss is {metrics['loss']} (grad norm {metrics['grad_norm']}); "
-                    "lower lr_scheduler.learning_rate or check the data"
-                )
-            record = {
-                "step": self.step,
-                **metrics,
-                "tokens_per_s": metrics["tokens"] / max(elapsed, 1e-9),
-                "tokens_seen": self.tokens_seen,
-                "elapsed_s": time.perf_counter() - start_time,
-                "memory_bytes": peak_memory_bytes(self.device),
-            }
-            losses.append(metrics["loss"])
-            self.log_step(record)
-            if self.checkpointer.should_save(self.step, total):
-                self._save()
+        try:
+            while self.step < total:
+                run_tokens += self._run_one_step(total, start_time, losses)
+        finally:
+            self.close()
         wall = time.perf_counter() - start_time
-        summary = TrainSummary(
+        return TrainSummary(
             steps=self.step - start_step,
             final_loss=losses[-1] if losses else float("nan"),
             tokens_per_s=run_tokens / wall if wall > 0 else 0.0,
@@ -403,8 +391,32 @@ class Trainer:
             last_checkpoint=self._last_checkpoint,
             losses=losses,
         )
-        self.close()
-        return summary
+
+    def _run_one_step(self, total: int, start_time: float, losses: list[float]) -> int:
+        """Train, record, log and maybe save one step; return the tokens it processed."""
+        t0 = time.perf_counter()
+        metrics = self.train_step()
+        self.step += 1
+        elapsed = time.perf_counter() - t0
+        self.tokens_seen += metrics["tokens"]
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(
+                f"step {self.step}: loss is {metrics['loss']} (grad norm {metrics['grad_norm']}); "
+                "lower lr_scheduler.learning_rate or check the data"
+            )
+        record = {
+            "step": self.step,
+            **metrics,
+            "tokens_per_s": metrics["tokens"] / max(elapsed, 1e-9),
+            "tokens_seen": self.tokens_seen,
+            "elapsed_s": time.perf_counter() - start_time,
+            "memory_bytes": peak_memory_bytes(self.device),
+        }
+        losses.append(metrics["loss"])
+        self.log_step(record)
+        if self.checkpointer.should_save(self.step, total):
+            self._save()
+        return int(metrics["tokens"])
 
     def _save(self) -> None:
         trainer_state = {
@@ -424,6 +436,9 @@ class Trainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def close(self) -> None:
+        if self.console is not None:
+            self.console.close()
+            self.console = None
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
