@@ -263,6 +263,7 @@ def run_shape(
     peak: float,
     adamw: str,
     breakdown: bool = False,
+    compile_layers: bool = False,
 ) -> dict:
     args = shape_args(spec)
     hf, ours = make_pair(args)
@@ -271,6 +272,14 @@ def run_shape(
         Runner("transformers", hf, batch, True, adamw),
         Runner("meshforge", ours, batch, False, adamw),
     ]
+    if compile_layers:
+        # Not part of the eager comparison: what torch.compile of each decoder layer
+        # (regional compile, as a kernels.compile option would do) adds on top.
+        compiled = Qwen3ForCausalLM(args).train()
+        compiled.load_state_dict(hf.state_dict(), strict=True)
+        for i, layer in enumerate(compiled.model.layers):
+            compiled.model.layers[i] = torch.compile(layer)
+        runners.append(Runner("meshforge_compiled", compiled, batch, False, adamw))
     for r in runners:
         for _ in range(warmup):
             r.step()
@@ -281,7 +290,7 @@ def run_shape(
             r.timed_block(steps)
         # A peak sample under the same background load as this pair of blocks.
         peak_samples.append(_mm_rate(mm_a, mm_b))
-    theirs, mine = runners
+    theirs, mine = runners[:2]
     flops_per_token = ours.flops_per_token(spec["seq"])
     tokens_per_block = steps * batch["input_ids"].numel()
     gflops = {r.name: flops_per_token * r.tokens_per_s / 1e9 for r in runners}
@@ -322,6 +331,10 @@ def run_shape(
         "threads": torch.get_num_threads(),
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
+    if compile_layers:
+        result["ratio_compiled_median_of_pairs"] = round(
+            _median([t / c for t, c in zip(theirs.block_seconds, runners[2].block_seconds)]), 3
+        )
     if breakdown:
         result["ms_per_step_by_kernel"] = {r.name: step_breakdown(r) for r in runners}
     return result
@@ -343,6 +356,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--breakdown", action="store_true", help="also profile one step of each: ms by kind of kernel"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="add a third run: meshforge with torch.compile per decoder layer (not in the eager ratio)",
     )
     parser.add_argument("--no-rss", action="store_true", help="skip the per-model peak-RSS child runs")
     parser.add_argument("--rss-child", choices=["transformers", "meshforge"], help=argparse.SUPPRESS)
@@ -367,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
             peak=peak,
             adamw=opts.adamw,
             breakdown=opts.breakdown,
+            compile_layers=opts.compile,
         )
         if not opts.no_rss:
             result["peak_rss_mb"] = measure_rss(name, opts.adamw, opts.threads)
