@@ -224,3 +224,33 @@ def test_rope_parameters_spelling_matches_transformers():
     assert from_options({"flavor": "debug", "rope_theta": 123.0}).theta == 123.0
     hf_config = transformers.Qwen3Config(**args.to_hf_dict())
     assert hf_config.rope_parameters["rope_theta"] == 5e5
+
+
+def test_options_accept_yaml_number_spellings_but_not_bools():
+    args = from_options(
+        {"flavor": "debug", "rms_norm_eps": "1e-5", "num_hidden_layers": "3", "rope_theta": 5}
+    )
+    assert (args.rms_norm_eps, args.num_hidden_layers, args.theta) == (1e-5, 3, 5.0)
+    for bad, key in (
+        ({"num_hidden_layers": True}, "num_hidden_layers"),
+        ({"rms_norm_eps": "small"}, "rms_norm_eps"),
+        ({"head_dim": 2.5}, "head_dim"),
+        ({"vocab_size": float("inf")}, "vocab_size"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
+        ({"hidden_size": 0}, "hidden_size"),
+    ):
+        with pytest.raises(ValueError, match=key):
+            from_options({"flavor": "debug", **bad})
+
+
+def test_config_modules_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from meshforge.models.registry import check_model_options, resolve_family; "
+        "resolve_family('qwen3').parse_options({'flavor': 'tiny'}); "
+        "check_model_options('qwen3', None, None, {'x': 1}); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

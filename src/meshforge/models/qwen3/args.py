@@ -11,6 +11,7 @@ system can check option keys without it.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -151,6 +152,51 @@ def unknown_option_message(key: str, known: frozenset[str] | set[str]) -> str:
     return f"unknown Qwen3 option{hint}"
 
 
+_INT_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "sliding_window",
+        "max_window_layers",
+        "pad_token_id",
+        "bos_token_id",
+    }
+)
+_FLOAT_FIELDS = frozenset({"initializer_range", "rms_norm_eps", "rope_theta", "attention_dropout"})
+_BOOL_FIELDS = frozenset({"use_cache", "tie_word_embeddings", "attention_bias", "use_sliding_window"})
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Accept YAML spellings of numbers (``"1e-6"``, ``"10"``); never a bool as a number."""
+    if value is None:
+        return None
+    if key in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: must be true or false, got {value!r}")
+        return value
+    if key in _INT_FIELDS or key in _FLOAT_FIELDS:
+        if isinstance(value, bool):
+            raise ValueError(f"{key}: must be a number, got {value!r}")
+        try:
+            number = float(value) if isinstance(value, str) else value
+        except ValueError:
+            raise ValueError(f"{key}: must be a number, got {value!r}") from None
+        if not isinstance(number, int | float):
+            raise ValueError(f"{key}: must be a number, got {value!r}")
+        if key in _INT_FIELDS:
+            if not math.isfinite(number) or float(number) != int(number):
+                raise ValueError(f"{key}: must be an integer, got {value!r}")
+            return int(number)
+        return float(number)
+    return value
+
+
 def from_options(options: dict[str, Any]) -> Qwen3Args:
     """Build ``Qwen3Args`` from the ``model:`` passthrough keys.
 
@@ -163,15 +209,18 @@ def from_options(options: dict[str, Any]) -> Qwen3Args:
     Returns:
         The validated arguments.
 
+    Numbers may be given as strings (``"1e-6"``, as YAML 1.1 reads them); a bool is
+    never taken as a number.
+
     Raises:
         ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
-            or an invalid value.
+            or an invalid value (named).
     """
     unknown = sorted(k for k in options if k not in OPTION_KEYS)
     if unknown:
         reasons = ", ".join(f"{k!r} ({unknown_option_message(k, OPTION_KEYS)})" for k in unknown)
         raise ValueError(f"unknown Qwen3 model option(s): {reasons}")
-    options = dict(options)
+    options = {k: _coerce(k, v) for k, v in options.items()}
     flavor = options.pop("flavor", None)
     if flavor is None:
         base = Qwen3Args()
