@@ -254,3 +254,17 @@ def test_config_modules_do_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_meta_build_then_materialise_matches_direct_build():
+    """The trainer's path: meta -> to_empty -> init each full parameter from its own seed."""
+    direct = build_qwen3(FLAVORS["debug"], device="cpu")
+    lazy = build_model("qwen3", {"flavor": "debug"})
+    lazy.to_empty(device="cpu")
+    for i, (name, param) in enumerate(lazy.named_parameters()):
+        lazy.init_full_parameter_(name, param.data, torch.Generator().manual_seed(i))
+    assert lazy.lm_head.weight is lazy.model.embed_tokens.weight
+    for (name, a), (_, b) in zip(direct.state_dict().items(), lazy.state_dict().items()):
+        assert torch.equal(a, b), name
+    ids = torch.randint(0, FLAVORS["debug"].vocab_size, (2, 12))
+    assert torch.equal(direct(ids), lazy(ids))

@@ -89,9 +89,22 @@ class Qwen3ForCausalLM(nn.Module):
         self.args = args
         self.model = Qwen3Model(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            # One tensor under two names, as transformers ties them.
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the embedding's parameter when ``tie_word_embeddings``.
+
+        One tensor under two names, as transformers ties them. A no-op when already
+        tied. Called again after every ``_apply`` because ``to_empty`` (and ``to``) from
+        the meta device gives each module its own new parameter, silently untying.
+        """
+        if self.args.tie_word_embeddings and self.lm_head.weight is not self.model.embed_tokens.weight:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        self.tie_weights()
+        return out
 
     def forward(
         self,
