@@ -268,3 +268,8 @@ def test_meta_build_then_materialise_matches_direct_build():
         assert torch.equal(a, b), name
     ids = torch.randint(0, FLAVORS["debug"].vocab_size, (2, 12))
     assert torch.equal(direct(ids), lazy(ids))
+
+
+def test_config_alias_exposes_args():
+    model = build_model("qwen3", {"flavor": "tiny"})
+    assert model.config is model.args and model.config.vocab_size == 8192

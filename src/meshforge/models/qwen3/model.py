@@ -91,6 +91,11 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 
+    @property
+    def config(self) -> Qwen3Args:
+        """The structural arguments under transformers' attribute name (``model.config.vocab_size``)."""
+        return self.args
+
     def tie_weights(self) -> None:
         """Make ``lm_head.weight`` the embedding's parameter when ``tie_word_embeddings``.
 
