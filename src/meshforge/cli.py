@@ -114,7 +114,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         smoothed = sum(tail) / len(tail) if tail else float("nan")
         first = summary.losses[0] if summary.losses else float("nan")
         logger.info(
-            f"\nDone: {summary.steps} steps, final loss {summary.final_loss:.4f} (mean of the last "
+            f"\nDone: {summary.steps} step{'' if summary.steps == 1 else 's'}, final loss {summary.final_loss:.4f} (mean of the last "
             f"{len(tail)}: {smoothed:.4f}; first step: {first:.4f}), "
             f"{summary.tokens_per_s:,.0f} tokens/s overall. Outputs in {summary.output_dir} "
             f"(config.yaml, metrics.jsonl); {where}."

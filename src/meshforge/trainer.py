@@ -184,11 +184,7 @@ class Trainer:
         with torch.device("meta"):
             model = family.build(options)
         model.to(dtype=params_dtype)
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None) or options.get("vocab_size")
-        if vocab is not None and len(self.tokenizer) > int(vocab):
-            raise ValueError(
-                f"model.vocab_size: {vocab} is smaller than the tokenizer's {len(self.tokenizer)} tokens"
-            )
+        self._check_model_fits_data(getattr(model, "config", None))
         self.fsdp = self.dims.dp_shard > 1
         if self.fsdp:
             par = self.cfg.parallelism
@@ -210,6 +206,21 @@ class Trainer:
         )
         self.num_params = num_params
         return model
+
+    def _check_model_fits_data(self, model_config: Any) -> None:
+        """Refuse a tokenizer bigger than the embedding, or samples longer than the positions."""
+        vocab = getattr(model_config, "vocab_size", None)
+        if vocab is not None and len(self.tokenizer) > int(vocab):
+            raise ValueError(
+                f"model.vocab_size: {vocab} is smaller than the tokenizer's {len(self.tokenizer)} tokens"
+            )
+        max_pos = getattr(model_config, "max_position_embeddings", None)
+        seq = self.cfg.train_dataset.seq_length()
+        if max_pos is not None and seq is not None and int(seq) > int(max_pos):
+            raise ValueError(
+                f"model.max_position_embeddings: {max_pos} is shorter than the data's sequence length {seq}; "
+                "raise it or shorten the samples"
+            )
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
         from meshforge.optim.build import build_optimizer

@@ -73,16 +73,33 @@ def test_unsupported_feature_is_refused_at_start(tiny_config: Path, tmp_path: Pa
     assert "Traceback" not in proc.stderr
 
 
-def test_bad_override_names_the_key(tiny_config: Path, tmp_path: Path) -> None:
+def _refused(config: Path, cwd: Path, *overrides: str) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "meshforge", "train", "--config", str(tiny_config), "--training.stpes=3"],
-        cwd=tmp_path,
+        [sys.executable, "-m", "meshforge", "train", "--config", str(config), *overrides],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 2
-    assert "stpes" in proc.stderr and "steps" in proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    return proc.stderr
+
+
+def test_bad_override_names_the_key(tiny_config: Path, tmp_path: Path) -> None:
+    err = _refused(tiny_config, tmp_path, "--training.stpes=3")
+    assert "stpes" in err and "steps" in err
+    err = _refused(tiny_config, tmp_path, "--model.num_hiden_layers=2")
+    assert "model.num_hiden_layers" in err and "num_hidden_layers" in err
+
+
+def test_model_must_fit_the_data(tiny_config: Path, tmp_path: Path) -> None:
+    err = _refused(tiny_config, tmp_path, "--model.max_position_embeddings=16")
+    assert "model.max_position_embeddings" in err and "32" in err
+    err = _refused(tiny_config, tmp_path, "--model.vocab_size=100")
+    assert "model.vocab_size" in err
+    err = _refused(tiny_config, tmp_path, "--training.global_batch_size=1")
+    assert "training.global_batch_size" in err
 
 
 def test_resume_into_the_same_folder_and_weights_only_loading(tiny_config: Path, tmp_path: Path) -> None:
