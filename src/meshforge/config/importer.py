@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshforge.config.base import ConfigError, Issue, suggest
+from meshforge.data.config import SFT_FIELDS
 
 GROUPS = ("model", "data", "parallel", "training", "optimization", "inference")
 
@@ -42,41 +43,9 @@ MODEL_KEYS = (
     "enable_fsdp_low_precision_all_gather",
     "fsdp_low_precision_all_gather_mode",
 )
-DATA_KEYS = (
-    "template",
-    "dataset",
-    "eval_dataset",
-    "dataset_dir",
-    "cutoff_len",
-    "train_on_prompt",
-    "mask_history",
-    "streaming",
-    "buffer_size",
-    "mix_strategy",
-    "interleave_probs",
-    "overwrite_cache",
-    "preprocessing_batch_size",
-    "preprocessing_num_workers",
-    "max_samples",
-    "eval_num_beams",
-    "ignore_pad_token_for_loss",
-    "val_size",
-    "eval_on_each_dataset",
-    "packing",
-    "neat_packing",
-    "tool_format",
-    "default_system",
-    "enable_thinking",
-    "tokenized_path",
-    "data_shared_file_system",
-    "data_manager_type",
-    "split",
-    "create_attention_mask_in_dataloader",
-    "no_shared_storage",
-    "dataloader_type",
-    "reset_attention_mask",
-    "append_eod",
-)
+# The SFT fields live under `train_dataset` with their MindSpeed names; two more keys pick the
+# pretraining loader and its split.
+DATA_KEYS = (*SFT_FIELDS, "data_manager_type", "split")
 PARALLEL_KEYS = (
     "tp_size",
     "fsdp_size",
