@@ -274,6 +274,7 @@ class Trainer:
             enabled=bool(ckpt.enable_save),
             save_optimizer=not bool(ckpt.no_save_optim),
             rank=self.dist.rank,
+            async_save=bool(ckpt.async_save),
             log=self.log,
         )
 
@@ -391,6 +392,9 @@ class Trainer:
         try:
             while self.step < total:
                 run_tokens += self._run_one_step(total, start_time, losses)
+            # A background save must be on disk (and marked complete) before the run ends. Not
+            # on error paths: a failed peer would never reach the barrier inside.
+            self.checkpointer.finalize()
         finally:
             self.close()
         wall = time.perf_counter() - start_time
@@ -441,7 +445,8 @@ class Trainer:
         self._last_checkpoint = self.checkpointer.save(
             self.step, self.model, self.optimizer, trainer_state, rng_state()
         )
-        self.log(f"checkpoint: saved step {self.step} to {self._last_checkpoint}")
+        how = "started saving" if self.checkpointer.async_save else "saved"
+        self.log(f"checkpoint: {how} step {self.step} to {self._last_checkpoint}")
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

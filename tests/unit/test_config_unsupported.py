@@ -78,7 +78,6 @@ TRIGGERS: dict[str, dict] = {
     "kernels.chunk_loss_size": {"kernels": {"chunk_loss_size": 1024}},
     "checkpoint.load_balanced": {"checkpoint": {"load_balanced": True}},
     "checkpoint.remove_redundancy": {"checkpoint": {"remove_redundancy": True}},
-    "checkpoint.async_save": {"checkpoint": {"async_save": True}},
     "checkpoint.save_hf_weights": {"checkpoint": {"save_hf_weights": True}},
     "checkpoint.save_epochs": {"checkpoint": {"save_epochs": 1}},
     "training.rampup_batch_size": {"training": {"rampup_batch_size": [1, 1, 100]}},

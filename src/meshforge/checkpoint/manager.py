@@ -5,6 +5,11 @@ model (and optimizer), `trainer_state.json` (step, tokens seen, data position, L
 `rng/rank_XXXXX.pt` (every RNG of every rank) and a `COMPLETE` marker written last. A folder
 without the marker (a crash mid-save) is never loaded and is replaced by the next save of that
 step. DCP stores global tensor shapes, so a checkpoint saved with N ranks loads with M.
+
+With `checkpoint.async_save`, DCP copies the state to CPU memory and writes it from a background
+thread while training goes on; the marker is written once every rank's write has finished (at
+the next save, or when the run ends). The writes use a process group of their own: gloo
+crashes when a background save and the training collectives share one group.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import re
 import shutil
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +108,7 @@ class CheckpointManager:
         enabled: `checkpoint.enable_save`.
         save_optimizer: False for `checkpoint.no_save_optim` (weights only, no exact resume).
         rank: this process's global rank; rank 0 writes the shared files.
+        async_save: `checkpoint.async_save`: write in the background (see the module docstring).
     """
 
     def __init__(
@@ -114,6 +121,7 @@ class CheckpointManager:
         enabled: bool,
         save_optimizer: bool,
         rank: int,
+        async_save: bool = False,
         log: Callable[[str], None] = print,
     ) -> None:
         self.save_dir = save_dir
@@ -125,6 +133,9 @@ class CheckpointManager:
         self.rank = rank
         self.log = log
         self.last_saved_step: int | None = None
+        self.async_save = async_save
+        self._pending: tuple[Future, Path, int] | None = None
+        self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
     def should_save(self, step: int, last_step: int) -> bool:
         """Save on every `interval`-th step and always at the last step."""
@@ -140,7 +151,12 @@ class CheckpointManager:
         trainer_state: dict[str, Any],
         rng_state: dict[str, Any],
     ) -> Path:
-        """Write one step folder collectively (every rank must call this)."""
+        """Write one step folder collectively (every rank must call this).
+
+        Returns the folder; with async saving it is complete only after `finalize()` (or the
+        next save) has run.
+        """
+        self.finalize()
         target = self.save_dir / step_dir_name(self.prefix, step)
         if self.rank == 0:
             if target.exists():
@@ -152,18 +168,38 @@ class CheckpointManager:
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
         else:
             state = {"model": get_model_state_dict(model)}
-        dcp.save(state, checkpoint_id=str(target))
         (target / "rng").mkdir(exist_ok=True)
         torch.save(rng_state, target / "rng" / f"rank_{self.rank:05d}.pt")
-        barrier()
         if self.rank == 0:
             payload = dict(trainer_state, has_optimizer=self.save_optimizer)
             (target / TRAINER_STATE_FILE).write_text(json.dumps(payload, indent=2, default=_json_default))
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(target), process_group=self._group)
+            self._pending = (future, target, step)
+        else:
+            dcp.save(state, checkpoint_id=str(target))
+            self._mark_complete(target, step)
+        self.last_saved_step = step
+        return target
+
+    def finalize(self) -> None:
+        """Wait for a background save (if any) and mark it complete; call before exiting."""
+        if self._pending is None:
+            return
+        future, target, step = self._pending
+        self._pending = None
+        future.result()
+        self._mark_complete(target, step)
+        self.log(f"checkpoint: background save of step {step} finished ({target})")
+
+    def _mark_complete(self, target: Path, step: int) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
+        barrier()
+        if self.rank == 0:
             (target / COMPLETE_MARKER).write_text(f"{step}\n")
             self._prune()
         barrier()
-        self.last_saved_step = step
-        return target
 
     def _prune(self) -> None:
         steps = list_complete_steps(self.save_dir)

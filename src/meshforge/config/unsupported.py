@@ -250,7 +250,6 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         "checkpoint.remove_redundancy", lambda c: c.checkpoint.remove_redundancy, "redundancy-free saving"
     ),
-    Unsupported("checkpoint.async_save", lambda c: c.checkpoint.async_save, "asynchronous saving"),
     Unsupported("checkpoint.save_hf_weights", lambda c: c.checkpoint.save_hf_weights, "HF export at the end"),
     Unsupported(
         "checkpoint.save_epochs", lambda c: c.checkpoint.save_epochs is not None, "epoch-based saving"
