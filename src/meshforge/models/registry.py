@@ -32,6 +32,9 @@ class FamilySpec:
             plus ``flavor``).
         args_module: Module holding ``from_options`` and ``FLAVORS``.
         model_module: Module holding ``build_<name>``.
+        hf_module: Optional module with the family's Hugging Face adapter (key and layout
+            mapping, config.json conversion; protocol in ``meshforge.checkpoint.hf``).
+            None means the parameter names are the HF safetensors keys as they are.
     """
 
     name: str
@@ -40,6 +43,7 @@ class FamilySpec:
     option_keys: frozenset[str]
     args_module: str
     model_module: str
+    hf_module: str | None = None
 
     def parse_options(self, options: dict[str, Any]) -> Any:
         """Validate ``options`` into the family's args dataclass (imports no torch)."""

@@ -1,0 +1,423 @@
+"""Hugging Face checkpoint folders: read config.json, load safetensors into (sharded) models, export.
+
+Loading never holds more than one full parameter at a time: the model is built on the meta
+device, parallelised (FSDP2 DTensors or plain) and materialised first; then, parameter by
+parameter, the HF tensors it needs are read lazily with ``safetensors.safe_open`` (memory-mapped,
+one key at a time), converted by the family's adapter, checked, and each rank keeps its own shard.
+Export is the mirror image: each parameter is gathered in full (a collective, every rank takes
+part), converted to HF keys, and rank 0 appends it to the current safetensors shard file.
+
+Adapter protocol (one optional module per family, named by ``FamilySpec.hf_module``, usually
+``meshforge.models.<family>.hf``). Every function is optional; an absent function or module
+means the default given here, which suits families whose parameter names already are the HF
+safetensors keys (qwen3):
+
+- ``hf_sources(name: str) -> list[str]``: the HF safetensors keys needed to build our parameter
+  ``name`` (default ``[name]``).
+- ``from_hf(name: str, tensors: dict[str, Tensor]) -> Tensor``: our full parameter from those HF
+  tensors (keyed by HF key; default: the single tensor). E.g. stack per-expert weights into one
+  fused 3-D tensor.
+- ``to_hf(name: str, tensor: Tensor) -> dict[str, Tensor]``: HF key -> tensor for one full
+  parameter (default ``{name: tensor}``); the inverse of ``from_hf``.
+- ``HF_ARCHITECTURE: str``: the transformers class written to ``architectures`` (default: the
+  family's first ``hf_architectures`` entry).
+- ``to_hf_config(args) -> dict``: the ``config.json`` body for the family's args (default:
+  ``args.to_hf_dict()``); ``model_type`` and ``architectures`` are added when missing.
+- ``from_hf_config(config: dict) -> dict``: ``model:`` options from a ``config.json`` (default:
+  the keys that are family option keys; the rest, e.g. ``transformers_version``, are dropped).
+- ``IGNORED_HF_KEYS: tuple[str, ...]``: ``fnmatch`` patterns of HF keys a checkpoint may carry that
+  the model does not need (default: rotary ``inv_freq`` buffers).
+
+Tied embeddings: a tied model has one parameter (``model.embed_tokens.weight``); a checkpoint may
+also carry ``lm_head.weight`` (then ignored) or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import importlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+if TYPE_CHECKING:
+    from meshforge.models.registry import FamilySpec
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+_DEFAULT_IGNORED = ("*.rotary_emb.inv_freq",)
+_TIED_HEAD = "lm_head.weight"
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _few(names: list[str] | set[str], n: int = 5) -> str:
+    items = sorted(names)
+    more = f" (and {len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+# --------------------------------------------------------------------------------------- folders
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """Read ``<path>/config.json``.
+
+    Raises:
+        FileNotFoundError: When the folder or its config.json is missing.
+        ValueError: When config.json is not a JSON object (names the file and the JSON error).
+    """
+    folder = Path(path)
+    file = folder / CONFIG_FILE
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: not a folder (a Hugging Face model folder with config.json)")
+    if not file.is_file():
+        raise FileNotFoundError(f"{folder}: no {CONFIG_FILE} (a Hugging Face model folder needs one)")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise ValueError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A folder with HF safetensors weights (single file or index) and no DCP ``COMPLETE`` marker."""
+    folder = Path(path)
+    has_weights = (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()
+    return folder.is_dir() and has_weights and not (folder / "COMPLETE").is_file()
+
+
+def find_hf_weights(path: str | Path) -> dict[str, Path]:
+    """Map every safetensors key of a HF folder to the file that holds it.
+
+    Reads the index (``model.safetensors.index.json``) when present, else the single
+    ``model.safetensors`` header (no tensor data).
+
+    Raises:
+        FileNotFoundError: Naming the folder, when it has neither, or naming the shard files the
+            index lists that are missing.
+        ValueError: For an index without a ``weight_map``.
+    """
+    folder = Path(path)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except ValueError as err:
+            raise ValueError(f"{index}: not valid JSON ({err})") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: has no `weight_map` (key -> shard file)")
+        files = {name: folder / name for name in set(weight_map.values())}
+        missing = [name for name, file in files.items() if not file.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{folder}: {INDEX_FILE} lists {len(files)} shard files but {len(missing)} are missing: "
+                f"{_few(missing)}"
+            )
+        return {key: files[name] for key, name in weight_map.items()}
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt", device="cpu") as handle:
+            return dict.fromkeys(handle.keys(), single)
+    raise FileNotFoundError(
+        f"{folder}: no Hugging Face weights ({SINGLE_FILE} or {INDEX_FILE}); "
+        "set model.train_from_scratch: true to start from random weights"
+    )
+
+
+# --------------------------------------------------------------------------------------- adapter
+class HFAdapter:
+    """A family's HF mapping: its optional adapter module with the defaults filled in."""
+
+    def __init__(self, family: FamilySpec) -> None:
+        self.family = family
+        module_name = getattr(family, "hf_module", None)
+        self._module: ModuleType | None = importlib.import_module(module_name) if module_name else None
+
+    def _get(self, name: str) -> Any:
+        return getattr(self._module, name, None) if self._module is not None else None
+
+    @property
+    def architecture(self) -> str:
+        return self._get("HF_ARCHITECTURE") or self.family.hf_architectures[0]
+
+    @property
+    def ignored_keys(self) -> tuple[str, ...]:
+        return tuple(self._get("IGNORED_HF_KEYS") or ()) + _DEFAULT_IGNORED
+
+    def hf_sources(self, name: str) -> list[str]:
+        fn = self._get("hf_sources")
+        return list(fn(name)) if fn else [name]
+
+    def from_hf(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        fn = self._get("from_hf")
+        if fn:
+            return fn(name, tensors)
+        (tensor,) = tensors.values()
+        return tensor
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        fn = self._get("to_hf")
+        return dict(fn(name, tensor)) if fn else {name: tensor}
+
+    def to_hf_config(self, args: Any) -> dict[str, Any]:
+        fn = self._get("to_hf_config")
+        body = dict(fn(args)) if fn else dict(args.to_hf_dict())
+        body.setdefault("model_type", self.family.name)
+        body.setdefault("architectures", [self.architecture])
+        return body
+
+    def from_hf_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        fn = self._get("from_hf_config")
+        if fn:
+            return dict(fn(config))
+        return {k: v for k, v in config.items() if k in self.family.option_keys}
+
+
+def hf_adapter(family: FamilySpec) -> HFAdapter:
+    """The HF adapter of ``family`` (see the module docstring for the protocol)."""
+    return HFAdapter(family)
+
+
+# --------------------------------------------------------------------------------------- loading
+def _tied_names(model: nn.Module) -> set[str]:
+    """Names under which an already-listed parameter appears again (tied weights)."""
+    seen: set[int] = set()
+    tied: set[str] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.add(id(param))
+    return tied
+
+
+def _check_and_cast(name: str, full: torch.Tensor, param: torch.Tensor, source: str) -> torch.Tensor:
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(
+            f"{source}: {name} has shape {tuple(full.shape)} in the checkpoint but the model "
+            f"(from the model: section / config.json) needs {tuple(param.shape)}"
+        )
+    if full.dtype != param.dtype:
+        if not (full.dtype.is_floating_point and param.dtype.is_floating_point):
+            raise ValueError(
+                f"{source}: {name} is {full.dtype} in the checkpoint; the model needs {param.dtype}"
+            )
+        full = full.to(param.dtype)
+    return full
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model: nn.Module,
+    family: FamilySpec,
+    path: str | Path,
+    *,
+    log: Callable[[str], None] | None = None,
+) -> int:
+    """Copy a HF folder's safetensors weights into an already materialised ``model``, in place.
+
+    Works on plain and FSDP2-sharded models: each rank reads every full parameter (lazily, one at
+    a time) and keeps its local shard, with no communication.
+
+    Args:
+        model: Built, parallelised and materialised (real storage, any init).
+        family: The model's family (its adapter maps names and layouts).
+        path: The HF folder (``model.safetensors`` or an index with its shards).
+        log: Optional sink for one summary line.
+
+    Returns:
+        The number of parameters (tensors) loaded.
+
+    Raises:
+        FileNotFoundError: Missing weights or shard files (see ``find_hf_weights``).
+        ValueError: Missing or unexpected keys (a few listed), or a shape that does not match.
+    """
+    from safetensors import safe_open
+
+    folder = Path(path)
+    key_files = find_hf_weights(folder)
+    adapter = hf_adapter(family)
+    params = list(model.named_parameters())
+    sources = {name: adapter.hf_sources(name) for name, _ in params}
+    needed = {key for keys in sources.values() for key in keys}
+    missing = needed - set(key_files)
+    if missing:
+        raise ValueError(
+            f"{folder}: {len(missing)} weight(s) the {family.name} model needs are not in the checkpoint: "
+            f"{_few(missing)}"
+        )
+    tied = _tied_names(model)
+    ignorable = [*adapter.ignored_keys, *tied]
+    unexpected = {
+        key for key in set(key_files) - needed if not any(fnmatch.fnmatchcase(key, p) for p in ignorable)
+    }
+    if unexpected:
+        raise ValueError(
+            f"{folder}: {len(unexpected)} checkpoint weight(s) have no place in the {family.name} model "
+            f"described by the model: section: {_few(unexpected)}"
+        )
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def read(key: str) -> torch.Tensor:
+            file = key_files[key]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            return handles[file].get_tensor(key)
+
+        for name, param in params:
+            full = adapter.from_hf(name, {key: read(key) for key in sources[name]})
+            full = _check_and_cast(name, full, param, str(folder))
+            if isinstance(param, DTensor):
+                # Every rank holds the same full tensor: slice the local shard without communication.
+                shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(shard.to_local())
+            else:
+                param.copy_(full)
+            del full
+    if log is not None:
+        log(f"checkpoint: loaded {len(params)} Hugging Face weights from {folder}")
+    return len(params)
+
+
+# --------------------------------------------------------------------------------------- export
+def parse_size(value: int | str) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2MiB"`` or a byte count -> bytes.
+
+    Raises:
+        ValueError: For a spelling that is none of these.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(value).upper())
+        if not match:
+            raise ValueError(f"shard_size: expected bytes or e.g. '5GB' / '500MB', got {value!r}")
+        size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
+    if size <= 0:
+        raise ValueError(f"shard_size: must be positive, got {value!r}")
+    return size
+
+
+def _full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each parameter in full on the CPU; a collective for DTensors (every rank must iterate)."""
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        yield name, tensor.cpu()
+
+
+def _is_main() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@torch.no_grad()
+def save_hf(
+    model: nn.Module,
+    family: FamilySpec,
+    out_dir: str | Path,
+    *,
+    tokenizer: Any = None,
+    shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``model`` as a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Collective: every rank must call it (sharded parameters are gathered one at a time); rank 0
+    writes ``config.json``, ``model.safetensors`` (or ``model-0000x-of-0000y.safetensors`` and
+    ``model.safetensors.index.json`` when the weights exceed ``shard_size``, as transformers does)
+    and the tokenizer files.
+
+    Args:
+        model: A built model of ``family`` (``model.config`` holds its args).
+        family: Its family spec.
+        out_dir: Destination folder (created; existing weight files in it are replaced).
+        tokenizer: Optional HF tokenizer saved alongside (``save_pretrained``).
+        shard_size: Largest shard, bytes or a string such as ``"5GB"``.
+        dtype: Cast floating weights to this dtype (default: as they are).
+
+    Returns:
+        The output folder.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    limit = parse_size(shard_size)
+    adapter = hf_adapter(family)
+    main = _is_main()
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+            old.unlink(missing_ok=True)
+    shards: list[dict[str, torch.Tensor]] = []
+    current: dict[str, torch.Tensor] = {}
+    current_bytes = 0
+    total_bytes = 0
+    written: list[Path] = []
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        if current:
+            # Temporary names: the number of shards is known only at the end.
+            file = out / f"model-part-{len(written):05d}.safetensors"
+            save_file(current, str(file), metadata={"format": "pt"})
+            written.append(file)
+            shards.append(dict.fromkeys(current))
+        current, current_bytes = {}, 0
+
+    for name, full in _full_parameters(model):
+        if not main:
+            continue
+        for key, tensor in adapter.to_hf(name, full).items():
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            tensor = tensor.contiguous()
+            size = tensor.numel() * tensor.element_size()
+            if current and current_bytes + size > limit:
+                flush()
+            current[key] = tensor
+            current_bytes += size
+            total_bytes += size
+    if main:
+        flush()
+        _finish_files(out, written, shards, total_bytes)
+        config = adapter.to_hf_config(model.config)
+        sample = next(iter(model.parameters()), None)
+        weights_dtype = dtype or (sample.dtype if sample is not None else torch.float32)
+        config.setdefault("dtype", str(weights_dtype).removeprefix("torch."))
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return out
+
+
+def _finish_files(out: Path, written: list[Path], shards: list[dict[str, Any]], total_bytes: int) -> None:
+    """Give the shard files their final names and write the index (none for a single file)."""
+    if len(written) == 1:
+        os.replace(written[0], out / SINGLE_FILE)
+        return
+    weight_map: dict[str, str] = {}
+    for i, (file, keys) in enumerate(zip(written, shards, strict=True), start=1):
+        final = f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        os.replace(file, out / final)
+        weight_map.update(dict.fromkeys(keys, final))
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
