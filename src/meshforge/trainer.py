@@ -101,6 +101,11 @@ class TrainSummary:
     output_dir: Path
     last_checkpoint: Path | None
     losses: list[float] = field(default_factory=list)
+    hf_export: Path | None = None
+
+
+def _no_init(fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    """Leave a parameter uninitialised: weights loaded right after overwrite it."""
 
 
 class Trainer:
@@ -114,6 +119,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self._last_checkpoint: Path | None = None
+        self._hf_export: Path | None = None
 
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -169,15 +175,17 @@ class Trainer:
         )
 
     def _build_model(self) -> nn.Module:
+        from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
         from meshforge.models.materialize import materialize_and_init
-        from meshforge.models.registry import resolve_family
         from meshforge.parallel.fsdp import apply_fsdp
 
         model_cfg = self.cfg.model
-        family = resolve_family(
-            model_cfg.model_type, model_cfg.architectures, getattr(model_cfg, "model_id", None)
-        )
-        options = dict(model_cfg.model_extra or {})
+        # With model.model_name_or_path, config.json gives the options (and the family when the
+        # section names none); passthrough model: keys override it, each override logged.
+        source = resolve_model_source(model_cfg, log=self.log)
+        family, options = source.family, source.options
+        self.family = family
+        load_hf = source.hf_dir is not None and not bool(model_cfg.train_from_scratch)
         params_dtype = parse_dtype(getattr(model_cfg, "params_dtype", None), key="model.params_dtype")
         compute_dtype = parse_dtype(model_cfg.compute_dtype, key="model.compute_dtype", default=params_dtype)
         self.compute_dtype = compute_dtype
@@ -196,9 +204,13 @@ class Trainer:
                 reduce_dtype=torch.float32,
                 reshard_policy=policy,
             )
-        materialize_and_init(
-            model, device=self.device, seed=int(self.cfg.training.seed), init_fn=model.init_full_parameter_
-        )
+        # Loaded weights overwrite every parameter, so skip drawing random ones first.
+        init_fn = _no_init if load_hf else model.init_full_parameter_
+        materialize_and_init(model, device=self.device, seed=int(self.cfg.training.seed), init_fn=init_fn)
+        if load_hf:
+            load_hf_weights(model, family, source.hf_dir, log=self.log)
+        elif source.hf_dir is not None:
+            self.log(f"model: random init (model.train_from_scratch); config from {source.hf_dir}")
         num_params = sum(p.numel() for p in model.parameters())
         self.log(
             f"model: {family.name} with {num_params / 1e6:.2f}M parameters ({params_dtype} weights, "
@@ -279,11 +291,23 @@ class Trainer:
         )
 
     def _maybe_resume(self) -> None:
+        from meshforge.checkpoint.hf import is_hf_dir, load_hf_weights
+
         ckpt = self.cfg.checkpoint
         if not ckpt.load_path:
             return
+        load_path = resolve_path(ckpt.load_path)
+        if is_hf_dir(load_path):
+            if not ckpt.no_load_optim:
+                raise ValueError(
+                    f"checkpoint.load_path: {load_path} is a Hugging Face checkpoint; resuming optimizer "
+                    "state from it is not possible: set checkpoint.no_load_optim: true to load its weights"
+                )
+            load_hf_weights(self.model, self.family, load_path, log=self.log)
+            self.log("checkpoint: starting at step 0 with the Hugging Face weights (no_load_optim)")
+            return
         loaded = self.checkpointer.load(
-            resolve_path(ckpt.load_path),
+            load_path,
             self.model,
             self.optimizer,
             load_optimizer=not bool(ckpt.no_load_optim),
@@ -395,6 +419,8 @@ class Trainer:
             # A background save must be on disk (and marked complete) before the run ends. Not
             # on error paths: a failed peer would never reach the barrier inside.
             self.checkpointer.finalize()
+            if self.cfg.checkpoint.save_hf_weights:
+                self._hf_export = self.export_hf(self.output_dir / "hf")
         finally:
             self.close()
         wall = time.perf_counter() - start_time
@@ -405,7 +431,16 @@ class Trainer:
             output_dir=self.output_dir,
             last_checkpoint=self._last_checkpoint,
             losses=losses,
+            hf_export=self._hf_export,
         )
+
+    def export_hf(self, out_dir: Path) -> Path:
+        """Write the current weights, config and tokenizer as a HF folder (collective)."""
+        from meshforge.checkpoint.hf import save_hf
+
+        save_hf(self.model, self.family, out_dir, tokenizer=self.tokenizer if self.dist.is_main else None)
+        self.log(f"checkpoint: exported Hugging Face weights to {out_dir} (checkpoint.save_hf_weights)")
+        return out_dir
 
     def _run_one_step(self, total: int, start_time: float, losses: list[float]) -> int:
         """Train, record, log and maybe save one step; return the tokens it processed."""

@@ -57,7 +57,6 @@ TRIGGERS: dict[str, dict] = {
     "optimizer.accumulate_allreduce_grads_in_fp32": {
         "optimizer": {"accumulate_allreduce_grads_in_fp32": False}
     },
-    "model.model_name_or_path": {"model": {"model_name_or_path": "/models/qwen3"}},
     "model.model_id": {"model": {"model_id": "qwen3"}},
     "model.quant_recipe_name": {"model": {"quant_recipe_name": "mxfp8"}},
     "model.use_flash_attention": {"model": {"use_flash_attention": True}},
@@ -78,7 +77,6 @@ TRIGGERS: dict[str, dict] = {
     "kernels.chunk_loss_size": {"kernels": {"chunk_loss_size": 1024}},
     "checkpoint.load_balanced": {"checkpoint": {"load_balanced": True}},
     "checkpoint.remove_redundancy": {"checkpoint": {"remove_redundancy": True}},
-    "checkpoint.save_hf_weights": {"checkpoint": {"save_hf_weights": True}},
     "checkpoint.save_epochs": {"checkpoint": {"save_epochs": 1}},
     "training.rampup_batch_size": {"training": {"rampup_batch_size": [1, 1, 100]}},
     "training.epochs": {"training": {"epochs": 2}},

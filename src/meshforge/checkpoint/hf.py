@@ -41,6 +41,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -421,3 +422,62 @@ def _finish_files(out: Path, written: list[Path], shards: list[dict[str, Any]], 
         weight_map.update(dict.fromkeys(keys, final))
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------------------- model source
+@dataclass(frozen=True)
+class ModelSource:
+    """Which family to build with which options, and the HF folder it came from (if any)."""
+
+    family: FamilySpec
+    options: dict[str, Any]
+    hf_dir: Path | None
+
+
+def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = None) -> ModelSource:
+    """Family and options from the ``model:`` section, reading ``model_name_or_path/config.json``.
+
+    With ``model_name_or_path``, config.json gives the options (mapped by the family's adapter)
+    and, when the section names no family (``model_type`` / ``architectures`` / ``model_id``),
+    the family too. Passthrough ``model:`` keys override config.json values; each override is
+    logged.
+
+    Args:
+        model_cfg: The ``model:`` section (``ModelConfig``).
+        log: Sink for the override lines.
+
+    Raises:
+        FileNotFoundError: When ``model_name_or_path`` is not a folder with config.json.
+        ValueError: When the family is not built (the generic transformers path is not built yet).
+    """
+    from meshforge.models.registry import resolve_family
+    from meshforge.resources import resolve_path
+
+    emit = log or (lambda _msg: None)
+    extra = dict(model_cfg.model_extra or {})
+    named = (model_cfg.model_type, model_cfg.architectures, getattr(model_cfg, "model_id", None))
+    if not model_cfg.model_name_or_path:
+        return ModelSource(resolve_family(*named), extra, None)
+    hf_dir = resolve_path(model_cfg.model_name_or_path)
+    if not hf_dir.is_dir():
+        raise FileNotFoundError(
+            f"model.model_name_or_path: {model_cfg.model_name_or_path!r} (resolved to {hf_dir}) is not a "
+            "folder; give a local Hugging Face model folder (hub names are never downloaded)"
+        )
+    config = read_hf_config(hf_dir)
+    if not any(named):
+        named = (config.get("model_type"), config.get("architectures"), None)
+    try:
+        family = resolve_family(*named)
+    except ValueError as err:
+        raise ValueError(
+            f"model.model_name_or_path: {hf_dir / CONFIG_FILE}: {err} (the generic transformers path, "
+            "with or without model.trust_remote_code, is not supported yet)"
+        ) from None
+    base = hf_adapter(family).from_hf_config(config)
+    for key, value in extra.items():
+        if key in base and base[key] != value:
+            emit(f"model.{key}: {value!r} overrides {base[key]!r} from {hf_dir / CONFIG_FILE}")
+        elif key not in base:
+            emit(f"model.{key}: {value!r} (not set in {hf_dir / CONFIG_FILE})")
+    return ModelSource(family, {**base, **extra}, hf_dir)

@@ -59,10 +59,6 @@ def _param_dtype_differs(c: TrainConfig) -> bool:
     return dtype is not None and _SHORT_DTYPES[dtype] != c.model.compute_dtype
 
 
-def _hf_dir(c: TrainConfig) -> bool:
-    return bool(c.model.model_name_or_path)
-
-
 _P = "parallelism"
 ENTRIES: list[Unsupported] = [
     Unsupported(f"{_P}.tensor_parallel", lambda c: c.parallelism.tensor_parallel > 1, "tensor parallelism"),
@@ -193,7 +189,6 @@ ENTRIES: list[Unsupported] = [
         lambda c: not c.optimizer.accumulate_allreduce_grads_in_fp32,
         "low-precision gradient accumulation",
     ),
-    Unsupported("model.model_name_or_path", _hf_dir, "loading Hugging Face weights/configs"),
     Unsupported("model.model_id", lambda c: c.model.model_id is not None, "MindSpeed model_id selection"),
     Unsupported(
         "model.quant_recipe_name",
@@ -250,7 +245,6 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         "checkpoint.remove_redundancy", lambda c: c.checkpoint.remove_redundancy, "redundancy-free saving"
     ),
-    Unsupported("checkpoint.save_hf_weights", lambda c: c.checkpoint.save_hf_weights, "HF export at the end"),
     Unsupported(
         "checkpoint.save_epochs", lambda c: c.checkpoint.save_epochs is not None, "epoch-based saving"
     ),
