@@ -1,0 +1,254 @@
+"""Top-k softmax mixture-of-experts block with experts stored fused, as transformers 5.24 keeps them.
+
+Layout (module and parameter names of transformers' ``Qwen3MoeSparseMoeBlock``):
+
+* ``gate.weight`` ``[num_experts, hidden]``: the router, a bias-free linear map;
+* ``experts.gate_up_proj`` ``[num_experts, 2 * intermediate, hidden]``: every expert's
+  gate rows followed by its up rows (transformers' "concatenated" layout);
+* ``experts.down_proj`` ``[num_experts, hidden, intermediate]``.
+
+Safetensors files carry one key per expert and projection instead
+(``experts.{e}.gate_proj.weight``); each family's ``hf.py`` maps between the two.
+
+Routing: softmax of the router logits in float32, top-k experts per token,
+optionally renormalised over the chosen k (``norm_topk_prob``), weights cast back
+to the compute dtype. Expert compute sorts the (token, slot) assignments by expert
+and runs one gate/up and one down matmul per expert on its contiguous group of
+tokens, then un-sorts and sums the k weighted expert outputs of every token. That
+is deterministic (no scatter-add) and measured faster on CPU than transformers'
+mask-and-index loop and than padding the groups for ``torch.bmm`` (see
+``MoEBlock``). ``torch.nn.functional.grouped_mm`` would do the grouped matmul in one
+kernel but its CPU backward fails in torch 2.13 (empty groups), so it is not used.
+
+Each forward leaves behind what the trainer and monitor need, detached from
+nothing that would otherwise be freed: ``last_tokens_per_expert`` (assignment
+counts, a LongTensor) and ``last_aux_stats``, the per-layer sums from which
+:func:`load_balancing_loss` forms the Switch-Transformer aux loss over all MoE
+layers exactly as transformers' ``load_balancing_loss_func`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshforge.models.common.mlp import activation
+
+
+@dataclass
+class RouterStats:
+    """One MoE layer's contribution to the load-balancing loss of one forward.
+
+    Attributes:
+        assignments: float32 ``[num_experts]``: how many (non-padding) top-k slots
+            chose each expert; no gradient.
+        prob_sum: float32 ``[num_experts]``: sum over (non-padding) tokens of the
+            router probabilities; carries the router's gradient.
+        rows: Number of tokens counted (float32 scalar tensor).
+    """
+
+    assignments: torch.Tensor
+    prob_sum: torch.Tensor
+    rows: torch.Tensor
+
+
+def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor | None:
+    """Switch-Transformer load-balancing loss over several MoE layers, unscaled.
+
+    Same arithmetic as transformers' ``load_balancing_loss_func``: assignments and
+    probabilities are summed over all layers first and divided by the total number
+    of rows, then ``num_experts * sum_e f_e * P_e``, where ``f_e`` is the fraction of
+    top-k slots routed to expert e (summing to k) and ``P_e`` its mean router
+    probability. Padding tokens were left out of the sums by the layers.
+
+    Args:
+        stats: One entry per MoE layer of the forward.
+        num_experts: Number of routed experts.
+
+    Returns:
+        A float32 scalar, or None when ``stats`` is empty (no MoE layer ran).
+    """
+    if not stats:
+        return None
+    assignments = torch.stack([s.assignments for s in stats]).sum(0)
+    prob_sum = torch.stack([s.prob_sum for s in stats]).sum(0)
+    rows = torch.stack([s.rows for s in stats]).sum()
+    return num_experts * torch.sum((assignments / rows) * (prob_sum / rows))
+
+
+class TopKRouter(nn.Module):
+    """Bias-free linear router with softmax top-k selection (transformers' ``Qwen3MoeTopKRouter``).
+
+    Args:
+        hidden_size: Model width.
+        num_experts: Routed experts.
+        top_k: Experts per token.
+        norm_topk_prob: Renormalise the k chosen probabilities to sum to 1.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, norm_topk_prob: bool) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok: must be in [1, num_experts={num_experts}], got {top_k}")
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.norm_topk_prob = norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route tokens ``x`` ``[N, hidden]``.
+
+        Returns:
+            ``(probs, weights, indices)``: float32 softmax probabilities ``[N, E]``,
+            routing weights ``[N, k]`` in ``x``'s dtype and expert indices ``[N, k]``.
+        """
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(logits.dtype), indices
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts in two fused 3-D parameters (transformers' ``Qwen3MoeExperts``).
+
+    Args:
+        num_experts: Number of experts.
+        hidden_size: Model width.
+        intermediate_size: Each expert's hidden width (``moe_intermediate_size``).
+        hidden_act: Activation name (``silu``).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.act_fn = activation(hidden_act)
+
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Mix the top-k experts of every token.
+
+        Args:
+            x: Tokens ``[N, hidden]``.
+            indices: Chosen experts ``[N, k]``.
+            weights: Their routing weights ``[N, k]``.
+            counts: Assignments per expert ``[num_experts]`` (``bincount`` of ``indices``).
+
+        Returns:
+            ``sum_j weights[:, j] * expert_{indices[:, j]}(x)``, shape ``[N, hidden]``.
+        """
+        num_tokens, top_k = indices.shape
+        flat = indices.reshape(-1)
+        # A stable sort keeps each expert's tokens in token order, so results do not
+        # depend on the sort implementation.
+        order = torch.argsort(flat, stable=True)
+        grouped = x[order // top_k]
+        # One host sync per layer to know the group sizes; the matmuls need them anyway.
+        sizes = counts.tolist()
+        outputs = []
+        for expert, group in enumerate(torch.split(grouped, sizes)):
+            if group.shape[0] == 0:
+                continue
+            gate, up = F.linear(group, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[expert]))
+        if not outputs:  # zero tokens
+            return torch.zeros_like(x)
+        sorted_out = torch.cat(outputs)
+        # Un-sort: row i of `per_slot` is the expert output for (token i // k, slot i % k).
+        per_slot = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+        per_slot = per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
+        return per_slot.sum(dim=1)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, intermediate_size={self.intermediate_size}"
+
+
+class MoEBlock(nn.Module):
+    """Sparse MoE feed-forward: router ``gate`` plus fused ``experts``.
+
+    After every forward, ``last_tokens_per_expert`` holds the assignment counts
+    (LongTensor ``[num_experts]``, all tokens including padding, so it sums to
+    ``tokens * top_k``) and ``last_aux_stats`` this layer's :class:`RouterStats`
+    (padding excluded when a token mask was given).
+
+    Args:
+        hidden_size: Model width.
+        num_experts: Routed experts.
+        top_k: Experts per token (``num_experts_per_tok``).
+        intermediate_size: Expert hidden width (``moe_intermediate_size``).
+        norm_topk_prob: Renormalise the chosen probabilities.
+        hidden_act: Expert activation.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        *,
+        norm_topk_prob: bool,
+        hidden_act: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, hidden_act)
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob=norm_topk_prob)
+        self.last_tokens_per_expert: torch.Tensor | None = None
+        self.last_aux_stats: RouterStats | None = None
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the MoE to ``x`` ``[B, S, hidden]``.
+
+        Args:
+            x: Normalised hidden states.
+            token_mask: Optional boolean ``[B, S]``, False for padding tokens, which are
+                then left out of the aux-loss statistics (they are still computed).
+
+        Returns:
+            ``[B, S, hidden]``.
+        """
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        probs, weights, indices = self.gate(tokens)
+        num_experts = self.gate.num_experts
+        with torch.no_grad():
+            counts = torch.bincount(indices.reshape(-1), minlength=num_experts)
+        self.last_tokens_per_expert = counts
+        self._record_aux_stats(probs, indices, counts, token_mask)
+        return self.experts(tokens, indices, weights, counts).view(shape)
+
+    def _record_aux_stats(
+        self,
+        probs: torch.Tensor,
+        indices: torch.Tensor,
+        counts: torch.Tensor,
+        token_mask: torch.Tensor | None,
+    ) -> None:
+        num_experts = self.gate.num_experts
+        if token_mask is None:
+            assignments = counts.float()
+            prob_sum = probs.sum(0)
+            rows = torch.tensor(float(probs.shape[0]), device=probs.device)
+        else:
+            keep = token_mask.reshape(-1).to(torch.float32)
+            with torch.no_grad():
+                assignments = torch.zeros(num_experts, device=probs.device).index_add_(
+                    0, indices.reshape(-1), keep.repeat_interleave(indices.shape[-1])
+                )
+            prob_sum = (probs * keep[:, None]).sum(0)
+            rows = keep.sum()
+        self.last_aux_stats = RouterStats(assignments=assignments, prob_sum=prob_sum, rows=rows)
+
+
+__all__ = ["GroupedExperts", "MoEBlock", "RouterStats", "TopKRouter", "load_balancing_loss"]

@@ -1,0 +1,307 @@
+"""Structural hyper-parameters of the built-in Qwen3-MoE family and its named flavors.
+
+``Qwen3MoeArgs`` mirrors transformers' ``Qwen3MoeConfig`` (5.24) field for field,
+same names and defaults, so a ``config.json`` or the ``model:`` passthrough keys of
+a YAML map onto it one to one. Two spellings from real files are accepted besides:
+``num_local_experts`` (what ``config.json`` carries, because transformers maps
+``num_experts`` to it) and the older top-level ``rope_theta``. ``head_dim`` is not a
+``Qwen3MoeConfig`` field but transformers reads it when present (published Qwen3-MoE
+checkpoints set it to 128 with hidden/heads = 64); None means hidden / heads.
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+DEFAULT_ROPE_THETA = 10_000.0
+
+
+@dataclass(frozen=True)
+class Qwen3MoeArgs:
+    """Qwen3-MoE decoder configuration (names and defaults of ``transformers.Qwen3MoeConfig``)."""
+
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    intermediate_size: int = 6144
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 4
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_parameters: dict[str, Any] | None = None
+    rope_theta: float | None = None
+    attention_bias: bool = False
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    attention_dropout: float = 0.0
+    decoder_sparse_step: int = 1
+    moe_intermediate_size: int = 768
+    num_experts_per_tok: int = 8
+    num_experts: int = 128
+    norm_topk_prob: bool = False
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    mlp_only_layers: list[int] | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.mlp_only_layers is None:
+            object.__setattr__(self, "mlp_only_layers", [])
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "decoder_sparse_step",
+            "moe_intermediate_size",
+            "num_experts_per_tok",
+            "num_experts",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
+                f"got {self.num_key_value_heads}"
+            )
+        if self.head_dim is not None and (
+            isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0
+        ):
+            raise ValueError(f"head_dim: must be a positive integer or null, got {self.head_dim!r}")
+        if self.attn_head_dim % 2:
+            raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.attn_head_dim}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: must be at most num_experts ({self.num_experts}), "
+                f"got {self.num_experts_per_tok}"
+            )
+        if not isinstance(self.mlp_only_layers, list | tuple):
+            raise ValueError(
+                f"mlp_only_layers: must be a list of layer indices, got {self.mlp_only_layers!r}"
+            )
+        for i, layer in enumerate(self.mlp_only_layers):
+            if (
+                isinstance(layer, bool)
+                or not isinstance(layer, int)
+                or not 0 <= layer < self.num_hidden_layers
+            ):
+                raise ValueError(
+                    f"mlp_only_layers[{i}]: must be a layer index in [0, {self.num_hidden_layers - 1}], got {layer!r}"
+                )
+        if not 0.0 <= float(self.attention_dropout) < 1.0:
+            raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
+        if float(self.router_aux_loss_coef) < 0:
+            raise ValueError(f"router_aux_loss_coef: must be >= 0, got {self.router_aux_loss_coef!r}")
+        if self.rope_parameters is not None:
+            if not isinstance(self.rope_parameters, dict):
+                raise ValueError(f"rope_parameters: must be a mapping, got {self.rope_parameters!r}")
+            rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(
+                    f"rope_parameters.rope_type: not supported yet: {rope_type!r} (built: 'default')"
+                )
+
+    @property
+    def attn_head_dim(self) -> int:
+        """Per-head size: ``head_dim`` if set, else ``hidden_size // num_attention_heads`` (as transformers)."""
+        if self.head_dim is not None:
+            return self.head_dim
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def theta(self) -> float:
+        """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 10000."""
+        if self.rope_parameters and "rope_theta" in self.rope_parameters:
+            return float(self.rope_parameters["rope_theta"])
+        if self.rope_theta is not None:
+            return float(self.rope_theta)
+        return DEFAULT_ROPE_THETA
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has the sparse MoE block, by transformers' rule."""
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """Keyword arguments for ``transformers.Qwen3MoeConfig`` that describe the same model."""
+        out = asdict(self)
+        out.pop("rope_theta")
+        out["head_dim"] = self.attn_head_dim
+        out["mlp_only_layers"] = list(self.mlp_only_layers)
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.theta}
+        return out
+
+
+# ``num_local_experts`` is how config.json spells ``num_experts`` (transformers' attribute_map).
+ALIASES: dict[str, str] = {"num_local_experts": "num_experts"}
+
+OPTION_KEYS: frozenset[str] = frozenset(f.name for f in fields(Qwen3MoeArgs)) | {"flavor"} | set(ALIASES)
+
+FLAVORS: dict[str, Qwen3MoeArgs] = {
+    # The demo MoE: 8 experts, top-2, every layer sparse; trains on 2 CPU cores.
+    "tiny": Qwen3MoeArgs(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        moe_intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        output_router_logits=True,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+    ),
+    # For unit and distributed tests: small, but with a dense layer (mlp_only_layers).
+    "debug": Qwen3MoeArgs(
+        vocab_size=8192,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        output_router_logits=True,
+        num_hidden_layers=2,
+        mlp_only_layers=[0],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+    ),
+}
+
+_INT_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "sliding_window",
+        "pad_token_id",
+        "bos_token_id",
+        "decoder_sparse_step",
+        "moe_intermediate_size",
+        "num_experts_per_tok",
+        "num_experts",
+    }
+)
+_FLOAT_FIELDS = frozenset(
+    {"initializer_range", "rms_norm_eps", "rope_theta", "attention_dropout", "router_aux_loss_coef"}
+)
+_BOOL_FIELDS = frozenset(
+    {
+        "use_cache",
+        "tie_word_embeddings",
+        "attention_bias",
+        "use_sliding_window",
+        "norm_topk_prob",
+        "output_router_logits",
+    }
+)
+
+
+def _number(key: str, value: Any, *, integer: bool) -> int | float:
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: must be a number, got {value!r}")
+    try:
+        number = float(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError(f"{key}: must be a number, got {value!r}") from None
+    if not isinstance(number, int | float):
+        raise ValueError(f"{key}: must be a number, got {value!r}")
+    if integer:
+        if not math.isfinite(number) or float(number) != int(number):
+            raise ValueError(f"{key}: must be an integer, got {value!r}")
+        return int(number)
+    return float(number)
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Accept YAML spellings of numbers (``"1e-6"``, ``"10"``); never a bool as a number."""
+    if value is None:
+        return None
+    if key in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: must be true or false, got {value!r}")
+        return value
+    if key in _INT_FIELDS or key in _FLOAT_FIELDS:
+        return _number(key, value, integer=key in _INT_FIELDS)
+    if key == "mlp_only_layers":
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"mlp_only_layers: must be a list of layer indices, got {value!r}")
+        return [_number(f"mlp_only_layers[{i}]", v, integer=True) for i, v in enumerate(value)]
+    return value
+
+
+def from_options(options: dict[str, Any]) -> Qwen3MoeArgs:
+    """Build ``Qwen3MoeArgs`` from the ``model:`` passthrough keys.
+
+    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys
+    override its fields. Without a flavor the transformers defaults apply.
+    ``num_local_experts`` is read as ``num_experts``.
+
+    Args:
+        options: Option mapping, e.g. ``{"flavor": "tiny", "num_experts": 16}``.
+
+    Returns:
+        The validated arguments.
+
+    Raises:
+        ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
+            a key given under both spellings, or an invalid value (named).
+    """
+    unknown = sorted(k for k in options if k not in OPTION_KEYS)
+    if unknown:
+        reasons = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(OPTION_KEYS), n=1, cutoff=0.6)
+            reasons.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"unknown Qwen3-MoE model option(s): {', '.join(reasons)}")
+    options = dict(options)
+    for alias, name in ALIASES.items():
+        if alias in options:
+            if name in options and options[name] != options[alias]:
+                raise ValueError(
+                    f"{alias}: is another name for {name}; got both ({options[alias]!r} vs {options[name]!r})"
+                )
+            options[name] = options.pop(alias)
+    options = {k: _coerce(k, v) for k, v in options.items()}
+    flavor = options.pop("flavor", None)
+    if flavor is None:
+        base = Qwen3MoeArgs()
+    elif flavor in FLAVORS:
+        base = FLAVORS[flavor]
+    else:
+        raise ValueError(f"flavor: unknown Qwen3-MoE flavor {flavor!r}; use one of {sorted(FLAVORS)}")
+    return replace(base, **options)
