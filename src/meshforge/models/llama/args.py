@@ -1,0 +1,340 @@
+"""Structural hyper-parameters of the built-in Llama family (Llama 3 / 3.1 / 3.2) and its flavors.
+
+``LlamaArgs`` mirrors transformers' ``LlamaConfig`` (5.24) field for field, with the
+same names and defaults, so a ``config.json`` or the ``model:`` passthrough keys of a
+YAML map onto it one to one. RoPE is described as transformers 5.24 does it, in
+``rope_parameters`` (``rope_type`` ``default`` or ``llama3`` with ``factor``,
+``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``);
+the spellings that published Llama 3.1 ``config.json`` files still carry, a
+top-level ``rope_theta`` and a ``rope_scaling`` dict, are accepted and folded in.
+This module does not import torch, so the config system can check option keys
+without it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+DEFAULT_ROPE_THETA = 10_000.0
+# The RoPE types the model can build (``meshforge.models.common.rope.ROPE_TYPES``,
+# repeated here because that module imports torch).
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """Llama decoder configuration (names and defaults of ``transformers.LlamaConfig``).
+
+    ``head_dim`` and ``num_key_value_heads`` default (None) to ``hidden_size //
+    num_attention_heads`` and ``num_attention_heads``, as in transformers. ``rope_theta``
+    and ``rope_scaling`` are the legacy spellings of ``rope_parameters`` entries; use
+    :attr:`rope` for the resolved dict.
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = field(default=2)
+    pretraining_tp: int | None = 1
+    tie_word_embeddings: bool = False
+    rope_parameters: dict[str, Any] | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    mlp_bias: bool = False
+    head_dim: int | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_attention_heads"):
+            self._check_positive(name)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        for name in (
+            "vocab_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            self._check_positive(name)
+        if self.hidden_size % self.num_attention_heads:
+            # transformers' LlamaConfig refuses this even when head_dim is given, so such
+            # a model could not be exported; say so here rather than at export time.
+            raise ValueError(
+                f"hidden_size: must be a multiple of num_attention_heads ({self.num_attention_heads}), "
+                f"got {self.hidden_size} (transformers' LlamaConfig requires it)"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
+                f"got {self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
+        if not 0.0 <= float(self.attention_dropout) < 1.0:
+            raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"pad_token_id: must be in [0, vocab_size={self.vocab_size}) or null, got {self.pad_token_id}"
+            )
+        for name in ("rope_parameters", "rope_scaling"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{name}: must be a mapping, got {value!r}")
+        for name in ("rope_scaling", "rope_parameters"):
+            inner = (getattr(self, name) or {}).get("rope_theta")
+            if self.rope_theta is not None and inner is not None and float(inner) != float(self.rope_theta):
+                # transformers would silently keep the dict's value; two bases is a mistake.
+                raise ValueError(
+                    f"rope_theta: {self.rope_theta} conflicts with {name}.rope_theta {inner}; give one"
+                )
+        self._check_rope(self.rope)
+
+    def _check_positive(self, name: str) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+    @staticmethod
+    def _check_rope(rope: dict[str, Any]) -> None:
+        rope_type = rope["rope_type"]
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_parameters.rope_type: not supported yet: rope_type {rope_type} "
+                f"(built: {', '.join(ROPE_TYPES)})"
+            )
+        partial = rope.get("partial_rotary_factor")
+        if partial is not None and partial != 1.0:
+            raise ValueError(
+                f"rope_parameters.partial_rotary_factor: not supported yet: {partial} (only 1.0)"
+            )
+        _positive_number("rope_parameters.rope_theta", rope["rope_theta"])
+        if rope_type != "llama3":
+            return
+        for key in LLAMA3_KEYS:
+            if rope.get(key) is None:
+                raise ValueError(
+                    f"rope_parameters.{key}: required for rope_type llama3 (needs {', '.join(LLAMA3_KEYS)})"
+                )
+            _positive_number(f"rope_parameters.{key}", rope[key])
+        original = rope["original_max_position_embeddings"]
+        if float(original) != int(original):
+            raise ValueError(
+                f"rope_parameters.original_max_position_embeddings: must be an integer, got {original!r}"
+            )
+        if rope["high_freq_factor"] == rope["low_freq_factor"]:
+            raise ValueError(
+                "rope_parameters.high_freq_factor: must differ from low_freq_factor "
+                f"({rope['low_freq_factor']}), got {rope['high_freq_factor']}"
+            )
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        """The resolved transformers ``rope_parameters`` dict.
+
+        ``rope_scaling`` entries are the base, ``rope_parameters`` entries win over
+        them; ``rope_type`` defaults to ``default`` (legacy ``type`` accepted),
+        ``rope_theta`` to the top-level ``rope_theta`` or 10000, and a llama3
+        ``original_max_position_embeddings`` to ``max_position_embeddings`` (as
+        transformers' ``standardize_rope_params`` does).
+        """
+        rope = {**(self.rope_scaling or {}), **(self.rope_parameters or {})}
+        rope_type = rope.pop("type", None)
+        rope.setdefault("rope_type", rope_type or "default")
+        if rope.get("rope_theta") is None:
+            rope["rope_theta"] = self.rope_theta if self.rope_theta is not None else DEFAULT_ROPE_THETA
+        if rope["rope_type"] == "llama3":
+            rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        return rope
+
+    @property
+    def theta(self) -> float:
+        """The RoPE base wavelength."""
+        return float(self.rope["rope_theta"])
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """Keyword arguments for ``transformers.LlamaConfig`` that describe the same model."""
+        out = asdict(self)
+        out.pop("rope_theta")
+        out.pop("rope_scaling")
+        out["rope_parameters"] = self.rope
+        return out
+
+
+def _positive_number(key: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{key}: must be a positive number, got {value!r}")
+
+
+OPTION_KEYS: frozenset[str] = frozenset(f.name for f in fields(LlamaArgs)) | {"flavor"}
+
+FLAVORS: dict[str, LlamaArgs] = {
+    # A tiny Llama 3.2-style model (tied embeddings, llama3 RoPE scaling from a 512-token
+    # pre-training context) for the example config: a few million parameters, minutes on 2 cores.
+    "tiny": LlamaArgs(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500_000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    ),
+    # For unit and distributed tests: as small as still exercises GQA and an untied head.
+    "debug": LlamaArgs(
+        vocab_size=8192,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+    ),
+}
+
+
+def unknown_option_message(key: str, known: frozenset[str] | set[str]) -> str:
+    """Reason text for an option key that is not declared, with a close match if any."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown Llama option{hint}"
+
+
+_INT_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "pad_token_id",
+        "bos_token_id",
+        "pretraining_tp",
+    }
+)
+_FLOAT_FIELDS = frozenset({"initializer_range", "rms_norm_eps", "rope_theta", "attention_dropout"})
+_BOOL_FIELDS = frozenset({"use_cache", "tie_word_embeddings", "attention_bias", "mlp_bias"})
+_ROPE_FLOAT_KEYS = frozenset({"rope_theta", "factor", "low_freq_factor", "high_freq_factor"})
+
+
+def _number(key: str, value: Any, *, integer: bool) -> int | float:
+    """A YAML number spelling (``"1e-6"``, ``"10"``) as int or float; never a bool."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: must be a number, got {value!r}")
+    try:
+        number = float(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError(f"{key}: must be a number, got {value!r}") from None
+    if not isinstance(number, int | float):
+        raise ValueError(f"{key}: must be a number, got {value!r}")
+    if integer:
+        if not math.isfinite(number) or float(number) != int(number):
+            raise ValueError(f"{key}: must be an integer, got {value!r}")
+        return int(number)
+    return float(number)
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Normalise one option value: numbers from strings, bools strict, RoPE dict entries too."""
+    if value is None:
+        return None
+    if key in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: must be true or false, got {value!r}")
+        return value
+    if key in _INT_FIELDS or key in _FLOAT_FIELDS:
+        return _number(key, value, integer=key in _INT_FIELDS)
+    if key in ("rope_parameters", "rope_scaling") and isinstance(value, dict):
+        out = dict(value)
+        for sub, raw in value.items():
+            if raw is None:
+                continue
+            if sub in _ROPE_FLOAT_KEYS or sub == "partial_rotary_factor":
+                out[sub] = _number(f"{key}.{sub}", raw, integer=False)
+            elif sub == "original_max_position_embeddings":
+                out[sub] = _number(f"{key}.{sub}", raw, integer=True)
+        return out
+    return value
+
+
+def from_options(options: dict[str, Any]) -> LlamaArgs:
+    """Build ``LlamaArgs`` from the ``model:`` passthrough keys.
+
+    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys
+    override its fields. Without a flavor the transformers defaults apply. A flavor's
+    ``rope_parameters`` is replaced as a whole when the options give one.
+
+    Numbers may be given as strings (``"1e-6"``, as YAML 1.1 reads them), also inside
+    ``rope_parameters``; a bool is never taken as a number.
+
+    Args:
+        options: Option mapping, e.g. ``{"flavor": "tiny", "num_hidden_layers": 2}``.
+
+    Returns:
+        The validated arguments.
+
+    Raises:
+        ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
+            an invalid value (named), or a RoPE type that is not built.
+    """
+    unknown = sorted(k for k in options if k not in OPTION_KEYS)
+    if unknown:
+        reasons = ", ".join(f"{k!r} ({unknown_option_message(k, OPTION_KEYS)})" for k in unknown)
+        raise ValueError(f"unknown Llama model option(s): {reasons}")
+    options = {k: _coerce(k, v) for k, v in options.items()}
+    flavor = options.pop("flavor", None)
+    if flavor is None:
+        base = LlamaArgs()
+    elif flavor in FLAVORS:
+        base = FLAVORS[flavor]
+    else:
+        raise ValueError(f"flavor: unknown Llama flavor {flavor!r}; use one of {sorted(FLAVORS)}")
+    if flavor is not None:
+        if "hidden_size" in options or "num_attention_heads" in options:
+            # A flavor's derived head_dim follows a changed width unless given explicitly.
+            options.setdefault("head_dim", None)
+        if "rope_parameters" not in options and {"rope_theta", "rope_scaling"} & options.keys():
+            # The legacy spellings replace the flavor's RoPE instead of being shadowed by it.
+            options["rope_parameters"] = None
+            if options.get("rope_theta") is None and "rope_theta" not in (options.get("rope_scaling") or {}):
+                options["rope_theta"] = base.theta
+    return replace(base, **options)
