@@ -1,6 +1,7 @@
 """The `meshforge` command.
 
     meshforge train [--config FILE] [--section.key=value ...]   (torchrun -m meshforge train ... for N processes)
+    meshforge convert --to {hf,dcp} SOURCE OUT [--config run/config.yaml]
     meshforge config {validate,show,schema,import} ...
 
 `train` with no `--config` runs the built-in demo (tiny Qwen3 on the bundled corpus).
@@ -57,6 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", "-c", default=None, help="native or MindSpeed-format YAML (default: demo)")
     train.add_argument(
         "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
+    )
+    convert = sub.add_parser(
+        "convert",
+        help="convert checkpoints: a DCP step folder to a Hugging Face folder, or back",
+        description=(
+            "--to hf CKPT OUT: export a DCP step folder (or a run's checkpoints folder: its latest step) as a "
+            "Hugging Face folder. --to dcp HF_DIR OUT: write a HF folder's weights as a DCP step folder that "
+            "checkpoint.load_path with checkpoint.no_load_optim: true loads."
+        ),
+    )
+    convert.add_argument("--to", required=True, choices=["hf", "dcp"], help="target format")
+    convert.add_argument("source", help="DCP step folder (--to hf) or Hugging Face folder (--to dcp)")
+    convert.add_argument("out", help="output folder")
+    convert.add_argument(
+        "--config", default=None, help="--to hf: the run's config.yaml (default: CKPT/../../config.yaml)"
+    )
+    convert.add_argument(
+        "--shard-size", default="5GB", help="--to hf: largest safetensors shard (default 5GB)"
+    )
+    convert.add_argument(
+        "--dtype", default=None, help="--to hf: cast weights (float32, bfloat16, float16); default as trained"
     )
     from meshforge.config.cli import add_config_commands
 
@@ -123,6 +145,29 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def run_convert(args: argparse.Namespace) -> int:
+    from meshforge.config import ConfigError
+
+    try:
+        from meshforge.checkpoint.convert import dcp_to_hf, hf_to_dcp
+        from meshforge.trainer import parse_dtype
+
+        if args.to == "hf":
+            dtype = parse_dtype(args.dtype, key="--dtype") if args.dtype else None
+            dcp_to_hf(args.source, args.out, config_path=args.config, shard_size=args.shard_size, dtype=dtype)
+        else:
+            if args.config or args.dtype:
+                raise ValueError("--config and --dtype apply to --to hf only")
+            hf_to_dcp(args.source, args.out)
+    except ConfigError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -131,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_train(args, split_overrides(extra))
     if extra:
         parser.error(f"unrecognised arguments: {' '.join(extra)}")
+    if args.command == "convert":
+        return run_convert(args)
     from meshforge.config.cli import run_config_command
 
     return run_config_command(args)

@@ -480,4 +480,24 @@ def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = 
             emit(f"model.{key}: {value!r} overrides {base[key]!r} from {hf_dir / CONFIG_FILE}")
         elif key not in base:
             emit(f"model.{key}: {value!r} (not set in {hf_dir / CONFIG_FILE})")
-    return ModelSource(family, {**base, **extra}, hf_dir)
+    options = {**base, **extra}
+    _refit_layer_types(options, base, extra, emit)
+    return ModelSource(family, options, hf_dir)
+
+
+def _refit_layer_types(
+    options: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], emit: Callable[[str], None]
+) -> None:
+    """Keep config.json's per-layer ``layer_types`` valid when ``num_hidden_layers`` is overridden.
+
+    transformers writes ``layer_types`` (one entry per layer) into config.json. When every entry is
+    the same, a new layer count just repeats it; a mixed list cannot be guessed and is left for
+    the family's validation to report.
+    """
+    types = base.get("layer_types")
+    layers = extra.get("num_hidden_layers")
+    if "layer_types" in extra or not isinstance(types, list) or not isinstance(layers, int):
+        return
+    if len(types) != layers and len(set(types)) == 1:
+        options["layer_types"] = [types[0]] * layers
+        emit(f"model.layer_types: {types[0]!r} repeated for the {layers} layers of model.num_hidden_layers")

@@ -1,0 +1,173 @@
+"""Offline conversion between meshforge DCP step folders and Hugging Face folders (`meshforge convert`).
+
+`dcp_to_hf` rebuilds the model a run trained (from the run's resolved `config.yaml`), loads a DCP
+step folder into it and writes a HF folder (config.json, sharded safetensors with an index,
+tokenizer files). `hf_to_dcp` goes the other way and writes a step folder (DCP shards,
+`trainer_state.json` without optimizer state, the `COMPLETE` marker) that `checkpoint.load_path`
+with `checkpoint.no_load_optim: true` loads. One process is enough: each runs in a one-rank
+process group, so DCP takes the same code path as in training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from meshforge.checkpoint.hf import (
+    CONFIG_FILE,
+    hf_adapter,
+    load_hf_weights,
+    read_hf_config,
+    resolve_model_source,
+    save_hf,
+)
+from meshforge.checkpoint.manager import COMPLETE_MARKER, TRAINER_STATE_FILE, resolve_load_path
+
+Log = Callable[[str], None]
+
+
+@contextlib.contextmanager
+def _one_rank_group() -> Iterator[None]:
+    """A one-process gloo group for the duration (none is created when one exists)."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _build_on_cpu(family: Any, options: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = family.build(options)
+    model.to(dtype=dtype)
+    # Storage only: every parameter is overwritten by the load that follows.
+    return model.to_empty(device="cpu")
+
+
+def dcp_to_hf(
+    step_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    config_path: str | Path | None = None,
+    shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    log: Log = print,
+) -> Path:
+    """Export a DCP step folder of a meshforge run as a Hugging Face folder.
+
+    Args:
+        step_dir: A complete step folder, or a run / checkpoints folder (its latest complete step).
+        out_dir: Destination HF folder.
+        config_path: The run's resolved config; default ``step_dir/../../config.yaml`` (the run
+            folder's copy when checkpoints live in ``{output_dir}/checkpoints``).
+        shard_size: Largest safetensors shard (``"5GB"``, bytes, ...).
+        dtype: Cast weights to this dtype (default: the run's ``model.params_dtype``).
+        log: Progress sink.
+
+    Raises:
+        FileNotFoundError: When the step folder or the config is missing (names the path and the
+            ``--config`` option).
+    """
+    from meshforge.config import load_config
+    from meshforge.trainer import parse_dtype
+
+    step = resolve_load_path(step_dir)
+    cfg_file = Path(config_path) if config_path else step.parent.parent / "config.yaml"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(
+            f"{cfg_file}: the run's config.yaml was not found; pass it with --config "
+            "(it describes the model the checkpoint holds)"
+        )
+    cfg = load_config(str(cfg_file), [])
+    source = resolve_model_source(cfg.model, log=log)
+    params_dtype = parse_dtype(cfg.model.params_dtype, key="model.params_dtype")
+    with _one_rank_group():
+        model = _build_on_cpu(source.family, source.options, params_dtype)
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(step))
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+        tokenizer = _maybe_tokenizer(cfg.model, log)
+        out = save_hf(model, source.family, out_dir, tokenizer=tokenizer, shard_size=shard_size, dtype=dtype)
+    log(f"convert: wrote {out} (Hugging Face {source.family.name}) from {step}")
+    return out
+
+
+def _maybe_tokenizer(model_cfg: Any, log: Log) -> Any:
+    from meshforge.data.tokenizer import build_tokenizer
+
+    name = model_cfg.tokenizer_name_or_path or model_cfg.model_name_or_path
+    if not name:
+        log("convert: warning: the config names no tokenizer; no tokenizer files written")
+        return None
+    try:
+        return build_tokenizer(str(name), use_fast=bool(model_cfg.use_fast_tokenizer))
+    except (OSError, ValueError) as err:
+        log(f"convert: warning: tokenizer {name!r} not loaded ({err}); no tokenizer files written")
+        return None
+
+
+def hf_to_dcp(
+    hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32, log: Log = print
+) -> Path:
+    """Write a HF folder's weights as a meshforge DCP step folder (weights only).
+
+    The folder gets ``trainer_state.json`` (step 0, no optimizer state), the ``COMPLETE`` marker
+    and ``model.yaml``, a ``model:`` section describing the model (to paste into a config that
+    loads it with ``checkpoint.load_path`` and ``checkpoint.no_load_optim: true``).
+
+    Args:
+        hf_dir: The HF folder (config.json and safetensors).
+        out_dir: A new (or empty) folder for the step.
+        dtype: Dtype of the stored weights: the training master weights (``model.params_dtype``).
+        log: Progress sink.
+
+    Raises:
+        FileNotFoundError: When ``hf_dir`` lacks config.json or weights.
+        FileExistsError: When ``out_dir`` is not empty.
+        ValueError: When its family is not built.
+    """
+    from meshforge.models.registry import resolve_family
+
+    src = Path(hf_dir).expanduser().resolve()
+    config = read_hf_config(src)
+    try:
+        family = resolve_family(config.get("model_type"), config.get("architectures"), None)
+    except ValueError as err:
+        raise ValueError(f"{src / CONFIG_FILE}: {err}") from None
+    options = hf_adapter(family).from_hf_config(config)
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: exists and is not empty; choose a new folder")
+    with _one_rank_group():
+        model = _build_on_cpu(family, options, dtype)
+        load_hf_weights(model, family, src, log=log)
+        out.mkdir(parents=True, exist_ok=True)
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(out))
+    state = {"step": 0, "tokens_seen": 0, "has_optimizer": False, "converted_from": str(src)}
+    (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+    section = {
+        "model": {"model_type": family.name, "params_dtype": str(dtype).removeprefix("torch."), **options}
+    }
+    (out / "model.yaml").write_text(yaml.safe_dump(section, sort_keys=False))
+    (out / COMPLETE_MARKER).write_text("0\n")
+    log(
+        f"convert: wrote DCP step folder {out} from {src}; load it with checkpoint.load_path: {out} and "
+        f"checkpoint.no_load_optim: true, with the model: section in {out / 'model.yaml'}"
+    )
+    return out
