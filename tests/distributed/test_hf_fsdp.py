@@ -1,0 +1,88 @@
+"""HF weights load straight into FSDP2 shards (2 gloo ranks) and export back from them.
+
+One launch checks both directions: every rank's shards, gathered, equal the safetensors tensors
+(so the 2-rank load equals the 1-process load, which the unit tests compare with transformers),
+and `save_hf` from the sharded model writes exactly the tensors it loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.slow
+
+OPTIONS = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+
+
+def _worker(rank: int, world: int, store_path: str, hf_dir: str, out_dir: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshforge.checkpoint.hf import load_hf_weights, save_hf
+    from meshforge.models.materialize import materialize_and_init
+    from meshforge.models.registry import resolve_family
+    from meshforge.parallel.fsdp import apply_fsdp
+
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        family = resolve_family("qwen3")
+        model = family.build(OPTIONS)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        apply_fsdp(model, mesh, param_dtype=None, reduce_dtype=torch.float32)
+        materialize_and_init(model, device=torch.device("cpu"), seed=0, init_fn=lambda *_: None)
+        load_hf_weights(model, family, hf_dir)
+        local = dict(model.named_parameters())["model.layers.0.mlp.up_proj.weight"].to_local()
+        assert local.shape[0] == OPTIONS["intermediate_size"] // world  # really sharded
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(full, Path(out_dir) / "loaded.pt")
+        save_hf(model, family, Path(out_dir) / "export", shard_size="40KB")
+        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_load_and_export_match_the_checkpoint(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    # A checkpoint with distinct random tensors under the HF keys (written as transformers does).
+    from meshforge.models.registry import resolve_family
+
+    with torch.device("meta"):
+        names = {n: p.shape for n, p in resolve_family("qwen3").build(OPTIONS).named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randn(shape, generator=gen) for n, shape in names.items()}
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(hf_dir), str(tmp_path)), nprocs=2, join=True)
+
+    loaded = torch.load(tmp_path / "loaded.pt")
+    assert set(loaded) - {"lm_head.weight"} <= set(tensors) and set(tensors) <= set(loaded)
+    for name, tensor in tensors.items():
+        assert torch.equal(loaded[name], tensor), name
+    export = tmp_path / "export"
+    written: dict[str, torch.Tensor] = {}
+    for file in sorted(export.glob("model-*.safetensors")):
+        written.update(load_file(str(file)))
+    assert (export / "model.safetensors.index.json").is_file() and len(list(export.glob("model-*"))) > 1
+    assert written.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(written[name], tensor), name
