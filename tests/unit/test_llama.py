@@ -454,3 +454,36 @@ def test_example_config_trains_five_steps(tmp_path):
     # Uniform over 8192 tokens at init: loss near ln(8192) = 9.01.
     assert abs(records[0]["loss"] - math.log(8192)) < 0.3
     assert (out / "checkpoints" / "checkpoint-00000005" / "COMPLETE").is_file()
+
+
+def test_hf_folder_round_trip_through_the_checkpoint_adapter(tmp_path):
+    """save_pretrained -> meshforge load (identity adapter) -> save_hf -> transformers reload."""
+    import json
+
+    from meshforge.checkpoint.hf import hf_adapter, load_hf_weights, save_hf
+
+    args = CONFIGS["mqa_llama3"]
+    hf, _ = _pair(args, seed=7)
+    hf.save_pretrained(tmp_path / "in")
+    # Published Llama 3.1 folders spell RoPE the legacy way: rope_theta + rope_scaling.
+    config = json.loads((tmp_path / "in" / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (tmp_path / "in" / "config.json").write_text(json.dumps(config))
+
+    options = hf_adapter(FAMILY).from_hf_config(config)
+    assert FAMILY.parse_options(options).rope == args.rope
+    ours = FAMILY.build(options)
+    ours.to_empty(device="cpu")
+    load_hf_weights(ours, FAMILY, tmp_path / "in")
+    ids = torch.randint(0, args.vocab_size, (2, 90))
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        assert _rel(ours(ids), ref) <= 1e-5
+    save_hf(ours, FAMILY, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="sdpa")
+    assert type(back).__name__ == "LlamaForCausalLM"
+    assert back.config.rope_parameters == args.rope
+    with torch.no_grad():
+        assert _rel(back(input_ids=ids).logits, ref) <= 1e-5

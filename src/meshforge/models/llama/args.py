@@ -104,7 +104,8 @@ class LlamaArgs:
             if self.rope_theta is not None and inner is not None and float(inner) != float(self.rope_theta):
                 # transformers would silently keep the dict's value; two bases is a mistake.
                 raise ValueError(
-                    f"rope_theta: {self.rope_theta} conflicts with {name}.rope_theta {inner}; give one"
+                    f"rope_theta: {self.rope_theta} conflicts with {name}.rope_theta {inner}; give one "
+                    f"(to change the base of a loaded config, override {name} as a whole)"
                 )
         self._check_rope(self.rope)
 
