@@ -60,6 +60,9 @@ class Qwen3MoeArgs:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.mlp_only_layers is None:
             object.__setattr__(self, "mlp_only_layers", [])
+        if not self.use_sliding_window:
+            # As Qwen3MoeConfig does: the window only exists when sliding attention is on.
+            object.__setattr__(self, "sliding_window", None)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -168,6 +171,7 @@ FLAVORS: dict[str, Qwen3MoeArgs] = {
         num_experts_per_tok=2,
         norm_topk_prob=True,
         output_router_logits=True,
+        router_aux_loss_coef=0.01,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
