@@ -31,6 +31,7 @@ class LoaderBuilder(Protocol):
         seed: int,
         global_batch_size: int | None,
         log: Callable[[str], None] | None,
+        total_steps: int | None = None,
     ) -> StatefulLoader: ...
 
 
@@ -48,6 +49,7 @@ def _build_text_loader(
     seed: int,
     global_batch_size: int | None,
     log: Callable[[str], None] | None,
+    total_steps: int | None = None,
 ) -> StatefulLoader:
     # Imported here so `meshforge.data.build` stays cheap to import for other loader types.
     from meshforge.data.text import TextDataset
@@ -66,7 +68,18 @@ def _build_text_loader(
     )
 
 
-LOADER_BUILDERS: dict[str, LoaderBuilder] = {"TextDataLoader": _build_text_loader}
+def _build_megatron_loader(dataset_cfg: Any, **kwargs: Any) -> StatefulLoader:
+    from meshforge.data.megatron.loader import build_megatron_loader
+
+    return build_megatron_loader(dataset_cfg, **kwargs)
+
+
+LOADER_BUILDERS: dict[str, LoaderBuilder] = {
+    "TextDataLoader": _build_text_loader,
+    "BlendedMegatronDatasetDataLoader": _build_megatron_loader,
+}
+# Loaders that read train_dataset.dataloader.column_names themselves (the note below skips them).
+COLUMN_AWARE_LOADERS = {"BlendedMegatronDatasetDataLoader"}
 
 
 def register_loader(type_name: str, builder: LoaderBuilder) -> None:
@@ -82,7 +95,11 @@ def ignored_settings_note(dataset_cfg: Any) -> str | None:
     if "python_multiprocessing" in getattr(loader_cfg, "model_fields_set", set()):
         names.append("train_dataset.dataloader.python_multiprocessing")
     columns = getattr(loader_cfg, "column_names", None)
-    if columns is not None and list(columns) != DEFAULT_COLUMNS:
+    if (
+        columns is not None
+        and list(columns) != DEFAULT_COLUMNS
+        and loader_cfg.type not in COLUMN_AWARE_LOADERS
+    ):
         names.append("train_dataset.dataloader.column_names")
     if not names:
         return None
@@ -102,6 +119,7 @@ def build_train_loader(
     seed: int,
     global_batch_size: int | None = None,
     log: Callable[[str], None] | None = None,
+    total_steps: int | None = None,
 ) -> StatefulLoader:
     """Build this rank's training loader from the `train_dataset` section.
 
@@ -114,6 +132,8 @@ def build_train_loader(
         global_batch_size: samples per optimizer step over all ranks; pass it so that epochs are
             rounded to whole steps and a step never mixes epochs (see `StatefulLoader`).
         log: receives the data summary and notes (pass the rank-0 logger).
+        total_steps: optimizer steps of the run; loaders that size their data by it (Megatron:
+            train samples = steps x global batch) use it.
 
     Raises:
         ValueError: unknown or unbuilt loader type, invalid options (with their key paths), bad data.
@@ -139,4 +159,13 @@ def build_train_loader(
         seed=seed,
         global_batch_size=global_batch_size,
         log=log,
+        **({"total_steps": total_steps} if _accepts(builder, "total_steps") else {}),
     )
+
+
+def _accepts(builder: Callable[..., Any], name: str) -> bool:
+    # Builders registered before `total_steps` existed do not take it; only pass it to those that do.
+    import inspect
+
+    params = inspect.signature(builder).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

@@ -22,12 +22,14 @@ from pydantic import (
     field_validator,
 )
 
+from meshforge.data.megatron.specs import MegatronDataLoaderOptions
+
 # Keys declared by the config system's DataloaderConfig itself; if a caller passes the whole
 # section instead of only its extras, they are not options of the loader and are skipped here.
 DECLARED_DATALOADER_KEYS = frozenset({"type", "shuffle", "column_names", "python_multiprocessing"})
 
 # Loader types other work items will build; named so the message says "not yet" rather than "unknown".
-PLANNED_LOADERS = ("BlendedMegatronDatasetDataLoader", "SFTDataLoader")
+PLANNED_LOADERS = ("SFTDataLoader",)
 
 
 class TextDataLoaderOptions(BaseModel):
@@ -68,7 +70,10 @@ class TextDataLoaderOptions(BaseModel):
 
 
 # Built loader types and the model of their options (the builders live in data/build.py).
-BUILT_LOADERS: dict[str, type[BaseModel]] = {"TextDataLoader": TextDataLoaderOptions}
+BUILT_LOADERS: dict[str, type[BaseModel]] = {
+    "TextDataLoader": TextDataLoaderOptions,
+    "BlendedMegatronDatasetDataLoader": MegatronDataLoaderOptions,
+}
 
 
 def _key_path(loc: tuple[Any, ...]) -> str:
@@ -78,17 +83,31 @@ def _key_path(loc: tuple[Any, ...]) -> str:
     return path
 
 
+def _owner(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The (possibly nested) options model that holds the last key of `loc`."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if isinstance(part, str) else None
+        sub = getattr(field, "annotation", None) if field is not None else None
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            break
+        model = sub
+    return model
+
+
 def _issues_from(error: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:
     issues = []
-    valid = sorted(model.model_fields)
     for err in error.errors():
         key = _key_path(err["loc"])
+        owner = _owner(model, err["loc"])
+        valid = sorted(owner.model_fields)
+        name = str(err["loc"][-1]) if err["loc"] else ""
         if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(err["loc"][0]), valid, n=1)
+            close = difflib.get_close_matches(name, valid, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             reason = f"unknown option for this loader{hint} (valid: {', '.join(valid)})"
         elif err["type"] == "missing":
-            reason = f"required: {model.model_fields[key].description}"
+            field = owner.model_fields.get(name)
+            reason = f"required: {field.description if field is not None else name}"
         else:
             reason = err["msg"].removeprefix("Value error, ")
             if "input" in err and err["type"] != "value_error" and "got" not in reason:
@@ -136,3 +155,16 @@ def parse_text_options(options: dict) -> TextDataLoaderOptions:
         raise ValueError("\n".join(f"train_dataset.dataloader.{key}: {reason}" for key, reason in issues))
     own = {k: v for k, v in options.items() if k not in DECLARED_DATALOADER_KEYS}
     return TextDataLoaderOptions.model_validate(own)
+
+
+def parse_megatron_options(options: dict) -> MegatronDataLoaderOptions:
+    """Validate `BlendedMegatronDatasetDataLoader` options, raising one ValueError listing every problem.
+
+    Raises:
+        ValueError: `train_dataset.dataloader.<key>: <reason>` lines.
+    """
+    issues = check_dataloader_options("BlendedMegatronDatasetDataLoader", options)
+    if issues:
+        raise ValueError("\n".join(f"train_dataset.dataloader.{key}: {reason}" for key, reason in issues))
+    own = {k: v for k, v in options.items() if k not in DECLARED_DATALOADER_KEYS}
+    return MegatronDataLoaderOptions.model_validate(own)
