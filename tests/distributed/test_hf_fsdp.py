@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.slow
 
 OPTIONS = {
-    "vocab_size": 256,
+    "vocab_size": 257,  # uneven shards over 2 ranks (129 + 128 rows)
     "hidden_size": 32,
     "intermediate_size": 48,
     "num_hidden_layers": 2,
@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, store_path: str, hf_dir: str, out_dir: str) -
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshforge.checkpoint.hf import load_hf_weights, save_hf
+    from meshforge.checkpoint import hf
     from meshforge.models.materialize import materialize_and_init
     from meshforge.models.registry import resolve_family
     from meshforge.parallel.fsdp import apply_fsdp
@@ -46,13 +46,18 @@ def _worker(rank: int, world: int, store_path: str, hf_dir: str, out_dir: str) -
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
         apply_fsdp(model, mesh, param_dtype=None, reduce_dtype=torch.float32)
         materialize_and_init(model, device=torch.device("cpu"), seed=0, init_fn=lambda *_: None)
-        load_hf_weights(model, family, hf_dir)
+        # Count the reads that take only this rank's slice from disk (every parameter here).
+        calls = []
+        real = hf._copy_local_slice
+        hf._copy_local_slice = lambda *a: (calls.append(a[0]), real(*a))
+        hf.load_hf_weights(model, family, hf_dir)
+        assert len(calls) == len(list(model.parameters())), calls
         local = dict(model.named_parameters())["model.layers.0.mlp.up_proj.weight"].to_local()
         assert local.shape[0] == OPTIONS["intermediate_size"] // world  # really sharded
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save(full, Path(out_dir) / "loaded.pt")
-        save_hf(model, family, Path(out_dir) / "export", shard_size="40KB")
+        hf.save_hf(model, family, Path(out_dir) / "export", shard_size="40KB")
         dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
     finally:
         dist.destroy_process_group()

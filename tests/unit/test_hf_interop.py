@@ -161,6 +161,12 @@ def test_config_json_gives_family_and_overrides_are_logged(hf_tied: Path) -> Non
     assert len(lines) == 1 and "model.rms_norm_eps: 1e-05 overrides 1e-06" in lines[0]
 
 
+def test_bad_option_names_config_json_as_its_source(hf_tied: Path) -> None:
+    model_cfg = config_from_dict({"model": {"model_name_or_path": str(hf_tied), "hidden_sise": 8}}).model
+    with pytest.raises(ValueError, match=r"hidden_sise.*did you mean 'hidden_size'.*config\.json"):
+        resolve_model_source(model_cfg)
+
+
 def test_unbuilt_family_in_config_json_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba9", "architectures": ["Mamba9"]}))
     model_cfg = config_from_dict({"model": {"model_name_or_path": str(tmp_path)}}).model

@@ -157,6 +157,11 @@ class HFAdapter:
     def ignored_keys(self) -> tuple[str, ...]:
         return tuple(self._get("IGNORED_HF_KEYS") or ()) + _DEFAULT_IGNORED
 
+    @property
+    def renames_only(self) -> bool:
+        """True when ``from_hf`` is the default (one HF tensor per parameter, same layout)."""
+        return self._get("from_hf") is None
+
     def hf_sources(self, name: str) -> list[str]:
         fn = self._get("hf_sources")
         return list(fn(name)) if fn else [name]
@@ -271,14 +276,18 @@ def load_hf_weights(
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
-        def read(key: str) -> torch.Tensor:
+        def handle(key: str) -> Any:
             file = key_files[key]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            return handles[file].get_tensor(key)
+            return handles[file]
 
         for name, param in params:
-            full = adapter.from_hf(name, {key: read(key) for key in sources[name]})
+            if isinstance(param, DTensor) and adapter.renames_only and len(sources[name]) == 1:
+                # Same layout on disk: read only this rank's rows/columns of the tensor.
+                _copy_local_slice(name, param, handle(sources[name][0]).get_slice(sources[name][0]), folder)
+                continue
+            full = adapter.from_hf(name, {key: handle(key).get_tensor(key) for key in sources[name]})
             full = _check_and_cast(name, full, param, str(folder))
             if isinstance(param, DTensor):
                 # Every rank holds the same full tensor: slice the local shard without communication.
@@ -290,6 +299,27 @@ def load_hf_weights(
     if log is not None:
         log(f"checkpoint: loaded {len(params)} Hugging Face weights from {folder}")
     return len(params)
+
+
+def _copy_local_slice(name: str, param: DTensor, stored: Any, folder: Path) -> None:
+    """Copy the part of a stored tensor that this rank's shard of ``param`` holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(stored.get_shape())
+    if shape != tuple(param.shape):
+        raise ValueError(
+            f"{folder}: {name} has shape {shape} in the checkpoint but the model "
+            f"(from the model: section / config.json) needs {tuple(param.shape)}"
+        )
+    local_shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    local = param.to_local()
+    if local.numel() == 0:
+        return
+    index = tuple(slice(start, start + size) for start, size in zip(offset, local_shape, strict=True))
+    part = stored[index] if index else stored[:]
+    local.copy_(_check_and_cast(name, part, local, str(folder)))
 
 
 # --------------------------------------------------------------------------------------- export
@@ -482,6 +512,13 @@ def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = 
             emit(f"model.{key}: {value!r} (not set in {hf_dir / CONFIG_FILE})")
     options = {**base, **extra}
     _refit_layer_types(options, base, extra, emit)
+    try:
+        family.parse_options(options)
+    except ValueError as err:
+        # Say where the value came from: config.json or a model: override.
+        raise ValueError(
+            f"model: {err} (options from {hf_dir / CONFIG_FILE} and the model: section)"
+        ) from None
     return ModelSource(family, options, hf_dir)
 
 
