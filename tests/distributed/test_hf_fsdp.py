@@ -1,4 +1,4 @@
-"""HF weights load straight into FSDP2 shards (2 gloo ranks) and export back from them.
+"""HF weights load straight into FSDP2 shards (2 gloo ranks), train, and export back from them.
 
 One launch checks both directions: every rank's shards, gathered, equal the safetensors tensors
 (so the 2-rank load equals the 1-process load, which the unit tests compare with transformers),
@@ -91,3 +91,27 @@ def test_two_rank_load_and_export_match_the_checkpoint(tmp_path: Path) -> None:
     assert written.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert torch.equal(written[name], tensor), name
+
+
+def test_torchrun_training_from_hf_folder_equals_one_process(tmp_path: Path) -> None:
+    """`meshforge train` on 2 ranks from a HF folder: same losses and exported weights as 1 process."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import read_metrics, run_train
+    from tests.unit.test_hf_interop import _config, _save_hf_model
+
+    hf_dir = _save_hf_model(tmp_path / "hf", tied=True, shard="100KB")
+    cfg = _config(tmp_path, "cfg", f"  model_name_or_path: {hf_dir}")
+    common = ["--training.global_batch_size=4", "--checkpoint.save_hf_weights=true"]
+    runs = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"run{nproc}"
+        run_train(cfg, [*common, f"--training.output_dir={out}"], nproc=nproc, cwd=tmp_path)
+        runs[nproc] = out
+    one, two = (read_metrics(runs[n]) for n in (1, 2))
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    a = load_file(str(runs[1] / "hf" / "model.safetensors"))
+    b = load_file(str(runs[2] / "hf" / "model.safetensors"))
+    assert a.keys() == b.keys() and "lm_head.weight" not in a  # tied: one tensor, as transformers writes
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
