@@ -2,7 +2,8 @@
 
 One launch checks both directions: every rank's shards, gathered, equal the safetensors tensors
 (so the 2-rank load equals the 1-process load, which the unit tests compare with transformers),
-and `save_hf` from the sharded model writes exactly the tensors it loaded.
+and `save_hf` from the sharded model writes exactly the tensors it loaded. A torchrun case runs
+`meshforge train` from a HF folder on 1 and 2 ranks and compares losses and exports.
 """
 
 from __future__ import annotations

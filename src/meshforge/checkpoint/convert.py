@@ -87,7 +87,11 @@ def dcp_to_hf(
     from meshforge.config import load_config
     from meshforge.trainer import parse_dtype
 
-    step = resolve_load_path(step_dir)
+    try:
+        step = resolve_load_path(step_dir)
+    except FileNotFoundError as err:
+        # The resolver speaks of the config key; here the folder came from the command line.
+        raise FileNotFoundError(str(err).replace("checkpoint.load_path: ", "convert: ", 1)) from None
     cfg_file = Path(config_path) if config_path else step.parent.parent / "config.yaml"
     if not cfg_file.is_file():
         raise FileNotFoundError(
