@@ -15,10 +15,19 @@ optionally renormalised over the chosen k (``norm_topk_prob``), weights cast bac
 to the compute dtype. Expert compute sorts the (token, slot) assignments by expert
 and runs one gate/up and one down matmul per expert on its contiguous group of
 tokens, then un-sorts and sums the k weighted expert outputs of every token. That
-is deterministic (no scatter-add) and measured faster on CPU than transformers'
-mask-and-index loop and than padding the groups for ``torch.bmm`` (see
-``MoEBlock``). ``torch.nn.functional.grouped_mm`` would do the grouped matmul in one
-kernel but its CPU backward fails in torch 2.13 (empty groups), so it is not used.
+is deterministic (no scatter-add). Forward plus backward of one block on 2 CPU
+cores, fp32, best of 7 (N tokens, hidden H, expert width I, E experts, top-k):
+
+=============================  ==========  ==================  =========  ==========
+shape                          this loop   padded ``bmm``      HF eager   HF grouped
+=============================  ==========  ==================  =========  ==========
+N 1024, H 256, I 256, E 8 k 2  15.6 ms     20.2 ms             22.1 ms    20.8 ms
+N 2048, H 512, I 256, E 32 k 4 128 ms      161 ms              217 ms     151 ms
+=============================  ==========  ==================  =========  ==========
+
+``torch.nn.functional.grouped_mm`` does the grouped matmul in one kernel on CUDA,
+but calling it directly on CPU fails in backward in torch 2.13 (empty groups), so
+the loop is the path here.
 
 Each forward leaves behind what the trainer and monitor need, detached from
 nothing that would otherwise be freed: ``last_tokens_per_expert`` (assignment
@@ -153,15 +162,18 @@ class GroupedExperts(nn.Module):
         # A stable sort keeps each expert's tokens in token order, so results do not
         # depend on the sort implementation.
         order = torch.argsort(flat, stable=True)
-        grouped = x[order // top_k]
+        grouped = x.index_select(0, order // top_k)
         # One host sync per layer to know the group sizes; the matmuls need them anyway.
         sizes = counts.tolist()
+        # unbind once rather than indexing per expert: the backward of each `param[e]`
+        # would allocate and zero-fill a full-size gradient (measured: a fifth of the step).
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         outputs = []
         for expert, group in enumerate(torch.split(grouped, sizes)):
             if group.shape[0] == 0:
                 continue
-            gate, up = F.linear(group, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[expert]))
+            gate, up = F.linear(group, gate_up[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
         if not outputs:  # zero tokens
             return torch.zeros_like(x)
         sorted_out = torch.cat(outputs)
