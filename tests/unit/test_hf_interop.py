@@ -240,6 +240,18 @@ def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Pa
     assert exported.keys() == again.keys()
     assert all(torch.equal(exported[k], again[k]) for k in exported)
 
+    # model.train_from_scratch: the folder's config and tokenizer, random weights.
+    scratch = tmp_path / "scratch"
+    proc = run_train(
+        cfg,
+        [f"--training.output_dir={scratch}", "--model.train_from_scratch=true", "--training.steps=1"],
+        cwd=tmp_path,
+    )
+    assert (
+        "random init (model.train_from_scratch)" in proc.stdout and "Hugging Face weights" not in proc.stdout
+    )
+    assert read_metrics(scratch)[0]["loss"] != pytest.approx(first_loss, rel=1e-3)
+
     # 3) checkpoint.load_path naming the HF folder: refused with optimizer state, loads without.
     explicit = _config(
         tmp_path,
@@ -277,3 +289,19 @@ def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Pa
         cwd=tmp_path,
     )
     assert read_metrics(run_dcp)[0]["loss"] == pytest.approx(first_loss, rel=1e-6)
+
+
+def test_convert_refusals_name_the_folder(
+    hf_tied: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshforge.cli import main
+
+    assert main(["convert", "--to", "hf", str(tmp_path / "nothere"), str(tmp_path / "o")]) == 2
+    assert f"convert: {tmp_path / 'nothere'} does not exist" in capsys.readouterr().err
+    step = tmp_path / "ckpts" / "checkpoint-00000000"
+    assert main(["convert", "--to", "dcp", str(hf_tied), str(step)]) == 0
+    assert main(["convert", "--to", "dcp", str(hf_tied), str(step)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    # No run folder around the step: the run's config.yaml must be given.
+    assert main(["convert", "--to", "hf", str(step), str(tmp_path / "o")]) == 2
+    assert "pass it with --config" in capsys.readouterr().err
