@@ -28,6 +28,11 @@ safetensors keys (qwen3):
 - ``IGNORED_HF_KEYS: tuple[str, ...]``: ``fnmatch`` patterns of HF keys a checkpoint may carry that
   the model does not need (default: rotary ``inv_freq`` buffers).
 
+Families without ``from_hf`` get a cheaper sharded load: each FSDP rank reads only its own slice
+of a tensor from disk (``safe_open(...).get_slice``); with ``from_hf`` every rank reads the source
+tensors in full (one parameter at a time) and keeps its shard. Export reads the family's args
+from ``model.config``.
+
 Tied embeddings: a tied model has one parameter (``model.embed_tokens.weight``); a checkpoint may
 also carry ``lm_head.weight`` (then ignored) or not.
 """
