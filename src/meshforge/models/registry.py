@@ -80,9 +80,21 @@ _FAMILIES: dict[str, FamilySpec] = {
 }
 
 
+# Families that keep their entry beside their code (`models/<family>/spec.py`). Loaded on first
+# use, not at import: each spec module imports `FamilySpec` from here (a cycle otherwise).
+_SPEC_MODULES = ("meshforge.models.llama.spec",)
+
+
+def _families() -> dict[str, FamilySpec]:
+    for module_name in _SPEC_MODULES:
+        family = importlib.import_module(module_name).FAMILY
+        _FAMILIES.setdefault(family.name, family)
+    return _FAMILIES
+
+
 def built_families() -> list[str]:
     """Names of the built-in families."""
-    return sorted(_FAMILIES)
+    return sorted(_families())
 
 
 def _as_list(architectures: str | Sequence[str] | None) -> list[str]:
@@ -98,17 +110,17 @@ def _lookup(model_type: str | None, architectures: str | Sequence[str] | None, m
     asked: list[str] = []
     if model_type:
         asked.append(f"model_type {model_type!r}")
-        spec = _FAMILIES.get(model_type.lower())
+        spec = _families().get(model_type.lower())
         if spec is not None:
             return spec, asked
     for arch in _as_list(architectures):
         asked.append(f"architectures {arch!r}")
-        for spec in _FAMILIES.values():
+        for spec in _families().values():
             if arch in spec.hf_architectures:
                 return spec, asked
     if model_id:
         asked.append(f"model_id {model_id!r}")
-        for spec in _FAMILIES.values():
+        for spec in _families().values():
             if model_id.lower() in spec.model_ids:
                 return spec, asked
     return None, asked
