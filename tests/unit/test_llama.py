@@ -375,12 +375,12 @@ def test_options_and_spec_do_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_example_config_validates_once_registered(monkeypatch):
+def test_example_config_validates_with_the_registered_family():
     from meshforge.config import load_config, validate_config
     from meshforge.models import registry
 
-    monkeypatch.setitem(registry._FAMILIES, "llama", FAMILY)
     assert registry.resolve_family(architectures="LlamaForCausalLM") is FAMILY
+    assert registry.resolve_family(model_type="llama") is FAMILY
     path = ROOT / "configs" / "llama" / "tiny.yaml"
     cfg = load_config(path)
     assert validate_config(cfg).errors == []
@@ -408,18 +408,13 @@ def test_save_pretrained_weights_load_by_name(tmp_path):
 
 
 def test_example_config_trains_five_steps(tmp_path):
-    """configs/llama/tiny.yaml through `meshforge train` (family registered as the lead will)."""
+    """configs/llama/tiny.yaml through `meshforge train`."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "run"
-    code = (
-        "import sys; from meshforge.models import registry; "
-        "from meshforge.models.llama.spec import FAMILY; "
-        "registry._FAMILIES.setdefault('llama', FAMILY); "
-        "from meshforge.cli import main; sys.exit(main(sys.argv[1:]))"
-    )
+    code = "import sys; from meshforge.cli import main; sys.exit(main(sys.argv[1:]))"
     overrides = [
         "--training.steps=5",
         "--training.local_batch_size=2",
