@@ -227,6 +227,24 @@ def test_grouped_experts_match_a_per_token_reference():
     assert empty.shape == (0, 8)
 
 
+def test_grouped_mm_switch_gives_the_same_numbers():
+    args = CONFIGS["all_moe_untied_norm"]
+    _, ours = _pair(args, seed=7)
+    ids = torch.randint(0, args.vocab_size, (2, 13))
+    results = []
+    for flag in (False, True):
+        for block in ours.moe_layers().values():
+            block.experts.use_grouped_mm = flag
+        ours.zero_grad()
+        out = ours(ids)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in ours.named_parameters()}))
+    (loop_out, loop_grads), (gmm_out, gmm_grads) = results
+    assert _rel(gmm_out, loop_out) <= 1e-5
+    for n, g in loop_grads.items():
+        assert _rel(gmm_grads[n], g) <= 1e-5, n
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_adapter_round_trip_against_save_pretrained(tmp_path, tied):
     from safetensors.torch import load_file

@@ -25,13 +25,17 @@ N 1024, H 256, I 256, E 8 k 2  15.6 ms     20.2 ms             22.1 ms    20.8 m
 N 2048, H 512, I 256, E 32 k 4 128 ms      161 ms              217 ms     151 ms
 =============================  ==========  ==================  =========  ==========
 
-``torch.nn.functional.grouped_mm`` does the grouped matmul in one kernel on CUDA,
-but calling it directly on CPU fails in backward in torch 2.13 (empty groups), so
-the loop is the path here.
+``GroupedExperts.use_grouped_mm`` (off by default; for the ``moe_grouped_gemm``
+kernel switch) runs each projection as one ``torch.nn.functional.grouped_mm`` with
+expert offsets instead, the grouped-GEMM kernel on CUDA (bf16 there, per torch's
+documentation). On CPU in torch 2.13 it
+gives the same numbers but no speed-up, and its backward rejects a gradient with
+zero strides (an expanded ``sum()`` gradient straight into the op).
 
-Each forward leaves behind what the trainer and monitor need, detached from
-nothing that would otherwise be freed: ``last_tokens_per_expert`` (assignment
-counts, a LongTensor) and ``last_aux_stats``, the per-layer sums from which
+Each forward leaves behind what the trainer and monitor need, a few
+``[num_experts]`` vectors per layer: ``last_tokens_per_expert`` (assignment counts,
+a LongTensor) and ``last_aux_stats``, the per-layer sums (the probability sum keeps
+the router's autograd graph until backward) from which
 :func:`load_balancing_loss` forms the Switch-Transformer aux loss over all MoE
 layers exactly as transformers' ``load_balancing_loss_func`` does.
 """
@@ -142,6 +146,9 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act_fn = activation(hidden_act)
+        # Set by the ``moe_grouped_gemm`` kernel switch: one ``F.grouped_mm`` per projection
+        # instead of the per-expert loop (same numbers; see the module docstring).
+        self.use_grouped_mm = False
 
     def forward(
         self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
@@ -163,6 +170,19 @@ class GroupedExperts(nn.Module):
         # depend on the sort implementation.
         order = torch.argsort(flat, stable=True)
         grouped = x.index_select(0, order // top_k)
+        if self.use_grouped_mm:
+            sorted_out = self._grouped_mm(grouped, counts)
+        else:
+            sorted_out = self._loop(grouped, counts)
+        if sorted_out is None:  # zero tokens
+            return torch.zeros_like(x)
+        # Un-sort: row i of `per_slot` is the expert output for (token i // k, slot i % k).
+        per_slot = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+        per_slot = per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
+        return per_slot.sum(dim=1)
+
+    def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Expert outputs for tokens sorted by expert: two matmuls per expert with tokens."""
         # One host sync per layer to know the group sizes; the matmuls need them anyway.
         sizes = counts.tolist()
         # unbind once rather than indexing per expert: the backward of each `param[e]`
@@ -174,13 +194,15 @@ class GroupedExperts(nn.Module):
                 continue
             gate, up = F.linear(group, gate_up[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
-        if not outputs:  # zero tokens
-            return torch.zeros_like(x)
-        sorted_out = torch.cat(outputs)
-        # Un-sort: row i of `per_slot` is the expert output for (token i // k, slot i % k).
-        per_slot = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
-        per_slot = per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
-        return per_slot.sum(dim=1)
+        return torch.cat(outputs) if outputs else None
+
+    def _grouped_mm(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Same as :meth:`_loop` with one grouped GEMM per projection and no host sync."""
+        if grouped.shape[0] == 0:
+            return None
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        gate, up = F.grouped_mm(grouped, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return F.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, intermediate_size={self.intermediate_size}"
