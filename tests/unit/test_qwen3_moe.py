@@ -382,3 +382,42 @@ def test_tiny_config_model_section_builds():
         model.init_full_parameter_(name, p.data, torch.Generator().manual_seed(i))
     logits = model(ids)
     assert torch.isfinite(logits).all() and model.aux_loss() is not None
+
+
+def test_published_qwen3_30b_a3b_config_gives_its_parameter_counts():
+    # config.json of Qwen/Qwen3-30B-A3B (written by transformers 4.51, so `num_experts`).
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "decoder_sparse_step": 1,
+        "head_dim": 128,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    }
+    model = FAMILY.build({k: v for k, v in config.items() if k in OPTION_KEYS})
+    hidden, layers, experts = 2048, 48, 128
+    attention = hidden * 32 * 128 * 2 + hidden * 4 * 128 * 2 + 2 * 128
+    expert = 3 * 768 * hidden
+    per_layer = attention + experts * hidden + 2 * hidden  # + router + two norms
+    embeddings = 2 * 151936 * hidden + hidden  # untied head, final norm
+    assert model.num_params() == layers * (per_layer + experts * expert) + embeddings
+    assert model.num_params(active=True) == layers * (per_layer + 8 * expert) + embeddings
+    # Published: 30.5B parameters in total, 3.3B activated.
+    assert round(model.num_params() / 1e9, 1) == 30.5
+    assert 3.3e9 <= model.num_params(active=True) < 3.4e9
