@@ -136,21 +136,32 @@ def test_logits_loss_aux_loss_and_grads_match_transformers(name):
 
 def test_tokens_per_expert_counts_every_assignment():
     args = CONFIGS["mlp_only_tied_norm"]
-    _, ours = _pair(args, seed=2)
+    hf, ours = _pair(args, seed=2)
     ids = torch.randint(0, args.vocab_size, (3, 17))
     with torch.no_grad():
         ours(ids)
+        router_logits = hf(input_ids=ids).router_logits  # one [tokens, E] tensor per MoE layer
     counts = ours.tokens_per_expert()
-    assert sorted(counts) == [0, 2]
-    for layer, c in counts.items():
+    assert sorted(counts) == [0, 2] and len(router_logits) == 2
+    for (layer, c), logits in zip(sorted(counts.items()), router_logits, strict=True):
         assert c.dtype == torch.long and c.shape == (args.num_experts,)
         assert int(c.sum()) == 3 * 17 * args.num_experts_per_tok
-        # Same counts as transformers' router picks for this layer's input.
-        block = ours.model.layers[layer].mlp
-        assert torch.equal(c, block.last_tokens_per_expert)
+        # The same experts transformers' router picks for this layer.
+        picked = logits.float().softmax(-1).topk(args.num_experts_per_tok, dim=-1).indices
+        assert torch.equal(c, torch.bincount(picked.flatten(), minlength=args.num_experts)), layer
     with torch.no_grad():
         ours(ids[:1, :5])
     assert all(int(c.sum()) == 5 * args.num_experts_per_tok for c in ours.tokens_per_expert().values())
+
+
+def test_bfloat16_parameters_train():
+    model = build_qwen3_moe(FLAVORS["debug"], device="cpu").to(torch.bfloat16)
+    ids = torch.randint(0, FLAVORS["debug"].vocab_size, (2, 12))
+    logits = model(ids, segment_ids=torch.tensor([[1] * 12, [1] * 7 + [0] * 5]))
+    aux = model.aux_loss()
+    assert logits.dtype == torch.bfloat16 and aux.dtype == torch.float32
+    (logits.float().logsumexp(-1).mean() + aux).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 def test_aux_loss_follows_output_router_logits():
