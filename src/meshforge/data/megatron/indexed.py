@@ -179,6 +179,23 @@ class IndexedDatasetWriter:
         self.add_item(tokens)
         self.end_document()
 
+    def add_documents(
+        self, tokens: np.ndarray, lengths: np.ndarray, sequences_per_document: np.ndarray
+    ) -> None:
+        """Append many documents at once: all their tokens, each sequence's length, each document's
+        number of sequences (0 for a document without tokens). One write, no per-document Python."""
+        tokens = np.asarray(tokens)
+        if tokens.size and (
+            tokens.min() < np.iinfo(self.dtype).min or tokens.max() > np.iinfo(self.dtype).max
+        ):
+            raise ValueError(f"token ids out of range for {self.dtype}: [{tokens.min()}, {tokens.max()}]")
+        if int(np.sum(lengths)) != tokens.size or int(np.sum(sequences_per_document)) != len(lengths):
+            raise ValueError("lengths and sequences_per_document do not add up to the tokens given")
+        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes(order="C"))
+        base = len(self._lengths)
+        self._lengths.extend(np.asarray(lengths, dtype=np.int64).tolist())
+        self._doc_indices.extend((base + np.cumsum(sequences_per_document, dtype=np.int64)).tolist())
+
     def add_index(self, other_prefix: str | Path) -> None:
         """Append every sequence and document of another indexed dataset (to merge worker shards)."""
         other = IndexedDataset(other_prefix)

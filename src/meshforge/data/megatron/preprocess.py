@@ -21,8 +21,10 @@ input order, so the output does not depend on the number of workers.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
+import os
 import sys
 import time
 from collections import Counter
@@ -36,7 +38,7 @@ import numpy as np
 from meshforge.data.megatron.indexed import IndexedDatasetWriter, optimal_dtype
 
 SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
-CHUNK_RECORDS = 512  # records per worker task: big enough for the tokenizer's Rust batch path
+CHUNK_RECORDS = 2048  # records per task: the tokenizer's Rust batch path needs big batches to use every core
 
 
 class PreprocessError(ValueError):
@@ -177,14 +179,21 @@ def _chunks(files: list[Path], first_key: str) -> Iterator[list[Raw]]:
 
 _TOKENIZER: Any = None
 _KEYS: list[str] = []
+_EOD: int | None = None
 
 
-def _init_worker(tokenizer_path: str, keys: list[str]) -> None:
-    global _TOKENIZER, _KEYS
+def _init_worker(tokenizer_path: str, keys: list[str], eod: int | None) -> None:
+    # Parallelism comes from the worker processes: one Rust thread each, so N workers use N cores
+    # instead of N x cores threads fighting over them. Set before the tokenizer's thread pool starts.
+    os.environ["RAYON_NUM_THREADS"] = "1"
     from meshforge.data.tokenizer import build_tokenizer
 
-    _TOKENIZER = build_tokenizer(tokenizer_path)
-    _KEYS = keys
+    _init_worker_with(build_tokenizer(tokenizer_path), keys, eod)
+
+
+def _init_worker_with(tokenizer: Any, keys: list[str], eod: int | None) -> None:
+    global _TOKENIZER, _KEYS, _EOD
+    _TOKENIZER, _KEYS, _EOD = tokenizer, keys, eod
 
 
 def _sentences(record: Any, key: str) -> list[str] | str:
@@ -201,16 +210,20 @@ def _sentences(record: Any, key: str) -> list[str] | str:
     return f"{key!r} is not a string or a list of strings (got {type(value).__name__})"
 
 
-def encode_chunk(
-    chunk: list[Raw],
-) -> tuple[list[tuple[str, dict[str, list[np.ndarray]]]], list[tuple[str, str]], int]:
-    """Parse and tokenize one chunk.
+@dataclass
+class EncodedChunk:
+    """One chunk's output per json key: all tokens, the sequence lengths, sequences per document."""
 
-    Returns:
-        (documents as (where, {key: token arrays per sentence}), invalid records as (where, reason),
-        bytes of input text).
-    """
-    parsed: list[tuple[str, dict[str, list[str]]]] = []
+    tokens: dict[str, np.ndarray]
+    lengths: dict[str, np.ndarray]
+    doc_sequences: dict[str, np.ndarray]
+    invalid: list[tuple[str, str]]
+    nbytes: int
+
+
+def encode_chunk(chunk: list[Raw]) -> EncodedChunk:
+    """Parse and tokenize one chunk of records (runs in a worker); see the module docstring."""
+    parsed: list[dict[str, list[str]]] = []
     invalid: list[tuple[str, str]] = []
     nbytes = 0
     for where, kind, payload in chunk:
@@ -234,20 +247,29 @@ def encode_chunk(
             invalid.append((where, reason))
             continue
         if kind != "json":
-            nbytes += sum(len(s.encode("utf-8")) for v in texts.values() for s in v)
-        parsed.append((where, texts))
-    flat = [s for _, texts in parsed for key in _KEYS for s in texts[key]]
-    ids = _TOKENIZER(flat, return_attention_mask=False, verbose=False)["input_ids"] if flat else []
-    out = []
-    pos = 0
-    for where, texts in parsed:
-        doc = {}
-        for key in _KEYS:
-            n = len(texts[key])
-            doc[key] = [np.asarray(x, dtype=np.int64) for x in ids[pos : pos + n]]
-            pos += n
-        out.append((where, doc))
-    return out, invalid, nbytes
+            nbytes += sum(len(t.encode("utf-8")) for v in texts.values() for t in v)
+        parsed.append(texts)
+    out = EncodedChunk({}, {}, {}, invalid, nbytes)
+    for key in _KEYS:
+        flat = [t for texts in parsed for t in texts[key]]
+        ids = _TOKENIZER(flat, return_attention_mask=False, verbose=False)["input_ids"] if flat else []
+        pieces: list[list[int]] = []
+        per_doc = np.zeros(len(parsed), dtype=np.int64)
+        pos = 0
+        for d, texts in enumerate(parsed):
+            kept = [x for x in ids[pos : pos + len(texts[key])] if x]  # empty sentences give no sequence
+            pos += len(texts[key])
+            if kept and _EOD is not None:
+                kept[-1] = [*kept[-1], _EOD]
+            pieces += kept
+            per_doc[d] = len(kept)
+        lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+        out.tokens[key] = np.fromiter(
+            itertools.chain.from_iterable(pieces), dtype=np.int64, count=int(lengths.sum())
+        )
+        out.lengths[key] = lengths
+        out.doc_sequences[key] = per_doc
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -312,27 +334,31 @@ def preprocess(options: PreprocessOptions, out: TextIO | None = None) -> Preproc
         if options.workers > 1:
             ctx = multiprocessing.get_context("spawn")
             pool = ctx.Pool(
-                options.workers, initializer=_init_worker, initargs=(options.tokenizer, options.json_keys)
+                options.workers,
+                initializer=_init_worker,
+                initargs=(options.tokenizer, options.json_keys, eod),
             )
             results = pool.imap(encode_chunk, chunks)
         else:
-            _init_worker_with(tokenizer, options.json_keys)
+            _init_worker_with(tokenizer, options.json_keys, eod)
             results = map(encode_chunk, chunks)
         last_report = time.perf_counter()
-        for docs, invalid, nbytes in results:
-            summary.bytes_read += nbytes
-            if invalid:
+        for encoded in results:
+            summary.bytes_read += encoded.nbytes
+            if encoded.invalid:
                 if not options.skip_invalid:
-                    where, reason = invalid[0]
+                    where, reason = encoded.invalid[0]
                     raise PreprocessError(
                         f"{where}: {reason} (pass --skip-invalid to skip and count such records)"
                     )
-                for _, reason in invalid:
+                for _, reason in encoded.invalid:
                     summary.skipped[_reason_class(reason)] += 1
-            for _, doc in docs:
-                summary.documents += 1
-                for key, sentences in doc.items():
-                    _write_document(writers[key], sentences, eod, summary, key)
+            first = options.json_keys[0]
+            summary.documents += len(encoded.doc_sequences[first])
+            for key, writer in writers.items():
+                writer.add_documents(encoded.tokens[key], encoded.lengths[key], encoded.doc_sequences[key])
+                summary.tokens[key] += len(encoded.tokens[key])
+                summary.empty_documents += int((encoded.doc_sequences[key] == 0).sum())
             now = time.perf_counter()
             if now - last_report >= options.log_interval:
                 last_report = now
@@ -351,29 +377,6 @@ def preprocess(options: PreprocessOptions, out: TextIO | None = None) -> Preproc
         summary.outputs += [f"{output_prefix(options.output_prefix, key)}.{ext}" for ext in ("bin", "idx")]
     summary.seconds = time.perf_counter() - start
     return summary
-
-
-def _init_worker_with(tokenizer: Any, keys: list[str]) -> None:
-    global _TOKENIZER, _KEYS
-    _TOKENIZER, _KEYS = tokenizer, keys
-
-
-def _write_document(
-    writer: IndexedDatasetWriter,
-    sentences: list[np.ndarray],
-    eod: int | None,
-    summary: PreprocessSummary,
-    key: str,
-) -> None:
-    kept = [s for s in sentences if len(s)]
-    if kept and eod is not None:
-        kept[-1] = np.append(kept[-1], eod)
-    if not kept:
-        summary.empty_documents += 1
-    for s in kept:
-        writer.add_item(s)
-        summary.tokens[key] += len(s)
-    writer.end_document()
 
 
 def _reason_class(reason: str) -> str:
