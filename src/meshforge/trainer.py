@@ -193,6 +193,8 @@ class Trainer:
             model = family.build(options)
         model.to(dtype=params_dtype)
         self._check_model_fits_data(getattr(model, "config", None))
+        self.aux_coef = self._router_aux_coef(getattr(model, "config", None))
+        self._aux_loss_enabled = self.aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
         self.fsdp = self.dims.dp_shard > 1
         if self.fsdp:
             par = self.cfg.parallelism
@@ -218,6 +220,13 @@ class Trainer:
         )
         self.num_params = num_params
         return model
+
+    def _router_aux_coef(self, model_config: Any) -> float:
+        """`training.router_aux_loss_coef` when the config sets it, else the model's own value."""
+        training = self.cfg.training
+        if "router_aux_loss_coef" in training.model_fields_set:
+            return float(training.router_aux_loss_coef)
+        return float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
 
     def _check_model_fits_data(self, model_config: Any) -> None:
         """Refuse a tokenizer bigger than the embedding, or samples longer than the positions."""
@@ -357,8 +366,24 @@ class Trainer:
         loss_sum = cross_entropy_sum(logits, batch["labels"])
         # Dividing by the global token count (not the local one) makes the summed gradients over
         # micro-batches and ranks equal the gradient of the global-batch mean.
-        (loss_sum / global_tokens).backward()
+        objective = loss_sum / global_tokens
+        aux = self._aux_loss()
+        if aux is not None:
+            # The router loss is a per-micro-batch mean: weight it by this micro-batch's share of
+            # the global valid tokens, so that one micro-batch on one rank gives exactly
+            # transformers' `loss + coef * aux`, and accumulation/data parallelism average it.
+            weight = count_valid_tokens(batch["labels"]).to(global_tokens.dtype) / global_tokens
+            self._aux_sum += aux.detach().float() * weight
+            objective = objective + self.aux_coef * aux * weight
+        objective.backward()
         return loss_sum.detach()
+
+    def _aux_loss(self) -> torch.Tensor | None:
+        """The model's auxiliary (MoE router) loss of the last forward, if it has one and it counts."""
+        get = getattr(self.model, "aux_loss", None)
+        if not callable(get) or self.aux_coef == 0.0:
+            return None
+        return get()
 
     def clip_grads(self) -> torch.Tensor:
         """Clip the global gradient norm to `training.max_norm`; return the pre-clip norm."""
@@ -386,9 +411,13 @@ class Trainer:
         )
         global_tokens = global_tokens.clamp(min=1).to(torch.float32)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self._aux_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for mb in micro:
             loss_sum += self.forward_backward(mb, global_tokens)
         loss = dist_utils.all_reduce_sum(loss_sum, loss_group) / global_tokens
+        extra: dict[str, float] = {}
+        if self._aux_loss_enabled:
+            extra["aux_loss"] = float(dist_utils.all_reduce_sum(self._aux_sum, loss_group))
         grad_norm = self.clip_grads()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
@@ -401,6 +430,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "tokens": step_tokens,
             "valid_tokens": int(global_tokens.item()),
+            **extra,
         }
 
     def train(self) -> TrainSummary:

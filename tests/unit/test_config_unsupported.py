@@ -82,7 +82,6 @@ TRIGGERS: dict[str, dict] = {
     "training.epochs": {"training": {"epochs": 2}},
     "training.eval_interval": {"training": {"eval_interval": 10}, "train_dataset": {"eval_dataset": "dev"}},
     "training.stage": {"training": {"stage": "sft"}},
-    "training.router_aux_loss_coef": {"training": {"router_aux_loss_coef": 0.01}},
     "inference": {"inference": {"max_new_tokens": 16}},
     "model.resize_vocab": {"model": {"resize_vocab": True}},
     "model.split_special_tokens": {"model": {"split_special_tokens": True}},

@@ -146,10 +146,14 @@ def find_hf_weights(path: str | Path) -> dict[str, Path]:
 class HFAdapter:
     """A family's HF mapping: its optional adapter module with the defaults filled in."""
 
-    def __init__(self, family: FamilySpec) -> None:
+    def __init__(self, family: FamilySpec, args: Any = None) -> None:
         self.family = family
         module_name = getattr(family, "hf_module", None)
         self._module: ModuleType | None = importlib.import_module(module_name) if module_name else None
+        # A module may offer ``adapter(args)``: hf_sources/from_hf/to_hf bound to the model's
+        # args (qwen3_moe needs num_experts to list the per-expert keys of a fused parameter).
+        bind = self._get("adapter")
+        self._bound = bind(args) if bind is not None and args is not None else None
 
     def _get(self, name: str) -> Any:
         return getattr(self._module, name, None) if self._module is not None else None
@@ -168,18 +172,18 @@ class HFAdapter:
         return self._get("from_hf") is None
 
     def hf_sources(self, name: str) -> list[str]:
-        fn = self._get("hf_sources")
+        fn = getattr(self._bound, "hf_sources", None) or self._get("hf_sources")
         return list(fn(name)) if fn else [name]
 
     def from_hf(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        fn = self._get("from_hf")
+        fn = getattr(self._bound, "from_hf", None) or self._get("from_hf")
         if fn:
             return fn(name, tensors)
         (tensor,) = tensors.values()
         return tensor
 
     def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        fn = self._get("to_hf")
+        fn = getattr(self._bound, "to_hf", None) or self._get("to_hf")
         return dict(fn(name, tensor)) if fn else {name: tensor}
 
     def to_hf_config(self, args: Any) -> dict[str, Any]:
@@ -196,9 +200,9 @@ class HFAdapter:
         return {k: v for k, v in config.items() if k in self.family.option_keys}
 
 
-def hf_adapter(family: FamilySpec) -> HFAdapter:
-    """The HF adapter of ``family`` (see the module docstring for the protocol)."""
-    return HFAdapter(family)
+def hf_adapter(family: FamilySpec, args: Any = None) -> HFAdapter:
+    """The HF adapter of ``family`` (see the module docstring for the protocol), bound to ``args`` if given."""
+    return HFAdapter(family, args)
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -258,7 +262,7 @@ def load_hf_weights(
 
     folder = Path(path)
     key_files = find_hf_weights(folder)
-    adapter = hf_adapter(family)
+    adapter = hf_adapter(family, getattr(model, "config", None))
     params = list(model.named_parameters())
     sources = {name: adapter.hf_sources(name) for name, _ in params}
     needed = {key for keys in sources.values() for key in keys}
@@ -393,7 +397,7 @@ def save_hf(
 
     out = Path(out_dir)
     limit = parse_size(shard_size)
-    adapter = hf_adapter(family)
+    adapter = hf_adapter(family, getattr(model, "config", None))
     main = _is_main()
     if main:
         out.mkdir(parents=True, exist_ok=True)

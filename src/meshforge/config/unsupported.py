@@ -254,9 +254,6 @@ ENTRIES: list[Unsupported] = [
     Unsupported("training.epochs", lambda c: c.training.epochs is not None, "epoch-based run length"),
     Unsupported("training.eval_interval", lambda c: c.training.eval_interval is not None, "evaluation"),
     Unsupported("training.stage", lambda c: c.training.stage != "pt", "SFT stage"),
-    Unsupported(
-        "training.router_aux_loss_coef", lambda c: c.training.router_aux_loss_coef != 0, "MoE auxiliary loss"
-    ),
     *_sft_entries(),
     Unsupported("inference", lambda c: c.inference != InferenceConfig(), "generation (`meshforge generate`)"),
 ]

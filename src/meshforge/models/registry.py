@@ -82,7 +82,7 @@ _FAMILIES: dict[str, FamilySpec] = {
 
 # Families that keep their entry beside their code (`models/<family>/spec.py`). Loaded on first
 # use, not at import: each spec module imports `FamilySpec` from here (a cycle otherwise).
-_SPEC_MODULES = ("meshforge.models.llama.spec",)
+_SPEC_MODULES = ("meshforge.models.llama.spec", "meshforge.models.qwen3_moe.spec")
 
 
 def _families() -> dict[str, FamilySpec]:
