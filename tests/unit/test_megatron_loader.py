@@ -195,3 +195,20 @@ def test_packed_row_logits_equal_each_document_alone(prefix, tmp_path):
                 cols = (seg == s).nonzero().flatten()
                 alone = model(batch["input_ids"][row, cols][None])[0]
                 torch.testing.assert_close(packed[row, cols], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_valid_split_built_only_when_asked(prefix, tmp_path):
+    from meshforge.data.megatron.loader import build_megatron_dataset
+    from meshforge.data.specs import parse_megatron_options
+
+    cfg = _cfg(prefix, tmp_path, split="9,1,0")
+    _loaders(cfg, dp=1, local=2, gbs=2, total_steps=3)
+    names = [p.name for p in (tmp_path / "cache").iterdir()]
+    assert names and all("-GPTDataset-train-" in n for n in names)
+    options = parse_megatron_options(dict(cfg.dataloader.model_extra))
+    train, valid = build_megatron_dataset(options, tokenizer=None, seed=1, num_samples=10, with_valid=True)
+    assert len(train) >= 10 and len(valid) > 0 and valid.split == "valid"
+    assert set(valid.documents.tolist()).isdisjoint(train.documents.tolist())
+    with pytest.raises(ValueError, match=r"\(valid split\): 0 documents"):
+        tiny = parse_megatron_options(dict(_cfg(prefix, tmp_path, split="1000,1,0").dataloader.model_extra))
+        build_megatron_dataset(tiny, tokenizer=None, seed=1, num_samples=10, with_valid=True)

@@ -279,6 +279,7 @@ def build_datasets(
     barrier: Callable[[], None] | None = None,
     log: Callable[[str], None] | None = None,
     key: str = "data_path",
+    only: Sequence[int] = (0, 1, 2),
 ) -> list[GPTDataset | BlendedDataset | None]:
     """Megatron's BlendedMegatronDatasetBuilder for GPTDataset: one dataset per split, None where the
     split is 0.
@@ -290,6 +291,7 @@ def build_datasets(
         config: GPTDataset settings.
         rank, barrier, log: see `GPTDataset`.
         key: config key path of `data_path`, for messages.
+        only: the splits to build (0 train, 1 valid, 2 test); the others come back as None.
 
     Raises:
         ValueError / FileNotFoundError / IndexError: bad blend, missing files, unmeetable weights.
@@ -315,10 +317,10 @@ def build_datasets(
 
     result: list[GPTDataset | BlendedDataset | None] = []
     if len(blend.prefixes) == 1 and blend.weights is None:
-        return [member(0, i, sizes[i]) for i in range(3)]
+        return [member(0, i, sizes[i]) if i in only else None for i in range(3)]
     weights = normalize(blend.weights) if blend.weights is not None else None
     for i in range(3):
-        if split_document_indices(1, split)[i] is None:
+        if i not in only or split_document_indices(1, split)[i] is None:
             result.append(None)
             continue
         if weights is not None:

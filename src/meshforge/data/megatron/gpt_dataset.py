@@ -264,6 +264,12 @@ class GPTDataset:
         self.indexed = indexed
         self.documents = np.asarray(documents, dtype=np.int32)
         self.config = config
+        tokens = int(indexed.sequence_lengths[self.documents].sum(dtype=np.int64))
+        if tokens <= int(config.add_extra_token_to_sequence) + 1:
+            raise ValueError(
+                f"{indexed.prefix} ({split} split): {len(self.documents)} documents with {tokens} tokens, too "
+                "few for one sample; check the split proportions or the data"
+            )
         self.split = split
         self.requested_samples = num_samples
         self.description = self._describe(num_samples)

@@ -61,8 +61,13 @@ def build_megatron_dataset(
     barrier: Callable[[], None] | None = None,
     log: Callable[[str], None] | None = None,
     valid_samples: int | None = None,
+    with_valid: bool = False,
 ) -> tuple[Any, Any]:
-    """(train, valid) datasets of the configured blend (valid is None when the split gives it 0)."""
+    """(train, valid) datasets of the configured blend.
+
+    valid is built only `with_valid` (else None), and is None when the split gives it 0; it holds
+    `valid_samples` (or `sizes[1]`) samples, or one pass over its documents when neither is set.
+    """
     from meshforge.data.megatron.blended import build_datasets
     from meshforge.data.megatron.gpt_dataset import GPTDatasetConfig
 
@@ -99,6 +104,7 @@ def build_megatron_dataset(
         barrier=barrier,
         log=log,
         key="train_dataset.dataloader.config.data_path",
+        only=(0, 1) if with_valid else (0,),
     )
     if datasets[0] is None:
         raise ValueError(
