@@ -143,3 +143,26 @@ def test_workers_give_the_same_files(tmp_path, capsys):
     for ext in ("bin", "idx"):
         one = (tmp_path / f"w1_text_document.{ext}").read_bytes()
         assert one == (tmp_path / f"w2_text_document.{ext}").read_bytes()
+
+
+def test_progress_lines_and_megatron_flags(tmp_path, capsys):
+    src = _jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i}"} for i in range(2500)])
+    base = ["--input", src, "--output-prefix", tmp_path / "p", "--tokenizer", TOKENIZER]
+    # A Megatron script's flags port unchanged (--dataset-impl mmap, --log-interval in documents).
+    assert (
+        _run(
+            *base, "--dataset-impl", "mmap", "--log-interval", "1000", "--tokenizer-type", "PretrainedFromHF"
+        )
+        == 0
+    )
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("processed ")]
+    # Reports come per chunk of 2048 records, once a multiple of --log-interval is passed.
+    assert len(progress) == 1 and progress[0].startswith("processed 2,048 documents (")
+    assert "docs/s" in progress[0] and "MB/s" in progress[0]
+    for flags, message in [
+        (["--split-sentences"], "--split-sentences is not supported"),
+        (["--partitions", "4"], "--partitions is not supported"),
+        (["--dataset-impl", "lazy"], "only 'mmap'"),
+    ]:
+        assert _run(*base, *flags) == 2
+        assert message in capsys.readouterr().err

@@ -57,14 +57,40 @@ def add_preprocess_command(subparsers: argparse._SubParsersAction) -> argparse.A
         action="store_true",
         help="Skip and count malformed records instead of stopping at the first one.",
     )
-    p.add_argument("--log-interval", type=float, default=5.0, help="Seconds between progress lines.")
+    p.add_argument("--log-interval", type=int, default=1000, help="Documents between progress reports.")
+    # Megatron flags that scripts pass: accepted where they mean what meshforge does, refused otherwise.
+    p.add_argument("--dataset-impl", default="mmap", help=argparse.SUPPRESS)
+    p.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--keep-newlines", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--partitions", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--vocab-file", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--merge-file", default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _unsupported_flags(args: argparse.Namespace) -> str | None:
+    """Why a Megatron flag given in `args` cannot be honoured, or None."""
+    if args.dataset_impl != "mmap":
+        return f"--dataset-impl {args.dataset_impl!r}: only 'mmap' (Megatron's indexed format) is written"
+    if args.split_sentences:
+        return "--split-sentences is not supported: each document is written as one sequence"
+    if args.keep_newlines:
+        return "--keep-newlines only applies with --split-sentences, which is not supported"
+    if args.partitions != 1:
+        return "--partitions is not supported: use --workers for parallelism (one output, input order kept)"
+    if args.vocab_file or args.merge_file:
+        return "--vocab-file/--merge-file are not used: pass a Hugging Face tokenizer folder with --tokenizer"
+    return None
 
 
 def run_preprocess_command(args: argparse.Namespace) -> int:
     """Run `meshforge preprocess`; 0 on success, 2 on a user error (printed as `error: ...`)."""
     from meshforge.data.megatron.preprocess import PreprocessError, PreprocessOptions, preprocess
 
+    problem = _unsupported_flags(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.tokenizer_type not in TOKENIZER_TYPES:
         print(
             f"error: --tokenizer-type {args.tokenizer_type!r} is not supported: meshforge preprocess uses "
@@ -82,7 +108,7 @@ def run_preprocess_command(args: argparse.Namespace) -> int:
         eod_token=args.eod_token,
         workers=int(args.workers),
         skip_invalid=bool(args.skip_invalid),
-        log_interval=float(args.log_interval),
+        log_interval=int(args.log_interval),
     )
     try:
         summary = preprocess(options, out=sys.stderr)

@@ -57,7 +57,7 @@ class PreprocessOptions:
     eod_token: str | None = None
     workers: int = 1
     skip_invalid: bool = False
-    log_interval: float = 5.0  # seconds between progress lines
+    log_interval: int = 1000  # documents between progress reports (Megatron's --log-interval)
 
 
 @dataclass
@@ -342,7 +342,7 @@ def preprocess(options: PreprocessOptions, out: TextIO | None = None) -> Preproc
         else:
             _init_worker_with(tokenizer, options.json_keys, eod)
             results = map(encode_chunk, chunks)
-        last_report = time.perf_counter()
+        progress = Progress(out, options.log_interval, start)
         for encoded in results:
             summary.bytes_read += encoded.nbytes
             if encoded.invalid:
@@ -359,16 +359,8 @@ def preprocess(options: PreprocessOptions, out: TextIO | None = None) -> Preproc
                 writer.add_documents(encoded.tokens[key], encoded.lengths[key], encoded.doc_sequences[key])
                 summary.tokens[key] += len(encoded.tokens[key])
                 summary.empty_documents += int((encoded.doc_sequences[key] == 0).sum())
-            now = time.perf_counter()
-            if now - last_report >= options.log_interval:
-                last_report = now
-                elapsed = now - start
-                print(
-                    f"processed {summary.documents:,} documents ({summary.documents / elapsed:,.0f} docs/s, "
-                    f"{summary.bytes_read / 1e6 / elapsed:.2f} MB/s)",
-                    file=out,
-                    flush=True,
-                )
+            progress.update(summary.documents, summary.bytes_read)
+        progress.close(summary.documents, summary.bytes_read)
     finally:
         if pool is not None:
             pool.terminate()
@@ -377,6 +369,36 @@ def preprocess(options: PreprocessOptions, out: TextIO | None = None) -> Preproc
         summary.outputs += [f"{output_prefix(options.output_prefix, key)}.{ext}" for ext in ("bin", "idx")]
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+class Progress:
+    """Progress every `interval` documents: one line rewritten in place on a terminal, else new lines."""
+
+    def __init__(self, out: TextIO, interval: int, start: float):
+        self.out, self.interval, self.start = out, max(1, interval), start
+        self.tty = bool(getattr(out, "isatty", lambda: False)())
+        self.next = self.interval
+        self.shown = False
+
+    def _line(self, docs: int, nbytes: int) -> str:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return (
+            f"processed {docs:,} documents ({docs / elapsed:,.0f} docs/s, {nbytes / 1e6 / elapsed:.2f} MB/s)"
+        )
+
+    def update(self, docs: int, nbytes: int) -> None:
+        if docs < self.next:
+            return
+        self.next = (docs // self.interval + 1) * self.interval
+        self.shown = True
+        if self.tty:
+            print("\r" + self._line(docs, nbytes), end="", file=self.out, flush=True)
+        else:
+            print(self._line(docs, nbytes), file=self.out, flush=True)
+
+    def close(self, docs: int, nbytes: int) -> None:
+        if self.tty and self.shown:
+            print("\r" + self._line(docs, nbytes), file=self.out, flush=True)
 
 
 def _reason_class(reason: str) -> str:
