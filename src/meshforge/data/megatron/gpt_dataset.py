@@ -411,10 +411,8 @@ class GPTDataset:
         if cfg.create_attention_mask:
             allowed = np.tril(np.ones((seq, seq), dtype=bool))
             if cfg.reset_attention_mask:
-                allowed &= (
-                    self.document_numbers(eod_positions, seq)[:, None]
-                    == self.document_numbers(eod_positions, seq)[None, :]
-                )
+                doc = self.document_numbers(eod_positions, seq)
+                allowed &= doc[:, None] == doc[None, :]
             out["attention_mask"] = ~allowed[None]
         if cfg.create_compressed_eod_mask:
             out["actual_seq_len"] = self.actual_seq_len(eod_positions, seq)
