@@ -212,3 +212,22 @@ def test_valid_split_built_only_when_asked(prefix, tmp_path):
     with pytest.raises(ValueError, match=r"\(valid split\): 0 documents"):
         tiny = parse_megatron_options(dict(_cfg(prefix, tmp_path, split="1000,1,0").dataloader.model_extra))
         build_megatron_dataset(tiny, tokenizer=None, seed=1, num_samples=10, with_valid=True)
+
+
+def test_missing_eod_is_named(prefix, tmp_path):
+    class NoEod:
+        eos_token_id = None
+
+        def get_vocab(self):
+            return {"a": 1}
+
+    cfg = TrainDatasetConfig.model_validate(
+        {
+            "dataloader": {
+                "type": "BlendedMegatronDatasetDataLoader",
+                "config": {"seq_length": 16, "data_path": [prefix], "path_to_cache": str(tmp_path / "c")},
+            }
+        }
+    )
+    with pytest.raises(ValueError, match=r"config\.eod: not set, and the tokenizer has neither"):
+        _loaders(cfg, dp=1, local=2, gbs=2, total_steps=3, tokenizer=NoEod())

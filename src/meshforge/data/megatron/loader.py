@@ -74,9 +74,7 @@ def build_megatron_dataset(
     cfg = options.config
     eod = cfg.eod
     if eod is None:
-        from meshforge.data.tokenizer import eod_token_id
-
-        eod = eod_token_id(tokenizer)
+        eod = _eod_from_tokenizer(tokenizer)
     gpt_cfg = GPTDatasetConfig(
         seq_length=cfg.seq_length,
         seed=seed if cfg.seed is None else cfg.seed,
@@ -117,6 +115,23 @@ def build_megatron_dataset(
             + (f", {len(datasets[1]):,} valid samples" if datasets[1] is not None else "")
         )
     return datasets[0], datasets[1]
+
+
+def _eod_from_tokenizer(tokenizer: Any) -> int:
+    """The issue's EOD rule (`<|endoftext|>`, else eos_token), with the fix named on failure."""
+    from meshforge.data.tokenizer import EOD_TOKEN, eod_token_id
+
+    if tokenizer is None:
+        raise ValueError(
+            "train_dataset.dataloader.config.eod: not set and no tokenizer to take it from; set eod"
+        )
+    try:
+        return eod_token_id(tokenizer)
+    except ValueError:
+        raise ValueError(
+            f"train_dataset.dataloader.config.eod: not set, and the tokenizer has neither {EOD_TOKEN!r} nor an "
+            "eos_token; set eod to the id that ends each document in the .bin data"
+        ) from None
 
 
 def build_megatron_loader(
