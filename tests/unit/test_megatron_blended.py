@@ -113,7 +113,9 @@ def test_equal_to_megatron_core(tmp_path):
         (prefixes, "8,2,0", [200, None, None]),
     ]
     # megatron-core's BlendedDataset asks torch.distributed for the rank: give it a 1-process group.
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for n, (data_path, split, sizes) in enumerate(cases):
             ref_cfg = gd.GPTDatasetConfig(
@@ -149,4 +151,5 @@ def test_equal_to_megatron_core(tmp_path):
                     assert int(ref["dataset_id"]) == mine["dataset_id"]
                     assert np.array_equal(ref["tokens"].numpy(), mine["tokens"])
     finally:
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
