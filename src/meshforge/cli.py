@@ -2,6 +2,7 @@
 
     meshforge train [--config FILE] [--section.key=value ...]   (torchrun -m meshforge train ... for N processes)
     meshforge convert --to {hf,dcp} SOURCE OUT [--config run/config.yaml]
+    meshforge preprocess --input FILE --output-prefix P --tokenizer DIR   (Megatron .bin/.idx)
     meshforge config {validate,show,schema,import} ...
 
 `train` with no `--config` runs the built-in demo (tiny Qwen3 on the bundled corpus).
@@ -81,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default=None, help="--to hf: cast weights (float32, bfloat16, float16); default as trained"
     )
     from meshforge.config.cli import add_config_commands
+    from meshforge.data.megatron.cli import add_preprocess_command
 
+    add_preprocess_command(sub)
     add_config_commands(sub)
     return parser
 
@@ -178,6 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognised arguments: {' '.join(extra)}")
     if args.command == "convert":
         return run_convert(args)
+    if args.command == "preprocess":
+        from meshforge.data.megatron.cli import run_preprocess_command
+
+        return run_preprocess_command(args)
     from meshforge.config.cli import run_config_command
 
     return run_config_command(args)

@@ -121,10 +121,12 @@ def test_loader_type_issues():
     assert check_dataloader_options(None, {}) == [
         ("type", "no data loader type given: set it to one of the built loaders: TextDataLoader")
     ]
-    [(key, reason)] = check_dataloader_options("BlendedMegatronDatasetDataLoader", {"config": {}})
-    assert (
-        key == "type" and reason.startswith("not supported yet") and "built loaders: TextDataLoader" in reason
-    )
+    # The Megatron loader is built: an empty `config` names its required keys by path.
+    keys = {key for key, _ in check_dataloader_options("BlendedMegatronDatasetDataLoader", {"config": {}})}
+    assert {"config.data_path", "config.seq_length"} <= keys
+    [(key, reason)] = check_dataloader_options("SomeOtherLoader", {})
+    assert key == "type" and reason.startswith("not supported yet")
+    assert "TextDataLoader" in reason and "BlendedMegatronDatasetDataLoader" in reason
     [(_, reason)] = check_dataloader_options("TextDataloader", {})
     assert "did you mean 'TextDataLoader'" in reason
 

@@ -181,3 +181,28 @@ def test_disabled_saving_writes_no_checkpoint(tiny_config: Path, tmp_path: Path)
     )
     assert not (run / "checkpoints").exists()
     assert "no checkpoint saved" in proc.stdout
+
+
+def test_preprocess_is_a_meshforge_command(tmp_path: Path) -> None:
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text('{"text": "hello world"}\n{"text": "a second document"}\n')
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshforge",
+            "preprocess",
+            "--input",
+            str(corpus),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            "meshforge://assets/tokenizer",
+            "--append-eod",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "out_text_document.idx").is_file() and (tmp_path / "out_text_document.bin").is_file()
