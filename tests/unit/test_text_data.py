@@ -119,7 +119,11 @@ def test_options_issues_name_the_key(options, key, fragment):
 
 def test_loader_type_issues():
     assert check_dataloader_options(None, {}) == [
-        ("type", "no data loader type given: set it to one of the built loaders: TextDataLoader")
+        (
+            "type",
+            "no data loader type given: set it to one of the built loaders: "
+            "TextDataLoader, BlendedMegatronDatasetDataLoader",
+        )
     ]
     # The Megatron loader is built: an empty `config` names its required keys by path.
     keys = {key for key, _ in check_dataloader_options("BlendedMegatronDatasetDataLoader", {"config": {}})}
