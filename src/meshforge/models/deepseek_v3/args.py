@@ -1,0 +1,362 @@
+"""Structural hyper-parameters of the built-in DeepSeek-V3 family and its named flavors.
+
+``DeepseekV3Args`` mirrors transformers' ``DeepseekV3Config`` (5.24) field for field, same
+names and defaults, so a ``config.json`` or the ``model:`` passthrough keys of a YAML map
+onto it one to one (the MindFormers reference spells the experts ``n_routed_experts`` and
+``num_experts_per_tok``, as transformers does). Spellings from real files accepted besides:
+``num_local_experts`` (transformers' alias of ``n_routed_experts``), ``num_mtp_layers``
+(its alias of ``num_nextn_predict_layers``), the older top-level ``rope_theta``, and the
+derived ``head_dim`` / ``qk_head_dim`` that ``config.json`` carries (checked, not free:
+transformers forces ``head_dim = qk_rope_head_dim``, the rotary width).
+
+Multi-token-prediction layers (``num_nextn_predict_layers``) are recorded but not built,
+as transformers' ``DeepseekV3ForCausalLM`` builds none. This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+DEFAULT_ROPE_THETA = 10_000.0
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DeepseekV3Args:
+    """DeepSeek-V3 decoder configuration (names and defaults of ``transformers.DeepseekV3Config``)."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    num_key_value_heads: int | None = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    output_router_logits: bool = False
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = field(default=1)
+    pretraining_tp: int = 1
+    tie_word_embeddings: bool = False
+    rope_parameters: dict[str, Any] | None = None
+    rope_theta: float | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    num_nextn_predict_layers: int = 1
+    head_dim: int | None = None
+    qk_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "n_routed_experts",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "n_group",
+            "topk_group",
+            "num_experts_per_tok",
+            "max_position_embeddings",
+        ):
+            _positive(name, getattr(self, name))
+        for name in (
+            "n_shared_experts",
+            "qk_nope_head_dim",
+            "first_k_dense_replace",
+            "num_nextn_predict_layers",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
+        if self.q_lora_rank is not None:
+            _positive("q_lora_rank", self.q_lora_rank)
+        if self.num_key_value_heads != self.num_attention_heads:
+            # MLA expands keys/values to every query head through kv_b_proj; transformers then
+            # repeats them num_attention_heads // num_key_value_heads more times, which only
+            # works (and only means anything) when the two are equal.
+            raise ValueError(
+                f"num_key_value_heads: must equal num_attention_heads ({self.num_attention_heads}) for "
+                f"multi-head latent attention, got {self.num_key_value_heads}"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"qk_rope_head_dim: must be even for rotary embeddings, got {self.qk_rope_head_dim}"
+            )
+        if self.head_dim is not None and self.head_dim != self.qk_rope_head_dim:
+            raise ValueError(
+                f"head_dim: DeepSeek-V3 ties it to qk_rope_head_dim ({self.qk_rope_head_dim}), "
+                f"got {self.head_dim}; leave it out or set it equal"
+            )
+        qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.qk_head_dim is not None and self.qk_head_dim != qk_head_dim:
+            raise ValueError(
+                f"qk_head_dim: must be qk_nope_head_dim + qk_rope_head_dim ({qk_head_dim}), got {self.qk_head_dim}"
+            )
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(
+                f"n_group: must divide n_routed_experts ({self.n_routed_experts}), got {self.n_group}"
+            )
+        if self.n_routed_experts // self.n_group < 2:
+            # Each group is scored by the sum of its two best experts.
+            raise ValueError(
+                f"n_group: each group needs at least 2 experts (n_routed_experts {self.n_routed_experts} / "
+                f"n_group {self.n_group})"
+            )
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group: must be at most n_group ({self.n_group}), got {self.topk_group}")
+        selectable = self.topk_group * (self.n_routed_experts // self.n_group)
+        if self.num_experts_per_tok > selectable:
+            raise ValueError(
+                f"num_experts_per_tok: must be at most topk_group * experts per group ({selectable}), "
+                f"got {self.num_experts_per_tok}"
+            )
+        if not 0.0 <= float(self.attention_dropout) < 1.0:
+            raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
+        if float(self.routed_scaling_factor) <= 0:
+            raise ValueError(f"routed_scaling_factor: must be > 0, got {self.routed_scaling_factor!r}")
+        if self.rope_parameters is not None:
+            if not isinstance(self.rope_parameters, dict):
+                raise ValueError(f"rope_parameters: must be a mapping, got {self.rope_parameters!r}")
+            rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(
+                    f"rope_parameters.rope_type: not supported yet for deepseek_v3: {rope_type!r} "
+                    "(built: 'default')"
+                )
+
+    @property
+    def attn_qk_head_dim(self) -> int:
+        """Query/key width per head: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def theta(self) -> float:
+        """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 10000."""
+        if self.rope_parameters and "rope_theta" in self.rope_parameters:
+            return float(self.rope_parameters["rope_theta"])
+        if self.rope_theta is not None:
+            return float(self.rope_theta)
+        return DEFAULT_ROPE_THETA
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) is sparse: from ``first_k_dense_replace`` on."""
+        return layer >= self.first_k_dense_replace
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """Keyword arguments for ``transformers.DeepseekV3Config`` that describe the same model."""
+        out = asdict(self)
+        out.pop("rope_theta")
+        out.pop("qk_head_dim")
+        out.pop("head_dim")
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.theta}
+        return out
+
+
+# transformers' attribute_map: config.json may carry either spelling.
+ALIASES: dict[str, str] = {
+    "num_local_experts": "n_routed_experts",
+    "num_mtp_layers": "num_nextn_predict_layers",
+}
+
+OPTION_KEYS: frozenset[str] = frozenset(f.name for f in fields(DeepseekV3Args)) | {"flavor"} | set(ALIASES)
+
+FLAVORS: dict[str, DeepseekV3Args] = {
+    # The demo: MLA with both LoRA ranks, one dense layer then 3 sparse ones with 8 routed
+    # experts in 4 groups (top-2 of the best 2 groups) plus a shared expert; trains on 2 CPU cores.
+    "tiny": DeepseekV3Args(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        moe_intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        num_nextn_predict_layers=0,
+    ),
+    # For unit and distributed tests: small, one dense and one sparse layer, plain q projection.
+    "debug": DeepseekV3Args(
+        vocab_size=8192,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        num_nextn_predict_layers=0,
+    ),
+}
+
+_INT_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "n_shared_experts",
+        "n_routed_experts",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "qk_nope_head_dim",
+        "n_group",
+        "topk_group",
+        "num_experts_per_tok",
+        "first_k_dense_replace",
+        "max_position_embeddings",
+        "pad_token_id",
+        "bos_token_id",
+        "pretraining_tp",
+        "num_nextn_predict_layers",
+        "head_dim",
+        "qk_head_dim",
+    }
+)
+_FLOAT_FIELDS = frozenset(
+    {"routed_scaling_factor", "initializer_range", "rms_norm_eps", "rope_theta", "attention_dropout"}
+)
+_BOOL_FIELDS = frozenset(
+    {
+        "output_router_logits",
+        "norm_topk_prob",
+        "use_cache",
+        "tie_word_embeddings",
+        "rope_interleave",
+        "attention_bias",
+    }
+)
+
+
+def _number(key: str, value: Any, *, integer: bool) -> int | float:
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: must be a number, got {value!r}")
+    try:
+        number = float(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError(f"{key}: must be a number, got {value!r}") from None
+    if not isinstance(number, int | float):
+        raise ValueError(f"{key}: must be a number, got {value!r}")
+    if integer:
+        if not math.isfinite(number) or float(number) != int(number):
+            raise ValueError(f"{key}: must be an integer, got {value!r}")
+        return int(number)
+    return float(number)
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Accept YAML spellings of numbers (``"1e-6"``, ``"10"``); never a bool as a number."""
+    if value is None:
+        return None
+    if key in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: must be true or false, got {value!r}")
+        return value
+    if key in _INT_FIELDS or key in _FLOAT_FIELDS:
+        return _number(key, value, integer=key in _INT_FIELDS)
+    return value
+
+
+def from_options(options: dict[str, Any]) -> DeepseekV3Args:
+    """Build ``DeepseekV3Args`` from the ``model:`` passthrough keys.
+
+    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys override
+    its fields. Without a flavor the transformers defaults (DeepSeek-V3 671B) apply.
+
+    Args:
+        options: Option mapping, e.g. ``{"flavor": "tiny", "n_routed_experts": 16}``.
+
+    Returns:
+        The validated arguments.
+
+    Raises:
+        ValueError: For an unknown key (named, with a suggestion), an unknown flavor, a key
+            given under both spellings, or an invalid value (named).
+    """
+    unknown = sorted(k for k in options if k not in OPTION_KEYS)
+    if unknown:
+        reasons = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(OPTION_KEYS), n=1, cutoff=0.6)
+            reasons.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"unknown DeepSeek-V3 model option(s): {', '.join(reasons)}")
+    options = dict(options)
+    for alias, name in ALIASES.items():
+        if alias in options:
+            if name in options and options[name] != options[alias]:
+                raise ValueError(
+                    f"{alias}: is another name for {name}; got both ({options[alias]!r} vs {options[name]!r})"
+                )
+            options[name] = options.pop(alias)
+    options = {k: _coerce(k, v) for k, v in options.items()}
+    flavor = options.pop("flavor", None)
+    if flavor is None:
+        base = DeepseekV3Args()
+    elif flavor in FLAVORS:
+        base = FLAVORS[flavor]
+    else:
+        raise ValueError(f"flavor: unknown DeepSeek-V3 flavor {flavor!r}; use one of {sorted(FLAVORS)}")
+    return replace(base, **options)

@@ -1,0 +1,283 @@
+"""The built-in DeepSeek-V3 causal LM: transformers' module tree, meshforge's forward.
+
+In-memory parameter names are exactly those of ``transformers.DeepseekV3ForCausalLM`` 5.24:
+multi-head latent attention (:mod:`meshforge.models.common.mla`) in every layer; the first
+``first_k_dense_replace`` layers have a dense ``mlp.{gate,up,down}_proj``, the others the
+sparse block of :mod:`meshforge.models.common.sigmoid_moe` (``mlp.gate.weight``,
+``mlp.gate.e_score_correction_bias``, fused ``mlp.experts.gate_up_proj`` / ``down_proj``,
+``mlp.shared_experts.*``). Safetensors use per-expert keys; ``hf.py`` maps them.
+
+The rotary embedding spans only the ``qk_rope_head_dim`` rotated dims of each head (what
+transformers calls ``head_dim`` for this family). Besides logits a forward leaves
+``tokens_per_expert()`` for the monitor; ``aux_loss()`` is always None because
+transformers computes no load-balancing loss for DeepSeek-V3 (balancing is the job of the
+correction bias).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
+from meshforge.models.common.mla import MultiHeadLatentAttention
+from meshforge.models.common.mlp import GatedMLP
+from meshforge.models.common.norms import RMSNorm
+from meshforge.models.common.rope import RotaryEmbedding
+from meshforge.models.common.sigmoid_moe import SharedExpertMoEBlock
+from meshforge.models.deepseek_v3.args import DeepseekV3Args
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, the MLP dense or sparse.
+
+    Args:
+        args: Structural hyper-parameters.
+        layer_idx: 0-based index, which decides dense versus sparse.
+    """
+
+    def __init__(self, args: DeepseekV3Args, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadLatentAttention(
+            args.hidden_size,
+            args.num_attention_heads,
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=args.qk_rope_head_dim,
+            v_head_dim=args.v_head_dim,
+            bias=args.attention_bias,
+            rope_interleave=args.rope_interleave,
+            dropout=float(args.attention_dropout),
+        )
+        self.is_moe = args.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.mlp = SharedExpertMoEBlock(
+                args.hidden_size,
+                args.n_routed_experts,
+                args.num_experts_per_tok,
+                args.moe_intermediate_size,
+                num_shared_experts=args.n_shared_experts,
+                num_groups=args.n_group,
+                topk_groups=args.topk_group,
+                norm_topk_prob=args.norm_topk_prob,
+                routed_scaling_factor=args.routed_scaling_factor,
+                hidden_act=args.hidden_act,
+            )
+        else:
+            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.hidden_act)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    """Embedding, decoder layers and final norm (transformers' ``DeepseekV3Model``)."""
+
+    def __init__(self, args: DeepseekV3Args) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, args.pad_token_id)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(args.qk_rope_head_dim, args.theta)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        mask = None
+        if segment_ids is not None:
+            mask = segment_causal_mask(segment_ids)
+            if position_ids is None:
+                position_ids = positions_from_segments(segment_ids)
+        rope = self.rotary_emb(position_ids, seq_len=input_ids.shape[-1], device=h.device, dtype=h.dtype)
+        for layer in self.layers:
+            h = layer(h, rope, mask)
+        return self.norm(h)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """DeepSeek-V3 decoder with a language-model head; see the module docstring.
+
+    Args:
+        args: Structural hyper-parameters (``DeepseekV3Args``).
+    """
+
+    def __init__(self, args: DeepseekV3Args) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DeepseekV3Model(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    @property
+    def config(self) -> DeepseekV3Args:
+        """The structural arguments under transformers' attribute name (``model.config.vocab_size``)."""
+        return self.args
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the embedding's parameter when ``tie_word_embeddings``.
+
+        A no-op when already tied; re-applied after every ``_apply`` because ``to_empty``
+        and ``to`` from the meta device give each module a new parameter.
+        """
+        if self.args.tie_word_embeddings and self.lm_head.weight is not self.model.embed_tokens.weight:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        self.tie_weights()
+        return out
+
+    def moe_layers(self) -> dict[int, SharedExpertMoEBlock]:
+        """The sparse blocks by decoder-layer index."""
+        return {i: layer.mlp for i, layer in enumerate(self.model.layers) if layer.is_moe}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Compute next-token logits and record the routing counts of this forward.
+
+        Args:
+            input_ids: Token ids ``[B, S]``.
+            position_ids: Optional positions ``[B, S]``; default ``0..S-1``, or restarting
+                at 0 per segment when ``segment_ids`` is given.
+            segment_ids: Optional ``[B, S]`` document ids of packed rows (0 = padding);
+                attention never crosses a segment boundary.
+
+        Returns:
+            Logits ``[B, S, vocab_size]`` in the compute dtype.
+        """
+        return self.lm_head(self.model(input_ids, position_ids, segment_ids))
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Always None: transformers computes no router loss for DeepSeek-V3.
+
+        DeepSeek-V3 balances its experts with ``e_score_correction_bias`` instead; a
+        ``router_aux_loss_coef`` has nothing to scale here.
+        """
+        return None
+
+    def tokens_per_expert(self) -> dict[int, torch.Tensor]:
+        """Top-k assignments per expert in the last forward: layer index -> LongTensor ``[n_routed_experts]``.
+
+        Every token is counted (padding too), so each layer's counts sum to
+        ``tokens * num_experts_per_tok``. Layers that have not run are left out.
+        """
+        return {
+            i: block.last_tokens_per_expert
+            for i, block in self.moe_layers().items()
+            if block.last_tokens_per_expert is not None
+        }
+
+    def init_full_parameter_(self, fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Initialise one full (unsharded) parameter in place, as transformers does.
+
+        Linear, embedding, router and the 3-D expert weights ~ normal(0,
+        ``initializer_range``) (the padding row of the embedding zeroed when
+        ``pad_token_id`` is set), norm weights = 1, biases and
+        ``e_score_correction_bias`` = 0. Randomness comes only from ``generator``.
+
+        Args:
+            fqn: Fully-qualified parameter name, e.g. ``model.layers.1.mlp.experts.gate_up_proj``.
+            tensor: The full parameter tensor, written in place.
+            generator: Source of randomness.
+
+        Raises:
+            ValueError: If ``fqn`` is not a parameter name of this model.
+        """
+        if fqn.endswith((".bias", ".e_score_correction_bias")):
+            kind = "zero"
+        elif fqn.endswith(("norm.weight", "layernorm.weight")):
+            kind = "norm"
+        elif (
+            fqn.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+            or fqn.endswith((".experts.gate_up_proj", ".experts.down_proj", ".mlp.gate.weight"))
+            or fqn in ("lm_head.weight", "model.embed_tokens.weight")
+        ):
+            kind = "normal"
+        else:
+            raise ValueError(f"init_full_parameter_: not a DeepSeek-V3 parameter name: {fqn!r}")
+        with torch.no_grad():
+            if kind == "zero":
+                tensor.zero_()
+            elif kind == "norm":
+                tensor.fill_(1.0)
+            else:
+                tensor.normal_(0.0, self.args.initializer_range, generator=generator)
+                pad = self.args.pad_token_id
+                if fqn == "model.embed_tokens.weight" and pad is not None:
+                    tensor[pad].zero_()
+
+    def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
+        """Count of distinct parameters (a tied head counted once; the frozen correction bias included).
+
+        Args:
+            exclude_embedding: Leave out the input embedding table.
+            active: Count only what one token uses: ``num_experts_per_tok`` of the
+                ``n_routed_experts`` routed experts per MoE layer.
+        """
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            total -= self.model.embed_tokens.weight.numel()
+        if active:
+            a = self.args
+            for block in self.moe_layers().values():
+                experts = block.experts.gate_up_proj.numel() + block.experts.down_proj.numel()
+                total -= experts * (a.n_routed_experts - a.num_experts_per_tok) // a.n_routed_experts
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token over the active parameters: ``6 * N_active`` plus attention.
+
+        ``N_active`` counts every matmul weight a token goes through (MLA projections,
+        dense MLPs, routers, shared experts, ``num_experts_per_tok`` routed experts per MoE
+        layer, the LM head; not the embedding lookup, norms or correction biases). The
+        attention term is ``6 * L * H * (d_qk + d_v) * S``: the score and value products,
+        forward and backward.
+
+        Args:
+            seq_len: Sequence length of the batch.
+        """
+        a = self.args
+        matmul_params = self.num_params(exclude_embedding=True, active=True)
+        if a.tie_word_embeddings:
+            matmul_params += a.vocab_size * a.hidden_size
+        matmul_params -= sum(
+            p.numel()
+            for n, p in self.named_parameters()
+            if n.endswith(("norm.weight", "e_score_correction_bias"))
+        )
+        head_dims = a.attn_qk_head_dim + a.v_head_dim
+        attention = 6 * a.num_hidden_layers * a.num_attention_heads * head_dims * seq_len
+        return 6.0 * matmul_params + attention
+
+
+def build_deepseek_v3(args: DeepseekV3Args, *, device: str | torch.device = "meta") -> DeepseekV3ForCausalLM:
+    """Construct the model on ``device`` (meta by default: no memory, weights come later).
+
+    On a real device the parameters are initialised right away with a generator seeded by
+    the parameter's position in ``named_parameters`` order.
+    """
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(args)
+    if torch.device(device).type != "meta":
+        generator = torch.Generator(device=device)
+        for i, (name, param) in enumerate(model.named_parameters()):
+            generator.manual_seed(i)
+            model.init_full_parameter_(name, param.data, generator)
+    return model
+
+
+__all__ = ["DeepseekV3DecoderLayer", "DeepseekV3ForCausalLM", "DeepseekV3Model", "build_deepseek_v3"]
