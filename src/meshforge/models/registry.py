@@ -82,7 +82,11 @@ _FAMILIES: dict[str, FamilySpec] = {
 
 # Families that keep their entry beside their code (`models/<family>/spec.py`). Loaded on first
 # use, not at import: each spec module imports `FamilySpec` from here (a cycle otherwise).
-_SPEC_MODULES = ("meshforge.models.llama.spec", "meshforge.models.qwen3_moe.spec")
+_SPEC_MODULES = (
+    "meshforge.models.llama.spec",
+    "meshforge.models.qwen3_moe.spec",
+    "meshforge.models.deepseek_v3.spec",
+)
 
 
 def _families() -> dict[str, FamilySpec]:
