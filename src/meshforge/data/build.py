@@ -74,9 +74,16 @@ def _build_megatron_loader(dataset_cfg: Any, **kwargs: Any) -> StatefulLoader:
     return build_megatron_loader(dataset_cfg, **kwargs)
 
 
+def _build_sft_loader(dataset_cfg: Any, **kwargs: Any) -> StatefulLoader:
+    from meshforge.data.sft.loader import build_sft_loader
+
+    return build_sft_loader(dataset_cfg, **kwargs)
+
+
 LOADER_BUILDERS: dict[str, LoaderBuilder] = {
     "TextDataLoader": _build_text_loader,
     "BlendedMegatronDatasetDataLoader": _build_megatron_loader,
+    "SFTDataLoader": _build_sft_loader,
 }
 # Loaders that read train_dataset.dataloader.column_names themselves (the note below skips them).
 COLUMN_AWARE_LOADERS = {"BlendedMegatronDatasetDataLoader"}

@@ -23,13 +23,14 @@ from pydantic import (
 )
 
 from meshforge.data.megatron.specs import MegatronDataLoaderOptions
+from meshforge.data.sft.specs import SFTDataLoaderOptions
 
 # Keys declared by the config system's DataloaderConfig itself; if a caller passes the whole
 # section instead of only its extras, they are not options of the loader and are skipped here.
 DECLARED_DATALOADER_KEYS = frozenset({"type", "shuffle", "column_names", "python_multiprocessing"})
 
 # Loader types other work items will build; named so the message says "not yet" rather than "unknown".
-PLANNED_LOADERS = ("SFTDataLoader",)
+PLANNED_LOADERS: tuple[str, ...] = ()
 
 
 class TextDataLoaderOptions(BaseModel):
@@ -73,6 +74,7 @@ class TextDataLoaderOptions(BaseModel):
 BUILT_LOADERS: dict[str, type[BaseModel]] = {
     "TextDataLoader": TextDataLoaderOptions,
     "BlendedMegatronDatasetDataLoader": MegatronDataLoaderOptions,
+    "SFTDataLoader": SFTDataLoaderOptions,
 }
 
 

@@ -1,0 +1,1 @@
+"""LLaMA-Factory-compatible SFT data: dataset_info, converters, templates, processor, packing, loader."""

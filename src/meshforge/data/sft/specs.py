@@ -1,0 +1,15 @@
+"""Options of `SFTDataLoader` (LIGHT: pydantic only).
+
+The SFT data fields live directly under `train_dataset` (MindSpeed DataArguments names), so the
+loader takes no options of its own under `train_dataset.dataloader`; any key there is a mistake.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class SFTDataLoaderOptions(BaseModel):
+    """No own options: set template, dataset, cutoff_len, packing, ... under `train_dataset`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
