@@ -367,3 +367,21 @@ def test_spec_and_args_import_no_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_registry_resolves_the_family_and_a_hf_folder(tmp_path):
+    from meshforge.checkpoint.hf import resolve_model_source
+    from meshforge.config import config_from_dict
+    from meshforge.models.registry import check_model_options, resolve_family
+
+    assert resolve_family(model_type="deepseek_v3") is resolve_family(architectures=["DeepseekV3ForCausalLM"])
+    assert (
+        check_model_options("deepseek_v3", None, None, {"n_routed_experts": 8, "num_experts_per_tok": 2})
+        == []
+    )
+    assert check_model_options("deepseek_v3", None, None, {"n_routed_expert": 8})[0][0] == "n_routed_expert"
+    _hf_model(CONFIGS["dense2_onegroup_tied"], seed=9).save_pretrained(tmp_path)
+    model_cfg = config_from_dict({"model": {"model_name_or_path": str(tmp_path)}}).model
+    source = resolve_model_source(model_cfg)
+    assert source.family.name == "deepseek_v3"
+    assert source.family.parse_options(source.options).n_routed_experts == 12
