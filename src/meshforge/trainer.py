@@ -21,7 +21,13 @@ import torch.nn as nn
 
 from meshforge.checkpoint.manager import CheckpointManager
 from meshforge.config import TrainConfig, check_trainable, dump_config
-from meshforge.loss import count_valid_tokens, cross_entropy_sum
+from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
+from meshforge.models.common.kernels import (
+    KernelOptions,
+    apply_compile,
+    configure_model_kernels,
+    resolve_kernel_options,
+)
 from meshforge.monitor.console import ConsoleProgress
 from meshforge.monitor.metrics import JsonlMetrics, TensorBoardMetrics
 from meshforge.parallel.dims import ParallelDims
@@ -192,10 +198,14 @@ class Trainer:
         with torch.device("meta"):
             model = family.build(options)
         model.to(dtype=params_dtype)
+        self.kernel_options = self._configure_kernels(model, family.name, compute_dtype)
         self._check_model_fits_data(getattr(model, "config", None))
         self.aux_coef = self._router_aux_coef(getattr(model, "config", None))
         self._aux_loss_enabled = self.aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
         self.fsdp = self.dims.dp_shard > 1
+        if self.kernel_options.compile:
+            # Compile before fully_shard (DESIGN.md build order): FSDP's hooks stay outside the graphs.
+            apply_compile(model)
         if self.fsdp:
             par = self.cfg.parallelism
             policy = getattr(par, "reshard_after_forward_policy", "default")
@@ -220,6 +230,19 @@ class Trainer:
         )
         self.num_params = num_params
         return model
+
+    def _configure_kernels(self, model: nn.Module, family: str, compute_dtype: torch.dtype) -> KernelOptions:
+        """Resolve the `kernels` section for this device and hand it to the model (errors name the key)."""
+        options = resolve_kernel_options(self.cfg.kernels, device=self.device, compute_dtype=compute_dtype)
+        configure_model_kernels(model, options, family=family)
+        on = [
+            *(key for key, value in options.model_switches().items() if value),
+            *(["compile"] if options.compile else []),
+            *([f"chunk_loss_size={options.chunk_loss_size}"] if options.chunk_loss_size else []),
+        ]
+        if on:
+            self.log(f"kernels: {', '.join(on)}")
+        return options
 
     def _router_aux_coef(self, model_config: Any) -> float:
         """`training.router_aux_loss_coef` when the config sets it, else the model's own value."""
@@ -361,9 +384,19 @@ class Trainer:
         """Forward one micro-batch, backward its share of the global mean; return its loss sum."""
         inputs = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
         autocast = self.compute_dtype != torch.float32 and not self.fsdp
+        chunk = self.kernel_options.chunk_loss_size
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
-            logits = self.model(batch["input_ids"], **inputs)
-        loss_sum = cross_entropy_sum(logits, batch["labels"])
+            if chunk is None:
+                logits = self.model(batch["input_ids"], **inputs)
+            else:
+                # Read lm_head.weight after the forward: under FSDP the root's parameters are
+                # unsharded by then (the root keeps them until backward).
+                hidden = self.model(batch["input_ids"], return_hidden=True, **inputs)
+                loss_sum = chunked_cross_entropy_sum(
+                    hidden, self.model.lm_head.weight, batch["labels"], chunk_size=chunk
+                )
+        if chunk is None:
+            loss_sum = cross_entropy_sum(logits, batch["labels"])
         # Dividing by the global token count (not the local one) makes the summed gradients over
         # micro-batches and ranks equal the gradient of the global-batch mean.
         objective = loss_sum / global_tokens

@@ -11,9 +11,16 @@ Three masking cases, chosen once per forward by the model:
 
 Key/value heads are shared across query-head groups with SDPA's ``enable_gqa``
 instead of materialising repeated K/V.
+
+``flash = True`` (the ``kernels.use_flash_attn`` switch, CUDA only) restricts SDPA to
+its flash backend with ``torch.nn.attention.sdpa_kernel``. Flash attention takes no mask
+tensor, so a forward with packed documents runs plain SDPA when the switch is ``auto``
+and is an error when it is ``true`` (``flash_strict``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +28,15 @@ from torch import nn
 
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import apply_rotary
+
+
+def _sdpa_backend(flash: bool):
+    """The flash-only SDPA context when ``flash``, else a no-op context."""
+    if not flash:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
 def segment_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -100,6 +116,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
+        self.flash = False
+        self.flash_strict = False
 
     def forward(
         self,
@@ -128,14 +147,20 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin).transpose(1, 2)
         k = apply_rotary(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None,
-            scale=self.scaling,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        if self.flash and mask is not None and self.flash_strict:
+            raise ValueError(
+                "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "
+                "(segment_ids); set it to auto to use plain SDPA for packed batches"
+            )
+        with _sdpa_backend(self.flash and mask is None):
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=mask is None,
+                scale=self.scaling,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))

@@ -114,6 +114,8 @@ class TopKRouter(nn.Module):
         self.num_experts = num_experts
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        # Set by the `fix_router` kernel switch: fixed balanced assignment (see `forward`).
+        self.fixed = False
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Route tokens ``x`` ``[N, hidden]``.
@@ -124,7 +126,14 @@ class TopKRouter(nn.Module):
         """
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.fixed:
+            # Performance tuning only: token i takes experts (i*k + j) mod E, j < k, so every
+            # expert gets the same number of slots (+-1); weights are those experts' probabilities.
+            slots = torch.arange(probs.shape[0] * self.top_k, device=probs.device)
+            indices = (slots % self.num_experts).view(-1, self.top_k)
+            weights = probs.gather(1, indices)
+        else:
+            weights, indices = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights.to(logits.dtype), indices

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
+from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding
@@ -116,6 +117,8 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        *,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """Compute next-token logits.
 
@@ -125,11 +128,19 @@ class LlamaForCausalLM(nn.Module):
                 at 0 per segment when ``segment_ids`` is given.
             segment_ids: Optional ``[B, S]`` document ids of packed rows (0 = padding);
                 attention never crosses a segment boundary.
+            return_hidden: Return the final normed hidden states ``[B, S, hidden]``
+                instead of the logits (for the chunked loss).
 
         Returns:
             Logits ``[B, S, vocab_size]`` in the compute dtype.
         """
-        return self.lm_head(self.model(input_ids, position_ids, segment_ids))
+        hidden = self.model(input_ids, position_ids, segment_ids)
+        # The chunked loss (kernels.chunk_loss_size) applies lm_head itself, chunk by chunk.
+        return hidden if return_hidden else self.lm_head(hidden)
+
+    def configure_kernels(self, options: KernelOptions) -> None:
+        """Apply the kernel switches (``meshforge.models.common.kernels``) to the blocks."""
+        apply_kernel_options(self, options, family="llama")
 
     def init_full_parameter_(self, fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Initialise one full (unsharded) parameter in place, as transformers does.

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
+from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.moe import MoEBlock, load_balancing_loss
 from meshforge.models.common.norms import RMSNorm
@@ -145,6 +146,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        *,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """Compute next-token logits and record the routing statistics of this forward.
 
@@ -155,11 +158,19 @@ class Qwen3MoeForCausalLM(nn.Module):
             segment_ids: Optional ``[B, S]`` document ids of packed rows (0 = padding);
                 attention never crosses a segment boundary and padding is left out of
                 the aux loss.
+            return_hidden: Return the final normed hidden states ``[B, S, hidden]``
+                instead of the logits (for the chunked loss).
 
         Returns:
             Logits ``[B, S, vocab_size]`` in the compute dtype.
         """
-        return self.lm_head(self.model(input_ids, position_ids, segment_ids))
+        hidden = self.model(input_ids, position_ids, segment_ids)
+        # The chunked loss (kernels.chunk_loss_size) applies lm_head itself, chunk by chunk.
+        return hidden if return_hidden else self.lm_head(hidden)
+
+    def configure_kernels(self, options: KernelOptions) -> None:
+        """Apply the kernel switches (``meshforge.models.common.kernels``) to the blocks."""
+        apply_kernel_options(self, options, family="qwen3_moe")
 
     def aux_loss(self) -> torch.Tensor | None:
         """Router load-balancing loss of the last forward, unscaled (float32 scalar).
