@@ -59,22 +59,28 @@ TRIGGERS: dict[str, dict] = {
     },
     "model.model_id": {"model": {"model_id": "qwen3"}},
     "model.quant_recipe_name": {"model": {"quant_recipe_name": "mxfp8"}},
+    "model.use_flash_attention": {"model": {"use_flash_attention": True}},
+    "kernels.use_flash_attn": {"kernels": {"use_flash_attn": "auto"}},
+    "kernels.use_fused_rmsnorm": {"kernels": {"use_fused_rmsnorm": True}},
+    "kernels.use_fused_rotary_pos_emb": {"kernels": {"use_fused_rotary_pos_emb": True}},
+    "kernels.moe_grouped_gemm": {"kernels": {"moe_grouped_gemm": True}},
     "kernels.use_triton_gdn": {"kernels": {"use_triton_gdn": True}},
     "kernels.use_flash_gdn": {"kernels": {"use_flash_gdn": True}},
     "kernels.use_triton_rmsnormgated": {"kernels": {"use_triton_rmsnormgated": True}},
-    "kernels.gdn_chunk_size": {"kernels": {"gdn_chunk_size": 128}},
     "kernels.use_ascend_mhc": {"model": {"model_id": "deepseek_v4"}, "kernels": {"use_ascend_mhc": True}},
     "kernels.use_triton_swiglu_limit": {
         "model": {"model_id": "deepseek_v4"},
         "kernels": {"use_triton_swiglu_limit": True},
     },
+    "kernels.fix_router": {"kernels": {"fix_router": True}},
+    "kernels.compile": {"kernels": {"compile": True}},
+    "kernels.chunk_loss_size": {"kernels": {"chunk_loss_size": 1024}},
     "checkpoint.load_balanced": {"checkpoint": {"load_balanced": True}},
     "checkpoint.remove_redundancy": {"checkpoint": {"remove_redundancy": True}},
     "checkpoint.save_epochs": {"checkpoint": {"save_epochs": 1}},
     "training.rampup_batch_size": {"training": {"rampup_batch_size": [1, 1, 100]}},
     "training.epochs": {"training": {"epochs": 2}},
     "training.eval_interval": {"training": {"eval_interval": 10}, "train_dataset": {"eval_dataset": "dev"}},
-    "training.stage": {"training": {"stage": "sft"}},
     "inference": {"inference": {"max_new_tokens": 16}},
     "model.resize_vocab": {"model": {"resize_vocab": True}},
     "model.split_special_tokens": {"model": {"split_special_tokens": True}},
@@ -217,3 +223,27 @@ def test_built_optimizer_spellings_are_not_refused() -> None:
     for name in ("AdamW", "adamw", "FusedAdamW"):
         cfg = config_from_dict({"optimizer": {"type": name}})
         assert "optimizer.type" not in unsupported_features(cfg), name
+
+
+def test_sft_fields_are_accepted_with_the_sft_loader():
+    sft = {
+        "template": "qwen3",
+        "dataset": "a,b",
+        "cutoff_len": 1024,
+        "packing": True,
+        "mix_strategy": "interleave_under",
+        "interleave_probs": "0.5,0.5",
+        "tokenized_path": "./tok",
+    }
+    cfg = config_from_dict(
+        {"training": {"stage": "sft"}, "train_dataset": {"dataloader": {"type": "SFTDataLoader"}, **sft}}
+    )
+    assert unsupported_features(cfg) == []
+    # With another loader the same keys would be ignored, so they are refused there.
+    other = config_from_dict({"train_dataset": {"dataloader": {"type": "TextDataLoader"}, **sft}})
+    assert "train_dataset.template" in unsupported_features(other)
+    # Not built yet: refused with any loader.
+    streaming = config_from_dict(
+        {"train_dataset": {"dataloader": {"type": "SFTDataLoader"}, "streaming": True}}
+    )
+    assert unsupported_features(streaming) == ["train_dataset.streaming"]
