@@ -86,6 +86,7 @@ _SPEC_MODULES = (
     "meshforge.models.llama.spec",
     "meshforge.models.qwen3_moe.spec",
     "meshforge.models.deepseek_v3.spec",
+    "meshforge.models.gpt_oss.spec",
 )
 
 

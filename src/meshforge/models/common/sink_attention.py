@@ -1,0 +1,160 @@
+"""Grouped-query attention with learned per-head sink logits and optional sliding windows (gpt-oss).
+
+A sink is one extra logit per head that joins every query's softmax and is then
+dropped: the probabilities over the real keys sum to less than one, so a head can
+attend "nowhere". SDPA has no such term, so the softmax is written out: scores
+``q k^T * scale`` with masked positions at the dtype's lowest value, the head's
+sink logit appended, the row maximum subtracted (as transformers' eager path
+does), softmax, sink column dropped, product with V. Memory is ``O(S^2)`` per
+head, which is fine for the CPU/tiny scale this path serves.
+
+Masks are boolean ``[B or 1, 1, S, S]`` (True = may attend), built once per
+forward by the model and shared by the layers of the same kind:
+:func:`causal_mask` or ``attention.segment_causal_mask`` for full attention, and
+:func:`sliding_window_mask` on top for sliding layers (key j visible from query i
+when ``i - window < j <= i``, transformers' rule). A query row never ends up all
+masked with nothing to normalise: its own position is always visible, and the
+sink keeps the denominator positive anyway.
+
+Key/value heads are shared by query-head groups by broadcasting ``[B, KV, 1, S, D]``
+against queries ``[B, KV, G, S, D]`` instead of materialising repeated K/V; query
+head ``h`` belongs to group ``h // G`` as in transformers' ``repeat_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshforge.models.common.rope import apply_rotary
+
+
+def causal_mask(seq_len: int, device: torch.device | str) -> torch.Tensor:
+    """Boolean lower-triangular mask ``[1, 1, S, S]`` (key j visible from query i when ``j <= i``)."""
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril_()[None, None]
+
+
+def sliding_window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """Restrict a boolean ``[..., S, S]`` mask to the last ``window`` keys of every query.
+
+    Args:
+        mask: Causal (or block-diagonal causal) mask, True where attending is allowed.
+        window: Keys per query including itself (transformers' ``sliding_window``).
+
+    Returns:
+        ``mask & (j > i - window)``, same shape.
+    """
+    seq_len = mask.shape[-1]
+    index = torch.arange(seq_len, device=mask.device)
+    band = index[None, :] > index[:, None] - window
+    return mask & band
+
+
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scaling: float,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """Softmax attention with one sink logit per query head.
+
+    Args:
+        q: Queries ``[B, KV, G, S, D]`` (query head ``kv * G + g``).
+        k: Keys ``[B, KV, 1, S, D]``.
+        v: Values ``[B, KV, 1, S, D]``.
+        sinks: Sink logits ``[KV * G]``.
+        mask: Boolean ``[B or 1, 1, S, S]``, True where the query may attend the key.
+        scaling: Multiplier of ``q k^T``.
+        dropout: Dropout on the attention probabilities (training only).
+        training: Whether dropout applies.
+
+    Returns:
+        ``[B, KV, G, S, D]``.
+    """
+    batch, kv_heads, groups, seq_len, _ = q.shape
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~mask[:, :, None], torch.finfo(scores.dtype).min)
+    sink = sinks.to(scores.dtype).view(1, kv_heads, groups, 1, 1).expand(batch, -1, -1, seq_len, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    probs = F.dropout(probs, p=dropout, training=training).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+class SinkAttention(nn.Module):
+    """Self-attention with GQA, RoPE, projection biases and per-head sinks (transformers' ``GptOssAttention``).
+
+    Parameter names follow transformers: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``sinks``.
+    The layer's window (or None for full attention) is carried as ``sliding_window``
+    for information; the mask passed to :meth:`forward` already encodes it.
+
+    Args:
+        hidden_size: Model width.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads (divides ``num_heads``).
+        head_dim: Per-head size.
+        bias: Bias on the four projections (gpt-oss: ``attention_bias``, true).
+        sliding_window: This layer's window, None for full attention.
+        dropout: Attention-probability dropout in training mode.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool = True,
+        sliding_window: int | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = head_dim**-0.5
+        self.dropout = dropout
+        self.sliding_window = sliding_window
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.sinks = nn.Parameter(torch.empty(num_heads))
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attend over ``x`` ``[B, S, hidden]`` with the boolean ``mask`` ``[B or 1, 1, S, S]``."""
+        batch, seq_len, _ = x.shape
+        groups = self.num_heads // self.num_kv_heads
+        cos, sin = rope
+        q = apply_rotary(self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        q = q.view(batch, seq_len, self.num_kv_heads, groups, self.head_dim).permute(0, 2, 3, 1, 4)
+        k = k.transpose(1, 2).unsqueeze(2)
+        v = v.transpose(1, 2).unsqueeze(2)
+        out = sink_attention(
+            q, k, v, self.sinks, mask, scaling=self.scaling, dropout=self.dropout, training=self.training
+        )
+        # [B, KV, G, S, D] -> [B, S, KV * G * D]: heads in transformers' order.
+        out = out.permute(0, 3, 1, 2, 4).reshape(batch, seq_len, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, sliding_window={self.sliding_window}"
+
+
+__all__ = ["SinkAttention", "causal_mask", "sink_attention", "sliding_window_mask"]

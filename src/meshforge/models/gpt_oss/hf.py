@@ -1,0 +1,57 @@
+"""Adapter between gpt-oss' in-memory parameters and the keys transformers writes to safetensors.
+
+Unlike Qwen3-MoE, transformers 5.24 saves gpt-oss' experts exactly as it keeps them
+in memory (checked with ``save_pretrained`` on a tiny model), so every name maps to
+itself with the same layout:
+
+=============================================  ===========================================
+safetensors key (= our parameter name)         shape
+=============================================  ===========================================
+``{p}.self_attn.{q,k,v,o}_proj.{weight,bias}``  as ``nn.Linear``
+``{p}.self_attn.sinks``                         ``[heads]``
+``{p}.mlp.router.weight`` / ``.bias``           ``[E, hidden]`` / ``[E]``
+``{p}.mlp.experts.gate_up_proj``                ``[E, hidden, 2I]``, gate/up interleaved
+``{p}.mlp.experts.gate_up_proj_bias``           ``[E, 2I]``
+``{p}.mlp.experts.down_proj``                   ``[E, I, hidden]``
+``{p}.mlp.experts.down_proj_bias``              ``[E, hidden]``
+=============================================  ===========================================
+
+So ``hf_sources``/``from_hf``/``to_hf`` keep the protocol defaults (which also lets the
+FSDP loader read only each rank's slice). What this module adds is the config
+mapping and a clear refusal of OpenAI's MXFP4-quantised release format
+(``*_blocks``/``*_scales`` expert tensors, ``quantization_config`` in config.json),
+which has to be dequantised to bf16/fp32 first.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshforge.models.gpt_oss.args import GptOssArgs
+
+HF_ARCHITECTURE = "GptOssForCausalLM"
+
+
+def to_hf_config(args: GptOssArgs) -> dict[str, Any]:
+    """``config.json`` content transformers loads as the same model (model_type, architectures, fields)."""
+    return {"model_type": "gpt_oss", "architectures": [HF_ARCHITECTURE], **args.to_hf_dict()}
+
+
+def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``model:`` options from a gpt-oss ``config.json`` (keys the args know; the rest dropped).
+
+    Raises:
+        ValueError: For a quantised checkpoint (``quantization_config``, e.g. MXFP4).
+    """
+    from meshforge.models.gpt_oss.args import OPTION_KEYS
+
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"config.json: quantization_config ({method}): quantised gpt-oss checkpoints are not "
+            "supported yet; dequantise the weights to bf16/fp32 first (transformers: load with "
+            "Mxfp4Config(dequantize=True) and save_pretrained)"
+        )
+    return {k: v for k, v in config.items() if k in OPTION_KEYS and k != "flavor"}

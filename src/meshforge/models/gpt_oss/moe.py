@@ -1,0 +1,204 @@
+"""gpt-oss' mixture of experts: a biased top-k router and clamped-SwiGLU experts with biases.
+
+Differences from the Qwen3-MoE block in ``common/moe.py``, all as transformers 5.24
+keeps them (``GptOssTopKRouter``, ``GptOssExperts``, ``GptOssMLP``):
+
+* the router has a bias and picks the top-k *logits*, then takes the softmax over
+  those k only (the weights always sum to 1); the aux loss still uses the softmax
+  over all experts;
+* expert weights are stored transposed, ``x @ W``: ``gate_up_proj`` ``[E, hidden, 2I]``
+  and ``down_proj`` ``[E, I, hidden]``, each with a bias (``gate_up_proj_bias``
+  ``[E, 2I]``, ``down_proj_bias`` ``[E, hidden]``);
+* gate and up are *interleaved* along the last dimension (gate = columns 0, 2, 4, ...,
+  up = 1, 3, 5, ...), not concatenated;
+* the activation is ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+  ``g = clamp(gate, max=limit)``.
+
+The module names are transformers' (``mlp.router``, ``mlp.experts``). Expert compute
+sorts the (token, slot) assignments by expert and runs each expert once on its
+contiguous group, like ``common.moe.GroupedExperts`` (deterministic, no scatter-add).
+After a forward, ``last_tokens_per_expert`` and ``last_aux_stats`` hold what the
+trainer and monitor read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshforge.models.common.moe import RouterStats
+
+
+class GptOssTopKRouter(nn.Module):
+    """Linear router with bias: top-k of the logits, softmax over the chosen k.
+
+    Args:
+        hidden_size: Model width.
+        num_experts: Routed experts.
+        top_k: Experts per token.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: must be in [1, num_local_experts={num_experts}], got {top_k}"
+            )
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route tokens ``x`` ``[N, hidden]``.
+
+        Returns:
+            ``(logits, weights, indices)``: router logits ``[N, E]``, routing weights
+            ``[N, k]`` (softmax over the top-k logits) and expert indices ``[N, k]``.
+        """
+        logits = F.linear(x, self.weight, self.bias)
+        top, indices = torch.topk(logits, self.top_k, dim=-1)
+        weights = F.softmax(top, dim=1, dtype=top.dtype)
+        return logits, weights, indices
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, top_k={self.top_k}"
+
+
+class GptOssExperts(nn.Module):
+    """``num_experts`` clamped-SwiGLU experts with biases, fused and transposed as transformers keeps them.
+
+    Args:
+        num_experts: Number of experts.
+        hidden_size: Model width.
+        intermediate_size: Each expert's hidden width.
+        alpha: Sigmoid gain of the gate (``swiglu_alpha``).
+        limit: Clamp of gate (above) and up (both sides) (``swiglu_limit``).
+    """
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, *, alpha: float, limit: float
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.alpha = float(alpha)
+        self.limit = float(limit)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of interleaved ``[..., 2I]`` gate/up columns, ``[..., I]``."""
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Mix the top-k experts of every token.
+
+        Args:
+            x: Tokens ``[N, hidden]``.
+            indices: Chosen experts ``[N, k]``.
+            weights: Their routing weights ``[N, k]``.
+            counts: Assignments per expert ``[num_experts]`` (``bincount`` of ``indices``).
+
+        Returns:
+            ``sum_j weights[:, j] * expert_{indices[:, j]}(x)``, shape ``[N, hidden]``.
+        """
+        num_tokens, top_k = indices.shape
+        # Stable: each expert's tokens stay in token order whatever the sort implementation.
+        order = torch.argsort(indices.reshape(-1), stable=True)
+        grouped = x.index_select(0, order // top_k)
+        # unbind once: indexing `param[e]` per expert would allocate a full-size gradient each time.
+        w1, b1 = self.gate_up_proj.unbind(0), self.gate_up_proj_bias.unbind(0)
+        w2, b2 = self.down_proj.unbind(0), self.down_proj_bias.unbind(0)
+        outputs = []
+        for expert, group in enumerate(torch.split(grouped, counts.tolist())):
+            if group.shape[0] == 0:
+                continue
+            hidden = self.activation(group @ w1[expert] + b1[expert])
+            outputs.append(hidden @ w2[expert] + b2[expert])
+        if not outputs:
+            return torch.zeros_like(x)
+        sorted_out = torch.cat(outputs)
+        # Un-sort: row i of `per_slot` is the expert output for (token i // k, slot i % k).
+        per_slot = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+        per_slot = per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
+        return per_slot.sum(dim=1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, intermediate_size={self.intermediate_size}, "
+            f"alpha={self.alpha}, limit={self.limit}"
+        )
+
+
+class GptOssMLP(nn.Module):
+    """Sparse MoE feed-forward: ``router`` plus ``experts`` (transformers' ``GptOssMLP``).
+
+    After every forward, ``last_tokens_per_expert`` holds the assignment counts
+    (LongTensor ``[num_experts]``, all tokens including padding, summing to
+    ``tokens * top_k``) and ``last_aux_stats`` this layer's :class:`RouterStats`
+    (softmax over all experts; padding excluded when a token mask was given).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        *,
+        alpha: float,
+        limit: float,
+    ) -> None:
+        super().__init__()
+        self.router = GptOssTopKRouter(hidden_size, num_experts, top_k)
+        self.experts = GptOssExperts(num_experts, hidden_size, intermediate_size, alpha=alpha, limit=limit)
+        self.last_tokens_per_expert: torch.Tensor | None = None
+        self.last_aux_stats: RouterStats | None = None
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the MoE to ``x`` ``[B, S, hidden]``; ``token_mask`` ``[B, S]`` is False for padding."""
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits, weights, indices = self.router(tokens)
+        with torch.no_grad():
+            counts = torch.bincount(indices.reshape(-1), minlength=self.router.num_experts)
+        self.last_tokens_per_expert = counts
+        self._record_aux_stats(logits, indices, counts, token_mask)
+        return self.experts(tokens, indices, weights, counts).view(shape)
+
+    def _record_aux_stats(
+        self,
+        logits: torch.Tensor,
+        indices: torch.Tensor,
+        counts: torch.Tensor,
+        token_mask: torch.Tensor | None,
+    ) -> None:
+        # transformers' load_balancing_loss_func takes the softmax over *all* router logits
+        # (bias included); its top-k of those probabilities picks the same experts as the router.
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        num_experts = self.router.num_experts
+        if token_mask is None:
+            assignments = counts.float()
+            prob_sum = probs.sum(0)
+            rows = torch.tensor(float(probs.shape[0]), device=probs.device)
+        else:
+            keep = token_mask.reshape(-1).to(torch.float32)
+            with torch.no_grad():
+                assignments = torch.zeros(num_experts, device=probs.device).index_add_(
+                    0, indices.reshape(-1), keep.repeat_interleave(indices.shape[-1])
+                )
+            prob_sum = (probs * keep[:, None]).sum(0)
+            rows = keep.sum()
+        self.last_aux_stats = RouterStats(assignments=assignments, prob_sum=prob_sum, rows=rows)
+
+
+__all__ = ["GptOssExperts", "GptOssMLP", "GptOssTopKRouter"]
