@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from meshforge.data.config import SFT_FIELDS, SFT_LOADER, TrainDatasetConfig
 from meshforge.infer.config import InferenceConfig
+from meshforge.models.config import KernelsConfig
 from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
 from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
@@ -219,9 +220,6 @@ ENTRIES: list[Unsupported] = [
         lambda c: c.model.quant_recipe_name is not None,
         "low-precision (mxfp8) training",
     ),
-    Unsupported(
-        "model.use_flash_attention", lambda c: bool(c.model.use_flash_attention), "flash-attention kernel"
-    ),
     Unsupported("model.resize_vocab", lambda c: c.model.resize_vocab, "vocabulary resizing"),
     Unsupported("model.split_special_tokens", lambda c: c.model.split_special_tokens, "tokenizer options"),
     Unsupported("model.add_tokens", lambda c: c.model.add_tokens is not None, "adding tokens"),
@@ -243,28 +241,22 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         "checkpoint.reshard_worker_num", lambda c: c.checkpoint.reshard_worker_num != 1, "parallel resharding"
     ),
-    # Set through its alias model.use_flash_attention, flash attention is reported under that key.
-    Unsupported(
-        "kernels.use_flash_attn",
-        lambda c: "use_flash_attn" in c.kernels.enabled() and not c.model.use_flash_attention,
-        "flash-attention kernel",
-    ),
+    # Built kernel switches live in meshforge.models.common.kernels; these belong to families not built.
     *[
-        Unsupported(f"kernels.{name}", lambda c, n=name: n in c.kernels.enabled(), "fused kernel / compile")
+        Unsupported(f"kernels.{name}", lambda c, n=name: n in c.kernels.enabled(), "fused kernel")
         for name in (
-            "use_fused_rmsnorm",
-            "use_fused_rotary_pos_emb",
-            "moe_grouped_gemm",
             "use_triton_gdn",
             "use_flash_gdn",
             "use_triton_rmsnormgated",
             "use_ascend_mhc",
             "use_triton_swiglu_limit",
-            "fix_router",
-            "compile",
         )
     ],
-    Unsupported("kernels.chunk_loss_size", lambda c: c.kernels.chunk_loss_size is not None, "chunked loss"),
+    Unsupported(
+        "kernels.gdn_chunk_size",
+        lambda c: c.kernels.gdn_chunk_size != KernelsConfig.model_fields["gdn_chunk_size"].default,
+        "Gated DeltaNet (qwen3_next)",
+    ),
     Unsupported("checkpoint.load_balanced", lambda c: c.checkpoint.load_balanced, "balanced loading"),
     Unsupported(
         "checkpoint.remove_redundancy", lambda c: c.checkpoint.remove_redundancy, "redundancy-free saving"
