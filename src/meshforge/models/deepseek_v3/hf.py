@@ -11,9 +11,10 @@ transformers, a frozen parameter here; the same safetensors key either way), kee
 Protocol used by the checkpoint loader/exporter (see :mod:`meshforge.checkpoint.hf`):
 ``hf_sources``, ``from_hf``, ``to_hf`` through :func:`adapter` (which binds the expert count
 from the model's args), ``HF_ARCHITECTURE``, and ``to_hf_config``.
-Published DeepSeek-V3 checkpoints also carry the multi-token-prediction layer as an extra
-decoder layer past ``num_hidden_layers``; transformers drops ``model.layers.61.*`` on load, and
-this adapter does not do that yet (the loader reports those keys as unexpected).
+``IGNORED_HF_KEYS`` mirrors transformers' ``_keys_to_ignore_on_load_unexpected``: published
+DeepSeek-V3 checkpoints carry the multi-token-prediction module as an extra decoder layer 61
+past ``num_hidden_layers`` = 61, which neither transformers nor meshforge builds. Only keys the
+model does not need are ever ignored, so a model with a real layer 61 still loads it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 
 HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
 
+IGNORED_HF_KEYS: tuple[str, ...] = ("model.layers.61.*",)
+
 
 def to_hf_config(args: DeepseekV3Args) -> dict[str, Any]:
     """``config.json`` content transformers loads as the same model (model_type, architectures, fields)."""
@@ -39,4 +42,4 @@ def adapter(args: DeepseekV3Args) -> _fused.Qwen3MoeHFAdapter:
     return _fused.Qwen3MoeHFAdapter(num_experts=args.n_routed_experts)
 
 
-__all__ = ["HF_ARCHITECTURE", "adapter", "from_hf", "hf_sources", "to_hf", "to_hf_config"]
+__all__ = ["HF_ARCHITECTURE", "IGNORED_HF_KEYS", "adapter", "from_hf", "hf_sources", "to_hf", "to_hf_config"]
