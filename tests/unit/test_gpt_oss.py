@@ -325,3 +325,48 @@ def test_family_spec_builds_on_meta_and_counts_active_parameters():
     total = model.num_params()
     assert model.num_params(active=True) == total - experts * 6 // 8
     assert model.flops_per_token(128) > 6 * (total - experts * 6 // 8 - args.vocab_size * args.hidden_size)
+
+
+def _clone_pair(args: GptOssArgs):
+    a = build_gpt_oss(args, device="cpu")
+    b = build_gpt_oss(args, device="cpu")
+    with torch.no_grad():
+        for name, p in a.model.layers.named_parameters():
+            if p.dim() == 3 or ".router." in name:
+                p.normal_(0.0, 0.3)  # experts and routers: values that exercise routing and clamps
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def test_kernel_switches_grouped_gemm_same_numbers_fix_router_balanced_flash_refused():
+    from meshforge.models.common.kernels import KernelOptions, supports_hidden_output
+
+    args = replace(CONFIGS["sliding_full_gqa_untied_yarn"], intermediate_size=8)
+    plain, grouped = _clone_pair(args)
+    grouped.configure_kernels(KernelOptions(grouped_mm=True, fused_rmsnorm=False))
+    assert all(block.experts.use_grouped_mm for block in grouped.moe_layers().values())
+    ids = torch.randint(0, args.vocab_size, (2, 13), generator=torch.Generator().manual_seed(7))
+    outs = []
+    for model in (plain, grouped):
+        logits = model(ids)
+        (logits.square().mean() + model.aux_loss()).backward()
+        outs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert _rel(outs[1][0], outs[0][0]) <= 1e-5
+    for name, grad in outs[0][1].items():
+        assert _rel(outs[1][1][name], grad) <= 1e-4, name
+
+    # The chunked loss reads the final hidden states and applies lm_head itself.
+    assert supports_hidden_output(plain)
+    with torch.no_grad():
+        hidden = plain(ids, return_hidden=True)
+        assert torch.equal(plain.lm_head(hidden), plain(ids))
+
+    plain.configure_kernels(KernelOptions(fix_router=True))
+    with torch.no_grad():
+        plain(torch.randint(0, args.vocab_size, (2, 12)))
+    for counts in plain.tokens_per_expert().values():
+        assert int(counts.max() - counts.min()) <= 1  # 48 slots over 6 experts: 8 each
+
+    with pytest.raises(ValueError, match="kernels.use_flash_attn: gpt_oss attention has per-head sink"):
+        plain.configure_kernels(KernelOptions(flash_attn=True, flash_attn_strict=True))
+    plain.configure_kernels(KernelOptions(flash_attn=True))  # auto: keeps the explicit softmax

@@ -20,10 +20,13 @@ padding, ``segment_ids == 0``, excluded) and ``tokens_per_expert()``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
+from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.moe import load_balancing_loss
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding
@@ -164,6 +167,8 @@ class GptOssForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        *,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """Compute next-token logits and record the routing statistics of this forward.
 
@@ -174,11 +179,37 @@ class GptOssForCausalLM(nn.Module):
             segment_ids: Optional ``[B, S]`` document ids of packed rows (0 = padding);
                 attention never crosses a segment boundary (sliding windows are cut there
                 too) and padding is left out of the aux loss.
+            return_hidden: Return the final normed hidden states ``[B, S, hidden]``
+                instead of the logits (for the chunked loss, ``kernels.chunk_loss_size``).
 
         Returns:
             Logits ``[B, S, vocab_size]`` in the compute dtype.
         """
-        return self.lm_head(self.model(input_ids, position_ids, segment_ids))
+        hidden = self.model(input_ids, position_ids, segment_ids)
+        return hidden if return_hidden else self.lm_head(hidden)
+
+    def configure_kernels(self, options: KernelOptions) -> None:
+        """Apply the kernel switches (``meshforge.models.common.kernels``).
+
+        ``use_fused_rmsnorm`` goes to the shared norms, ``moe_grouped_gemm`` and
+        ``fix_router`` to gpt-oss' own experts and routers. Flash attention cannot compute
+        the per-head sinks: ``use_flash_attn: true`` is refused, ``auto`` leaves the
+        explicit-softmax attention in place.
+
+        Raises:
+            ValueError: ``kernels.use_flash_attn: true``.
+        """
+        if options.flash_attn and options.flash_attn_strict:
+            raise ValueError(
+                "kernels.use_flash_attn: gpt_oss attention has per-head sink logits, which the flash "
+                "and SDPA kernels do not compute (it runs an explicit softmax); unset it or use auto"
+            )
+        apply_kernel_options(
+            self, replace(options, flash_attn=False, grouped_mm=False, fix_router=False), family="gpt_oss"
+        )
+        for block in self.moe_layers().values():
+            block.experts.use_grouped_mm = options.grouped_mm
+            block.router.fixed = options.fix_router
 
     def aux_loss(self) -> torch.Tensor | None:
         """Router load-balancing loss of the last forward, unscaled (float32 scalar).

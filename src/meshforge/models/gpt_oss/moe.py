@@ -49,6 +49,8 @@ class GptOssTopKRouter(nn.Module):
         self.num_experts = num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(num_experts))
+        # Set by the `fix_router` kernel switch: fixed balanced assignment (see `forward`).
+        self.fixed = False
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Route tokens ``x`` ``[N, hidden]``.
@@ -58,7 +60,14 @@ class GptOssTopKRouter(nn.Module):
             ``[N, k]`` (softmax over the top-k logits) and expert indices ``[N, k]``.
         """
         logits = F.linear(x, self.weight, self.bias)
-        top, indices = torch.topk(logits, self.top_k, dim=-1)
+        if self.fixed:
+            # Performance tuning only: token i takes experts (i*k + j) mod E, j < k, so every
+            # expert gets the same number of slots (+-1); weights: softmax over those k logits.
+            slots = torch.arange(logits.shape[0] * self.top_k, device=logits.device)
+            indices = (slots % self.num_experts).view(-1, self.top_k)
+            top = logits.gather(1, indices)
+        else:
+            top, indices = torch.topk(logits, self.top_k, dim=-1)
         weights = F.softmax(top, dim=1, dtype=top.dtype)
         return logits, weights, indices
 
@@ -89,6 +98,9 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        # Set by the `moe_grouped_gemm` kernel switch: one `F.grouped_mm` per projection
+        # instead of the per-expert loop (same numbers).
+        self.use_grouped_mm = False
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of interleaved ``[..., 2I]`` gate/up columns, ``[..., I]``."""
@@ -115,6 +127,16 @@ class GptOssExperts(nn.Module):
         # Stable: each expert's tokens stay in token order whatever the sort implementation.
         order = torch.argsort(indices.reshape(-1), stable=True)
         grouped = x.index_select(0, order // top_k)
+        sorted_out = self._grouped_mm(grouped, counts) if self.use_grouped_mm else self._loop(grouped, counts)
+        if sorted_out is None:  # zero tokens
+            return torch.zeros_like(x)
+        # Un-sort: row i of `per_slot` is the expert output for (token i // k, slot i % k).
+        per_slot = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+        per_slot = per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
+        return per_slot.sum(dim=1)
+
+    def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Expert outputs for tokens sorted by expert: two matmuls per expert with tokens."""
         # unbind once: indexing `param[e]` per expert would allocate a full-size gradient each time.
         w1, b1 = self.gate_up_proj.unbind(0), self.gate_up_proj_bias.unbind(0)
         w2, b2 = self.down_proj.unbind(0), self.down_proj_bias.unbind(0)
@@ -124,13 +146,19 @@ class GptOssExperts(nn.Module):
                 continue
             hidden = self.activation(group @ w1[expert] + b1[expert])
             outputs.append(hidden @ w2[expert] + b2[expert])
-        if not outputs:
-            return torch.zeros_like(x)
-        sorted_out = torch.cat(outputs)
-        # Un-sort: row i of `per_slot` is the expert output for (token i // k, slot i % k).
-        per_slot = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
-        per_slot = per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
-        return per_slot.sum(dim=1)
+        return torch.cat(outputs) if outputs else None
+
+    def _grouped_mm(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Same as :meth:`_loop` with one grouped GEMM per projection (weights are already ``x @ W``)."""
+        if grouped.shape[0] == 0:
+            return None
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        # Row r belongs to expert expert_of_row[r]; its bias row is gathered once per projection.
+        expert_of_row = torch.repeat_interleave(torch.arange(self.num_experts, device=counts.device), counts)
+        gate_up = F.grouped_mm(grouped, self.gate_up_proj, offs=offsets)
+        hidden = self.activation(gate_up + self.gate_up_proj_bias.index_select(0, expert_of_row))
+        out = F.grouped_mm(hidden, self.down_proj, offs=offsets)
+        return out + self.down_proj_bias.index_select(0, expert_of_row)
 
     def extra_repr(self) -> str:
         return (
