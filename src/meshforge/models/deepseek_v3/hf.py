@@ -10,7 +10,7 @@ transformers, a frozen parameter here; the same safetensors key either way), kee
 
 Protocol used by the checkpoint loader/exporter (see :mod:`meshforge.checkpoint.hf`):
 ``hf_sources``, ``from_hf``, ``to_hf`` through :func:`adapter` (which binds the expert count
-from the model's args), ``HF_ARCHITECTURE``, and ``to_hf_config``.
+from the model's args), ``HF_ARCHITECTURE``, ``to_hf_config`` and ``from_hf_config``.
 ``IGNORED_HF_KEYS`` mirrors transformers' ``_keys_to_ignore_on_load_unexpected``: published
 DeepSeek-V3 checkpoints carry the multi-token-prediction module as an extra decoder layer 61
 past ``num_hidden_layers`` = 61, which neither transformers nor meshforge builds. Only keys the
@@ -32,6 +32,49 @@ HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
 IGNORED_HF_KEYS: tuple[str, ...] = ("model.layers.61.*",)
 
 
+# config.json keys of DeepSeek's own modelling code (transformers < 4.50 era files) that
+# transformers' port does not read: the values its port hard-codes are the only ones accepted,
+# so a checkpoint that needs something else is refused instead of silently changed.
+_FIXED_HF_KEYS: dict[str, Any] = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+
+
+def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``model:`` options from a DeepSeek-V3 ``config.json`` (transformers' or DeepSeek's own).
+
+    Keys that are family options pass through; a legacy ``rope_scaling`` becomes
+    ``rope_parameters`` (with ``rope_theta``), so a yarn-scaled checkpoint is refused by the
+    args with "not supported yet" rather than loaded with the wrong positions. Other keys
+    (``transformers_version``, ``auto_map``, ``aux_loss_alpha``, ...) are dropped.
+
+    Raises:
+        ValueError: For FP8 weights (``quantization_config``) or a routing variant other than
+            the one transformers implements (``scoring_func``, ``topk_method``, ``moe_layer_freq``).
+    """
+    from meshforge.models.deepseek_v3.args import OPTION_KEYS
+
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"config.json quantization_config: not supported yet: quantized weights ({method}); "
+            "convert the checkpoint to bf16/fp32 safetensors first"
+        )
+    for key, expected in _FIXED_HF_KEYS.items():
+        if key in config and config[key] != expected:
+            raise ValueError(
+                f"config.json {key}: not supported yet: {config[key]!r} (transformers' DeepSeek-V3 uses {expected!r})"
+            )
+    options = {k: v for k, v in config.items() if k in OPTION_KEYS}
+    scaling = config.get("rope_scaling")
+    if scaling and not options.get("rope_parameters"):
+        rope = dict(scaling)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        if config.get("rope_theta") is not None:
+            rope.setdefault("rope_theta", config["rope_theta"])
+        options["rope_parameters"] = rope
+    return options
+
+
 def to_hf_config(args: DeepseekV3Args) -> dict[str, Any]:
     """``config.json`` content transformers loads as the same model (model_type, architectures, fields)."""
     return {"model_type": "deepseek_v3", "architectures": [HF_ARCHITECTURE], **args.to_hf_dict()}
@@ -42,4 +85,13 @@ def adapter(args: DeepseekV3Args) -> _fused.Qwen3MoeHFAdapter:
     return _fused.Qwen3MoeHFAdapter(num_experts=args.n_routed_experts)
 
 
-__all__ = ["HF_ARCHITECTURE", "IGNORED_HF_KEYS", "adapter", "from_hf", "hf_sources", "to_hf", "to_hf_config"]
+__all__ = [
+    "HF_ARCHITECTURE",
+    "IGNORED_HF_KEYS",
+    "adapter",
+    "from_hf",
+    "from_hf_config",
+    "hf_sources",
+    "to_hf",
+    "to_hf_config",
+]
