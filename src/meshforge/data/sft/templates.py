@@ -142,8 +142,8 @@ class Template:
         return thought + qwen_function_text(content.replace(thought, "") if thought else content)
 
     def remove_thought(self, content: str) -> str:
-        """Drop `<think>...</think>` (non-greedy) and the newlines that follow."""
-        open_, close = (w.strip() for w in self.thought_words)
+        """Drop each thought (the exact thought words around it, non-greedy), then leading newlines."""
+        open_, close = self.thought_words
         return re.sub(f"{re.escape(open_)}(.*?){re.escape(close)}", "", content, flags=re.DOTALL).lstrip("\n")
 
     def encode_multiturn(
@@ -156,13 +156,15 @@ class Template:
         messages = [dict(m) for m in messages]
         last = len(messages) - 1
         for i in range(1, len(messages), 2):
-            # enable_thinking False: no chain of thought anywhere; mask_history: only the last keeps it.
+            # enable_thinking False: no chain of thought anywhere; mask_history (LLaMA-Factory's
+            # discarding_history_cot, preserve_thinking off): only the last answer keeps it.
             if self.enable_thinking is False or (self.mask_history and i != last):
                 messages[i]["content"] = self.remove_thought(messages[i]["content"])
         encoded = self._encode(tokenizer, messages, system, tools)
         empty = tokenizer.encode(self.thought_words[0] + self.thought_words[1], add_special_tokens=False)
         open_, close = (w.strip() for w in self.thought_words)
-        for i in range(0, len(messages), 2):
+        # Under mask_history only the (trained) last turn gets an empty thought, as in LLaMA-Factory.
+        for i in [len(messages) - 2] if self.mask_history else range(0, len(messages), 2):
             content = messages[i + 1]["content"]
             if open_ not in content and close not in content:
                 if self.enable_thinking:  # trained: the empty thought is part of the answer

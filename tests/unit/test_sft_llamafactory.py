@@ -1,0 +1,159 @@
+"""Cross-check against LLaMA-Factory itself: same input_ids/labels (and packed rows) for the same data.
+
+Runs only where `llamafactory` imports (install it test-only, as DESIGN.md's platform facts say:
+`DISABLE_VERSION_CHECK=1 pip install --no-deps llamafactory peft omegaconf accelerate`; an empty
+`torchaudio` stub module is provided here because LLaMA-Factory imports it at module level).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import sys
+import types
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
+if "torchaudio" not in sys.modules:
+    _stub = types.ModuleType("torchaudio")
+    _stub.__spec__ = importlib.machinery.ModuleSpec("torchaudio", None)
+    sys.modules["torchaudio"] = _stub
+
+lf_template = pytest.importorskip("llamafactory.data.template")
+lf_supervised = pytest.importorskip("llamafactory.data.processor.supervised")
+lf_hparams = pytest.importorskip("llamafactory.hparams")
+
+from meshforge.data.sft.packing import pack_examples  # noqa: E402
+from meshforge.data.sft.processor import encode_example  # noqa: E402
+from meshforge.data.sft.templates import get_template  # noqa: E402
+from meshforge.data.tokenizer import build_tokenizer  # noqa: E402
+
+THINK = "<think>\nfirst think\n</think>\n\n"
+TOOLS = json.dumps([{"name": "add", "description": "Add two numbers", "parameters": {"type": "object"}}])
+EXAMPLES = [
+    {  # multi-turn with a system prompt and a chain of thought in the history
+        "_prompt": [
+            {"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": THINK + "Hi! How can I help?"},
+            {"role": "user", "content": "Tell me a story about a cat. " * 12},
+        ],
+        "_response": [{"role": "assistant", "content": "Once upon a time a cat sat on a mat. " * 20}],
+        "_system": "You are a storyteller.",
+        "_tools": "",
+    },
+    {  # tools, a function call and an observation
+        "_prompt": [
+            {"role": "user", "content": "What is 2+3?"},
+            {"role": "function", "content": json.dumps({"name": "add", "arguments": {"a": 2, "b": 3}})},
+            {"role": "observation", "content": "5"},
+        ],
+        "_response": [{"role": "assistant", "content": THINK + "It is 5."}],
+        "_system": "",
+        "_tools": TOOLS,
+    },
+    {
+        "_prompt": [{"role": "user", "content": "short"}],
+        "_response": [{"role": "assistant", "content": "ok"}],
+        "_system": "",
+        "_tools": "",
+    },
+]
+CASES = [
+    ("qwen3", True, False, False),
+    ("qwen3", False, False, False),
+    ("qwen3", None, False, False),
+    ("qwen3", True, False, True),
+    ("qwen3_nothink", True, True, False),
+    ("chatml", True, False, True),
+    ("empty", True, False, False),
+]
+
+
+def _lf(name, enable_thinking, cutoff_len, train_on_prompt, mask_history, packing=False):
+    from transformers import AutoTokenizer
+
+    from meshforge.resources import resolve_path
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_path("meshforge://assets/tokenizer")))
+    args = lf_hparams.DataArguments(
+        template=name,
+        enable_thinking=enable_thinking,
+        cutoff_len=cutoff_len,
+        train_on_prompt=train_on_prompt,
+        mask_history=mask_history,
+        packing=packing,
+        neat_packing=packing,
+    )
+    template = lf_template.get_template_and_fix_tokenizer(tok, args)
+    cls = (
+        lf_supervised.PackedSupervisedDatasetProcessor
+        if packing
+        else lf_supervised.SupervisedDatasetProcessor
+    )
+    return cls(template=template, tokenizer=tok, processor=None, data_args=args), tok, args
+
+
+def _batch(examples):
+    keys = ("_prompt", "_response", "_system", "_tools")
+    out = {k: [e[k] for e in examples] for k in keys}
+    for k in ("_images", "_videos", "_audios"):
+        out[k] = [None] * len(examples)
+    return out
+
+
+@pytest.mark.parametrize("name,enable_thinking,train_on_prompt,mask_history", CASES)
+@pytest.mark.parametrize("cutoff_len", [48, 1024])
+def test_same_ids_and_labels_as_llamafactory(
+    name, enable_thinking, train_on_prompt, mask_history, cutoff_len
+):
+    processor, _, _ = _lf(name, enable_thinking, cutoff_len, train_on_prompt, mask_history)
+    # Tools only with the qwen tool format (the one built); other templates get the tool-free examples.
+    examples = EXAMPLES if name.startswith("qwen3") else [e for e in EXAMPLES if not e["_tools"]]
+    expected = processor.preprocess_dataset(_batch(examples))
+    tok = build_tokenizer("meshforge://assets/tokenizer")
+    template = get_template(name, tok, enable_thinking=enable_thinking, mask_history=mask_history)
+    for i, ex in enumerate(examples):
+        ids, labels = encode_example(
+            template,
+            tok,
+            ex["_prompt"],
+            ex["_response"],
+            ex["_system"],
+            ex["_tools"],
+            cutoff_len=cutoff_len,
+            train_on_prompt=train_on_prompt,
+            mask_history=mask_history,
+        )
+        assert ids == expected["input_ids"][i], (i, tok.decode(ids), tok.decode(expected["input_ids"][i]))
+        assert labels == expected["labels"][i], i
+
+
+def test_same_neat_packed_rows_as_llamafactory():
+    examples = EXAMPLES * 3
+    cutoff = 160
+    processor, lf_tok, args = _lf("qwen3", True, cutoff, False, False, packing=True)
+    expected = processor.preprocess_dataset(_batch(examples))
+    tok = build_tokenizer("meshforge://assets/tokenizer")
+    template = get_template("qwen3", tok)
+    encoded = [
+        encode_example(
+            template,
+            tok,
+            e["_prompt"],
+            e["_response"],
+            e["_system"],
+            e["_tools"],
+            cutoff_len=cutoff - 1,
+            train_on_prompt=False,
+            mask_history=False,
+        )
+        for e in examples
+    ]
+    rows = pack_examples(encoded, cutoff_len=cutoff, pad_id=tok.pad_token_id, neat=True)
+    assert rows["input_ids"] == expected["input_ids"]
+    assert rows["labels"] == expected["labels"]
+    assert rows["segment_ids"] == expected["attention_mask"]
+    assert rows["position_ids"] == expected["position_ids"]
