@@ -464,3 +464,56 @@ def test_published_config_is_refused_where_unsupported_and_counts_671b_37b():
     # exact counts here are 671.03B and 37.55B (embedding and head included).
     assert round(model.num_params() / 1e9) == 671
     assert 37.0 <= model.num_params(active=True) / 1e9 < 38.0
+
+
+def test_kernel_switches_give_the_same_numbers():
+    from meshforge.models.common.kernels import KernelOptions, configure_model_kernels, supports_hidden_output
+
+    args = CONFIGS["qlora_groups_untied"]
+    _, ours = _pair(args, seed=7)
+    assert supports_hidden_output(ours)
+    ids = torch.randint(0, args.vocab_size, (2, 13))
+    weight = torch.linspace(-1, 1, args.vocab_size)
+    results = {}
+    # Plain; grouped GEMM experts; reference RMSNorm; the flash SDPA backend (on CPU too:
+    # exercises the value padding to the query/key head size).
+    for name, options in {
+        "plain": KernelOptions(),
+        "grouped_mm": KernelOptions(grouped_mm=True),
+        "reference_norm": KernelOptions(fused_rmsnorm=False),
+        "flash": KernelOptions(flash_attn=True),
+    }.items():
+        configure_model_kernels(ours, options, family="deepseek_v3")
+        ours.zero_grad()
+        out = ours(ids)
+        (out * weight).sum().backward()
+        results[name] = (
+            out.detach(),
+            {n: p.grad.clone() for n, p in ours.named_parameters() if p.requires_grad},
+        )
+    plain_out, plain_grads = results.pop("plain")
+    for name, (out, grads) in results.items():
+        assert _rel(out, plain_out) <= 1e-5, name
+        for n, g in plain_grads.items():
+            assert _rel(grads[n], g) <= 1e-4, (name, n)
+    configure_model_kernels(ours, KernelOptions(), family="deepseek_v3")
+    with torch.no_grad():
+        hidden = ours(ids, return_hidden=True)
+        assert torch.equal(ours.lm_head(hidden), ours(ids))
+
+
+def test_fix_router_balances_and_keeps_scaled_weights():
+    from meshforge.models.common.kernels import KernelOptions, configure_model_kernels
+
+    args = CONFIGS["qlora_groups_untied"]
+    _, ours = _pair(args, seed=8)
+    configure_model_kernels(ours, KernelOptions(fix_router=True), family="deepseek_v3")
+    with torch.no_grad():
+        ours(torch.randint(0, args.vocab_size, (2, 16)))
+        _, weights, _ = ours.model.layers[1].mlp.gate(torch.randn(5, args.hidden_size))
+    for counts in ours.tokens_per_expert().values():
+        assert counts.tolist() == [12] * 8  # 32 tokens * top-3 / 8 experts
+    assert torch.allclose(weights.sum(-1), torch.full((5,), args.routed_scaling_factor))
+    dense = DeepseekV3ForCausalLM(replace(CONFIGS["dense2_onegroup_tied"], first_k_dense_replace=3))
+    with pytest.raises(ValueError, match="kernels.fix_router"):
+        configure_model_kernels(dense, KernelOptions(fix_router=True), family="deepseek_v3")

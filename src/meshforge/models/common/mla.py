@@ -19,6 +19,13 @@ Interleaved RoPE (``rope_interleave``, DeepSeek's layout): the rotated dims are 
 ``(x0, x1), (x2, x3), ...``, each turned by one frequency; transformers writes the result
 de-interleaved (all first members of a pair, then all second members). Queries and keys get
 the same permutation, so the attention scores are those of the interleaved rotation.
+
+``flash = True`` (the ``kernels.use_flash_attn`` switch, CUDA only) restricts SDPA to its flash
+backend as :class:`~meshforge.models.common.attention.Attention` does (packed batches: plain
+SDPA, or an error when ``flash_strict``). The flash kernel needs one head size for q, k and v,
+so values narrower than ``qk_nope_head_dim + qk_rope_head_dim`` are zero-padded to it and the
+padding is cut from the output (zero value columns leave the others unchanged), as
+transformers does for MLA under flash attention.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.models.common.attention import _sdpa_backend
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import apply_rotary
 
@@ -99,6 +107,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
+        self.flash = False
+        self.flash_strict = False
 
     def forward(
         self,
@@ -137,15 +148,28 @@ class MultiHeadLatentAttention(nn.Module):
         k_rot = k_rot.expand(-1, -1, self.num_heads, -1)
         q = torch.cat((q_pass, q_rot), dim=-1).transpose(1, 2)
         k = torch.cat((k_pass, k_rot), dim=-1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v.transpose(1, 2),
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None,
-            scale=self.scaling,
-        )
+        v = v.transpose(1, 2)
+        if self.flash and mask is not None and self.flash_strict:
+            raise ValueError(
+                "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "
+                "(segment_ids); set it to auto to use plain SDPA for packed batches"
+            )
+        flash = self.flash and mask is None
+        pad = self.qk_head_dim - self.v_head_dim if flash else 0
+        if pad > 0:
+            v = F.pad(v, (0, pad))
+        with _sdpa_backend(flash):
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=mask is None,
+                scale=self.scaling,
+            )
+        if pad > 0:
+            out = out[..., : self.v_head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_head_dim))
 
     def extra_repr(self) -> str:

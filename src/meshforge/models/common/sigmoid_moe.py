@@ -22,6 +22,11 @@ transformers: meshforge's checkpoint loader, exporter and sharded init handle pa
 a real DeepSeek-V3 checkpoint's bias must survive loading and export. The optimizer skips it
 (no gradient). No load-balancing loss exists for this family in transformers, so the block
 records only the assignment counts (``last_tokens_per_expert``).
+
+``GroupLimitedSigmoidRouter.fixed`` (the ``kernels.fix_router`` switch, performance tuning
+only) replaces steps 2-4's choice by the fixed balanced one of
+:class:`~meshforge.models.common.moe.TopKRouter`: token ``i`` takes experts ``(i * k + j) mod E``;
+their weights are still the scores, renormalised and scaled as above.
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ class GroupLimitedSigmoidRouter(nn.Module):
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        # Set by the `fix_router` kernel switch: fixed balanced assignment (module docstring).
+        self.fixed = False
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Route tokens ``x`` ``[N, hidden]``.
@@ -87,19 +94,27 @@ class GroupLimitedSigmoidRouter(nn.Module):
         """
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
-        with torch.no_grad():
-            # Selection only: no gradient flows through the choice of experts.
-            biased = scores + self.e_score_correction_bias.float()
-            per_group = self.num_experts // self.num_groups
-            group_scores = biased.view(-1, self.num_groups, per_group).topk(2, dim=-1).values.sum(-1)
-            groups = group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-            keep = keep.repeat_interleave(per_group, dim=1)
-            indices = biased.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1, sorted=False).indices
+        if self.fixed:
+            slots = torch.arange(scores.shape[0] * self.top_k, device=scores.device)
+            indices = (slots % self.num_experts).view(-1, self.top_k)
+        else:
+            indices = self._select(scores)
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return scores, weights * self.routed_scaling_factor, indices
+
+    @torch.no_grad()
+    def _select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Expert indices ``[N, k]``: biased scores, best ``topk_group`` groups, then top-k."""
+        # Selection only: no gradient flows through the choice of experts.
+        biased = scores + self.e_score_correction_bias.float()
+        per_group = self.num_experts // self.num_groups
+        group_scores = biased.view(-1, self.num_groups, per_group).topk(2, dim=-1).values.sum(-1)
+        groups = group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        keep = keep.repeat_interleave(per_group, dim=1)
+        return biased.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1, sorted=False).indices
 
     def extra_repr(self) -> str:
         return (

@@ -16,10 +16,13 @@ correction bias).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
+from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.mla import MultiHeadLatentAttention
 from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.norms import RMSNorm
@@ -146,6 +149,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        *,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """Compute next-token logits and record the routing counts of this forward.
 
@@ -155,11 +160,35 @@ class DeepseekV3ForCausalLM(nn.Module):
                 at 0 per segment when ``segment_ids`` is given.
             segment_ids: Optional ``[B, S]`` document ids of packed rows (0 = padding);
                 attention never crosses a segment boundary.
+            return_hidden: Return the final normed hidden states ``[B, S, hidden]``
+                instead of the logits (for the chunked loss).
 
         Returns:
             Logits ``[B, S, vocab_size]`` in the compute dtype.
         """
-        return self.lm_head(self.model(input_ids, position_ids, segment_ids))
+        hidden = self.model(input_ids, position_ids, segment_ids)
+        # The chunked loss (kernels.chunk_loss_size) applies lm_head itself, chunk by chunk.
+        return hidden if return_hidden else self.lm_head(hidden)
+
+    def configure_kernels(self, options: KernelOptions) -> None:
+        """Apply the kernel switches (``meshforge.models.common.kernels``) to the blocks.
+
+        The shared helper covers the norms and the fused experts; the latent attention and
+        the sigmoid router are this family's own blocks and get their flags here.
+
+        Raises:
+            ValueError: ``kernels.fix_router`` or ``kernels.moe_grouped_gemm`` on a model
+                without MoE layers (``first_k_dense_replace >= num_hidden_layers``).
+        """
+        blocks = self.moe_layers()
+        if options.fix_router and not blocks:
+            raise ValueError("kernels.fix_router: this deepseek_v3 model has no MoE layer; unset it")
+        apply_kernel_options(self, replace(options, fix_router=False), family="deepseek_v3")
+        for layer in self.model.layers:
+            layer.self_attn.flash = options.flash_attn
+            layer.self_attn.flash_strict = options.flash_attn_strict
+        for block in blocks.values():
+            block.gate.fixed = options.fix_router
 
     def aux_loss(self) -> torch.Tensor | None:
         """Always None: transformers computes no router loss for DeepSeek-V3.
