@@ -283,3 +283,30 @@ def test_pack_examples_rows_and_neat_segments():
     assert rows["segment_ids"] == [[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 2, 2, 0, 0, 0]]
     plain = pack_examples(examples + [(list(range(9)), [X] * 9)], cutoff_len=8, pad_id=0, neat=False)
     assert "segment_ids" not in plain and len(plain["input_ids"]) == 2  # the 9-token example is dropped
+
+
+def test_openai_messages_tool_calls_and_merged_tool_results():
+    from meshforge.data.sft.converters import convert_openai
+    from meshforge.data.sft.dataset_info import OPENAI_DEFAULTS
+
+    record = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "tool", "content": "r1"},
+            {"role": "tool", "content": "r2"},
+            {"role": "assistant", "content": "done"},
+        ]
+    }
+    ex = convert_openai(record, {**COLUMN_DEFAULTS, "messages": "messages"}, OPENAI_DEFAULTS)
+    assert ex["_error"] == ""
+    assert ex["_prompt"] == [
+        {"role": "user", "content": "q"},
+        {"role": "function", "content": '[{"name": "f", "arguments": "{}"}]'},
+        {"role": "observation", "content": "r1\n</tool_response>\n<tool_response>\nr2"},
+    ]
+    assert ex["_response"] == [{"role": "assistant", "content": "done"}]

@@ -157,3 +157,112 @@ def test_same_neat_packed_rows_as_llamafactory():
     assert rows["labels"] == expected["labels"]
     assert rows["segment_ids"] == expected["attention_mask"]
     assert rows["position_ids"] == expected["position_ids"]
+
+
+OPENAI_TAGS = {
+    "role_tag": "role",
+    "content_tag": "content",
+    "user_tag": "user",
+    "assistant_tag": "assistant",
+    "observation_tag": "tool",
+    "function_tag": "function",
+    "system_tag": "system",
+}
+RECORDS = [
+    (
+        "alpaca",
+        {"history": "history", "system": "system"},
+        None,
+        {
+            "instruction": "Add",
+            "input": "2 and 3",
+            "output": "5",
+            "history": [["hi", "hello"], ["how are you", "fine"]],
+            "system": "Be exact.",
+        },
+    ),
+    (
+        "sharegpt",
+        {"tools": "tools"},
+        None,
+        {
+            "conversations": [
+                {"from": "system", "value": "sys"},
+                {"from": "human", "value": "2+3?"},
+                {
+                    "from": "function_call",
+                    "value": json.dumps({"name": "add", "arguments": {"a": 2, "b": 3}}),
+                },
+                {"from": "observation", "value": "5"},
+                {"from": "gpt", "value": "5."},
+            ],
+            "tools": TOOLS,
+        },
+    ),
+    (
+        "openai",
+        {"messages": "messages", "tools": "tools"},
+        OPENAI_TAGS,
+        {
+            "messages": [
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": "2+3 and 4+5?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
+                        {"type": "function", "function": {"name": "add", "arguments": '{"a": 4, "b": 5}'}},
+                    ],
+                },
+                {"role": "tool", "content": "5"},
+                {"role": "tool", "content": "9"},
+                {"role": "assistant", "content": "5 and 9."},
+            ],
+            "tools": TOOLS,
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("formatting,columns,tags,record", RECORDS, ids=[r[0] for r in RECORDS])
+def test_same_conversion_and_ids_as_llamafactory(formatting, columns, tags, record):
+    from llamafactory.data.converter import DATASET_CONVERTERS
+    from llamafactory.data.parser import DatasetAttr as LFAttr
+
+    from meshforge.data.sft.converters import convert_batch
+    from meshforge.data.sft.dataset_info import COLUMN_DEFAULTS, TAG_DEFAULTS
+
+    lf_attr = LFAttr("file", "x", formatting=formatting, **columns, **(tags or {}))
+    processor, _, args = _lf("qwen3", True, 1024, False, False)
+    expected = DATASET_CONVERTERS[formatting](lf_attr, args)(record)
+    ours = convert_batch(
+        {k: [v] for k, v in record.items()},
+        formatting=formatting,
+        columns={**COLUMN_DEFAULTS, **columns},
+        tags=tags or TAG_DEFAULTS,
+        ranking=False,
+    )
+    assert ours["_error"] == [""]
+    if formatting == "openai":
+        # LLaMA-Factory 0.9.5's OpenAI converter appends Nemotron's "detailed thinking off" (or a
+        # newline when there are tools) to the system prompt; meshforge keeps the data's system.
+        assert expected["_system"] == ours["_system"][0] + "\n"
+        expected = {**expected, "_system": ours["_system"][0]}
+    for key in ("_prompt", "_response", "_system", "_tools"):
+        assert ours[key][0] == expected[key], key
+    lf_ids = processor.preprocess_dataset(_batch([expected]))
+    tok = build_tokenizer("meshforge://assets/tokenizer")
+    template = get_template("qwen3", tok)
+    ids, labels = encode_example(
+        template,
+        tok,
+        ours["_prompt"][0],
+        ours["_response"][0],
+        ours["_system"][0],
+        ours["_tools"][0],
+        cutoff_len=1024,
+        train_on_prompt=False,
+        mask_history=False,
+    )
+    assert ids == lf_ids["input_ids"][0] and labels == lf_ids["labels"][0]

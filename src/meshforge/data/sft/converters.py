@@ -107,24 +107,65 @@ def convert_sharegpt(
 
 def _content(message: dict[str, Any], content_tag: str | None) -> str | None:
     content = message.get(content_tag) if content_tag else None
-    calls = message.get("tool_calls")
-    if (content is None or content == "") and isinstance(calls, list) and calls:
-        # OpenAI assistant tool calls: the function message content LLaMA-Factory expects.
-        funcs = [call.get("function", call) for call in calls if isinstance(call, dict)]
-        return json.dumps(
-            [{"name": f.get("name"), "arguments": _args(f.get("arguments"))} for f in funcs],
-            ensure_ascii=False,
-        )
     return content if isinstance(content, str) or content is None else json.dumps(content, ensure_ascii=False)
 
 
-def _args(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return arguments
+def convert_openai(
+    example: dict[str, Any], columns: dict[str, str | None], tags: dict[str, str | None]
+) -> dict[str, Any]:
+    """One OpenAI `messages` record, as LLaMA-Factory's OpenAI converter reads it.
+
+    Differences from sharegpt: an assistant message with `tool_calls` becomes a function turn whose
+    content is the JSON list of the calls' `function` objects, and consecutive tool messages are
+    merged into one observation turn (joined by `</tool_response>\n<tool_response>`).
+    """
+    role_tag, content_tag = tags["role_tag"], tags["content_tag"]
+    roles = {
+        tags["user_tag"]: USER,
+        tags["assistant_tag"]: ASSISTANT,
+        tags["observation_tag"]: OBSERVATION,
+        tags["function_tag"]: FUNCTION,
+        tags["system_tag"]: SYSTEM,
+    }
+    messages = example.get(columns["messages"]) if columns["messages"] else None
+    if not isinstance(messages, list):
+        return _aligned([], [], "", "", "missing messages")
+    system_tag = tags["system_tag"]
+    if system_tag and messages and isinstance(messages[0], dict) and messages[0].get(role_tag) == system_tag:
+        system = messages[0].get(content_tag)
+        messages = messages[1:]
+    else:
+        system = example.get(columns["system"]) if columns["system"] else ""
+    aligned: list[dict[str, str]] = []
+    pending: list[str] = []
+    error = ""
+    for message in messages:
+        if not isinstance(message, dict) or message.get(role_tag) not in roles:
+            error = "roles not alternating"
+            break
+        role, content = message[role_tag], _content(message, content_tag)
+        if role in (tags["assistant_tag"], tags["function_tag"]) and message.get("tool_calls"):
+            content = json.dumps([call["function"] for call in message["tool_calls"]], ensure_ascii=False)
+            role = tags["function_tag"]
+        if role == tags["observation_tag"]:
+            pending.append(content or "")
+            continue
+        if pending:
+            aligned.append(
+                {"role": OBSERVATION, "content": "\n</tool_response>\n<tool_response>\n".join(pending)}
+            )
+            pending = []
+        if content is None or content == "":
+            error = "empty turn"
+            break
+        aligned.append({"role": roles[role], "content": content})
+    accept = ((USER, OBSERVATION), (ASSISTANT, FUNCTION))
+    if not error and any(m["role"] not in accept[i % 2] for i, m in enumerate(aligned)):
+        error = "roles not alternating"
+    if not error and len(aligned) % 2 != 0:
+        error = "odd number of messages"
+    tools = example.get(columns["tools"]) if columns["tools"] else ""
+    return _aligned(aligned[:-1], aligned[-1:], system, tools, error)
 
 
 def convert_batch(
@@ -137,6 +178,8 @@ def convert_batch(
         example = {key: values[i] for key, values in batch.items()}
         if formatting == "alpaca":
             row = convert_alpaca(example, columns)
+        elif formatting == "openai":
+            row = convert_openai(example, columns, tags)
         else:
             row = convert_sharegpt(example, columns, tags, ranking)
         for key in out:
