@@ -387,3 +387,60 @@ def test_bf16_rounds_like_transformers():
         assert torch.equal(ours.tokens_per_expert()[i], torch.bincount(picks.flatten(), minlength=6))
     ours(ids).float().square().mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in ours.parameters())
+
+
+def test_registry_resolves_gpt_oss_by_every_name():
+    from meshforge.models.registry import check_model_options, resolve_family
+
+    for names in (
+        {"model_type": "gpt_oss"},
+        {"architectures": ["GptOssForCausalLM"]},
+        {"model_id": "gpt_oss"},
+    ):
+        assert resolve_family(**names) is FAMILY or resolve_family(**names).name == "gpt_oss"
+    problems = check_model_options("gpt_oss", None, None, {"flavor": "tiny", "num_local_expert": 3})
+    assert problems == [("num_local_expert", "not a gpt_oss model option; did you mean 'num_local_experts'?")]
+
+
+def test_published_gpt_oss_20b_config_builds_with_its_parameter_counts():
+    """openai/gpt-oss-20b's config.json (minus its MXFP4 quantization_config): 20.9B total, 3.6B active."""
+    from meshforge.models.gpt_oss import hf as gpt_oss_hf
+
+    config = {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 8,
+        "num_local_experts": 32,
+        "pad_token_id": 199999,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.55.0.dev0",
+        "vocab_size": 201088,
+    }
+    model = FAMILY.build(gpt_oss_hf.from_hf_config(config))
+    assert round(model.num_params() / 1e9, 1) == 20.9
+    assert round(model.num_params(active=True, exclude_embedding=True) / 1e9, 1) == 3.6
+    assert model.args.rope["rope_theta"] == 150000.0 and model.args.rope["rope_type"] == "yarn"
