@@ -517,3 +517,26 @@ def test_fix_router_balances_and_keeps_scaled_weights():
     dense = DeepseekV3ForCausalLM(replace(CONFIGS["dense2_onegroup_tied"], first_k_dense_replace=3))
     with pytest.raises(ValueError, match="kernels.fix_router"):
         configure_model_kernels(dense, KernelOptions(fix_router=True), family="deepseek_v3")
+
+
+def test_mindformers_skeleton_model_section():
+    # The model: section of the MindFormers reference train.yaml (DeepSeek-V3 as its example).
+    skeleton = {
+        "vocab_size": 129280,
+        "hidden_size": 1792,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 8,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 4,
+    }
+    from meshforge.models.registry import check_model_options
+
+    assert check_model_options("deepseek_v3", "DeepseekV3ForCausalLM", None, skeleton) == []
+    # transformers' default n_group 8 leaves one expert per group, which its router cannot score.
+    with pytest.raises(ValueError, match="n_group: each group needs at least 2 experts.*n_group: 1"):
+        from_options(skeleton)
+    args = from_options({**skeleton, "n_group": 1, "topk_group": 1})
+    assert args.num_key_value_heads == 8 and args.n_routed_experts == 8 and args.num_experts_per_tok == 4
+    model = build_deepseek_v3(args)
+    assert sorted(model.moe_layers()) == list(range(3, 12))

@@ -134,7 +134,8 @@ class DeepseekV3Args:
             # Each group is scored by the sum of its two best experts.
             raise ValueError(
                 f"n_group: each group needs at least 2 experts (n_routed_experts {self.n_routed_experts} / "
-                f"n_group {self.n_group})"
+                f"n_group {self.n_group}); set n_group and topk_group to match the expert count, "
+                "e.g. n_group: 1 and topk_group: 1 for no group limit"
             )
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group: must be at most n_group ({self.n_group}), got {self.topk_group}")
@@ -325,6 +326,8 @@ def from_options(options: dict[str, Any]) -> DeepseekV3Args:
 
     ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys override
     its fields. Without a flavor the transformers defaults (DeepSeek-V3 671B) apply.
+    ``num_attention_heads`` given without ``num_key_value_heads`` sets both (MLA needs them
+    equal).
 
     Args:
         options: Option mapping, e.g. ``{"flavor": "tiny", "n_routed_experts": 16}``.
@@ -352,6 +355,10 @@ def from_options(options: dict[str, Any]) -> DeepseekV3Args:
                 )
             options[name] = options.pop(alias)
     options = {k: _coerce(k, v) for k, v in options.items()}
+    if "num_attention_heads" in options and "num_key_value_heads" not in options:
+        # MLA admits one value (every query head gets its own expanded key/value), so a config
+        # that sets the heads alone, as the MindFormers skeleton does, means that value.
+        options["num_key_value_heads"] = options["num_attention_heads"]
     flavor = options.pop("flavor", None)
     if flavor is None:
         base = DeepseekV3Args()
