@@ -310,3 +310,51 @@ def test_openai_messages_tool_calls_and_merged_tool_results():
         {"role": "observation", "content": "r1\n</tool_response>\n<tool_response>\nr2"},
     ]
     assert ex["_response"] == [{"role": "assistant", "content": "done"}]
+
+
+def test_gpt_harmony_efficient_eos_and_mask_history(tok):
+    template = get_template("gpt", tok)
+    assert template.efficient_eos
+    ex = {
+        "_prompt": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ],
+        "_response": [{"role": "assistant", "content": "d"}],
+        "_system": "",
+        "_tools": "",
+    }
+    eos = tok.eos_token_id
+    empty = enc(tok, "<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>final<|message|>")
+    sys_ids = enc(
+        tok, "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.<|end|>"
+    )
+    p1 = sys_ids + enc(tok, "<|start|>user<|message|>a<|end|><|start|>assistant")
+    p2 = enc(tok, "<|start|>user<|message|>c<|end|><|start|>assistant")
+    r1, r2 = empty + enc(tok, "b"), empty + enc(tok, "d")
+    ids, labels = encode(tok, template, ex)
+    # No eos after each answer: the second prompt's first label is eos (answer 1 ends there), and
+    # one eos closes the example.
+    assert ids == p1 + r1 + p2 + r2 + [eos]
+    assert labels == [X] * len(p1) + r1 + [eos] + [X] * (len(p2) - 1) + r2 + [eos]
+    # mask_history: only the last answer (and the final eos) is trained, not answer 1's eos either.
+    template = get_template("gpt", tok, mask_history=True)
+    ids, labels = encode(tok, template, ex, mask_history=True)
+    assert ids == p1 + enc(tok, "b") + p2 + r2 + [eos]
+    assert labels == [X] * (len(p1) + 1 + len(p2)) + r2 + [eos]
+    with pytest.raises(ValueError, match="train_on_prompt"):
+        from meshforge.config import config_from_dict
+        from meshforge.data.sft.loader import build_sft_columns
+
+        cfg = config_from_dict(
+            {
+                "train_dataset": {
+                    "dataloader": {"type": "SFTDataLoader"},
+                    "template": "gpt",
+                    "dataset": {"file_name": "x.json"},
+                    "train_on_prompt": True,
+                }
+            }
+        ).train_dataset
+        build_sft_columns(cfg, tok, seed=0)

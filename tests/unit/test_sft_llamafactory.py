@@ -69,6 +69,9 @@ CASES = [
     ("qwen3_nothink", True, True, False),
     ("chatml", True, False, True),
     ("empty", True, False, False),
+    ("gpt_oss", True, False, False),
+    ("gpt_oss", False, False, False),
+    ("gpt_oss", None, False, False),
 ]
 
 

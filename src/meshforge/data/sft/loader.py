@@ -141,7 +141,6 @@ def build_sft_columns(
     Raises:
         ValueError / FileNotFoundError: bad dataset entries, missing columns, an empty result.
     """
-    attrs = resolve_datasets(cfg.dataset, cfg.dataset_dir)
     template = get_template(
         cfg.template,
         tokenizer,
@@ -152,6 +151,7 @@ def build_sft_columns(
     )
     if cfg.train_on_prompt and template.efficient_eos:
         raise ValueError("train_dataset.train_on_prompt: cannot be used with an efficient_eos template")
+    attrs = resolve_datasets(cfg.dataset, cfg.dataset_dir)
     converted = [_prepare(attr, cfg, seed) for attr in attrs]
     errors = Counter()
     for attr, ds in zip(attrs, converted, strict=True):

@@ -3,7 +3,8 @@
 `encode_example` is `SupervisedDatasetProcessor._encode_data_example` (NOTES 3): turn pairs are
 truncated with `infer_seqlen` against the budget left, prompts are masked with -100 unless
 `train_on_prompt`, and under `mask_history` the pairs are walked last-first so the final turn keeps
-its budget and only it is trained. Labels here are *unshifted* (label i is token i, as LLaMA-Factory
+its budget and only it is trained (with efficient eos, earlier turns' eos stays masked too, the fix
+of LLaMA-Factory PR #10827). Labels here are *unshifted* (label i is token i, as LLaMA-Factory
 stores them); the loader shifts them into the batch contract.
 """
 
@@ -55,7 +56,10 @@ def encode_example(
         total += s + t
         if train_on_prompt:
             source_label = source
-        elif template.efficient_eos and turn != 0:
+        elif template.efficient_eos and turn != 0 and not mask_history:
+            # The eos that ends the previous answer sits at the start of this prompt; it is trained
+            # with that answer. Under mask_history earlier answers are not trained, so neither is
+            # their eos (LLaMA-Factory keeps it: its PR #10827; the one deliberate difference).
             source_label = [eos] + [IGNORE_INDEX] * (s - 1)
         else:
             source_label = [IGNORE_INDEX] * s

@@ -7,7 +7,7 @@ concatenated. This granularity matters: tokenising a whole rendered conversation
 across slot boundaries and give different ids than LLaMA-Factory.
 
 Templates: `qwen3` (ReasoningTemplate: thinking tags handled per `enable_thinking`), `qwen3_nothink`,
-`chatml`, `llama3`, `empty`; `template: null` renders each turn with the tokenizer's own Jinja
+`chatml`, `llama3`, `empty`, `gpt` (= LLaMA-Factory's `gpt_oss`, harmony format, efficient eos); `template: null` renders each turn with the tokenizer's own Jinja
 `chat_template` and splits the rendering at turn boundaries (see `HFChatTemplate`).
 """
 
@@ -241,7 +241,23 @@ TEMPLATES: dict[str, Template] = {
         replace_eos=True,
     ),
     "empty": Template("empty", format_assistant=["{{content}}"]),
+    # gpt-oss "harmony" format (MindSpeed's `gpt`): the answer ends with the tokenizer's eos appended
+    # once per example (efficient_eos), and the analysis channel plays the role of the thought.
+    "gpt": Template(
+        "gpt",
+        format_user=["<|start|>user<|message|>{{content}}<|end|><|start|>assistant"],
+        format_assistant=["{{content}}"],
+        format_system=["<|start|>system<|message|>{{content}}<|end|>"],
+        default_system="You are ChatGPT, a large language model trained by OpenAI.",
+        thought_words=(
+            "<|channel|>analysis<|message|>",
+            "<|end|><|start|>assistant<|channel|>final<|message|>",
+        ),
+        efficient_eos=True,
+        reasoning=True,
+    ),
 }
+TEMPLATES["gpt_oss"] = replace(TEMPLATES["gpt"], name="gpt_oss")  # LLaMA-Factory's name for it
 
 
 class HFChatTemplate(Template):
