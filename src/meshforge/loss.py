@@ -79,7 +79,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 rows = torch.arange(target.shape[0], device=target.device)
                 grad[rows[valid], target[valid]] -= 1.0
                 grad[~valid] = 0.0
-                grad = (grad * grad_total).to(dtype)
+                grad = grad.mul_(grad_total).to(dtype)  # in place: one chunk-sized buffer fewer
                 if need_h:
                     grad_h[start : start + chunk_size] = (grad @ w).to(hidden.dtype)
                 if need_w:

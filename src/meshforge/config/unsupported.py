@@ -257,6 +257,12 @@ ENTRIES: list[Unsupported] = [
         lambda c: c.kernels.gdn_chunk_size != KernelsConfig.model_fields["gdn_chunk_size"].default,
         "Gated DeltaNet (qwen3_next)",
     ),
+    Unsupported(
+        "kernels.pre_tokens",
+        lambda c: c.kernels.pre_tokens != KernelsConfig.model_fields["pre_tokens"].default,
+        "sparse (windowed) flash attention",
+    ),
+    Unsupported("kernels.next_tokens", lambda c: c.kernels.next_tokens != 0, "non-causal flash attention"),
     Unsupported("checkpoint.load_balanced", lambda c: c.checkpoint.load_balanced, "balanced loading"),
     Unsupported(
         "checkpoint.remove_redundancy", lambda c: c.checkpoint.remove_redundancy, "redundancy-free saving"
