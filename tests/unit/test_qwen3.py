@@ -194,8 +194,8 @@ def test_registry_resolves_by_every_name():
     assert resolve_family(architectures="Qwen3ForCausalLM").name == "qwen3"
     assert resolve_family(architectures=["Other", "Qwen3ForCausalLM"]).name == "qwen3"
     assert resolve_family(model_id="qwen3").name == "qwen3"
-    with pytest.raises(ValueError, match="not supported yet: model family.*gpt_oss.*built: .*qwen3"):
-        resolve_family(model_type="gpt_oss")
+    with pytest.raises(ValueError, match="not supported yet: model family.*mamba9.*built: .*qwen3"):
+        resolve_family(model_type="mamba9")
     with pytest.raises(ValueError, match="no model family"):
         resolve_family()
 
@@ -205,9 +205,9 @@ def test_option_check_suggests_close_key():
         "qwen3", None, None, {"num_hiden_layers": 2, "flavor": "tiny", "head_dim": 8}
     )
     assert problems == [("num_hiden_layers", "not a qwen3 model option; did you mean 'num_hidden_layers'?")]
-    [(key, reason)] = check_model_options(None, "GptOssForCausalLM", None, {})
+    [(key, reason)] = check_model_options(None, "Mamba9ForCausalLM", None, {})
     assert key == "architectures"
-    assert reason.startswith("not supported yet: model family 'GptOssForCausalLM'; built: ")
+    assert reason.startswith("not supported yet: model family 'Mamba9ForCausalLM'; built: ")
     assert "qwen3" in reason
     with pytest.raises(ValueError, match="num_hiden_layers.*did you mean 'num_hidden_layers'"):
         from_options({"num_hiden_layers": 2})
