@@ -56,6 +56,23 @@ class SFTDataset:
     def __len__(self) -> int:
         return self.num_rows
 
+    def real_tokens(self) -> int:
+        """Tokens that are not a pack's trailing padding (pad id, position 0, no label)."""
+        total = int(self.offsets[-1])
+        if "position_ids" not in self.flat:
+            return total
+        if "segment_ids" in self.flat:
+            return int(np.count_nonzero(self.flat["segment_ids"]))
+        pad = (
+            (self.flat["input_ids"] == self.pad_id)
+            & (self.flat["position_ids"] == 0)
+            & (self.flat["labels"] == IGNORE_INDEX)
+        )
+        for i in range(self.num_rows):  # subtract only the trailing run of each row
+            tail = pad[self.offsets[i] : self.offsets[i + 1]][::-1]
+            total -= len(tail) if tail.all() else int(np.argmax(~tail))
+        return total
+
     def row(self, index: int) -> dict[str, np.ndarray]:
         """Row `index` unpadded and unshifted (labels as LLaMA-Factory stores them)."""
         a, b = self.offsets[index], self.offsets[index + 1]
@@ -234,7 +251,7 @@ def build_sft_dataset(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     label_pad = IGNORE_INDEX if cfg.ignore_pad_token_for_loss else pad_id
     dataset = SFTDataset(columns, row_length=row_length, pad_id=pad_id, label_pad=label_pad)
-    tokens = int(dataset.offsets[-1])
+    tokens = dataset.real_tokens()
     kind = (
         "neat-packed" if "segment_ids" in columns else ("packed" if "position_ids" in columns else "unpacked")
     )
