@@ -376,3 +376,24 @@ def test_options_object_is_plain_data():
         ("use_flash_attn", "use_fused_rmsnorm", "use_fused_rotary_pos_emb", "moe_grouped_gemm", "fix_router"),
         False,
     )
+
+
+@pytest.mark.slow
+def test_chunked_loss_under_fsdp_matches_one_process(tiny_config: Path, tmp_path: Path):
+    """Two FSDP ranks with the chunked loss (lm_head read after the root forward) = one process."""
+    losses = {}
+    for name, nproc in (("fsdp2", 2), ("single", 1)):
+        out = tmp_path / name
+        run_train(
+            tiny_config,
+            [
+                "--training.steps=3",
+                f"--training.output_dir={out}",
+                "--checkpoint.save_interleaved_steps=100",
+                "--kernels.chunk_loss_size=24",
+            ],
+            nproc=nproc,
+            cwd=tmp_path,
+        )
+        losses[name] = [r["loss"] for r in read_metrics(out)]
+    assert losses["fsdp2"] == pytest.approx(losses["single"], rel=1e-5)
