@@ -54,6 +54,19 @@ def qwen_function_text(content: str) -> str:
     return "\n".join(f"<tool_call>\n{text}\n</tool_call>" for text in texts)
 
 
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=False)`, straight through the Rust backend when possible.
+
+    For a fast tokenizer that does not split special tokens the backend call gives the same ids
+    (the LLaMA-Factory cross-check tests this) at a fraction of the cost: the transformers wrapper
+    is about three quarters of the time of encoding one short slot.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "split_special_tokens", False):
+        return backend.encode(text, add_special_tokens=False).ids
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 @dataclass
 class Template:
     """A LLaMA-Factory template: slot lists per role plus the eos/stop-word rules."""
@@ -82,7 +95,7 @@ class Template:
             if isinstance(slot, str):
                 text = slot.replace("{{content}}", content)
                 if text:
-                    ids += tokenizer.encode(text, add_special_tokens=False)
+                    ids += encode_text(tokenizer, text)
             elif isinstance(slot, set):
                 name = next(iter(slot))
                 value = tokenizer.bos_token_id if name == "bos_token" else tokenizer.eos_token_id
@@ -161,7 +174,7 @@ class Template:
             if self.enable_thinking is False or (self.mask_history and i != last):
                 messages[i]["content"] = self.remove_thought(messages[i]["content"])
         encoded = self._encode(tokenizer, messages, system, tools)
-        empty = tokenizer.encode(self.thought_words[0] + self.thought_words[1], add_special_tokens=False)
+        empty = encode_text(tokenizer, self.thought_words[0] + self.thought_words[1])
         open_, close = (w.strip() for w in self.thought_words)
         # Under mask_history only the (trained) last turn gets an empty thought, as in LLaMA-Factory.
         for i in [len(messages) - 2] if self.mask_history else range(0, len(messages), 2):
@@ -310,7 +323,7 @@ class HFChatTemplate(Template):
 
     @staticmethod
     def _text_ids(tokenizer: Any, text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False) if text else []
+        return encode_text(tokenizer, text) if text else []
 
     def fix_special_tokens(self, tokenizer: Any) -> None:
         if tokenizer.pad_token_id is None:
