@@ -179,11 +179,20 @@ def _attr(name: str, info: Any, base: Path, where: str) -> DatasetAttr:
     formatting = info.get("formatting", "alpaca")
     if formatting not in FORMATTINGS:
         raise ValueError(f"{where}.formatting: {formatting!r} is not one of {', '.join(FORMATTINGS)}")
+    if info.get("ranking"):
+        raise ValueError(f"{where}.ranking: preference (ranking) data is not supported; SFT data only")
     files, file_type = _files(str(info["file_name"]), base, where)
     tag_defaults = OPENAI_DEFAULTS if formatting == "openai" else TAG_DEFAULTS
     columns = _mapping(info, "columns", COLUMN_DEFAULTS, where)
     if formatting == "openai" and "columns" not in info:
         columns["messages"] = "messages"
+    media = [
+        key for key in ("images", "videos", "audios", "chosen", "rejected", "kto_tag") if columns.get(key)
+    ]
+    if media:
+        raise ValueError(
+            f"{where}.columns.{media[0]}: multimodal and preference columns are not supported (text SFT only)"
+        )
     num_samples = info.get("num_samples")
     if num_samples is not None and (
         isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0

@@ -228,6 +228,8 @@ def build_sft_dataset(
     import datasets
 
     start = time.perf_counter()
+    if not _is_rank0():
+        datasets.disable_progress_bars()  # one set of progress bars per job, not one per rank
     path = resolve_path(cfg.tokenized_path) if cfg.tokenized_path else None
     if path is not None and path.is_dir() and any(path.iterdir()):
         loaded = datasets.load_from_disk(str(path))
