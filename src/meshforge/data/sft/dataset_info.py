@@ -121,9 +121,12 @@ def _mapping(info: dict[str, Any], key: str, defaults: dict[str, str | None], wh
 
 
 def _files(file_name: str, base: Path, where: str) -> tuple[list[Path], str]:
-    path = Path(file_name) if file_name.startswith("/") else base / file_name
+    # As in LLaMA-Factory, a relative file_name is relative to dataset_dir (inline datasets too).
     if file_name.startswith("meshforge://"):
         path = resolve_path(file_name)
+    else:
+        path = Path(file_name).expanduser()
+        path = path if path.is_absolute() else base / path
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
     elif path.is_file():
