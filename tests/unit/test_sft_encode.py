@@ -358,3 +358,13 @@ def test_gpt_harmony_efficient_eos_and_mask_history(tok):
             }
         ).train_dataset
         build_sft_columns(cfg, tok, seed=0)
+
+
+def test_config_template_names_match_the_built_templates():
+    from meshforge.config import ConfigError, config_from_dict
+    from meshforge.data.sft.specs import TEMPLATE_NAMES
+    from meshforge.data.sft.templates import TEMPLATES
+
+    assert sorted(TEMPLATE_NAMES) == sorted(TEMPLATES)
+    with pytest.raises(ConfigError, match=r"train_dataset.template: unknown template 'qwen9'"):
+        config_from_dict({"train_dataset": {"template": "qwen9"}})

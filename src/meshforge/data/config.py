@@ -147,6 +147,24 @@ class TrainDatasetConfig(StrictSection):
     )
     append_eod: Bool = describe(False, "Append an EOD token to each document when preprocessing.")
 
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str | None) -> str | None:
+        from meshforge.data.sft.specs import TEMPLATE_NAMES
+
+        if value is not None and value not in TEMPLATE_NAMES:
+            raise ValueError(f"unknown template {value!r} (built: {', '.join(TEMPLATE_NAMES)}, or null)")
+        return value
+
+    @field_validator("tool_format")
+    @classmethod
+    def _known_tool_format(cls, value: str | None) -> str | None:
+        from meshforge.data.sft.specs import TOOL_FORMATS
+
+        if value is not None and value not in TOOL_FORMATS:
+            raise ValueError(f"tool format {value!r} is not built (built: {', '.join(TOOL_FORMATS)})")
+        return value
+
     @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
