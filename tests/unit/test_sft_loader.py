@@ -226,3 +226,45 @@ def test_neat_packed_row_gives_each_example_its_own_logits(tmp_path, tok):
             where = (segments == seg).nonzero().flatten()
             alone = model(batch["input_ids"][:, where])[0]
             torch.testing.assert_close(packed[where], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_two_ranks_resume_and_match_one_rank(tmp_path, tok):
+    write_alpaca(tmp_path / "a.jsonl", 40)
+    cfg = sft_cfg(tmp_path, dataset={"file_name": str(tmp_path / "a.jsonl")})
+    cfg = cfg.model_copy(update={"dataloader": cfg.dataloader.model_copy(update={"shuffle": True})})
+
+    def loader(rank, size, local):
+        return build_train_loader(
+            cfg,
+            tokenizer=tok,
+            local_batch_size=local,
+            dp_rank=rank,
+            dp_size=size,
+            seed=5,
+            global_batch_size=4,
+        )
+
+    one = loader(0, 1, 4)
+    steps = [next(one) for _ in range(4)]
+    ranks = [loader(r, 2, 2) for r in range(2)]
+    for _ in range(2):
+        for r in ranks:
+            next(r)
+    resumed = [loader(r, 2, 2) for r in range(2)]
+    for r, old in zip(resumed, ranks, strict=True):
+        r.load_state_dict(old.state_dict())
+    for expected in steps[2:]:
+        got = [next(r) for r in resumed]
+        # rank 0 takes the first half of the step's samples, rank 1 the second
+        assert torch.equal(torch.cat([g["input_ids"] for g in got]), expected["input_ids"])
+        assert torch.equal(torch.cat([g["labels"] for g in got]), expected["labels"])
+
+
+def test_num_samples_oversamples(tmp_path, tok):
+    write_alpaca(tmp_path / "a.jsonl", 10)
+    (tmp_path / "dataset_info.json").write_text(
+        json.dumps({"a": {"file_name": "a.jsonl", "num_samples": 15}})
+    )
+    ds = build_sft_dataset(sft_cfg(tmp_path, dataset="a", dataset_dir=str(tmp_path)), tok, seed=0)
+    texts = [tok.decode(r["input_ids"]) for r in rows(ds)]
+    assert len(texts) == 15 and len(set(texts)) == 10  # all 10 once (a permutation), then 5 drawn again
