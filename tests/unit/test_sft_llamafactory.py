@@ -269,3 +269,49 @@ def test_same_conversion_and_ids_as_llamafactory(formatting, columns, tags, reco
         mask_history=False,
     )
     assert ids == lf_ids["input_ids"][0] and labels == lf_ids["labels"][0]
+
+
+LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
+
+
+def _llama3_tokenizer(tok):
+    # The bundled vocabulary plus Llama 3's special tokens, so both sides see the same ids.
+    tok.add_special_tokens({"additional_special_tokens": LLAMA3_TOKENS, "bos_token": "<|begin_of_text|>"})
+    return tok
+
+
+@pytest.mark.parametrize("mask_history", [False, True])
+def test_llama3_same_as_llamafactory(mask_history):
+    from transformers import AutoTokenizer
+
+    from meshforge.resources import resolve_path
+
+    lf_tok = _llama3_tokenizer(
+        AutoTokenizer.from_pretrained(str(resolve_path("meshforge://assets/tokenizer")))
+    )
+    args = lf_hparams.DataArguments(template="llama3", cutoff_len=64, mask_history=mask_history)
+    processor = lf_supervised.SupervisedDatasetProcessor(
+        template=lf_template.get_template_and_fix_tokenizer(lf_tok, args),
+        tokenizer=lf_tok,
+        processor=None,
+        data_args=args,
+    )
+    examples = [e for e in EXAMPLES if not e["_tools"]]
+    expected = processor.preprocess_dataset(_batch(examples))
+    tok = _llama3_tokenizer(build_tokenizer("meshforge://assets/tokenizer"))
+    template = get_template("llama3", tok, mask_history=mask_history)
+    assert tok.eos_token == "<|eot_id|>"
+    for i, ex in enumerate(examples):
+        ids, labels = encode_example(
+            template,
+            tok,
+            ex["_prompt"],
+            ex["_response"],
+            ex["_system"],
+            ex["_tools"],
+            cutoff_len=64,
+            train_on_prompt=False,
+            mask_history=mask_history,
+        )
+        assert mask_history or ids[0] == tok.bos_token_id  # under mask_history turn 1 may not fit
+        assert ids == expected["input_ids"][i] and labels == expected["labels"][i]
