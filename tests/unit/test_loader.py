@@ -281,7 +281,7 @@ def test_build_notes_explicit_pipeline_settings(tok, tmp_path):
 
 def test_build_errors_name_keys(tok, tmp_path):
     with pytest.raises(ValueError, match=r"train_dataset\.dataloader\.type: not supported yet"):
-        _build(DatasetCfg.model_validate({"dataloader": {"type": "SFTDataLoader"}}), tok)
+        _build(DatasetCfg.model_validate({"dataloader": {"type": "WebDatasetLoader"}}), tok)
     with pytest.raises(ValueError, match=r"train_dataset\.dataloader\.type: no data loader type"):
         _build(DatasetCfg(), tok)
     bad = DatasetCfg.model_validate(

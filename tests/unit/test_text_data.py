@@ -122,7 +122,7 @@ def test_loader_type_issues():
         (
             "type",
             "no data loader type given: set it to one of the built loaders: "
-            "TextDataLoader, BlendedMegatronDatasetDataLoader",
+            "TextDataLoader, BlendedMegatronDatasetDataLoader, SFTDataLoader",
         )
     ]
     # The Megatron loader is built: an empty `config` names its required keys by path.
