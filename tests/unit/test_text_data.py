@@ -263,3 +263,8 @@ def test_bundled_corpus_packs(tok):
     assert ds.summary.tokens == int((ds.stream == 0).sum()) + int((ds.stream != 0).sum())
     assert int((ds.stream == 0).sum()) == ds.summary.documents  # one EOD per document
     assert "text data: 1 file(s)" in lines[0]
+
+
+def test_sft_loader_options_point_to_train_dataset_fields():
+    [(key, reason)] = check_dataloader_options("SFTDataLoader", {"cutoff_len": 5})
+    assert key == "cutoff_len" and "train_dataset.cutoff_len" in reason

@@ -96,6 +96,12 @@ def _owner(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel]:
     return model
 
 
+def _TRAIN_DATASET_FIELDS() -> set[str]:  # noqa: N802 (reads like the constant it stands for)
+    from meshforge.data.config import TrainDatasetConfig
+
+    return set(TrainDatasetConfig.model_fields)
+
+
 def _issues_from(error: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:
     issues = []
     for err in error.errors():
@@ -106,7 +112,13 @@ def _issues_from(error: ValidationError, model: type[BaseModel]) -> list[tuple[s
         if err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(name, valid, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            reason = f"unknown option for this loader{hint} (valid: {', '.join(valid)})"
+            if valid:
+                reason = f"unknown option for this loader{hint} (valid: {', '.join(valid)})"
+            else:
+                # SFTDataLoader reads its options from the train_dataset fields themselves.
+                reason = "this loader takes no options here; its settings are train_dataset fields"
+                if name in _TRAIN_DATASET_FIELDS():
+                    reason += f" (move it to train_dataset.{name})"
         elif err["type"] == "missing":
             field = owner.model_fields.get(name)
             reason = f"required: {field.description if field is not None else name}"
