@@ -83,7 +83,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if need_h:
                     grad_h[start : start + chunk_size] = (grad @ w).to(hidden.dtype)
                 if need_w:
-                    grad_w += grad.t() @ h
+                    if dtype == torch.float32:
+                        grad_w.addmm_(grad.t(), h)  # no [V, H] temporary
+                    else:
+                        grad_w += grad.t() @ h
                 del grad
         return grad_h, grad_w.to(weight.dtype) if need_w else None, None, None, None
 
