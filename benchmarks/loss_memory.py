@@ -73,8 +73,10 @@ def _loss_child(mode: str, chunk: int, tokens: int, hidden: int) -> dict:
     from meshforge.loss import chunked_cross_entropy_sum, cross_entropy_sum
 
     gen = torch.Generator().manual_seed(0)
-    h = (torch.randn(tokens, hidden, generator=gen) * 0.5).requires_grad_()
-    w = (torch.randn(VOCAB, hidden, generator=gen) * 0.02).requires_grad_()
+    h = torch.randn(tokens, hidden, generator=gen).mul_(0.5).requires_grad_()
+    w = (
+        torch.randn(VOCAB, hidden, generator=gen).mul_(0.02).requires_grad_()
+    )  # in place: no transient copy in the baseline
     labels = torch.randint(0, VOCAB, (tokens,), generator=gen)
     before = _rss_mb()
     start = time.perf_counter()
