@@ -19,22 +19,20 @@ model through one small, opt-in interface:
 
 What each switch does, and which path is the default:
 
-==========================  ======================================================================
-``use_flash_attn``          SDPA restricted to the flash backend (CUDA, fp16/bf16 only). Default off:
-                            SDPA picks its own backend. ``true`` on CPU is an error.
-``use_fused_rmsnorm``       ``torch.nn.functional.rms_norm`` (the default when the key is not
-                            written). ``false`` written out selects the reference formulation as
-                            transformers writes it (``x.float() * rsqrt(mean(x^2) + eps)``).
-``use_fused_rotary_pos_emb``  torch ships no fused rotary kernel: ``true`` is refused on every
-                            device, ``auto`` keeps the plain ``rotate_half`` formulation.
-``moe_grouped_gemm``        MoE experts as one ``F.grouped_mm`` per projection (same numbers).
-``fix_router``              Fixed, balanced routing for performance tuning: token ``i`` (flattened
-                            over batch and sequence) goes to experts ``(i * k + j) mod E`` for
-                            ``j < k``; the routing weights are the router probabilities of those
-                            experts (renormalised when ``norm_topk_prob``). MoE families only.
-``compile``                 ``torch.compile`` of every decoder layer, before FSDP wraps it.
-``chunk_loss_size``         Cross-entropy over sequence chunks (``meshforge.loss``).
-==========================  ======================================================================
+* ``use_flash_attn``: SDPA restricted to the flash backend (CUDA, fp16/bf16 only). Default
+  off: SDPA picks its own backend. ``true`` on CPU is an error.
+* ``use_fused_rmsnorm``: ``torch.nn.functional.rms_norm`` (also the default when the key is
+  not written); ``false`` written out selects the reference formulation as transformers
+  writes it (``x.float() * rsqrt(mean(x^2) + eps)``, scaled in the input dtype).
+* ``use_fused_rotary_pos_emb``: torch ships no fused rotary kernel, so ``true`` is refused on
+  every device and ``auto`` keeps the plain ``rotate_half`` formulation.
+* ``moe_grouped_gemm``: MoE experts as one ``F.grouped_mm`` per projection (same numbers).
+* ``fix_router``: fixed, balanced routing for performance tuning: token ``i`` (flattened over
+  batch and sequence) goes to experts ``(i * k + j) mod E`` for ``j < k``; the routing weights
+  are the router probabilities of those experts (renormalised when ``norm_topk_prob``), so
+  the router still gets a gradient. MoE families only.
+* ``compile``: ``torch.compile`` of every decoder layer, before FSDP wraps it.
+* ``chunk_loss_size``: cross-entropy over sequence chunks (``meshforge.loss``).
 
 Light module: torch is imported inside the functions that need it.
 """
