@@ -304,6 +304,8 @@ class Trainer:
             dp_size=self.dims.dp,
             global_batch_size=self.plan.global_batch_size,
             seed=int(self.cfg.training.seed),
+            # Megatron-format data sizes its sample index as steps x global batch, as Megatron does.
+            total_steps=int(self.cfg.training.steps),
             log=self.log,
         )
 
