@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
+from meshforge.models.common.causal_lm import MoECausalLM, build_causal_lm
 from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.mla import MultiHeadLatentAttention
 from meshforge.models.common.mlp import GatedMLP
@@ -107,68 +108,38 @@ class DeepseekV3Model(nn.Module):
         return self.norm(h)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(MoECausalLM[DeepseekV3Args]):
     """DeepSeek-V3 decoder with a language-model head; see the module docstring.
+
+    Tying, forward, init, parameter counts (the frozen correction bias included) and
+    the routing counts come from ``MoECausalLM``; ``e_score_correction_bias`` is
+    initialised to 0 like the biases.
 
     Args:
         args: Structural hyper-parameters (``DeepseekV3Args``).
     """
 
+    family = "deepseek_v3"
+    display_name = "DeepSeek-V3"
+    init_normal_suffixes = (
+        "_proj.weight",
+        "_proj_with_mqa.weight",
+        ".experts.gate_up_proj",
+        ".experts.down_proj",
+        ".mlp.gate.weight",
+    )
+    init_zero_suffixes = (".bias", ".e_score_correction_bias")
+
     def __init__(self, args: DeepseekV3Args) -> None:
-        super().__init__()
-        self.args = args
-        self.model = DeepseekV3Model(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.tie_weights()
+        super().__init__(args, DeepseekV3Model(args))
 
     @property
-    def config(self) -> DeepseekV3Args:
-        """The structural arguments under transformers' attribute name (``model.config.vocab_size``)."""
-        return self.args
-
-    def tie_weights(self) -> None:
-        """Make ``lm_head.weight`` the embedding's parameter when ``tie_word_embeddings``.
-
-        A no-op when already tied; re-applied after every ``_apply`` because ``to_empty``
-        and ``to`` from the meta device give each module a new parameter.
-        """
-        if self.args.tie_word_embeddings and self.lm_head.weight is not self.model.embed_tokens.weight:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def _apply(self, fn, recurse: bool = True):
-        out = super()._apply(fn, recurse)
-        self.tie_weights()
-        return out
+    def num_routed_experts(self) -> int:
+        return self.args.n_routed_experts
 
     def moe_layers(self) -> dict[int, SharedExpertMoEBlock]:
         """The sparse blocks by decoder-layer index."""
         return {i: layer.mlp for i, layer in enumerate(self.model.layers) if layer.is_moe}
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
-        *,
-        return_hidden: bool = False,
-    ) -> torch.Tensor:
-        """Compute next-token logits and record the routing counts of this forward.
-
-        Args:
-            input_ids: Token ids ``[B, S]``.
-            position_ids: Optional positions ``[B, S]``; default ``0..S-1``, or restarting
-                at 0 per segment when ``segment_ids`` is given.
-            segment_ids: Optional ``[B, S]`` document ids of packed rows (0 = padding);
-                attention never crosses a segment boundary.
-            return_hidden: Return the final normed hidden states ``[B, S, hidden]``
-                instead of the logits (for the chunked loss).
-
-        Returns:
-            Logits ``[B, S, vocab_size]`` in the compute dtype.
-        """
-        hidden = self.model(input_ids, position_ids, segment_ids)
-        # The chunked loss (kernels.chunk_loss_size) applies lm_head itself, chunk by chunk.
-        return hidden if return_hidden else self.lm_head(hidden)
 
     def configure_kernels(self, options: KernelOptions) -> None:
         """Apply the kernel switches (``meshforge.models.common.kernels``) to the blocks.
@@ -197,75 +168,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         ``router_aux_loss_coef`` has nothing to scale here.
         """
         return None
-
-    def tokens_per_expert(self) -> dict[int, torch.Tensor]:
-        """Top-k assignments per expert in the last forward: layer index -> LongTensor ``[n_routed_experts]``.
-
-        Every token is counted (padding too), so each layer's counts sum to
-        ``tokens * num_experts_per_tok``. Layers that have not run are left out.
-        """
-        return {
-            i: block.last_tokens_per_expert
-            for i, block in self.moe_layers().items()
-            if block.last_tokens_per_expert is not None
-        }
-
-    def init_full_parameter_(self, fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """Initialise one full (unsharded) parameter in place, as transformers does.
-
-        Linear, embedding, router and the 3-D expert weights ~ normal(0,
-        ``initializer_range``) (the padding row of the embedding zeroed when
-        ``pad_token_id`` is set), norm weights = 1, biases and
-        ``e_score_correction_bias`` = 0. Randomness comes only from ``generator``.
-
-        Args:
-            fqn: Fully-qualified parameter name, e.g. ``model.layers.1.mlp.experts.gate_up_proj``.
-            tensor: The full parameter tensor, written in place.
-            generator: Source of randomness.
-
-        Raises:
-            ValueError: If ``fqn`` is not a parameter name of this model.
-        """
-        if fqn.endswith((".bias", ".e_score_correction_bias")):
-            kind = "zero"
-        elif fqn.endswith(("norm.weight", "layernorm.weight")):
-            kind = "norm"
-        elif (
-            fqn.endswith(("_proj.weight", "_proj_with_mqa.weight"))
-            or fqn.endswith((".experts.gate_up_proj", ".experts.down_proj", ".mlp.gate.weight"))
-            or fqn in ("lm_head.weight", "model.embed_tokens.weight")
-        ):
-            kind = "normal"
-        else:
-            raise ValueError(f"init_full_parameter_: not a DeepSeek-V3 parameter name: {fqn!r}")
-        with torch.no_grad():
-            if kind == "zero":
-                tensor.zero_()
-            elif kind == "norm":
-                tensor.fill_(1.0)
-            else:
-                tensor.normal_(0.0, self.args.initializer_range, generator=generator)
-                pad = self.args.pad_token_id
-                if fqn == "model.embed_tokens.weight" and pad is not None:
-                    tensor[pad].zero_()
-
-    def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
-        """Count of distinct parameters (a tied head counted once; the frozen correction bias included).
-
-        Args:
-            exclude_embedding: Leave out the input embedding table.
-            active: Count only what one token uses: ``num_experts_per_tok`` of the
-                ``n_routed_experts`` routed experts per MoE layer.
-        """
-        total = sum(p.numel() for p in self.parameters())
-        if exclude_embedding:
-            total -= self.model.embed_tokens.weight.numel()
-        if active:
-            a = self.args
-            for block in self.moe_layers().values():
-                experts = block.experts.gate_up_proj.numel() + block.experts.down_proj.numel()
-                total -= experts * (a.n_routed_experts - a.num_experts_per_tok) // a.n_routed_experts
-        return total
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token over the active parameters: ``6 * N_active`` plus attention.
@@ -299,14 +201,7 @@ def build_deepseek_v3(args: DeepseekV3Args, *, device: str | torch.device = "met
     On a real device the parameters are initialised right away with a generator seeded by
     the parameter's position in ``named_parameters`` order.
     """
-    with torch.device(device):
-        model = DeepseekV3ForCausalLM(args)
-    if torch.device(device).type != "meta":
-        generator = torch.Generator(device=device)
-        for i, (name, param) in enumerate(model.named_parameters()):
-            generator.manual_seed(i)
-            model.init_full_parameter_(name, param.data, generator)
-    return model
+    return build_causal_lm(DeepseekV3ForCausalLM, args, device)
 
 
 __all__ = ["DeepseekV3DecoderLayer", "DeepseekV3ForCausalLM", "DeepseekV3Model", "build_deepseek_v3"]

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
+from meshforge.models.common.causal_lm import MoECausalLM, build_causal_lm
 from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
-from meshforge.models.common.moe import load_balancing_loss
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding
 from meshforge.models.common.sink_attention import SinkAttention, causal_mask, sliding_window_mask
@@ -150,68 +150,46 @@ class GptOssModel(nn.Module):
         return self.norm(h)
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(MoECausalLM[GptOssArgs]):
     """gpt-oss decoder with a language-model head; see the module docstring.
+
+    Tying, forward, init, parameter counts, the aux loss and the routing counts come
+    from ``MoECausalLM``. Init as transformers' ``_init_weights``: besides the linear
+    and embedding weights, the 3-D expert weights, the router weight *and bias* and
+    the attention sinks are normal(0, ``initializer_range``); the other biases
+    (attention projections, experts) are 0.
 
     Args:
         args: Structural hyper-parameters (``GptOssArgs``).
     """
 
+    family = "gpt_oss"
+    display_name = "gpt-oss"
+    # Checked before the zero rule, so ``.mlp.router.bias`` is drawn, not zeroed.
+    init_normal_suffixes = (
+        "_proj.weight",
+        ".experts.gate_up_proj",
+        ".experts.down_proj",
+        ".mlp.router.weight",
+        ".mlp.router.bias",
+        ".self_attn.sinks",
+    )
+    init_zero_suffixes = (".bias", "_proj_bias")
+
     def __init__(self, args: GptOssArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = GptOssModel(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.tie_weights()
+        super().__init__(args, GptOssModel(args))
 
     @property
-    def config(self) -> GptOssArgs:
-        """The structural arguments under transformers' attribute name (``model.config.vocab_size``)."""
-        return self.args
-
-    def tie_weights(self) -> None:
-        """Make ``lm_head.weight`` the embedding's parameter when ``tie_word_embeddings``.
-
-        A no-op when already tied; re-applied after every ``_apply`` because ``to_empty``
-        and ``to`` from the meta device give each module a new parameter.
-        """
-        if self.args.tie_word_embeddings and self.lm_head.weight is not self.model.embed_tokens.weight:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def _apply(self, fn, recurse: bool = True):
-        out = super()._apply(fn, recurse)
-        self.tie_weights()
-        return out
+    def num_routed_experts(self) -> int:
+        return self.args.num_local_experts
 
     def moe_layers(self) -> dict[int, GptOssMLP]:
         """The sparse blocks by decoder-layer index (every gpt-oss layer is sparse)."""
         return {i: layer.mlp for i, layer in enumerate(self.model.layers)}
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
-        *,
-        return_hidden: bool = False,
-    ) -> torch.Tensor:
-        """Compute next-token logits and record the routing statistics of this forward.
-
-        Args:
-            input_ids: Token ids ``[B, S]``.
-            position_ids: Optional positions ``[B, S]``; default ``0..S-1``, or restarting
-                at 0 per segment when ``segment_ids`` is given.
-            segment_ids: Optional ``[B, S]`` document ids of packed rows (0 = padding);
-                attention never crosses a segment boundary (sliding windows are cut there
-                too) and padding is left out of the aux loss.
-            return_hidden: Return the final normed hidden states ``[B, S, hidden]``
-                instead of the logits (for the chunked loss, ``kernels.chunk_loss_size``).
-
-        Returns:
-            Logits ``[B, S, vocab_size]`` in the compute dtype.
-        """
-        hidden = self.model(input_ids, position_ids, segment_ids)
-        return hidden if return_hidden else self.lm_head(hidden)
+    def _expert_numel(self, block: nn.Module) -> int:
+        # gpt-oss experts carry biases too; a token uses k of E of those as well.
+        return sum(p.numel() for p in block.experts.parameters())
 
     def configure_kernels(self, options: KernelOptions) -> None:
         """Apply the kernel switches (``meshforge.models.common.kernels``).
@@ -235,95 +213,6 @@ class GptOssForCausalLM(nn.Module):
         for block in self.moe_layers().values():
             block.experts.use_grouped_mm = options.grouped_mm
             block.router.fixed = options.fix_router
-
-    def aux_loss(self) -> torch.Tensor | None:
-        """Router load-balancing loss of the last forward, unscaled (float32 scalar).
-
-        As transformers: only when ``output_router_logits`` is true, one Switch loss over
-        all layers together. The trainer adds ``router_aux_loss_coef * aux_loss()``.
-
-        Returns:
-            The loss, or None when ``output_router_logits`` is false or no forward ran yet.
-        """
-        if not self.args.output_router_logits:
-            return None
-        stats = [block.last_aux_stats for block in self.moe_layers().values()]
-        if any(s is None for s in stats):
-            return None
-        return load_balancing_loss(stats, self.args.num_local_experts)
-
-    def tokens_per_expert(self) -> dict[int, torch.Tensor]:
-        """Top-k assignments per expert in the last forward: layer index -> LongTensor ``[num_experts]``.
-
-        Every token is counted (padding too), so each layer's counts sum to
-        ``tokens * num_experts_per_tok``. Layers that have not run are left out.
-        """
-        return {
-            i: block.last_tokens_per_expert
-            for i, block in self.moe_layers().items()
-            if block.last_tokens_per_expert is not None
-        }
-
-    def init_full_parameter_(self, fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """Initialise one full (unsharded) parameter in place, as transformers' ``_init_weights`` does.
-
-        Linear/embedding weights, the 3-D expert weights, the router weight *and bias*
-        and the attention sinks ~ normal(0, ``initializer_range``) (the embedding's padding
-        row zeroed when ``pad_token_id`` is set); norm weights = 1; the other biases
-        (attention projections, experts) = 0. Randomness comes only from ``generator``.
-
-        Args:
-            fqn: Fully-qualified parameter name, e.g. ``model.layers.0.mlp.experts.gate_up_proj``.
-            tensor: The full parameter tensor, written in place.
-            generator: Source of randomness.
-
-        Raises:
-            ValueError: If ``fqn`` is not a parameter name of this model.
-        """
-        normal_suffixes = (
-            "_proj.weight",
-            ".experts.gate_up_proj",
-            ".experts.down_proj",
-            ".mlp.router.weight",
-            ".mlp.router.bias",
-            ".self_attn.sinks",
-        )
-        if fqn.endswith("norm.weight"):
-            kind = "norm"
-        elif fqn.endswith(normal_suffixes) or fqn in ("lm_head.weight", "model.embed_tokens.weight"):
-            kind = "normal"
-        elif fqn.endswith((".bias", "_proj_bias")):
-            kind = "zero"
-        else:
-            raise ValueError(f"init_full_parameter_: not a gpt-oss parameter name: {fqn!r}")
-        with torch.no_grad():
-            if kind == "zero":
-                tensor.zero_()
-            elif kind == "norm":
-                tensor.fill_(1.0)
-            else:
-                tensor.normal_(0.0, self.args.initializer_range, generator=generator)
-                pad = self.args.pad_token_id
-                if fqn == "model.embed_tokens.weight" and pad is not None:
-                    tensor[pad].zero_()
-
-    def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
-        """Count of distinct parameters (a tied head counted once).
-
-        Args:
-            exclude_embedding: Leave out the input embedding table.
-            active: Count only what one token uses: ``num_experts_per_tok`` of the
-                ``num_local_experts`` experts per layer (weights and biases).
-        """
-        total = sum(p.numel() for p in self.parameters())
-        if exclude_embedding:
-            total -= self.model.embed_tokens.weight.numel()
-        if active:
-            a = self.args
-            for block in self.moe_layers().values():
-                experts = sum(p.numel() for p in block.experts.parameters())
-                total -= experts * (a.num_local_experts - a.num_experts_per_tok) // a.num_local_experts
-        return total
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token over the active parameters: ``6 * N_active + 12 * L * H * D * S_eff``.
@@ -363,14 +252,7 @@ def build_gpt_oss(args: GptOssArgs, *, device: str | torch.device = "meta") -> G
     On a real device the parameters are initialised right away with a generator
     seeded by the parameter's position in ``named_parameters`` order.
     """
-    with torch.device(device):
-        model = GptOssForCausalLM(args)
-    if torch.device(device).type != "meta":
-        generator = torch.Generator(device=device)
-        for i, (name, param) in enumerate(model.named_parameters()):
-            generator.manual_seed(i)
-            model.init_full_parameter_(name, param.data, generator)
-    return model
+    return build_causal_lm(GptOssForCausalLM, args, device)
 
 
 __all__ = [

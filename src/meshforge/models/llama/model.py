@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
-from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
+from meshforge.models.common.causal_lm import CausalLM, InitKind, build_causal_lm
 from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding
@@ -78,116 +78,26 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM[LlamaArgs]):
     """Llama decoder with a language-model head; see the module docstring.
+
+    Tying, forward, kernel switches, init and parameter counts come from ``CausalLM``.
 
     Args:
         args: Structural hyper-parameters (``LlamaArgs``).
     """
 
+    family = "llama"
+    display_name = "Llama"
+    init_norm_suffixes = ("layernorm.weight",)
+    init_zero_suffixes = ("_proj.bias",)
+
     def __init__(self, args: LlamaArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = LlamaModel(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.tie_weights()
+        super().__init__(args, LlamaModel(args))
 
-    @property
-    def config(self) -> LlamaArgs:
-        """The structural arguments under transformers' attribute name (``model.config.vocab_size``)."""
-        return self.args
-
-    def tie_weights(self) -> None:
-        """Make ``lm_head.weight`` the embedding's parameter when ``tie_word_embeddings``.
-
-        One tensor under two names, as transformers ties them. A no-op when already
-        tied. Called again after every ``_apply`` because ``to_empty`` (and ``to``) from
-        the meta device gives each module its own new parameter, silently untying.
-        """
-        if self.args.tie_word_embeddings and self.lm_head.weight is not self.model.embed_tokens.weight:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def _apply(self, fn, recurse: bool = True):
-        out = super()._apply(fn, recurse)
-        self.tie_weights()
-        return out
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
-        *,
-        return_hidden: bool = False,
-    ) -> torch.Tensor:
-        """Compute next-token logits.
-
-        Args:
-            input_ids: Token ids ``[B, S]``.
-            position_ids: Optional positions ``[B, S]``; default ``0..S-1``, or restarting
-                at 0 per segment when ``segment_ids`` is given.
-            segment_ids: Optional ``[B, S]`` document ids of packed rows (0 = padding);
-                attention never crosses a segment boundary.
-            return_hidden: Return the final normed hidden states ``[B, S, hidden]``
-                instead of the logits (for the chunked loss).
-
-        Returns:
-            Logits ``[B, S, vocab_size]`` in the compute dtype.
-        """
-        hidden = self.model(input_ids, position_ids, segment_ids)
-        # The chunked loss (kernels.chunk_loss_size) applies lm_head itself, chunk by chunk.
-        return hidden if return_hidden else self.lm_head(hidden)
-
-    def configure_kernels(self, options: KernelOptions) -> None:
-        """Apply the kernel switches (``meshforge.models.common.kernels``) to the blocks."""
-        apply_kernel_options(self, options, family="llama")
-
-    def init_full_parameter_(self, fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """Initialise one full (unsharded) parameter in place, as transformers does.
-
-        Linear and embedding weights ~ normal(0, ``initializer_range``) (the padding
-        row of the embedding zeroed when ``pad_token_id`` is set), norm weights = 1,
-        biases = 0. Randomness comes only from ``generator``, so a trainer that seeds
-        one generator per parameter and keeps its local shard gets the weights a
-        single process would.
-
-        Args:
-            fqn: Fully-qualified parameter name, e.g. ``model.layers.0.mlp.up_proj.weight``.
-            tensor: The full parameter tensor (on the generator's device), written in place.
-            generator: Source of randomness.
-
-        Raises:
-            ValueError: If ``fqn`` is not a parameter name of this model.
-        """
-        if fqn.endswith("_proj.bias"):
-            kind = "bias"
-        elif fqn.endswith("layernorm.weight") or fqn == "model.norm.weight":
-            kind = "norm"
-        elif fqn.endswith("_proj.weight") or fqn in ("lm_head.weight", "model.embed_tokens.weight"):
-            kind = "normal"
-        else:
-            raise ValueError(f"init_full_parameter_: not a Llama parameter name: {fqn!r}")
-        with torch.no_grad():
-            if kind == "bias":
-                tensor.zero_()
-            elif kind == "norm":
-                tensor.fill_(1.0)
-            else:
-                tensor.normal_(0.0, self.args.initializer_range, generator=generator)
-                pad = self.args.pad_token_id
-                if fqn == "model.embed_tokens.weight" and pad is not None:
-                    tensor[pad].zero_()
-
-    def num_params(self, *, exclude_embedding: bool = False) -> int:
-        """Count of distinct parameters (a tied head counted once).
-
-        Args:
-            exclude_embedding: Leave out the input embedding table.
-        """
-        total = sum(p.numel() for p in self.parameters())
-        if exclude_embedding:
-            total -= self.model.embed_tokens.weight.numel()
-        return total
+    def _init_kind(self, fqn: str) -> InitKind | None:
+        # The final norm is the one norm whose name does not end in ``layernorm.weight``.
+        return "norm" if fqn == "model.norm.weight" else super()._init_kind(fqn)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: ``6 * N + 12 * L * H * D * S``.
@@ -227,14 +137,7 @@ def build_llama(args: LlamaArgs, *, device: str | torch.device = "meta") -> Llam
     Returns:
         The model (tied head already tied).
     """
-    with torch.device(device):
-        model = LlamaForCausalLM(args)
-    if torch.device(device).type != "meta":
-        generator = torch.Generator(device=device)
-        for i, (name, param) in enumerate(model.named_parameters()):
-            generator.manual_seed(i)
-            model.init_full_parameter_(name, param.data, generator)
-    return model
+    return build_causal_lm(LlamaForCausalLM, args, device)
 
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "build_llama"]
