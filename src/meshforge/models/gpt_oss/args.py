@@ -17,10 +17,10 @@ This module does not import torch.
 
 from __future__ import annotations
 
-import difflib
-import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from meshforge.models.common.options import coerce_scalar, parse_options
 
 DEFAULT_ROPE_THETA = 150_000.0
 #: RoPE types the built-in model computes (transformers' ``rope_type``).
@@ -246,41 +246,17 @@ _FLOAT_FIELDS = frozenset(
 _BOOL_FIELDS = frozenset({"tie_word_embeddings", "output_router_logits", "use_cache", "attention_bias"})
 
 
-def _number(key: str, value: Any, *, integer: bool) -> int | float:
-    if isinstance(value, bool):
-        raise ValueError(f"{key}: must be a number, got {value!r}")
-    try:
-        number = float(value) if isinstance(value, str) else value
-    except ValueError:
-        raise ValueError(f"{key}: must be a number, got {value!r}") from None
-    if not isinstance(number, int | float):
-        raise ValueError(f"{key}: must be a number, got {value!r}")
-    if integer:
-        if not math.isfinite(number) or float(number) != int(number):
-            raise ValueError(f"{key}: must be an integer, got {value!r}")
-        return int(number)
-    return float(number)
-
-
 def _coerce(key: str, value: Any) -> Any:
     """Accept YAML spellings of numbers (``"1e-5"``); never a bool as a number."""
-    if value is None:
-        return None
-    if key in _BOOL_FIELDS:
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: must be true or false, got {value!r}")
-        return value
-    if key in _INT_FIELDS or key in _FLOAT_FIELDS:
-        return _number(key, value, integer=key in _INT_FIELDS)
-    if key == "layer_types":
+    if key == "layer_types" and value is not None:
         if not isinstance(value, list | tuple):
             raise ValueError(f"layer_types: must be a list of {list(LAYER_TYPES)}, got {value!r}")
         return list(value)
-    if key == "rope_parameters":
+    if key == "rope_parameters" and value is not None:
         if not isinstance(value, dict):
             raise ValueError(f"rope_parameters: must be a mapping, got {value!r}")
         return dict(value)
-    return value
+    return coerce_scalar(key, value, ints=_INT_FIELDS, floats=_FLOAT_FIELDS, bools=_BOOL_FIELDS)
 
 
 def from_options(options: dict[str, Any]) -> GptOssArgs:
@@ -300,29 +276,14 @@ def from_options(options: dict[str, Any]) -> GptOssArgs:
         ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
             a key given under two spellings with different values, or an invalid value (named).
     """
-    unknown = sorted(k for k in options if k not in OPTION_KEYS)
-    if unknown:
-        reasons = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, sorted(OPTION_KEYS), n=1, cutoff=0.6)
-            reasons.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ValueError(f"unknown gpt-oss model option(s): {', '.join(reasons)}")
-    options = dict(options)
-    for alias, name in ALIASES.items():
-        if alias in options:
-            value = options.pop(alias)
-            if name in options and options[name] is not None and value is not None and options[name] != value:
-                raise ValueError(
-                    f"{alias}: is another name for {name}; got both ({value!r} vs {options[name]!r})"
-                )
-            if options.get(name) is None:
-                options[name] = value
-    options = {k: _coerce(k, v) for k, v in options.items()}
-    flavor = options.pop("flavor", None)
-    if flavor is None:
-        base = GptOssArgs()
-    elif flavor in FLAVORS:
-        base = FLAVORS[flavor]
-    else:
-        raise ValueError(f"flavor: unknown gpt-oss flavor {flavor!r}; use one of {sorted(FLAVORS)}")
-    return replace(base, **options)
+    parsed = parse_options(
+        options,
+        label="gpt-oss",
+        known=OPTION_KEYS,
+        flavors=FLAVORS,
+        default=GptOssArgs,
+        coerce=_coerce,
+        aliases=ALIASES,
+        lenient_aliases=True,
+    )
+    return replace(parsed.base, **parsed.overrides)

@@ -13,10 +13,18 @@ without it.
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+from meshforge.models.common.options import (
+    coerce_scalar,
+    number,
+    parse_options,
+)
+from meshforge.models.common.options import (
+    unknown_option_message as _unknown_option_message,
+)
 
 DEFAULT_ROPE_THETA = 10_000.0
 # The RoPE types the model can build (``meshforge.models.common.rope.ROPE_TYPES``,
@@ -232,9 +240,7 @@ FLAVORS: dict[str, LlamaArgs] = {
 
 def unknown_option_message(key: str, known: frozenset[str] | set[str]) -> str:
     """Reason text for an option key that is not declared, with a close match if any."""
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"unknown Llama option{hint}"
+    return _unknown_option_message(key, known, "Llama")
 
 
 _INT_FIELDS = frozenset(
@@ -257,44 +263,19 @@ _BOOL_FIELDS = frozenset({"use_cache", "tie_word_embeddings", "attention_bias", 
 _ROPE_FLOAT_KEYS = frozenset({"rope_theta", "factor", "low_freq_factor", "high_freq_factor"})
 
 
-def _number(key: str, value: Any, *, integer: bool) -> int | float:
-    """A YAML number spelling (``"1e-6"``, ``"10"``) as int or float; never a bool."""
-    if isinstance(value, bool):
-        raise ValueError(f"{key}: must be a number, got {value!r}")
-    try:
-        number = float(value) if isinstance(value, str) else value
-    except ValueError:
-        raise ValueError(f"{key}: must be a number, got {value!r}") from None
-    if not isinstance(number, int | float):
-        raise ValueError(f"{key}: must be a number, got {value!r}")
-    if integer:
-        if not math.isfinite(number) or float(number) != int(number):
-            raise ValueError(f"{key}: must be an integer, got {value!r}")
-        return int(number)
-    return float(number)
-
-
 def _coerce(key: str, value: Any) -> Any:
     """Normalise one option value: numbers from strings, bools strict, RoPE dict entries too."""
-    if value is None:
-        return None
-    if key in _BOOL_FIELDS:
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: must be true or false, got {value!r}")
-        return value
-    if key in _INT_FIELDS or key in _FLOAT_FIELDS:
-        return _number(key, value, integer=key in _INT_FIELDS)
     if key in ("rope_parameters", "rope_scaling") and isinstance(value, dict):
         out = dict(value)
         for sub, raw in value.items():
             if raw is None:
                 continue
             if sub in _ROPE_FLOAT_KEYS or sub == "partial_rotary_factor":
-                out[sub] = _number(f"{key}.{sub}", raw, integer=False)
+                out[sub] = number(f"{key}.{sub}", raw, integer=False)
             elif sub == "original_max_position_embeddings":
-                out[sub] = _number(f"{key}.{sub}", raw, integer=True)
+                out[sub] = number(f"{key}.{sub}", raw, integer=True)
         return out
-    return value
+    return coerce_scalar(key, value, ints=_INT_FIELDS, floats=_FLOAT_FIELDS, bools=_BOOL_FIELDS)
 
 
 def from_options(options: dict[str, Any]) -> LlamaArgs:
@@ -317,18 +298,15 @@ def from_options(options: dict[str, Any]) -> LlamaArgs:
         ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
             an invalid value (named), or a RoPE type that is not built.
     """
-    unknown = sorted(k for k in options if k not in OPTION_KEYS)
-    if unknown:
-        reasons = ", ".join(f"{k!r} ({unknown_option_message(k, OPTION_KEYS)})" for k in unknown)
-        raise ValueError(f"unknown Llama model option(s): {reasons}")
-    options = {k: _coerce(k, v) for k, v in options.items()}
-    flavor = options.pop("flavor", None)
-    if flavor is None:
-        base = LlamaArgs()
-    elif flavor in FLAVORS:
-        base = FLAVORS[flavor]
-    else:
-        raise ValueError(f"flavor: unknown Llama flavor {flavor!r}; use one of {sorted(FLAVORS)}")
+    base, options, flavor = parse_options(
+        options,
+        label="Llama",
+        known=OPTION_KEYS,
+        flavors=FLAVORS,
+        default=LlamaArgs,
+        coerce=_coerce,
+        unknown_reason=lambda key: unknown_option_message(key, OPTION_KEYS),
+    )
     if flavor is not None:
         if "hidden_size" in options or "num_attention_heads" in options:
             # A flavor's derived head_dim follows a changed width unless given explicitly.

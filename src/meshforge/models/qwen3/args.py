@@ -10,10 +10,16 @@ system can check option keys without it.
 
 from __future__ import annotations
 
-import difflib
-import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+from meshforge.models.common.options import (
+    coerce_scalar,
+    parse_options,
+)
+from meshforge.models.common.options import (
+    unknown_option_message as _unknown_option_message,
+)
 
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -147,9 +153,7 @@ FLAVORS: dict[str, Qwen3Args] = {
 
 def unknown_option_message(key: str, known: frozenset[str] | set[str]) -> str:
     """Reason text for an option key that is not declared, with a close match if any."""
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"unknown Qwen3 option{hint}"
+    return _unknown_option_message(key, known, "Qwen3")
 
 
 _INT_FIELDS = frozenset(
@@ -174,27 +178,7 @@ _BOOL_FIELDS = frozenset({"use_cache", "tie_word_embeddings", "attention_bias", 
 
 def _coerce(key: str, value: Any) -> Any:
     """Accept YAML spellings of numbers (``"1e-6"``, ``"10"``); never a bool as a number."""
-    if value is None:
-        return None
-    if key in _BOOL_FIELDS:
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: must be true or false, got {value!r}")
-        return value
-    if key in _INT_FIELDS or key in _FLOAT_FIELDS:
-        if isinstance(value, bool):
-            raise ValueError(f"{key}: must be a number, got {value!r}")
-        try:
-            number = float(value) if isinstance(value, str) else value
-        except ValueError:
-            raise ValueError(f"{key}: must be a number, got {value!r}") from None
-        if not isinstance(number, int | float):
-            raise ValueError(f"{key}: must be a number, got {value!r}")
-        if key in _INT_FIELDS:
-            if not math.isfinite(number) or float(number) != int(number):
-                raise ValueError(f"{key}: must be an integer, got {value!r}")
-            return int(number)
-        return float(number)
-    return value
+    return coerce_scalar(key, value, ints=_INT_FIELDS, floats=_FLOAT_FIELDS, bools=_BOOL_FIELDS)
 
 
 def from_options(options: dict[str, Any]) -> Qwen3Args:
@@ -216,16 +200,13 @@ def from_options(options: dict[str, Any]) -> Qwen3Args:
         ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
             or an invalid value (named).
     """
-    unknown = sorted(k for k in options if k not in OPTION_KEYS)
-    if unknown:
-        reasons = ", ".join(f"{k!r} ({unknown_option_message(k, OPTION_KEYS)})" for k in unknown)
-        raise ValueError(f"unknown Qwen3 model option(s): {reasons}")
-    options = {k: _coerce(k, v) for k, v in options.items()}
-    flavor = options.pop("flavor", None)
-    if flavor is None:
-        base = Qwen3Args()
-    elif flavor in FLAVORS:
-        base = FLAVORS[flavor]
-    else:
-        raise ValueError(f"flavor: unknown Qwen3 flavor {flavor!r}; use one of {sorted(FLAVORS)}")
-    return replace(base, **options)
+    parsed = parse_options(
+        options,
+        label="Qwen3",
+        known=OPTION_KEYS,
+        flavors=FLAVORS,
+        default=Qwen3Args,
+        coerce=_coerce,
+        unknown_reason=lambda key: unknown_option_message(key, OPTION_KEYS),
+    )
+    return replace(parsed.base, **parsed.overrides)

@@ -12,10 +12,10 @@ This module does not import torch.
 
 from __future__ import annotations
 
-import difflib
-import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+from meshforge.models.common.options import coerce_scalar, number, parse_options
 
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -235,37 +235,13 @@ _BOOL_FIELDS = frozenset(
 )
 
 
-def _number(key: str, value: Any, *, integer: bool) -> int | float:
-    if isinstance(value, bool):
-        raise ValueError(f"{key}: must be a number, got {value!r}")
-    try:
-        number = float(value) if isinstance(value, str) else value
-    except ValueError:
-        raise ValueError(f"{key}: must be a number, got {value!r}") from None
-    if not isinstance(number, int | float):
-        raise ValueError(f"{key}: must be a number, got {value!r}")
-    if integer:
-        if not math.isfinite(number) or float(number) != int(number):
-            raise ValueError(f"{key}: must be an integer, got {value!r}")
-        return int(number)
-    return float(number)
-
-
 def _coerce(key: str, value: Any) -> Any:
     """Accept YAML spellings of numbers (``"1e-6"``, ``"10"``); never a bool as a number."""
-    if value is None:
-        return None
-    if key in _BOOL_FIELDS:
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: must be true or false, got {value!r}")
-        return value
-    if key in _INT_FIELDS or key in _FLOAT_FIELDS:
-        return _number(key, value, integer=key in _INT_FIELDS)
-    if key == "mlp_only_layers":
+    if key == "mlp_only_layers" and value is not None:
         if not isinstance(value, list | tuple):
             raise ValueError(f"mlp_only_layers: must be a list of layer indices, got {value!r}")
-        return [_number(f"mlp_only_layers[{i}]", v, integer=True) for i, v in enumerate(value)]
-    return value
+        return [number(f"mlp_only_layers[{i}]", v, integer=True) for i, v in enumerate(value)]
+    return coerce_scalar(key, value, ints=_INT_FIELDS, floats=_FLOAT_FIELDS, bools=_BOOL_FIELDS)
 
 
 def from_options(options: dict[str, Any]) -> Qwen3MoeArgs:
@@ -285,27 +261,13 @@ def from_options(options: dict[str, Any]) -> Qwen3MoeArgs:
         ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
             a key given under both spellings, or an invalid value (named).
     """
-    unknown = sorted(k for k in options if k not in OPTION_KEYS)
-    if unknown:
-        reasons = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, sorted(OPTION_KEYS), n=1, cutoff=0.6)
-            reasons.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ValueError(f"unknown Qwen3-MoE model option(s): {', '.join(reasons)}")
-    options = dict(options)
-    for alias, name in ALIASES.items():
-        if alias in options:
-            if name in options and options[name] != options[alias]:
-                raise ValueError(
-                    f"{alias}: is another name for {name}; got both ({options[alias]!r} vs {options[name]!r})"
-                )
-            options[name] = options.pop(alias)
-    options = {k: _coerce(k, v) for k, v in options.items()}
-    flavor = options.pop("flavor", None)
-    if flavor is None:
-        base = Qwen3MoeArgs()
-    elif flavor in FLAVORS:
-        base = FLAVORS[flavor]
-    else:
-        raise ValueError(f"flavor: unknown Qwen3-MoE flavor {flavor!r}; use one of {sorted(FLAVORS)}")
-    return replace(base, **options)
+    parsed = parse_options(
+        options,
+        label="Qwen3-MoE",
+        known=OPTION_KEYS,
+        flavors=FLAVORS,
+        default=Qwen3MoeArgs,
+        coerce=_coerce,
+        aliases=ALIASES,
+    )
+    return replace(parsed.base, **parsed.overrides)
