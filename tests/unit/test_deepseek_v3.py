@@ -20,6 +20,8 @@ from meshforge.models.deepseek_v3 import hf as ds_hf  # noqa: E402
 from meshforge.models.deepseek_v3.args import FLAVORS, DeepseekV3Args, from_options  # noqa: E402
 from meshforge.models.deepseek_v3.model import DeepseekV3ForCausalLM, build_deepseek_v3  # noqa: E402
 from meshforge.models.deepseek_v3.spec import FAMILY  # noqa: E402
+from tests.unit._parity import load_from_hf  # noqa: E402
+from tests.unit._parity import rel as _rel  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,14 +115,8 @@ def _hf_model(args: DeepseekV3Args, seed: int = 0):
 def _pair(args: DeepseekV3Args, seed: int = 0):
     hf = _hf_model(args, seed)
     ours = DeepseekV3ForCausalLM(args)
-    hf_keys, our_keys = set(hf.state_dict()), set(ours.state_dict())
-    assert hf_keys == our_keys, (hf_keys - our_keys, our_keys - hf_keys)
-    ours.load_state_dict(hf.state_dict(), strict=True)
+    load_from_hf(ours, hf)
     return hf, ours
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

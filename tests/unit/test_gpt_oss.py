@@ -19,6 +19,8 @@ from meshforge.models.common.yarn import yarn_from_parameters  # noqa: E402
 from meshforge.models.gpt_oss.args import FLAVORS, GptOssArgs, from_options  # noqa: E402
 from meshforge.models.gpt_oss.model import GptOssForCausalLM, build_gpt_oss  # noqa: E402
 from meshforge.models.gpt_oss.spec import FAMILY  # noqa: E402
+from tests.unit._parity import assert_grads_match, load_from_hf  # noqa: E402
+from tests.unit._parity import rel as _rel  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,14 +103,8 @@ def _hf_model(args: GptOssArgs, seed: int = 0):
 def _pair(args: GptOssArgs, seed: int = 0):
     hf = _hf_model(args, seed)
     ours = GptOssForCausalLM(args)
-    hf_keys, our_keys = set(hf.state_dict()), set(ours.state_dict())
-    assert hf_keys == our_keys, (hf_keys - our_keys, our_keys - hf_keys)
-    ours.load_state_dict(hf.state_dict(), strict=True)
+    load_from_hf(ours, hf)
     return hf, ours
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -139,10 +135,7 @@ def test_logits_loss_aux_loss_and_grads_match_transformers(name):
         loss.backward()
         losses[key] = loss.detach()
     assert _rel(losses["ours"], losses["hf"]) <= 1e-5
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
-    for n, p in ours.named_parameters():
-        assert p.grad is not None, n
-        assert _rel(p.grad, hf_grads[n]) <= 1e-4, n
+    assert_grads_match(hf, ours, tol=1e-4)
 
 
 def test_position_ids_are_honoured_like_transformers():

@@ -20,6 +20,8 @@ from meshforge.models.common.rope import (  # noqa: E402
 from meshforge.models.llama.args import FLAVORS, LlamaArgs, from_options  # noqa: E402
 from meshforge.models.llama.model import LlamaForCausalLM, build_llama  # noqa: E402
 from meshforge.models.llama.spec import FAMILY  # noqa: E402
+from tests.unit._parity import load_from_hf  # noqa: E402
+from tests.unit._parity import rel as _rel  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,14 +73,8 @@ def _pair(args: LlamaArgs, seed: int = 0):
             if name.endswith("bias") or name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)
     ours = LlamaForCausalLM(args)
-    hf_keys, our_keys = set(hf.state_dict()), set(ours.state_dict())
-    assert hf_keys == our_keys, (hf_keys - our_keys, our_keys - hf_keys)
-    ours.load_state_dict(hf.state_dict(), strict=True)
+    load_from_hf(ours, hf)
     return hf, ours
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -18,6 +18,8 @@ from meshforge.models.registry import (  # noqa: E402
     check_model_options,
     resolve_family,
 )
+from tests.unit._parity import assert_grads_match, load_from_hf  # noqa: E402
+from tests.unit._parity import rel as _rel  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,14 +56,8 @@ def _pair(args: Qwen3Args, seed: int = 0):
             if name.endswith("bias") or name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)
     ours = Qwen3ForCausalLM(args)
-    hf_keys, our_keys = set(hf.state_dict()), set(ours.state_dict())
-    assert hf_keys == our_keys, (hf_keys - our_keys, our_keys - hf_keys)
-    ours.load_state_dict(hf.state_dict(), strict=True)
+    load_from_hf(ours, hf)
     return hf, ours
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -87,10 +83,7 @@ def test_logits_loss_and_grads_match_transformers(name):
         loss.backward()
         model._test_loss = loss.detach()
     assert _rel(ours._test_loss, hf._test_loss) <= 1e-5
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
-    for n, p in ours.named_parameters():
-        assert p.grad is not None, n
-        assert _rel(p.grad, hf_grads[n]) <= 1e-5, n
+    assert_grads_match(hf, ours, tol=1e-5)
 
 
 def test_position_ids_are_honoured():

@@ -19,6 +19,8 @@ from meshforge.models.qwen3_moe import hf as moe_hf  # noqa: E402
 from meshforge.models.qwen3_moe.args import FLAVORS, OPTION_KEYS, Qwen3MoeArgs, from_options  # noqa: E402
 from meshforge.models.qwen3_moe.model import Qwen3MoeForCausalLM, build_qwen3_moe  # noqa: E402
 from meshforge.models.qwen3_moe.spec import FAMILY  # noqa: E402
+from tests.unit._parity import assert_grads_match, load_from_hf  # noqa: E402
+from tests.unit._parity import rel as _rel  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,14 +92,8 @@ def _hf_model(args: Qwen3MoeArgs, seed: int = 0):
 def _pair(args: Qwen3MoeArgs, seed: int = 0):
     hf = _hf_model(args, seed)
     ours = Qwen3MoeForCausalLM(args)
-    hf_keys, our_keys = set(hf.state_dict()), set(ours.state_dict())
-    assert hf_keys == our_keys, (hf_keys - our_keys, our_keys - hf_keys)
-    ours.load_state_dict(hf.state_dict(), strict=True)
+    load_from_hf(ours, hf)
     return hf, ours
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -128,10 +124,7 @@ def test_logits_loss_aux_loss_and_grads_match_transformers(name):
         loss.backward()
         losses[key] = loss.detach()
     assert _rel(losses["ours"], losses["hf"]) <= 1e-5
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
-    for n, p in ours.named_parameters():
-        assert p.grad is not None, n
-        assert _rel(p.grad, hf_grads[n]) <= 1e-4, n
+    assert_grads_match(hf, ours, tol=1e-4)
 
 
 def test_tokens_per_expert_counts_every_assignment():

@@ -1,0 +1,32 @@
+"""Helpers the model-family parity tests share (ours against transformers, same weights).
+
+Each ``test_<family>.py`` builds a transformers model and ours from the same
+``*Args``; these helpers load one into the other and compare outputs and gradients,
+so the checks read the same in every family.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max absolute difference relative to ``b``'s largest magnitude."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def load_from_hf(ours: nn.Module, hf: nn.Module) -> nn.Module:
+    """Load ``hf``'s weights into ``ours`` after checking both use exactly the same names."""
+    hf_keys, our_keys = set(hf.state_dict()), set(ours.state_dict())
+    assert hf_keys == our_keys, (hf_keys - our_keys, our_keys - hf_keys)
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    return ours
+
+
+def assert_grads_match(hf: nn.Module, ours: nn.Module, *, tol: float) -> None:
+    """Every parameter of ``ours`` has a gradient within ``tol`` (``rel``) of ``hf``'s same-named one."""
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    for n, p in ours.named_parameters():
+        assert p.grad is not None, n
+        assert rel(p.grad, hf_grads[n]) <= tol, n
