@@ -8,7 +8,9 @@ hidden states for the chunked loss), kernel switches go through
 ``apply_kernel_options``, and parameters are initialised one by one as transformers'
 ``_init_weights`` does. ``CausalLM`` holds that once; a family sets its names and
 the parameter suffixes of its own initialisation rules. ``MoECausalLM`` adds the
-routing statistics and active-parameter count of the sparse families.
+routing statistics and active-parameter count of the sparse families, and
+``DecoderModel`` is the inner ``model`` forward of the families whose layers all
+take one mask (embedding, per-document mask and positions, RoPE, layers, norm).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 import torch
 from torch import nn
 
+from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
 from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.moe import load_balancing_loss
 
@@ -26,6 +29,38 @@ InitKind = Literal["normal", "norm", "zero"]
 
 # Weights that are normal(0, initializer_range) in every family, whatever their suffix.
 _HEAD_AND_EMBEDDING = ("lm_head.weight", "model.embed_tokens.weight")
+
+
+class DecoderModel(nn.Module):
+    """Forward of transformers' inner ``*Model``: embedding, decoder layers, final norm.
+
+    A subclass creates ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb`` (in
+    that order, as transformers does) in its ``__init__``; every layer is called as
+    ``layer(h, rope, mask)``, or ``layer(h, rope, mask, token_mask)`` when
+    ``pass_token_mask`` (MoE layers that leave padding out of the aux loss).
+    """
+
+    pass_token_mask: ClassVar[bool] = False
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        mask = token_mask = None
+        if segment_ids is not None:
+            # One mask for all layers; positions restart per document unless given.
+            mask = segment_causal_mask(segment_ids)
+            if self.pass_token_mask:
+                token_mask = segment_ids != 0
+            if position_ids is None:
+                position_ids = positions_from_segments(segment_ids)
+        rope = self.rotary_emb(position_ids, seq_len=input_ids.shape[-1], device=h.device, dtype=h.dtype)
+        for layer in self.layers:
+            h = layer(h, rope, mask, token_mask) if self.pass_token_mask else layer(h, rope, mask)
+        return self.norm(h)
 
 
 class CausalLM(nn.Module, Generic[ArgsT]):
@@ -253,4 +288,4 @@ def build_causal_lm(cls: type[ModelT], args: Any, device: str | torch.device = "
     return model
 
 
-__all__ = ["CausalLM", "MoECausalLM", "build_causal_lm"]
+__all__ = ["CausalLM", "DecoderModel", "MoECausalLM", "build_causal_lm"]

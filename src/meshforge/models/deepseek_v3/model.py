@@ -21,8 +21,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
-from meshforge.models.common.causal_lm import MoECausalLM, build_causal_lm
+from meshforge.models.common.causal_lm import DecoderModel, MoECausalLM, build_causal_lm
 from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.mla import MultiHeadLatentAttention
 from meshforge.models.common.mlp import GatedMLP
@@ -80,7 +79,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekV3Model(nn.Module):
+class DeepseekV3Model(DecoderModel):
     """Embedding, decoder layers and final norm (transformers' ``DeepseekV3Model``)."""
 
     def __init__(self, args: DeepseekV3Args) -> None:
@@ -89,23 +88,6 @@ class DeepseekV3Model(nn.Module):
         self.layers = nn.ModuleList(DeepseekV3DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.qk_rope_head_dim, args.theta)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        mask = None
-        if segment_ids is not None:
-            mask = segment_causal_mask(segment_ids)
-            if position_ids is None:
-                position_ids = positions_from_segments(segment_ids)
-        rope = self.rotary_emb(position_ids, seq_len=input_ids.shape[-1], device=h.device, dtype=h.dtype)
-        for layer in self.layers:
-            h = layer(h, rope, mask)
-        return self.norm(h)
 
 
 class DeepseekV3ForCausalLM(MoECausalLM[DeepseekV3Args]):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
-from meshforge.models.common.causal_lm import CausalLM, InitKind, build_causal_lm
+from meshforge.models.common.attention import Attention
+from meshforge.models.common.causal_lm import CausalLM, DecoderModel, InitKind, build_causal_lm
 from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding
@@ -49,7 +49,7 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     """Embedding, decoder layers and final norm (transformers' ``LlamaModel``)."""
 
     def __init__(self, args: LlamaArgs) -> None:
@@ -58,24 +58,6 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, rope_parameters=args.rope)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        mask = None
-        if segment_ids is not None:
-            # One mask for all layers; positions restart per document unless given.
-            mask = segment_causal_mask(segment_ids)
-            if position_ids is None:
-                position_ids = positions_from_segments(segment_ids)
-        rope = self.rotary_emb(position_ids, seq_len=input_ids.shape[-1], device=h.device, dtype=h.dtype)
-        for layer in self.layers:
-            h = layer(h, rope, mask)
-        return self.norm(h)
 
 
 class LlamaForCausalLM(CausalLM[LlamaArgs]):

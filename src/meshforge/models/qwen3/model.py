@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
-from meshforge.models.common.causal_lm import CausalLM, build_causal_lm
+from meshforge.models.common.attention import Attention
+from meshforge.models.common.causal_lm import CausalLM, DecoderModel, build_causal_lm
 from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding
@@ -48,7 +48,7 @@ class Qwen3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3Model(nn.Module):
+class Qwen3Model(DecoderModel):
     """Embedding, decoder layers and final norm (transformers' ``Qwen3Model``)."""
 
     def __init__(self, args: Qwen3Args) -> None:
@@ -57,23 +57,6 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.theta)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        mask = None
-        if segment_ids is not None:
-            mask = segment_causal_mask(segment_ids)
-            if position_ids is None:
-                position_ids = positions_from_segments(segment_ids)
-        rope = self.rotary_emb(position_ids, seq_len=input_ids.shape[-1], device=h.device, dtype=h.dtype)
-        for layer in self.layers:
-            h = layer(h, rope, mask)
-        return self.norm(h)
 
 
 class Qwen3ForCausalLM(CausalLM[Qwen3Args]):

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
-from meshforge.models.common.causal_lm import MoECausalLM, build_causal_lm
+from meshforge.models.common.attention import Attention
+from meshforge.models.common.causal_lm import DecoderModel, MoECausalLM, build_causal_lm
 from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.moe import MoEBlock
 from meshforge.models.common.norms import RMSNorm
@@ -73,8 +73,11 @@ class Qwen3MoeDecoderLayer(nn.Module):
         return x + (self.mlp(h, token_mask) if self.is_moe else self.mlp(h))
 
 
-class Qwen3MoeModel(nn.Module):
+class Qwen3MoeModel(DecoderModel):
     """Embedding, decoder layers and final norm (transformers' ``Qwen3MoeModel``)."""
+
+    # Padding (segment id 0) is left out of the routers' aux-loss statistics.
+    pass_token_mask = True
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__()
@@ -82,24 +85,6 @@ class Qwen3MoeModel(nn.Module):
         self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.attn_head_dim, args.theta)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        mask = token_mask = None
-        if segment_ids is not None:
-            mask = segment_causal_mask(segment_ids)
-            token_mask = segment_ids != 0
-            if position_ids is None:
-                position_ids = positions_from_segments(segment_ids)
-        rope = self.rotary_emb(position_ids, seq_len=input_ids.shape[-1], device=h.device, dtype=h.dtype)
-        for layer in self.layers:
-            h = layer(h, rope, mask, token_mask)
-        return self.norm(h)
 
 
 class Qwen3MoeForCausalLM(MoECausalLM[Qwen3MoeArgs]):
