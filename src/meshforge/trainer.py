@@ -136,10 +136,6 @@ class Trainer:
         self.device = resolve_device(cfg.context.device_target, local_rank=self.dist.local_rank)
         dist_utils.init_process_group(backend_for(self.device), self.dist)
         self.dims = ParallelDims.from_config(cfg.parallelism, self.dist.world_size)
-        if self.dims.hsdp:
-            raise ValueError(
-                "not supported yet: parallelism.data_parallel_shard (HSDP: fewer shard ranks than data ranks)"
-            )
         self.mesh = self.dims.build_mesh(self.device.type)
         self.plan, note = plan_batches(cfg.training, self.dims.dp)
         if note:
@@ -202,7 +198,9 @@ class Trainer:
         self._check_model_fits_data(getattr(model, "config", None))
         self.aux_coef = self._router_aux_coef(getattr(model, "config", None))
         self._aux_loss_enabled = self.aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
-        self.fsdp = self.dims.dp_shard > 1
+        # Any data parallelism needs FSDP's gradient reduction; with HSDP (data_parallel_shard
+        # smaller than the data ranks) the mesh is 2-D: replicate x shard.
+        self.fsdp = self.dims.dp > 1
         if self.kernel_options.compile:
             # Compile before fully_shard (DESIGN.md build order): FSDP's hooks stay outside the graphs.
             apply_compile(model)
@@ -226,7 +224,7 @@ class Trainer:
         num_params = sum(p.numel() for p in model.parameters())
         self.log(
             f"model: {family.name} with {num_params / 1e6:.2f}M parameters ({params_dtype} weights, "
-            f"{compute_dtype} compute{', FSDP over ' + str(self.dims.dp_shard) + ' ranks' if self.fsdp else ''})"
+            f"{compute_dtype} compute{self._sharding_note()})"
         )
         self.num_params = num_params
         return model
@@ -243,6 +241,13 @@ class Trainer:
         if on:
             self.log(f"kernels: {', '.join(on)}")
         return options
+
+    def _sharding_note(self) -> str:
+        if not self.fsdp:
+            return ""
+        if self.dims.hsdp:
+            return f", HSDP: {self.dims.dp_replicate} replicas x FSDP over {self.dims.dp_shard} ranks"
+        return f", FSDP over {self.dims.dp_shard} ranks"
 
     def _router_aux_coef(self, model_config: Any) -> float:
         """`training.router_aux_loss_coef` when the config sets it, else the model's own value."""
