@@ -178,8 +178,9 @@ class Trainer:
 
     def _build_model(self) -> nn.Module:
         from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
+        from meshforge.models.generic import GenericFamily
         from meshforge.models.materialize import materialize_and_init
-        from meshforge.parallel.fsdp import apply_fsdp
+        from meshforge.parallel.fsdp import apply_fsdp, apply_fsdp_patterns
 
         model_cfg = self.cfg.model
         # With model.model_name_or_path, config.json gives the options (and the family when the
@@ -207,13 +208,21 @@ class Trainer:
         if self.fsdp:
             par = self.cfg.parallelism
             policy = getattr(par, "reshard_after_forward_policy", "default")
-            apply_fsdp(
-                model,
-                self.dims.mesh_for(self.mesh, "fsdp"),
-                param_dtype=compute_dtype if compute_dtype != params_dtype else None,
-                reduce_dtype=torch.float32,
-                reshard_policy=policy,
-            )
+            fsdp_kwargs = {
+                "param_dtype": compute_dtype if compute_dtype != params_dtype else None,
+                "reduce_dtype": torch.float32,
+                "reshard_policy": policy,
+            }
+            if isinstance(family, GenericFamily):
+                # transformers' module trees vary: place units by parallelism.fsdp_modules patterns.
+                apply_fsdp_patterns(
+                    model,
+                    self.dims.mesh_for(self.mesh, "fsdp"),
+                    fsdp_modules=list(par.fsdp_modules),
+                    **fsdp_kwargs,
+                )
+            else:
+                apply_fsdp(model, self.dims.mesh_for(self.mesh, "fsdp"), **fsdp_kwargs)
         # Loaded weights overwrite every parameter, so skip drawing random ones first.
         init_fn = _no_init if load_hf else model.init_full_parameter_
         materialize_and_init(model, device=self.device, seed=int(self.cfg.training.seed), init_fn=init_fn)

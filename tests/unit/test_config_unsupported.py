@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from meshforge.config import ConfigError, TrainConfig, check_trainable, config_from_dict, unsupported_features
@@ -242,3 +244,16 @@ def test_sft_fields_are_accepted_with_the_sft_loader():
         {"train_dataset": {"dataloader": {"type": "SFTDataLoader"}, "streaming": True}}
     )
     assert unsupported_features(streaming) == ["train_dataset.streaming"]
+
+
+@pytest.mark.parametrize(("model_type", "refused"), [("mistral", False), ("qwen3", True)])
+def test_custom_fsdp_modules_only_on_the_generic_path(tmp_path, model_type, refused):
+    # The generic transformers path places FSDP units by pattern; built-in families do not yet.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    cfg = config_from_dict(
+        {
+            "model": {"model_name_or_path": str(tmp_path)},
+            "parallelism": {"fsdp_modules": ["model.layers.{}.mlp", "model.layers.{}"]},
+        }
+    )
+    assert ("parallelism.fsdp_modules" in unsupported_features(cfg)) is refused

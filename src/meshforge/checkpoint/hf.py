@@ -487,7 +487,8 @@ def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = 
 
     Raises:
         FileNotFoundError: When ``model_name_or_path`` is not a folder with config.json.
-        ValueError: When the family is not built (the generic transformers path is not built yet).
+        ValueError: When the family is not built and transformers cannot build it either (the
+            generic path), naming ``model.trust_remote_code`` when remote code needs it.
     """
     from meshforge.models.registry import resolve_family
     from meshforge.resources import resolve_path
@@ -509,10 +510,7 @@ def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = 
     try:
         family = resolve_family(*named)
     except ValueError as err:
-        raise ValueError(
-            f"model.model_name_or_path: {hf_dir / CONFIG_FILE}: {err} (the generic transformers path, "
-            "with or without model.trust_remote_code, is not supported yet)"
-        ) from None
+        return _generic_source(model_cfg, hf_dir, config, extra, str(err), emit)
     base = hf_adapter(family).from_hf_config(config)
     for key, value in extra.items():
         if key in base and base[key] != value:
@@ -529,6 +527,32 @@ def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = 
             f"model: {err} (options from {hf_dir / CONFIG_FILE} and the model: section)"
         ) from None
     return ModelSource(family, options, hf_dir)
+
+
+def _generic_source(
+    model_cfg: Any,
+    hf_dir: Path,
+    config: dict[str, Any],
+    extra: dict[str, Any],
+    unbuilt: str,
+    emit: Callable[[str], None],
+) -> ModelSource:
+    """No built-in family: transformers' ``AutoModelForCausalLM`` from the folder (the generic path)."""
+    from meshforge.models.generic import generic_family
+
+    trust = bool(getattr(model_cfg, "trust_remote_code", False))
+    family = generic_family(hf_dir, config, trust_remote_code=trust)
+    try:
+        family.parse_options({})
+    except ValueError as err:
+        raise ValueError(f"{hf_dir / CONFIG_FILE}: {unbuilt}; {err}") from None
+    for key, value in extra.items():
+        if key in config and config[key] != value:
+            emit(f"model.{key}: {value!r} overrides {config[key]!r} from {hf_dir / CONFIG_FILE}")
+        elif key not in config:
+            emit(f"model.{key}: {value!r} (not set in {hf_dir / CONFIG_FILE})")
+    emit(f"model: {family.name} is not a built-in family; generic transformers path ({hf_dir})")
+    return ModelSource(family, dict(extra), hf_dir)
 
 
 def _refit_layer_types(

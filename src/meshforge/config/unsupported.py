@@ -36,6 +36,38 @@ class Unsupported(NamedTuple):
     note: str
 
 
+def is_generic_model(cfg: TrainConfig) -> bool:
+    """Whether ``cfg`` trains through the generic transformers path (no built-in family).
+
+    True when the ``model:`` section names no family and ``model_name_or_path/config.json``
+    names none that meshforge builds. Light: reads only the JSON file (no torch, no transformers).
+    A folder that cannot be read counts as not generic (the model build reports it).
+    """
+    import json
+
+    from meshforge.models.registry import resolve_family
+    from meshforge.resources import resolve_path
+
+    model = cfg.model
+    if (
+        not model.model_name_or_path
+        or model.model_type
+        or model.architectures
+        or getattr(model, "model_id", None)
+    ):
+        return False
+    try:
+        config = json.loads(
+            (resolve_path(model.model_name_or_path) / "config.json").read_text(encoding="utf-8")
+        )
+        resolve_family(config.get("model_type"), config.get("architectures"))
+    except ValueError as err:
+        return "not supported yet" in str(err)
+    except (OSError, AttributeError):
+        return False
+    return False
+
+
 def _sft_default(name: str) -> object:
     return TrainDatasetConfig.model_fields[name].default
 
@@ -126,8 +158,10 @@ ENTRIES: list[Unsupported] = [
     ),
     Unsupported(
         f"{_P}.fsdp_modules",
-        lambda c: c.parallelism.fsdp_modules not in (MS_FSDP_MODULES, MS_LAYER_MODULES),
-        "custom FSDP wrapping",
+        lambda c: (
+            c.parallelism.fsdp_modules not in (MS_FSDP_MODULES, MS_LAYER_MODULES) and not is_generic_model(c)
+        ),
+        "custom FSDP wrapping for built-in families (the generic transformers path honours it)",
     ),
     Unsupported(
         f"{_P}.ignored_modules", lambda c: bool(c.parallelism.ignored_modules), "FSDP ignored modules"

@@ -60,3 +60,54 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def apply_fsdp_patterns(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    fsdp_modules: list[str],
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype,
+    reshard_policy: ReshardPolicy = "default",
+    key_path: str = "parallelism.fsdp_modules",
+) -> nn.Module:
+    """Shard `model` in place by module patterns (MindSpeed `fsdp_modules`), then the root.
+
+    Each module whose name matches a pattern (`model.layers.{*}`; `{}` means `{*}`) becomes an
+    FSDP unit; nested matches are wrapped innermost first, as FSDP2 needs. A module holding a
+    tied parameter (tied input/output embeddings) is not wrapped on its own: a parameter can
+    belong to one FSDP unit only, so the root keeps it.
+
+    Raises:
+        ValueError: `<key_path>[i]: ...` for a pattern that is invalid or matches no module.
+    """
+    from meshforge.parallel.patterns import match_modules
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    reshard = reshard_policy != "never"
+    tied = _tied_parameter_ids(model)
+    units = [
+        module
+        for _, module in match_modules(model, fsdp_modules, key_path=key_path)
+        if module is not model and not any(id(p) in tied for p in module.parameters())
+    ]
+    # named_modules() lists parents before children: wrap in reverse so children come first.
+    for module in reversed(units):
+        # The last unit in forward order is needed again right at the start of backward.
+        last = module is units[-1]
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and not last)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _tied_parameter_ids(model: nn.Module) -> set[int]:
+    """Ids of parameters that appear under more than one name (tied weights)."""
+    seen: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        seen[id(param)] = seen.get(id(param), 0) + 1
+    return {pid for pid, count in seen.items() if count > 1}

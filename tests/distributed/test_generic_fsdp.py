@@ -1,0 +1,48 @@
+"""The generic Hugging Face path under FSDP2: 2 gloo ranks (torchrun) train like 1 process.
+
+A tiny `transformers.MistralForCausalLM` (no built-in meshforge family) trains 3 steps with
+`parallelism.fsdp_modules` written with `{}` (accepted as `{*}`); the losses on 2 ranks equal
+those of 1 process, and both exports hold the same weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import read_metrics, run_train
+from tests.unit.test_generic_hf import MISTRAL, _config
+
+pytestmark = pytest.mark.slow
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_generic_fsdp_two_ranks_equal_one_process(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from meshforge.data.tokenizer import build_tokenizer
+
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(transformers.MistralConfig(**MISTRAL)).save_pretrained(hf_dir)
+    build_tokenizer("meshforge://assets/tokenizer").save_pretrained(hf_dir)
+    extra = 'parallelism:\n  fsdp_modules: ["model.layers.{}", "model.embed_tokens", "lm_head"]'
+    config = _config(tmp_path, hf_dir, extra)
+    runs = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"run{nproc}"
+        # Same global batch of 2: 2 x 1 on two ranks.
+        args = [f"--training.output_dir={out}", "--checkpoint.save_hf_weights=true"]
+        args.append(f"--training.local_batch_size={2 // nproc}")
+        proc = run_train(config, args, nproc=nproc, cwd=tmp_path)
+        assert "generic transformers path" in proc.stdout
+        runs[nproc] = out
+    one, two = read_metrics(runs[1]), read_metrics(runs[2])
+    assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], rel=1e-5)
+    a, b = load_file(runs[1] / "hf" / "model.safetensors"), load_file(runs[2] / "hf" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
