@@ -1,7 +1,7 @@
 """The generic Hugging Face path under FSDP2: 2 gloo ranks (torchrun) train like 1 process.
 
 A tiny `transformers.MistralForCausalLM` (no built-in meshforge family) trains 3 steps with
-`parallelism.fsdp_modules` written with `{}` (accepted as `{*}`); the losses on 2 ranks equal
+`parallelism.fsdp_modules` written with `{}` (accepted as `{*}`), with untied and tied embeddings; the losses on 2 ranks equal
 those of 1 process, and both exports hold the same weights.
 """
 
@@ -20,14 +20,17 @@ pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 
 
-def test_generic_fsdp_two_ranks_equal_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_generic_fsdp_two_ranks_equal_one_process(tmp_path: Path, tied: bool) -> None:
+    # Tied: embed_tokens and lm_head share a parameter, so neither is its own unit (the root keeps it).
     from safetensors.torch import load_file
 
     from meshforge.data.tokenizer import build_tokenizer
 
     hf_dir = tmp_path / "hf"
     torch.manual_seed(0)
-    transformers.MistralForCausalLM(transformers.MistralConfig(**MISTRAL)).save_pretrained(hf_dir)
+    config_hf = transformers.MistralConfig(**{**MISTRAL, "tie_word_embeddings": tied})
+    transformers.MistralForCausalLM(config_hf).save_pretrained(hf_dir)
     build_tokenizer("meshforge://assets/tokenizer").save_pretrained(hf_dir)
     extra = 'parallelism:\n  fsdp_modules: ["model.layers.{}", "model.embed_tokens", "lm_head"]'
     config = _config(tmp_path, hf_dir, extra)
