@@ -46,6 +46,7 @@ layers exactly as transformers' ``load_balancing_loss_func`` does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,37 @@ class TopKRouter(nn.Module):
         return f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
 
 
+def dispatch_to_experts(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    compute: Callable[[torch.Tensor], torch.Tensor | None],
+) -> torch.Tensor:
+    """Sort token copies by expert, run ``compute`` on them, and mix the results back.
+
+    Args:
+        x: Tokens ``[N, hidden]``.
+        indices: Chosen experts ``[N, k]``.
+        weights: Their routing weights ``[N, k]``.
+        compute: Expert outputs for the token copies sorted by expert (each expert's rows
+            contiguous, in expert order), or None when there are no rows.
+
+    Returns:
+        ``sum_j weights[:, j] * expert_{indices[:, j]}(x)``, shape ``[N, hidden]``.
+    """
+    num_tokens, top_k = indices.shape
+    # A stable sort keeps each expert's tokens in token order, so results do not depend on
+    # the sort implementation.
+    order = torch.argsort(indices.reshape(-1), stable=True)
+    sorted_out = compute(x.index_select(0, order // top_k))
+    if sorted_out is None:  # zero tokens
+        return torch.zeros_like(x)
+    # Un-sort: row i of `per_slot` is the expert output for (token i // k, slot i % k).
+    per_slot = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+    per_slot = per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
+    return per_slot.sum(dim=1)
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts in two fused 3-D parameters (transformers' ``Qwen3MoeExperts``).
 
@@ -177,22 +209,8 @@ class GroupedExperts(nn.Module):
         Returns:
             ``sum_j weights[:, j] * expert_{indices[:, j]}(x)``, shape ``[N, hidden]``.
         """
-        num_tokens, top_k = indices.shape
-        flat = indices.reshape(-1)
-        # A stable sort keeps each expert's tokens in token order, so results do not
-        # depend on the sort implementation.
-        order = torch.argsort(flat, stable=True)
-        grouped = x.index_select(0, order // top_k)
-        if self.use_grouped_mm:
-            sorted_out = self._grouped_mm(grouped, counts)
-        else:
-            sorted_out = self._loop(grouped, counts)
-        if sorted_out is None:  # zero tokens
-            return torch.zeros_like(x)
-        # Un-sort: row i of `per_slot` is the expert output for (token i // k, slot i % k).
-        per_slot = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
-        per_slot = per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
-        return per_slot.sum(dim=1)
+        compute = self._grouped_mm if self.use_grouped_mm else self._loop
+        return dispatch_to_experts(x, indices, weights, lambda grouped: compute(grouped, counts))
 
     def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """Expert outputs for tokens sorted by expert: two matmuls per expert with tokens."""

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.common.moe import RouterStats
+from meshforge.models.common.moe import RouterStats, dispatch_to_experts
 
 
 class GptOssTopKRouter(nn.Module):
@@ -123,17 +123,8 @@ class GptOssExperts(nn.Module):
         Returns:
             ``sum_j weights[:, j] * expert_{indices[:, j]}(x)``, shape ``[N, hidden]``.
         """
-        num_tokens, top_k = indices.shape
-        # Stable: each expert's tokens stay in token order whatever the sort implementation.
-        order = torch.argsort(indices.reshape(-1), stable=True)
-        grouped = x.index_select(0, order // top_k)
-        sorted_out = self._grouped_mm(grouped, counts) if self.use_grouped_mm else self._loop(grouped, counts)
-        if sorted_out is None:  # zero tokens
-            return torch.zeros_like(x)
-        # Un-sort: row i of `per_slot` is the expert output for (token i // k, slot i % k).
-        per_slot = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
-        per_slot = per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
-        return per_slot.sum(dim=1)
+        compute = self._grouped_mm if self.use_grouped_mm else self._loop
+        return dispatch_to_experts(x, indices, weights, lambda grouped: compute(grouped, counts))
 
     def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """Expert outputs for tokens sorted by expert: two matmuls per expert with tokens."""
