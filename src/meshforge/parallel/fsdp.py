@@ -22,7 +22,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no `model.layers`; cannot place FSDP units")
-    return list(layers)
+    # A pipeline stage keeps its layers in a ModuleDict keyed by their global index.
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
 def apply_fsdp(

@@ -137,9 +137,10 @@ class Attention(nn.Module):
             ``[B, S, hidden]`` after the output projection.
         """
         batch, seq_len, _ = x.shape
-        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -161,6 +162,6 @@ class Attention(nn.Module):
                 dropout_p=self.dropout if self.training else 0.0,
                 is_causal=mask is None,
                 scale=self.scaling,
-                enable_gqa=self.num_heads != self.num_kv_heads,
+                enable_gqa=q.shape[1] != k.shape[1],
             )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
