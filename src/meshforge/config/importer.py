@@ -161,6 +161,10 @@ ALL_KEYS: dict[str, str] = {key: group for group, keys in KEYS_BY_GROUP.items() 
 SCHEDULERS = {"cosine": "CosineWithWarmUpLR", "linear": "LinearWithWarmUpLR", "constant": "ConstantWarmUpLR"}
 OPTIMIZERS = {"adamw": "AdamW", "muon": "Muon", "fused_adamw": "FusedAdamW"}
 LOADERS = {"mg": "BlendedMegatronDatasetDataLoader", "lf": "SFTDataLoader"}
+# MindSpeed data keys that the Megatron loader reads under its own config with data_manager_type mg.
+MEGATRON_DATA_KEYS = frozenset(
+    {"dataset", "cutoff_len", "create_attention_mask_in_dataloader", "reset_attention_mask", "append_eod"}
+)
 CP_METHODS = {"ulysses": "ulysses", "ring": "colossal", "kvallgather": "kvallgather"}
 PROFILE_LEVELS = {"level_none": 0, "level0": 0, "level1": 1, "level2": 2}
 
@@ -285,17 +289,15 @@ def import_mindspeed(raw: dict[str, Any], log: Callable[[str], None] | None = No
     if loader:
         to("train_dataset.dataloader.type", loader, "data_manager_type")
     megatron = flat["data_manager_type"] == "mg"
+    if megatron:
+        _megatron_flags(flat, given, to, say, issues)
     for key in DATA_KEYS:
         if key not in flat or key == "data_manager_type":
             continue
         value = flat[key]
-        if megatron and key == "dataset":
-            to("train_dataset.dataloader.config.data_path", _comma_list(value), key)
-        elif megatron and key == "cutoff_len":
-            to("train_dataset.dataloader.config.seq_length", value, key)
-        elif megatron and key == "create_attention_mask_in_dataloader":
-            to("train_dataset.dataloader.config.create_attention_mask", value, key)
-        elif key == "split":
+        if megatron and key in MEGATRON_DATA_KEYS:
+            continue  # placed by _megatron_flags
+        if key == "split":
             if megatron:
                 to("train_dataset.dataloader.config.split", value, key)
             elif key in given:
@@ -315,6 +317,54 @@ def import_mindspeed(raw: dict[str, Any], log: Callable[[str], None] | None = No
     if issues:
         raise ConfigError(issues)
     return native
+
+
+def _megatron_flags(flat: Flat, given: Flat, to: To, say: Say, issues: list[Issue]) -> None:
+    """`data_manager_type: mg`: the data keys the Megatron GPTDataset reads go to its own config.
+
+    The native Megatron loader reads `train_dataset.dataloader.config.*` (data/megatron/specs.py);
+    the `train_dataset.*` fields of the same names belong to the SFT loader and would be refused
+    there. `append_eod` is a preprocessing switch in MindSpeed (its mg manager tokenizes raw data
+    itself); meshforge reads data already preprocessed, so it is checked and reported, not placed.
+    """
+    data = "train_dataset.dataloader.config"
+    if "dataset" in flat:
+        to(f"{data}.data_path", _comma_list(flat["dataset"]), "dataset")
+    if "cutoff_len" in flat:
+        to(f"{data}.seq_length", flat["cutoff_len"], "cutoff_len")
+    if "create_attention_mask_in_dataloader" in flat:
+        to(
+            f"{data}.create_attention_mask",
+            flat["create_attention_mask_in_dataloader"],
+            "create_attention_mask_in_dataloader",
+        )
+    reset = flat.get("reset_attention_mask", False)
+    append = flat.get("append_eod", False)
+    if "reset_attention_mask" in flat:
+        # MindSpeed passes actual_seq_len (documents split at EOD) and keeps positions running
+        # (reset_position_ids is hard-coded False in its mg manager); meshforge's equivalent is
+        # segment_ids from the GPTDataset, which also works at any local batch size.
+        to(f"{data}.reset_attention_mask", reset, "reset_attention_mask")
+    if reset is True and append is not True:
+        issues.append(
+            (
+                "reset_attention_mask",
+                "requires append_eod: true (MindSpeed rule: documents are separated at the EOD tokens "
+                "that preprocessing appends)",
+            )
+        )
+    if "append_eod" in given:
+        say(
+            f"append_eod -> not a loader option (= {append!r}): the .bin/.idx data must already end each "
+            "document with EOD; preprocess raw text with `meshforge preprocess --append-eod`"
+        )
+    if "disable_shuffling" in flat:
+        # MindSpeed's mg path reads with MegatronPretrainingSampler, which never shuffles (the
+        # GPTDataset's own shuffle index orders the samples); disable_shuffling only affects lf.
+        flat.pop("disable_shuffling")
+        to("train_dataset.dataloader.shuffle", False, "data_manager_type")
+        if "disable_shuffling" in given and given["disable_shuffling"] is not True:
+            say("disable_shuffling -> unused with data_manager_type 'mg': Megatron data is read in order")
 
 
 def _parallel(flat: Flat, given: Flat, to: To, choice: Choice, say: Say) -> None:
