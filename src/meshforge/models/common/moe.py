@@ -36,6 +36,12 @@ documentation). On CPU in torch 2.13 it gives the same numbers at the same cost,
 and its backward rejects a gradient with zero strides (an expanded ``sum()``
 gradient straight into the op).
 
+Expert parallelism plugs in at one seam: ``token_exchange`` on the experts module
+(None by default). ``meshforge.parallel.expert.apply_ep`` sets it to an all-to-all
+exchange that sends the expert-sorted token copies to the ranks owning their experts,
+runs the local experts there, and brings the outputs back before the same un-sort and
+mix; routing, aux-loss statistics and counts stay as computed from the rank's own tokens.
+
 Each forward leaves behind what the trainer and monitor need, a few
 ``[num_experts]`` vectors per layer: ``last_tokens_per_expert`` (assignment counts,
 a LongTensor) and ``last_aux_stats``, the per-layer sums (the probability sum keeps
@@ -48,10 +54,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshforge.models.common.mlp import activation
 
@@ -143,6 +151,31 @@ class TopKRouter(nn.Module):
         return f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
 
 
+ExpertCompute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+"""``(tokens sorted by expert, counts per expert) -> expert outputs`` (None for zero rows)."""
+
+
+class TokenExchange(Protocol):
+    """How expert-sorted token copies reach the experts that own them (the EP seam).
+
+    Called with the rank's token copies sorted by expert, the rank's counts per (global)
+    expert and the experts module's compute on *local* experts; returns the expert outputs
+    for the same rows in the same order (a tensor, also for zero rows, so that every rank
+    takes part in the backward collectives).
+    """
+
+    def __call__(
+        self, grouped: torch.Tensor, counts: torch.Tensor, compute: ExpertCompute
+    ) -> torch.Tensor: ...
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of a parameter: the local shard of a DTensor (experts sharded over
+    EP hold ``num_experts / ep`` experts on dim 0), else the tensor itself. Autograd flows back
+    into the DTensor."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def dispatch_to_experts(
     x: torch.Tensor,
     indices: torch.Tensor,
@@ -174,6 +207,18 @@ def dispatch_to_experts(
     return per_slot.sum(dim=1)
 
 
+def run_experts(experts: nn.Module, counts: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """The ``compute`` argument of :func:`dispatch_to_experts` for an experts module.
+
+    ``experts`` has ``compute(grouped, counts)`` and ``token_exchange``; without an exchange
+    its experts run right here on the sorted copies, with one they run where they live.
+    """
+    exchange = experts.token_exchange
+    if exchange is None:
+        return lambda grouped: experts.compute(grouped, counts)
+    return lambda grouped: exchange(grouped, counts, experts.compute)
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts in two fused 3-D parameters (transformers' ``Qwen3MoeExperts``).
 
@@ -194,6 +239,8 @@ class GroupedExperts(nn.Module):
         # Set by the ``moe_grouped_gemm`` kernel switch: one ``F.grouped_mm`` per projection
         # instead of the per-expert loop (same numbers; see the module docstring).
         self.use_grouped_mm = False
+        # Set by expert parallelism (`meshforge.parallel.expert.apply_ep`); None = all experts here.
+        self.token_exchange: TokenExchange | None = None
 
     def forward(
         self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
@@ -209,8 +256,11 @@ class GroupedExperts(nn.Module):
         Returns:
             ``sum_j weights[:, j] * expert_{indices[:, j]}(x)``, shape ``[N, hidden]``.
         """
-        compute = self._grouped_mm if self.use_grouped_mm else self._loop
-        return dispatch_to_experts(x, indices, weights, lambda grouped: compute(grouped, counts))
+        return dispatch_to_experts(x, indices, weights, run_experts(self, counts))
+
+    def compute(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Outputs of the experts held here for tokens sorted by (local) expert, ``counts`` per expert."""
+        return self._grouped_mm(grouped, counts) if self.use_grouped_mm else self._loop(grouped, counts)
 
     def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """Expert outputs for tokens sorted by expert: two matmuls per expert with tokens."""
@@ -218,7 +268,7 @@ class GroupedExperts(nn.Module):
         sizes = counts.tolist()
         # unbind once rather than indexing per expert: the backward of each `param[e]`
         # would allocate and zero-fill a full-size gradient (measured: a fifth of the step).
-        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_up, down = local_tensor(self.gate_up_proj).unbind(0), local_tensor(self.down_proj).unbind(0)
         outputs = []
         for expert, group in enumerate(torch.split(grouped, sizes)):
             if group.shape[0] == 0:
@@ -232,8 +282,9 @@ class GroupedExperts(nn.Module):
         if grouped.shape[0] == 0:
             return None
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        gate, up = F.grouped_mm(grouped, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        return F.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        gate_up, down = local_tensor(self.gate_up_proj), local_tensor(self.down_proj)
+        gate, up = F.grouped_mm(grouped, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return F.grouped_mm(self.act_fn(gate) * up, down.transpose(1, 2), offs=offsets)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, intermediate_size={self.intermediate_size}"
@@ -316,4 +367,15 @@ class MoEBlock(nn.Module):
         self.last_aux_stats = RouterStats(assignments=assignments, prob_sum=prob_sum, rows=rows)
 
 
-__all__ = ["GroupedExperts", "MoEBlock", "RouterStats", "TopKRouter", "load_balancing_loss"]
+__all__ = [
+    "ExpertCompute",
+    "GroupedExperts",
+    "MoEBlock",
+    "RouterStats",
+    "TokenExchange",
+    "TopKRouter",
+    "dispatch_to_experts",
+    "load_balancing_loss",
+    "local_tensor",
+    "run_experts",
+]

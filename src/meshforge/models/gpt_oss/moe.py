@@ -18,7 +18,8 @@ The module names are transformers' (``mlp.router``, ``mlp.experts``). Expert com
 sorts the (token, slot) assignments by expert and runs each expert once on its
 contiguous group, like ``common.moe.GroupedExperts`` (deterministic, no scatter-add).
 After a forward, ``last_tokens_per_expert`` and ``last_aux_stats`` hold what the
-trainer and monitor read.
+trainer and monitor read. Expert parallelism uses the same ``token_exchange`` seam as the
+common experts (see ``common/moe.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.common.moe import RouterStats, dispatch_to_experts
+from meshforge.models.common.moe import (
+    RouterStats,
+    TokenExchange,
+    dispatch_to_experts,
+    local_tensor,
+    run_experts,
+)
 
 
 class GptOssTopKRouter(nn.Module):
@@ -101,6 +108,8 @@ class GptOssExperts(nn.Module):
         # Set by the `moe_grouped_gemm` kernel switch: one `F.grouped_mm` per projection
         # instead of the per-expert loop (same numbers).
         self.use_grouped_mm = False
+        # Set by expert parallelism (`meshforge.parallel.expert.apply_ep`); None = all experts here.
+        self.token_exchange: TokenExchange | None = None
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of interleaved ``[..., 2I]`` gate/up columns, ``[..., I]``."""
@@ -123,14 +132,17 @@ class GptOssExperts(nn.Module):
         Returns:
             ``sum_j weights[:, j] * expert_{indices[:, j]}(x)``, shape ``[N, hidden]``.
         """
-        compute = self._grouped_mm if self.use_grouped_mm else self._loop
-        return dispatch_to_experts(x, indices, weights, lambda grouped: compute(grouped, counts))
+        return dispatch_to_experts(x, indices, weights, run_experts(self, counts))
+
+    def compute(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Outputs of the experts held here for tokens sorted by (local) expert, ``counts`` per expert."""
+        return self._grouped_mm(grouped, counts) if self.use_grouped_mm else self._loop(grouped, counts)
 
     def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """Expert outputs for tokens sorted by expert: two matmuls per expert with tokens."""
         # unbind once: indexing `param[e]` per expert would allocate a full-size gradient each time.
-        w1, b1 = self.gate_up_proj.unbind(0), self.gate_up_proj_bias.unbind(0)
-        w2, b2 = self.down_proj.unbind(0), self.down_proj_bias.unbind(0)
+        w1, b1 = local_tensor(self.gate_up_proj).unbind(0), local_tensor(self.gate_up_proj_bias).unbind(0)
+        w2, b2 = local_tensor(self.down_proj).unbind(0), local_tensor(self.down_proj_bias).unbind(0)
         outputs = []
         for expert, group in enumerate(torch.split(grouped, counts.tolist())):
             if group.shape[0] == 0:
@@ -144,12 +156,13 @@ class GptOssExperts(nn.Module):
         if grouped.shape[0] == 0:
             return None
         offsets = torch.cumsum(counts, 0).to(torch.int32)
+        w1, b1 = local_tensor(self.gate_up_proj), local_tensor(self.gate_up_proj_bias)
+        w2, b2 = local_tensor(self.down_proj), local_tensor(self.down_proj_bias)
         # Row r belongs to expert expert_of_row[r]; its bias row is gathered once per projection.
-        expert_of_row = torch.repeat_interleave(torch.arange(self.num_experts, device=counts.device), counts)
-        gate_up = F.grouped_mm(grouped, self.gate_up_proj, offs=offsets)
-        hidden = self.activation(gate_up + self.gate_up_proj_bias.index_select(0, expert_of_row))
-        out = F.grouped_mm(hidden, self.down_proj, offs=offsets)
-        return out + self.down_proj_bias.index_select(0, expert_of_row)
+        # counts covers the experts held here (all of them, or this rank's under EP).
+        expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        hidden = self.activation(F.grouped_mm(grouped, w1, offs=offsets) + b1.index_select(0, expert_of_row))
+        return F.grouped_mm(hidden, w2, offs=offsets) + b2.index_select(0, expert_of_row)
 
     def extra_repr(self) -> str:
         return (
