@@ -9,6 +9,7 @@ arguments, never the whole config. To change one piece of a step, subclass and o
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -110,6 +111,12 @@ class TrainSummary:
     hf_export: Path | None = None
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a (replicated) DTensor result, e.g. the loss under loss parallel."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
 def _no_init(fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
     """Leave a parameter uninitialised: weights loaded right after overwrite it."""
 
@@ -154,6 +161,7 @@ class Trainer:
         self.tokenizer = self._build_tokenizer()
         self.model = self._build_model()
         self.optimizer, self.scheduler = self._build_optimizer()
+        self.pipeline = self._build_pipeline()
         self.loader = self._build_data()
         self.data_iter: Iterator[dict[str, torch.Tensor]] = iter(self.loader)
         self.checkpointer = self._build_checkpointer()
@@ -180,7 +188,7 @@ class Trainer:
         from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
         from meshforge.models.generic import GenericFamily
         from meshforge.models.materialize import materialize_and_init
-        from meshforge.parallel.fsdp import apply_fsdp, apply_fsdp_patterns
+        from meshforge.parallel.parallelize import parallelize_model
 
         model_cfg = self.cfg.model
         # With model.model_name_or_path, config.json gives the options (and the family when the
@@ -199,30 +207,21 @@ class Trainer:
         self._check_model_fits_data(getattr(model, "config", None))
         self.aux_coef = self._router_aux_coef(getattr(model, "config", None))
         self._aux_loss_enabled = self.aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
-        # Any data parallelism needs FSDP's gradient reduction; with HSDP (data_parallel_shard
-        # smaller than the data ranks) the mesh is 2-D: replicate x shard.
-        self.fsdp = self.dims.dp > 1
-        if self.kernel_options.compile:
-            # Compile before fully_shard (DESIGN.md build order): FSDP's hooks stay outside the graphs.
-            apply_compile(model)
-        if self.fsdp:
-            par = self.cfg.parallelism
-            policy = getattr(par, "reshard_after_forward_policy", "default")
-            fsdp_kwargs = {
-                "param_dtype": compute_dtype if compute_dtype != params_dtype else None,
-                "reduce_dtype": torch.float32,
-                "reshard_policy": policy,
-            }
-            if isinstance(family, GenericFamily):
-                # transformers' module trees vary: place units by parallelism.fsdp_modules patterns.
-                apply_fsdp_patterns(
-                    model,
-                    self.dims.mesh_for(self.mesh, "fsdp"),
-                    fsdp_modules=list(par.fsdp_modules),
-                    **fsdp_kwargs,
-                )
-            else:
-                apply_fsdp(model, self.dims.mesh_for(self.mesh, "fsdp"), **fsdp_kwargs)
+        self._check_parallel_support(family)
+        parallel = parallelize_model(
+            model,
+            family="generic" if isinstance(family, GenericFamily) else family.name,
+            dims=self.dims,
+            mesh=self.mesh,
+            parallelism=self.cfg.parallelism,
+            param_dtype=params_dtype,
+            compute_dtype=compute_dtype,
+            compile_blocks=bool(self.kernel_options.compile),
+            apply_compile=apply_compile,
+        )
+        model = parallel.model
+        self.pipeline_split = parallel.pipeline_split
+        self.fsdp = parallel.fsdp
         # Loaded weights overwrite every parameter, so skip drawing random ones first.
         init_fn = _no_init if load_hf else model.init_full_parameter_
         materialize_and_init(model, device=self.device, seed=int(self.cfg.training.seed), init_fn=init_fn)
@@ -252,11 +251,45 @@ class Trainer:
         return options
 
     def _sharding_note(self) -> str:
-        if not self.fsdp:
-            return ""
-        if self.dims.hsdp:
-            return f", HSDP: {self.dims.dp_replicate} replicas x FSDP over {self.dims.dp_shard} ranks"
-        return f", FSDP over {self.dims.dp_shard} ranks"
+        d = self.dims
+        parts = []
+        if d.pp > 1:
+            stages = ", ".join(str(s) for s in getattr(self.pipeline_split, "stage_ids", []) or [])
+            parts.append(
+                f"pipeline stage(s) {stages} of {d.pp * int(self.cfg.parallelism.pipeline_parallel_interleave_num)}"
+            )
+        if d.tp > 1:
+            parts.append(f"TP+SP over {d.tp} ranks")
+        if d.ep > 1:
+            parts.append(f"experts over {d.ep} ranks")
+        if d.cp > 1:
+            parts.append(f"CP ({self.cfg.parallelism.cp_method()}) over {d.cp} ranks")
+        if self.fsdp:
+            if d.hsdp:
+                parts.append(f"HSDP: {d.dp_replicate} replicas x FSDP over {d.fsdp_size} ranks")
+            else:
+                parts.append(f"FSDP over {d.fsdp_size} ranks")
+        return "".join(f", {p}" for p in parts)
+
+    def _check_parallel_support(self, family: Any) -> None:
+        """Refuse combinations of parallel degrees and trainer features that are not built yet."""
+        d = self.dims
+        chunked = self.kernel_options.chunk_loss_size is not None
+        if chunked and (d.tp > 1 or d.pp > 1):
+            raise NotImplementedError(
+                "not supported yet: kernels.chunk_loss_size with parallelism.tensor_parallel > 1 or "
+                "pipeline_parallel > 1 (the chunked loss reads the whole lm_head on one rank)"
+            )
+        if d.pp > 1 and self._aux_loss_enabled:
+            raise NotImplementedError(
+                "not supported yet: the MoE router aux loss under parallelism.pipeline_parallel > 1; "
+                "set training.router_aux_loss_coef: 0"
+            )
+        if d.pp > 1 and self.cfg.checkpoint.save_hf_weights:
+            raise NotImplementedError(
+                "not supported yet: checkpoint.save_hf_weights with parallelism.pipeline_parallel > 1; "
+                "export with `meshforge convert --to hf` from the saved checkpoint"
+            )
 
     def _router_aux_coef(self, model_config: Any) -> float:
         """`training.router_aux_loss_coef` when the config sets it, else the model's own value."""
@@ -306,10 +339,25 @@ class Trainer:
         )
         return optimizer, scheduler
 
+    def _build_pipeline(self) -> Any:
+        """The pipeline schedule over this rank's stages (pp > 1), built on the materialised model."""
+        if self.pipeline_split is None:
+            return None
+        from meshforge.parallel.pipeline import build_pipeline
+
+        return build_pipeline(
+            self.pipeline_split,
+            self.model,
+            self.mesh.view("pp"),
+            device=self.device,
+            n_microbatches=self.plan.grad_accum_steps,
+            schedule=str(self.cfg.parallelism.pipeline_parallel_schedule),
+        )
+
     def _build_data(self) -> Any:
         from meshforge.data.build import build_train_loader
 
-        batch_mesh = self.dims.mesh_for(self.mesh, "batch")
+        batch_mesh = self.mesh.view("batch")
         return build_train_loader(
             self.cfg.train_dataset,
             tokenizer=self.tokenizer,
@@ -398,7 +446,7 @@ class Trainer:
     # ----------------------------------------------------------------------------- hooks
     def forward_backward(self, batch: dict[str, torch.Tensor], global_tokens: torch.Tensor) -> torch.Tensor:
         """Forward one micro-batch, backward its share of the global mean; return its loss sum."""
-        inputs = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+        inputs = {k: batch[k] for k in ("position_ids", "segment_ids", *self._cp_model_kwargs) if k in batch}
         autocast = self.compute_dtype != torch.float32 and not self.fsdp
         chunk = self.kernel_options.chunk_loss_size
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
@@ -412,10 +460,13 @@ class Trainer:
                     hidden, self.model.lm_head.weight, batch["labels"], chunk_size=chunk
                 )
         if chunk is None:
-            loss_sum = cross_entropy_sum(logits, batch["labels"])
-        # Dividing by the global token count (not the local one) makes the summed gradients over
-        # micro-batches and ranks equal the gradient of the global-batch mean.
-        objective = loss_sum / global_tokens
+            with self._loss_context():
+                loss_sum = cross_entropy_sum(logits, batch["labels"])
+                # Dividing by the global token count (not the local one) makes the summed gradients
+                # over micro-batches and ranks equal the gradient of the global-batch mean.
+                objective = loss_sum / global_tokens
+        else:
+            objective = loss_sum / global_tokens
         aux = self._aux_loss()
         if aux is not None:
             # The router loss is a per-micro-batch mean: weight it by this micro-batch's share of
@@ -424,8 +475,17 @@ class Trainer:
             weight = count_valid_tokens(batch["labels"]).to(global_tokens.dtype) / global_tokens
             self._aux_sum += aux.detach().float() * weight
             objective = objective + self.aux_coef * aux * weight
-        objective.backward()
-        return loss_sum.detach()
+        with self._loss_context():
+            objective.backward()
+        return _plain(loss_sum).detach()
+
+    def _loss_context(self) -> Any:
+        """Loss-parallel context under TP with `enable_loss_parallel` (vocab-sharded logits)."""
+        if self.dims.tp == 1 or not self.cfg.parallelism.enable_loss_parallel:
+            return contextlib.nullcontext()
+        from meshforge.parallel.tensor import loss_parallel_context
+
+        return loss_parallel_context(True)
 
     def _aux_loss(self) -> torch.Tensor | None:
         """The model's auxiliary (MoE router) loss of the last forward, if it has one and it counts."""
@@ -438,7 +498,24 @@ class Trainer:
         """Clip the global gradient norm to `training.max_norm`; return the pre-clip norm."""
         from meshforge.optim.clip import clip_grad_norm_
 
-        return clip_grad_norm_(self.model.parameters(), float(self.cfg.training.max_norm))
+        counted, uncounted = self._norm_parameters()
+        return clip_grad_norm_(
+            counted,
+            float(self.cfg.training.max_norm),
+            reduce_group=self.mesh.view("pp").get_group() if self.dims.pp > 1 else None,
+            uncounted=uncounted,
+        )
+
+    def _norm_parameters(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Parameters whose gradients count in the global norm, and copies that are only clipped.
+
+        Under pipeline parallelism a tied `lm_head.weight` on the last stage is a copy of the
+        first stage's embedding with the same (summed) gradient: count it once.
+        """
+        params = dict(self.model.named_parameters())
+        copies = set(getattr(self.pipeline_split, "tied_copies", ()) or ())
+        counted = [p for name, p in params.items() if name not in copies]
+        return counted, [p for name, p in params.items() if name in copies]
 
     def log_step(self, record: dict[str, Any]) -> None:
         """Write one step's metrics to every sink (rank 0 only)."""
@@ -453,16 +530,24 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over `grad_accum_steps` micro-batches."""
         micro = [self._to_device(next(self.data_iter)) for _ in range(self.plan.grad_accum_steps)]
+        step_tokens = sum(int(mb["input_ids"].numel()) for mb in micro) * self.dims.dp
+        if self.dims.cp > 1:
+            micro = [self._shard_for_cp(mb) for mb in micro]
         local_tokens = sum(count_valid_tokens(mb["labels"]) for mb in micro)
-        loss_group = self.dims.mesh_for(self.mesh, "loss").get_group()
+        loss_group = self.mesh.view("loss").get_group()
         global_tokens = dist_utils.all_reduce_sum(
             torch.as_tensor(local_tokens, device=self.device), loss_group
         )
         global_tokens = global_tokens.clamp(min=1).to(torch.float32)
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self._aux_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for mb in micro:
-            loss_sum += self.forward_backward(mb, global_tokens)
+        if self.pipeline is not None:
+            # The schedule runs forward and backward of every micro-batch over the stages and
+            # returns the CE sum on every pipeline rank.
+            loss_sum = self.pipeline.step(micro, global_tokens)
+        else:
+            loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+            for mb in micro:
+                loss_sum += self.forward_backward(mb, global_tokens)
         loss = dist_utils.all_reduce_sum(loss_sum, loss_group) / global_tokens
         extra: dict[str, float] = {}
         if self._aux_loss_enabled:
@@ -472,7 +557,6 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        step_tokens = sum(int(mb["input_ids"].numel()) for mb in micro) * self.dims.dp
         return {
             "loss": float(loss),
             "lr": lr,
@@ -561,6 +645,20 @@ class Trainer:
         )
         how = "started saving" if self.checkpointer.async_save else "saved"
         self.log(f"checkpoint: {how} step {self.step} to {self._last_checkpoint}")
+
+    @property
+    def _cp_model_kwargs(self) -> tuple[str, ...]:
+        """Extra batch keys the CP attention needs from `shard_batch_for_cp` (none without CP)."""
+        if self.dims.cp == 1:
+            return ()
+        from meshforge.parallel.context import CP_MODEL_KWARGS
+
+        return tuple(CP_MODEL_KWARGS)
+
+    def _shard_for_cp(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from meshforge.parallel.context import shard_batch_for_cp
+
+        return shard_batch_for_cp(batch, self.mesh.view("cp"), method=self.cfg.parallelism.cp_method())
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

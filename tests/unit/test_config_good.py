@@ -299,7 +299,7 @@ def test_mindspeed_flat_megatron_import():
     prof = cfg.profiler
     assert prof.enable_profiling and (prof.start_step, prof.end_step) == (5, 7)
     assert prof.profiler_rank == [0, 1] and prof.profiler_level == 1
-    assert "parallelism.context_parallel" in unsupported_features(cfg)
+    assert "profiler.enable_profiling" in unsupported_features(cfg)
 
 
 def test_mindspeed_defaults_applied(tmp_path):

@@ -11,10 +11,6 @@ from meshforge.config.unsupported import ENTRIES
 
 # A minimal config that turns each entry's feature on (validity rules satisfied).
 TRIGGERS: dict[str, dict] = {
-    "parallelism.tensor_parallel": {"parallelism": {"tensor_parallel": 2}},
-    "parallelism.context_parallel": {"parallelism": {"context_parallel": 2}},
-    "parallelism.pipeline_parallel": {"parallelism": {"pipeline_parallel": 2}},
-    "parallelism.expert_parallel": {"parallelism": {"expert_parallel": 2}},
     "parallelism.ep_fsdp_size": {"parallelism": {"ep_fsdp_size": 2}},
     "parallelism.cpu_offload": {"parallelism": {"cpu_offload": True}},
     "parallelism.context_parallel_async": {"parallelism": {"context_parallel_async": True}},
@@ -24,7 +20,6 @@ TRIGGERS: dict[str, dict] = {
         "parallelism": {"pipeline_parallel_enable_dxdw_split": True}
     },
     "parallelism.enable_mc2": {"parallelism": {"enable_mc2": True}},
-    "parallelism.enable_loss_parallel": {"parallelism": {"enable_loss_parallel": True}},
     "parallelism.data_parallel_shard_strategy": {"parallelism": {"data_parallel_shard_strategy": "optim"}},
     "parallelism.dense_fsdp_shard_size": {"parallelism": {"dense_fsdp_shard_size": 2}},
     "parallelism.fsdp_modules": {"parallelism": {"fsdp_modules": ["model.layers.{*}.mlp"]}},
@@ -165,14 +160,14 @@ def test_check_trainable_refuses_with_key_path():
             "train_dataset": {
                 "dataloader": {"type": "TextDataLoader", "data_path": "x.txt", "seq_length": 8}
             },
-            "parallelism": {"tensor_parallel": 2},
+            "parallelism": {"cpu_offload": True},
             "swap": {"enable": True},
         }
     )
     with pytest.raises(ConfigError) as info:
         check_trainable(cfg)
     text = str(info.value)
-    assert "error: parallelism.tensor_parallel: not supported yet: parallelism.tensor_parallel" in text
+    assert "error: parallelism.cpu_offload: not supported yet: parallelism.cpu_offload" in text
     assert "error: swap.enable: not supported yet: swap.enable" in text
 
 

@@ -118,14 +118,6 @@ def _param_dtype_differs(c: TrainConfig) -> bool:
 
 _P = "parallelism"
 ENTRIES: list[Unsupported] = [
-    Unsupported(f"{_P}.tensor_parallel", lambda c: c.parallelism.tensor_parallel > 1, "tensor parallelism"),
-    Unsupported(
-        f"{_P}.context_parallel", lambda c: c.parallelism.context_parallel > 1, "context parallelism"
-    ),
-    Unsupported(
-        f"{_P}.pipeline_parallel", lambda c: c.parallelism.pipeline_parallel > 1, "pipeline parallelism"
-    ),
-    Unsupported(f"{_P}.expert_parallel", lambda c: c.parallelism.expert_parallel > 1, "expert parallelism"),
     Unsupported(f"{_P}.ep_fsdp_size", lambda c: c.parallelism.ep_fsdp_size > 1, "expert FSDP"),
     Unsupported(f"{_P}.cpu_offload", lambda c: c.parallelism.cpu_offload, "FSDP CPU offload"),
     Unsupported(f"{_P}.context_parallel_async", lambda c: c.parallelism.context_parallel_async, "async CP"),
@@ -145,7 +137,6 @@ ENTRIES: list[Unsupported] = [
         "PP dx/dw split",
     ),
     Unsupported(f"{_P}.enable_mc2", lambda c: c.parallelism.enable_mc2, "MC2 fused TP communication"),
-    Unsupported(f"{_P}.enable_loss_parallel", lambda c: c.parallelism.enable_loss_parallel, "loss parallel"),
     Unsupported(
         f"{_P}.data_parallel_shard_strategy",
         lambda c: c.parallelism.data_parallel_shard_strategy != "optim_grads_params",

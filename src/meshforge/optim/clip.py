@@ -90,6 +90,8 @@ def clip_grad_norm_(
     max_norm: float,
     *,
     foreach: bool | None = None,
+    reduce_group: object | None = None,
+    uncounted: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip gradients in place to a global L2 norm of `max_norm`; return the pre-clip norm.
 
@@ -98,6 +100,10 @@ def clip_grad_norm_(
             are ignored. Plain tensors and FSDP2/TP DTensors are both fine.
         max_norm: `training.max_norm`, > 0.
         foreach: use the multi-tensor kernels (None: torch chooses).
+        reduce_group: a process group whose ranks hold *different* parameters (the pipeline
+            stages): their squared norms are summed over it.
+        uncounted: parameters clipped by the same factor but left out of the norm (a pipeline
+            stage's copy of a tied weight whose gradient another stage already counts).
 
     Returns:
         The global gradient norm before clipping: a plain 0-dim float32 tensor, the same on
@@ -117,6 +123,13 @@ def clip_grad_norm_(
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
     norm = total_grad_norm(grads, foreach=foreach)
+    if reduce_group is not None:
+        import torch.distributed as dist
+
+        squared = norm.double() ** 2
+        dist.all_reduce(squared, group=reduce_group)
+        norm = squared.sqrt().to(norm.dtype)
+    grads += [p.grad for p in uncounted if p.grad is not None]
     if not grads:
         return norm
     coef = max_norm / (norm + _EPS)

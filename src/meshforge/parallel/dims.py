@@ -79,11 +79,17 @@ class ParallelDims:
                 f"parallelism.data_parallel_shard: must be -1 (all data-parallel ranks) or a positive "
                 f"divisor of the data-parallel ranks, got {shard}"
             )
-        if (dp_shard * cp) % ep:
-            raise ValueError(
-                f"parallelism.expert_parallel: {ep} must divide data_parallel_shard * context_parallel "
-                f"= {dp_shard} * {cp} = {dp_shard * cp} (experts are sharded over those ranks)"
-            )
+        if ep > 1:
+            if (dp_shard * cp) % ep:
+                raise ValueError(
+                    f"parallelism.expert_parallel: {ep} must divide data_parallel_shard * context_parallel "
+                    f"= {dp_shard} * {cp} = {dp_shard * cp} (experts are sharded over those ranks)"
+                )
+            if ep % cp:
+                raise ValueError(
+                    f"parallelism.expert_parallel: {ep} must be a multiple of context_parallel ({cp}): an "
+                    "expert-parallel group spans whole context-parallel groups"
+                )
         return cls(world_size, dp_replicate, dp_shard, cp, tp, pp, ep)
 
     @property
@@ -104,31 +110,78 @@ class ParallelDims:
                 parts.append(f"{name}={value}")
         return " ".join(parts)
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the DeviceMesh with named axes and the flattened views `batch`, `loss`, `fsdp`.
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """Data-shard ranks inside one expert-parallel group (ep = dp_shard_in_ep * cp)."""
+        return max(self.ep // self.cp, 1) if self.ep > 1 else 1
 
-        Only data-parallel axes exist until the other dimensions are built; the caller has already
-        refused other degrees with a "not supported yet" error.
-        """
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """Data-shard ranks across expert-parallel groups: they shard expert weights FSDP-style."""
+        return self.dp_shard // self.dp_shard_in_ep
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks that shard (and sum the gradients of) dense parameters: dp_shard * cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def needs_fsdp(self) -> bool:
+        """FSDP reduces gradients over replicas, data shards and context-parallel ranks."""
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
+    MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Sizes of `MESH_DIMS`, outermost first (tp innermost: its ranks are neighbours)."""
+        return (self.pp, self.dp_replicate, self.dp_shard_mod_ep, self.dp_shard_in_ep, self.cp, self.tp)
+
+    def build_mesh(self, device_type: str) -> ParallelMesh:
+        """Create the DeviceMesh with every named axis (size 1 allowed) and one view per purpose."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        if (self.cp, self.tp, self.pp, self.ep) != (1, 1, 1, 1):
-            raise NotImplementedError("not supported yet: parallel degrees other than data parallel")
+        root = init_device_mesh(device_type, self.mesh_shape(), mesh_dim_names=self.MESH_DIMS)
+        views: dict[str, DeviceMesh] = {name: root[name] for name in ("pp", "cp", "tp")}
+        views["batch"] = root["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("batch")
+        loss = root["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("loss")
+        views["loss"] = loss
+        views["ep"] = root["dp_shard_in_ep", "cp"]._flatten("ep")
         if self.hsdp:
-            mesh = init_device_mesh(
-                device_type,
-                (self.dp_replicate, self.dp_shard),
-                mesh_dim_names=("dp_replicate", "dp_shard"),
+            # 2-D replicate x shard meshes for HSDP, made by unflattening (slicing a flattened
+            # dim out of the root mesh is deprecated).
+            views["fsdp"] = loss._unflatten(
+                0, (self.dp_replicate, self.fsdp_size), ("dp_replicate", "dp_shard_cp")
             )
-            mesh["dp_replicate", "dp_shard"]._flatten("batch")
+            rep_mod = root["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_replicate_mod_ep")
+            views["efsdp"] = rep_mod._unflatten(
+                0, (self.dp_replicate, self.dp_shard_mod_ep), ("dp_replicate", "dp_shard_mod_ep")
+            )
         else:
-            mesh = init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
-        return mesh
+            views["fsdp"] = root["dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_shard_cp")
+            views["efsdp"] = root["dp_shard_mod_ep"]
+        return ParallelMesh(root, views)
 
-    def mesh_for(self, mesh: DeviceMesh, purpose: str) -> DeviceMesh:
-        """The mesh view for a purpose: `batch`/`loss` (all data ranks) or `fsdp` (sharding axes)."""
-        if purpose in ("batch", "loss"):
-            return mesh["batch"] if self.hsdp else mesh["dp_shard"]
-        if purpose == "fsdp":
-            return mesh["dp_replicate", "dp_shard"] if self.hsdp else mesh["dp_shard"]
-        raise KeyError(f"unknown mesh purpose {purpose!r}; known: batch, loss, fsdp")
+    PURPOSES = ("batch", "loss", "fsdp", "efsdp", "tp", "cp", "pp", "ep")
+
+    def mesh_for(self, mesh: ParallelMesh, purpose: str) -> DeviceMesh:
+        """The mesh view for a purpose.
+
+        `batch`: data ranks (which rows a rank loads); `loss`: data ranks x cp (token-count and
+        loss reductions); `fsdp`: dense parameters' sharding (2-D replicate x shard under HSDP);
+        `efsdp`: expert parameters' sharding outside the ep group; `tp`, `cp`, `pp`, `ep`.
+        """
+        return mesh.view(purpose)
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The root DeviceMesh and its views by purpose (see `ParallelDims.mesh_for`)."""
+
+    root: DeviceMesh
+    views: dict[str, DeviceMesh]
+
+    def view(self, purpose: str) -> DeviceMesh:
+        try:
+            return self.views[purpose]
+        except KeyError:
+            raise KeyError(f"unknown mesh purpose {purpose!r}; known: {', '.join(self.views)}") from None

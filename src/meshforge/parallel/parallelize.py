@@ -1,0 +1,105 @@
+"""Apply every parallel dimension to a meta-device model, in the one fixed order.
+
+DESIGN.md fixes the order: PP split -> TP/SP -> EP -> CP -> (recompute/swap) -> compile -> FSDP.
+Each step is a function of its own module (`pipeline.split_model`, `tensor.apply_tp`,
+`expert.apply_ep`, `context.apply_cp`, `fsdp.apply_fsdp`) that takes its mesh view and
+explicit options; this module only decides which run and in what order, so the trainer
+and tests share one path and the order is written down once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from meshforge.parallel.dims import ParallelDims, ParallelMesh
+
+
+@dataclass
+class ParallelizedModel:
+    """The model this rank trains, and the pipeline split when pp > 1 (else None)."""
+
+    model: nn.Module
+    pipeline_split: Any = None
+    fsdp: bool = False
+
+
+def parallelize_model(
+    model: nn.Module,
+    *,
+    family: str,
+    dims: ParallelDims,
+    mesh: ParallelMesh,
+    parallelism: Any,
+    param_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    compile_blocks: bool,
+    apply_compile: Callable[[nn.Module], Any] | None = None,
+) -> ParallelizedModel:
+    """Split, shard and wrap `model` (on the meta device) for this rank.
+
+    Args:
+        family: the model family name (`"generic"` for the transformers path).
+        parallelism: the `parallelism` config section.
+        param_dtype: dtype the parameters are stored in; `compute_dtype` the forward's dtype.
+        compile_blocks: `kernels.compile`; `apply_compile` does it (before FSDP).
+    """
+    par = parallelism
+    split = None
+    if dims.pp > 1:
+        from meshforge.parallel.pipeline import split_model
+
+        split = split_model(
+            model,
+            pp_rank=mesh.view("pp").get_local_rank(),
+            pp_size=dims.pp,
+            layers_per_stage=par.pipeline_parallel_layers_per_stage,
+            interleave=int(par.pipeline_parallel_interleave_num),
+            schedule=str(par.pipeline_parallel_schedule),
+        )
+        model = split.model
+    if dims.tp > 1:
+        from meshforge.parallel.tensor import apply_tp
+
+        apply_tp(
+            model,
+            mesh.view("tp"),
+            family=family,
+            # sequence_parallel follows TP (MindFormers document; see parallel/config.py).
+            sequence_parallel=True,
+            loss_parallel=bool(par.enable_loss_parallel),
+            colwise=list(par.tp_colwise),
+            rowwise=list(par.tp_rowwise),
+        )
+    if dims.ep > 1:
+        from meshforge.parallel.expert import apply_ep
+
+        apply_ep(model, mesh.view("ep"))
+    if dims.cp > 1:
+        from meshforge.parallel.context import apply_cp
+
+        apply_cp(model, mesh.view("cp"), method=par.cp_method(), ulysses_degree=par.ulysses_degree_in_cp)
+    if compile_blocks and apply_compile is not None:
+        # Compile before fully_shard: FSDP's hooks stay outside the compiled graphs.
+        apply_compile(model)
+    fsdp = dims.needs_fsdp
+    if fsdp:
+        from meshforge.parallel.fsdp import apply_fsdp, apply_fsdp_patterns
+
+        kwargs: dict[str, Any] = {
+            "param_dtype": compute_dtype if compute_dtype != param_dtype else None,
+            "reduce_dtype": torch.float32,
+            "reshard_policy": getattr(par, "reshard_after_forward_policy", "default"),
+        }
+        if family == "generic":
+            # transformers' module trees vary: place units by parallelism.fsdp_modules patterns.
+            apply_fsdp_patterns(model, mesh.view("fsdp"), fsdp_modules=list(par.fsdp_modules), **kwargs)
+        else:
+            if dims.ep > 1:
+                kwargs["expert_mesh"] = mesh.view("efsdp")
+            apply_fsdp(model, mesh.view("fsdp"), pipeline_parallel=dims.pp > 1, **kwargs)
+    return ParallelizedModel(model=model, pipeline_split=split, fsdp=fsdp)
