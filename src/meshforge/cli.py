@@ -3,6 +3,7 @@
     meshforge train [--config FILE] [--section.key=value ...]   (torchrun -m meshforge train ... for N processes)
     meshforge convert --to {hf,dcp} SOURCE OUT [--config run/config.yaml]
     meshforge preprocess --input FILE --output-prefix P --tokenizer DIR   (Megatron .bin/.idx)
+    meshforge data preview [--config FILE] [--num-samples N] [--output FILE.jsonl] [--section.key=value ...]
     meshforge config {validate,show,schema,import} ...
 
 `train` with no `--config` runs the built-in demo (tiny Qwen3 on the bundled corpus).
@@ -80,6 +81,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument(
         "--dtype", default=None, help="--to hf: cast weights (float32, bfloat16, float16); default as trained"
+    )
+    data = sub.add_parser(
+        "data",
+        help="inspect a config's training data (data preview)",
+        description="Inspect the training data a config produces, without building the model.",
+    )
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    preview = data_sub.add_parser(
+        "preview",
+        help="the first rows after processing and packing, as JSON lines with the decoded text",
+        description=(
+            "Write the first N rows of the training data after processing and packing and before batching, "
+            "in the order the trainer reads them with shuffling off: input_ids, labels (shifted, -100 = no "
+            "loss), position_ids / segment_ids when present, and text (decoded, with tokens that are not "
+            "loss targets inside [MASKED]...[/MASKED]). Builds only the tokenizer and the data pipeline. "
+            "Extra --section.key=value arguments override the file."
+        ),
+    )
+    preview.add_argument(
+        "--config", "-c", default=None, help="native or MindSpeed-format YAML (default: demo)"
+    )
+    preview.add_argument(
+        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
+    )
+    preview.add_argument("--num-samples", "-n", type=int, default=4, help="rows to show (default 4)")
+    preview.add_argument(
+        "--output", "-o", default=None, help="write JSON lines here (default: print; JSON lines when piped)"
     )
     from meshforge.config.cli import add_config_commands
     from meshforge.data.megatron.cli import add_preprocess_command
@@ -177,6 +205,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command == "train":
         return run_train(args, split_overrides(extra))
+    if args.command == "data":
+        from meshforge.data.preview import run_preview
+
+        return run_preview(
+            args.config,
+            split_overrides(extra),
+            num_samples=args.num_samples,
+            output=args.output,
+            fmt=args.format,
+        )
     if extra:
         parser.error(f"unrecognised arguments: {' '.join(extra)}")
     if args.command == "convert":
