@@ -7,13 +7,27 @@ default `shuffle: False` the loader reads it in order: rank r of dp gets chunk r
 `dp * local_batch_size` samples, as Megatron's MegatronPretrainingSampler does.
 
 Train samples: `sizes[0]` when given and positive, else `total_steps * global_batch_size` (what
-Megatron's `train_iters * global_batch_size` gives), else one epoch of the data.
+Megatron's `train_iters * global_batch_size` gives), else one epoch of the data. With
+`training.epochs`, one epoch is the train split's own sample count (`epoch_samples`: for each
+member, its train documents' tokens cut into seq_length samples, summed over the blend's members)
+and the run's steps follow from it; the data is then built for `steps * global_batch_size`
+samples, Megatron's way of asking for several epochs (its document index repeats the documents).
+
+Validation (`build_megatron_eval_loader`): the split's second part (`split: '98,2,0'`), built with
+Megatron's algorithm for the `valid` split (same cache names, seed, and sample order as
+megatron-core). Its size is `sizes[1]` when given and positive; otherwise one pass over the
+validation documents (a weighted blend draws that many samples by weight). Megatron itself sizes
+it `(train_iters // eval_interval + 1) * eval_iters * global_batch` because its evaluations read on
+through one iterator; here every evaluation starts again from the first validation sample, so
+eval_loss values are comparable across the run (limit each evaluation with `max_batches`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from meshforge.data.megatron.specs import COLUMN_NAMES, MegatronDataLoaderOptions
 from meshforge.resources import resolve_path
@@ -51,6 +65,29 @@ def train_samples(
     return None
 
 
+def epoch_samples(options: MegatronDataLoaderOptions, split_no: int = 0) -> int:
+    """Samples in one epoch of split `split_no`: per member `(tokens - extra) // seq_length`, summed.
+
+    Reads only the `.idx` headers (no index is built). Weights of a blend do not change it.
+    """
+    from meshforge.data.megatron.blended import parse_blend
+    from meshforge.data.megatron.gpt_dataset import split_document_indices
+    from meshforge.data.megatron.indexed import IndexedDataset
+
+    cfg = options.config
+    blend = parse_blend(cfg.data_path, "train_dataset.dataloader.config.data_path")
+    extra = int(cfg.add_extra_token_to_sequence)
+    total = 0
+    for prefix in blend.prefixes:
+        indexed = IndexedDataset(str(resolve_path(prefix)))
+        docs = split_document_indices(len(indexed), cfg.split)[split_no]
+        if docs is None:
+            continue
+        tokens = int(indexed.sequence_lengths[docs].sum(dtype=np.int64))
+        total += max(0, (tokens - extra) // cfg.seq_length)
+    return total
+
+
 def build_megatron_dataset(
     options: MegatronDataLoaderOptions,
     *,
@@ -62,11 +99,13 @@ def build_megatron_dataset(
     log: Callable[[str], None] | None = None,
     valid_samples: int | None = None,
     with_valid: bool = False,
+    with_train: bool = True,
 ) -> tuple[Any, Any]:
     """(train, valid) datasets of the configured blend.
 
     valid is built only `with_valid` (else None), and is None when the split gives it 0; it holds
     `valid_samples` (or `sizes[1]`) samples, or one pass over its documents when neither is set.
+    train is built only `with_train` (else None).
     """
     from meshforge.data.megatron.blended import build_datasets
     from meshforge.data.megatron.gpt_dataset import GPTDatasetConfig
@@ -102,17 +141,18 @@ def build_megatron_dataset(
         barrier=barrier,
         log=log,
         key="train_dataset.dataloader.config.data_path",
-        only=(0, 1) if with_valid else (0,),
+        only=(0,) * with_train + (1,) * with_valid,
     )
-    if datasets[0] is None:
+    if with_train and datasets[0] is None:
         raise ValueError(
             f"train_dataset.dataloader.config.split: {cfg.split!r} gives the train split no documents"
         )
     if log is not None:
         log(
-            f"Megatron data: {len(datasets[0]):,} train samples of {cfg.seq_length} tokens, eod id {eod}, "
-            f"split {cfg.split!r}"
-            + (f", {len(datasets[1]):,} valid samples" if datasets[1] is not None else "")
+            "Megatron data: "
+            + (f"{len(datasets[0]):,} train samples, " if datasets[0] is not None else "")
+            + (f"{len(datasets[1]):,} valid samples, " if datasets[1] is not None else "")
+            + f"{cfg.seq_length} tokens each, eod id {eod}, split {cfg.split!r}"
         )
     return datasets[0], datasets[1]
 
@@ -145,14 +185,35 @@ def build_megatron_loader(
     global_batch_size: int | None,
     log: Callable[[str], None] | None,
     total_steps: int | None = None,
+    epochs: float | None = None,
 ) -> Any:
-    """The `LoaderBuilder` of `BlendedMegatronDatasetDataLoader` (see `meshforge.data.build`)."""
+    """The `LoaderBuilder` of `BlendedMegatronDatasetDataLoader` (see `meshforge.data.build`).
+
+    With `epochs`, the steps come from `epoch_samples` (and are stored in `loader.total_steps`);
+    `total_steps` is then ignored.
+    """
+    from meshforge.data.build import steps_for_epochs
     from meshforge.data.loader import StatefulLoader
     from meshforge.data.specs import parse_megatron_options
 
     options = parse_megatron_options(dict(getattr(dataset_cfg.dataloader, "model_extra", None) or {}))
     check_columns(getattr(dataset_cfg.dataloader, "column_names", None))
     global_batch = global_batch_size or dp_size * local_batch_size
+    planned = None
+    if epochs is not None:
+        if options.sizes and options.sizes[0] > 0:
+            raise ValueError(
+                "train_dataset.dataloader.sizes[0]: fixes the train samples, and training.epochs sets them "
+                "from the data size; set only one of them"
+            )
+        per_epoch = epoch_samples(options)
+        planned = steps_for_epochs(per_epoch, epochs, global_batch, bool(dataset_cfg.drop_remainder))
+        total_steps = planned
+        if log is not None:
+            log(
+                f"Megatron data: training.epochs {epochs:g} x {per_epoch:,} samples per epoch = {planned:,} "
+                f"steps of {global_batch} samples"
+            )
     rank, barrier = _rank_and_barrier()
     train, _ = build_megatron_dataset(
         options,
@@ -163,7 +224,7 @@ def build_megatron_loader(
         barrier=barrier,
         log=log,
     )
-    return StatefulLoader(
+    loader = StatefulLoader(
         train,
         local_batch_size=local_batch_size,
         dp_rank=dp_rank,
@@ -173,6 +234,56 @@ def build_megatron_loader(
         drop_remainder=bool(dataset_cfg.drop_remainder),
         global_batch_size=global_batch_size,
     )
+    loader.total_steps = planned
+    return loader
+
+
+def build_megatron_eval_loader(
+    dataset_cfg: Any,
+    *,
+    tokenizer: Any,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    log: Callable[[str], None] | None = None,
+    **_: Any,
+) -> Any:
+    """The `EvalLoader` of the split's validation part (see the module docstring), or None when the
+    split gives it 0."""
+    from meshforge.data.loader import EvalLoader
+    from meshforge.data.megatron.blended import parse_blend
+    from meshforge.data.megatron.gpt_dataset import parse_split
+    from meshforge.data.specs import parse_megatron_options
+
+    options = parse_megatron_options(dict(getattr(dataset_cfg.dataloader, "model_extra", None) or {}))
+    check_columns(getattr(dataset_cfg.dataloader, "column_names", None))
+    if parse_split(options.config.split)[1] == 0:
+        return None
+    valid_samples = None
+    if not (options.sizes and len(options.sizes) > 1 and options.sizes[1] > 0):
+        weighted = parse_blend(options.config.data_path, "train_dataset.dataloader.config.data_path").weights
+        if weighted is not None:
+            valid_samples = epoch_samples(options, split_no=1)
+    rank, barrier = _rank_and_barrier()
+    _, valid = build_megatron_dataset(
+        options,
+        tokenizer=tokenizer,
+        seed=seed,
+        num_samples=None,
+        rank=rank,
+        barrier=barrier,
+        log=log,
+        valid_samples=valid_samples,
+        with_valid=True,
+        with_train=False,
+    )
+    if valid is None or len(valid) == 0:
+        raise ValueError(
+            f"train_dataset.dataloader.config.split: {options.config.split!r} gives the validation split "
+            "no samples; give it a larger share or set the second part to 0 (no evaluation)"
+        )
+    return EvalLoader(valid, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size)
 
 
 def _rank_and_barrier() -> tuple[int, Callable[[], None] | None]:

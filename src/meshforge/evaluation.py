@@ -1,0 +1,77 @@
+"""Validation loss over an evaluation loader: the global valid-token mean cross-entropy.
+
+The trainer calls `evaluate` every `training.eval_interval` steps and at the end of training, with a
+`model_forward` that returns the summed cross-entropy of one batch (the same sum the training step
+computes) and the loader built by `meshforge.data.build.build_eval_loader`. Loss sums and
+valid-token counts are summed locally, then all-reduced once over the loss group (data and context
+parallel ranks), so `eval_loss` is `sum of CE over all valid tokens / number of valid tokens`, the
+same normalisation as the training loss and independent of how the samples are spread over ranks
+(padding rows of the last batches carry only -100 labels and count for nothing).
+
+Putting the model in eval mode (dropout off) and back is the caller's job: `model_forward` is a
+plain callable here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from meshforge.data.loader import IGNORE_INDEX
+
+
+def _process_group(loss_group: Any) -> Any:
+    # A 1-D DeviceMesh is accepted as well as a ProcessGroup.
+    get_group = getattr(loss_group, "get_group", None)
+    return get_group() if callable(get_group) else loss_group
+
+
+def evaluate(
+    model_forward: Callable[[dict[str, torch.Tensor]], Any],
+    loader: Iterable[dict[str, torch.Tensor]],
+    *,
+    device: torch.device | str,
+    loss_group: Any = None,
+    max_batches: int | None = None,
+) -> dict[str, float]:
+    """Mean cross-entropy per valid token over `loader` (one pass from its start), all ranks together.
+
+    Args:
+        model_forward: batch (on `device`) -> summed cross-entropy of its valid tokens (a scalar
+            tensor), or a `(ce_sum, valid_tokens)` pair when the forward counts the tokens itself
+            (e.g. after sharding the batch for context parallelism).
+        loader: the evaluation batches (`EvalLoader`: each iteration starts from the first sample).
+        device: where batches are moved before `model_forward`.
+        loss_group: the group (or 1-D DeviceMesh) over which sums are all-reduced: every data- and
+            context-parallel rank; None = single process.
+        max_batches: stop after this many batches on every rank (None = the whole loader). All ranks
+            must pass the same value, as each batch may involve collectives.
+
+    Returns:
+        `{"eval_loss": global mean CE per valid token (nan when there is none), "eval_tokens": count}`.
+    """
+    from meshforge.utils.distributed import all_reduce_sum
+
+    if max_batches is not None and max_batches < 0:
+        raise ValueError(f"max_batches must be >= 0 or None, got {max_batches}")
+    # float64 sums: a long evaluation adds many float32 batch sums, and token counts stay exact.
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+            out = model_forward(batch)
+            if isinstance(out, tuple):
+                ce_sum, tokens = out
+            else:
+                ce_sum, tokens = out, (batch["labels"] != IGNORE_INDEX).sum()
+            totals[0] += torch.as_tensor(ce_sum, device=device).detach().to(torch.float64)
+            totals[1] += torch.as_tensor(tokens, device=device).to(torch.float64)
+    if loss_group is not None:
+        totals = all_reduce_sum(totals, _process_group(loss_group))
+    loss_sum, tokens = (float(v) for v in totals.cpu())
+    return {"eval_loss": loss_sum / tokens if tokens > 0 else math.nan, "eval_tokens": float(int(tokens))}
