@@ -248,3 +248,22 @@ def test_masked_text_marks_runs():
     labels = [-100, -100, 4, 5, -100, -100]  # targets: tokens 3 and 4 (positions 2, 3 -> 4, 5)
     assert masked_text(Tok(), ids, labels) == "[MASKED]<1><2><3>[/MASKED]<4><5>[MASKED]<6>[/MASKED]"
     assert masked_text(Tok(), [], []) == ""
+
+
+def test_stream_loader_rows_come_from_its_batches():
+    import torch
+
+    class Tok:
+        def decode(self, ids, **kwargs):
+            return "".join(f"<{i}>" for i in ids)
+
+    class Stream:  # no random access: only batches, in order
+        def __iter__(self):
+            for start in range(0, 100, 2):
+                ids = torch.arange(start, start + 2).reshape(2, 1).repeat(1, 3)
+                yield {"input_ids": ids, "labels": torch.full((2, 3), -100)}
+
+    rows = preview_rows(None, 3, loader=(Tok(), Stream()))
+    assert [row["index"] for row in rows] == [0, 1, 2]
+    assert [row["input_ids"] for row in rows] == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
+    assert rows[2]["text"] == "[MASKED]<2><2><2>[/MASKED]"

@@ -170,7 +170,9 @@ def preview_rows(
     if num_samples <= 0:
         raise ValueError(f"--num-samples: must be a positive number of rows, got {num_samples}")
     tokenizer, data_loader = loader if loader is not None else build_preview_loader(cfg, log=log)
-    dataset = data_loader.dataset
+    dataset = getattr(data_loader, "dataset", None)
+    if not hasattr(data_loader, "used_per_epoch") or not callable(getattr(dataset, "get_batch", None)):
+        return _rows_from_batches(data_loader, tokenizer, num_samples)
     per_epoch = int(data_loader.used_per_epoch)
     count = min(num_samples, per_epoch)
     if count < num_samples and log is not None:
@@ -190,6 +192,24 @@ def preview_rows(
                 row[key] = np.asarray(batch[key][0][:length], dtype=np.int64).tolist()
         row["text"] = masked_text(tokenizer, row["input_ids"], row["labels"])
         rows.append(row)
+    return rows
+
+
+def _rows_from_batches(data_loader: Any, tokenizer: Any, num_samples: int) -> list[dict[str, Any]]:
+    """Rows of a loader without random access (a stream): its batches in order, split into rows.
+
+    These rows keep the batch's padding (a stream cannot say where a row ended before batching).
+    """
+    rows: list[dict[str, Any]] = []
+    for batch in data_loader:
+        arrays = {key: np.asarray(value) for key, value in batch.items() if key in ROW_KEYS}
+        for k in range(len(arrays["input_ids"])):
+            row: dict[str, Any] = {"index": len(rows)}
+            row.update({key: arrays[key][k].astype(np.int64).tolist() for key in ROW_KEYS if key in arrays})
+            row["text"] = masked_text(tokenizer, row["input_ids"], row["labels"])
+            rows.append(row)
+            if len(rows) == num_samples:
+                return rows
     return rows
 
 
