@@ -96,6 +96,12 @@ def _validate(args: argparse.Namespace) -> int:
         return 2
     where = f" for world size {args.world_size}" if args.world_size else ""
     print(f"{args.file}: valid{where} ({len(report.warnings)} warning(s))")
+    if args.world_size:
+        # Imports torch (the model is built on the meta device); plain validation does not.
+        from meshforge.parallel.plan import plan_lines
+
+        for line in plan_lines(cfg, args.world_size, log=lambda _: None):
+            print(f"  {line}")
     return 0
 
 
