@@ -12,10 +12,17 @@ Cases (one JSON line each; ratios are ours over the reference measured in the sa
 * ``reads``: random `GPTDataset` samples/s over the 10M-token corpus, ours `sample(i)` (Megatron's
   dict) and `contract_sample(i)` (the batch contract) against megatron-core's `GPTDataset[i]`.
   Target: ours >= its rate.
-* ``loader``: micro-batches of 16 x 1024 through `StatefulLoader` (CPU tensors), samples/s.
+* ``loader``: `StatefulLoader` over the GPTDataset of the same 10M-token corpus (seq 1024): batches/s,
+  samples/s and tokens/s of `next(loader)` (CPU `torch.long` tensors in the batch contract) at local
+  batch 8 and 16, in the dataset's order and reshuffled by the loader, with and without document
+  separation (`reset_attention_mask`: `segment_ids`), against the dataset's own `get_batch` of the
+  same indices (``overhead`` = loader time / get_batch time; the loader adds the index order and
+  the numpy -> torch conversion). ``resume_ms``: `load_state_dict` to the last batch of the epoch
+  plus the first `next()` after it (O(1): no batch before it is read).
 
-Needs megatron-core (the dev extra) for the reference sides. Run:
-``python benchmarks/preprocess.py [--repeat 5] [--workers 2] [--skip-100m]``.
+Needs megatron-core (the dev extra) for the reference sides of ``index_build`` and ``reads``; the
+``loader`` case runs without it. Run:
+``python benchmarks/preprocess.py [--repeat 5] [--workers 2] [--skip-100m] [--cases loader,reads]``.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from meshforge.resources import resolve_path
 
 TOKENIZER = "meshforge://assets/tokenizer"
 SEQ = 1024
+CASES = ("preprocess", "index_build", "reads", "loader")
 
 
 def emit(**fields) -> None:
@@ -124,19 +132,87 @@ def bench_index_build(sizes_m: list[int]) -> None:
         )
 
 
-def bench_reads_and_loader(tmp: Path) -> None:
+def _reads_corpus(tmp: Path) -> tuple[Path, int]:
+    """A 10M-token indexed corpus (random tokens, document lengths 50..2000, EOD 0 ending each one)."""
+    prefix = tmp / "reads_text_document"
+    sizes = _lengths(10_000_000, seed=1)
+    if not prefix.with_suffix(".idx").exists():
+        rng = np.random.default_rng(2)
+        tokens = rng.integers(1, 60000, int(sizes.sum()))
+        tokens[np.cumsum(sizes) - 1] = 0  # each document ends with EOD, as preprocess --append-eod writes
+        with IndexedDatasetWriter(prefix, np.uint16) as w:
+            w.add_documents(tokens, sizes, np.ones(len(sizes), dtype=np.int64))
+    return prefix, (int(sizes.sum()) - 1) // SEQ
+
+
+def bench_loader(tmp: Path, batches: tuple[int, ...] = (8, 16), steps: int = 200) -> None:
+    """StatefulLoader over the GPTDataset (see the module docstring); no megatron-core needed."""
+    from meshforge.data.loader import StatefulLoader
+
+    prefix, num = _reads_corpus(tmp)
+    ds = IndexedDataset(prefix)
+    for separate in (False, True):
+        cfg = GPTDatasetConfig(
+            seq_length=SEQ, seed=1, eod=0, reset_attention_mask=separate, path_to_cache=str(tmp / "lcache")
+        )
+        gpt = GPTDataset(ds, np.arange(len(ds), dtype=np.int32), num, cfg)
+        for lbs in batches:
+            for shuffle in (False, True):
+                loader = StatefulLoader(
+                    gpt, local_batch_size=lbs, dp_rank=0, dp_size=1, seed=0, shuffle=shuffle
+                )
+                for _ in range(3):
+                    next(loader)
+                # the same index sets the loader reads next, for the dataset-only side
+                order = np.random.default_rng([0, 0]).permutation(num) if shuffle else np.arange(num)
+                start_pos = loader.position
+                index_sets = [order[start_pos + k * lbs : start_pos + (k + 1) * lbs] for k in range(steps)]
+                loader_t, direct_t = [], []
+                blocks = 10
+                # alternate the two sides in blocks (order flipped every block) so that the shared
+                # machine's noise hits both; rates are medians over blocks
+                for block in range(blocks):
+                    chunk = index_sets[block * steps // blocks : (block + 1) * steps // blocks]
+                    for side in ("loader", "direct") if block % 2 == 0 else ("direct", "loader"):
+                        t0 = time.perf_counter()
+                        if side == "loader":
+                            for _ in chunk:
+                                batch = next(loader)
+                            loader_t.append((time.perf_counter() - t0) / len(chunk))
+                        else:
+                            for idx in chunk:
+                                gpt.get_batch(idx)
+                            direct_t.append((time.perf_counter() - t0) / len(chunk))
+                keys = {"input_ids", "labels", "position_ids"} | ({"segment_ids"} if separate else set())
+                assert set(batch) == keys
+                per_batch = statistics.median(loader_t)
+                overhead = statistics.median(a / b for a, b in zip(loader_t, direct_t, strict=True))
+                t0 = time.perf_counter()
+                state = loader.state_dict()
+                state["position"] = loader.used_per_epoch - lbs
+                loader.load_state_dict(state)
+                next(loader)
+                resume_ms = (time.perf_counter() - t0) * 1e3
+                emit(
+                    case="loader",
+                    batch=f"{lbs} x {SEQ}",
+                    shuffle=shuffle,
+                    segment_ids=separate,
+                    batches_per_s=round(1 / per_batch, 1),
+                    samples_per_s=round(lbs / per_batch),
+                    tokens_per_s=round(lbs * SEQ / per_batch),
+                    get_batch_samples_per_s=round(lbs / statistics.median(direct_t)),
+                    overhead=round(overhead, 3),
+                    resume_ms=round(resume_ms, 2),
+                )
+
+
+def bench_reads(tmp: Path) -> None:
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset as MegatronGPT
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MegatronConfig
 
-    from meshforge.data.loader import StatefulLoader
-
-    sizes = _lengths(10_000_000, seed=1)
-    prefix = tmp / "reads_text_document"
-    rng = np.random.default_rng(2)
-    with IndexedDatasetWriter(prefix, np.uint16) as w:
-        w.add_documents(rng.integers(1, 60000, int(sizes.sum())), sizes, np.ones(len(sizes), dtype=np.int64))
-    num = (int(sizes.sum()) - 1) // SEQ
+    prefix, num = _reads_corpus(tmp)
 
     class Tok:
         eod, pad, vocab_size = 0, -1, 65535
@@ -179,13 +255,40 @@ def bench_reads_and_loader(tmp: Path) -> None:
         ratio_contract=round(med["ours_contract"] / med["megatron_core"], 2),
         target=">= 1.0",
     )
-    loader = StatefulLoader(ours, local_batch_size=16, dp_rank=0, dp_size=1, seed=0, shuffle=False)
-    next(loader)
-    start = time.perf_counter()
-    steps = 100
-    for _ in range(steps):
-        next(loader)
-    emit(case="loader", batch="16 x 1024", samples_per_s=round(steps * 16 / (time.perf_counter() - start)))
+    _loader_vs_torch(ours, theirs)
+
+
+def _loader_vs_torch(ours: GPTDataset, theirs, lbs: int = 8, steps: int = 200) -> None:
+    """Our StatefulLoader vs what a Megatron user runs: torch DataLoader over megatron-core's GPTDataset.
+
+    Same corpus, seq, batch and in-order reading (MegatronPretrainingSampler is sequential), no
+    worker processes on either side (the loader's unit is one process's micro-batches).
+    """
+    import torch
+
+    from meshforge.data.loader import StatefulLoader
+
+    ours_loader = StatefulLoader(ours, local_batch_size=lbs, dp_rank=0, dp_size=1, seed=0, shuffle=False)
+    theirs_iter = iter(torch.utils.data.DataLoader(theirs, batch_size=lbs, shuffle=False, num_workers=0))
+    for _ in range(3):
+        next(ours_loader), next(theirs_iter)
+    times: dict[str, list[float]] = {"ours": [], "torch_dataloader_megatron_core": []}
+    blocks = 10
+    for block in range(blocks):
+        names = list(times) if block % 2 == 0 else list(times)[::-1]
+        for name in names:
+            it = ours_loader if name == "ours" else theirs_iter
+            t0 = time.perf_counter()
+            for _ in range(steps // blocks):
+                next(it)
+            times[name].append((time.perf_counter() - t0) / (steps // blocks))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    emit(
+        case="loader_vs_megatron",
+        batch=f"{lbs} x {SEQ}",
+        samples_per_s={k: round(lbs / v) for k, v in med.items()},
+        ratio=round(med["torch_dataloader_megatron_core"] / med["ours"], 2),
+    )
 
 
 def main() -> None:
@@ -195,13 +298,27 @@ def main() -> None:
         "--workers", type=int, default=2, help="Worker processes for the second preprocess run."
     )
     parser.add_argument("--skip-100m", action="store_true", help="Index build at 10M tokens only.")
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"Comma-separated cases to run (default all: {','.join(CASES)}).",
+    )
     args = parser.parse_args()
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"--cases: unknown {', '.join(unknown)}; valid: {', '.join(CASES)}")
     warnings.filterwarnings("ignore")  # megatron-core warns about missing Apex/TE on import
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
-        bench_preprocess(tmp, args.repeat, args.workers)
-        bench_index_build([10] if args.skip_100m else [10, 100])
-        bench_reads_and_loader(tmp)
+        if "preprocess" in cases:
+            bench_preprocess(tmp, args.repeat, args.workers)
+        if "index_build" in cases:
+            bench_index_build([10] if args.skip_100m else [10, 100])
+        if "reads" in cases:
+            bench_reads(tmp)
+        if "loader" in cases:
+            bench_loader(tmp)
 
 
 if __name__ == "__main__":
