@@ -24,6 +24,7 @@ read. The last label (the target of the token after the row) has no token in `te
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from collections.abc import Callable, Iterable
@@ -92,6 +93,10 @@ def build_preview_loader(cfg: Any, *, log: Callable[[str], None] | None = None) 
     tokenizer = _tokenizer(cfg)
     training = cfg.training
     local = int(training.local_batch_size)
+    extra: dict[str, Any] = {}
+    epochs = getattr(training, "epochs", None)
+    if epochs is not None and "epochs" in inspect.signature(build_train_loader).parameters:
+        extra["epochs"] = epochs  # a run sized by epochs sizes Megatron data by them too
     loader = build_train_loader(
         unshuffled(cfg.train_dataset),
         tokenizer=tokenizer,
@@ -103,6 +108,7 @@ def build_preview_loader(cfg: Any, *, log: Callable[[str], None] | None = None) 
         global_batch_size=training.effective_global_batch_size(1),
         log=log,
         total_steps=int(training.steps),
+        **extra,
     )
     return tokenizer, loader
 
