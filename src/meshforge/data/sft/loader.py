@@ -27,6 +27,7 @@ The rows are held in memory as one flat id array plus offsets; `get_batch` pads 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections import Counter
@@ -203,12 +204,14 @@ def _mix(converted: list[Any], cfg: Any, seed: int) -> Any:
 
 def _resolve(spec: Any, cfg: Any, key: str) -> list[DatasetAttr]:
     # resolve_datasets names `train_dataset.dataset` in its messages; say `eval_dataset` for that key.
-    try:
+    if key == "train_dataset.dataset":
         return resolve_datasets(spec, cfg.dataset_dir)
+    rename = lambda text: re.sub(r"train_dataset\.dataset(?![_\w])", key, text)  # noqa: E731
+    try:
+        attrs = resolve_datasets(spec, cfg.dataset_dir)
     except (ValueError, FileNotFoundError) as err:
-        if key == "train_dataset.dataset":
-            raise
-        raise type(err)(re.sub(r"train_dataset\.dataset(?![_\w])", key, str(err))) from None
+        raise type(err)(rename(str(err))) from None
+    return [dataclasses.replace(attr, name=rename(attr.name)) for attr in attrs]
 
 
 def _converted(spec: Any, cfg: Any, seed: int, log: Callable[[str], None] | None, key: str) -> Any:
