@@ -34,6 +34,7 @@ from meshforge.monitor.metrics import JsonlMetrics, TensorBoardMetrics
 from meshforge.parallel.dims import ParallelDims
 from meshforge.resources import resolve_path
 from meshforge.utils import distributed as dist_utils
+from meshforge.utils.comms import comm_stats_enabled
 from meshforge.utils.device import backend_for, peak_memory_bytes, resolve_device
 from meshforge.utils.log import get_logger
 from meshforge.utils.seed import rng_state, set_deterministic, set_rng_state, set_seed
@@ -133,6 +134,8 @@ class Trainer:
         self.tokens_seen = 0
         self._last_checkpoint: Path | None = None
         self._hf_export: Path | None = None
+        # MESHFORGE_COMM_STATS=1: count each step's collectives (benchmarks/parallel_overhead.py).
+        self._count_comms = comm_stats_enabled()
 
     # ----------------------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -608,7 +611,15 @@ class Trainer:
     def _run_one_step(self, total: int, start_time: float, losses: list[float]) -> int:
         """Train, record, log and maybe save one step; return the tokens it processed."""
         t0 = time.perf_counter()
-        metrics = self.train_step()
+        if self._count_comms:
+            from meshforge.utils.comms import CommCounter
+
+            with CommCounter() as counter:
+                metrics = self.train_step()
+            metrics["comm_bytes"] = counter.total_bytes
+            metrics["comm_calls"] = counter.total_calls
+        else:
+            metrics = self.train_step()
         self.step += 1
         elapsed = time.perf_counter() - t0
         self.tokens_seen += metrics["tokens"]
