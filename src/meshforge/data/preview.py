@@ -237,8 +237,11 @@ def _summary(row: dict[str, Any]) -> str:
         parts.append(f"{len(np.unique(segments[segments > 0]))} segment(s)")
         parts.append(f"{int((segments == 0).sum())} padding")
     elif "position_ids" in row:
-        starts = int((np.asarray(row["position_ids"])[1:] == 0).sum()) + 1
-        parts.append(f"{starts} position run(s)")
+        # an example starts where positions go 0, 1 (a pack's padding is a run of zeros)
+        pos = np.asarray(row["position_ids"])
+        starts = int(((pos[:-1] == 0) & (pos[1:] == 1)).sum())
+        if starts > 1 or (pos[1:] == 0).any():
+            parts.append(f"{starts} example(s)")
     return ", ".join(parts)
 
 
