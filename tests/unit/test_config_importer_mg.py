@@ -135,3 +135,16 @@ def test_imported_flags_reach_the_gpt_dataset(tmp_path):
         assert np.array_equal(starts, np.flatnonzero(row_ids[:-1] == eod) + 1)
     # positions keep running across documents (MindSpeed hard-codes reset_position_ids=False)
     assert np.array_equal(batch["position_ids"][0].numpy(), np.arange(64))
+
+
+def test_data_manager_and_stage_pair(tmp_path):
+    # MindSpeed's data factory accepts only (sft, lf) and (pt, mg)
+    path = tmp_path / "pair.yaml"
+    path.write_text("model_name_or_path: /m\ndata_manager_type: mg\ndataset: /d/a\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)  # stage defaults to sft
+    assert "data_manager_type" in str(err.value) and "needs stage 'pt'" in str(err.value)
+    path.write_text("model_name_or_path: /m\nstage: pt\n", encoding="utf-8")  # lf by default
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "stage" in str(err.value) and "needs stage 'sft'" in str(err.value)

@@ -161,6 +161,8 @@ ALL_KEYS: dict[str, str] = {key: group for group, keys in KEYS_BY_GROUP.items() 
 SCHEDULERS = {"cosine": "CosineWithWarmUpLR", "linear": "LinearWithWarmUpLR", "constant": "ConstantWarmUpLR"}
 OPTIMIZERS = {"adamw": "AdamW", "muon": "Muon", "fused_adamw": "FusedAdamW"}
 LOADERS = {"mg": "BlendedMegatronDatasetDataLoader", "lf": "SFTDataLoader"}
+# The stage each data manager serves; MindSpeed's data factory refuses any other pair.
+DATA_MANAGER_STAGE = {"lf": "sft", "mg": "pt"}
 # MindSpeed data keys that the Megatron loader reads under its own config with data_manager_type mg.
 MEGATRON_DATA_KEYS = frozenset(
     {"dataset", "cutoff_len", "create_attention_mask_in_dataloader", "reset_attention_mask", "append_eod"}
@@ -289,6 +291,16 @@ def import_mindspeed(raw: dict[str, Any], log: Callable[[str], None] | None = No
     if loader:
         to("train_dataset.dataloader.type", loader, "data_manager_type")
     megatron = flat["data_manager_type"] == "mg"
+    pair = DATA_MANAGER_STAGE.get(flat["data_manager_type"])
+    if pair is not None and flat["stage"] != pair:
+        key = "stage" if "stage" in given else "data_manager_type"
+        issues.append(
+            (
+                key,
+                f"data_manager_type {flat['data_manager_type']!r} needs stage {pair!r}, got stage "
+                f"{flat['stage']!r} (MindSpeed accepts only the pairs (sft, lf) and (pt, mg))",
+            )
+        )
     if megatron:
         _megatron_flags(flat, given, to, say, issues)
     for key in DATA_KEYS:
