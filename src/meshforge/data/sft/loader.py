@@ -441,7 +441,7 @@ class SFTStream:
     def shuffled(self, epoch: int) -> Any:
         """The converted examples in epoch `epoch`'s order (LLaMA-Factory's `shuffle(buffer_size, seed)`)."""
         stream = self.indexed.shuffle(seed=self.seed, buffer_size=self.buffer_size)
-        stream.set_epoch(epoch)
+        stream.set_epoch(epoch)  # the epoch of the dataset that is iterated counts: see rows()
         return stream
 
     def rows(self, epoch: int) -> Iterator[dict[str, Any]]:
@@ -457,6 +457,9 @@ class SFTStream:
             remove_columns=[*CONVERTED, "_row"],
             fn_kwargs=kwargs,
         )
+        # `datasets` reseeds the shuffle buffer from the epoch of the dataset being iterated, which
+        # `filter`/`map` do not carry over: set it on the last one.
+        encoded.set_epoch(epoch)
         return iter(encoded)
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
