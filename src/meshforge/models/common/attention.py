@@ -16,11 +16,20 @@ instead of materialising repeated K/V.
 its flash backend with ``torch.nn.attention.sdpa_kernel``. Flash attention takes no mask
 tensor, so a forward with packed documents runs plain SDPA when the switch is ``auto``
 and is an error when it is ``true`` (``flash_strict``).
+
+Context parallelism (``meshforge.parallel.context.apply_cp``) sets ``cp`` to a
+callable that replaces the SDPA call: it takes this rank's queries, keys and values
+(``[B, heads, S_local, head_dim]``) and the per-forward CP mask object the decoder
+built, and returns the attention output for the local queries, exchanging keys and
+values (or heads) with the other CP ranks itself. With ``cp = None`` (the default) the
+forward is unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -119,19 +128,22 @@ class Attention(nn.Module):
         # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
         self.flash = False
         self.flash_strict = False
+        # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale) -> output.
+        self.cp: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | Any | None,
     ) -> torch.Tensor:
         """Attend over ``x`` ([B, S, hidden]).
 
         Args:
             x: Normalised hidden states.
             rope: ``(cos, sin)`` from :class:`~meshforge.models.common.rope.RotaryEmbedding`.
-            mask: Boolean ``[B, 1, S, S]`` mask, or None for plain causal attention.
+            mask: Boolean ``[B, 1, S, S]`` mask, or None for plain causal attention; under
+                context parallelism the CP mask object the decoder built for this forward.
 
         Returns:
             ``[B, S, hidden]`` after the output projection.
@@ -148,6 +160,13 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin).transpose(1, 2)
         k = apply_rotary(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
+        if self.cp is not None:
+            if self.dropout and self.training:
+                raise ValueError(
+                    "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
+                )
+            out = self.cp(q, k, v, mask, scale=self.scaling)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
         if self.flash and mask is not None and self.flash_strict:
             raise ValueError(
                 "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "

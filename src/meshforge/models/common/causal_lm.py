@@ -37,10 +37,15 @@ class DecoderModel(nn.Module):
     A subclass creates ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb`` (in
     that order, as transformers does) in its ``__init__``; every layer is called as
     ``layer(h, rope, mask)``, or ``layer(h, rope, mask, token_mask)`` when
-    ``pass_token_mask`` (MoE layers that leave padding out of the aux loss).
+    ``pass_token_mask`` (MoE layers that leave padding out of the aux loss). Under
+    context parallelism (``cp`` set by ``meshforge.parallel.context.apply_cp``) ``mask``
+    is the CP plan's mask object and ``position_ids`` are the global positions.
     """
 
     pass_token_mask: ClassVar[bool] = False
+    # Set by meshforge.parallel.context.apply_cp: builds the per-forward CP mask object
+    # (and global positions) instead of the local [S, S] mask; None without CP.
+    cp: Any = None
 
     def forward(
         self,
@@ -50,7 +55,14 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         mask = token_mask = None
-        if segment_ids is not None:
+        if self.cp is not None:
+            # Context parallel: this rank holds a slice of each row. The CP plan gathers
+            # what it needs about the full row once per forward (document ids, global
+            # positions) and every layer's attention reads it from the mask object.
+            mask, position_ids = self.cp.prepare(input_ids, position_ids, segment_ids)
+            if self.pass_token_mask and segment_ids is not None:
+                token_mask = segment_ids != 0
+        elif segment_ids is not None:
             # One mask for all layers; positions restart per document unless given.
             mask = segment_causal_mask(segment_ids)
             if self.pass_token_mask:

@@ -1,0 +1,542 @@
+"""Context parallelism (CP): every rank holds a slice of each sequence; attention trades K/V or heads.
+
+PyTorch's experimental ``context_parallel`` has no CPU SDPA sharding rule, so this is our
+own implementation on the autograd-aware functional collectives
+(``all_to_all_single_autograd``, ``all_gather_single_autograd``): gradients flow back
+through every exchange, and the model code stays single-device. Only the attention call
+and the per-forward mask change; everything else in a decoder layer is per-token.
+
+Methods (``parallelism.context_parallel_method``; MindSpeed's ``cp_type`` maps onto them):
+
+* ``ulysses``: an all-to-all turns "all heads, 1/cp of the sequence" into "1/cp of the
+  heads, the whole sequence"; plain SDPA runs on that; a second all-to-all turns it back.
+  K/V heads fewer than the CP degree are repeated first so each rank gets whole groups.
+* ``colossal`` (``ring``): K/V blocks travel around the ring in cp - 1 steps (each step one
+  ``all_to_all_single`` permutation, issued before the step's compute so they overlap);
+  each block is attended with a running max / sum (flash-attention style) and merged.
+  The sequence is cut into 2 * cp chunks and rank r keeps chunks r and 2cp-1-r
+  (load-balanced causal layout), so after the diagonal step every rank computes half
+  a block: the query/key chunk pairs that causality masks out entirely are skipped.
+* ``kvallgather``: K/V of the whole sequence are all-gathered; local queries attend with
+  their global causal offsets.
+* ``hybrid``: ulysses inside groups of ``ulysses_degree_in_cp`` consecutive CP ranks, ring
+  across the groups. It uses the colossal batch layout: a ulysses group's ranks then
+  hold, together, exactly the two chunks a ring rank of the coarser ring would hold.
+
+Packed documents (``segment_ids``) are respected by all methods: each forward gathers
+the full row's document ids once (a tiny integer all-gather) and every query/key block
+is masked block-diagonally by document, exactly as the single-process mask does.
+
+Seams: ``apply_cp`` sets ``cp`` on every :class:`Attention` (the callable that replaces
+SDPA) and on the :class:`DecoderModel` (whose ``prepare`` builds the per-forward
+:class:`CPMask` and global positions); ``shard_batch_for_cp`` gives each rank its
+tokens. No extra model keyword is needed (``CP_MODEL_KWARGS`` is empty).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
+from meshforge.models.common.causal_lm import DecoderModel
+
+CP_METHODS: tuple[str, ...] = ("colossal", "ulysses", "hybrid", "kvallgather")
+#: Extra keys ``shard_batch_for_cp`` adds that the trainer passes to the model: none, the
+#: attention gathers what it needs about the full row itself (see ``ContextParallel.prepare``).
+CP_MODEL_KWARGS: tuple[str, ...] = ()
+#: Families whose attention is ``meshforge.models.common.attention.Attention``.
+CP_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe")
+
+_ALIASES = {"ring": "colossal"}
+
+
+def resolve_method(method: str) -> str:
+    """The CP method name with aliases resolved (``ring`` -> ``colossal``).
+
+    Raises:
+        ValueError: For an unknown name, listing the valid ones.
+    """
+    name = _ALIASES.get(method, method)
+    if name not in CP_METHODS:
+        raise ValueError(
+            f"parallelism.context_parallel_method: unknown {method!r}; valid: colossal (alias ring), "
+            "ulysses, hybrid, kvallgather"
+        )
+    return name
+
+
+def num_sequence_chunks(method: str, cp: int) -> int:
+    """How many equal chunks a sequence is cut into: 2 * cp for the load-balanced layout, else cp."""
+    return 2 * cp if resolve_method(method) in ("colossal", "hybrid") else cp
+
+
+def local_token_index(seq_len: int, cp: int, rank: int, *, method: str) -> torch.Tensor:
+    """Global sequence positions of the tokens CP rank ``rank`` keeps, in its local order.
+
+    Args:
+        seq_len: Full sequence length.
+        cp: CP degree.
+        rank: This rank's index in the CP mesh.
+        method: CP method; colossal and hybrid keep chunks ``rank`` and ``2cp-1-rank``
+            of ``2cp``, ulysses and kvallgather the ``rank``-th of ``cp`` contiguous chunks.
+
+    Returns:
+        A CPU LongTensor ``[seq_len // cp]``.
+
+    Raises:
+        ValueError: If ``seq_len`` does not divide into the chunks the method needs.
+    """
+    method = resolve_method(method)
+    chunks = num_sequence_chunks(method, cp)
+    if seq_len % chunks:
+        why = "2 * context_parallel, the load-balanced causal layout" if chunks == 2 * cp else "one per rank"
+        raise ValueError(
+            f"parallelism.context_parallel: {cp} with context_parallel_method {method} cuts each sequence "
+            f"into {chunks} equal chunks ({why}), but the data's seq length is {seq_len}; use a seq_length "
+            f"that is a multiple of {chunks}"
+        )
+    size = seq_len // chunks
+    first = torch.arange(rank * size, (rank + 1) * size)
+    if chunks == cp:
+        return first
+    mirror = chunks - 1 - rank
+    return torch.cat([first, torch.arange(mirror * size, (mirror + 1) * size)])
+
+
+def shard_batch_for_cp(
+    batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh, *, method: str
+) -> dict[str, torch.Tensor]:
+    """This CP rank's part of every ``[B, S, ...]`` tensor of a micro-batch.
+
+    ``position_ids`` are made explicit from the full row before slicing (global positions,
+    restarting per document when ``segment_ids`` are given), so RoPE sees the positions a
+    single process would. Other values (and tensors without the sequence dimension) pass
+    through unchanged.
+
+    Args:
+        batch: ``input_ids``, ``labels`` and optional ``position_ids``/``segment_ids``, ``[B, S]``.
+        cp_mesh: The 1-D context-parallel mesh.
+        method: CP method (decides the layout).
+
+    Returns:
+        A new dict with ``[B, S // cp]`` tensors.
+
+    Raises:
+        ValueError: If the sequence length does not divide into the method's chunks.
+    """
+    input_ids = batch["input_ids"]
+    seq_len = input_ids.shape[-1]
+    index = local_token_index(seq_len, cp_mesh.size(), cp_mesh.get_local_rank(), method=method)
+    index = index.to(input_ids.device)
+    out = dict(batch)
+    if out.get("position_ids") is None:
+        segments = batch.get("segment_ids")
+        if segments is not None:
+            out["position_ids"] = positions_from_segments(segments)
+        else:
+            out["position_ids"] = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
+    for key, value in out.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
+            out[key] = value.index_select(1, index)
+    return out
+
+
+def unshard_sequence(x: torch.Tensor, cp_mesh: DeviceMesh, *, method: str, dim: int = 1) -> torch.Tensor:
+    """Gather the CP ranks' slices of ``x`` along ``dim`` back into full sequence order (autograd-aware)."""
+    cp = cp_mesh.size()
+    local = x.shape[dim]
+    gathered = funcol.all_gather_single_autograd(x.contiguous(), dim, cp_mesh.get_group())
+    order = torch.cat([local_token_index(local * cp, cp, r, method=method) for r in range(cp)])
+    return gathered.index_select(dim, torch.argsort(order).to(x.device))
+
+
+@dataclass
+class CPMask:
+    """What every attention layer of one forward needs about the full rows.
+
+    Built once per forward by ``ContextParallel.prepare`` and passed to the layers in
+    place of the ``[B, 1, S, S]`` mask.
+
+    Attributes:
+        q_index: Global positions of this rank's tokens ``[S_local]``.
+        seq_len: Full sequence length.
+        segments: Full-row document ids ``[B, S]`` in global order, or None (plain causal).
+        cache: Masks derived from the above, shared by the layers of this forward.
+    """
+
+    q_index: torch.Tensor
+    seq_len: int
+    segments: torch.Tensor | None
+    cache: dict[Any, Any] = field(default_factory=dict)
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive positions in ``index``: (local offset, global start, length)."""
+    values = index.tolist()
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[i - 1] + 1:
+            runs.append((start, values[start], i - start))
+            start = i
+    return runs
+
+
+def _allowed(
+    q_index: torch.Tensor, k_index: torch.Tensor, segments: torch.Tensor | None, causal: bool
+) -> torch.Tensor | None:
+    """Boolean ``[B or 1, 1, Sq, Sk]``: key j visible to query i (causal, same document); None = all."""
+    mask = (k_index[None, :] <= q_index[:, None])[None, None] if causal else None
+    if segments is not None:
+        same = (segments[:, q_index][:, :, None] == segments[:, k_index][:, None, :])[:, None]
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def _block_update(
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold one key/value block into a query block's running (max, sum, weighted values).
+
+    ``q`` is ``[B, Hkv, G, Sq, D]`` (query heads grouped by their K/V head), ``k``/``v``
+    ``[B, Hkv, Sk, D]``. The running max is detached: softmax does not depend on the
+    shift, so treating it as a constant gives exact gradients and avoids differentiating
+    through max. Rows a block masks entirely contribute exp(-inf) = 0 with no NaN; every
+    row sees at least its own token somewhere, so the final sum is positive.
+    """
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    block_max = scores.detach().amax(dim=-1)
+    new_max = block_max if state is None else torch.maximum(state[0], block_max)
+    shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+    probs = torch.exp(scores - shift.unsqueeze(-1))
+    block_sum = probs.sum(dim=-1)
+    block_out = torch.matmul(probs, v.unsqueeze(2))
+    if state is None:
+        return new_max, block_sum, block_out
+    rescale = torch.exp(state[0] - shift)
+    return new_max, state[1] * rescale + block_sum, state[2] * rescale.unsqueeze(-1) + block_out
+
+
+class ContextParallel:
+    """The CP algorithm of one model: per-forward preparation and the attention call.
+
+    One instance is shared by the decoder (``prepare``) and all its attention modules
+    (``__call__``). Construct it through :func:`apply_cp`.
+
+    Args:
+        cp_mesh: The 1-D context-parallel mesh.
+        method: ``colossal``, ``ulysses``, ``hybrid`` or ``kvallgather``.
+        ulysses_degree: Ulysses group size (the CP degree for ulysses, ``1 < u < cp``
+            dividing it for hybrid; unused otherwise).
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh, method: str, ulysses_degree: int) -> None:
+        self.method = resolve_method(method)
+        self.size = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+        self.group = cp_mesh.get_group()
+        self.ulysses_size = ulysses_degree if self.method in ("ulysses", "hybrid") else 1
+        self.ulysses_group = self.group if self.method == "ulysses" else None
+        self.ring_size, self.ring_rank, self.ring_group = 1, 0, None
+        if self.method == "colossal":
+            self.ring_size, self.ring_rank, self.ring_group = self.size, self.rank, self.group
+        elif self.method == "hybrid":
+            # Ulysses over consecutive CP ranks (rank = ring * u + ulysses), ring across them.
+            u = ulysses_degree
+            sub = cp_mesh._unflatten(0, (self.size // u, u), ("cp_ring", "cp_ulysses"))
+            self.ulysses_group = sub["cp_ulysses"].get_group()
+            self.ring_group = sub["cp_ring"].get_group()
+            self.ring_size, self.ring_rank = self.size // u, self.rank // u
+
+    # ---- per forward -------------------------------------------------------------------
+
+    def _index(self, seq_len: int, rank: int, device: torch.device) -> torch.Tensor:
+        return local_token_index(seq_len, self.size, rank, method=self.method).to(device)
+
+    def prepare(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        segment_ids: torch.Tensor | None,
+    ) -> tuple[CPMask, torch.Tensor]:
+        """Build this forward's :class:`CPMask` and the local tokens' global positions.
+
+        Args:
+            input_ids: This rank's tokens ``[B, S_local]``.
+            position_ids: Their positions, or None to derive them (global positions,
+                restarting per document when ``segment_ids`` are given).
+            segment_ids: This rank's slice of the document ids, or None.
+
+        Returns:
+            ``(mask, position_ids)``.
+        """
+        device = input_ids.device
+        seq_len = input_ids.shape[-1] * self.size
+        q_index = self._index(seq_len, self.rank, device)
+        segments = None
+        if segment_ids is not None:
+            gathered = _wait(funcol.all_gather_tensor(segment_ids.contiguous(), 1, self.group))
+            order = torch.cat([self._index(seq_len, r, device) for r in range(self.size)])
+            segments = torch.empty_like(gathered)
+            segments[:, order] = gathered
+        if position_ids is None:
+            if segments is not None:
+                position_ids = positions_from_segments(segments).index_select(1, q_index)
+            else:
+                position_ids = q_index.expand(input_ids.shape[0], -1)
+        return CPMask(q_index=q_index, seq_len=seq_len, segments=segments), position_ids
+
+    # ---- attention ---------------------------------------------------------------------
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, *, scale: float
+    ) -> torch.Tensor:
+        """Attention output for the local queries ``[B, H, S_local, D]`` (same layout as ``q``)."""
+        if not isinstance(mask, CPMask):
+            raise TypeError(
+                "context-parallel attention needs the CPMask that DecoderModel builds when "
+                f"parallelism.context_parallel > 1, got {type(mask).__name__}"
+            )
+        if self.method == "kvallgather":
+            return self._kv_allgather(q, k, v, mask, scale)
+        if self.method == "colossal":
+            index_of = lambda r: self._index(mask.seq_len, r, q.device)  # noqa: E731
+            return self._ring(q, k, v, mask.q_index, index_of, mask, scale, tag="colossal")
+        return self._ulysses(q, k, v, mask, scale)
+
+    def _kv_allgather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CPMask, scale: float):
+        full = funcol.all_gather_single_autograd(torch.stack([k, v]), 3, self.group)
+        if "kvallgather" not in mask.cache:
+            keys = torch.arange(mask.seq_len, device=q.device)
+            mask.cache["kvallgather"] = _allowed(mask.q_index, keys, mask.segments, causal=True)
+        return F.scaled_dot_product_attention(
+            q,
+            full[0],
+            full[1],
+            attn_mask=mask.cache["kvallgather"],
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+
+    def _ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CPMask, scale: float):
+        u = self.ulysses_size
+        heads = q.shape[1]
+        if heads % u:
+            raise ValueError(
+                f"parallelism.context_parallel: ulysses splits the {heads} attention heads of a rank over "
+                f"{u} ranks; the head count must divide by {u}"
+            )
+        kv_heads = k.shape[1]
+        if kv_heads % u:
+            # Each rank needs whole K/V heads for its query heads: repeat each K/V head so
+            # the count divides u (query head h still reads K/V head h // group size).
+            repeat = u // math.gcd(kv_heads, u)
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        q, k, v = _seq_to_heads([q, k, v], u, self.ulysses_group)
+        if self.method == "ulysses":
+            # Whole sequence in order: the single-process attention, unchanged.
+            if "ulysses" not in mask.cache:
+                mask.cache["ulysses"] = None if mask.segments is None else segment_causal_mask(mask.segments)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask.cache["ulysses"],
+                is_causal=mask.segments is None,
+                scale=scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+        else:
+            out = self._hybrid_ring(q, k, v, mask, scale)
+        return _heads_to_seq(out, u, self.ulysses_group)
+
+    def _group_index(self, seq_len: int, ring_rank: int, device: torch.device) -> torch.Tensor:
+        """Positions a ulysses group holds after its all-to-all, in gathered (member) order."""
+        u = self.ulysses_size
+        return torch.cat([self._index(seq_len, ring_rank * u + j, device) for j in range(u)])
+
+    def _hybrid_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CPMask, scale: float):
+        gathered = self._group_index(mask.seq_len, self.ring_rank, q.device)
+        order = torch.argsort(gathered)
+        # Sorted, a group's positions are two contiguous chunks (the coarse ring layout).
+        q, k, v = (x.index_select(2, order) for x in (q, k, v))
+
+        def kv_index(ring_rank: int) -> torch.Tensor:
+            return self._group_index(mask.seq_len, ring_rank, q.device).sort().values
+
+        out = self._ring(q, k, v, gathered[order], kv_index, mask, scale, tag="hybrid")
+        return out.index_select(2, torch.argsort(order))
+
+    def _ring_shift(self, x: torch.Tensor) -> torch.Tensor:
+        """Send ``x`` to the next ring rank and receive the previous one's (one permutation all-to-all)."""
+        n, r = self.ring_size, self.ring_rank
+        send, recv = [0] * n, [0] * n
+        send[(r + 1) % n] = recv[(r - 1) % n] = x.shape[0]
+        return funcol.all_to_all_single_autograd(x, recv, send, self.ring_group)
+
+    def _ring(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_index: torch.Tensor,
+        kv_index_of,
+        mask: CPMask,
+        scale: float,
+        *,
+        tag: str,
+    ) -> torch.Tensor:
+        """Ring attention of ``q`` (positions ``q_index``) over every ring rank's K/V block.
+
+        ``kv_index_of(ring_rank)`` gives the positions of that rank's K/V; ``tag`` names
+        the caller in the per-forward mask cache.
+        """
+        batch, heads, q_len, dim = q.shape
+        kv_heads = k.shape[1]
+        grouped = q.reshape(batch, kv_heads, heads // kv_heads, q_len, dim)
+        q_runs = _runs(q_index)
+        states: list[Any] = [None] * len(q_runs)
+        kv = torch.stack([k, v])
+        for step in range(self.ring_size):
+            # Issue the next exchange first so it travels while this block is computed.
+            incoming = self._ring_shift(kv) if step < self.ring_size - 1 else None
+            source = (self.ring_rank - step) % self.ring_size
+            k_index = kv_index_of(source)
+            for i, (q_off, q_start, q_n) in enumerate(q_runs):
+                for k_off, k_start, k_n in _runs(k_index):
+                    if k_start > q_start + q_n - 1:
+                        continue  # every key of the chunk lies after every query: fully masked
+                    key = (tag, step, q_off, k_off)
+                    if key not in mask.cache:
+                        causal = k_start + k_n - 1 > q_start  # else every key precedes every query
+                        mask.cache[key] = _allowed(
+                            q_index[q_off : q_off + q_n], k_index[k_off : k_off + k_n], mask.segments, causal
+                        )
+                    states[i] = _block_update(
+                        states[i],
+                        grouped[..., q_off : q_off + q_n, :],
+                        kv[0][:, :, k_off : k_off + k_n],
+                        kv[1][:, :, k_off : k_off + k_n],
+                        mask.cache[key],
+                        scale,
+                    )
+            if incoming is not None:
+                kv = incoming
+        out = torch.cat([acc / total.unsqueeze(-1) for _, total, acc in states], dim=-2)
+        return out.reshape(batch, heads, q_len, dim)
+
+
+def _seq_to_heads(tensors: list[torch.Tensor], u: int, group: Any) -> list[torch.Tensor]:
+    """One all-to-all: ``[B, h, S_local, D]`` each -> ``[B, h / u, u * S_local, D]`` (members' order)."""
+    batch, _, local, dim = tensors[0].shape
+    parts = [t.reshape(batch, u, t.shape[1] // u, local, dim) for t in tensors]
+    sizes = [p.shape[2] for p in parts]
+    x = torch.cat(parts, dim=2).transpose(0, 1).contiguous()  # [u (destination), B, heads, S_local, D]
+    y = funcol.all_to_all_single_autograd(x, None, None, group)  # [u (source), B, heads, S_local, D]
+    y = y.permute(1, 2, 0, 3, 4).reshape(batch, sum(sizes), u * local, dim)
+    return list(y.split(sizes, dim=1))
+
+
+def _heads_to_seq(x: torch.Tensor, u: int, group: Any) -> torch.Tensor:
+    """The inverse all-to-all: ``[B, h, u * S_local, D]`` -> ``[B, h * u, S_local, D]``."""
+    batch, heads, seq, dim = x.shape
+    y = x.reshape(batch, heads, u, seq // u, dim).permute(2, 0, 1, 3, 4).contiguous()
+    y = funcol.all_to_all_single_autograd(y, None, None, group)  # [u (head group), B, h, S_local, D]
+    return y.transpose(0, 1).reshape(batch, u * heads, seq // u, dim)
+
+
+def _family_name(model: nn.Module) -> str:
+    family = getattr(type(model), "family", None)
+    if family:
+        return str(family)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return f"{model_type or type(model).__name__} (generic transformers path)"
+
+
+def apply_cp(
+    model: nn.Module, cp_mesh: DeviceMesh, *, method: str, ulysses_degree: int | None = None
+) -> None:
+    """Switch every attention module of ``model`` to the context-parallel algorithm, in place.
+
+    Works on the meta device (only attributes change). The batch must then be cut with
+    :func:`shard_batch_for_cp` using the same ``method``.
+
+    Args:
+        model: A built-in causal LM of a family in ``CP_FAMILIES``.
+        cp_mesh: The 1-D context-parallel mesh (every CP rank calls this: hybrid creates
+            sub-groups).
+        method: ``colossal`` (alias ``ring``), ``ulysses``, ``hybrid`` or ``kvallgather``.
+        ulysses_degree: ``parallelism.ulysses_degree_in_cp``: for ulysses None or the CP
+            degree; for hybrid ``1 < u < cp`` dividing cp.
+
+    Raises:
+        NotImplementedError: For a family without the shared ``Attention``.
+        ValueError: For a bad method, ulysses degree or head count.
+    """
+    method = resolve_method(method)
+    family = _family_name(model)
+    decoders = [m for m in model.modules() if isinstance(m, DecoderModel)]
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    if family not in CP_FAMILIES or not decoders or not attentions:
+        raise NotImplementedError(f"not supported yet: parallelism.context_parallel > 1 for {family}")
+    if cp_mesh.ndim != 1:
+        raise ValueError(f"apply_cp: expects the 1-D cp mesh, got {cp_mesh.ndim} dims")
+    size = cp_mesh.size()
+    u = 1
+    if method == "ulysses":
+        if ulysses_degree not in (None, size):
+            raise ValueError(
+                f"parallelism.ulysses_degree_in_cp: ulysses CP requires it to equal context_parallel ({size}), "
+                f"got {ulysses_degree}"
+            )
+        u = size
+    elif method == "hybrid":
+        if ulysses_degree is None or not 1 < ulysses_degree < size or size % ulysses_degree:
+            raise ValueError(
+                "parallelism.ulysses_degree_in_cp: hybrid CP requires 1 < ulysses_degree_in_cp < "
+                f"context_parallel ({size}) dividing it, got {ulysses_degree}"
+            )
+        u = ulysses_degree
+    for attn in attentions:
+        if attn.num_heads % u:
+            raise ValueError(
+                f"parallelism.context_parallel: {method} splits the {attn.num_heads} attention heads over "
+                f"{u} ranks; num_attention_heads must divide by {u}"
+            )
+    plan = ContextParallel(cp_mesh, method, u)
+    for module in (*decoders, *attentions):
+        module.cp = plan
+
+
+__all__ = [
+    "CPMask",
+    "CP_FAMILIES",
+    "CP_METHODS",
+    "CP_MODEL_KWARGS",
+    "ContextParallel",
+    "apply_cp",
+    "local_token_index",
+    "num_sequence_chunks",
+    "resolve_method",
+    "shard_batch_for_cp",
+    "unshard_sequence",
+]

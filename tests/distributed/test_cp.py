@@ -1,0 +1,181 @@
+"""Context parallelism (ulysses, colossal ring, kvallgather, hybrid) equals one process (gloo).
+
+One 2-process launch runs every check against a single-process model with the same weights:
+full-order logits (gathered back from the ranks), the loss and every parameter gradient
+(summed over the CP ranks, as FSDP over the cp mesh would) of a tiny GQA Qwen3, with and
+without packed documents, plus MQA under ulysses (K/V heads repeated) and the error cases.
+A 4-process launch checks hybrid (ulysses 2 x ring 2) and colossal with 4 ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.slow
+
+SEQ = 16
+TOL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _args(num_heads: int = 4, num_kv_heads: int = 2):
+    from meshforge.models.qwen3.args import Qwen3Args
+
+    return Qwen3Args(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=8,
+        max_position_embeddings=64,
+        rope_theta=10_000.0,
+    )
+
+
+def _batch(packed: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 64, (2, SEQ), generator=g)
+    labels = torch.randint(0, 64, (2, SEQ), generator=g)
+    batch = {"input_ids": input_ids, "labels": labels}
+    if packed:
+        # Documents cut across the CP chunks on purpose; row 1 ends in padding (segment 0).
+        seg = torch.tensor([[1] * 5 + [2] * 7 + [3] * 4, [1] * 9 + [2] * 5 + [0] * 2])
+        batch["segment_ids"] = seg
+        batch["labels"] = labels.masked_fill(seg == 0, -100)
+    return batch
+
+
+def _check_equal(method: str, mesh, *, packed: bool, args=None, derive_positions: bool = False) -> None:
+    from meshforge.loss import cross_entropy_sum
+    from meshforge.models.qwen3.model import build_qwen3
+    from meshforge.parallel.context import apply_cp, shard_batch_for_cp, unshard_sequence
+
+    args = args or _args()
+    ref = build_qwen3(args, device="cpu")
+    model = build_qwen3(args, device="cpu")
+    apply_cp(model, mesh, method=method, ulysses_degree=2 if method == "hybrid" else None)
+    batch = _batch(packed)
+    tokens = (batch["labels"] != -100).sum()
+
+    ref_logits = ref(batch["input_ids"], None, batch.get("segment_ids"))
+    ref_loss = cross_entropy_sum(ref_logits, batch["labels"])
+    (ref_loss / tokens).backward()
+
+    local = shard_batch_for_cp(batch, mesh, method=method)
+    assert local["input_ids"].shape == (2, SEQ // mesh.size())
+    positions = None if derive_positions else local["position_ids"]
+    logits = model(local["input_ids"], positions, local.get("segment_ids"))
+    loss = cross_entropy_sum(logits, local["labels"])
+    (loss / tokens).backward()
+
+    what = f"{method} packed={packed} heads={args.num_attention_heads}/{args.num_key_value_heads}"
+    full = unshard_sequence(logits.detach(), mesh, method=method)
+    assert _rel(full, ref_logits.detach()) <= TOL, (what, _rel(full, ref_logits.detach()))
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=mesh.get_group())
+    assert _rel(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=mesh.get_group())
+        assert _rel(grad, q.grad) <= TOL, (what, name, _rel(grad, q.grad))
+
+
+def _check_errors(mesh) -> None:
+    from meshforge.models.deepseek_v3.args import DeepseekV3Args
+    from meshforge.models.deepseek_v3.model import build_deepseek_v3
+    from meshforge.models.qwen3.model import build_qwen3
+    from meshforge.parallel.context import apply_cp, shard_batch_for_cp
+
+    bad = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "labels": torch.zeros(1, 6, dtype=torch.long)}
+    with pytest.raises(
+        ValueError, match=r"parallelism\.context_parallel: 2 .* seq length is 6.*multiple of 4"
+    ):
+        shard_batch_for_cp(bad, mesh, method="ring")
+    odd = {"input_ids": torch.zeros(1, 7, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"seq length is 7.*multiple of 2"):
+        shard_batch_for_cp(odd, mesh, method="ulysses")
+    with pytest.raises(ValueError, match=r"num_attention_heads must divide by 2"):
+        apply_cp(build_qwen3(_args(3, 1)), mesh, method="ulysses")
+    with pytest.raises(ValueError, match=r"ulysses_degree_in_cp"):
+        apply_cp(build_qwen3(_args()), mesh, method="hybrid", ulysses_degree=2)
+    with pytest.raises(ValueError, match=r"context_parallel_method: unknown 'zigzag'"):
+        apply_cp(build_qwen3(_args()), mesh, method="zigzag")
+    ds = build_deepseek_v3(DeepseekV3Args(vocab_size=64, hidden_size=32, num_hidden_layers=1))
+    with pytest.raises(
+        NotImplementedError, match=r"not supported yet: parallelism.context_parallel > 1 for deepseek_v3"
+    ):
+        apply_cp(ds, mesh, method="ulysses")
+    # A tensor mask (e.g. a stage forward that built its own) is refused, not silently misused.
+    model = build_qwen3(_args(), device="cpu")
+    apply_cp(model, mesh, method="colossal")
+    layer = model.model.layers[0]
+    rope = model.model.rotary_emb(None, seq_len=4, device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(TypeError, match="CPMask"):
+        layer(torch.zeros(1, 4, 32), rope, None)
+
+
+def _worker(rank: int, world: int, init_file: str, errors) -> None:
+    try:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        if world == 2:
+            for method in ("ulysses", "colossal", "kvallgather"):
+                for packed in (False, True):
+                    _check_equal(method, mesh, packed=packed, derive_positions=packed and method != "ulysses")
+            # MQA: one K/V head repeated so each ulysses rank gets whole groups.
+            _check_equal("ulysses", mesh, packed=True, args=_args(4, 1))
+            _check_errors(mesh)
+        else:
+            for packed in (False, True):
+                _check_equal("hybrid", mesh, packed=packed)
+                _check_equal("colossal", mesh, packed=packed)
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def _launch(world: int) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), errors))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        messages = []
+        while not errors.empty():
+            messages.append(errors.get())
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                messages.append(f"pid {p.pid} timed out")
+        assert not messages and all(p.exitcode == 0 for p in procs), "\n".join(messages)
+
+
+def test_cp_two_ranks_equal_one_process() -> None:
+    _launch(2)
+
+
+def test_cp_four_ranks_hybrid_and_ring_equal_one_process() -> None:
+    _launch(4)
