@@ -1,0 +1,804 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: layer split, stage modules, schedules.
+
+The trainer calls this in two places (see ``Trainer._build_model``):
+
+1. ``split_model`` on the meta model, before TP/FSDP/materialisation: it decides which decoder
+   layers every (virtual) stage runs and prunes the model in place to what this pp rank hosts.
+   The layers stay under ``model.layers`` in a ``ModuleDict`` keyed by their *global* index, so
+   parameter names (``model.layers.7.mlp.up_proj.weight``) are those of the whole model and a
+   checkpoint saved in one pipeline layout loads in another. The embedding lives only where
+   stage 0 runs, the final norm and head only where the last stage runs.
+2. ``build_pipeline`` after FSDP and materialisation: one ``PipelineStage`` per local stage and
+   the schedule. ``Pipeline.step`` then runs forward and backward of all micro-batches.
+
+Why the stages call the pruned root model instead of its children: FSDP2 (applied by the
+trainer to the whole pruned model) gathers the root's own parameters (embedding, norm, head) in
+the root's forward hook. Each stage therefore runs ``root(x, ..., pp_stage=i)``; the root's class
+is swapped for a subclass whose ``forward`` runs only stage ``i``'s part. ``StageModule`` still
+registers the stage's layers (and embedding/head) as children so that ``parameters()`` of a
+stage is exactly what it computes (the zero-bubble weight pass iterates it).
+
+Tied embeddings: when stage 0 and the last stage are on different ranks, the last rank keeps
+its own ``lm_head.weight``. ``build_pipeline`` copies the embedding's values into it (whatever
+materialisation or checkpoint loading put there), and ``Pipeline.step`` sums the two gradients
+over the two ranks, so both copies get the same update as the single tied weight would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshforge.loss import cross_entropy_sum
+from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
+
+LAYERS_KEY = "parallelism.pipeline_parallel_layers_per_stage"
+SCHEDULE_KEY = "parallelism.pipeline_parallel_schedule"
+
+# Families whose inner model is a ``DecoderModel`` with one mask for every layer.
+SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe")
+
+# Canonical schedule name -> (torch class name, stages per rank: "one" or "many", placement).
+_SCHEDULES: dict[str, tuple[str, str, str]] = {
+    "gpipe": ("ScheduleGPipe", "one", "loop"),
+    "1f1b": ("Schedule1F1B", "one", "loop"),
+    "interleaved1f1b": ("ScheduleInterleaved1F1B", "many", "loop"),
+    "interleavedzerobubble": ("ScheduleInterleavedZeroBubble", "many", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "many", "v"),
+}
+_ALIASES = {
+    "interleaved": "interleaved1f1b",
+    "zerobubble": "interleavedzerobubble",
+    "zb": "interleavedzerobubble",
+    "zbvzerobubble": "zbv",
+}
+_ZERO_BUBBLE = ("interleavedzerobubble", "zbv")
+
+
+def canonical_schedule(name: str) -> str:
+    """Normalise a schedule name (case, ``_``/``-`` ignored; ``interleaved`` = ``interleaved1f1b``).
+
+    Raises:
+        ValueError: naming ``parallelism.pipeline_parallel_schedule`` for an unknown name.
+    """
+    key = str(name).lower().replace("_", "").replace("-", "").replace(" ", "")
+    key = _ALIASES.get(key, key)
+    if key not in _SCHEDULES:
+        valid = ", ".join([*_SCHEDULES, *_ALIASES])
+        raise ValueError(f"{SCHEDULE_KEY}: unknown schedule {name!r}; valid: {valid}")
+    return key
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """One (virtual) pipeline stage.
+
+    Attributes:
+        index: Global stage index (0 = embedding side).
+        rank: The pp rank that runs it.
+        layers: Global decoder-layer indices it runs, ascending and contiguous.
+        is_first: Runs the embedding.
+        is_last: Runs the final norm and the LM head.
+    """
+
+    index: int
+    rank: int
+    layers: tuple[int, ...]
+    is_first: bool
+    is_last: bool
+
+    @property
+    def layer_keys(self) -> tuple[str, ...]:
+        """Keys of its layers in the pruned ``model.layers`` ModuleDict."""
+        return tuple(str(i) for i in self.layers)
+
+
+@dataclass
+class PipelineSplit:
+    """What ``split_model`` decided for this rank.
+
+    Attributes:
+        model: The pruned model (the same object that was passed in).
+        stages: This rank's stages, by ascending index.
+        all_stages: Every stage of the pipeline, by index.
+        pp_rank, pp_size, interleave: The layout.
+        schedule: Canonical schedule name (``canonical_schedule``).
+        tied_across_ranks: Tied input/output embeddings whose two ends live on different ranks:
+            this rank's ``lm_head.weight`` (last stage) is a separate copy kept equal to
+            ``model.embed_tokens.weight`` (stage 0).
+    """
+
+    model: nn.Module
+    stages: list[StageInfo]
+    all_stages: list[StageInfo]
+    pp_rank: int
+    pp_size: int
+    interleave: int
+    schedule: str
+    tied_across_ranks: bool = False
+    _layer_count: int = field(default=0, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        """Total number of (virtual) stages, ``pp_size * interleave``."""
+        return len(self.all_stages)
+
+    @property
+    def first_rank(self) -> int:
+        """The pp rank running stage 0 (the embedding)."""
+        return self.all_stages[0].rank
+
+    @property
+    def last_rank(self) -> int:
+        """The pp rank running the last stage (norm and LM head)."""
+        return self.all_stages[-1].rank
+
+    @property
+    def has_first(self) -> bool:
+        """This rank runs stage 0."""
+        return self.pp_rank == self.first_rank
+
+    @property
+    def has_last(self) -> bool:
+        """This rank runs the last stage."""
+        return self.pp_rank == self.last_rank
+
+    @property
+    def stage_ids(self) -> list[int]:
+        """Indices of this rank's stages."""
+        return [s.index for s in self.stages]
+
+    @property
+    def tied_copies(self) -> tuple[str, ...]:
+        """Alias of ``duplicate_parameters`` (the trainer's name)."""
+        return self.duplicate_parameters
+
+    @property
+    def duplicate_parameters(self) -> tuple[str, ...]:
+        """Names on this rank that copy a parameter held by another pp rank.
+
+        A norm or any other sum over the pp ranks must leave these out: with tied embeddings
+        split across ranks, ``lm_head.weight`` on the last rank is the same weight (and, after
+        ``Pipeline.step``, the same gradient) as the embedding on the first rank.
+        """
+        return ("lm_head.weight",) if self.tied_across_ranks and self.has_last else ()
+
+
+# ----------------------------------------------------------------------------------------
+# Layer assignment
+# ----------------------------------------------------------------------------------------
+
+
+def stage_rank(stage: int, pp_size: int, placement: str) -> int:
+    """The pp rank that runs ``stage``: looping (``stage % pp``) or V-shaped (zero-bubble V)."""
+    if placement == "v":
+        rnd, pos = divmod(stage, pp_size)
+        return pos if rnd % 2 == 0 else pp_size - 1 - pos
+    return stage % pp_size
+
+
+def _rank_chunk_stage(rank: int, chunk: int, pp_size: int, placement: str) -> int:
+    """Virtual stage of chunk ``chunk`` on ``rank``: ``chunk * pp + rank`` (looping placement)."""
+    if placement == "v":
+        return chunk * pp_size + (rank if chunk % 2 == 0 else pp_size - 1 - rank)
+    return chunk * pp_size + rank
+
+
+def _auto_sizes(num_layers: int, num_stages: int) -> list[int]:
+    """Layer counts per stage, as even as possible; extra layers go to the middle stages first.
+
+    The first and last stages also run the embedding and the head, so they are the last to get
+    an extra layer.
+    """
+    base, extra = divmod(num_layers, num_stages)
+    order = (
+        list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
+    )
+    sizes = [base] * num_stages
+    for stage in order[:extra]:
+        sizes[stage] += 1
+    return sizes
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive integers, as inclusive ``(lo, hi)`` pairs."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+def _rank_chunks(spec: Any, pp_size: int, interleave: int) -> list[list[tuple[int, int]]]:
+    """Parse an explicit spec into, per rank, its chunks as inclusive layer ranges."""
+    from meshforge.config.layer_spec import parse_layer_spec
+
+    if not isinstance(spec, list | tuple) or len(spec) != pp_size:
+        got = f"{len(spec)} entries" if isinstance(spec, list | tuple) else repr(spec)
+        raise ValueError(
+            f"{LAYERS_KEY}: needs 'auto' or one entry per pipeline rank (pipeline_parallel = {pp_size}), got {got}"
+        )
+    per_rank: list[list[tuple[int, int]]] = []
+    for rank, item in enumerate(spec):
+        path = f"{LAYERS_KEY}[{rank}]"
+        if isinstance(item, str):
+            chunks = []
+            for text in item.split(","):
+                try:
+                    rng = parse_layer_spec(text)
+                except ValueError as exc:
+                    raise ValueError(f"{path}: {exc}") from None
+                chunks.append((rng.lo, rng.hi))
+        elif isinstance(item, list | tuple) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in item
+        ):
+            if list(item) != sorted(set(item)) or any(i < 0 for i in item):
+                raise ValueError(
+                    f"{path}: layer indices must be ascending, distinct and >= 0, got {list(item)}"
+                )
+            # A rank's chunks are separated by other ranks' stages, so each is one maximal run.
+            chunks = _runs(item)
+        else:
+            raise ValueError(
+                f"{path}: write the rank's chunks as a string like '0-3,8-11' or a list of layer indices, got {item!r}"
+            )
+        if len(chunks) != interleave:
+            shown = ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in chunks)
+            raise ValueError(
+                f"{path}: has {len(chunks)} chunk(s) ({shown}); needs pipeline_parallel_interleave_num = "
+                f"{interleave} contiguous chunks per rank"
+            )
+        per_rank.append(chunks)
+    return per_rank
+
+
+def assign_layers(
+    num_layers: int,
+    *,
+    pp_size: int,
+    layers_per_stage: Any = "auto",
+    interleave: int = 1,
+    placement: str = "loop",
+) -> list[StageInfo]:
+    """Decide the layers and the rank of every (virtual) stage.
+
+    Args:
+        num_layers: Decoder layers in the model.
+        pp_size: Pipeline ranks.
+        layers_per_stage: ``'auto'`` (or None): contiguous, as even as possible. Otherwise one
+            entry per rank, each holding ``interleave`` chunks: a string ``'0-3,8-11'`` (NOTES:
+            chunk ``c`` on rank ``r`` is virtual stage ``c * pp + r``) or a list of the global
+            layer indices the rank runs (``[[0, 1, 4], [2, 3, 5]]``; each maximal run of
+            consecutive indices is one chunk).
+        interleave: Stages per rank (``pipeline_parallel_interleave_num``).
+        placement: ``loop`` (stage ``s`` on rank ``s % pp``) or ``v`` (zero-bubble V schedule).
+
+    Returns:
+        Every stage by index; the stages tile ``0..num_layers-1`` in order.
+
+    Raises:
+        ValueError: naming ``parallelism.pipeline_parallel_layers_per_stage`` when the spec does
+            not cover every layer exactly once in stage order or does not fit pp x interleave.
+    """
+    num_stages = pp_size * interleave
+    if layers_per_stage is None or layers_per_stage == "auto":
+        if num_layers < num_stages:
+            raise ValueError(
+                f"{LAYERS_KEY}: 'auto' needs at least one layer per stage: {num_layers} layers for "
+                f"pipeline_parallel ({pp_size}) x interleave ({interleave}) = {num_stages} stages"
+            )
+        ranges, lo = [], 0
+        for size in _auto_sizes(num_layers, num_stages):
+            ranges.append((lo, lo + size - 1))
+            lo += size
+    elif isinstance(layers_per_stage, str):
+        raise ValueError(f"{LAYERS_KEY}: a string must be 'auto', got {layers_per_stage!r}")
+    else:
+        by_stage: dict[int, tuple[int, int]] = {}
+        for rank, chunks in enumerate(_rank_chunks(layers_per_stage, pp_size, interleave)):
+            for c, chunk in enumerate(chunks):
+                by_stage[_rank_chunk_stage(rank, c, pp_size, placement)] = chunk
+        ranges = [by_stage[s] for s in range(num_stages)]
+        expected = 0
+        for s, (lo, hi) in enumerate(ranges):
+            if lo != expected:
+                raise ValueError(
+                    f"{LAYERS_KEY}: stage {s} (rank {stage_rank(s, pp_size, placement)}) starts at layer {lo}, "
+                    f"expected {expected}: the stages in order must cover layers 0..{num_layers - 1} exactly once"
+                )
+            expected = hi + 1
+        if expected != num_layers:
+            raise ValueError(
+                f"{LAYERS_KEY}: the stages cover layers 0..{expected - 1}; the model has {num_layers}"
+            )
+    return [
+        StageInfo(
+            index=s,
+            rank=stage_rank(s, pp_size, placement),
+            layers=tuple(range(lo, hi + 1)),
+            is_first=s == 0,
+            is_last=s == num_stages - 1,
+        )
+        for s, (lo, hi) in enumerate(ranges)
+    ]
+
+
+# ----------------------------------------------------------------------------------------
+# Pruning the model
+# ----------------------------------------------------------------------------------------
+
+
+class _PipelinedCausalLM:
+    """Mixin placed in front of a pruned model's class: the forward of one local stage."""
+
+    _pp_stages: dict[int, StageInfo]
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        *,
+        pp_stage: int,
+    ) -> torch.Tensor:
+        """Run stage ``pp_stage``: embedding (first) -> its layers -> norm and head (last).
+
+        Args:
+            inputs: Token ids ``[B, S]`` on the first stage, hidden states ``[B, S, H]`` after.
+            position_ids, segment_ids: As ``CausalLM.forward``; every stage rebuilds the mask
+                and RoPE tables from them (they are tiny next to one layer's compute).
+        """
+        stage = self._pp_stages[pp_stage]
+        inner: Any = self.model  # type: ignore[attr-defined]
+        h = inner.embed_tokens(inputs) if stage.is_first else inputs
+        mask = token_mask = None
+        cp = getattr(inner, "cp", None)
+        if cp is not None:
+            # Context parallel (DecoderModel.cp): the plan reads only the shape and device of
+            # the token ids, which a [B, S] view of the hidden states has too.
+            mask, position_ids = cp.prepare(
+                inputs if stage.is_first else h[..., 0], position_ids, segment_ids
+            )
+            if inner.pass_token_mask and segment_ids is not None:
+                token_mask = segment_ids != 0
+        elif segment_ids is not None:
+            mask = segment_causal_mask(segment_ids)
+            if inner.pass_token_mask:
+                token_mask = segment_ids != 0
+            if position_ids is None:
+                position_ids = positions_from_segments(segment_ids)
+        rope = inner.rotary_emb(position_ids, seq_len=h.shape[1], device=h.device, dtype=h.dtype)
+        for key in stage.layer_keys:
+            layer = inner.layers[key]
+            h = layer(h, rope, mask, token_mask) if inner.pass_token_mask else layer(h, rope, mask)
+        if stage.is_last:
+            h = self.lm_head(inner.norm(h))  # type: ignore[attr-defined]
+        return h
+
+    def tie_weights(self) -> None:
+        """Tie only where this rank holds both ends; otherwise the copies are kept equal by hand."""
+        inner: Any = self.model  # type: ignore[attr-defined]
+        head = self.lm_head  # type: ignore[attr-defined]
+        if inner.embed_tokens is not None and head is not None:
+            super().tie_weights()  # type: ignore[misc]
+
+    def num_params(self, **kwargs: Any) -> int:
+        """Parameters held by this rank (the pruned model; see ``CausalLM.num_params``)."""
+        if kwargs.get("exclude_embedding") and self.model.embed_tokens is None:  # type: ignore[attr-defined]
+            kwargs["exclude_embedding"] = False
+        return super().num_params(**kwargs)  # type: ignore[misc]
+
+
+_PIPELINED_CLASSES: dict[type, type] = {}
+
+
+def _pipelined_class(cls: type) -> type:
+    if cls not in _PIPELINED_CLASSES:
+        _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (_PipelinedCausalLM, cls), {})
+    return _PIPELINED_CLASSES[cls]
+
+
+def _check_supported(model: nn.Module) -> None:
+    from meshforge.models.common.causal_lm import DecoderModel
+
+    family = getattr(model, "family", None) or getattr(getattr(model, "config", None), "model_type", None)
+    family = family or type(model).__name__
+    inner = getattr(model, "model", None)
+    if family not in SUPPORTED_FAMILIES or not isinstance(inner, DecoderModel):
+        raise NotImplementedError(f"not supported yet: parallelism.pipeline_parallel > 1 for {family}")
+    if not isinstance(inner.layers, nn.ModuleList):
+        raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
+    if getattr(model.args, "output_router_logits", False):
+        raise NotImplementedError(
+            "not supported yet: parallelism.pipeline_parallel > 1 with the router aux loss "
+            "(model.output_router_logits: true); set it to false"
+        )
+
+
+def split_model(
+    model: nn.Module,
+    *,
+    pp_rank: int,
+    pp_size: int,
+    layers_per_stage: Any = "auto",
+    interleave: int = 1,
+    schedule: str = "1f1b",
+) -> PipelineSplit:
+    """Decide every stage's layers and prune ``model`` in place to what ``pp_rank`` runs.
+
+    Call it on the meta model, before TP, FSDP and materialisation.
+
+    Args:
+        model: A built-in ``CausalLM`` of a supported family (qwen3, llama, qwen3_moe).
+        pp_rank: This rank's index on the pp mesh.
+        pp_size: Pipeline ranks (``parallelism.pipeline_parallel``).
+        layers_per_stage: ``parallelism.pipeline_parallel_layers_per_stage`` (see ``assign_layers``).
+        interleave: ``parallelism.pipeline_parallel_interleave_num`` (stages per rank).
+        schedule: ``parallelism.pipeline_parallel_schedule`` (decides the stage placement and
+            whether several stages per rank are allowed).
+
+    Returns:
+        The split; ``split.model`` is ``model``, pruned: ``model.layers`` is a ModuleDict keyed by
+        global layer index, ``embed_tokens`` is None unless this rank runs stage 0, ``norm`` and
+        ``lm_head`` are None unless it runs the last stage.
+
+    Raises:
+        NotImplementedError: for families without pipeline support.
+        ValueError: naming the config key for an invalid layout.
+    """
+    _check_supported(model)
+    name = canonical_schedule(schedule)
+    _, stages_per_rank, placement = _SCHEDULES[name]
+    if pp_size < 1 or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"split_model: pp_rank {pp_rank} is not in [0, {pp_size})")
+    if interleave < 1:
+        raise ValueError(f"parallelism.pipeline_parallel_interleave_num: must be >= 1, got {interleave}")
+    if stages_per_rank == "one" and interleave != 1:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_interleave_num: {interleave} stages per rank need an interleaved "
+            f"schedule ({SCHEDULE_KEY}: interleaved or zero_bubble), not {schedule!r}"
+        )
+    if name == "zbv" and interleave != 2:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_interleave_num: the zbv schedule runs exactly 2 stages per rank, "
+            f"got {interleave}"
+        )
+    inner: Any = model.model
+    num_layers = len(inner.layers)
+    all_stages = assign_layers(
+        num_layers,
+        pp_size=pp_size,
+        layers_per_stage=layers_per_stage,
+        interleave=interleave,
+        placement=placement,
+    )
+    local = [s for s in all_stages if s.rank == pp_rank]
+    hosted = sorted(i for s in local for i in s.layers)
+    old_layers = inner.layers
+    inner.layers = nn.ModuleDict({str(i): old_layers[i] for i in hosted})
+    first_rank, last_rank = all_stages[0].rank, all_stages[-1].rank
+    if pp_rank != first_rank:
+        inner.embed_tokens = None
+    if pp_rank != last_rank:
+        inner.norm = None
+        model.lm_head = None
+    # With the embedding gone, a tied lm_head.weight is now a parameter of its own on this rank.
+    tied = bool(getattr(model.args, "tie_word_embeddings", False)) and first_rank != last_rank
+    model.__class__ = _pipelined_class(type(model))
+    model._pp_stages = {s.index: s for s in local}
+    return PipelineSplit(
+        model=model,
+        stages=local,
+        all_stages=all_stages,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        interleave=interleave,
+        schedule=name,
+        tied_across_ranks=tied,
+        _layer_count=num_layers,
+    )
+
+
+class StageModule(nn.Module):
+    """One local stage as an ``nn.Module`` for ``PipelineStage``.
+
+    Its forward calls the pruned root model (so FSDP's root hooks gather the embedding, norm
+    and head) with ``pp_stage`` set; its registered children are the stage's own modules, so
+    ``parameters()`` lists what the stage computes with.
+    """
+
+    def __init__(self, model: nn.Module, stage: StageInfo) -> None:
+        super().__init__()
+        self.stage = stage
+        self.__dict__["_root"] = model  # not a child: the root belongs to every local stage
+        inner: Any = model.model
+        self.layers = nn.ModuleDict({k: inner.layers[k] for k in stage.layer_keys})
+        if stage.is_first:
+            self.embed_tokens = inner.embed_tokens
+        if stage.is_last:
+            self.norm = inner.norm
+            self.lm_head = model.lm_head
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in, hidden states (or logits, last stage) out."""
+        return self.__dict__["_root"](inputs, position_ids, segment_ids, pp_stage=self.stage.index)
+
+
+# ----------------------------------------------------------------------------------------
+# Schedule and step
+# ----------------------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _describe(t: torch.Tensor) -> tuple[tuple[int, ...], str]:
+    from torch.distributed.tensor import DTensor
+
+    placements = str(tuple(t.placements)) if isinstance(t, DTensor) else "plain"
+    return tuple(_local(t).shape), placements
+
+
+def check_microbatches(schedule: str, n_microbatches: int, pp_size: int) -> None:
+    """Raise a config-level error when ``schedule`` cannot run ``n_microbatches`` micro-batches.
+
+    Raises:
+        ValueError: naming ``training.global_batch_size`` / ``training.local_batch_size``.
+    """
+    name = canonical_schedule(schedule)
+    need = None
+    if n_microbatches < 1:
+        need = "at least 1"
+    elif name == "1f1b" and n_microbatches < pp_size:
+        need = f"at least pipeline_parallel = {pp_size}"
+    elif name in ("interleaved1f1b", "interleavedzerobubble"):
+        rounds = max(1, n_microbatches // pp_size)
+        if n_microbatches % rounds:
+            need = f"a multiple of {rounds} (the rounds of {pp_size}); e.g. a multiple of pipeline_parallel"
+    if need:
+        raise ValueError(
+            f"training.global_batch_size / training.local_batch_size: {n_microbatches} micro-batches per step "
+            f"(global_batch_size / (local_batch_size x data-parallel ranks)); the {name} schedule with "
+            f"pipeline_parallel = {pp_size} needs {need}"
+        )
+
+
+class Pipeline:
+    """The stages and schedule of this rank; ``step`` runs one optimizer step's micro-batches.
+
+    Built by ``build_pipeline``.
+    """
+
+    def __init__(
+        self,
+        split: PipelineSplit,
+        model: nn.Module,
+        pp_group: dist.ProcessGroup,
+        *,
+        device: torch.device,
+        n_microbatches: int,
+        schedule_name: str,
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        self.split = split
+        self.model = model
+        self.group = pp_group
+        self.device = torch.device(device)
+        self.schedule_name = schedule_name
+        self.stages = [
+            PipelineStage(StageModule(model, s), s.index, split.num_stages, self.device, group=pp_group)
+            for s in split.stages
+        ]
+        self._schedules: dict[int, Any] = {}
+        self._global_tokens: torch.Tensor | None = None
+        self._ce: list[torch.Tensor] = []
+        self.schedule = self._schedule_for(n_microbatches)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ce = cross_entropy_sum(logits, labels)
+        self._ce.append(ce.detach())
+        return ce / self._global_tokens
+
+    def _schedule_for(self, n_microbatches: int) -> Any:
+        if n_microbatches not in self._schedules:
+            import torch.distributed.pipelining.schedules as schedules
+
+            check_microbatches(self.schedule_name, n_microbatches, self.split.pp_size)
+            cls_name, stages_per_rank, _ = _SCHEDULES[self.schedule_name]
+            cls = getattr(schedules, cls_name)
+            stages = self.stages[0] if stages_per_rank == "one" else self.stages
+            # scale_grads=False: the loss is already divided by the global token count.
+            try:
+                self._schedules[n_microbatches] = cls(
+                    stages, n_microbatches, loss_fn=self._loss, scale_grads=False
+                )
+            except ValueError as exc:
+                raise ValueError(
+                    f"training.global_batch_size / training.local_batch_size: {n_microbatches} micro-batches "
+                    f"per step do not fit the {self.schedule_name} schedule: {exc}"
+                ) from None
+        return self._schedules[n_microbatches]
+
+    def step(self, micro: list[dict[str, torch.Tensor]], global_tokens: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch through the pipeline.
+
+        Args:
+            micro: One dict per micro-batch with ``input_ids`` and ``labels`` ``[B, S]`` (labels
+                already shifted, -100 ignored) and optionally ``position_ids``, ``segment_ids``.
+            global_tokens: Valid label tokens of the whole global batch (all micro-batches, all
+                data-parallel ranks); each micro-batch's loss is its CE sum divided by it.
+
+        Returns:
+            The CE sum of this rank's micro-batches (float32, detached, 0-dim), the same on
+            every pp rank. Gradients are accumulated into ``.grad`` (tied embedding/head
+            gradients already summed across the pp ranks holding them).
+        """
+        if not micro:
+            raise ValueError("Pipeline.step: no micro-batches")
+        # Other keys are ignored, as the single-stage forward ignores them.
+        keys = [k for k in ("input_ids", "labels", "position_ids", "segment_ids") if k in micro[0]]
+        for i, mb in enumerate(micro):
+            if [k for k in ("input_ids", "labels", "position_ids", "segment_ids") if k in mb] != keys:
+                raise ValueError(
+                    f"Pipeline.step: micro-batch {i} has keys {sorted(mb)}, micro-batch 0 {keys}"
+                )
+        schedule = self._schedule_for(len(micro))
+        batch = {k: torch.cat([mb[k] for mb in micro]).to(self.device) for k in keys}
+        kwargs = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+        args = (batch["input_ids"],) if self.split.has_first else ()
+        target = batch["labels"] if self.split.has_last else None
+        self._global_tokens = global_tokens.to(self.device)
+        self._ce = []
+        schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        # The first step also calls the loss once for shape inference: keep the real calls.
+        ce = self._ce[-len(micro) :] if self.split.has_last else []
+        total = torch.stack(ce).sum() if ce else torch.zeros((), dtype=torch.float32, device=self.device)
+        total = total.float()
+        dist.all_reduce(total, group=self.group)
+        self._ce = []
+        self._sum_tied_grads()
+        return total
+
+    def _tied_pair(self) -> tuple[nn.Parameter | None, int]:
+        """This rank's end of a tied pair split across ranks, and the peer's global rank."""
+        split = self.split
+        if not split.tied_across_ranks or not (split.has_first or split.has_last):
+            return None, -1
+        inner: Any = self.model.model
+        if split.has_first:
+            return inner.embed_tokens.weight, dist.get_global_rank(self.group, split.last_rank)
+        return self.model.lm_head.weight, dist.get_global_rank(self.group, split.first_rank)
+
+    def _exchange(self, mine: torch.Tensor, peer: int) -> torch.Tensor:
+        """Send ``mine`` to ``peer`` and receive the peer's tensor of the same shape."""
+        send = mine.contiguous()
+        recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, peer, self.group), dist.P2POp(dist.irecv, recv, peer, self.group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return recv
+
+    @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        param, peer = self._tied_pair()
+        if param is None:
+            return
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        local = _local(param.grad)
+        local.add_(self._exchange(local, peer))
+
+    @torch.no_grad()
+    def sync_tied_weights(self) -> None:
+        """Copy the embedding's values into the last stage's ``lm_head.weight`` (tied models).
+
+        Both ends must be laid out alike (same local shard shape and DTensor placements);
+        the check runs on every pp rank so they all fail together.
+        """
+        split = self.split
+        if not split.tied_across_ranks:
+            return
+        param, peer = self._tied_pair()
+        info = _describe(param) if param is not None else None
+        infos: list[Any] = [None] * split.pp_size
+        dist.all_gather_object(infos, info, group=self.group)
+        if infos[split.first_rank] != infos[split.last_rank]:
+            raise ValueError(
+                "tie_word_embeddings under pipeline parallelism: model.embed_tokens.weight (stage 0) and "
+                f"lm_head.weight (last stage) are laid out differently ({infos[split.first_rank]} vs "
+                f"{infos[split.last_rank]}); both ends need the same sharding"
+            )
+        if param is None:
+            return
+        if split.has_first:
+            dist.send(_local(param).contiguous(), peer, group=self.group)
+        else:
+            local = _local(param)
+            buf = torch.empty_like(local)
+            dist.recv(buf, peer, group=self.group)
+            local.copy_(buf)
+
+
+def build_pipeline(
+    split: PipelineSplit,
+    model: nn.Module,
+    pp_mesh: Any,
+    *,
+    device: torch.device | str,
+    n_microbatches: int,
+    schedule: str | None = None,
+    dxdw_split: bool = False,
+) -> Pipeline:
+    """Build this rank's ``PipelineStage`` objects and the schedule, after FSDP and materialisation.
+
+    Args:
+        split: From ``split_model``.
+        model: ``split.model`` after TP/FSDP/materialisation (the same object).
+        pp_mesh: The 1-D "pp" DeviceMesh (or its ProcessGroup).
+        device: Device the stages run on.
+        n_microbatches: Micro-batches per optimizer step (the gradient-accumulation steps).
+        schedule: ``parallelism.pipeline_parallel_schedule`` (default: the one given to
+            ``split_model``): gpipe, 1f1b, interleaved (interleaved1f1b), zero_bubble
+            (interleaved zero bubble) or zbv.
+        dxdw_split: ``parallelism.pipeline_parallel_enable_dxdw_split``: run the interleaved
+            schedule as its zero-bubble variant (separate input- and weight-gradient passes).
+
+    Returns:
+        The pipeline; its tied weights (if any) are already equal on both ends.
+
+    Raises:
+        ValueError: naming the config key when the schedule does not match the split or the
+            micro-batch count does not fit the schedule.
+    """
+    name = canonical_schedule(schedule or split.schedule)
+    if dxdw_split and name not in _ZERO_BUBBLE:
+        if name != "interleaved1f1b":
+            raise ValueError(
+                f"parallelism.pipeline_parallel_enable_dxdw_split: needs an interleaved or zero-bubble "
+                f"schedule ({SCHEDULE_KEY}: interleaved, zero_bubble or zbv), not {name!r}"
+            )
+        name = "interleavedzerobubble"
+    if name != split.schedule and _SCHEDULES[name][1:] != _SCHEDULES[split.schedule][1:]:
+        raise ValueError(f"{SCHEDULE_KEY}: {name!r} does not match the split made for {split.schedule!r}")
+    if model is not split.model:
+        raise ValueError("build_pipeline: `model` must be split.model (after FSDP/materialisation)")
+    group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
+    if dist.get_world_size(group) != split.pp_size or dist.get_rank(group) != split.pp_rank:
+        raise ValueError(
+            f"build_pipeline: the pp mesh (size {dist.get_world_size(group)}, rank {dist.get_rank(group)}) "
+            f"does not match the split (pp_size {split.pp_size}, pp_rank {split.pp_rank})"
+        )
+    pipeline = Pipeline(
+        split, model, group, device=torch.device(device), n_microbatches=n_microbatches, schedule_name=name
+    )
+    pipeline.sync_tied_weights()
+    return pipeline
+
+
+__all__ = [
+    "Pipeline",
+    "PipelineSplit",
+    "StageInfo",
+    "StageModule",
+    "assign_layers",
+    "build_pipeline",
+    "canonical_schedule",
+    "check_microbatches",
+    "split_model",
+]

@@ -1,0 +1,190 @@
+"""Pipeline parallelism on 2 processes (gloo) equals one process: losses, gradients, tied weights.
+
+One launch runs every layout against a single-process reference with the same weights and data:
+gpipe, 1f1b and interleaved (2 stages per rank) with uneven layer splits, tied and untied
+embeddings, packed documents (``segment_ids`` must reach every stage), and one layout whose
+model is FSDP-wrapped (on a 1-rank data mesh) and materialised by name, so the tied head on
+the last rank starts from its own seed and must be synced from the embedding.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+VOCAB, SEQ, MB, N_MICRO = 64, 8, 2, 4
+RTOL = 1e-5
+
+# (name, schedule, interleave, layers_per_stage, tied, fsdp)
+CASES = [
+    ("gpipe auto tied", "gpipe", 1, "auto", True, False),
+    ("1f1b uneven untied", "1f1b", 1, ["0", "1-4"], False, False),
+    ("interleaved uneven tied", "interleaved", 2, ["0,3", "1-2,4"], True, False),
+    ("interleaved index lists untied", "interleaved1f1b", 2, [[0, 1, 3], [2, 4]], False, False),
+    ("1f1b fsdp materialised tied", "1f1b", 1, ["0-2", "3-4"], True, True),
+    # Zero bubble (separate input- and weight-gradient passes); zbv puts both ends on rank 0.
+    ("interleaved zero bubble tied", "zero_bubble", 2, ["0,3", "1-2,4"], True, False),
+    ("zbv tied", "zbv", 2, ["0,4", "1-2,3"], True, False),
+]
+
+
+def _args(tied: bool):
+    from meshforge.models.qwen3.args import Qwen3Args
+
+    return Qwen3Args(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=5,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=tied,
+    )
+
+
+def _micro_batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(N_MICRO):
+        ids = torch.randint(0, VOCAB, (MB, SEQ), generator=g)
+        labels = torch.randint(0, VOCAB, (MB, SEQ), generator=g)
+        labels[:, : i % 3] = -100
+        # Row 0 packs two documents; row 1 is one document with padding at the end.
+        seg = torch.tensor([[1] * 3 + [2] * (SEQ - 3), [1] * (SEQ - 2) + [0] * 2])
+        out.append({"input_ids": ids, "labels": labels, "segment_ids": seg})
+    return out
+
+
+def _build(tied: bool, fsdp_mesh):
+    """The full model: weights from build_qwen3's fixed seeds, or materialised by name."""
+    from meshforge.models.materialize import materialize_and_init
+    from meshforge.models.qwen3.model import build_qwen3
+
+    if fsdp_mesh is None:
+        return build_qwen3(_args(tied), device="cpu")
+    model = build_qwen3(_args(tied), device="meta")
+    materialize_and_init(model, device=torch.device("cpu"), seed=11, init_fn=model.init_full_parameter_)
+    return model
+
+
+def _reference(tied: bool, fsdp: bool, micro, steps: int = 2):
+    """Per step: CE sum and gradients by name (tied head under both names); final weights."""
+    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+
+    model = _build(tied, object() if fsdp else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    tokens = sum(count_valid_tokens(mb["labels"]) for mb in micro)
+    history = []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = torch.zeros(())
+        for mb in micro:
+            ce = cross_entropy_sum(model(mb["input_ids"], segment_ids=mb["segment_ids"]), mb["labels"])
+            (ce / tokens).backward()
+            total += ce.detach()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        history.append((total, grads))
+        opt.step()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return history, weights, tokens
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    err = (got - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= RTOL * max(scale, 1e-6), f"{what}: max abs err {err:.3e}, scale {scale:.3e}"
+
+
+def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
+    from meshforge.parallel.fsdp import apply_fsdp
+    from meshforge.parallel.pipeline import build_pipeline, split_model
+
+    name, schedule, interleave, spec, tied, fsdp = case
+    micro = _micro_batches()
+    history, final, tokens = _reference(tied, fsdp, micro)
+
+    model = _build(tied, dp_mesh if fsdp else None)
+    if fsdp:
+        from meshforge.models.materialize import materialize_and_init
+        from meshforge.models.qwen3.model import build_qwen3
+
+        model = build_qwen3(_args(tied), device="meta")
+    split = split_model(
+        model, pp_rank=rank, pp_size=WORLD, layers_per_stage=spec, interleave=interleave, schedule=schedule
+    )
+    if fsdp:
+        apply_fsdp(split.model, dp_mesh, param_dtype=None, reduce_dtype=torch.float32, pipeline_parallel=True)
+        materialize_and_init(
+            split.model, device=torch.device("cpu"), seed=11, init_fn=split.model.init_full_parameter_
+        )
+    elif split.tied_across_ranks and split.has_last:
+        # Build-time sync must overwrite whatever the head copy holds.
+        with torch.no_grad():
+            split.model.lm_head.weight.zero_()
+    opt = torch.optim.AdamW(split.model.parameters(), lr=1e-2, weight_decay=0.1)
+    pipe = build_pipeline(
+        split, split.model, pp_mesh, device="cpu", n_microbatches=N_MICRO, schedule=schedule
+    )
+    for step, (want_ce, want_grads) in enumerate(history):
+        opt.zero_grad()
+        ce = pipe.step(micro, tokens)
+        assert ce.dim() == 0 and ce.dtype == torch.float32 and not ce.requires_grad
+        _close(ce, want_ce, f"[{name}] step {step} CE sum on rank {rank}")
+        for n, p in split.model.named_parameters():
+            assert p.grad is not None, f"[{name}] {n} has no grad"
+            _close(_full(p.grad), want_grads[n], f"[{name}] step {step} grad {n}")
+        opt.step()
+    for n, p in split.model.named_parameters():
+        _close(_full(p.detach()), final[n], f"[{name}] final weight {n}")
+    if split.tied_across_ranks:
+        # The two copies of the tied weight are still bit-identical across the ranks.
+        inner = split.model.model
+        mine = _full(inner.embed_tokens.weight if split.has_first else split.model.lm_head.weight).detach()
+        both = [torch.empty_like(mine) for _ in range(WORLD)]
+        dist.all_gather(both, mine.contiguous())
+        assert torch.equal(both[0], both[1]), f"[{name}] tied copies differ"
+
+
+def _worker(rank: int, init_file: str, errors) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("pp", "dp"))
+        for case in CASES:
+            torch.manual_seed(0)
+            _run_case(rank, case, mesh["pp"], mesh["dp"])
+        dist.barrier()
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_pp2_schedules_equal_one_process(tmp_path) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    mp.start_processes(
+        _worker, args=(str(tmp_path / "rdzv"), errors), nprocs=WORLD, join=True, start_method="spawn"
+    )
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not failures, "\n".join(failures)
