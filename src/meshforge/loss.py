@@ -11,14 +11,32 @@ full-vocabulary logits of the whole micro-batch never exist: at vocab 151,936 th
 0.6 MB per token in float32 (logits, their float32 copy, softmax and gradient each that
 size in the plain path). Backward recomputes each chunk's logits instead of keeping them,
 so peak memory holds one chunk's logits.
+
+Under tensor parallelism with loss parallelism (`parallelism.enable_loss_parallel`) the logits
+arrive as a DTensor sharded on the vocabulary (`Shard(-1)` over the TP ranks).
+`cross_entropy_sum` then computes the loss Megatron's way on each rank's slice: the row maximum
+and the sum of exponentials are all-reduced over the TP group (two `[tokens]` vectors instead of
+gathering `[tokens, vocab]` logits), and the backward is local (softmax minus one-hot on the
+slice), so it needs no `loss_parallel()` context around `backward()`. The result is a plain 0-dim
+float32 tensor, equal on every TP rank.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+
+def _as_dtensor(tensor: torch.Tensor):
+    """`tensor` as a DTensor, or None for a plain tensor (and where torch has no distributed)."""
+    if not dist.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return tensor if isinstance(tensor, DTensor) else None
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -27,13 +45,96 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     Args:
         logits: [B, S, V] in any float dtype (upcast to float32 for the softmax).
         labels: [B, S] targets already aligned with the positions (labels[i] is the target of i).
+            The logits may be a DTensor: sharded on the vocabulary (loss parallelism; the sum is
+            then computed without gathering them) or replicated.
+
+    Returns:
+        A plain float32 0-dim tensor (the same on every tensor-parallel rank).
     """
+    dlogits = _as_dtensor(logits)
+    if dlogits is not None:
+        if _as_dtensor(labels) is not None:
+            labels = labels.full_tensor()
+        vocab_dim = _vocab_shard_dim(dlogits)
+        if vocab_dim is not None:
+            return _vocab_parallel_cross_entropy_sum(dlogits, labels, vocab_dim)
+        logits = dlogits.full_tensor()
     vocab = logits.shape[-1]
     return F.cross_entropy(
         logits.reshape(-1, vocab).float(),
         labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
+    )
+
+
+def _vocab_shard_dim(logits) -> int | None:
+    """The mesh dim that shards `logits` on the vocabulary (last) dim, or None if none does.
+
+    Raises:
+        NotImplementedError: another mesh dim shards the logits too (only Replicate is allowed there).
+    """
+    last = logits.dim() - 1
+    found = None
+    for i, placement in enumerate(logits.placements):
+        if placement.is_shard() and placement.dim % logits.dim() == last:
+            found = i
+        elif not placement.is_replicate():
+            raise NotImplementedError(
+                f"cross_entropy_sum: logits with placements {logits.placements}; only a vocabulary "
+                "shard (loss parallelism) with the other mesh dims replicated is supported"
+            )
+    return found
+
+
+class _VocabParallelCrossEntropySum(torch.autograd.Function):
+    """Sum cross-entropy of vocabulary-sharded logits; the result is the full sum on every rank.
+
+    Forward all-reduces the row max (for stability), the sum of exponentials and the target logit
+    (held by exactly one rank) over `group`; backward is local: `softmax - one_hot` on the slice.
+    """
+
+    @staticmethod
+    def forward(ctx, local, labels, vocab_start, group):
+        local = local.float()
+        row_max = local.detach().amax(dim=-1)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = local - row_max[:, None]
+        valid = labels != IGNORE_INDEX
+        index = labels - vocab_start
+        mine = valid & (index >= 0) & (index < local.shape[-1])
+        index = torch.where(mine, index, torch.zeros_like(index))
+        target = shifted.gather(1, index[:, None]).squeeze(1) * mine
+        exp = shifted.exp_()  # shifted is ours (a fresh tensor): reuse it
+        sum_exp = exp.sum(dim=-1)
+        stats = torch.stack([sum_exp, target])
+        dist.all_reduce(stats, group=group)
+        sum_exp, target = stats[0], stats[1]
+        loss = torch.where(valid, sum_exp.log() - target, torch.zeros_like(target)).sum()
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), index, mine, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, index, mine, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows[mine], index[mine]] -= 1.0
+        grad[~valid] = 0.0
+        return grad.mul_(grad_loss), None, None, None
+
+
+def _vocab_parallel_cross_entropy_sum(logits, labels: torch.Tensor, mesh_dim: int) -> torch.Tensor:
+    """`cross_entropy_sum` of logits sharded on the vocabulary over mesh dim `mesh_dim`."""
+    mesh = logits.device_mesh
+    size, rank = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    vocab = logits.shape[-1]
+    # DTensor shards like torch.chunk: ceil(vocab / size) per rank, the last ones shorter.
+    vocab_start = min(rank * -(-vocab // size), vocab)
+    # to_local's backward wraps the local gradient back into the same vocab-sharded layout.
+    local = logits.to_local()
+    return _VocabParallelCrossEntropySum.apply(
+        local.reshape(-1, local.shape[-1]), labels.reshape(-1), vocab_start, mesh.get_group(mesh_dim)
     )
 
 
@@ -106,6 +207,11 @@ def chunked_cross_entropy_sum(
         The float32 scalar sum over valid positions; its backward recomputes one chunk's
         logits at a time.
     """
+    if _as_dtensor(hidden) is not None or _as_dtensor(weight) is not None:
+        raise NotImplementedError(
+            "not supported yet: kernels.chunk_loss_size with parallelism.tensor_parallel > 1 "
+            "(use enable_loss_parallel instead: the vocabulary-sharded logits are not gathered)"
+        )
     if chunk_size < 1:
         raise ValueError(f"kernels.chunk_loss_size: must be a positive number of tokens, got {chunk_size}")
     device_type = hidden.device.type

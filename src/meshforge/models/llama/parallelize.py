@@ -1,0 +1,30 @@
+"""Llama's tensor-parallel plan: the shared dense-decoder plan as it is.
+
+`meshforge.parallel.tensor.apply_tp` imports this module for `family: llama`. The layout is
+`meshforge.parallel.tensor.decoder_tp_plan` (Megatron/torchtitan: column-split q/k/v and gate/up,
+row-split o/down, vocab-split embedding and head, sequence-parallel norms). Llama has no per-head
+norms; its optional attention and MLP biases follow their projections (column-split biases are
+split, row-split biases stay replicated and are added once after the reduction).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from meshforge.parallel.tensor import decoder_tp_plan
+
+
+def tp_sizes(args) -> dict[str, int]:
+    """The `model.*` sizes tensor parallelism splits (each must be a multiple of the TP degree)."""
+    return {
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "intermediate_size": args.intermediate_size,
+        "vocab_size": args.vocab_size,
+    }
+
+
+def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """`{module path: ParallelStyle}` for a `LlamaForCausalLM` (or a pipeline stage of one)."""
+    return decoder_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)

@@ -1,0 +1,36 @@
+"""Qwen3's tensor-parallel plan: the shared dense-decoder plan plus its per-head q/k norms.
+
+`meshforge.parallel.tensor.apply_tp` imports this module for `family: qwen3`. The layout is
+`meshforge.parallel.tensor.decoder_tp_plan` (Megatron/torchtitan: column-split q/k/v and gate/up,
+row-split o/down, vocab-split embedding and head, sequence-parallel norms). Qwen3 normalises
+queries and keys per head (`q_norm`, `k_norm` over `head_dim`) after the column split, so each
+rank normalises only its own heads: those weights become replicated DTensors whose gradients are
+summed over the TP ranks.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from meshforge.parallel.tensor import decoder_tp_plan
+
+
+def tp_sizes(args) -> dict[str, int]:
+    """The `model.*` sizes tensor parallelism splits (each must be a multiple of the TP degree)."""
+    return {
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "intermediate_size": args.intermediate_size,
+        "vocab_size": args.vocab_size,
+    }
+
+
+def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """`{module path: ParallelStyle}` for a `Qwen3ForCausalLM` (or a pipeline stage of one)."""
+    return decoder_tp_plan(
+        model,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        head_norms=("q_norm", "k_norm"),
+    )

@@ -1,0 +1,389 @@
+"""Tensor parallelism (TP) with sequence parallelism (SP) and loss parallelism, on DTensor.
+
+`apply_tp` turns a model (on the meta device or real) into its tensor-parallel form in place with
+PyTorch's `parallelize_module`, the Megatron layout torchtitan uses:
+
+| module                         | style (SP on)                                             |
+| ------------------------------ | --------------------------------------------------------- |
+| `model.embed_tokens`           | RowwiseParallel: vocab-sharded table, output Shard(1)     |
+| `*_layernorm`, `model.norm`    | SequenceParallel: replicated weight, tokens split by seq  |
+| `self_attn`, `mlp` (inputs)    | PrepareModuleInput: all-gather the sequence (Shard(1) -> Replicate) |
+| `q/k/v_proj`, `gate/up_proj`   | ColwiseParallel: each rank holds whole heads / a slice of the MLP |
+| `o_proj`, `down_proj`          | RowwiseParallel, output Shard(1) (a reduce-scatter)       |
+| `q_norm`, `k_norm` (per head)  | SequenceParallel over the head dim: replicated weight, grads summed over TP |
+| `lm_head`                      | ColwiseParallel: vocab-sharded; output Shard(-1) under loss parallel, else Replicate |
+
+Without SP the norms stay plain modules on replicated activations and the row-wise outputs are
+all-reduced (Replicate). The MindFormers reference requires `sequence_parallel` with TP, and the
+trainer always passes `sequence_parallel=True`; `False` is kept for tests and the generic path.
+
+Tied input/output embeddings work: the embedding's RowwiseParallel and the head's ColwiseParallel
+both shard the `[vocab, hidden]` weight on dim 0, so one DTensor serves both (re-tied after
+`parallelize_module`, which gives each module a new parameter).
+
+Built-in families get their plan from `meshforge.models.<family>.parallelize.tp_plan` (qwen3 and
+llama share the dense decoder plan below; qwen3 adds its per-head q/k norms). The generic
+transformers path (`family="generic"`) is driven by the `parallelism.tp_colwise` / `tp_rowwise`
+module patterns instead, without SP. transformers 5.24's Qwen3 and Llama attention reshape the
+projections with `view(*input_shape, -1, head_dim)` and keep no head-count attribute in forward
+(`num_key_value_groups` is a ratio, unchanged when q and k/v heads are split alike), so a
+column-split projection just yields the local heads.
+
+Loss parallelism: `meshforge.loss.cross_entropy_sum` accepts the vocab-sharded DTensor logits and
+returns a plain 0-dim tensor (it computes the softmax statistics with two all-reduces over the TP
+group and never gathers the logits), inside or outside `loss_parallel_context`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+__all__ = [
+    "UNSUPPORTED_FAMILIES",
+    "apply_tp",
+    "check_divisible",
+    "decoder_tp_plan",
+    "loss_parallel_context",
+]
+
+# Families whose plan is module-local to `meshforge.models.<family>.parallelize`.
+_PLAN_MODULES = {
+    "qwen3": "meshforge.models.qwen3.parallelize",
+    "llama": "meshforge.models.llama.parallelize",
+}
+# Built-in families with no TP plan yet (routed experts, MLA, linear attention).
+UNSUPPORTED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
+# transformers' normalisation modules have family-specific class names (Qwen3RMSNorm, ...).
+_NORM_MARKERS = ("LayerNorm", "RMSNorm", "GroupNorm")
+_TP_KEY = "parallelism.tensor_parallel"
+
+
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """PyTorch's `loss_parallel()` context when `enabled`, else a no-op context.
+
+    `meshforge.loss.cross_entropy_sum` does not need it (it handles vocab-sharded logits itself,
+    and its backward runs outside any context); the context is for code that calls
+    `F.cross_entropy` on the sharded logits directly, whose backward must run inside it too.
+    """
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def check_divisible(sizes: dict[str, int], tp: int, *, prefix: str = "model") -> None:
+    """Raise when a size that TP splits is not a multiple of the TP degree.
+
+    Args:
+        sizes: config key (without `prefix`) -> value, e.g. `{"num_key_value_heads": 2}`.
+        tp: the tensor-parallel degree.
+        prefix: the config section the keys live in.
+
+    Raises:
+        ValueError: naming the first offending key and `parallelism.tensor_parallel`.
+    """
+    for key, value in sizes.items():
+        if value % tp:
+            raise ValueError(
+                f"{prefix}.{key} ({value}) is not divisible by {_TP_KEY} ({tp}): tensor parallelism "
+                f"splits it evenly over the TP ranks; choose a {_TP_KEY} that divides it"
+            )
+
+
+def _layer_items(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """`(dotted path, layer)` for every decoder layer (a ModuleList, or a ModuleDict on a PP stage)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no `model.layers`; no tensor-parallel plan applies")
+    for name, layer in layers.named_children():
+        yield f"model.layers.{name}", layer
+
+
+def decoder_tp_plan(
+    model: nn.Module,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    head_norms: Sequence[str] = (),
+) -> dict[str, ParallelStyle]:
+    """The `{module path: ParallelStyle}` plan of a dense pre-norm decoder (qwen3, llama).
+
+    The model must have transformers' tree: `model.embed_tokens`, `model.layers.<i>` with
+    `input_layernorm`, `self_attn.{q,k,v,o}_proj`, `post_attention_layernorm`,
+    `mlp.{gate,up,down}_proj`, then `model.norm` and `lm_head`. Modules a pipeline stage dropped
+    (embedding, final norm, head) are left out of the plan.
+
+    Args:
+        sequence_parallel: split activations outside attention/MLP along the sequence (Shard(1)).
+        loss_parallel: leave the logits vocab-sharded (a Shard(-1) DTensor) for the loss.
+        head_norms: names of per-head norms inside `self_attn` (qwen3's `q_norm`, `k_norm`):
+            they see only the local heads, so their weight becomes a replicated DTensor whose
+            gradient is summed over the TP ranks.
+    """
+    seq = Shard(1)
+    plan: dict[str, ParallelStyle] = {}
+    inner = model.model
+    if getattr(inner, "embed_tokens", None) is not None:
+        plan["model.embed_tokens"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate()
+        )
+    for path, layer in _layer_items(model):
+        if sequence_parallel:
+            plan[f"{path}.input_layernorm"] = SequenceParallel()
+            plan[f"{path}.post_attention_layernorm"] = SequenceParallel()
+            # The attention also takes (cos, sin) and the mask: plain tensors, left as they are.
+            plan[f"{path}.self_attn"] = PrepareModuleInput(
+                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+            )
+            plan[f"{path}.mlp"] = PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+            )
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{path}.self_attn.{proj}"] = ColwiseParallel()
+        plan[f"{path}.self_attn.o_proj"] = RowwiseParallel(
+            output_layouts=seq if sequence_parallel else Replicate()
+        )
+        for norm in head_norms:
+            if getattr(layer.self_attn, norm, None) is not None:
+                # q/k are [B, S, heads, head_dim] when normed: the local heads are dim 2.
+                plan[f"{path}.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan[f"{path}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{path}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"{path}.mlp.down_proj"] = RowwiseParallel(
+            output_layouts=seq if sequence_parallel else Replicate()
+        )
+    if sequence_parallel and getattr(inner, "norm", None) is not None:
+        plan["model.norm"] = SequenceParallel()
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=seq if sequence_parallel else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+def _shared_parameters(model: nn.Module) -> list[tuple[str, str]]:
+    """`(alias path, first owner path)` for every parameter registered under two names."""
+    first: dict[int, str] = {}
+    aliases: list[tuple[str, str]] = []
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            path = f"{mod_name}.{name}" if mod_name else name
+            if id(param) in first:
+                if first[id(param)] != path:
+                    aliases.append((path, first[id(param)]))
+            else:
+                first[id(param)] = path
+    return aliases
+
+
+def _retie(model: nn.Module, aliases: list[tuple[str, str]], tp: int) -> None:
+    """Point each alias back at its owner's (new) parameter after `parallelize_module`.
+
+    Raises:
+        ValueError: when the two names got different layouts (one sharded, the other not, or
+            sharded on different dims), which no single parameter can satisfy.
+    """
+    for alias, owner in aliases:
+        mod_path, _, name = alias.rpartition(".")
+        module = model.get_submodule(mod_path)
+        mine, theirs = getattr(module, name), model.get_parameter(owner)
+        if mine is theirs:
+            continue
+        layout = [getattr(p, "placements", None) for p in (mine, theirs)]
+        if layout[0] != layout[1]:
+            raise ValueError(
+                f"{_TP_KEY}={tp}: {alias} is tied to {owner} (tie_word_embeddings), but tensor "
+                f"parallelism gives them different layouts ({layout[0]} vs {layout[1]}); shard both "
+                "the same way (the embedding row-wise and lm_head column-wise both split the vocabulary) "
+                "or neither, or untie the embeddings"
+            )
+        setattr(module, name, theirs)
+
+
+def _sequence_check_hook(tp: int):
+    """Forward pre-hook on the embedding: SP splits the sequence evenly over the TP ranks."""
+
+    def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        ids = args[0] if args else None
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] % tp:
+            raise ValueError(
+                f"{_TP_KEY}={tp} with sequence parallelism splits each sequence over the TP ranks: the "
+                f"sequence length ({ids.shape[1]}) must be a multiple of {tp}; set the dataset's seq_length "
+                "accordingly"
+            )
+
+    return hook
+
+
+def _builtin_plan(
+    model: nn.Module, family: str, tp: int, *, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    module = importlib.import_module(_PLAN_MODULES[family])
+    args = getattr(model, "args", None)
+    if args is not None:
+        check_divisible(module.tp_sizes(args), tp)
+    return module.tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+def generic_tp_plan(
+    model: nn.Module, tp: int, *, colwise: Sequence[str], rowwise: Sequence[str], loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The plan of the generic transformers path, from the `tp_colwise` / `tp_rowwise` patterns.
+
+    Column-wise modules split their output features, row-wise ones their input features; both
+    take and give replicated activations (no SP: a transformers layer's residual stream cannot be
+    annotated from outside). An `nn.Embedding` matched row-wise splits the vocabulary. A matched
+    `lm_head` stays vocab-sharded for the loss under `loss_parallel`. Per-head norms next to a
+    column-split projection (transformers' Qwen3 `q_norm`/`k_norm`, weight of `head_dim`
+    elements) get replicated DTensor weights so their gradients are summed over the TP ranks.
+
+    Raises:
+        ValueError: a pattern matches nothing or a module that is neither `nn.Linear` nor
+            `nn.Embedding`, a module is matched by both lists, or a split size or the head counts
+            are not divisible by the TP degree.
+        NotImplementedError: a norm over the whole (split) projection output, which would need
+            the full features on every rank.
+    """
+    from meshforge.parallel.patterns import match_modules
+
+    plan: dict[str, ParallelStyle] = {}
+    col = match_modules(model, list(colwise), key_path="parallelism.tp_colwise") if colwise else []
+    row = match_modules(model, list(rowwise), key_path="parallelism.tp_rowwise") if rowwise else []
+    both = {n for n, _ in col} & {n for n, _ in row}
+    if both:
+        raise ValueError(
+            f"parallelism.tp_colwise and parallelism.tp_rowwise both match {sorted(both)[0]}; "
+            "a module is split one way only"
+        )
+    config = getattr(model, "config", None)
+    heads = {
+        key: int(getattr(config, key))
+        for key in ("num_attention_heads", "num_key_value_heads")
+        if isinstance(getattr(config, key, None), int)
+    }
+    check_divisible(heads, tp)
+    for key_path, matches in (("parallelism.tp_colwise", col), ("parallelism.tp_rowwise", row)):
+        colwise_side = key_path.endswith("colwise")
+        for name, module in matches:
+            if isinstance(module, nn.Linear):
+                size = module.out_features if colwise_side else module.in_features
+                what = "out_features" if colwise_side else "in_features"
+            elif isinstance(module, nn.Embedding):
+                size = module.embedding_dim if colwise_side else module.num_embeddings
+                what = "embedding_dim" if colwise_side else "num_embeddings"
+            else:
+                raise ValueError(
+                    f"{key_path}: {name} is a {type(module).__name__}; only nn.Linear and nn.Embedding "
+                    "modules can be split"
+                )
+            if size % tp:
+                raise ValueError(f"{key_path}: {name}.{what} ({size}) is not divisible by {_TP_KEY} ({tp})")
+            if isinstance(module, nn.Embedding) and not colwise_side:
+                plan[name] = RowwiseParallel(input_layouts=Replicate())
+            elif colwise_side and name == "lm_head" and loss_parallel:
+                plan[name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+            else:
+                plan[name] = ColwiseParallel() if colwise_side else RowwiseParallel()
+    plan.update(_generic_head_norms(model, {n for n, m in col if isinstance(m, nn.Linear)}))
+    return plan
+
+
+def _generic_head_norms(model: nn.Module, colwise_linears: set[str]) -> dict[str, ParallelStyle]:
+    """Norm modules that sit beside a column-split projection and so see only the local heads."""
+    plan: dict[str, ParallelStyle] = {}
+    parents = {name.rpartition(".")[0] for name in colwise_linears}
+    for parent in sorted(parents):
+        owner = model.get_submodule(parent)
+        head_dim = getattr(owner, "head_dim", None)
+        for child_name, child in owner.named_children():
+            if not any(marker in type(child).__name__ for marker in _NORM_MARKERS):
+                continue
+            weight = getattr(child, "weight", None)
+            path = f"{parent}.{child_name}" if parent else child_name
+            if weight is not None and head_dim is not None and weight.numel() == head_dim:
+                plan[path] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            else:
+                raise NotImplementedError(
+                    f"not supported yet: {_TP_KEY} > 1 with {path} ({type(child).__name__}), a norm over "
+                    "a column-split projection's whole output (only per-head norms of head_dim work)"
+                )
+    return plan
+
+
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    family: str,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+    colwise: list[str] | None = None,
+    rowwise: list[str] | None = None,
+) -> None:
+    """Shard `model` in place over `tp_mesh` (1-D) with tensor parallelism.
+
+    Args:
+        model: a built-in family's `*ForCausalLM` (meta or real tensors) or a generic
+            transformers model; a pipeline stage with some modules removed works too.
+        tp_mesh: the "tp" mesh view.
+        family: built-in family name (`qwen3`, `llama`) or `generic` for the pattern-driven path.
+        sequence_parallel: sequence-split activations between the attention and MLP blocks
+            (built-in families; the generic path has none).
+        loss_parallel: keep the logits vocab-sharded (`Shard(-1)` DTensor) for
+            `meshforge.loss.cross_entropy_sum`, instead of gathering them.
+        colwise: `parallelism.tp_colwise` patterns (generic path).
+        rowwise: `parallelism.tp_rowwise` patterns (generic path).
+
+    Raises:
+        NotImplementedError: a family with no TP plan yet.
+        ValueError: a size TP splits is not divisible by the TP degree, a pattern is invalid,
+            or tied weights would get different layouts.
+    """
+    tp = tp_mesh.size()
+    if family in UNSUPPORTED_FAMILIES:
+        raise NotImplementedError(
+            f"not supported yet: {_TP_KEY} > 1 for {family} (tensor-parallel plans exist for "
+            f"{', '.join(sorted(_PLAN_MODULES))} and the generic transformers path)"
+        )
+    aliases = _shared_parameters(model)
+    if family in _PLAN_MODULES:
+        plan = _builtin_plan(
+            model, family, tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+        )
+    elif family == "generic":
+        plan = generic_tp_plan(
+            model, tp, colwise=colwise or [], rowwise=rowwise or [], loss_parallel=loss_parallel
+        )
+        sequence_parallel = False
+    else:
+        raise NotImplementedError(
+            f"not supported yet: {_TP_KEY} > 1 for family {family!r} (built: "
+            f"{', '.join(sorted(_PLAN_MODULES))}, or 'generic' with parallelism.tp_colwise/tp_rowwise)"
+        )
+    parallelize_module(model, tp_mesh, plan)
+    _retie(model, aliases, tp)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if sequence_parallel and isinstance(embed, nn.Module):
+        # Before the RowwiseParallel input hook, so an uneven length fails before any collective.
+        embed.register_forward_pre_hook(_sequence_check_hook(tp), prepend=True)
