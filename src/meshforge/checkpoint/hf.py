@@ -35,6 +35,11 @@ from ``model.config``.
 
 Tied embeddings: a tied model has one parameter (``model.embed_tokens.weight``); a checkpoint may
 also carry ``lm_head.weight`` (then ignored) or not.
+
+Grown vocabulary: with a ``VocabPlan`` that resizes (``meshforge.models.vocab``), the input
+embedding and an untied LM head are built with more rows than the checkpoint stores; the stored
+rows load into the first rows and the new ones are left for ``init_new_rows``. Without such a
+plan any shape mismatch is an error naming the file and the key.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 if TYPE_CHECKING:
     from meshforge.models.registry import FamilySpec
+    from meshforge.models.vocab import VocabPlan
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -217,11 +223,33 @@ def _tied_names(model: nn.Module) -> set[str]:
     return tied
 
 
-def _check_and_cast(name: str, full: torch.Tensor, param: torch.Tensor, source: str) -> torch.Tensor:
-    if tuple(full.shape) != tuple(param.shape):
+def _where(file: Path, keys: list[str], name: str) -> str:
+    """``file`` plus the HF key(s) when they differ from our parameter name (for error messages)."""
+    if keys == [name]:
+        return str(file)
+    shown = keys[0] if len(keys) == 1 else f"{keys[0]} and {len(keys) - 1} more keys"
+    return f"{file} ({shown})"
+
+
+def _expected_shape(param: torch.Tensor, rows: int | None) -> tuple[int, ...]:
+    """The stored shape ``param`` needs: its own, or ``rows`` rows for a grown vocabulary table."""
+    shape = tuple(param.shape)
+    return shape if rows is None else (rows, *shape[1:])
+
+
+def _check_and_cast(
+    name: str, full: torch.Tensor, param: torch.Tensor, source: str, *, rows: int | None = None
+) -> torch.Tensor:
+    expected = _expected_shape(param, rows)
+    if tuple(full.shape) != expected:
+        grown = (
+            f" (the first {rows} of its {param.shape[0]} rows, the vocabulary before resizing)"
+            if rows is not None
+            else ""
+        )
         raise ValueError(
             f"{source}: {name} has shape {tuple(full.shape)} in the checkpoint but the model "
-            f"(from the model: section / config.json) needs {tuple(param.shape)}"
+            f"(from the model: section / config.json) needs {expected}{grown}"
         )
     if full.dtype != param.dtype:
         if not (full.dtype.is_floating_point and param.dtype.is_floating_point):
@@ -239,6 +267,7 @@ def load_hf_weights(
     path: str | Path,
     *,
     log: Callable[[str], None] | None = None,
+    vocab_plan: VocabPlan | None = None,
 ) -> int:
     """Copy a HF folder's safetensors weights into an already materialised ``model``, in place.
 
@@ -250,15 +279,21 @@ def load_hf_weights(
         family: The model's family (its adapter maps names and layouts).
         path: The HF folder (``model.safetensors`` or an index with its shards).
         log: Optional sink for one summary line.
+        vocab_plan: When it resizes the vocabulary, the input embedding and an untied LM head
+            accept ``vocab_plan.old_vocab_size`` stored rows, loaded into their first rows (the
+            new rows are left as they are, for ``meshforge.models.vocab.init_new_rows``).
 
     Returns:
         The number of parameters (tensors) loaded.
 
     Raises:
         FileNotFoundError: Missing weights or shard files (see ``find_hf_weights``).
-        ValueError: Missing or unexpected keys (a few listed), or a shape that does not match.
+        ValueError: Missing or unexpected keys (a few listed), or a shape that does not match
+            (naming the file and the key).
     """
     from safetensors import safe_open
+
+    from meshforge.models.vocab import vocab_parameters
 
     folder = Path(path)
     key_files = find_hf_weights(folder)
@@ -272,6 +307,9 @@ def load_hf_weights(
             f"{folder}: {len(missing)} weight(s) the {family.name} model needs are not in the checkpoint: "
             f"{_few(missing)}"
         )
+    short_rows: dict[str, int] = {}
+    if vocab_plan is not None and vocab_plan.resized:
+        short_rows = dict.fromkeys(vocab_parameters(model), vocab_plan.old_vocab_size)
     tied = _tied_names(model)
     ignorable = [*adapter.ignored_keys, *tied]
     unexpected = {
@@ -292,13 +330,21 @@ def load_hf_weights(
             return handles[file]
 
         for name, param in params:
-            if isinstance(param, DTensor) and adapter.renames_only and len(sources[name]) == 1:
-                # Same layout on disk: read only this rank's rows/columns of the tensor.
-                _copy_local_slice(name, param, handle(sources[name][0]).get_slice(sources[name][0]), folder)
+            keys = sources[name]
+            where = _where(key_files[keys[0]], keys, name)
+            rows = short_rows.get(name)
+            if isinstance(param, DTensor) and adapter.renames_only and len(keys) == 1:
+                # Same layout on disk: read only this rank's rows/columns of the tensor (rows passed
+                # positionally: a test wraps this function with *args).
+                _copy_local_slice(name, param, handle(keys[0]).get_slice(keys[0]), where, rows)
                 continue
-            full = adapter.from_hf(name, {key: handle(key).get_tensor(key) for key in sources[name]})
-            full = _check_and_cast(name, full, param, str(folder))
-            if isinstance(param, DTensor):
+            full = adapter.from_hf(name, {key: handle(key).get_tensor(key) for key in keys})
+            full = _check_and_cast(name, full, param, where, rows=rows)
+            if rows is not None:
+                from meshforge.models.vocab import write_rows
+
+                write_rows(param, 0, full)
+            elif isinstance(param, DTensor):
                 # Every rank holds the same full tensor: slice the local shard without communication.
                 shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
                 param.to_local().copy_(shard.to_local())
@@ -306,29 +352,45 @@ def load_hf_weights(
                 param.copy_(full)
             del full
     if log is not None:
-        log(f"checkpoint: loaded {len(params)} Hugging Face weights from {folder}")
+        grown = (
+            f"; {', '.join(short_rows)} loaded into the first {vocab_plan.old_vocab_size} of "
+            f"{vocab_plan.new_vocab_size} rows"
+            if short_rows and vocab_plan is not None
+            else ""
+        )
+        log(f"checkpoint: loaded {len(params)} Hugging Face weights from {folder}{grown}")
     return len(params)
 
 
-def _copy_local_slice(name: str, param: DTensor, stored: Any, folder: Path) -> None:
-    """Copy the part of a stored tensor that this rank's shard of ``param`` holds."""
+def _copy_local_slice(name: str, param: DTensor, stored: Any, where: str, rows: int | None = None) -> None:
+    """Copy the part of a stored tensor that this rank's shard of ``param`` holds.
+
+    With ``rows`` (a grown vocabulary table) the stored tensor has only the first ``rows`` rows;
+    the local rows past them are left as they are.
+    """
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape = tuple(stored.get_shape())
-    if shape != tuple(param.shape):
-        raise ValueError(
-            f"{folder}: {name} has shape {shape} in the checkpoint but the model "
-            f"(from the model: section / config.json) needs {tuple(param.shape)}"
-        )
+    expected = _expected_shape(param, rows)
+    if shape != expected:
+        # The same message as a fully read tensor gets.
+        _check_and_cast(name, torch.empty(shape, device="meta"), param, where, rows=rows)
     local_shape, offset = compute_local_shape_and_global_offset(
         param.shape, param.device_mesh, param.placements
     )
     local = param.to_local()
     if local.numel() == 0:
         return
-    index = tuple(slice(start, start + size) for start, size in zip(offset, local_shape, strict=True))
-    part = stored[index] if index else stored[:]
-    local.copy_(_check_and_cast(name, part, local, str(folder)))
+    box = [slice(start, start + size) for start, size in zip(offset, local_shape, strict=True)]
+    target = local
+    if rows is not None:
+        stop = min(box[0].stop, rows)
+        if stop <= box[0].start:
+            return
+        target = local[: stop - box[0].start]
+        box[0] = slice(box[0].start, stop)
+    part = stored[tuple(box)] if box else stored[:]
+    target.copy_(_check_and_cast(name, part, target, where))
 
 
 # --------------------------------------------------------------------------------------- export
