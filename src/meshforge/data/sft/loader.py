@@ -428,7 +428,7 @@ class SFTStream:
         pad_id: int,
         label_pad: int,
     ):
-        self.indexed = indexed  # converted, mixed examples with a `_row` number, before shuffling
+        self.indexed = indexed  # converted, mixed examples with a unique `_row` number, unshuffled
         self.buffer_size = int(cfg.buffer_size)
         self.batch_size = int(cfg.preprocessing_batch_size)
         self.seed = seed
@@ -469,8 +469,17 @@ class SFTStream:
         )
 
 
-def _number_rows(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-    return {"_row": list(indices)}
+def _numbered_records(
+    file_type: str, files: tuple[str, ...], split: str, base: int
+) -> Iterator[dict[str, Any]]:
+    """The records of `files` in order, streamed, each with `_row` = base + its position."""
+    import datasets
+
+    position = base
+    for path in files:
+        for record in datasets.load_dataset(file_type, data_files=[path], split=split, streaming=True):
+            yield {**record, "_row": position}
+            position += 1
 
 
 def build_sft_stream(
@@ -491,15 +500,25 @@ def build_sft_stream(
     template = _template(cfg, tokenizer)
     attrs = _resolve(cfg.dataset, cfg, "train_dataset.dataset")
     streams = []
-    for attr in attrs:
-        raw = datasets.load_dataset(
-            attr.file_type, data_files=[str(p) for p in attr.files], split=attr.split, streaming=True
-        )
-        names = raw.column_names or list(next(iter(raw)).keys())
+    for k, attr in enumerate(attrs):
         where = f"train_dataset.dataset ({attr.name}: {', '.join(map(str, attr.files))})"
-        check_columns(names, attr.formatting, attr.columns, where)
         if attr.num_samples is not None:
             _log(log, f"sft data: {attr.name}: num_samples is not applied when streaming (as LLaMA-Factory)")
+        # One single-shard stream per dataset, its files read one after the other: the example
+        # order LLaMA-Factory's `to_iterable_dataset()` of a local dataset gives, so the seeded
+        # shuffle picks the same examples. Each example carries a number unique over all datasets.
+        raw = datasets.IterableDataset.from_generator(
+            _numbered_records,
+            gen_kwargs={
+                "file_type": attr.file_type,
+                # a tuple, not a list: `from_generator` would make one shard per list item
+                "files": tuple(str(p) for p in attr.files),
+                "split": attr.split,
+                "base": k << 40,
+            },
+        )
+        names = [name for name in (raw.column_names or next(iter(raw)).keys()) if name != "_row"]
+        check_columns(names, attr.formatting, attr.columns, where)
         streams.append(
             raw.map(
                 convert_batch,
@@ -509,8 +528,7 @@ def build_sft_stream(
                 fn_kwargs=_convert_kwargs(attr),
             )
         )
-    mixed = _mix(streams, cfg, seed)
-    indexed = mixed.map(_number_rows, with_indices=True, batched=True)
+    indexed = _mix(streams, cfg, seed)
     pad_id, label_pad = _pads(cfg, tokenizer)
     encode = _encode_args(cfg, tokenizer, template)
     valid_rows = None
