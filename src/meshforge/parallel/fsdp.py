@@ -2,6 +2,13 @@
 
 The trainer normalises the loss by the global valid-token count itself, so FSDP's own gradient
 division is turned off (divide factor 1): the reduce-scatter must *sum* the per-rank gradients.
+
+Expert-FSDP: under expert parallelism the experts' weights are DTensors sharded over the `ep`
+mesh (`meshforge.parallel.expert.apply_ep`); each experts module then becomes its own FSDP unit
+on the `efsdp` mesh (the data ranks that hold the same experts), wrapped before its decoder
+layer so that the layer's unit on the dense mesh leaves it alone. FSDP2 combines the two into
+one DTensor on (efsdp, ep); it shards expert weights on dim 1 (MindSpeed's `shard_by_dim_1`),
+since dim 0 is already the ep dimension, and on dim 0 only when dim 1 does not divide.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 ReshardPolicy = Literal["always", "never", "default"]
 
@@ -34,11 +42,15 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_policy: ReshardPolicy = "default",
     pipeline_parallel: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard `model` in place: each decoder layer is an FSDP unit, the root holds the rest.
 
     Args:
         mesh: 1-D (FSDP) or 2-D (HSDP: replicate x shard) mesh.
+        expert_mesh: the `efsdp` mesh (1-D, or 2-D replicate x shard under HSDP) when the
+            experts are sharded over EP: each experts module becomes an FSDP unit on it. Size 1
+            is fine (EP over all data ranks). Required exactly when EP was applied.
         param_dtype: compute dtype of the unsharded parameters (None = keep the stored dtype).
         reduce_dtype: dtype of the gradient reduce-scatter.
         reshard_policy: `always` frees the unsharded parameters after forward (less memory, one
@@ -51,9 +63,20 @@ def apply_fsdp(
     else:
         reshard = reshard_policy == "always"
     layers = decoder_layers(model)
+    experts = _expert_units(model, expert_mesh)
     for index, layer in enumerate(layers):
         # The last layer's parameters are needed again right at the start of backward.
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and index < len(layers) - 1)
+        layer_reshard = reshard and index < len(layers) - 1
+        for module in experts.get(id(layer), []):
+            placement = _expert_placement_fn(expert_mesh)
+            fully_shard(
+                module,
+                mesh=expert_mesh,
+                mp_policy=mp,
+                reshard_after_forward=layer_reshard,
+                shard_placement_fn=placement,
+            )
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=layer_reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -61,6 +84,44 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _expert_units(model: nn.Module, expert_mesh: DeviceMesh | None) -> dict[int, list[nn.Module]]:
+    """EP-sharded experts modules by the id of the decoder layer that holds them.
+
+    Raises:
+        ValueError: experts are EP-sharded but no `expert_mesh` was given, or the other way round.
+    """
+    from meshforge.parallel.expert import is_expert_parallel
+
+    layers = decoder_layers(model)
+    units: dict[int, list[nn.Module]] = {}
+    found = 0
+    for layer in layers:
+        modules = [m for m in layer.modules() if is_expert_parallel(m)]
+        found += len(modules)
+        if modules:
+            units[id(layer)] = modules
+    if found and expert_mesh is None:
+        raise ValueError(
+            "apply_fsdp: the experts are sharded over expert parallelism; pass expert_mesh (the efsdp mesh)"
+        )
+    if expert_mesh is not None and not found:
+        raise ValueError("apply_fsdp: expert_mesh given but no experts were sharded by apply_ep")
+    return units
+
+
+def _expert_placement_fn(expert_mesh: DeviceMesh | None):
+    """`shard_placement_fn` for EP-sharded expert weights: dim 1 (`shard_by_dim_1`) when it divides."""
+    assert expert_mesh is not None
+    # The shard axis is the last one of a 2-D (replicate, shard) mesh.
+    shards = expert_mesh.size(expert_mesh.ndim - 1)
+
+    def placement(param: nn.Parameter) -> Shard:
+        # FSDP2 refuses uneven sharding on a dim other than 0; dim 0 (the ep dim) it can stride.
+        return Shard(1) if param.ndim > 1 and param.shape[1] % shards == 0 else Shard(0)
+
+    return placement
 
 
 def apply_fsdp_patterns(

@@ -275,12 +275,18 @@ class GroupedExperts(nn.Module):
                 continue
             gate, up = F.linear(group, gate_up[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
-        return torch.cat(outputs) if outputs else None
+        if not outputs:
+            # No rows: run expert 0 on the empty input anyway, so that the weights get a (zero)
+            # gradient. Under expert parallelism a rank whose experts received no token must still
+            # reduce-scatter their gradients with the ranks that hold the same experts.
+            gate, up = F.linear(grouped, gate_up[0]).chunk(2, dim=-1)
+            return F.linear(self.act_fn(gate) * up, down[0])
+        return torch.cat(outputs)
 
     def _grouped_mm(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """Same as :meth:`_loop` with one grouped GEMM per projection and no host sync."""
         if grouped.shape[0] == 0:
-            return None
+            return self._loop(grouped, counts)  # an empty output that still reaches the weights
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         gate_up, down = local_tensor(self.gate_up_proj), local_tensor(self.down_proj)
         gate, up = F.grouped_mm(grouped, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)

@@ -149,12 +149,16 @@ class GptOssExperts(nn.Module):
                 continue
             hidden = self.activation(group @ w1[expert] + b1[expert])
             outputs.append(hidden @ w2[expert] + b2[expert])
-        return torch.cat(outputs) if outputs else None
+        if not outputs:
+            # No rows: run expert 0 on the empty input anyway so that the weights get a (zero)
+            # gradient (expert parallelism: see `GroupedExperts._loop`).
+            return self.activation(grouped @ w1[0] + b1[0]) @ w2[0] + b2[0]
+        return torch.cat(outputs)
 
     def _grouped_mm(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """Same as :meth:`_loop` with one grouped GEMM per projection (weights are already ``x @ W``)."""
         if grouped.shape[0] == 0:
-            return None
+            return self._loop(grouped, counts)  # an empty output that still reaches the weights
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         w1, b1 = local_tensor(self.gate_up_proj), local_tensor(self.gate_up_proj_bias)
         w2, b2 = local_tensor(self.down_proj), local_tensor(self.down_proj_bias)

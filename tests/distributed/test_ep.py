@@ -1,0 +1,340 @@
+"""Expert parallelism (all-to-all token dispatch) and expert-FSDP equal one process.
+
+Module level (spawned gloo processes, meshes from `ParallelDims.build_mesh` as the trainer
+builds them): the EP model and the single-process model get the same seeded weights; each
+rank feeds its rows of one global batch; logits, cross-entropy, router aux loss and every
+gradient (full tensors) must match the single-process model run on those rows as
+micro-batches, with the trainer's objective `CE_sum / global_tokens + coef * aux / ranks`.
+That also proves the gradient scaling: no 1/ep factor anywhere.
+
+Trainer level: `meshforge train` with `parallelism.expert_parallel` against one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from tests.conftest import REPO, read_metrics, run_train
+
+pytestmark = pytest.mark.slow
+
+SEED = 1234
+AUX_COEF = 0.1
+BATCH, SEQ = 2, 16
+
+
+def _args(family: str):
+    if family == "qwen3_moe":
+        from meshforge.models.qwen3_moe.args import Qwen3MoeArgs
+
+        return Qwen3MoeArgs(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            output_router_logits=True,
+            tie_word_embeddings=False,
+        )
+    if family == "deepseek_v3":
+        from meshforge.models.deepseek_v3.args import DeepseekV3Args
+
+        return DeepseekV3Args(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            num_nextn_predict_layers=0,
+        )
+    from meshforge.models.gpt_oss.args import GptOssArgs
+
+    return GptOssArgs(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+    )
+
+
+def _build(family: str):
+    import importlib
+
+    module = importlib.import_module(f"meshforge.models.{family}.model")
+    return getattr(module, f"build_{family}")(_args(family), device="meta")
+
+
+def _materialize(model) -> None:
+    from meshforge.models.materialize import materialize_and_init
+
+    materialize_and_init(model, device=torch.device("cpu"), seed=SEED, init_fn=model.init_full_parameter_)
+
+
+def _batch(world: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(99)
+    ids = torch.randint(0, vocab, (world * BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, vocab, (world * BATCH, SEQ), generator=gen)
+    return ids, labels
+
+
+def _objective(model, ids, labels, world):
+    logits = model(ids)
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    aux = model.aux_loss() if callable(getattr(model, "aux_loss", None)) else None
+    objective = ce / labels.numel() / world
+    if aux is not None:
+        objective = objective + AUX_COEF * aux / world
+    return logits, ce, aux, objective
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _full_grad(param: torch.Tensor, *, reduce_plain: bool) -> torch.Tensor:
+    """The full gradient of `param` on every rank (a collective: every rank calls it in order)."""
+    from torch.distributed.tensor import DTensor
+
+    grad = param.grad
+    if grad is None:
+        grad = torch.zeros_like(param)
+    if isinstance(grad, DTensor):
+        return grad.full_tensor()
+    grad = grad.clone()
+    if reduce_plain:  # replicated dense parameters without FSDP: sum the ranks' gradients
+        dist.all_reduce(grad)
+    return grad
+
+
+def _check_model(family: str, layout: str, errors: list[str], tol: float = 1e-5) -> None:
+    """EP (and FSDP) model on this rank against the single-process model on the same rows."""
+    from meshforge.parallel.dims import ParallelDims
+    from meshforge.parallel.expert import apply_ep
+    from meshforge.parallel.fsdp import apply_fsdp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = _build(family)
+    _materialize(reference)
+    model = _build(family)
+    dims = ParallelDims(world_size=world, dp_shard=world, ep=2)
+    mesh = dims.build_mesh("cpu")
+    apply_ep(model, dims.mesh_for(mesh, "ep"))
+    fsdp = layout != "ep"
+    if fsdp:
+        apply_fsdp(
+            model,
+            dims.mesh_for(mesh, "fsdp"),
+            expert_mesh=dims.mesh_for(mesh, "efsdp"),
+            param_dtype=None,
+            reduce_dtype=torch.float32,
+        )
+    _materialize(model)
+
+    ids, labels = _batch(world, reference.args.vocab_size)
+    rows = slice(rank * BATCH, (rank + 1) * BATCH)
+    mine = None
+    for r in range(world):  # the single process runs every rank's rows as micro-batches
+        part = slice(r * BATCH, (r + 1) * BATCH)
+        logits, ce, aux, objective = _objective(reference, ids[part], labels[part], world)
+        objective.backward()
+        if r == rank:
+            mine = (logits.detach(), ce.detach(), None if aux is None else aux.detach())
+    logits, ce, aux, objective = _objective(model, ids[rows], labels[rows], world)
+    objective.backward()
+
+    tag = f"{family}/{layout}/rank{rank}"
+    assert mine is not None
+    if _rel(logits.detach(), mine[0]) > tol:
+        errors.append(f"{tag}: logits differ by {_rel(logits.detach(), mine[0]):.2e}")
+    if _rel(ce.detach(), mine[1]) > tol:
+        errors.append(f"{tag}: cross-entropy differs by {_rel(ce.detach(), mine[1]):.2e}")
+    if (aux is None) != (mine[2] is None) or (aux is not None and _rel(aux.detach(), mine[2]) > tol):
+        errors.append(f"{tag}: aux loss {aux} vs {mine[2]}")
+    ref_params = dict(reference.named_parameters())
+    experts_seen = 0
+    for name, param in model.named_parameters():
+        grad = _full_grad(param, reduce_plain=not fsdp)
+        if ".experts." in name:
+            experts_seen += 1
+            if tuple(param.to_local().shape) == tuple(param.shape):
+                errors.append(f"{tag}: {name} is not sharded ({tuple(param.shape)})")
+        expected = ref_params[name].grad
+        if expected is None:  # no gradient at all (deepseek's score-correction bias)
+            if grad.abs().max() > 0:
+                errors.append(f"{tag}: {name} got a gradient; one process gives none")
+        elif _rel(grad, expected) > tol:
+            errors.append(f"{tag}: gradient of {name} differs by {_rel(grad, expected):.2e}")
+    if not experts_seen:
+        errors.append(f"{tag}: no expert parameters found")
+
+
+def _check_exchange_zero_rows(errors: list[str]) -> None:
+    """4 ranks, ep 2 x efsdp 2: a rank whose experts receive no token still joins every collective.
+
+    Ranks 0 and 1 (one ep group) route all their tokens to experts 0 and 1 (held by rank 0),
+    so rank 1 receives nothing, while rank 3 (same experts as rank 1, other group) does: the
+    expert-FSDP reduce-scatter of experts 2 and 3 must still pair ranks 1 and 3 correctly.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from meshforge.models.common.moe import GroupedExperts
+    from meshforge.parallel.dims import ParallelDims
+    from meshforge.parallel.expert import apply_ep
+    from meshforge.parallel.fsdp import _expert_placement_fn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = ParallelDims(world_size=world, dp_shard=world, ep=2)
+    mesh = dims.build_mesh("cpu")
+    efsdp = dims.mesh_for(mesh, "efsdp")
+    num_experts, hidden, width, n = 4, 8, 6, 5
+
+    def full_experts() -> GroupedExperts:
+        experts = GroupedExperts(num_experts, hidden, width)
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        return experts
+
+    sharded = full_experts()
+    apply_ep(sharded, dims.mesh_for(mesh, "ep"))
+    fully_shard(sharded, mesh=efsdp, shard_placement_fn=_expert_placement_fn(efsdp))
+    sharded.set_gradient_divide_factor(1.0)
+    sharded.set_force_sum_reduction_for_comms(True)
+    reference = full_experts()
+
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(n, hidden, generator=gen) for _ in range(world)]
+    group_a = [torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]]) for _ in range(2)]
+    group_b = [torch.randint(0, num_experts, (n, 1), generator=gen) for _ in range(2)]
+    indices = group_a + [torch.cat([i, (i + 1) % num_experts], 1) for i in group_b]
+    weights = [torch.rand(n, 2, generator=gen) for _ in range(world)]
+    total = torch.zeros(())
+    expected = None
+    for r in range(world):
+        counts = torch.bincount(indices[r].flatten(), minlength=num_experts)
+        out = reference(xs[r], indices[r], weights[r], counts)
+        total = total + (out * torch.arange(hidden)).sum()
+        if r == rank:
+            expected = out.detach()
+    total.backward()
+    x = xs[rank].clone().requires_grad_(True)
+    counts = torch.bincount(indices[rank].flatten(), minlength=num_experts)
+    out = sharded(x, indices[rank], weights[rank], counts)
+    (out * torch.arange(hidden)).sum().backward()
+    if _rel(out.detach(), expected) > 1e-5:
+        errors.append(f"exchange/rank{rank}: outputs differ by {_rel(out.detach(), expected):.2e}")
+    for name, param in sharded.named_parameters():
+        if param.grad is None:
+            errors.append(f"exchange/rank{rank}: {name} has no gradient")
+            continue
+        got = param.grad.full_tensor()
+        if _rel(got, reference.get_parameter(name).grad) > 1e-5:
+            errors.append(f"exchange/rank{rank}: gradient of {name} differs")
+
+
+def _worker(rank: int, world: int, store_path: str) -> None:
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    errors: list[str] = []
+    try:
+        if world == 2:
+            _check_model("qwen3_moe", "ep", errors)
+            _check_model("qwen3_moe", "ep+fsdp", errors)
+            _check_model("deepseek_v3", "ep+fsdp", errors)
+            _check_model("gpt_oss", "ep+fsdp", errors)
+        else:
+            _check_model("qwen3_moe", "dp4 ep2 efsdp2", errors)
+            _check_exchange_zero_rows(errors)
+        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
+    finally:
+        dist.destroy_process_group()
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_module_equals_one_process(world: int, tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+
+
+TRAIN = [
+    "--training.steps=5",
+    "--training.deterministic=true",
+    "--training.local_batch_size=2",  # the same micro-batches (and router aux losses) in every layout
+    "--training.log_interval=1",
+    "--model.num_hidden_layers=2",
+    "--model.hidden_size=64",
+    "--model.intermediate_size=128",
+    "--model.moe_intermediate_size=32",
+    "--model.num_experts=4",
+    "--model.head_dim=16",
+    "--train_dataset.dataloader.seq_length=32",
+    "--lr_scheduler.warmup_steps=1",
+    "--lr_scheduler.learning_rate=1.e-2",
+]
+
+
+def _assert_same_steps(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b, strict=True):
+        for key in ("loss", "grad_norm", "aux_loss"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5), (x["step"], key)
+
+
+def test_trainer_ep_equals_one_process_and_resumes_elsewhere(tmp_path: Path) -> None:
+    """qwen3_moe: ep2 on 2 ranks and dp4 + ep2 + expert-FSDP 2 on 4 ranks equal one process
+    step by step; the 4-rank checkpoint continues in one process with the same loss."""
+    config = REPO / "configs" / "qwen3_moe" / "tiny.yaml"
+    out = {name: tmp_path / name for name in ("one", "ep2", "ep2x2", "resumed")}
+    no_save = "--checkpoint.enable_save=false"
+    run_train(config, [*TRAIN, no_save, f"--training.output_dir={out['one']}"], cwd=tmp_path)
+    ep = "--parallelism.expert_parallel=2"
+    proc = run_train(
+        config, [*TRAIN, ep, no_save, f"--training.output_dir={out['ep2']}"], nproc=2, cwd=tmp_path
+    )
+    assert "experts over 2 ranks" in proc.stdout
+    save = "--checkpoint.save_interleaved_steps=4"
+    run_train(config, [*TRAIN, ep, save, f"--training.output_dir={out['ep2x2']}"], nproc=4, cwd=tmp_path)
+    one = read_metrics(out["one"])
+    assert len(one) == 5 and one[-1]["loss"] < one[0]["loss"] - 0.1  # it trains
+    _assert_same_steps(one, read_metrics(out["ep2"]))
+    _assert_same_steps(one, read_metrics(out["ep2x2"]))
+
+    step4 = out["ep2x2"] / "checkpoints" / "checkpoint-00000004"
+    resumed = [*TRAIN, no_save, f"--training.output_dir={out['resumed']}", f"--checkpoint.load_path={step4}"]
+    run_train(config, resumed, cwd=tmp_path)
+    _assert_same_steps(one[4:], read_metrics(out["resumed"]))
