@@ -307,6 +307,9 @@ class ContextParallel:
 
     # ---- attention ---------------------------------------------------------------------
 
+    # Compiled decoder layers (kernels.compile) run this eagerly: its block plan is Python
+    # data (runs, per-forward mask cache) that dynamo would otherwise re-trace or break on.
+    @torch.compiler.disable
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, *, scale: float
     ) -> torch.Tensor:
