@@ -3,7 +3,8 @@
 One spawn of 2 processes checks every layout: each rank builds the full model from the same seed,
 keeps it as the single-process reference, and applies `apply_tp` to a deep copy. Forward logits,
 the loss and every parameter's gradient (gathered with `full_tensor`) must match the reference:
-qwen3 (GQA, per-head q/k norms) untied and tied, llama with biases, with and without loss
+qwen3 (GQA, per-head q/k norms) untied and tied, llama with biases, qwen3_moe (experts kept
+whole on every rank, router aux loss included), with and without loss
 parallelism, packed documents, no sequence parallelism, the meta-device build that the trainer
 uses (materialised afterwards), and the generic transformers path driven by the `tp_colwise` /
 `tp_rowwise` patterns. The refusals (divisibility, unsupported family, sequence length, chunked
@@ -36,6 +37,15 @@ QWEN3 = {
     "tie_word_embeddings": False,
 }
 LLAMA = {**QWEN3, "attention_bias": True, "mlp_bias": True}
+# Layer 0 dense (its MLP split), layer 1 sparse (router and experts kept whole on every rank).
+QWEN3_MOE = {
+    **QWEN3,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "mlp_only_layers": [0],
+    "output_router_logits": True,
+}
 # (name, family, options, apply_tp keyword arguments, use packed segment ids)
 CASES = [
     ("qwen3", "qwen3", QWEN3, {}, False),
@@ -52,6 +62,8 @@ CASES = [
     ("qwen3 no SP", "qwen3", QWEN3, {"sequence_parallel": False}, False),
     ("llama bias", "llama", LLAMA, {}, False),
     ("llama bias loss-parallel", "llama", LLAMA, {"loss_parallel": True}, False),
+    ("qwen3_moe packed loss-parallel", "qwen3_moe", QWEN3_MOE, {"loss_parallel": True}, True),
+    ("qwen3_moe no SP", "qwen3_moe", QWEN3_MOE, {"sequence_parallel": False}, False),
 ]
 
 
@@ -92,6 +104,10 @@ def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch
     logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))
     loss = cross_entropy_sum(logits, batch["labels"]) / count_valid_tokens(batch["labels"])
     assert not hasattr(loss, "placements"), "cross_entropy_sum must return a plain tensor"
+    aux = model.aux_loss() if hasattr(model, "aux_loss") else None
+    if aux is not None:
+        # The router statistics must be those of all tokens, so the aux loss equals one process's.
+        loss = loss + 0.5 * aux
     loss.backward()
     return _full(logits.detach()), loss.detach()
 
@@ -192,9 +208,9 @@ def _check_refusals(mesh) -> None:
     with pytest.raises(ValueError, match=r"model\.vocab_size \(127\)"):
         apply_tp(family.build({**QWEN3, "vocab_size": 127}), mesh, family="qwen3")
     with pytest.raises(
-        NotImplementedError, match="not supported yet: parallelism.tensor_parallel > 1 for qwen3_moe"
+        NotImplementedError, match="not supported yet: parallelism.tensor_parallel > 1 for gpt_oss"
     ):
-        apply_tp(family.build(QWEN3), mesh, family="qwen3_moe")
+        apply_tp(family.build(QWEN3), mesh, family="gpt_oss")
     model = family.build(QWEN3, device="cpu")
     apply_tp(model, mesh, family="qwen3")
     with pytest.raises(ValueError, match=r"sequence length \(15\) must be a multiple of 2"):

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -66,9 +67,10 @@ __all__ = [
 _PLAN_MODULES = {
     "qwen3": "meshforge.models.qwen3.parallelize",
     "llama": "meshforge.models.llama.parallelize",
+    "qwen3_moe": "meshforge.models.qwen3_moe.parallelize",
 }
-# Built-in families with no TP plan yet (routed experts, MLA, linear attention).
-UNSUPPORTED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
+# Built-in families with no TP plan yet (MLA, attention sinks, linear attention).
+UNSUPPORTED_FAMILIES = ("deepseek_v3", "gpt_oss", "qwen3_next")
 # transformers' normalisation modules have family-specific class names (Qwen3RMSNorm, ...).
 _NORM_MARKERS = ("LayerNorm", "RMSNorm", "GroupNorm")
 _TP_KEY = "parallelism.tensor_parallel"
@@ -122,6 +124,7 @@ def decoder_tp_plan(
     sequence_parallel: bool,
     loss_parallel: bool,
     head_norms: Sequence[str] = (),
+    replicated_mlp: Callable[[nn.Module], bool] | None = None,
 ) -> dict[str, ParallelStyle]:
     """The `{module path: ParallelStyle}` plan of a dense pre-norm decoder (qwen3, llama).
 
@@ -136,6 +139,10 @@ def decoder_tp_plan(
         head_norms: names of per-head norms inside `self_attn` (qwen3's `q_norm`, `k_norm`):
             they see only the local heads, so their weight becomes a replicated DTensor whose
             gradient is summed over the TP ranks.
+        replicated_mlp: says which layers keep their `mlp` whole (routed experts): it runs on
+            every TP rank over all tokens with replicated weights (the same result and gradients
+            on each rank, nothing split); under SP its input is all-gathered and each rank keeps
+            its own slice of the output.
     """
     seq = Shard(1)
     plan: dict[str, ParallelStyle] = {}
@@ -145,6 +152,7 @@ def decoder_tp_plan(
             input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate()
         )
     for path, layer in _layer_items(model):
+        whole_mlp = replicated_mlp is not None and replicated_mlp(layer)
         if sequence_parallel:
             plan[f"{path}.input_layernorm"] = SequenceParallel()
             plan[f"{path}.post_attention_layernorm"] = SequenceParallel()
@@ -152,9 +160,21 @@ def decoder_tp_plan(
             plan[f"{path}.self_attn"] = PrepareModuleInput(
                 input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
             )
-            plan[f"{path}.mlp"] = PrepareModuleInput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),)
-            )
+            if whole_mlp:
+                # Extra inputs (a token mask) pass through; the output goes back to this rank's
+                # sequence slice (a local chunk; its backward all-gathers the slices' gradients).
+                plan[f"{path}.mlp"] = PrepareModuleInputOutput(
+                    input_layouts=(seq, None),
+                    desired_input_layouts=(Replicate(), None),
+                    output_layouts=(Replicate(),),
+                    desired_output_layouts=(seq,),
+                    use_local_input=True,
+                    use_local_output=True,
+                )
+            else:
+                plan[f"{path}.mlp"] = PrepareModuleInput(
+                    input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+                )
         for proj in ("q_proj", "k_proj", "v_proj"):
             plan[f"{path}.self_attn.{proj}"] = ColwiseParallel()
         plan[f"{path}.self_attn.o_proj"] = RowwiseParallel(
@@ -164,11 +184,12 @@ def decoder_tp_plan(
             if getattr(layer.self_attn, norm, None) is not None:
                 # q/k are [B, S, heads, head_dim] when normed: the local heads are dim 2.
                 plan[f"{path}.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan[f"{path}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"{path}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"{path}.mlp.down_proj"] = RowwiseParallel(
-            output_layouts=seq if sequence_parallel else Replicate()
-        )
+        if not whole_mlp:
+            plan[f"{path}.mlp.gate_proj"] = ColwiseParallel()
+            plan[f"{path}.mlp.up_proj"] = ColwiseParallel()
+            plan[f"{path}.mlp.down_proj"] = RowwiseParallel(
+                output_layouts=seq if sequence_parallel else Replicate()
+            )
     if sequence_parallel and getattr(inner, "norm", None) is not None:
         plan["model.norm"] = SequenceParallel()
     if getattr(model, "lm_head", None) is not None:
