@@ -143,7 +143,9 @@ def test_vocab_plan_sizes() -> None:
     assert plan.descriptions == {8192: DESCRIPTIONS["<think>"], 8193: DESCRIPTIONS["</think>"], 8194: "call"}
     assert plan.model_options({"vocab_size": 8192, "x": 1}) == {"vocab_size": 8256, "x": 1}
     # A model with spare rows keeps its size (the new tokens use those rows, untouched).
-    roomy = vocab_plan(tok, 9000, resize_vocab=True)
+    logs: list[str] = []
+    roomy = vocab_plan(tok, 9000, resize_vocab=True, log=logs.append)
+    assert "the 3 added tokens use existing rows" in logs[0]
     assert not roomy.resized and roomy.new_vocab_size == 9000 and roomy.model_options({"a": 1}) == {"a": 1}
     # A tokenizer bigger than the model with nothing added and no resize_vocab is refused.
     with pytest.raises(ValueError, match=r"model\.vocab_size: 8000 is smaller .* model\.resize_vocab"):

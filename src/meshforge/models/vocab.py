@@ -117,6 +117,11 @@ def vocab_plan(
     size = len(tokenizer)
     old = int(model_vocab_size)
     if size <= old:
+        if extension.num_added and log is not None:
+            log(
+                f"model: the tokenizer's {size} tokens fit the model's {old} rows; the {extension.num_added} "
+                "added tokens use existing rows as they are (no resize, no init_special_tokens)"
+            )
         return VocabPlan(old, old, size, tuple(extension.new_ids.values()))
     if not (resize_vocab or extension.requested):
         raise ValueError(
