@@ -87,6 +87,7 @@ _SPEC_MODULES = (
     "meshforge.models.qwen3_moe.spec",
     "meshforge.models.deepseek_v3.spec",
     "meshforge.models.gpt_oss.spec",
+    "meshforge.models.qwen3_next.spec",
 )
 
 

@@ -1,0 +1,341 @@
+"""Gated DeltaNet in plain PyTorch: the chunked gated delta rule, its causal conv, its gated norm.
+
+The token mixer of Qwen3-Next's linear-attention layers keeps, per value head, a state
+``S`` of shape ``[d_k, d_v]`` and updates it token by token (the gated delta rule)::
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t
+
+with ``g_t <= 0`` a log decay, ``beta_t`` in (0, 1) the write strength and q, k
+L2-normalised (q also scaled by ``d_k ** -0.5``). :func:`recurrent_gated_delta_rule`
+runs exactly that loop; it is the reference the tests hold the chunked form to.
+
+Chunked form (:func:`chunk_gated_delta_rule`), derived for a chunk of ``C`` tokens
+entered with state ``S_0``. With ``G_i`` the cumulative log decay inside the chunk,
+``D_ij = exp(G_i - G_j)`` and the per-token write ``u_i = beta_i (v_i - (exp(g_i)
+S_{i-1})^T k_i)``, unrolling the recurrence gives ``S_i = exp(G_i) S_0 + sum_{j<=i}
+D_ij k_j u_j^T``. Substituting that into ``u_i`` gives a unit lower-triangular system
+``(I + A) U = diag(beta) V - diag(beta exp(G)) K S_0`` with ``A_ij = beta_i D_ij
+k_i . k_j`` for ``j < i`` (the WY/UT representation), so with ``T = (I + A)^-1``::
+
+    U = T diag(beta) V - W S_0,            W = T diag(beta exp(G)) K
+    O = diag(exp(G)) Q S_0 + ((Q K^T) * D)_{j<=i} U
+    S_C = exp(G_C) S_0 + (K * exp(G_C - G))^T U
+
+Everything inside a chunk is a handful of matmuls and one triangular solve; only the
+state is carried from chunk to chunk. ``chunk_size`` (``kernels.gdn_chunk_size``)
+changes the grouping, not the result (equal to rounding).
+
+Packed documents: a document start resets the state (and the conv window) as if
+the row began there. A reset before token r is a decay of zero at r, which in the
+formulas above just zeroes every ``D_ij``, ``exp(G_i)`` or ``exp(G_C - G_j)`` whose
+span crosses a segment boundary. Those factors are multiplied by "same segment"
+masks instead of pushing ``-inf`` into the log decays (which would make the
+cumulative sums NaN or lose float32 precision).
+
+Numerics follow transformers: the rule runs in float32 whatever the compute dtype,
+L2 normalisation as ``x * rsqrt(sum(x^2) + 1e-6)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshforge.models.common.mlp import activation
+from meshforge.models.common.norms import RMSNorm
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension (the formulation transformers uses)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Repeat q/k heads over their value heads, move heads before time, float32, normalise q and k."""
+    num_k_heads, num_v_heads = k.shape[2], v.shape[2]
+    if num_v_heads != num_k_heads:
+        # Each q/k head serves num_v // num_k consecutive value heads.
+        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))
+    q = l2norm(q) * q.shape[-1] ** -0.5
+    return q, l2norm(k), v, g, beta
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gated delta rule token by token (the reference for :func:`chunk_gated_delta_rule`).
+
+    Args:
+        q: Queries ``[B, S, Hk, Dk]`` (not yet normalised).
+        k: Keys ``[B, S, Hk, Dk]`` (not yet normalised).
+        v: Values ``[B, S, Hv, Dv]``; ``Hv`` a multiple of ``Hk``.
+        g: Log decays ``[B, S, Hv]`` (<= 0).
+        beta: Write strengths ``[B, S, Hv]``.
+        segment_ids: Optional ``[B, S]`` document ids; the state restarts at zero where
+            the id changes.
+
+    Returns:
+        Outputs ``[B, S, Hv, Dv]`` in ``v``'s dtype.
+    """
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    batch, heads, seq_len, dk = k.shape
+    state = v.new_zeros(batch, heads, dk, v.shape[-1])
+    outputs = []
+    for t in range(seq_len):
+        decay = g[:, :, t].exp()[..., None, None]
+        if segment_ids is not None and t > 0:
+            keep = (segment_ids[:, t] == segment_ids[:, t - 1]).to(state.dtype)
+            decay = decay * keep[:, None, None, None]
+        state = state * decay
+        k_t = k[:, :, t]
+        write = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", state, k_t))
+        state = state + k_t[..., :, None] * write[..., None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]))
+    return torch.stack(outputs, dim=2).transpose(1, 2).to(dtype)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gated delta rule over chunks of ``chunk_size`` tokens (see the module docstring).
+
+    Args:
+        q: Queries ``[B, S, Hk, Dk]`` (not yet normalised).
+        k: Keys ``[B, S, Hk, Dk]`` (not yet normalised).
+        v: Values ``[B, S, Hv, Dv]``; ``Hv`` a multiple of ``Hk``.
+        g: Log decays ``[B, S, Hv]`` (<= 0).
+        beta: Write strengths ``[B, S, Hv]``.
+        chunk_size: Tokens per chunk (``kernels.gdn_chunk_size``).
+        segment_ids: Optional ``[B, S]`` document ids; the state restarts at zero where
+            the id changes (adjacent documents must carry different ids).
+
+    Returns:
+        Outputs ``[B, S, Hv, Dv]`` in ``v``'s dtype.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"kernels.gdn_chunk_size: must be a positive integer, got {chunk_size}")
+    dtype = v.dtype
+    seq_len = v.shape[1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    batch, heads, _, dk = k.shape
+    dv = v.shape[-1]
+    pad = -seq_len % chunk_size
+    if pad:
+        # Zero keys/values/betas and zero log decay: padded tokens change nothing before them.
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    num_chunks = (seq_len + pad) // chunk_size
+    q, k, v = (x.reshape(batch, heads, num_chunks, chunk_size, -1) for x in (q, k, v))
+    g, beta = (x.reshape(batch, heads, num_chunks, chunk_size) for x in (g, beta))
+
+    cum = g.cumsum(dim=-1)  # G_i, per chunk
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # D_ij = exp(G_i - G_j) for j <= i; the upper triangle is masked before exp (it would overflow).
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    from_start = cum.exp()  # exp(G_i): state entering the chunk -> token i
+    to_end = (cum[..., -1:] - cum).exp()  # exp(G_C - G_j): token j -> state leaving the chunk
+    whole = cum[..., -1].exp()  # exp(G_C)
+
+    if segment_ids is not None:
+        seg = segment_ids.to(q.device)
+        if pad:
+            seg = F.pad(seg, (0, pad), value=-1)
+        seg = seg.reshape(batch, 1, num_chunks, chunk_size)
+        # The token before each chunk (a "segment" of its own before the row starts).
+        before = torch.cat([torch.full_like(seg[..., :1, :1], -2), seg[..., :-1, -1:]], dim=2)
+        decay = decay * (seg[..., :, None] == seg[..., None, :])
+        from_start = from_start * (seg == before)
+        to_end = to_end * (seg == seg[..., -1:])
+        whole = whole * (seg[..., -1] == before[..., 0])
+
+    k_beta = k * beta[..., None]
+    # (I + A) with A strictly lower; solve_triangular with unitriangular=True reads only that part.
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    rhs = torch.cat([v * beta[..., None], k_beta * from_start[..., None]], dim=-1)
+    # Flattened to one batch dimension: torch 2.13's CPU solve is ~100x slower on a 5-D batch.
+    solved = torch.linalg.solve_triangular(
+        system.reshape(-1, chunk_size, chunk_size),
+        rhs.reshape(-1, chunk_size, rhs.shape[-1]),
+        upper=False,
+        unitriangular=True,
+    ).view(rhs.shape)
+    u_values, w = solved[..., :dv], solved[..., dv:]  # T diag(beta) V and W
+    scores = (q @ k.transpose(-1, -2)) * decay  # causal within the chunk, diagonal included
+    q_in = q * from_start[..., None]
+    k_out = k * to_end[..., None]
+
+    state = v.new_zeros(batch, heads, dk, dv)
+    outputs = []
+    for c in range(num_chunks):
+        u = u_values[:, :, c] - w[:, :, c] @ state
+        outputs.append(q_in[:, :, c] @ state + scores[:, :, c] @ u)
+        state = state * whole[:, :, c, None, None] + k_out[:, :, c].transpose(-1, -2) @ u
+    out = torch.stack(outputs, dim=2).reshape(batch, heads, -1, dv)[:, :, :seq_len]
+    return out.transpose(1, 2).to(dtype)
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, segment_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Depthwise causal convolution over time: ``out_t = sum_s weight[:, K-1-s] * x_{t-s}``.
+
+    Args:
+        x: ``[B, C, S]`` channels first.
+        weight: ``[C, 1, K]`` (``nn.Conv1d`` with ``groups=C``).
+        segment_ids: Optional ``[B, S]``; inputs from an earlier document count as zero, as
+            they would at the start of a row.
+
+    Returns:
+        ``[B, C, S]`` (no activation).
+    """
+    channels, seq_len = x.shape[1], x.shape[-1]
+    width = weight.shape[-1]
+    if segment_ids is None:
+        return F.conv1d(x, weight, padding=width - 1, groups=channels)[..., :seq_len]
+    w = weight[:, 0]  # [C, K]
+    out = x * w[:, -1:]
+    for shift in range(1, min(width, seq_len)):
+        same = (segment_ids[:, shift:] == segment_ids[:, :-shift]).to(x.dtype)[:, None]
+        shifted = F.pad(x[..., :-shift] * same, (shift, 0))
+        out = out + shifted * w[:, width - 1 - shift, None]
+    return out
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm of the core output, times ``silu(gate)`` (transformers' ``Qwen3NextRMSNormGated``).
+
+    ``weight`` multiplies as usual (ones at init, not zero-centred). The statistics are
+    float32; the gate is applied in float32 and the result cast back.
+    """
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        dtype = x.dtype
+        h = x.float()
+        if self.fused:
+            h = F.rms_norm(h, self._shape, None, self.eps)
+        else:
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's linear-attention token mixer, with transformers' parameter names.
+
+    ``in_proj_qkvz`` produces, grouped per key head, that head's q, k and its share of
+    the value heads' v and output gate z; ``in_proj_ba`` the per-value-head beta and
+    decay-rate inputs. q/k/v go through a depthwise causal conv and SiLU, the decay is
+    ``g = -exp(A_log) * softplus(a + dt_bias)``, beta ``sigmoid(b)``; the rule's output
+    is normed per value head, gated by ``silu(z)`` and projected back.
+
+    Args:
+        hidden_size: Model width.
+        num_k_heads: Query/key heads (``linear_num_key_heads``).
+        num_v_heads: Value heads (``linear_num_value_heads``), a multiple of ``num_k_heads``.
+        head_k_dim: Query/key head size.
+        head_v_dim: Value head size.
+        conv_kernel_size: Width of the causal conv (``linear_conv_kernel_dim``).
+        hidden_act: Activation after the conv (``silu``).
+        norm_eps: Epsilon of the gated norm.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        *,
+        conv_kernel_size: int = 4,
+        hidden_act: str = "silu",
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({num_v_heads}) must be a multiple of linear_num_key_heads ({num_k_heads})"
+            )
+        self.num_k_heads = num_k_heads
+        self.num_v_heads = num_v_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        self.key_dim = num_k_heads * head_k_dim
+        self.value_dim = num_v_heads * head_v_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, conv_kernel_size, groups=conv_dim, padding=conv_kernel_size - 1, bias=False
+        )
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.act_fn = activation(hidden_act)
+        # Set by the `gdn_chunk_size` kernel switch (Qwen3NextForCausalLM.configure_kernels).
+        self.chunk_size = DEFAULT_CHUNK_SIZE
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Unpack the two projections into q, k ``[B,S,Hk,Dk]``, v, z ``[B,S,Hv,Dv]``, b, a ``[B,S,Hv]``."""
+        batch, seq_len, _ = x.shape
+        per_group = self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(batch, seq_len, self.num_k_heads, -1)
+        q, k, v, z = qkvz.split(
+            [self.head_k_dim, self.head_k_dim, per_group * self.head_v_dim, per_group * self.head_v_dim],
+            dim=-1,
+        )
+        b, a = self.in_proj_ba(x).view(batch, seq_len, self.num_k_heads, -1).split(per_group, dim=-1)
+        v = v.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
+        z = z.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
+        return q, k, v, z, b.reshape(batch, seq_len, -1), a.reshape(batch, seq_len, -1)
+
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Mix ``x`` ``[B, S, hidden]`` along time; ``segment_ids`` ``[B, S]`` resets at document starts.
+
+        Padding tokens (segment 0) have their input zeroed first, as transformers does with
+        its attention mask, so they write nothing into the state.
+        """
+        batch, seq_len, _ = x.shape
+        if segment_ids is not None:
+            x = x * (segment_ids != 0)[..., None].to(x.dtype)
+        q, k, v, z, b, a = self._split(x)
+        mixed = torch.cat([t.reshape(batch, seq_len, -1) for t in (q, k, v)], dim=-1).transpose(1, 2)
+        mixed = self.act_fn(causal_conv1d(mixed, self.conv1d.weight, segment_ids)).transpose(1, 2)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        # float32 decay: exp(A_log) of a low-precision A_log can overflow.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, segment_ids=segment_ids)
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(batch, seq_len, -1))
+
+    def extra_repr(self) -> str:
+        return (
+            f"k_heads={self.num_k_heads}, v_heads={self.num_v_heads}, head_k_dim={self.head_k_dim}, "
+            f"head_v_dim={self.head_v_dim}, chunk_size={self.chunk_size}"
+        )

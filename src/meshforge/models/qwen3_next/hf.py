@@ -1,0 +1,40 @@
+"""Adapter between Qwen3-Next's in-memory parameters and the keys transformers writes to safetensors.
+
+The layout is Qwen3-MoE's: transformers 5.24 keeps each sparse layer's routed experts
+fused in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj``
+``[E, H, I]``) and writes one key per expert and projection
+(``mlp.experts.{e}.gate_proj.weight`` ...); everything else, the Gated DeltaNet
+parameters (``linear_attn.in_proj_qkvz.weight``, ``A_log``, ``dt_bias``,
+``conv1d.weight`` ...), the gated attention and the shared expert, keeps its name and
+layout. The expert mapping is therefore the one of :mod:`meshforge.models.qwen3_moe.hf`,
+reused here. Published Qwen3-Next checkpoints also carry multi-token-prediction weights
+(``mtp.*``) that transformers does not load either; they are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from meshforge.models.qwen3_moe.hf import Qwen3MoeHFAdapter, from_hf, hf_sources, to_hf
+
+if TYPE_CHECKING:
+    from meshforge.models.qwen3_next.args import Qwen3NextArgs
+
+HF_ARCHITECTURE = "Qwen3NextForCausalLM"
+
+# fnmatch patterns of checkpoint keys the model does not use (transformers'
+# `_keys_to_ignore_on_load_unexpected` for Qwen3-Next).
+IGNORED_HF_KEYS: tuple[str, ...] = ("mtp.*",)
+
+
+def to_hf_config(args: Qwen3NextArgs) -> dict[str, Any]:
+    """``config.json`` content transformers loads as the same model (model_type, architectures, fields)."""
+    return {"model_type": "qwen3_next", "architectures": [HF_ARCHITECTURE], **args.to_hf_dict()}
+
+
+def adapter(args: Qwen3NextArgs) -> Qwen3MoeHFAdapter:
+    """Protocol object (``hf_sources``/``from_hf``/``to_hf``) with the expert count of ``args`` bound."""
+    return Qwen3MoeHFAdapter(num_experts=args.num_experts)
+
+
+__all__ = ["HF_ARCHITECTURE", "IGNORED_HF_KEYS", "adapter", "from_hf", "hf_sources", "to_hf", "to_hf_config"]
