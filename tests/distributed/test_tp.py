@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.conftest import read_metrics, run_train
+
 pytestmark = pytest.mark.slow
 
 TOL = 1e-5
@@ -250,3 +252,31 @@ def test_tp2_equals_one_process(tmp_path: Path) -> None:
     except Exception:
         errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
         pytest.fail(f"a TP rank failed:\n{errors}")
+
+
+def test_trainer_tp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> None:
+    """`meshforge train` with tensor_parallel=2 (SP, loss parallel, tied embeddings) = 1 process."""
+    common = ["--training.steps=5", "--checkpoint.enable_save=false"]
+    one, tp2 = tmp_path / "one", tmp_path / "tp2"
+    run_train(tiny_config, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
+    proc = run_train(
+        tiny_config,
+        [
+            *common,
+            f"--training.output_dir={tp2}",
+            "--parallelism.tensor_parallel=2",
+            "--parallelism.enable_loss_parallel=true",
+        ],
+        nproc=2,
+        cwd=tmp_path,
+    )
+    assert "TP+SP over 2 ranks" in proc.stdout + proc.stderr
+    a, b = read_metrics(one), read_metrics(tp2)
+    assert len(a) == len(b) == 5
+    for x, y in zip(a, b, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x["step"], x["loss"], y["loss"])
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (
+            x["step"],
+            x["grad_norm"],
+            y["grad_norm"],
+        )
