@@ -73,6 +73,13 @@ def _args(family: str):
             v_head_dim=8,
             num_nextn_predict_layers=0,
         )
+    if family == "qwen3_next":
+        import dataclasses
+
+        from meshforge.models.qwen3_next.args import FLAVORS
+
+        # One Gated DeltaNet layer and one attention layer, both sparse.
+        return dataclasses.replace(FLAVORS["debug"], vocab_size=96, mlp_only_layers=[])
     from meshforge.models.gpt_oss.args import GptOssArgs
 
     return GptOssArgs(
@@ -265,6 +272,64 @@ def _check_exchange_zero_rows(errors: list[str]) -> None:
             errors.append(f"exchange/rank{rank}: gradient of {name} differs")
 
 
+def _check_errors(errors: list[str]) -> None:
+    """Refusals name the key to change (2 ranks)."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshforge.models.qwen3.args import Qwen3Args
+    from meshforge.models.qwen3.model import build_qwen3
+    from meshforge.models.qwen3_moe.model import build_qwen3_moe
+    from meshforge.parallel.expert import apply_ep
+    from meshforge.parallel.fsdp import apply_fsdp
+
+    ep_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep_check",))
+    odd = build_qwen3_moe(dataclasses.replace(_args("qwen3_moe"), num_experts=3), device="meta")
+    dense = build_qwen3(Qwen3Args(vocab_size=96, hidden_size=32, intermediate_size=48), device="meta")
+    cases = [
+        (
+            lambda: apply_ep(odd, ep_mesh),
+            ValueError,
+            "parallelism.expert_parallel: 2 does not divide model.num_experts = 3",
+        ),
+        (
+            lambda: apply_ep(dense, ep_mesh),
+            ValueError,
+            "parallelism.expert_parallel: 2 needs a mixture-of-experts",
+        ),
+        (
+            lambda: apply_ep(_build("qwen3_moe"), ep_mesh, token_dispatcher="alltoall_deredundancy"),
+            NotImplementedError,
+            "moe_token_dispatcher_type='alltoall_deredundancy'",
+        ),
+        (
+            lambda: apply_ep(_build("qwen3_moe"), ep_mesh, dispatcher="mc2"),
+            NotImplementedError,
+            "ep_dispatcher='mc2'",
+        ),
+    ]
+    sharded = _build("qwen3_moe")
+    apply_ep(sharded, ep_mesh)
+    fsdp_args = {"param_dtype": None, "reduce_dtype": torch.float32}
+    cases.append((lambda: apply_fsdp(sharded, ep_mesh, **fsdp_args), ValueError, "pass expert_mesh"))
+    cases.append(
+        (
+            lambda: apply_fsdp(_build("qwen3_moe"), ep_mesh, expert_mesh=ep_mesh, **fsdp_args),
+            ValueError,
+            "no experts",
+        )
+    )
+    for call, kind, text in cases:
+        try:
+            call()
+        except kind as error:
+            if text not in str(error):
+                errors.append(f"errors: {text!r} not in {error}")
+        else:
+            errors.append(f"errors: no {kind.__name__} for {text!r}")
+
+
 def _worker(rank: int, world: int, store_path: str) -> None:
     store = dist.FileStore(store_path, world)
     dist.init_process_group(
@@ -273,10 +338,12 @@ def _worker(rank: int, world: int, store_path: str) -> None:
     errors: list[str] = []
     try:
         if world == 2:
+            _check_errors(errors)
             _check_model("qwen3_moe", "ep", errors)
             _check_model("qwen3_moe", "ep+fsdp", errors)
             _check_model("deepseek_v3", "ep+fsdp", errors)
             _check_model("gpt_oss", "ep+fsdp", errors)
+            _check_model("qwen3_next", "ep+fsdp", errors)
         else:
             _check_model("qwen3_moe", "dp4 ep2 efsdp2", errors)
             _check_exchange_zero_rows(errors)

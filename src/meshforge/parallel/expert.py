@@ -2,7 +2,7 @@
 
 `apply_ep` runs on the meta model, before FSDP and materialisation (issue 5's order: PP -> TP ->
 EP -> CP -> compile -> FSDP). It does two things to every MoE experts module (the common
-``GroupedExperts`` of qwen3_moe and deepseek_v3, and gpt_oss' ``GptOssExperts``):
+``GroupedExperts`` of qwen3_moe, qwen3_next and deepseek_v3, and gpt_oss' ``GptOssExperts``):
 
 * its fused expert parameters (all ``[num_experts, ...]``) become DTensors ``Shard(0)`` on the
   ep mesh, so materialisation and HF loading (``distribute_tensor(full, mesh, placements)``)
@@ -60,6 +60,7 @@ _EXPERT_COUNT_KEYS = {
     "qwen3_moe": "model.num_experts",
     "deepseek_v3": "model.n_routed_experts",
     "gpt_oss": "model.num_local_experts",
+    "qwen3_next": "model.num_experts",
 }
 
 TOKEN_DISPATCHERS = ("alltoall",)
@@ -89,7 +90,7 @@ def apply_ep(
     holds the same full tensor), meta ones just get DTensor metadata.
 
     Args:
-        model: A built-in MoE family model (qwen3_moe, deepseek_v3, gpt_oss).
+        model: A built-in MoE family model (qwen3_moe, qwen3_next, deepseek_v3, gpt_oss).
         ep_mesh: 1-D mesh of the ranks that share one copy of the experts.
         token_dispatcher: ``parallelism.moe_token_dispatcher_type``; only ``alltoall``.
         dispatcher: ``parallelism.ep_dispatcher``; only ``eager``.
@@ -114,16 +115,13 @@ def apply_ep(
     family = str(getattr(model, "family", type(model).__name__))
     experts = expert_modules(model)
     if not experts:
-        if family in ("qwen3", "llama", "generic") or getattr(model, "moe_layers", None) is None:
-            if family == "generic":
-                raise NotImplementedError(
-                    "not supported yet: parallelism.expert_parallel > 1 for generic (transformers) models"
-                )
-            raise ValueError(
-                f"parallelism.expert_parallel: {ep_mesh.size()} needs a mixture-of-experts model, but "
-                f"{family} has no routed experts; set it to 1"
-            )
-        raise NotImplementedError(f"not supported yet: parallelism.expert_parallel > 1 for {family}")
+        if family == "generic" or callable(getattr(model, "moe_layers", None)):
+            # A transformers model, or a MoE family whose experts lack the token_exchange seam.
+            raise NotImplementedError(f"not supported yet: parallelism.expert_parallel > 1 for {family}")
+        raise ValueError(
+            f"parallelism.expert_parallel: {ep_mesh.size()} needs a mixture-of-experts model, but "
+            f"{family} has no routed experts; set it to 1"
+        )
     ep = ep_mesh.size()
     exchange = AllToAllExchange(ep_mesh)
     for name, module in experts:
