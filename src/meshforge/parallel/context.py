@@ -281,7 +281,8 @@ class ContextParallel:
         """Build this forward's :class:`CPMask` and the local tokens' global positions.
 
         Args:
-            input_ids: This rank's tokens ``[B, S_local]``.
+            input_ids: This rank's tokens ``[B, S_local]``; only its shape and device are
+                read (a pipeline stage passes a ``[B, S_local]`` view of its hidden states).
             position_ids: Their positions, or None to derive them (global positions,
                 restarting per document when ``segment_ids`` are given).
             segment_ids: This rank's slice of the document ids, or None.
@@ -294,7 +295,7 @@ class ContextParallel:
         q_index = self._index(seq_len, self.rank, device)
         segments = None
         if segment_ids is not None:
-            gathered = _wait(funcol.all_gather_tensor(segment_ids.contiguous(), 1, self.group))
+            gathered = _wait(funcol.all_gather_single(segment_ids.contiguous(), 1, self.group))
             order = torch.cat([self._index(seq_len, r, device) for r in range(self.size)])
             segments = torch.empty_like(gathered)
             segments[:, order] = gathered
