@@ -267,3 +267,21 @@ def test_stream_loader_rows_come_from_its_batches():
     assert [row["index"] for row in rows] == [0, 1, 2]
     assert [row["input_ids"] for row in rows] == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
     assert rows[2]["text"] == "[MASKED]<2><2><2>[/MASKED]"
+
+
+def test_mindspeed_format_config(tmp_path, monkeypatch):
+    shutil.copytree(resolve_path("meshforge://assets/tokenizer"), tmp_path / "tok")
+    config = tmp_path / "ms.yaml"
+    config.write_text(
+        "model:\n  model_name_or_path: ./tok\n"
+        f"data:\n  dataset: alpaca_demo\n  dataset_dir: {resolve_path('meshforge://assets/sft')}\n"
+        "  template: qwen3\n  cutoff_len: 128\n  packing: true\n"
+        "training:\n  max_steps: 2\n  per_device_train_batch_size: 2\n  output_dir: ./out\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "rows.jsonl"
+    monkeypatch.chdir(tmp_path)  # relative paths of the config resolve against the working directory
+    assert main(["data", "preview", "-c", str(config), "-n", "2", "-o", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [len(row["input_ids"]) for row in rows] == [128, 128]
+    assert "<|im_start|>assistant\n[/MASKED]<think>" in rows[0]["text"]
