@@ -320,9 +320,10 @@ def test_fused_and_reference_norms_agree():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_hf_folder_round_trip(tmp_path, tied):
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
-    from meshforge.checkpoint.hf import load_hf_weights, save_hf
+    from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source, save_hf
+    from meshforge.config import config_from_dict
 
     args = replace(CONFIGS["hybrid_moe_untied"], tie_word_embeddings=tied)
     reference = _hf_model(args, seed=6).eval()
@@ -330,10 +331,18 @@ def test_hf_folder_round_trip(tmp_path, tied):
     reference.save_pretrained(src)
     saved = load_file(src / "model.safetensors")
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in saved  # per-expert keys on disk
+    # Published checkpoints carry multi-token-prediction weights; like transformers, they are skipped.
+    save_file(
+        {**saved, "mtp.fc.weight": torch.zeros(2, 2)}, src / "model.safetensors", metadata={"format": "pt"}
+    )
 
-    model = build_qwen3_next(args, device="meta")
+    # The folder alone names the family and its options (config.json through the adapter).
+    source = resolve_model_source(config_from_dict({"model": {"model_name_or_path": str(src)}}).model)
+    assert source.family.name == "qwen3_next"
+    assert FAMILY.parse_options(source.options).to_hf_dict() == args.to_hf_dict()
+    model = source.family.build(source.options)
     model.to_empty(device="cpu")
-    load_hf_weights(model, FAMILY, src)
+    load_hf_weights(model, source.family, src)
     model.eval()
     ids = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -470,6 +479,15 @@ def test_spec_and_args_import_no_torch():
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert FAMILY.name == "qwen3_next" and FAMILY.model_ids == ("qwen3_next",)
+    from meshforge.models.registry import built_families, resolve_family
+
+    assert "qwen3_next" in built_families()
+    for named in (
+        {"model_type": "qwen3_next"},
+        {"architectures": ["Qwen3NextForCausalLM"]},
+        {"model_id": "qwen3_next"},
+    ):
+        assert resolve_family(**named).name == "qwen3_next"
 
 
 def test_init_meta_build_and_bfloat16_training():
