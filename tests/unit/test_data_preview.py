@@ -285,3 +285,16 @@ def test_mindspeed_format_config(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [len(row["input_ids"]) for row in rows] == [128, 128]
     assert "<|im_start|>assistant\n[/MASKED]<think>" in rows[0]["text"]
+
+
+def test_refuses_the_data_features_train_refuses(monkeypatch, capsys):
+    from meshforge.config import unsupported
+
+    entries = [
+        unsupported.Unsupported("train_dataset.packing", lambda c: True, "pretend: not built"),
+        unsupported.Unsupported("parallelism.pipeline_parallel", lambda c: True, "not data: ignored here"),
+    ]
+    monkeypatch.setattr(unsupported, "unsupported_entries", lambda cfg: [e for e in entries if e.is_set(cfg)])
+    assert main(["data", "preview", "-c", str(ALPACA), "-n", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "not supported yet: train_dataset.packing" in err and "pipeline_parallel" not in err
