@@ -177,6 +177,9 @@ def test_streaming_packing_and_refusals(data, tok, tmp_path):
         build_train_loader(cfg(data, val_size=1), epochs=1.0, **kw)
     with pytest.raises(ValueError, match=r"tokenized_path: cannot be combined with streaming"):
         build_sft_data(cfg(data, tokenized_path=str(tmp_path / "t")), tok, seed=0)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"train_dataset\.dataset .*empty\.jsonl\): has no records"):
+        build_sft_data(cfg(str(tmp_path / "empty.jsonl")), tok, seed=0)
     # a state of the in-memory loader is not taken for a stream, and the other way round
     [stream] = loaders(cfg(data), tok, dp=1)
     plain = build_train_loader(cfg(data, streaming=False), **kw)

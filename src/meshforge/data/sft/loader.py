@@ -28,6 +28,7 @@ The rows are held in memory as one flat id array plus offsets; `get_batch` pads 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import time
 from collections import Counter
@@ -477,6 +478,8 @@ def _numbered_records(
 
     position = base
     for path in files:
+        if os.path.getsize(path) == 0:
+            continue  # `datasets` refuses an empty data file; it simply holds no record
         for record in datasets.load_dataset(file_type, data_files=[path], split=split, streaming=True):
             yield {**record, "_row": position}
             position += 1
@@ -517,7 +520,10 @@ def build_sft_stream(
                 "base": k << 40,
             },
         )
-        names = [name for name in (raw.column_names or next(iter(raw)).keys()) if name != "_row"]
+        first = raw.column_names or next(iter(raw), None)
+        if first is None:
+            raise ValueError(f"{where}: has no records")
+        names = [name for name in first if name != "_row"]
         check_columns(names, attr.formatting, attr.columns, where)
         streams.append(
             raw.map(
