@@ -221,7 +221,9 @@ def _block_update(
     through max. Rows a block masks entirely contribute exp(-inf) = 0 with no NaN; every
     row sees at least its own token somewhere, so the final sum is positive.
     """
-    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    # Scores, probabilities and the running sums in float32 whatever the compute dtype
+    # (SDPA accumulates bf16 attention in float32 too); the value product in v's dtype.
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).float() * scale
     if mask is not None:
         scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
     block_max = scores.detach().amax(dim=-1)
@@ -229,7 +231,7 @@ def _block_update(
     shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
     probs = torch.exp(scores - shift.unsqueeze(-1))
     block_sum = probs.sum(dim=-1)
-    block_out = torch.matmul(probs, v.unsqueeze(2))
+    block_out = torch.matmul(probs.to(v.dtype), v.unsqueeze(2)).float()
     if state is None:
         return new_max, block_sum, block_out
     rescale = torch.exp(state[0] - shift)
@@ -446,7 +448,7 @@ class ContextParallel:
             if incoming is not None:
                 kv = incoming
         out = torch.cat([acc / total.unsqueeze(-1) for _, total, acc in states], dim=-2)
-        return out.reshape(batch, heads, q_len, dim)
+        return out.reshape(batch, heads, q_len, dim).to(q.dtype)
 
 
 def _seq_to_heads(tensors: list[torch.Tensor], u: int, group: Any) -> list[torch.Tensor]:
