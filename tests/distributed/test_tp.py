@@ -254,11 +254,17 @@ def test_tp2_equals_one_process(tmp_path: Path) -> None:
         pytest.fail(f"a TP rank failed:\n{errors}")
 
 
-def test_trainer_tp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> None:
-    """`meshforge train` with tensor_parallel=2 (SP, loss parallel, tied embeddings) = 1 process."""
-    common = ["--training.steps=5", "--checkpoint.enable_save=false"]
-    one, tp2 = tmp_path / "one", tmp_path / "tp2"
-    run_train(tiny_config, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
+def test_trainer_tp2_equals_one_process_and_resumes_on_one(tiny_config: Path, tmp_path: Path) -> None:
+    """`meshforge train` with tensor_parallel=2 (SP, loss parallel, tied embeddings) = 1 process.
+
+    Its step-2 checkpoint (DTensor shards over the TP mesh) then continues in one process with
+    the same losses.
+    """
+    common = ["--training.steps=5"]
+    one, tp2, moved = tmp_path / "one", tmp_path / "tp2", tmp_path / "moved"
+    run_train(
+        tiny_config, [*common, f"--training.output_dir={one}", "--checkpoint.enable_save=false"], cwd=tmp_path
+    )
     proc = run_train(
         tiny_config,
         [
@@ -280,3 +286,19 @@ def test_trainer_tp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> No
             x["grad_norm"],
             y["grad_norm"],
         )
+
+    step2 = tp2 / "checkpoints" / "checkpoint-00000002"
+    run_train(
+        tiny_config,
+        [
+            *common,
+            f"--training.output_dir={moved}",
+            f"--checkpoint.load_path={step2}",
+            "--checkpoint.enable_save=false",
+        ],
+        cwd=tmp_path,
+    )
+    c = read_metrics(moved)
+    assert [r["step"] for r in c] == [3, 4, 5]
+    for x, y in zip(a[2:], c, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x["step"], x["loss"], y["loss"])
