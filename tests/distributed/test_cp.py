@@ -3,8 +3,11 @@
 One 2-process launch runs every check against a single-process model with the same weights:
 full-order logits (gathered back from the ranks), the loss and every parameter gradient
 (summed over the CP ranks, as FSDP over the cp mesh would) of a tiny GQA Qwen3, with and
-without packed documents, plus MQA under ulysses (K/V heads repeated) and the error cases.
-A 4-process launch checks hybrid (ulysses 2 x ring 2) and colossal with 4 ranks.
+without packed documents, plus MQA under ulysses (K/V heads repeated), qwen3_moe under the
+ring, and the error cases.
+A 4-process launch checks hybrid (ulysses 2 x ring 2) and colossal with 4 ranks, and
+`meshforge train` with cp2 (ulysses, colossal) and tp2+cp2 gives the 1-process losses and
+grad norms.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.conftest import read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -57,14 +63,35 @@ def _batch(packed: bool) -> dict[str, torch.Tensor]:
     return batch
 
 
+def _moe_args():
+    from meshforge.models.qwen3_moe.args import Qwen3MoeArgs
+
+    return Qwen3MoeArgs(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        rope_theta=10_000.0,
+    )
+
+
 def _check_equal(method: str, mesh, *, packed: bool, args=None, derive_positions: bool = False) -> None:
     from meshforge.loss import cross_entropy_sum
     from meshforge.models.qwen3.model import build_qwen3
+    from meshforge.models.qwen3_moe.model import build_qwen3_moe
     from meshforge.parallel.context import apply_cp, shard_batch_for_cp, unshard_sequence
 
     args = args or _args()
-    ref = build_qwen3(args, device="cpu")
-    model = build_qwen3(args, device="cpu")
+    build = build_qwen3_moe if hasattr(args, "num_experts") else build_qwen3
+    ref = build(args, device="cpu")
+    model = build(args, device="cpu")
     apply_cp(model, mesh, method=method, ulysses_degree=2 if method == "hybrid" else None)
     batch = _batch(packed)
     tokens = (batch["labels"] != -100).sum()
@@ -140,6 +167,8 @@ def _worker(rank: int, world: int, init_file: str, errors) -> None:
                     _check_equal(method, mesh, packed=packed, derive_positions=packed and method != "ulysses")
             # MQA: one K/V head repeated so each ulysses rank gets whole groups.
             _check_equal("ulysses", mesh, packed=True, args=_args(4, 1))
+            # The MoE family: DecoderModel's token mask (padding out of routing stats) under CP.
+            _check_equal("colossal", mesh, packed=True, args=_moe_args())
             _check_errors(mesh)
         else:
             for packed in (False, True):
@@ -179,3 +208,31 @@ def test_cp_two_ranks_equal_one_process() -> None:
 
 def test_cp_four_ranks_hybrid_and_ring_equal_one_process() -> None:
     _launch(4)
+
+
+def test_train_cp_layouts_equal_one_process(tiny_config: Path, tmp_path: Path) -> None:
+    common = ["--training.steps=5", "--checkpoint.enable_save=false"]
+    run_train(tiny_config, [*common, f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
+    one = read_metrics(tmp_path / "one")
+    assert len(one) == 5
+    tp2 = ["--parallelism.tensor_parallel=2", "--parallelism.sequence_parallel=true"]
+    layouts = {"ulysses": ([], 2), "colossal": ([], 2), "tp2_colossal": (tp2, 4)}
+    for name, (extra, nproc) in layouts.items():
+        method = name.rsplit("_", 1)[-1]
+        out = tmp_path / name
+        proc = run_train(
+            tiny_config,
+            [
+                *common,
+                *extra,
+                f"--training.output_dir={out}",
+                "--parallelism.context_parallel=2",
+                f"--parallelism.context_parallel_method={method}",
+            ],
+            nproc=nproc,
+            cwd=tmp_path,
+        )
+        assert f"CP ({method}) over 2 ranks" in proc.stdout
+        for x, y in zip(one, read_metrics(out), strict=True):
+            assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), name
+            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), name
