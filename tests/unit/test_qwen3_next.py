@@ -364,12 +364,28 @@ def test_hf_folder_round_trip(tmp_path, tied):
 def test_config_json_of_transformers_maps_onto_args(tmp_path):
     import json
 
-    args = CONFIGS["sparse_step2_tied"]
-    transformers.Qwen3NextConfig(**args.to_hf_dict()).save_pretrained(tmp_path)
-    on_disk = json.loads((tmp_path / "config.json").read_text())
-    parsed = from_options({k: v for k, v in on_disk.items() if k in OPTION_KEYS})
-    assert parsed.to_hf_dict() == args.to_hf_dict()
+    from meshforge.checkpoint.hf import resolve_model_source
+    from meshforge.config import config_from_dict
+
+    for name in ("sparse_step2_tied", "hybrid_moe_untied"):
+        args = CONFIGS[name]
+        transformers.Qwen3NextConfig(**args.to_hf_dict()).save_pretrained(tmp_path / name)
+        on_disk = json.loads((tmp_path / name / "config.json").read_text())
+        assert len(on_disk["layer_types"]) == args.num_hidden_layers  # written out per layer
+        parsed = from_options(next_hf.from_hf_config(on_disk))
+        assert parsed.to_hf_dict() == args.to_hf_dict()
     assert next_hf.to_hf_config(args)["architectures"] == ["Qwen3NextForCausalLM"]
+    # A per-layer list that follows the interval rule comes back as the interval, so a smaller
+    # model: num_hidden_layers keeps the pattern; an irregular list is kept as it is.
+    assert next_hf.from_hf_config(on_disk)["full_attention_interval"] == 2
+    irregular = ["linear_attention", "full_attention", "full_attention", "linear_attention"]
+    assert next_hf.from_hf_config({**on_disk, "layer_types": irregular})["layer_types"] == irregular
+    section = {"model_name_or_path": str(tmp_path / "hybrid_moe_untied"), "num_hidden_layers": 6}
+    source = resolve_model_source(config_from_dict({"model": section}).model)
+    assert (
+        FAMILY.parse_options(source.options).resolved_layer_types
+        == ["linear_attention", "full_attention"] * 3
+    )
 
 
 def test_published_qwen3_next_80b_a3b_config_gives_its_parameter_counts():

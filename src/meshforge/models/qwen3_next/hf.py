@@ -27,6 +27,27 @@ HF_ARCHITECTURE = "Qwen3NextForCausalLM"
 IGNORED_HF_KEYS: tuple[str, ...] = ("mtp.*",)
 
 
+def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``model:`` options from a ``config.json``: the family's keys, ``layer_types`` as an interval.
+
+    transformers writes ``layer_types`` out per layer. When it follows the
+    ``full_attention_interval`` rule (full attention on every n-th layer), it is read back as
+    that interval, so a ``model: num_hidden_layers`` override keeps the pattern instead of
+    leaving a list of the wrong length.
+    """
+    from meshforge.models.qwen3_next.args import OPTION_KEYS
+
+    options = {k: v for k, v in config.items() if k in OPTION_KEYS}
+    kinds = options.get("layer_types")
+    if isinstance(kinds, list) and "full_attention" in kinds:
+        interval = kinds.index("full_attention") + 1
+        pattern = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(len(kinds))]
+        if kinds == pattern:
+            del options["layer_types"]
+            options["full_attention_interval"] = interval
+    return options
+
+
 def to_hf_config(args: Qwen3NextArgs) -> dict[str, Any]:
     """``config.json`` content transformers loads as the same model (model_type, architectures, fields)."""
     return {"model_type": "qwen3_next", "architectures": [HF_ARCHITECTURE], **args.to_hf_dict()}
@@ -37,4 +58,13 @@ def adapter(args: Qwen3NextArgs) -> Qwen3MoeHFAdapter:
     return Qwen3MoeHFAdapter(num_experts=args.num_experts)
 
 
-__all__ = ["HF_ARCHITECTURE", "IGNORED_HF_KEYS", "adapter", "from_hf", "hf_sources", "to_hf", "to_hf_config"]
+__all__ = [
+    "HF_ARCHITECTURE",
+    "IGNORED_HF_KEYS",
+    "adapter",
+    "from_hf",
+    "from_hf_config",
+    "hf_sources",
+    "to_hf",
+    "to_hf_config",
+]
