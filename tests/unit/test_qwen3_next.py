@@ -536,7 +536,7 @@ def test_init_meta_build_and_bfloat16_training():
         if n.endswith(("norm.weight", "conv1d.weight", "dt_bias", "A_log"))
     )
     attention = 12 * 1 * args.num_attention_heads * args.head_dim * 32
-    deltanet = 12 * 4 * (2 * 16 * 16 + 64 * (16 + 16))
+    deltanet = 6 * 4 * (3 * 16 * 16 + 64 * (2 * 16 + 16))
     expected = 6.0 * (model.num_params(active=True) - not_matmul) + attention + deltanet
     assert model.flops_per_token(32) == expected
 

@@ -290,7 +290,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
-        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        # Decay rates exp(A_log) in [0.01, 16], as transformers draws them (init_full_parameter_ redraws).
+        self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16.0).log_())
         self.norm = GatedRMSNorm(head_v_dim, norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         self.act_fn = activation(hidden_act)

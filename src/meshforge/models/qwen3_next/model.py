@@ -46,6 +46,9 @@ _UNBUILT_GDN_KERNELS = {
 }
 
 
+# The chunk length the FLOPs estimate assumes (the default of kernels.gdn_chunk_size).
+_FLOPS_GDN_CHUNK = 64
+
 # Parameters a token multiplies with (besides routed experts and the LM head), for the FLOPs count.
 _MATMUL_SUFFIXES = (
     "_proj.weight",
@@ -58,6 +61,11 @@ _MATMUL_SUFFIXES = (
 
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm scaled by ``1 + weight`` in float32 (transformers' ``Qwen3NextRMSNorm``); weight 0 at init."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__(dim, eps)
+        with torch.no_grad():
+            self.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -332,9 +340,11 @@ class Qwen3NextForCausalLM(MoECausalLM[Qwen3NextArgs]):
         ``N_active`` counts the matmul weights a token goes through (projections, dense
         MLPs, routers, shared experts, ``num_experts_per_tok`` routed experts, the LM
         head; not the embedding lookup, norms, conv or decay parameters). The full
-        attention layers add ``12 * H * D * S`` each, as in Qwen3; the Gated DeltaNet
-        layers' chunked rule adds ``6 * 2 * Hv * (Dk * Dv * 2 + C * (Dk + Dv))`` per layer
-        (state read and write, and the in-chunk products, forward and backward).
+        attention layers add ``12 * H * D * S`` each, as in Qwen3; each Gated DeltaNet
+        layer adds ``6 * Hv * (3 * Dk * Dv + C * (2 * Dk + Dv))`` for its chunked rule:
+        three state products per token (read by queries, read by the write, update) and
+        three in-chunk products (``K K^T``, ``Q K^T``, scores times writes), with ``C`` the
+        default chunk of 64; the triangular solve is left out.
 
         Args:
             seq_len: Sequence length of the batch.
@@ -351,20 +361,9 @@ class Qwen3NextForCausalLM(MoECausalLM[Qwen3NextArgs]):
         matmul += a.vocab_size * a.hidden_size  # the LM head, tied or not
         kinds = a.resolved_layer_types
         attention = 12 * kinds.count("full_attention") * a.num_attention_heads * a.head_dim * seq_len
-        chunk = DEFAULT_GDN_FLOPS_CHUNK
-        per_gdn = (
-            12
-            * a.linear_num_value_heads
-            * (
-                2 * a.linear_key_head_dim * a.linear_value_head_dim
-                + chunk * (a.linear_key_head_dim + a.linear_value_head_dim)
-            )
-        )
+        dk, dv, chunk = a.linear_key_head_dim, a.linear_value_head_dim, _FLOPS_GDN_CHUNK
+        per_gdn = 6 * a.linear_num_value_heads * (3 * dk * dv + chunk * (2 * dk + dv))
         return 6.0 * matmul + attention + kinds.count("linear_attention") * per_gdn
-
-
-# The chunk size the FLOPs estimate assumes (the default of kernels.gdn_chunk_size).
-DEFAULT_GDN_FLOPS_CHUNK = 64
 
 
 def build_qwen3_next(args: Qwen3NextArgs, *, device: str | torch.device = "meta") -> Qwen3NextForCausalLM:
