@@ -23,6 +23,10 @@ a real DeepSeek-V3 checkpoint's bias must survive loading and export. The optimi
 (no gradient). No load-balancing loss exists for this family in transformers, so the block
 records only the assignment counts (``last_tokens_per_expert``).
 
+The routed experts are the common ``GroupedExperts``, so expert parallelism plugs in through
+their ``token_exchange`` seam; the shared experts stay dense (every rank runs them on its own
+tokens, and FSDP shards them like any other layer weight).
+
 ``GroupLimitedSigmoidRouter.fixed`` (the ``kernels.fix_router`` switch, performance tuning
 only) replaces steps 2-4's choice by the fixed balanced one of
 :class:`~meshforge.models.common.moe.TopKRouter`: token ``i`` takes experts ``(i * k + j) mod E``;
