@@ -124,6 +124,8 @@ def _compare(case: str, ref: torch.nn.Module, tp: torch.nn.Module, batch: dict[s
     assert names == list(ref_grads), (case, "parameter names changed")
     for name, p in tp.named_parameters():
         assert p.grad is not None, (case, name)
+        # Each gradient is in its parameter's layout, so its local part is this rank's slice.
+        assert getattr(p.grad, "placements", None) == getattr(p, "placements", None), (case, name)
         err = rel(_full(p.grad), ref_grads[name])
         assert err <= TOL, (case, name, err)
 

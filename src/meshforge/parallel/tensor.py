@@ -37,6 +37,7 @@ group and never gathers the logits), inside or outside `loss_parallel_context`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -61,6 +62,7 @@ __all__ = [
     "check_divisible",
     "decoder_tp_plan",
     "loss_parallel_context",
+    "sequence_shards",
 ]
 
 # Families whose plan is module-local to `meshforge.models.<family>.parallelize`.
@@ -74,6 +76,20 @@ UNSUPPORTED_FAMILIES = ("deepseek_v3", "gpt_oss", "qwen3_next")
 # transformers' normalisation modules have family-specific class names (Qwen3RMSNorm, ...).
 _NORM_MARKERS = ("LayerNorm", "RMSNorm", "GroupNorm")
 _TP_KEY = "parallelism.tensor_parallel"
+# Set on the inner model by `apply_tp` under SP: how many ranks split the sequence dim of the
+# hidden states between blocks (`sequence_shards`).
+_SP_ATTR = "sequence_parallel_shards"
+
+
+def sequence_shards(model: nn.Module) -> int:
+    """Over how many TP ranks `model`'s hidden states are split along the sequence (1: not split).
+
+    Code that sees the hidden states between blocks (a pipeline stage's input) multiplies their
+    local length by this to get the full sequence length (e.g. for the RoPE table). Accepts the
+    causal LM or its inner `model`.
+    """
+    inner = getattr(model, "model", model)
+    return int(getattr(inner, _SP_ATTR, 1))
 
 
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -242,6 +258,42 @@ def _retie(model: nn.Module, aliases: list[tuple[str, str]], tp: int) -> None:
         setattr(module, name, theirs)
 
 
+# Marks a parameter whose gradient hook `_match_grad_layouts` has registered.
+_GRAD_HOOK_FLAG = "_meshforge_tp_grad_layout"
+
+
+def _grad_to_layout(grad: torch.Tensor, *, mesh: DeviceMesh, placements: tuple) -> torch.Tensor:
+    if isinstance(grad, DTensor) and grad.device_mesh == mesh and grad.placements != placements:
+        return grad.redistribute(mesh, placements)
+    return grad
+
+
+def _hook_new_parameters(module: nn.Module, _args: Any) -> None:
+    for param in module.parameters():
+        if isinstance(param, DTensor) and param.requires_grad and not getattr(param, _GRAD_HOOK_FLAG, False):
+            param.register_hook(
+                functools.partial(_grad_to_layout, mesh=param.device_mesh, placements=param.placements)
+            )
+            setattr(param, _GRAD_HOOK_FLAG, True)
+
+
+def _match_grad_layouts(model: nn.Module) -> None:
+    """Make every TP parameter's gradient arrive in the parameter's own layout.
+
+    DTensor's backward leaves some gradients in another layout than their parameter: the
+    vocab-sharded embedding gets a Replicate (full) gradient, and replicated weights used on split
+    activations (norms, per-head norms) get a Partial (not yet summed) one. The optimizer would
+    cope, but code that works on local shards (the pipeline's tied-embedding sum, gradient
+    clipping) needs `grad.to_local()` to be this rank's slice of the true gradient. The fix-up is
+    a local slice for Replicate -> Shard and one small all-reduce for Partial -> Replicate.
+
+    The gradient hooks are registered at each forward on parameters that have none yet, because
+    materialisation (`to_empty`) creates new parameter objects after `apply_tp`. Under FSDP the
+    hooks never fire (FSDP sets the gradients of its sharded parameters itself, converting them).
+    """
+    model.register_forward_pre_hook(_hook_new_parameters)
+
+
 def _sequence_check_hook(tp: int):
     """Forward pre-hook on the embedding: SP splits the sequence evenly over the TP ranks."""
 
@@ -404,7 +456,11 @@ def apply_tp(
         )
     parallelize_module(model, tp_mesh, plan)
     _retie(model, aliases, tp)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    _match_grad_layouts(model)
+    inner = getattr(model, "model", None)
+    if sequence_parallel and isinstance(inner, nn.Module):
+        setattr(inner, _SP_ATTR, tp)
+    embed = getattr(inner, "embed_tokens", None)
     if sequence_parallel and isinstance(embed, nn.Module):
         # Before the RowwiseParallel input hook, so an uneven length fails before any collective.
         embed.register_forward_pre_hook(_sequence_check_hook(tp), prepend=True)
