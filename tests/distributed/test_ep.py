@@ -330,6 +330,59 @@ def _check_errors(errors: list[str]) -> None:
             errors.append(f"errors: no {kind.__name__} for {text!r}")
 
 
+def _check_hf_roundtrip(folder: Path, errors: list[str]) -> None:
+    """HF safetensors load into EP x expert-FSDP shards (each rank its experts) and export back."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from meshforge.checkpoint import hf
+    from meshforge.models.materialize import materialize_and_init
+    from meshforge.models.registry import resolve_family
+    from meshforge.parallel.dims import ParallelDims
+    from meshforge.parallel.expert import apply_ep
+    from meshforge.parallel.fsdp import apply_fsdp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    family = resolve_family("qwen3_moe")
+    reference = _build("qwen3_moe")
+    _materialize(reference)
+    hf.save_hf(reference, family, folder / "source")  # rank 0 writes (per-expert keys), all wait
+
+    model = _build("qwen3_moe")
+    dims = ParallelDims(world_size=world, dp_shard=world, ep=2)
+    mesh = dims.build_mesh("cpu")
+    apply_ep(model, dims.mesh_for(mesh, "ep"))
+    apply_fsdp(
+        model,
+        dims.mesh_for(mesh, "fsdp"),
+        expert_mesh=dims.mesh_for(mesh, "efsdp"),
+        param_dtype=None,
+        reduce_dtype=torch.float32,
+    )
+    materialize_and_init(model, device=torch.device("cpu"), seed=0, init_fn=lambda *_: None)
+    hf.load_hf_weights(model, family, folder / "source")
+    experts = model.get_parameter("model.layers.0.mlp.experts.gate_up_proj")
+    want = reference.get_parameter("model.layers.0.mlp.experts.gate_up_proj")
+    ep_rank, efsdp_rank = (
+        dims.mesh_for(mesh, "ep").get_local_rank(),
+        dims.mesh_for(mesh, "efsdp").get_local_rank(),
+    )
+    rows = want.shape[1] // 2
+    mine = want[2 * ep_rank : 2 * ep_rank + 2, efsdp_rank * rows : (efsdp_rank + 1) * rows]
+    if not torch.equal(experts.to_local(), mine):  # experts 2r, 2r+1; dim 1 halved by expert-FSDP
+        errors.append(f"hf/rank{rank}: local expert shard is not experts {2 * ep_rank}-{2 * ep_rank + 1}")
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for name, tensor in reference.state_dict().items() if rank == 0 else ():  # rank 0 holds the gather
+        if not torch.equal(full[name], tensor):
+            errors.append(f"hf/rank{rank}: loaded {name} differs")
+    hf.save_hf(model, family, folder / "export")
+    if rank == 0:
+        source = load_file(str(folder / "source" / "model.safetensors"))
+        export = load_file(str(folder / "export" / "model.safetensors"))
+        if source.keys() != export.keys() or any(not torch.equal(export[k], v) for k, v in source.items()):
+            errors.append("hf: the export from EP shards differs from the loaded checkpoint")
+
+
 def _worker(rank: int, world: int, store_path: str) -> None:
     store = dist.FileStore(store_path, world)
     dist.init_process_group(
@@ -347,6 +400,7 @@ def _worker(rank: int, world: int, store_path: str) -> None:
         else:
             _check_model("qwen3_moe", "dp4 ep2 efsdp2", errors)
             _check_exchange_zero_rows(errors)
+            _check_hf_roundtrip(Path(store_path).parent, errors)
         dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
     finally:
         dist.destroy_process_group()
