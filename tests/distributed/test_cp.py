@@ -3,8 +3,9 @@
 One 2-process launch runs every check against a single-process model with the same weights:
 full-order logits (gathered back from the ranks), the loss and every parameter gradient
 (summed over the CP ranks, as FSDP over the cp mesh would) of a tiny GQA Qwen3, with and
-without packed documents, plus MQA under ulysses (K/V heads repeated), qwen3_moe under the
-ring, and the error cases.
+without packed documents (the ring both with the fused CPU flash kernel and on its plain
+autograd path), plus MQA under ulysses and the ring, qwen3_moe under the ring, and the
+error cases.
 A 4-process launch checks hybrid (ulysses 2 x ring 2) and colossal with 4 ranks, and
 `meshforge train` with cp2 (ulysses, colossal) and tp2+cp2 gives the 1-process losses and
 grad norms.
@@ -12,6 +13,7 @@ grad norms.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import traceback
@@ -153,6 +155,18 @@ def _check_errors(mesh) -> None:
         layer(torch.zeros(1, 4, 32), rope, None)
 
 
+@contextlib.contextmanager
+def _plain_ring():
+    """The ring's plain autograd path (used off CPU) instead of the fused CPU flash kernel."""
+    from meshforge.parallel import context
+
+    context.FUSED_CPU_RING = False
+    try:
+        yield
+    finally:
+        context.FUSED_CPU_RING = True
+
+
 def _worker(rank: int, world: int, init_file: str, errors) -> None:
     try:
         os.environ["HF_HUB_OFFLINE"] = "1"
@@ -165,6 +179,10 @@ def _worker(rank: int, world: int, init_file: str, errors) -> None:
             for method in ("ulysses", "colossal", "kvallgather"):
                 for packed in (False, True):
                     _check_equal(method, mesh, packed=packed, derive_positions=packed and method != "ulysses")
+            _check_equal("colossal", mesh, packed=True, args=_args(4, 1))
+            with _plain_ring():
+                for packed in (False, True):
+                    _check_equal("colossal", mesh, packed=packed)
             # MQA: one K/V head repeated so each ulysses rank gets whole groups.
             _check_equal("ulysses", mesh, packed=True, args=_args(4, 1))
             # The MoE family: DecoderModel's token mask (padding out of routing stats) under CP.
@@ -174,6 +192,8 @@ def _worker(rank: int, world: int, init_file: str, errors) -> None:
             for packed in (False, True):
                 _check_equal("hybrid", mesh, packed=packed)
                 _check_equal("colossal", mesh, packed=packed)
+            with _plain_ring():
+                _check_equal("hybrid", mesh, packed=True)
         dist.destroy_process_group()
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")

@@ -399,6 +399,34 @@ class ContextParallel:
         send[(r + 1) % n] = recv[(r - 1) % n] = x.shape[0]
         return funcol.all_to_all_single_autograd(x, recv, send, self.ring_group)
 
+    def _ring_plan(self, q_index: torch.Tensor, kv_index_of, mask: CPMask, tag: str) -> list[list[_Block]]:
+        """Per ring step, the (query run, key run) blocks to compute, fully masked ones left out.
+
+        Built once per forward (cached in ``mask.cache`` under ``tag``) and shared by the
+        layers: the block structure depends only on the positions and documents.
+        """
+        if (tag, "plan") in mask.cache:
+            return mask.cache[(tag, "plan")]
+        q_runs = _runs(q_index)
+        plan: list[list[_Block]] = []
+        for step in range(self.ring_size):
+            k_index = kv_index_of((self.ring_rank - step) % self.ring_size)
+            blocks = []
+            for q_off, q_start, q_n in q_runs:
+                for k_off, k_start, k_n in _runs(k_index):
+                    if k_start > q_start + q_n - 1:
+                        continue  # every key of the chunk lies after every query: fully masked
+                    causal = k_start + k_n - 1 > q_start  # else every key precedes every query
+                    allowed = _allowed(
+                        q_index[q_off : q_off + q_n], k_index[k_off : k_off + k_n], mask.segments, causal
+                    )
+                    # The same chunk on both sides and no documents: the kernel's own causal mask.
+                    same = causal and mask.segments is None and (q_start, q_n) == (k_start, k_n)
+                    blocks.append(_Block(q_off, q_n, k_off, k_n, allowed, same))
+            plan.append(blocks)
+        mask.cache[(tag, "plan")] = plan
+        return plan
+
     def _ring(
         self,
         q: torch.Tensor,
@@ -414,41 +442,160 @@ class ContextParallel:
         """Ring attention of ``q`` (positions ``q_index``) over every ring rank's K/V block.
 
         ``kv_index_of(ring_rank)`` gives the positions of that rank's K/V; ``tag`` names
-        the caller in the per-forward mask cache.
+        the caller in the per-forward mask cache. On CPU the blocks run PyTorch's fused
+        flash kernel inside one autograd function (forward and backward rings written
+        out); elsewhere plain tensor operations under autograd.
         """
+        plan = self._ring_plan(q_index, kv_index_of, mask, tag)
+        if q.device.type == "cpu" and FUSED_CPU_RING:
+            return _FusedRing.apply(q, k, v, self, plan, scale)
         batch, heads, q_len, dim = q.shape
         kv_heads = k.shape[1]
         grouped = q.reshape(batch, kv_heads, heads // kv_heads, q_len, dim)
-        q_runs = _runs(q_index)
-        states: list[Any] = [None] * len(q_runs)
+        states: dict[int, Any] = {}
         kv = torch.stack([k, v])
-        for step in range(self.ring_size):
+        for step, blocks in enumerate(plan):
             # Issue the next exchange first so it travels while this block is computed.
             incoming = self._ring_shift(kv) if step < self.ring_size - 1 else None
-            source = (self.ring_rank - step) % self.ring_size
-            k_index = kv_index_of(source)
-            for i, (q_off, q_start, q_n) in enumerate(q_runs):
-                for k_off, k_start, k_n in _runs(k_index):
-                    if k_start > q_start + q_n - 1:
-                        continue  # every key of the chunk lies after every query: fully masked
-                    key = (tag, step, q_off, k_off)
-                    if key not in mask.cache:
-                        causal = k_start + k_n - 1 > q_start  # else every key precedes every query
-                        mask.cache[key] = _allowed(
-                            q_index[q_off : q_off + q_n], k_index[k_off : k_off + k_n], mask.segments, causal
-                        )
-                    states[i] = _block_update(
-                        states[i],
-                        grouped[..., q_off : q_off + q_n, :],
-                        kv[0][:, :, k_off : k_off + k_n],
-                        kv[1][:, :, k_off : k_off + k_n],
-                        mask.cache[key],
-                        scale,
-                    )
+            for b in blocks:
+                states[b.q_off] = _block_update(
+                    states.get(b.q_off),
+                    grouped[..., b.q_off : b.q_off + b.q_n, :],
+                    kv[0][:, :, b.k_off : b.k_off + b.k_n],
+                    kv[1][:, :, b.k_off : b.k_off + b.k_n],
+                    b.allowed,
+                    scale,
+                )
             if incoming is not None:
                 kv = incoming
-        out = torch.cat([acc / total.unsqueeze(-1) for _, total, acc in states], dim=-2)
+        out = torch.cat([acc / total.unsqueeze(-1) for _, (_, total, acc) in sorted(states.items())], dim=-2)
         return out.reshape(batch, heads, q_len, dim).to(q.dtype)
+
+
+#: Run ring blocks on CPU with the fused flash kernel (``False``: the plain autograd path).
+FUSED_CPU_RING = True
+_FLASH_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@dataclass
+class _Block:
+    """One (query run, key run) pair of a ring step.
+
+    ``allowed`` is the boolean visibility ``[B or 1, 1, q_n, k_n]`` (None: all visible);
+    ``kernel_causal`` says the flash kernel's own causal flag expresses it exactly.
+    """
+
+    q_off: int
+    q_n: int
+    k_off: int
+    k_n: int
+    allowed: torch.Tensor | None
+    kernel_causal: bool
+    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as the flash kernel takes it (0 or -inf, in the query dtype), or None."""
+        if self.allowed is None or self.kernel_causal:
+            return None
+        if dtype not in self._additive:
+            zeros = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            self._additive[dtype] = zeros.masked_fill(~self.allowed, float("-inf"))
+        return self._additive[dtype]
+
+    def dead_rows(self) -> torch.Tensor | None:
+        """Queries that see no key of this block ``[B or 1, 1, q_n]`` (only with documents), or None."""
+        if self.allowed is None or self.kernel_causal:
+            return None
+        return ~self.allowed.any(dim=-1)
+
+
+def _ring_send(cp: ContextParallel, x: torch.Tensor) -> torch.Tensor:
+    """``ContextParallel._ring_shift`` without autograd (inside ``_FusedRing``), waited."""
+    n, r = cp.ring_size, cp.ring_rank
+    send, recv = [0] * n, [0] * n
+    send[(r + 1) % n] = recv[(r - 1) % n] = x.shape[0]
+    return funcol.all_to_all_single(x.contiguous(), recv, send, cp.ring_group)
+
+
+class _FusedRing(torch.autograd.Function):
+    """Ring attention on CPU with the fused flash kernel, forward and backward rings explicit.
+
+    Forward: each block gives (output, log-sum-exp); they merge into the running pair.
+    Backward: K/V travel the ring again with their gradient accumulators; each block's
+    gradients come from the kernel's backward given the FINAL output and log-sum-exp
+    (the block's share of the global softmax), and after ring_size shifts every K/V
+    gradient is back on the rank that owns the block.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel, plan: list[list[_Block]], scale: float):  # type: ignore[override]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for step, blocks in enumerate(plan):
+            incoming = _ring_send(cp, kv) if step < cp.ring_size - 1 else None
+            for b in blocks:
+                qs, ks = slice(b.q_off, b.q_off + b.q_n), slice(b.k_off, b.k_off + b.k_n)
+                o_b, l_b = _FLASH_FWD(
+                    q[:, :, qs],
+                    kv[0][:, :, ks],
+                    kv[1][:, :, ks],
+                    0.0,
+                    b.kernel_causal,
+                    attn_mask=b.additive(q.dtype),
+                    scale=scale,
+                )
+                dead = b.dead_rows()
+                if dead is not None:
+                    # The kernel reports 0 (not -inf) for rows with nothing visible.
+                    l_b = l_b.masked_fill(dead, float("-inf"))
+                l_old = lse[:, :, qs]
+                l_new = torch.logaddexp(l_old, l_b)
+                shift = torch.where(torch.isfinite(l_new), l_new, torch.zeros_like(l_new))
+                out[:, :, qs] = out[:, :, qs] * torch.exp(l_old - shift).unsqueeze(
+                    -1
+                ) + o_b.float() * torch.exp(l_b - shift).unsqueeze(-1)
+                lse[:, :, qs] = l_new
+            if incoming is not None:
+                kv = _wait(incoming)
+        out = out.to(q.dtype)
+        ctx.cp, ctx.plan, ctx.scale = cp, plan, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, plan = ctx.cp, ctx.plan
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        for step, blocks in enumerate(plan):
+            incoming = _ring_send(cp, kv) if step < cp.ring_size - 1 else None
+            for b in blocks:
+                qs, ks = slice(b.q_off, b.q_off + b.q_n), slice(b.k_off, b.k_off + b.k_n)
+                gq, gk, gv = _FLASH_BWD(
+                    grad_out[:, :, qs],
+                    q[:, :, qs],
+                    kv[0][:, :, ks],
+                    kv[1][:, :, ks],
+                    out[:, :, qs],
+                    lse[:, :, qs],
+                    0.0,
+                    b.kernel_causal,
+                    attn_mask=b.additive(q.dtype),
+                    scale=ctx.scale,
+                )
+                dq[:, :, qs] += gq
+                dkv[0, :, :, ks] += gk
+                dkv[1, :, :, ks] += gv
+            # The accumulator travels with its K/V block; ring_size shifts bring it home.
+            dkv = _wait(_ring_send(cp, dkv))
+            if incoming is not None:
+                kv = _wait(incoming)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _seq_to_heads(tensors: list[torch.Tensor], u: int, group: Any) -> list[torch.Tensor]:
