@@ -298,6 +298,7 @@ def _check_errors(errors: list[str]) -> None:
             ValueError,
             "parallelism.expert_parallel: 2 needs a mixture-of-experts",
         ),
+        (lambda: apply_ep(torch.nn.Linear(2, 2), ep_mesh), NotImplementedError, "for transformers models"),
         (
             lambda: apply_ep(_build("qwen3_moe"), ep_mesh, token_dispatcher="alltoall_deredundancy"),
             NotImplementedError,

@@ -115,8 +115,12 @@ def apply_ep(
     family = str(getattr(model, "family", type(model).__name__))
     experts = expert_modules(model)
     if not experts:
-        if family == "generic" or callable(getattr(model, "moe_layers", None)):
-            # A transformers model, or a MoE family whose experts lack the token_exchange seam.
+        if not type(model).__module__.startswith("meshforge."):
+            raise NotImplementedError(
+                f"not supported yet: parallelism.expert_parallel > 1 for transformers models (the generic "
+                f"path; {type(model).__name__}); built-in MoE families: {', '.join(sorted(_EXPERT_COUNT_KEYS))}"
+            )
+        if callable(getattr(model, "moe_layers", None)):  # a MoE family without the token_exchange seam
             raise NotImplementedError(f"not supported yet: parallelism.expert_parallel > 1 for {family}")
         raise ValueError(
             f"parallelism.expert_parallel: {ep_mesh.size()} needs a mixture-of-experts model, but "
@@ -124,7 +128,7 @@ def apply_ep(
         )
     ep = ep_mesh.size()
     exchange = AllToAllExchange(ep_mesh)
-    for name, module in experts:
+    for name, module in experts:  # check them all before changing any
         num_experts = int(module.num_experts)
         if num_experts % ep:
             key = _EXPERT_COUNT_KEYS.get(family, "model.num_experts")
@@ -132,6 +136,7 @@ def apply_ep(
                 f"parallelism.expert_parallel: {ep} does not divide {key} = {num_experts} "
                 f"(each rank holds num_experts / expert_parallel experts of {name})"
             )
+    for _, module in experts:
         _shard_experts(module, ep_mesh)
         module.token_exchange = exchange
 
