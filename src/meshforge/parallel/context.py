@@ -17,8 +17,12 @@ Methods (``parallelism.context_parallel_method``; MindSpeed's ``cp_type`` maps o
   The sequence is cut into 2 * cp chunks and rank r keeps chunks r and 2cp-1-r
   (load-balanced causal layout), so after the diagonal step every rank computes half
   a block: the query/key chunk pairs that causality masks out entirely are skipped.
+  On CPU each block runs PyTorch's fused flash kernel (``_FusedRing``: output and
+  log-sum-exp per block forward, the kernel's backward with the final log-sum-exp and
+  the K/V gradients travelling the ring back to their owners); elsewhere (or with
+  ``FUSED_CPU_RING = False``) the same blocks run as plain tensor operations under autograd.
 * ``kvallgather``: K/V of the whole sequence are all-gathered; local queries attend with
-  their global causal offsets.
+  their global causal offsets (keys after the rank's last query are left out).
 * ``hybrid``: ulysses inside groups of ``ulysses_degree_in_cp`` consecutive CP ranks, ring
   across the groups. It uses the colossal batch layout: a ulysses group's ranks then
   hold, together, exactly the two chunks a ring rank of the coarser ring would hold.
@@ -331,13 +335,15 @@ class ContextParallel:
 
     def _kv_allgather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CPMask, scale: float):
         full = funcol.all_gather_single_autograd(torch.stack([k, v]), 3, self.group)
+        # Keys after this rank's last query are never visible: leave them out of the product.
+        visible = int(mask.q_index[-1]) + 1
         if "kvallgather" not in mask.cache:
-            keys = torch.arange(mask.seq_len, device=q.device)
+            keys = torch.arange(visible, device=q.device)
             mask.cache["kvallgather"] = _allowed(mask.q_index, keys, mask.segments, causal=True)
         return F.scaled_dot_product_attention(
             q,
-            full[0],
-            full[1],
+            full[0][:, :, :visible],
+            full[1][:, :, :visible],
             attn_mask=mask.cache["kvallgather"],
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
