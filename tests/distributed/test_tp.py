@@ -198,6 +198,25 @@ def _check_generic(mesh) -> None:
         assert type(tp.model.layers[0].self_attn.q_norm.weight).__name__ == "DTensor"
         _compare(case, ref, tp, _batch(128, packed=True))
 
+    # Tied embeddings: split both ends of the vocabulary alike (one parameter), or it is refused.
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    ref = wrap_generic(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight
+    tp = copy.deepcopy(ref)
+    with pytest.raises(ValueError, match="lm_head.weight is tied to model.embed_tokens.weight"):
+        apply_tp(copy.deepcopy(ref), mesh, family="generic", colwise=["lm_head"], rowwise=[])
+    apply_tp(
+        tp,
+        mesh,
+        family="generic",
+        colwise=[*MS_TP_COLWISE, "lm_head"],
+        rowwise=[*MS_TP_ROWWISE, "model.embed_tokens"],
+        loss_parallel=True,
+    )
+    assert tp.lm_head.weight is tp.model.embed_tokens.weight
+    _compare("generic tied, vocab split", ref, tp, _batch(128, packed=False))
+
 
 def _check_refusals(mesh) -> None:
     from meshforge.loss import chunked_cross_entropy_sum
