@@ -48,8 +48,8 @@ $(LF_STAMP): $(STAMP)
 	touch $(LF_STAMP)
 
 test: $(STAMP) lint $(LF_STAMP)
-	$(test_env) $(VENV)/bin/pytest -q tests --ignore=tests/unit/test_sft_llamafactory.py
-	$(test_env) PYTHONPATH=$(LF_REF) $(VENV)/bin/pytest -q tests/unit/test_sft_llamafactory.py
+	$(test_env) $(VENV)/bin/pytest -q tests --ignore=tests/unit/test_sft_llamafactory.py --ignore=tests/unit/test_sft_llamafactory_eval.py
+	$(test_env) PYTHONPATH=$(LF_REF) $(VENV)/bin/pytest -q tests/unit/test_sft_llamafactory.py tests/unit/test_sft_llamafactory_eval.py
 
 test-fast: $(STAMP) lint
 	$(test_env) $(VENV)/bin/pytest -q -m "not slow" tests

@@ -118,6 +118,14 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else tensor
 
 
+def _reshard_fsdp(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _no_init(fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
     """Leave a parameter uninitialised: weights loaded right after overwrite it."""
 
@@ -163,9 +171,11 @@ class Trainer:
 
         self.tokenizer = self._build_tokenizer()
         self.model = self._build_model()
+        self.loader = self._build_data()
+        self.total_steps = self._resolve_total_steps()
+        self.eval_loader = self._build_eval_data()
         self.optimizer, self.scheduler = self._build_optimizer()
         self.pipeline = self._build_pipeline()
-        self.loader = self._build_data()
         self.data_iter: Iterator[dict[str, torch.Tensor]] = iter(self.loader)
         self.checkpointer = self._build_checkpointer()
         self._maybe_resume()
@@ -337,7 +347,7 @@ class Trainer:
             optimizer,
             type=sched.type,
             learning_rate=float(sched.learning_rate),
-            total_steps=int(self.cfg.training.steps),
+            total_steps=self.total_steps,
             options=dict(sched.model_extra or {}),
         )
         return optimizer, scheduler
@@ -357,6 +367,14 @@ class Trainer:
             schedule=str(self.cfg.parallelism.pipeline_parallel_schedule),
         )
 
+    def _epochs(self) -> float | None:
+        """`training.epochs`: when set it decides the run length and `training.steps` is not used.
+
+        (The MindSpeed importer already applies HF's rule that a positive `max_steps` wins over
+        `num_train_epochs`, by not setting `epochs` then.)
+        """
+        return None if self.cfg.training.epochs is None else float(self.cfg.training.epochs)
+
     def _build_data(self) -> Any:
         from meshforge.data.build import build_train_loader
 
@@ -371,8 +389,53 @@ class Trainer:
             seed=int(self.cfg.training.seed),
             # Megatron-format data sizes its sample index as steps x global batch, as Megatron does.
             total_steps=int(self.cfg.training.steps),
+            epochs=self._epochs(),
             log=self.log,
         )
+
+    def _resolve_total_steps(self) -> int:
+        """`training.steps`, or the steps that `training.epochs` passes over the data take."""
+        training = self.cfg.training
+        if training.epochs is None:
+            return int(training.steps)
+        steps = int(self.loader.total_steps)
+        if "steps" in training.model_fields_set and int(training.steps) != steps:
+            self.log(
+                f"training.epochs {training.epochs:g} sets the run to {steps} steps (training.steps not used)"
+            )
+        return steps
+
+    def _build_eval_data(self) -> Any:
+        """The validation loader (val_size, eval_dataset, Megatron split), or None without one."""
+        from meshforge.data.build import build_eval_loader
+
+        interval = self.cfg.training.eval_interval
+        loader = build_eval_loader(
+            self.cfg.train_dataset,
+            tokenizer=self.tokenizer,
+            local_batch_size=self.plan.local_batch_size,
+            dp_rank=self.mesh.view("batch").get_local_rank(),
+            dp_size=self.dims.dp,
+            seed=int(self.cfg.training.seed),
+            global_batch_size=self.plan.global_batch_size,
+            total_steps=self.total_steps,
+            log=self.log,
+        )
+        if loader is None and interval is not None:
+            raise ValueError(
+                "training.eval_interval: there is no validation data: set train_dataset.val_size or "
+                "train_dataset.eval_dataset (SFT), or a Megatron split with a validation part "
+                "(e.g. split: '98,2,0')"
+            )
+        if loader is not None and self.dims.pp > 1:
+            raise NotImplementedError(
+                "not supported yet: evaluation under parallelism.pipeline_parallel > 1 "
+                "(remove val_size / eval_dataset / the validation split, or train without PP)"
+            )
+        if loader is not None:
+            when = f"every {interval} steps and at the end" if interval else "at the end of training"
+            self.log(f"evaluation: {when} (training.eval_interval)")
+        return loader
 
     def _build_checkpointer(self) -> CheckpointManager:
         ckpt = self.cfg.checkpoint
@@ -433,7 +496,7 @@ class Trainer:
         if not self.dist.is_main:
             return
         self.console = ConsoleProgress(
-            total=int(self.cfg.training.steps),
+            total=self.total_steps,
             start=self.step,
             interval=int(getattr(self.cfg.training, "log_interval", 1) or 1),
             emit=self.log,
@@ -570,8 +633,8 @@ class Trainer:
         }
 
     def train(self) -> TrainSummary:
-        """Run from the current step to `training.steps`, saving and logging as configured."""
-        total = int(self.cfg.training.steps)
+        """Run from the current step to the last one, saving, evaluating and logging as configured."""
+        total = self.total_steps
         if self.step >= total:
             self.log(f"nothing to do: resumed at step {self.step} >= training.steps {total}")
         start_time = time.perf_counter()
@@ -637,10 +700,59 @@ class Trainer:
             "memory_bytes": peak_memory_bytes(self.device),
         }
         losses.append(metrics["loss"])
+        if self._eval_due(total):
+            record.update(self.evaluate())
+            self.log(
+                f"eval step {self.step}: eval_loss {record['eval_loss']:.4f} over {int(record['eval_tokens']):,} tokens"
+            )
         self.log_step(record)
         if self.checkpointer.should_save(self.step, total):
             self._save()
         return int(metrics["tokens"])
+
+    def _eval_due(self, total: int) -> bool:
+        if self.eval_loader is None:
+            return False
+        interval = self.cfg.training.eval_interval
+        return self.step == total or (interval is not None and self.step % int(interval) == 0)
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss (global valid-token mean CE) over the whole validation loader."""
+        from meshforge.evaluation import evaluate
+
+        self.model.eval()
+        try:
+            return evaluate(
+                self._eval_forward,
+                self.eval_loader,
+                device=self.device,
+                loss_group=self.mesh.view("loss").get_group(),
+                max_batches=self.cfg.training.eval_iters,
+            )
+        finally:
+            self.model.train()
+            # A forward without backward leaves FSDP's root unsharded; the next training forward
+            # must gather the weights the optimizer updates, so reshard now.
+            _reshard_fsdp(self.model)
+
+    def _eval_forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """CE sum and valid-token count of one validation batch (sharded for CP first)."""
+        if self.dims.cp > 1:
+            batch = self._shard_for_cp(batch)
+        inputs = {k: batch[k] for k in ("position_ids", "segment_ids", *self._cp_model_kwargs) if k in batch}
+        autocast = self.compute_dtype != torch.float32 and not self.fsdp
+        chunk = self.kernel_options.chunk_loss_size
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
+            if chunk is None:
+                logits = self.model(batch["input_ids"], **inputs)
+                with self._loss_context():
+                    loss_sum = cross_entropy_sum(logits, batch["labels"])
+            else:
+                hidden = self.model(batch["input_ids"], return_hidden=True, **inputs)
+                loss_sum = chunked_cross_entropy_sum(
+                    hidden, self.model.lm_head.weight, batch["labels"], chunk_size=chunk
+                )
+        return _plain(loss_sum).detach(), count_valid_tokens(batch["labels"])
 
     def _save(self) -> None:
         trainer_state = {

@@ -49,6 +49,9 @@ class TrainingConfig(StrictSection):
         None, "Train for this many epochs instead of `steps` (MindSpeed num_train_epochs)."
     )
     eval_interval: PosInt | None = describe(None, "Evaluate every this many steps (needs an eval dataset).")
+    eval_iters: PosInt | None = describe(
+        None, "Validation batches per evaluation on each rank (Megatron eval_iters); None = the whole split."
+    )
     log_interval: PosInt = describe(1, "Log every this many steps (MindSpeed logging_steps).")
     stage: Literal["pt", "sft"] = describe(
         "pt", "Training stage: pretraining (pt) or supervised fine-tuning (sft)."

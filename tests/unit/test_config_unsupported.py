@@ -71,8 +71,6 @@ TRIGGERS: dict[str, dict] = {
     "checkpoint.remove_redundancy": {"checkpoint": {"remove_redundancy": True}},
     "checkpoint.save_epochs": {"checkpoint": {"save_epochs": 1}},
     "training.rampup_batch_size": {"training": {"rampup_batch_size": [1, 1, 100]}},
-    "training.epochs": {"training": {"epochs": 2}},
-    "training.eval_interval": {"training": {"eval_interval": 10}, "train_dataset": {"eval_dataset": "dev"}},
     "inference": {"inference": {"max_new_tokens": 16}},
     "model.resize_vocab": {"model": {"resize_vocab": True}},
     "model.split_special_tokens": {"model": {"split_special_tokens": True}},
@@ -234,11 +232,23 @@ def test_sft_fields_are_accepted_with_the_sft_loader():
     # With another loader the same keys would be ignored, so they are refused there.
     other = config_from_dict({"train_dataset": {"dataloader": {"type": "TextDataLoader"}, **sft}})
     assert "train_dataset.template" in unsupported_features(other)
-    # Not built yet: refused with any loader.
+    # Built (streaming, validation split), so accepted with the SFT loader.
     streaming = config_from_dict(
-        {"train_dataset": {"dataloader": {"type": "SFTDataLoader"}, "streaming": True}}
+        {
+            "train_dataset": {
+                "dataloader": {"type": "SFTDataLoader"},
+                "dataset": "a",
+                "streaming": True,
+                "val_size": 4,
+            }
+        }
     )
-    assert unsupported_features(streaming) == ["train_dataset.streaming"]
+    assert unsupported_features(streaming) == []
+    # Not built yet: refused with any loader.
+    beams = config_from_dict(
+        {"train_dataset": {"dataloader": {"type": "SFTDataLoader"}, "eval_num_beams": 4}}
+    )
+    assert unsupported_features(beams) == ["train_dataset.eval_num_beams"]
 
 
 @pytest.mark.parametrize(("model_type", "refused"), [("mistral", False), ("qwen3", True)])

@@ -70,11 +70,19 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
             )
         )
 
-    if training.eval_interval is not None and data.eval_dataset is None and data.val_size <= 1e-6:
+    # Megatron data brings its validation part through `split` (checked when the data is built).
+    megatron = data.dataloader.type == "BlendedMegatronDatasetDataLoader"
+    if (
+        training.eval_interval is not None
+        and not megatron
+        and data.eval_dataset is None
+        and data.val_size <= 1e-6
+    ):
         issues.append(
             (
                 "training.eval_interval",
-                "needs evaluation data: set train_dataset.eval_dataset or train_dataset.val_size",
+                "needs evaluation data: set train_dataset.eval_dataset or train_dataset.val_size "
+                "(Megatron data: a split with a validation part, e.g. '98,2,0')",
             )
         )
 

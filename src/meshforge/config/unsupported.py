@@ -72,14 +72,10 @@ def _sft_default(name: str) -> object:
     return TrainDatasetConfig.model_fields[name].default
 
 
-# SFT fields not built yet (validation split, streaming, generation-based eval, shared-storage
+# SFT fields not built yet (generation-based eval, shared-storage
 # switches, Megatron-only mask switches); the others are read by the SFTDataLoader.
 SFT_NOT_BUILT = (
-    "eval_dataset",
-    "streaming",
-    "buffer_size",
     "eval_num_beams",
-    "val_size",
     "eval_on_each_dataset",
     "data_shared_file_system",
     "no_shared_storage",
@@ -298,8 +294,6 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         "training.rampup_batch_size", lambda c: c.training.rampup_batch_size is not None, "batch-size ramp-up"
     ),
-    Unsupported("training.epochs", lambda c: c.training.epochs is not None, "epoch-based run length"),
-    Unsupported("training.eval_interval", lambda c: c.training.eval_interval is not None, "evaluation"),
     *_sft_entries(),
     Unsupported("inference", lambda c: c.inference != InferenceConfig(), "generation (`meshforge generate`)"),
 ]
