@@ -54,12 +54,10 @@ TRIGGERS: dict[str, dict] = {
     "optimizer.accumulate_allreduce_grads_in_fp32": {
         "optimizer": {"accumulate_allreduce_grads_in_fp32": False}
     },
-    "model.model_id": {"model": {"model_id": "qwen3"}},
     "model.quant_recipe_name": {"model": {"quant_recipe_name": "mxfp8"}},
     "kernels.use_triton_gdn": {"kernels": {"use_triton_gdn": True}},
     "kernels.use_flash_gdn": {"kernels": {"use_flash_gdn": True}},
     "kernels.use_triton_rmsnormgated": {"kernels": {"use_triton_rmsnormgated": True}},
-    "kernels.gdn_chunk_size": {"kernels": {"gdn_chunk_size": 128}},
     "kernels.pre_tokens": {"kernels": {"pre_tokens": 4096}},
     "kernels.next_tokens": {"kernels": {"next_tokens": 1}},
     "kernels.use_ascend_mhc": {"model": {"model_id": "deepseek_v4"}, "kernels": {"use_ascend_mhc": True}},

@@ -397,3 +397,35 @@ def test_chunked_loss_under_fsdp_matches_one_process(tiny_config: Path, tmp_path
         )
         losses[name] = [r["loss"] for r in read_metrics(out)]
     assert losses["fsdp2"] == pytest.approx(losses["single"], rel=1e-5)
+
+
+def test_gdn_chunk_size_reaches_qwen3_next_and_is_refused_elsewhere():
+    from meshforge.models.qwen3_next.args import Qwen3NextArgs
+    from meshforge.models.qwen3_next.gdn import GatedDeltaNet
+    from meshforge.models.qwen3_next.model import build_qwen3_next
+
+    assert _resolve().gdn_chunk_size is None  # not written: the layers keep their default
+    opts = _resolve(gdn_chunk_size=16)
+    assert opts.gdn_chunk_size == 16
+    with pytest.raises(ValueError, match=r"^kernels.gdn_chunk_size: qwen3 has no Gated DeltaNet"):
+        configure_model_kernels(_qwen3(), opts, family="qwen3")
+    args = Qwen3NextArgs(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
+    model = build_qwen3_next(args)
+    configure_model_kernels(model, opts, family="qwen3_next")
+    chunks = {m.chunk_size for m in model.modules() if isinstance(m, GatedDeltaNet)}
+    assert chunks == {16}

@@ -235,7 +235,6 @@ ENTRIES: list[Unsupported] = [
         lambda c: not c.optimizer.accumulate_allreduce_grads_in_fp32,
         "low-precision gradient accumulation",
     ),
-    Unsupported("model.model_id", lambda c: c.model.model_id is not None, "MindSpeed model_id selection"),
     Unsupported(
         "model.quant_recipe_name",
         lambda c: c.model.quant_recipe_name is not None,
@@ -273,11 +272,6 @@ ENTRIES: list[Unsupported] = [
             "use_triton_swiglu_limit",
         )
     ],
-    Unsupported(
-        "kernels.gdn_chunk_size",
-        lambda c: c.kernels.gdn_chunk_size != KernelsConfig.model_fields["gdn_chunk_size"].default,
-        "Gated DeltaNet (qwen3_next)",
-    ),
     Unsupported(
         "kernels.pre_tokens",
         lambda c: c.kernels.pre_tokens != KernelsConfig.model_fields["pre_tokens"].default,

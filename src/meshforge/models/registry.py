@@ -149,8 +149,17 @@ def resolve_family(
         raise ValueError(
             f"model: no model family given; set model.model_type (built: {', '.join(built_families())})"
         )
+    hint = ""
+    if model_id and not model_type and not architectures:
+        # MindSpeed model_ids without a built-in family (step35, mamba3, minimax_m27, ...) train
+        # through the generic transformers path, which needs the model's own folder.
+        hint = (
+            "; to train it through the generic transformers path, set model.model_name_or_path to a local "
+            "Hugging Face folder of the model (transformers must know its model_type, or set "
+            "model.trust_remote_code: true for a folder with its own code)"
+        )
     raise ValueError(
-        f"not supported yet: model family for {' / '.join(asked)}; built: {', '.join(built_families())}"
+        f"not supported yet: model family for {' / '.join(asked)}; built: {', '.join(built_families())}{hint}"
     )
 
 

@@ -65,6 +65,8 @@ class KernelOptions:
         fix_router: Fixed balanced expert assignment (MoE only).
         compile: ``torch.compile`` each decoder layer.
         chunk_loss_size: Tokens per cross-entropy chunk, or None for the full-logits loss.
+        gdn_chunk_size: Chunk length of the chunked Gated DeltaNet (qwen3_next), or None when
+            the config does not set it (the layers' default, 64).
     """
 
     flash_attn: bool = False
@@ -75,6 +77,7 @@ class KernelOptions:
     fix_router: bool = False
     compile: bool = False
     chunk_loss_size: int | None = None
+    gdn_chunk_size: int | None = None
 
     def model_switches(self) -> dict[str, bool]:
         """Config key -> on, for the switches a model must honour in ``configure_kernels``."""
@@ -151,6 +154,7 @@ def resolve_kernel_options(
         fix_router=bool(kernels.fix_router),
         compile=bool(kernels.compile),
         chunk_loss_size=kernels.chunk_loss_size,
+        gdn_chunk_size=int(kernels.gdn_chunk_size) if "gdn_chunk_size" in kernels.model_fields_set else None,
     )
 
 
@@ -181,6 +185,10 @@ def apply_kernel_options(model: nn.Module, options: KernelOptions, *, family: st
         raise ValueError(f"kernels.fix_router: {family} has no MoE router (a dense model); unset it")
     if options.grouped_mm and not experts:
         raise ValueError(f"kernels.moe_grouped_gemm: {family} has no MoE experts (a dense model); unset it")
+    if options.gdn_chunk_size is not None and not any(type(m).__name__ == "GatedDeltaNet" for m in modules):
+        raise ValueError(
+            f"kernels.gdn_chunk_size: {family} has no Gated DeltaNet layers (only qwen3_next has); unset it"
+        )
     for module in modules:
         if isinstance(module, RMSNorm) and options.fused_rmsnorm is not None:
             module.fused = options.fused_rmsnorm
