@@ -156,6 +156,10 @@ def collect_conversations(wheel: Path) -> list[dict]:
         for name in names:
             data = yaml.safe_load(zf.read(name).decode("utf-8"))
             for turns in data.get("conversations") or []:
+                if not isinstance(turns, list):
+                    # A malformed entry (one string instead of a list of turns) would otherwise be
+                    # iterated character by character into one-letter turns.
+                    continue
                 values = [str(t).strip() for t in turns if t is not None and str(t).strip()]
                 if len(values) < 2:
                     continue

@@ -68,6 +68,8 @@ def test_conversation_records():
         for line in f:
             turns = json.loads(line)["conversations"]
             assert len(turns) >= 2 and len(turns) % 2 == 0
+            # A string split into one-character turns (a malformed source entry) is not a dialogue.
+            assert sum(len(t["value"]) == 1 for t in turns) <= len(turns) // 2, turns[:4]
             for i, turn in enumerate(turns):
                 assert turn["from"] == ("human" if i % 2 == 0 else "gpt")
                 assert isinstance(turn["value"], str) and turn["value"]
