@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,7 +96,12 @@ def _reference(tied: bool, fsdp: bool, micro, steps: int = 2):
         history.append((total, grads))
         opt.step()
     weights = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return history, weights, tokens
+    with torch.no_grad():
+        final_ce = sum(
+            cross_entropy_sum(model(mb["input_ids"], segment_ids=mb["segment_ids"]), mb["labels"])
+            for mb in micro
+        )
+    return history, (weights, final_ce), tokens
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -116,7 +122,7 @@ def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
 
     name, schedule, interleave, spec, tied, fsdp = case
     micro = _micro_batches()
-    history, final, tokens = _reference(tied, fsdp, micro)
+    history, (final, final_ce), tokens = _reference(tied, fsdp, micro)
 
     model = _build(tied, dp_mesh if fsdp else None)
     if fsdp:
@@ -151,6 +157,16 @@ def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
         opt.step()
     for n, p in split.model.named_parameters():
         _close(_full(p.detach()), final[n], f"[{name}] final weight {n}")
+    # Forward-only evaluation after training; then one more training step still runs.
+    if schedule == "zbv":
+        with pytest.raises(
+            NotImplementedError, match="evaluation with parallelism.pipeline_parallel_schedule zbv"
+        ):
+            pipe.evaluate(micro)
+    else:
+        _close(pipe.evaluate(micro), final_ce, f"[{name}] evaluate CE sum on rank {rank}")
+        opt.zero_grad()
+        assert torch.isfinite(pipe.step(micro, tokens))
     if split.tied_across_ranks:
         # The two copies of the tied weight are still bit-identical across the ranks.
         inner = split.model.model
@@ -188,3 +204,61 @@ def test_pp2_schedules_equal_one_process(tmp_path) -> None:
     while not errors.empty():
         failures.append(errors.get())
     assert not failures, "\n".join(failures)
+
+
+def test_trainer_pp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> None:
+    """`meshforge train`, 5 steps: pp2 gpipe / 1f1b / interleaved (uneven) and dp2+pp2 vs 1 process."""
+    from tests.conftest import read_metrics, run_train
+
+    common = ["--training.steps=5", "--model.num_hidden_layers=5", "--checkpoint.enable_save=false"]
+    pp = "--parallelism.pipeline_parallel=2"
+    layouts = {
+        # 'auto' needs the layers divisible by the stages (config rule), hence explicit splits.
+        "gpipe": (
+            2,
+            [
+                pp,
+                "--parallelism.pipeline_parallel_schedule=gpipe",
+                '--parallelism.pipeline_parallel_layers_per_stage=["0-2","3-4"]',
+            ],
+        ),
+        "1f1b": (
+            2,
+            [
+                pp,
+                "--parallelism.pipeline_parallel_schedule=1f1b",
+                '--parallelism.pipeline_parallel_layers_per_stage=["0-1","2-4"]',
+            ],
+        ),
+        "interleaved": (
+            2,
+            [
+                pp,
+                "--parallelism.pipeline_parallel_schedule=interleaved",
+                "--parallelism.pipeline_parallel_interleave_num=2",
+                '--parallelism.pipeline_parallel_layers_per_stage=["0,3","1-2,4"]',
+            ],
+        ),
+        # FSDP over the data ranks of each stage; one micro-batch per data rank (gpipe allows it).
+        "dp2_pp2": (
+            4,
+            [
+                pp,
+                "--parallelism.pipeline_parallel_schedule=gpipe",
+                '--parallelism.pipeline_parallel_layers_per_stage=["0-1","2-4"]',
+            ],
+        ),
+    }
+    run_train(tiny_config, [*common, f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
+    want = read_metrics(tmp_path / "one")
+    assert len(want) == 5
+    for name, (nproc, overrides) in layouts.items():
+        out = tmp_path / name
+        run_train(
+            tiny_config, [*common, *overrides, f"--training.output_dir={out}"], nproc=nproc, cwd=tmp_path
+        )
+        got = read_metrics(out)
+        assert [r["step"] for r in got] == [1, 2, 3, 4, 5], name
+        for a, b in zip(want, got, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (name, a["step"])
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (name, a["step"])

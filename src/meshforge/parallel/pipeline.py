@@ -569,7 +569,10 @@ def check_microbatches(schedule: str, n_microbatches: int, pp_size: int) -> None
     elif name in ("interleaved1f1b", "interleavedzerobubble"):
         rounds = max(1, n_microbatches // pp_size)
         if n_microbatches % rounds:
-            need = f"a multiple of {rounds} (the rounds of {pp_size}); e.g. a multiple of pipeline_parallel"
+            need = (
+                f"a count divisible by max(1, micro-batches // pipeline_parallel) = {rounds} "
+                "(e.g. a multiple of pipeline_parallel)"
+            )
     if need:
         raise ValueError(
             f"training.global_batch_size / training.local_batch_size: {n_microbatches} micro-batches per step "
@@ -649,6 +652,13 @@ class Pipeline:
             every pp rank. Gradients are accumulated into ``.grad`` (tied embedding/head
             gradients already summed across the pp ranks holding them).
         """
+        total = self._run(micro, global_tokens, train=True)
+        self._sum_tied_grads()
+        return total
+
+    def _run(
+        self, micro: list[dict[str, torch.Tensor]], global_tokens: torch.Tensor, *, train: bool
+    ) -> torch.Tensor:
         if not micro:
             raise ValueError("Pipeline.step: no micro-batches")
         # Other keys are ignored, as the single-stage forward ignores them.
@@ -665,15 +675,35 @@ class Pipeline:
         target = batch["labels"] if self.split.has_last else None
         self._global_tokens = global_tokens.to(self.device)
         self._ce = []
-        schedule.step(*args, target=target, return_outputs=False, **kwargs)
-        # The first step also calls the loss once for shape inference: keep the real calls.
+        if train:
+            schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        else:
+            # eval() forwards its keyword arguments to step(), return_outputs included.
+            schedule.eval(*args, target=target, return_outputs=False, **kwargs)
+        # The first run in a mode also calls the loss once for shape inference: keep the real calls.
         ce = self._ce[-len(micro) :] if self.split.has_last else []
         total = torch.stack(ce).sum() if ce else torch.zeros((), dtype=torch.float32, device=self.device)
         total = total.float()
         dist.all_reduce(total, group=self.group)
         self._ce = []
-        self._sum_tied_grads()
         return total
+
+    @torch.no_grad()
+    def evaluate(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Forward only: the CE sum of ``micro`` (float32, 0-dim), the same on every pp rank.
+
+        Args:
+            micro: Micro-batches as for ``step``.
+
+        Raises:
+            NotImplementedError: for the zbv schedule (torch's runtime runs its backward
+                actions in eval mode too).
+        """
+        if self.schedule_name == "zbv":
+            raise NotImplementedError(
+                f"not supported yet: evaluation with {SCHEDULE_KEY} zbv; use interleaved or zero_bubble"
+            )
+        return self._run(micro, torch.ones((), device=self.device), train=False)
 
     def _tied_pair(self) -> tuple[nn.Parameter | None, int]:
         """This rank's end of a tied pair split across ranks, and the peer's global rank."""
