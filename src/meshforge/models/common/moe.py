@@ -203,7 +203,9 @@ def dispatch_to_experts(
         return torch.zeros_like(x)
     # Un-sort: row i of `per_slot` is the expert output for (token i // k, slot i % k).
     per_slot = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
-    per_slot = per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
+    # Explicit sizes: with zero tokens the result stays an (empty) part of the graph, which
+    # expert parallelism needs (the rank still joins the backward all-to-alls).
+    per_slot = per_slot.view(num_tokens, top_k, sorted_out.shape[-1]) * weights.unsqueeze(-1)
     return per_slot.sum(dim=1)
 
 
