@@ -293,6 +293,13 @@ class Trainer:
                 "not supported yet: kernels.chunk_loss_size with parallelism.tensor_parallel > 1 or "
                 "pipeline_parallel > 1 (the chunked loss reads the whole lm_head on one rank)"
             )
+        if d.cp > 1 and self._aux_loss_enabled:
+            # The load-balancing loss is a product of per-sequence means: each context-parallel
+            # rank sees part of the sequence, so its local value is not the model's.
+            raise NotImplementedError(
+                "not supported yet: the MoE router aux loss under parallelism.context_parallel > 1; "
+                "set training.router_aux_loss_coef: 0"
+            )
         if d.pp > 1 and self._aux_loss_enabled:
             raise NotImplementedError(
                 "not supported yet: the MoE router aux loss under parallelism.pipeline_parallel > 1; "
