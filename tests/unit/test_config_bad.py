@@ -20,6 +20,13 @@ def _error(tmp_path, text: str, overrides=(), fmt=None) -> ConfigError:
 # (id, yaml text, expected key path, expected words in the reason)
 BAD = [
     ("wrong-type", "training:\n  steps: abc\n", "training.steps", "integer"),
+    (
+        "cp-ring-seq",
+        "parallelism:\n  context_parallel: 2\ntrain_dataset:\n  dataloader:\n    type: TextDataLoader\n"
+        "    seq_length: 6\n",
+        "parallelism.context_parallel",
+        "not a multiple of 4",
+    ),
     ("unknown-key", "training:\n  stpes: 10\n", "training.stpes", "did you mean 'steps'"),
     ("unknown-top-level", "trainig:\n  steps: 10\n", "trainig", "did you mean 'training'"),
     (

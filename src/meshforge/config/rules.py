@@ -136,6 +136,19 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
     if isinstance(stage_spec, list) and all(isinstance(item, str) for item in stage_spec):
         issues.extend(_stage_string_issues(stage_spec, par.pipeline_parallel_interleave_num))
 
+    if par.context_parallel > 1 and data_seq is not None:
+        # The ring layouts (colossal, hybrid) cut each row into 2 * cp chunks for causal load
+        # balance; ulysses and kvallgather into cp contiguous slices.
+        chunks = par.context_parallel * (2 if par.cp_method() in ("colossal", "hybrid") else 1)
+        if int(data_seq) % chunks:
+            issues.append(
+                (
+                    "parallelism.context_parallel",
+                    f"{par.context_parallel} ({par.cp_method()}) cuts each sequence into {chunks} equal parts, "
+                    f"but the data's sequence length {data_seq} ({_data_seq_path(cfg)}) is not a multiple of {chunks}",
+                )
+            )
+
     num_layers = cfg.model.num_hidden_layers()
     if num_layers is not None:
         issues.extend(layer_issues(cfg, num_layers))
