@@ -213,6 +213,7 @@ def _check_exchange_zero_rows(errors: list[str]) -> None:
     Ranks 0 and 1 (one ep group) route all their tokens to experts 0 and 1 (held by rank 0),
     so rank 1 receives nothing, while rank 3 (same experts as rank 1, other group) does: the
     expert-FSDP reduce-scatter of experts 2 and 3 must still pair ranks 1 and 3 correctly.
+    Then rank 2 has no token of its own while the others send it rows.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -235,41 +236,46 @@ def _check_exchange_zero_rows(errors: list[str]) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         return experts
 
-    sharded = full_experts()
-    apply_ep(sharded, dims.mesh_for(mesh, "ep"))
-    fully_shard(sharded, mesh=efsdp, shard_placement_fn=_expert_placement_fn(efsdp))
-    sharded.set_gradient_divide_factor(1.0)
-    sharded.set_force_sum_reduction_for_comms(True)
-    reference = full_experts()
-
     gen = torch.Generator().manual_seed(11)
-    xs = [torch.randn(n, hidden, generator=gen) for _ in range(world)]
-    group_a = [torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]]) for _ in range(2)]
-    group_b = [torch.randint(0, num_experts, (n, 1), generator=gen) for _ in range(2)]
-    indices = group_a + [torch.cat([i, (i + 1) % num_experts], 1) for i in group_b]
-    weights = [torch.rand(n, 2, generator=gen) for _ in range(world)]
-    total = torch.zeros(())
-    expected = None
-    for r in range(world):
-        counts = torch.bincount(indices[r].flatten(), minlength=num_experts)
-        out = reference(xs[r], indices[r], weights[r], counts)
-        total = total + (out * torch.arange(hidden)).sum()
-        if r == rank:
-            expected = out.detach()
-    total.backward()
-    x = xs[rank].clone().requires_grad_(True)
-    counts = torch.bincount(indices[rank].flatten(), minlength=num_experts)
-    out = sharded(x, indices[rank], weights[rank], counts)
-    (out * torch.arange(hidden)).sum().backward()
-    if _rel(out.detach(), expected) > 1e-5:
-        errors.append(f"exchange/rank{rank}: outputs differ by {_rel(out.detach(), expected):.2e}")
-    for name, param in sharded.named_parameters():
-        if param.grad is None:
-            errors.append(f"exchange/rank{rank}: {name} has no gradient")
-            continue
-        got = param.grad.full_tensor()
-        if _rel(got, reference.get_parameter(name).grad) > 1e-5:
-            errors.append(f"exchange/rank{rank}: gradient of {name} differs")
+    # Scenario 1 (see the docstring): ranks 0 and 1 only pick experts 0 and 1; ranks 2 and 3 pick any.
+    pairs = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])
+    firsts = [torch.randint(0, num_experts, (n, 1), generator=gen) for _ in range(2)]
+    skewed = [pairs, pairs] + [torch.cat([i, (i + 1) % num_experts], 1) for i in firsts]
+    # Scenario 2: rank 2 has no token at all but owns experts that the others pick.
+    firsts = [torch.randint(0, num_experts, (m, 1), generator=gen) for m in (n, n, 0, n)]
+    empty_rank = [torch.cat([i, (i + 1) % num_experts], 1) for i in firsts]
+    for scenario, indices in (("no rows in", skewed), ("no tokens on rank 2", empty_rank)):
+        sharded = full_experts()
+        apply_ep(sharded, dims.mesh_for(mesh, "ep"))
+        fully_shard(sharded, mesh=efsdp, shard_placement_fn=_expert_placement_fn(efsdp))
+        sharded.set_gradient_divide_factor(1.0)
+        sharded.set_force_sum_reduction_for_comms(True)
+        reference = full_experts()
+        xs = [torch.randn(i.shape[0], hidden, generator=gen) for i in indices]
+        weights = [torch.rand(i.shape[0], 2, generator=gen) for i in indices]
+        total = torch.zeros(())
+        expected = None
+        for r in range(world):
+            counts = torch.bincount(indices[r].flatten(), minlength=num_experts)
+            out = reference(xs[r], indices[r], weights[r], counts)
+            total = total + (out * torch.arange(hidden)).sum()
+            if r == rank:
+                expected = out.detach()
+        total.backward()
+        x = xs[rank].clone().requires_grad_(True)
+        counts = torch.bincount(indices[rank].flatten(), minlength=num_experts)
+        out = sharded(x, indices[rank], weights[rank], counts)
+        (out * torch.arange(hidden)).sum().backward()
+        tag = f"exchange ({scenario})/rank{rank}"
+        if out.shape != expected.shape or (out.numel() and _rel(out.detach(), expected) > 1e-5):
+            errors.append(f"{tag}: outputs differ")
+        for name, param in sharded.named_parameters():
+            if param.grad is None:
+                errors.append(f"{tag}: {name} has no gradient")
+                continue
+            got = param.grad.full_tensor()
+            if _rel(got, reference.get_parameter(name).grad) > 1e-5:
+                errors.append(f"{tag}: gradient of {name} differs")
 
 
 def _check_errors(errors: list[str]) -> None:
