@@ -207,7 +207,7 @@ def test_pp2_schedules_equal_one_process(tmp_path) -> None:
 
 
 def test_trainer_pp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> None:
-    """`meshforge train`, 5 steps: pp2 gpipe / 1f1b / interleaved (uneven) and dp2+pp2 vs 1 process."""
+    """`meshforge train`, 5 steps: pp2 gpipe / 1f1b / interleaved (uneven), dp2+pp2, tp2+pp2 vs 1 process."""
     from tests.conftest import read_metrics, run_train
 
     common = ["--training.steps=5", "--model.num_hidden_layers=5", "--checkpoint.enable_save=false"]
@@ -246,6 +246,18 @@ def test_trainer_pp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> No
                 pp,
                 "--parallelism.pipeline_parallel_schedule=gpipe",
                 '--parallelism.pipeline_parallel_layers_per_stage=["0-1","2-4"]',
+            ],
+        ),
+        # TP+SP inside each stage: the hidden states between stages hold half of each row.
+        "tp2_pp2": (
+            4,
+            [
+                pp,
+                "--parallelism.tensor_parallel=2",
+                "--parallelism.sequence_parallel=true",
+                "--parallelism.enable_loss_parallel=true",
+                "--parallelism.pipeline_parallel_schedule=1f1b",
+                '--parallelism.pipeline_parallel_layers_per_stage=["0-2","3-4"]',
             ],
         ),
     }

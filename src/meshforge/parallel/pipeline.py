@@ -345,6 +345,7 @@ class _PipelinedCausalLM:
         inputs: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        seq_len: int | None = None,
         *,
         pp_stage: int,
     ) -> torch.Tensor:
@@ -354,6 +355,8 @@ class _PipelinedCausalLM:
             inputs: Token ids ``[B, S]`` on the first stage, hidden states ``[B, S, H]`` after.
             position_ids, segment_ids: As ``CausalLM.forward``; every stage rebuilds the mask
                 and RoPE tables from them (they are tiny next to one layer's compute).
+            seq_len: Tokens per row. Needed after the first stage: under sequence parallelism
+                the hidden states passed between stages hold only this rank's part of the row.
         """
         stage = self._pp_stages[pp_stage]
         inner: Any = self.model  # type: ignore[attr-defined]
@@ -374,7 +377,9 @@ class _PipelinedCausalLM:
                 token_mask = segment_ids != 0
             if position_ids is None:
                 position_ids = positions_from_segments(segment_ids)
-        rope = inner.rotary_emb(position_ids, seq_len=h.shape[1], device=h.device, dtype=h.dtype)
+        if seq_len is None:
+            seq_len = inputs.shape[-1] if stage.is_first else h.shape[1]
+        rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
         for key in stage.layer_keys:
             layer = inner.layers[key]
             h = layer(h, rope, mask, token_mask) if inner.pass_token_mask else layer(h, rope, mask)
@@ -531,9 +536,10 @@ class StageModule(nn.Module):
         inputs: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        seq_len: int | None = None,
     ) -> torch.Tensor:
         """Token ids (first stage) or hidden states in, hidden states (or logits, last stage) out."""
-        return self.__dict__["_root"](inputs, position_ids, segment_ids, pp_stage=self.stage.index)
+        return self.__dict__["_root"](inputs, position_ids, segment_ids, seq_len, pp_stage=self.stage.index)
 
 
 # ----------------------------------------------------------------------------------------
@@ -670,7 +676,8 @@ class Pipeline:
                 )
         schedule = self._schedule_for(len(micro))
         batch = {k: torch.cat([mb[k] for mb in micro]).to(self.device) for k in keys}
-        kwargs = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+        kwargs: dict[str, Any] = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+        kwargs["seq_len"] = int(batch["input_ids"].shape[-1])  # not a tensor: every micro-batch gets it
         args = (batch["input_ids"],) if self.split.has_first else ()
         target = batch["labels"] if self.split.has_last else None
         self._global_tokens = global_tokens.to(self.device)
