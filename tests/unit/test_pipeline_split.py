@@ -189,3 +189,15 @@ def test_unsupported_families_and_options() -> None:
         split_model(_meta(), pp_rank=0, pp_size=2, interleave=2, schedule="1f1b")
     with pytest.raises(ValueError, match="zbv schedule runs exactly 2 stages"):
         split_model(_meta(), pp_rank=0, pp_size=2, interleave=1, schedule="zbv")
+
+
+def test_pruned_model_materialises_and_counts() -> None:
+    # to_empty calls tie_weights after _apply: it must not re-tie (or crash) where one end is gone.
+    for rank in range(2):
+        split = split_model(_meta(tie=True), pp_rank=rank, pp_size=2, layers_per_stage=["0-2", "3-5"])
+        split.model.to_empty(device="cpu")
+        params = dict(split.model.named_parameters())
+        assert all(p.device.type == "cpu" for p in params.values())
+        assert split.model.num_params() == sum(p.numel() for p in params.values())
+        assert split.model.num_params(exclude_embedding=True) <= split.model.num_params()
+        assert split.stage_ids == [rank] and split.tied_copies == (("lm_head.weight",) if rank else ())
