@@ -683,7 +683,12 @@ class Pipeline:
         self._global_tokens = global_tokens.to(self.device)
         self._ce = []
         if train:
-            schedule.step(*args, target=target, return_outputs=False, **kwargs)
+            self._set_fsdp_sync(False)
+            try:
+                schedule.step(*args, target=target, return_outputs=False, **kwargs)
+            finally:
+                self._set_fsdp_sync(True)
+            self._fsdp_reduce_grads()
         else:
             # eval() forwards its keyword arguments to step(), return_outputs included.
             schedule.eval(*args, target=target, return_outputs=False, **kwargs)
@@ -694,6 +699,33 @@ class Pipeline:
         dist.all_reduce(total, group=self.group)
         self._ce = []
         return total
+
+    def _set_fsdp_sync(self, sync: bool) -> None:
+        """Gradient sync of an FSDP-wrapped model on (each backward reduces) or off (accumulate).
+
+        The stages call the FSDP root through ``StageModule``, which is no ``FSDPModule``, so
+        the schedule's own FSDP handling does not apply; this does what it would do (reduce
+        once per step, after the last micro-batch).
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(sync)
+            self.model.set_reshard_after_backward(sync)
+            self.model.set_is_last_backward(sync)
+
+    def _fsdp_reduce_grads(self) -> None:
+        """Reduce-scatter the gradients accumulated over the step's micro-batches (FSDP only)."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if not isinstance(self.model, FSDPModule):
+            return
+        state = fully_shard.state(self.model)
+        for module_state in state._state_ctx.all_states:
+            for group in module_state._fsdp_param_groups:
+                group.post_backward()
+        # Waits for the reductions and reshards, as at the end of an ordinary backward.
+        state._root_post_backward_final_callback()
 
     @torch.no_grad()
     def evaluate(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
