@@ -146,16 +146,41 @@ def test_pruned_names_are_the_originals(tie: bool) -> None:
     assert all(seen[n] == full[n].shape for n in full)
 
 
-def test_stage_forward_equals_the_whole_model() -> None:
+def _family_builder(family: str):
+    from dataclasses import replace
+
+    if family == "qwen3":
+        return lambda: build_qwen3(Qwen3Args(**ARGS, tie_word_embeddings=True), device="cpu")
+    if family == "llama":
+        from meshforge.models.llama.args import LlamaArgs
+        from meshforge.models.llama.model import build_llama
+
+        args = LlamaArgs(**{k: v for k, v in ARGS.items() if k != "head_dim"}, tie_word_embeddings=True)
+        return lambda: build_llama(args, device="cpu")
+    if family == "qwen3_moe":
+        from meshforge.models.qwen3_moe.args import Qwen3MoeArgs
+        from meshforge.models.qwen3_moe.model import build_qwen3_moe
+
+        args = Qwen3MoeArgs(**ARGS, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+        return lambda: build_qwen3_moe(args, device="cpu")
+    from meshforge.models.deepseek_v3.args import FLAVORS
+    from meshforge.models.deepseek_v3.model import build_deepseek_v3
+
+    args = replace(FLAVORS["debug"], vocab_size=64, num_hidden_layers=6)
+    return lambda: build_deepseek_v3(args, device="cpu")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "deepseek_v3"])
+def test_stage_forward_equals_the_whole_model(family: str) -> None:
     torch.manual_seed(0)
-    args = Qwen3Args(**ARGS, tie_word_embeddings=True)
-    ref = build_qwen3(args, device="cpu")
+    build = _family_builder(family)
+    ref = build()
     ids = torch.randint(0, 64, (2, 10))
     seg = torch.tensor([[1] * 4 + [2] * 6, [1] * 10])
     want = ref(ids, segment_ids=seg)
     h = ids
     for index, rank in enumerate([0, 1, 0, 1]):
-        model = build_qwen3(args, device="cpu")
+        model = build()
         split = split_model(
             model,
             pp_rank=rank,
@@ -169,7 +194,11 @@ def test_stage_forward_equals_the_whole_model() -> None:
         own = {id(p) for p in module.parameters()}
         assert own <= {id(p) for p in split.model.parameters()}
         h = module(h, segment_ids=seg)
-    # build_qwen3 on CPU draws the same weights every time; the last rank's head is the embedding copy.
+        if hasattr(ref, "moe_layers"):
+            # MoE helpers see this rank's layers under their global indices.
+            hosted = [int(k) for k in split.model.model.layers]
+            assert set(split.model.moe_layers()) == {i for i in ref.moe_layers() if i in hosted}
+    # The builders draw the same weights every time; the last rank's head is the embedding copy.
     torch.testing.assert_close(h, want, rtol=1e-6, atol=1e-6)
 
 

@@ -41,7 +41,7 @@ LAYERS_KEY = "parallelism.pipeline_parallel_layers_per_stage"
 SCHEDULE_KEY = "parallelism.pipeline_parallel_schedule"
 
 # Families whose inner model is a ``DecoderModel`` with one mask for every layer.
-SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe")
+SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3")
 
 # Canonical schedule name -> (torch class name, stages per rank: "one" or "many", placement).
 _SCHEDULES: dict[str, tuple[str, str, str]] = {
@@ -401,12 +401,22 @@ class _PipelinedCausalLM:
         return super().num_params(**kwargs)  # type: ignore[misc]
 
 
+class _PipelinedMoECausalLM(_PipelinedCausalLM):
+    """The MoE families' ``moe_layers`` on the pruned ModuleDict (keyed by global index)."""
+
+    def moe_layers(self) -> dict[int, nn.Module]:
+        """This rank's sparse blocks by global decoder-layer index."""
+        layers: Any = self.model.layers  # type: ignore[attr-defined]
+        return {int(k): layer.mlp for k, layer in layers.items() if getattr(layer, "is_moe", False)}
+
+
 _PIPELINED_CLASSES: dict[type, type] = {}
 
 
 def _pipelined_class(cls: type) -> type:
     if cls not in _PIPELINED_CLASSES:
-        _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (_PipelinedCausalLM, cls), {})
+        mixin = _PipelinedMoECausalLM if hasattr(cls, "moe_layers") else _PipelinedCausalLM
+        _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (mixin, cls), {})
     return _PIPELINED_CLASSES[cls]
 
 
@@ -441,7 +451,7 @@ def split_model(
     Call it on the meta model, before TP, FSDP and materialisation.
 
     Args:
-        model: A built-in ``CausalLM`` of a supported family (qwen3, llama, qwen3_moe).
+        model: A built-in ``CausalLM`` of a supported family (qwen3, llama, qwen3_moe, deepseek_v3).
         pp_rank: This rank's index on the pp mesh.
         pp_size: Pipeline ranks (``parallelism.pipeline_parallel``).
         layers_per_stage: ``parallelism.pipeline_parallel_layers_per_stage`` (see ``assign_layers``).
