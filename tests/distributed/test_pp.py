@@ -34,6 +34,8 @@ CASES = [
     # Zero bubble (separate input- and weight-gradient passes); zbv puts both ends on rank 0.
     ("interleaved zero bubble tied", "zero_bubble", 2, ["0,3", "1-2,4"], True, False),
     ("zbv tied", "zbv", 2, ["0,4", "1-2,3"], True, False),
+    # The weight-gradient pass of zero bubble on FSDP's unsharded parameters.
+    ("interleaved zero bubble fsdp untied", "zero_bubble", 2, ["0-1,3", "2,4"], False, True),
 ]
 
 
