@@ -134,12 +134,12 @@ def test_pruned_names_are_the_originals(tie: bool) -> None:
             assert list(split.model.model.layers) == ["0", "3"]
             assert split.model.model.embed_tokens is not None and split.model.lm_head is None
             assert split.model.model.norm is None
-            assert split.has_first and not split.has_last and split.duplicate_parameters == ()
+            assert split.has_first and not split.has_last and split.tied_copies == ()
         else:
             assert list(split.model.model.layers) == ["1", "2", "4", "5"]
             assert split.model.model.embed_tokens is None and split.model.lm_head is not None
             assert "lm_head.weight" in names  # its own parameter when tied
-            assert split.duplicate_parameters == (("lm_head.weight",) if tie else ())
+            assert split.tied_copies == (("lm_head.weight",) if tie else ())
         assert split.tied_across_ranks == tie
     # Every original name lives on exactly one rank (the tied head's on the last).
     assert set(seen) == set(full)

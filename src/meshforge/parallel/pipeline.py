@@ -27,7 +27,7 @@ over the two ranks, so both copies get the same update as the single tied weight
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -121,7 +121,6 @@ class PipelineSplit:
     interleave: int
     schedule: str
     tied_across_ranks: bool = False
-    _layer_count: int = field(default=0, repr=False)
 
     @property
     def num_stages(self) -> int:
@@ -155,11 +154,6 @@ class PipelineSplit:
 
     @property
     def tied_copies(self) -> tuple[str, ...]:
-        """Alias of ``duplicate_parameters`` (the trainer's name)."""
-        return self.duplicate_parameters
-
-    @property
-    def duplicate_parameters(self) -> tuple[str, ...]:
         """Names on this rank that copy a parameter held by another pp rank.
 
         A norm or any other sum over the pp ranks must leave these out: with tied embeddings
@@ -517,7 +511,6 @@ def split_model(
         interleave=interleave,
         schedule=name,
         tied_across_ranks=tied,
-        _layer_count=num_layers,
     )
 
 
