@@ -169,6 +169,8 @@ def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
         _close(pipe.evaluate(micro), final_ce, f"[{name}] evaluate CE sum on rank {rank}")
         opt.zero_grad()
         assert torch.isfinite(pipe.step(micro, tokens))
+    with pytest.raises(ValueError, match=r"micro-batches of shape \[\(2, 4\)\] after \(2, 8\)"):
+        pipe.step([{k: v[:, :4] for k, v in mb.items()} for mb in micro], tokens)
     if split.tied_across_ranks:
         # The two copies of the tied weight are still bit-identical across the ranks.
         inner = split.model.model

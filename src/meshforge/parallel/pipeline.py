@@ -620,6 +620,7 @@ class Pipeline:
         self._schedules: dict[int, Any] = {}
         self._global_tokens: torch.Tensor | None = None
         self._ce: list[torch.Tensor] = []
+        self._shape: tuple[int, ...] | None = None
         self.schedule = self._schedule_for(n_microbatches)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -677,6 +678,15 @@ class Pipeline:
                 raise ValueError(
                     f"Pipeline.step: micro-batch {i} has keys {sorted(mb)}, micro-batch 0 {keys}"
                 )
+        shape = tuple(micro[0]["input_ids"].shape)
+        if any(tuple(mb["input_ids"].shape) != shape for mb in micro) or self._shape not in (None, shape):
+            got = sorted({tuple(mb["input_ids"].shape) for mb in micro})
+            raise ValueError(
+                f"Pipeline: micro-batches of shape {got} after {self._shape or shape}: the stages' "
+                "transfer buffers are sized by the first micro-batch, so every micro-batch needs the same "
+                "[local_batch_size, sequence length] (pad to a fixed length, e.g. train_dataset.cutoff_len)"
+            )
+        self._shape = shape
         schedule = self._schedule_for(len(micro))
         batch = {k: torch.cat([mb[k] for mb in micro]).to(self.device) for k in keys}
         kwargs: dict[str, Any] = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
