@@ -2,13 +2,14 @@
 
 One spawn of 2 processes checks every layout: each rank builds the full model from the same seed,
 keeps it as the single-process reference, and applies `apply_tp` to a deep copy. Forward logits,
-the loss and every parameter's gradient (gathered with `full_tensor`) must match the reference:
-qwen3 (GQA, per-head q/k norms) untied and tied, llama with biases, qwen3_moe (experts kept
-whole on every rank, router aux loss included), with and without loss
-parallelism, packed documents, no sequence parallelism, the meta-device build that the trainer
-uses (materialised afterwards), and the generic transformers path driven by the `tp_colwise` /
-`tp_rowwise` patterns. The refusals (divisibility, unsupported family, sequence length, chunked
-loss) run in the same launch.
+the loss and every parameter's gradient (gathered with `full_tensor`, and laid out like its
+parameter) must match the reference: qwen3 (GQA, per-head q/k norms) untied and tied, llama with
+biases, qwen3_moe (experts kept whole on every rank, router aux loss included), with and without
+loss parallelism, packed documents, no sequence parallelism, the meta-device build the trainer
+uses (materialised afterwards), compiled layers, and the generic transformers path driven by the
+`tp_colwise` / `tp_rowwise` patterns (tied embeddings too). The refusals (divisibility,
+unsupported family, sequence length, chunked loss) run in the same launch. A second test runs
+`meshforge train` with tensor_parallel=2 against one process and resumes its checkpoint on one.
 """
 
 from __future__ import annotations
@@ -144,6 +145,20 @@ def _check_builtin(mesh, family_name: str, options: dict, kwargs: dict, packed: 
     _compare(case, ref, tp, _batch(options["vocab_size"], packed))
 
 
+def _check_compiled_layers(mesh) -> None:
+    """`kernels.compile` (each decoder layer compiled after TP) gives the same logits and gradients."""
+    from meshforge.models.registry import resolve_family
+    from meshforge.parallel.tensor import apply_tp
+
+    ref = resolve_family("qwen3").build(QWEN3, device="cpu")
+    _randomise_norms(ref)
+    tp = copy.deepcopy(ref)
+    apply_tp(tp, mesh, family="qwen3", loss_parallel=True)
+    for layer in tp.model.layers:
+        layer.compile()
+    _compare("compiled layers", ref, tp, _batch(QWEN3["vocab_size"], False))
+
+
 def _check_meta_build(mesh) -> None:
     """The trainer's order: build on meta, apply TP, then materialise each parameter from the seed."""
     from meshforge.models.materialize import materialize_and_init
@@ -256,6 +271,7 @@ def _worker(rank: int, world: int, store_path: str, err_dir: str) -> None:
         for case, family_name, options, kwargs, packed in CASES:
             _check_builtin(mesh, family_name, options, kwargs, packed, case)
         _check_meta_build(mesh)
+        _check_compiled_layers(mesh)
         _check_generic(mesh)
         _check_refusals(mesh)
         dist.barrier()

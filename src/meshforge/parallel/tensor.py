@@ -294,6 +294,19 @@ def _match_grad_layouts(model: nn.Module) -> None:
     model.register_forward_pre_hook(_hook_new_parameters)
 
 
+def _copy_local_output(_module: nn.Module, _args: Any, output: Any) -> Any:
+    """Forward hook on the embedding: hand the layers a copy of the TP output, not `to_local()`'s alias.
+
+    With `torch.compile`d decoder layers (`kernels.compile`), a compiled region whose input is
+    the alias `to_local()` returns breaks the backward (torch 2.13: the DTensor redistribution
+    behind it receives a plain-tensor gradient, "'Tensor' object has no attribute
+    '_local_tensor'"); a fresh tensor avoids it. One `[batch, seq/tp, hidden]` copy per forward.
+    """
+    if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
+        return output.clone()
+    return output
+
+
 def _sequence_check_hook(tp: int):
     """Forward pre-hook on the embedding: SP splits the sequence evenly over the TP ranks."""
 
@@ -461,6 +474,8 @@ def apply_tp(
     if sequence_parallel and isinstance(inner, nn.Module):
         setattr(inner, _SP_ATTR, tp)
     embed = getattr(inner, "embed_tokens", None)
+    if isinstance(embed, nn.Module) and "model.embed_tokens" in plan:
+        embed.register_forward_hook(_copy_local_output)
     if sequence_parallel and isinstance(embed, nn.Module):
         # Before the RowwiseParallel input hook, so an uneven length fails before any collective.
         embed.register_forward_pre_hook(_sequence_check_hook(tp), prepend=True)
