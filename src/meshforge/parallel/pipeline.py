@@ -371,8 +371,12 @@ class _PipelinedCausalLM:
                 token_mask = segment_ids != 0
             if position_ids is None:
                 position_ids = positions_from_segments(segment_ids)
-        if seq_len is None:
-            seq_len = inputs.shape[-1] if stage.is_first else h.shape[1]
+        if seq_len is None and stage.is_first:
+            seq_len = inputs.shape[-1]
+        elif seq_len is None:
+            from meshforge.parallel.tensor import sequence_shards
+
+            seq_len = h.shape[1] * sequence_shards(self)  # type: ignore[arg-type]
         rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
         for key in stage.layer_keys:
             layer = inner.layers[key]
