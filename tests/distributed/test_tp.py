@@ -249,6 +249,8 @@ def _check_refusals(mesh) -> None:
         NotImplementedError, match="not supported yet: parallelism.tensor_parallel > 1 for gpt_oss"
     ):
         apply_tp(family.build(QWEN3), mesh, family="gpt_oss")
+    with pytest.raises(ValueError, match=r"parallelism\.tp_colwise: .*generic transformers path only"):
+        apply_tp(family.build(QWEN3), mesh, family="qwen3", colwise=["*.q_proj"])
     model = family.build(QWEN3, device="cpu")
     apply_tp(model, mesh, family="qwen3")
     with pytest.raises(ValueError, match=r"sequence length \(15\) must be a multiple of 2"):

@@ -417,6 +417,22 @@ def _generic_head_norms(model: nn.Module, colwise_linears: set[str]) -> dict[str
     return plan
 
 
+def _refuse_custom_patterns(family: str, colwise: list[str] | None, rowwise: list[str] | None) -> None:
+    """Built-in families use their own plan: custom `tp_colwise`/`tp_rowwise` would be ignored."""
+    from meshforge.parallel.config import MS_TP_COLWISE, MS_TP_ROWWISE
+
+    for key, given, default in (
+        ("tp_colwise", colwise, MS_TP_COLWISE),
+        ("tp_rowwise", rowwise, MS_TP_ROWWISE),
+    ):
+        if given is not None and list(given) != list(default):
+            raise ValueError(
+                f"parallelism.{key}: module patterns drive tensor parallelism on the generic transformers "
+                f"path only; the built-in {family} family has its own plan "
+                f"(meshforge/models/{family}/parallelize.py); leave {key} at its default"
+            )
+
+
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -438,13 +454,14 @@ def apply_tp(
             (built-in families; the generic path has none).
         loss_parallel: keep the logits vocab-sharded (`Shard(-1)` DTensor) for
             `meshforge.loss.cross_entropy_sum`, instead of gathering them.
-        colwise: `parallelism.tp_colwise` patterns (generic path).
-        rowwise: `parallelism.tp_rowwise` patterns (generic path).
+        colwise: `parallelism.tp_colwise` patterns (generic path; a built-in family refuses
+            anything but the default, which its own plan stands for).
+        rowwise: `parallelism.tp_rowwise` patterns (generic path; likewise).
 
     Raises:
         NotImplementedError: a family with no TP plan yet.
-        ValueError: a size TP splits is not divisible by the TP degree, a pattern is invalid,
-            or tied weights would get different layouts.
+        ValueError: a size TP splits is not divisible by the TP degree, a pattern is invalid
+            (or custom for a built-in family), or tied weights would get different layouts.
     """
     tp = tp_mesh.size()
     if family in UNSUPPORTED_FAMILIES:
@@ -454,6 +471,7 @@ def apply_tp(
         )
     aliases = _shared_parameters(model)
     if family in _PLAN_MODULES:
+        _refuse_custom_patterns(family, colwise, rowwise)
         plan = _builtin_plan(
             model, family, tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
         )
