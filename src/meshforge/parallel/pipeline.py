@@ -428,11 +428,8 @@ def _check_supported(model: nn.Module) -> None:
         raise NotImplementedError(f"not supported yet: parallelism.pipeline_parallel > 1 for {family}")
     if not isinstance(inner.layers, nn.ModuleList):
         raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
-    if getattr(model.args, "output_router_logits", False):
-        raise NotImplementedError(
-            "not supported yet: parallelism.pipeline_parallel > 1 with the router aux loss "
-            "(model.output_router_logits: true); set it to false"
-        )
+    # The MoE router aux loss is one loss over all layers' statistics, which live on different
+    # stages here: the trainer refuses a non-zero router_aux_loss_coef under pipeline parallelism.
 
 
 def split_model(
