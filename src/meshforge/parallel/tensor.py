@@ -22,12 +22,18 @@ both shard the `[vocab, hidden]` weight on dim 0, so one DTensor serves both (re
 `parallelize_module`, which gives each module a new parameter).
 
 Built-in families get their plan from `meshforge.models.<family>.parallelize.tp_plan` (qwen3 and
-llama share the dense decoder plan below; qwen3 adds its per-head q/k norms). The generic
+llama share the dense decoder plan below; qwen3 adds its per-head q/k norms; qwen3_moe keeps its
+routed experts whole on every rank, see its module). The generic
 transformers path (`family="generic"`) is driven by the `parallelism.tp_colwise` / `tp_rowwise`
 module patterns instead, without SP. transformers 5.24's Qwen3 and Llama attention reshape the
 projections with `view(*input_shape, -1, head_dim)` and keep no head-count attribute in forward
 (`num_key_value_groups` is a ratio, unchanged when q and k/v heads are split alike), so a
 column-split projection just yields the local heads.
+
+Two fix-ups keep the result usable downstream: every gradient is brought back to its parameter's
+layout (DTensor leaves the embedding's Replicate and the norms' Partial), and the embedding output
+is copied once so that `torch.compile`d layers (`kernels.compile`) backpropagate correctly.
+Pipeline stages see SP-split hidden states; `sequence_shards` tells them the split.
 
 Loss parallelism: `meshforge.loss.cross_entropy_sum` accepts the vocab-sharded DTensor logits and
 returns a plain 0-dim tensor (it computes the softmax statistics with two all-reduces over the TP
@@ -61,6 +67,7 @@ __all__ = [
     "apply_tp",
     "check_divisible",
     "decoder_tp_plan",
+    "generic_tp_plan",
     "loss_parallel_context",
     "sequence_shards",
 ]
