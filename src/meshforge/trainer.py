@@ -303,7 +303,7 @@ class Trainer:
         if d.pp > 1 and self._aux_loss_enabled:
             raise NotImplementedError(
                 "not supported yet: the MoE router aux loss under parallelism.pipeline_parallel > 1; "
-                "set training.router_aux_loss_coef: 0"
+                "set training.router_aux_loss_coef: 0 and model.output_router_logits: false"
             )
         if d.pp > 1 and self.cfg.checkpoint.save_hf_weights:
             raise NotImplementedError(

@@ -11,6 +11,10 @@ from meshforge.config.unsupported import ENTRIES
 
 # A minimal config that turns each entry's feature on (validity rules satisfied).
 TRIGGERS: dict[str, dict] = {
+    "parallelism.moe_token_dispatcher_type": {
+        "parallelism": {"expert_parallel": 8, "moe_token_dispatcher_type": "alltoall_deredundancy"}
+    },
+    "parallelism.expert_parallel_async_d2h": {"parallelism": {"expert_parallel_async_d2h": True}},
     "parallelism.ep_fsdp_size": {"parallelism": {"ep_fsdp_size": 2}},
     "parallelism.cpu_offload": {"parallelism": {"cpu_offload": True}},
     "parallelism.context_parallel_async": {"parallelism": {"context_parallel_async": True}},

@@ -114,7 +114,21 @@ def _param_dtype_differs(c: TrainConfig) -> bool:
 
 _P = "parallelism"
 ENTRIES: list[Unsupported] = [
-    Unsupported(f"{_P}.ep_fsdp_size", lambda c: c.parallelism.ep_fsdp_size > 1, "expert FSDP"),
+    Unsupported(
+        f"{_P}.ep_fsdp_size",
+        lambda c: c.parallelism.ep_fsdp_size > 1,
+        "an explicit expert-FSDP size (it is derived: data_parallel_shard / (expert_parallel / context_parallel))",
+    ),
+    Unsupported(
+        f"{_P}.moe_token_dispatcher_type",
+        lambda c: c.parallelism.moe_token_dispatcher_type == "alltoall_deredundancy",
+        "de-duplicated all-to-all dispatch (alltoall is built)",
+    ),
+    Unsupported(
+        f"{_P}.expert_parallel_async_d2h",
+        lambda c: c.parallelism.expert_parallel_async_d2h,
+        "asynchronous copy of expert token counts",
+    ),
     Unsupported(f"{_P}.cpu_offload", lambda c: c.parallelism.cpu_offload, "FSDP CPU offload"),
     Unsupported(f"{_P}.context_parallel_async", lambda c: c.parallelism.context_parallel_async, "async CP"),
     Unsupported(

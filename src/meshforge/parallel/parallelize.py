@@ -78,7 +78,12 @@ def parallelize_model(
     if dims.ep > 1:
         from meshforge.parallel.expert import apply_ep
 
-        apply_ep(model, mesh.view("ep"))
+        apply_ep(
+            model,
+            mesh.view("ep"),
+            token_dispatcher=str(par.moe_token_dispatcher_type),
+            dispatcher=str(par.ep_dispatcher),
+        )
     if dims.cp > 1:
         from meshforge.parallel.context import apply_cp
 
