@@ -1,6 +1,8 @@
-"""Training-step throughput: built-in Qwen3 vs transformers' Qwen3ForCausalLM on CPU.
+"""Training-step throughput: built-in models vs transformers' own implementation on CPU.
 
-Both models get the same config, the same weights (ours loads the HF state dict),
+Families: ``qwen3`` (dense; shapes ``small`` and ``large``), ``qwen3_moe`` and
+``deepseek_v3`` (tiny-ish MoE shape ``small`` each), each against transformers'
+``*ForCausalLM`` of the same family. Both models get the same config, the same weights (ours loads the HF state dict),
 the same batch and the same AdamW (``fused=True`` by default for both: on CPU the
 fused kernel is ~8x faster than the per-tensor loop that is torch's CPU default,
 which would otherwise add ~0.5 s per step to both sides at the large shape), and
@@ -12,7 +14,9 @@ on a shared machine hits both alike. Reported ratios (ours over theirs):
 * ``ratio``: total tokens/s over all timed steps;
 * ``ratio_median_of_pairs``: median over repeats of the two neighbouring steps'
   time ratio, the figure least disturbed by bursts of load from other processes;
-* ``ratio_of_fastest_steps``: fastest step of each.
+* ``ratio_of_fastest_steps``: fastest step of each;
+* ``ratio_cpu_time``: process CPU time (all threads) over the timed steps, less
+  affected by being descheduled when the machine is oversubscribed.
 
 Model FLOPs per token = 6 * N_matmul + 12 * L * H * D * S, where N_matmul counts
 every weight that takes part in a matmul (all projections and the LM head, a tied
@@ -24,8 +28,13 @@ so both are measured under the same load; ``share_of_peak_best`` uses the fastes
 step and the best sample. Peak RSS is measured per model in a child process that
 builds only that model and trains two steps (``--no-rss`` skips it).
 
-Run: ``python benchmarks/step_throughput.py [--quick] [--shape small|large|all] [--breakdown]``.
-Prints one JSON line per shape.
+For the MoE families the FLOPs count the active parameters (``num_experts_per_tok``
+routed experts per MoE layer, each model's ``flops_per_token``); transformers runs
+its default experts implementation (reported as ``hf_experts_implementation``).
+
+Run: ``python benchmarks/step_throughput.py [--family qwen3|qwen3_moe|deepseek_v3|all]
+[--quick] [--shape small|large|all] [--breakdown]``. Prints one JSON line per
+(family, shape).
 """
 
 from __future__ import annotations
@@ -38,14 +47,20 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from meshforge.models.deepseek_v3.args import DeepseekV3Args  # noqa: E402
+from meshforge.models.deepseek_v3.model import DeepseekV3ForCausalLM  # noqa: E402
 from meshforge.models.qwen3.args import Qwen3Args  # noqa: E402
 from meshforge.models.qwen3.model import Qwen3ForCausalLM  # noqa: E402
+from meshforge.models.qwen3_moe.args import Qwen3MoeArgs  # noqa: E402
+from meshforge.models.qwen3_moe.model import Qwen3MoeForCausalLM  # noqa: E402
 
 SHAPES = {
     # Overhead-bound: small matrices, elementwise work and Python dispatch weigh a lot.
@@ -84,6 +99,93 @@ SHAPES = {
     ),
 }
 
+# Tiny-ish MoE shapes: the same trunk as the dense ``small`` shape (hidden 256, 4 layers,
+# batch 8 x seq 256, vocab 8192) with 8 routed experts, 2 per token.
+MOE_SHAPES = {
+    "qwen3_moe": {
+        "small": dict(
+            args=dict(
+                vocab_size=8192,
+                hidden_size=256,
+                intermediate_size=768,
+                moe_intermediate_size=256,
+                num_experts=8,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                tie_word_embeddings=False,
+            ),
+            batch=8,
+            seq=256,
+            target_ratio=None,
+            target_peak=None,
+        ),
+    },
+    "deepseek_v3": {
+        # MLA with q/kv LoRA ranks, one dense layer first, 8 routed experts in 2 groups
+        # (1 kept), 1 shared expert, sigmoid scoring with the correction bias.
+        "small": dict(
+            args=dict(
+                vocab_size=8192,
+                hidden_size=256,
+                intermediate_size=768,
+                moe_intermediate_size=256,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                q_lora_rank=128,
+                kv_lora_rank=64,
+                qk_nope_head_dim=32,
+                qk_rope_head_dim=32,
+                v_head_dim=32,
+                n_routed_experts=8,
+                n_shared_experts=1,
+                n_group=2,
+                topk_group=1,
+                num_experts_per_tok=2,
+                first_k_dense_replace=1,
+                routed_scaling_factor=2.5,
+                num_nextn_predict_layers=0,
+                tie_word_embeddings=False,
+            ),
+            batch=8,
+            seq=256,
+            target_ratio=None,
+            target_peak=None,
+        ),
+    },
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: our args and model classes, transformers' config and model class names."""
+
+    args_cls: type
+    model_cls: type
+    hf_config: str
+    hf_model: str
+    shapes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+FAMILIES = {
+    "qwen3": Family(Qwen3Args, Qwen3ForCausalLM, "Qwen3Config", "Qwen3ForCausalLM", SHAPES),
+    "qwen3_moe": Family(
+        Qwen3MoeArgs, Qwen3MoeForCausalLM, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE_SHAPES["qwen3_moe"]
+    ),
+    "deepseek_v3": Family(
+        DeepseekV3Args,
+        DeepseekV3ForCausalLM,
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        MOE_SHAPES["deepseek_v3"],
+    ),
+}
+
 
 def measure_mm_peak(size: int = 2048, reps: int = 4, trials: int = 3) -> float:
     """Best fp32 ``torch.mm`` GFLOP/s over a few trials of ``reps`` square products."""
@@ -112,26 +214,26 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def build_hf(args: Qwen3Args, seed: int = 0) -> torch.nn.Module:
-    """transformers' Qwen3ForCausalLM (sdpa attention, no KV cache) for ``args``."""
+def build_hf(family: Family, args: Any, seed: int = 0) -> torch.nn.Module:
+    """transformers' ``*ForCausalLM`` of ``family`` (sdpa attention, no KV cache) for ``args``."""
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.Qwen3Config(**{**args.to_hf_dict(), "use_cache": False})
+    config = getattr(transformers, family.hf_config)(**{**args.to_hf_dict(), "use_cache": False})
     config._attn_implementation = "sdpa"
-    return transformers.Qwen3ForCausalLM(config).float().train()
+    return getattr(transformers, family.hf_model)(config).float().train()
 
 
-def make_pair(args: Qwen3Args, seed: int = 0):
+def make_pair(family: Family, args: Any, seed: int = 0):
     """transformers model and ours with identical weights."""
-    hf = build_hf(args, seed)
-    ours = Qwen3ForCausalLM(args).train()
+    hf = build_hf(family, args, seed)
+    ours = family.model_cls(args).train()
     ours.load_state_dict(hf.state_dict(), strict=True)
     return hf, ours
 
 
-def shape_args(spec: dict) -> Qwen3Args:
-    return Qwen3Args(**spec["args"], max_position_embeddings=max(2048, spec["seq"]), rope_theta=1e6)
+def shape_args(family: Family, spec: dict) -> Any:
+    return family.args_cls(**spec["args"], max_position_embeddings=max(2048, spec["seq"]), rope_theta=1e6)
 
 
 def shape_batch(spec: dict, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -156,14 +258,15 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def rss_child(model_name: str, shape: str, adamw: str) -> None:
+def rss_child(model_name: str, family_name: str, shape: str, adamw: str) -> None:
     """Run in a fresh process: build one model, train 2 steps, print its peak RSS (MB)."""
     import transformers  # noqa: F401  (both children pay the same import, so baselines match)
 
-    spec = SHAPES[shape]
-    args = shape_args(spec)
+    family = FAMILIES[family_name]
+    spec = family.shapes[shape]
+    args = shape_args(family, spec)
     before = _rss_mb()
-    model = build_hf(args) if model_name == "transformers" else Qwen3ForCausalLM(args).train()
+    model = build_hf(family, args) if model_name == "transformers" else family.model_cls(args).train()
     runner = Runner(
         model_name, model, shape_batch(spec, args.vocab_size), model_name == "transformers", adamw
     )
@@ -172,7 +275,7 @@ def rss_child(model_name: str, shape: str, adamw: str) -> None:
     print(json.dumps({"peak_rss_mb": round(_rss_mb(), 1), "rss_before_model_mb": round(before, 1)}))
 
 
-def measure_rss(shape: str, adamw: str, threads: int) -> dict[str, float]:
+def measure_rss(family: str, shape: str, adamw: str, threads: int) -> dict[str, float]:
     """Peak RSS of a 2-step run of each model alone, each in its own process.
 
     Returns each peak and each peak minus the RSS just before the model was built
@@ -180,7 +283,8 @@ def measure_rss(shape: str, adamw: str, threads: int) -> dict[str, float]:
     """
     out = {}
     for name in ("transformers", "meshforge"):
-        cmd = [sys.executable, __file__, "--rss-child", name, "--shape", shape, "--adamw", adamw]
+        cmd = [sys.executable, __file__, "--rss-child", name, "--family", family, "--shape", shape]
+        cmd += ["--adamw", adamw]
         proc = subprocess.run([*cmd, "--threads", str(threads)], capture_output=True, text=True, check=True)
         child = json.loads(proc.stdout.strip().splitlines()[-1])
         out[name] = child["peak_rss_mb"]
@@ -204,6 +308,7 @@ class Runner:
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **impl)
         self.seconds = 0.0
         self.block_seconds: list[float] = []
+        self.cpu_seconds = 0.0
         self.tokens = 0
         self.losses: list[float] = []
 
@@ -219,10 +324,11 @@ class Runner:
         return loss.item()
 
     def timed_block(self, steps: int) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             self.losses.append(self.step())
         dt = time.perf_counter() - t0
+        self.cpu_seconds += time.process_time() - c0
         self.seconds += dt
         self.block_seconds.append(dt)
         self.tokens += steps * self.input_ids.numel()
@@ -254,6 +360,7 @@ def step_breakdown(runner: Runner, steps: int = 2) -> dict[str, float]:
 
 
 def run_shape(
+    family_name: str,
     name: str,
     spec: dict,
     *,
@@ -265,8 +372,9 @@ def run_shape(
     breakdown: bool = False,
     compile_layers: bool = False,
 ) -> dict:
-    args = shape_args(spec)
-    hf, ours = make_pair(args)
+    family = FAMILIES[family_name]
+    args = shape_args(family, spec)
+    hf, ours = make_pair(family, args)
     batch = shape_batch(spec, args.vocab_size)
     runners = [
         Runner("transformers", hf, batch, True, adamw),
@@ -275,7 +383,7 @@ def run_shape(
     if compile_layers:
         # Not part of the eager comparison: what torch.compile of each decoder layer
         # (regional compile, as a kernels.compile option would do) adds on top.
-        compiled = Qwen3ForCausalLM(args).train()
+        compiled = family.model_cls(args).train()
         compiled.load_state_dict(hf.state_dict(), strict=True)
         for i, layer in enumerate(compiled.model.layers):
             compiled.model.layers[i] = torch.compile(layer)
@@ -305,6 +413,7 @@ def run_shape(
     pair_ratios = sorted(t / m for t, m in zip(theirs.block_seconds, mine.block_seconds))
     best_ratio = min(theirs.block_seconds) / min(mine.block_seconds)
     result = {
+        "family": family_name,
         "shape": name,
         "batch": spec["batch"],
         "seq": spec["seq"],
@@ -312,11 +421,15 @@ def run_shape(
         "layers": args.num_hidden_layers,
         "vocab": args.vocab_size,
         "params": ours.num_params(),
+        "active_params": ours.num_params(active=True) if hasattr(ours, "moe_layers") else ours.num_params(),
         "tokens_per_s": {r.name: round(r.tokens_per_s, 1) for r in runners},
         "ratio": round(ratio, 3),
         "ratio_median_of_pairs": round(pair_ratios[len(pair_ratios) // 2], 3),
         "ratio_min_max_of_pairs": [round(pair_ratios[0], 3), round(pair_ratios[-1], 3)],
         "ratio_of_fastest_steps": round(best_ratio, 3),
+        # CPU seconds of this process (all threads), theirs over ours: less sensitive than wall
+        # time to being descheduled on a crowded machine (not to shared caches and memory bandwidth).
+        "ratio_cpu_time": round(theirs.cpu_seconds / mine.cpu_seconds, 3),
         "adamw": adamw,
         "gflops": {k: round(v, 2) for k, v in gflops.items()},
         "share_of_peak": {k: round(v / peak_median, 3) for k, v in median_gflops.items()},
@@ -331,6 +444,9 @@ def run_shape(
         "threads": torch.get_num_threads(),
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
+    experts_impl = getattr(hf.config, "_experts_implementation", None)
+    if hasattr(ours, "moe_layers") and experts_impl is not None:
+        result["hf_experts_implementation"] = experts_impl
     if compile_layers:
         result["ratio_compiled_median_of_pairs"] = round(
             _median([t / c for t, c in zip(theirs.block_seconds, runners[2].block_seconds)]), 3
@@ -343,7 +459,13 @@ def run_shape(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
-    parser.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
+    parser.add_argument(
+        "--family",
+        choices=[*FAMILIES, "all"],
+        default="qwen3",
+        help="model family (qwen3 is dense; qwen3_moe and deepseek_v3 have one MoE shape, small)",
+    )
+    parser.add_argument("--shape", choices=["small", "large", "all"], default="all")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per model")
     parser.add_argument("--steps", type=int, default=None, help="steps per timed block")
@@ -367,18 +489,24 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     if opts.rss_child:
-        rss_child(opts.rss_child, opts.shape, opts.adamw)
+        rss_child(opts.rss_child, opts.family, opts.shape, opts.adamw)
         return
     warmup = opts.warmup if opts.warmup is not None else (1 if opts.quick else 3)
     # One step per block: alternating every step keeps both models under the same load.
     steps = opts.steps if opts.steps is not None else 1
     repeats = opts.repeats if opts.repeats is not None else (2 if opts.quick else 16)
-    names = list(SHAPES) if opts.shape == "all" else [opts.shape]
+    families = list(FAMILIES) if opts.family == "all" else [opts.family]
+    cases = [
+        (fam, shape) for fam in families for shape in FAMILIES[fam].shapes if opts.shape in ("all", shape)
+    ]
+    if not cases:
+        parser.error(f"--shape {opts.shape}: not defined for --family {opts.family} (MoE families: small)")
     peak = measure_mm_peak(trials=1 if opts.quick else 3)
-    for name in names:
+    for fam, name in cases:
         result = run_shape(
+            fam,
             name,
-            SHAPES[name],
+            FAMILIES[fam].shapes[name],
             warmup=warmup,
             steps=steps,
             repeats=repeats,
@@ -388,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
             compile_layers=opts.compile,
         )
         if not opts.no_rss:
-            result["peak_rss_mb"] = measure_rss(name, opts.adamw, opts.threads)
+            result["peak_rss_mb"] = measure_rss(fam, name, opts.adamw, opts.threads)
         print(json.dumps(result), flush=True)
 
 
