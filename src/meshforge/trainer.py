@@ -372,6 +372,7 @@ class Trainer:
             device=self.device,
             n_microbatches=self.plan.grad_accum_steps,
             schedule=str(self.cfg.parallelism.pipeline_parallel_schedule),
+            dxdw_split=bool(self.cfg.parallelism.pipeline_parallel_enable_dxdw_split),
         )
 
     def _epochs(self) -> float | None:
@@ -433,11 +434,6 @@ class Trainer:
                 "training.eval_interval: there is no validation data: set train_dataset.val_size or "
                 "train_dataset.eval_dataset (SFT), or a Megatron split with a validation part "
                 "(e.g. split: '98,2,0')"
-            )
-        if loader is not None and self.dims.pp > 1:
-            raise NotImplementedError(
-                "not supported yet: evaluation under parallelism.pipeline_parallel > 1 "
-                "(remove val_size / eval_dataset / the validation split, or train without PP)"
             )
         if loader is not None:
             when = f"every {interval} steps and at the end" if interval else "at the end of training"
@@ -729,6 +725,8 @@ class Trainer:
 
         self.model.eval()
         try:
+            if self.pipeline is not None:
+                return self._evaluate_pipeline()
             return evaluate(
                 self._eval_forward,
                 self.eval_loader,
@@ -741,6 +739,40 @@ class Trainer:
             # A forward without backward leaves FSDP's root unsharded; the next training forward
             # must gather the weights the optimizer updates, so reshard now.
             _reshard_fsdp(self.model)
+
+    def _evaluate_pipeline(self) -> dict[str, float]:
+        """Validation loss through the pipeline schedule, `grad_accum_steps` batches per call.
+
+        The schedule was built for that many micro-batches, so the last group is filled up with
+        copies whose labels are all ignored (they add no loss and no tokens).
+        """
+        size = self.plan.grad_accum_steps
+        limit = self.cfg.training.eval_iters
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        group: list[dict[str, torch.Tensor]] = []
+
+        def flush() -> None:
+            tokens = sum(int(count_valid_tokens(mb["labels"])) for mb in group)
+            while len(group) < size:
+                filler = {k: v.clone() for k, v in group[0].items()}
+                filler["labels"].fill_(-100)
+                group.append(filler)
+            with torch.no_grad():
+                totals[0] += self.pipeline.evaluate(group).to(torch.float64)
+            totals[1] += tokens
+            group.clear()
+
+        for index, batch in enumerate(self.eval_loader):
+            if limit is not None and index >= int(limit):
+                break
+            group.append(self._to_device(batch))
+            if len(group) == size:
+                flush()
+        if group:
+            flush()
+        totals = dist_utils.all_reduce_sum(totals, self.mesh.view("loss").get_group())
+        loss_sum, tokens = (float(v) for v in totals.cpu())
+        return {"eval_loss": loss_sum / tokens if tokens > 0 else math.nan, "eval_tokens": float(int(tokens))}
 
     def _eval_forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """CE sum and valid-token count of one validation batch (sharded for CP first)."""

@@ -20,9 +20,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.context_parallel_async": {"parallelism": {"context_parallel_async": True}},
     "parallelism.pipeline_parallel_overlap_p2p": {"parallelism": {"pipeline_parallel_overlap_p2p": True}},
     "parallelism.pipeline_parallel_overlap_b_f": {"parallelism": {"pipeline_parallel_overlap_b_f": True}},
-    "parallelism.pipeline_parallel_enable_dxdw_split": {
-        "parallelism": {"pipeline_parallel_enable_dxdw_split": True}
-    },
     "parallelism.enable_mc2": {"parallelism": {"enable_mc2": True}},
     "parallelism.data_parallel_shard_strategy": {"parallelism": {"data_parallel_shard_strategy": "optim"}},
     "parallelism.dense_fsdp_shard_size": {"parallelism": {"dense_fsdp_shard_size": 2}},

@@ -141,11 +141,6 @@ ENTRIES: list[Unsupported] = [
         lambda c: c.parallelism.pipeline_parallel_overlap_b_f,
         "PP overlap",
     ),
-    Unsupported(
-        f"{_P}.pipeline_parallel_enable_dxdw_split",
-        lambda c: c.parallelism.pipeline_parallel_enable_dxdw_split,
-        "PP dx/dw split",
-    ),
     Unsupported(f"{_P}.enable_mc2", lambda c: c.parallelism.enable_mc2, "MC2 fused TP communication"),
     Unsupported(
         f"{_P}.data_parallel_shard_strategy",
