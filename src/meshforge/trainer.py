@@ -476,6 +476,7 @@ class Trainer:
             self.model,
             self.optimizer,
             load_optimizer=not bool(ckpt.no_load_optim),
+            tied_aliases=self._tied_aliases(),
         )
         if not loaded.optimizer_loaded:
             self.log(f"checkpoint: loaded weights from {loaded.path} (no_load_optim: starting at step 0)")
@@ -491,6 +492,11 @@ class Trainer:
         else:
             self.log(f"warning: {loaded.path} has no RNG state for rank {self.dist.rank}; RNGs start fresh")
         self.log(f"checkpoint: resumed from {loaded.path} at step {self.step}")
+
+    def _tied_aliases(self) -> dict[str, str]:
+        """Tied-weight copies this rank holds apart from their source (pipeline last stage)."""
+        copies = getattr(self.pipeline_split, "tied_copies", ()) or ()
+        return {name: "model.embed_tokens.weight" for name in copies}
 
     def _build_metric_sinks(self) -> None:
         self.jsonl: JsonlMetrics | None = None

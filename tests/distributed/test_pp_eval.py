@@ -53,3 +53,32 @@ def test_pp2_evaluates_and_zero_bubble_equals_one_process(tmp_path: Path) -> Non
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
             assert y["eval_loss"] == pytest.approx(x["eval_loss"], rel=1e-5)
             assert y["eval_tokens"] == x["eval_tokens"]
+
+
+def test_tied_embeddings_resume_across_pipeline_layouts(tiny_config: Path, tmp_path: Path) -> None:
+    # The last stage keeps a copy of the tied head: its optimizer state must come from the
+    # embedding's when the checkpoint was saved tied (one process), and go back to it.
+    common = ["--training.steps=4", "--checkpoint.save_interleaved_steps=2"]
+    pp2 = ["--parallelism.pipeline_parallel=2"]
+    one, pp, to_pp, to_one = (tmp_path / n for n in ("one", "pp", "to_pp", "to_one"))
+    run_train(tiny_config, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
+    run_train(tiny_config, [*common, *pp2, f"--training.output_dir={pp}"], nproc=2, cwd=tmp_path)
+    step2 = "checkpoints/checkpoint-00000002"
+    run_train(
+        tiny_config,
+        [*common, *pp2, f"--training.output_dir={to_pp}", f"--checkpoint.load_path={one / step2}"],
+        nproc=2,
+        cwd=tmp_path,
+    )
+    run_train(
+        tiny_config,
+        [*common, f"--training.output_dir={to_one}", f"--checkpoint.load_path={pp / step2}"],
+        cwd=tmp_path,
+    )
+    ref = read_metrics(one)
+    for resumed in (to_pp, to_one):
+        got = read_metrics(resumed)
+        assert [r["step"] for r in got] == [3, 4]
+        for x, y in zip(ref[2:], got, strict=True):
+            assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)

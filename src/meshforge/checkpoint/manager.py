@@ -214,11 +214,18 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         *,
         load_optimizer: bool,
+        tied_aliases: dict[str, str] | None = None,
     ) -> LoadedState:
         """Load a checkpoint into `model` (and `optimizer`) in place, collectively.
 
         With `load_optimizer=False` (`checkpoint.no_load_optim: true`) only the weights are loaded
         and the run starts at step 0 with a fresh optimizer, schedule and data position.
+
+        Args:
+            tied_aliases: copy name -> source name of tied weights this rank holds as separate
+                copies (a pipeline's last stage keeps `lm_head.weight` apart from the first
+                stage's embedding): a checkpoint saved with the weights tied has optimizer state
+                under the source name only, which then loads into the copy.
         """
         path = resolve_load_path(load_path)
         meta = json.loads((path / TRAINER_STATE_FILE).read_text())
@@ -229,8 +236,16 @@ class CheckpointManager:
             )
         if load_optimizer:
             model_sd, optim_sd = get_state_dict(model, optimizer)
+            # DCP keeps one rank's copy of the param-group name lists, and pipeline ranks list
+            # different names: the loaded lists must be this rank's own.
+            own_groups = [list(group.get("params", [])) for group in optim_sd.get("param_groups", [])]
+            moved = _alias_tied_state(optim_sd, tied_aliases or {}, path)
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
             dcp.load(state, checkpoint_id=str(path))
+            for copy, source in moved.items():
+                optim_sd["state"][copy] = optim_sd["state"].pop(source)
+            for group, names in zip(optim_sd.get("param_groups", []), own_groups, strict=True):
+                group["params"] = names
             set_state_dict(
                 model,
                 optimizer,
@@ -250,6 +265,27 @@ class CheckpointManager:
         return LoadedState(
             path=path, trainer_state=trainer_state, rng_state=rng, optimizer_loaded=load_optimizer
         )
+
+
+def _alias_tied_state(optim_sd: dict[str, Any], aliases: dict[str, str], path: Path) -> dict[str, str]:
+    """Rename a tied copy's optimizer state to its source's name when only the source was saved.
+
+    Returns the renames made (copy -> source), to undo after loading.
+    """
+    if not aliases:
+        return {}
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = optim_sd.get("state", {})
+    moved: dict[str, str] = {}
+    for copy, source in aliases.items():
+        has_copy = any(key.startswith(f"optimizer.state.{copy}.") for key in saved)
+        has_source = any(key.startswith(f"optimizer.state.{source}.") for key in saved)
+        if copy in state and source not in state and not has_copy and has_source:
+            state[source] = state.pop(copy)
+            moved[copy] = source
+    return moved
 
 
 def _json_default(value: Any) -> Any:
