@@ -261,3 +261,19 @@ def test_custom_fsdp_modules_only_on_the_generic_path(tmp_path, model_type, refu
         }
     )
     assert ("parallelism.fsdp_modules" in unsupported_features(cfg)) is refused
+
+
+@pytest.mark.parametrize(("model_type", "refused"), [("mistral", False), ("qwen3", True)])
+def test_custom_tp_plan_only_on_the_generic_path(tmp_path, model_type, refused):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    cfg = config_from_dict(
+        {
+            "model": {"model_name_or_path": str(tmp_path)},
+            "parallelism": {
+                "tp_colwise": ["*.q_proj", "lm_head"],
+                "tp_rowwise": ["*.o_proj", "model.embed_tokens"],
+            },
+        }
+    )
+    found = {"parallelism.tp_colwise", "parallelism.tp_rowwise"} & set(unsupported_features(cfg))
+    assert bool(found) == refused

@@ -177,8 +177,16 @@ ENTRIES: list[Unsupported] = [
         lambda c: c.parallelism.hook_modules != MS_LAYER_MODULES,
         "custom prefetch hooks",
     ),
-    Unsupported(f"{_P}.tp_colwise", lambda c: c.parallelism.tp_colwise != MS_TP_COLWISE, "custom TP plan"),
-    Unsupported(f"{_P}.tp_rowwise", lambda c: c.parallelism.tp_rowwise != MS_TP_ROWWISE, "custom TP plan"),
+    Unsupported(
+        f"{_P}.tp_colwise",
+        lambda c: c.parallelism.tp_colwise != MS_TP_COLWISE and not is_generic_model(c),
+        "custom TP plan for built-in families (the generic transformers path honours it)",
+    ),
+    Unsupported(
+        f"{_P}.tp_rowwise",
+        lambda c: c.parallelism.tp_rowwise != MS_TP_ROWWISE and not is_generic_model(c),
+        "custom TP plan for built-in families (the generic transformers path honours it)",
+    ),
     Unsupported(f"{_P}.ep_modules", lambda c: c.parallelism.ep_modules != MS_EP_MODULES, "custom EP plan"),
     Unsupported(
         f"{_P}.ep_fsdp_modules", lambda c: c.parallelism.ep_fsdp_modules != MS_EP_MODULES, "custom EP plan"
