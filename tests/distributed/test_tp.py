@@ -121,6 +121,9 @@ def _compare(case: str, ref: torch.nn.Module, tp: torch.nn.Module, batch: dict[s
     assert rel(logits, ref_logits) <= TOL, (case, "logits", rel(logits, ref_logits))
     assert rel(loss, ref_loss) <= TOL, (case, "loss", loss.item(), ref_loss.item())
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    # Every parameter is a DTensor on the TP mesh (the fused optimizer refuses a mix).
+    plain = [n for n, p in tp.named_parameters() if not hasattr(p, "placements")]
+    assert not plain, (case, "plain parameters", plain)
     names = [n for n, _ in tp.named_parameters()]
     assert names == list(ref_grads), (case, "parameter names changed")
     for name, p in tp.named_parameters():

@@ -265,6 +265,57 @@ def _retie(model: nn.Module, aliases: list[tuple[str, str]], tp: int) -> None:
         setattr(module, name, theirs)
 
 
+def _swap_in_local(module: nn.Module, _args: Any) -> None:
+    """Forward pre-hook: the module computes with the local (full) tensors of its replicated weights."""
+    stash = {}
+    for name in module._meshforge_tp_local:
+        param = module._parameters.get(name)
+        if isinstance(param, DTensor):
+            stash[name] = param
+            # Differentiable: the gradient flows back into the DTensor parameter (Replicate).
+            module._parameters[name] = param.to_local()
+    module.__dict__["_meshforge_tp_stash"] = stash
+
+
+def _swap_back(module: nn.Module, _args: Any, _output: Any) -> None:
+    for name, param in module.__dict__.pop("_meshforge_tp_stash", {}).items():
+        module._parameters[name] = param
+
+
+def _replicate_leftover_parameters(model: nn.Module, tp_mesh: DeviceMesh) -> list[str]:
+    """Turn the parameters the plan left plain into replicated DTensors on the TP mesh.
+
+    Some modules run whole on every TP rank over replicated activations: qwen3_moe's routed
+    experts and router, and on the generic path whatever the patterns do not split (embedding,
+    norms, head). Their gradients are the same on every rank, so their math needs no DTensor;
+    but every parameter must be one for the rest of the stack: the fused optimizer refuses a
+    mix of plain tensors and DTensors, and FSDP then shards all of them on one 2-D mesh. Each
+    owner module gets hooks that swap in the local tensors for its forward and back after it.
+
+    Returns:
+        The dotted names of the converted parameters.
+    """
+    converted: dict[int, nn.Parameter] = {}
+    names: list[str] = []
+    for mod_name, module in model.named_modules():
+        local = []
+        for name, param in list(module._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            new = converted.get(id(param))
+            if new is None:
+                dt = DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False)
+                new = converted[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
+            module._parameters[name] = new
+            local.append(name)
+            names.append(f"{mod_name}.{name}" if mod_name else name)
+        if local:
+            module.__dict__["_meshforge_tp_local"] = tuple(local)
+            module.register_forward_pre_hook(_swap_in_local)
+            module.register_forward_hook(_swap_back)
+    return names
+
+
 # Marks a parameter whose gradient hook `_match_grad_layouts` has registered.
 _GRAD_HOOK_FLAG = "_meshforge_tp_grad_layout"
 
@@ -493,6 +544,7 @@ def apply_tp(
             f"{', '.join(sorted(_PLAN_MODULES))}, or 'generic' with parallelism.tp_colwise/tp_rowwise)"
         )
     parallelize_module(model, tp_mesh, plan)
+    _replicate_leftover_parameters(model, tp_mesh)
     _retie(model, aliases, tp)
     _match_grad_layouts(model)
     inner = getattr(model, "model", None)
