@@ -9,7 +9,8 @@ loss parallelism, packed documents, no sequence parallelism, the meta-device bui
 uses (materialised afterwards), compiled layers, and the generic transformers path driven by the
 `tp_colwise` / `tp_rowwise` patterns (tied embeddings too). The refusals (divisibility,
 unsupported family, sequence length, chunked loss) run in the same launch. A second test runs
-`meshforge train` with tensor_parallel=2 against one process and resumes its checkpoint on one.
+`meshforge train` with tensor_parallel=2 against one process and resumes its checkpoint on one;
+a third trains a transformers Qwen3 folder through the generic path under TP.
 """
 
 from __future__ import annotations
@@ -344,3 +345,66 @@ def test_trainer_tp2_equals_one_process_and_resumes_on_one(tiny_config: Path, tm
     assert [r["step"] for r in c] == [3, 4, 5]
     for x, y in zip(a[2:], c, strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x["step"], x["loss"], y["loss"])
+
+
+GENERIC_YAML = """
+training:
+  steps: 3
+  local_batch_size: 2
+  global_batch_size: 2
+  seed: 5
+  deterministic: true
+lr_scheduler:
+  type: ConstantWarmUpLR
+  learning_rate: 1.e-3
+  warmup_steps: 0
+train_dataset:
+  dataloader:
+    type: TextDataLoader
+    data_path: {data}
+    seq_length: 32
+model:
+  model_name_or_path: {model}
+checkpoint:
+  enable_save: false
+"""
+
+
+def test_trainer_generic_tp2_equals_one_process(tmp_path: Path) -> None:
+    """The generic transformers path (a local Qwen3 folder) trains under TP by the default patterns."""
+    transformers = pytest.importorskip("transformers")
+    from meshforge.data.tokenizer import build_tokenizer
+    from tests.conftest import write_corpus
+
+    folder = tmp_path / "hf_qwen3"
+    config = transformers.Qwen3Config(
+        vocab_size=8192,  # the bundled tokenizer's size
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    build_tokenizer("meshforge://assets/tokenizer").save_pretrained(folder)
+    cfg = tmp_path / "generic.yaml"
+    cfg.write_text(
+        GENERIC_YAML.format(data=write_corpus(tmp_path / "corpus.jsonl", num_docs=40), model=folder)
+    )
+
+    one, tp2 = tmp_path / "one", tmp_path / "tp2"
+    run_train(cfg, [f"--training.output_dir={one}"], cwd=tmp_path)
+    run_train(cfg, [f"--training.output_dir={tp2}", "--parallelism.tensor_parallel=2"], nproc=2, cwd=tmp_path)
+    a, b = read_metrics(one), read_metrics(tp2)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x["step"], x["loss"], y["loss"])
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (
+            x["step"],
+            x["grad_norm"],
+            y["grad_norm"],
+        )
