@@ -11,6 +11,7 @@ from meshforge.config.unsupported import ENTRIES
 
 # A minimal config that turns each entry's feature on (validity rules satisfied).
 TRIGGERS: dict[str, dict] = {
+    "parallelism.expert_parallel": {"parallelism": {"expert_parallel": 2, "tensor_parallel": 2}},
     "parallelism.moe_token_dispatcher_type": {
         "parallelism": {"expert_parallel": 8, "moe_token_dispatcher_type": "alltoall_deredundancy"}
     },

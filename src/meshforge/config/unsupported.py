@@ -120,6 +120,11 @@ ENTRIES: list[Unsupported] = [
         "an explicit expert-FSDP size (it is derived: data_parallel_shard / (expert_parallel / context_parallel))",
     ),
     Unsupported(
+        f"{_P}.expert_parallel",
+        lambda c: c.parallelism.expert_parallel > 1 and c.parallelism.tensor_parallel > 1,
+        "expert parallelism together with tensor parallelism (use one of them for MoE layers)",
+    ),
+    Unsupported(
         f"{_P}.moe_token_dispatcher_type",
         lambda c: c.parallelism.moe_token_dispatcher_type == "alltoall_deredundancy",
         "de-duplicated all-to-all dispatch (alltoall is built)",
