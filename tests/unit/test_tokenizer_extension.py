@@ -320,3 +320,23 @@ def test_full_flow_logits_and_export(hf_dirs: dict[bool, Path], tmp_path: Path) 
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, ours, rtol=1e-5, atol=1e-5)
     assert len(transformers.AutoTokenizer.from_pretrained(out)) == 8196
+
+
+def test_generic_transformers_path_grows_too(tmp_path: Path) -> None:
+    """A family meshforge does not build (Mistral, the generic path) resizes the same way."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**{**OPTIONS, "tie_word_embeddings": False})
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    stored = _load(tmp_path)
+    tok = build_tokenizer(TOKENIZER, add_special_tokens="<x>")
+    model, plan, family = _build(tmp_path, tok)
+    assert type(family).__name__ == "GenericFamily"
+    assert vocab_parameters(model) == {"model.embed_tokens.weight": "embedding", "lm_head.weight": "lm_head"}
+    init_new_rows(model, plan, tok, "noise_init", seed=0)
+    params = dict(model.named_parameters())
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert params[name].shape == (8256, 32) and torch.equal(params[name][:8192], stored[name])
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 8192]])).shape == (1, 2, 8256)
