@@ -340,3 +340,20 @@ def test_generic_transformers_path_grows_too(tmp_path: Path) -> None:
         assert params[name].shape == (8256, 32) and torch.equal(params[name][:8192], stored[name])
     with torch.no_grad():
         assert model(torch.tensor([[1, 8192]])).shape == (1, 2, 8256)
+
+
+def test_pipeline_stages_without_the_embedding(hf_dirs: dict[bool, Path]) -> None:
+    """A last pipeline stage (head only) draws the same head rows; desc modes need the embedding."""
+    tok = build_tokenizer(TOKENIZER, new_special_tokens_config=DESCRIPTIONS)
+    whole, plan, _ = _build(hf_dirs[False], tok)
+    init_new_rows(whole, plan, tok, "noise_init", seed=0)
+    last, _, _ = _build(hf_dirs[False], tok)
+    last.model.embed_tokens = None  # what a pipeline split leaves on the last stage
+    assert init_new_rows(last, plan, tok, "noise_init", seed=0) == ["lm_head.weight"]
+    assert torch.equal(last.lm_head.weight, whole.lm_head.weight)
+    with pytest.raises(
+        ValueError, match="desc_init reads the input embedding, which this rank does not hold"
+    ):
+        init_new_rows(last, plan, tok, "desc_init", seed=0)
+    last.lm_head = None  # a middle stage: nothing to do
+    assert init_new_rows(last, plan, tok, "desc_init", seed=0) == []

@@ -25,8 +25,8 @@ Where LLaMA-Factory 0.9.5 is inconsistent, this module does what it means to do:
 - in the ``desc_*`` modes the new rows without a description (padding, ordinary added tokens)
   get the mean of the old rows, what transformers' ``mean_resizing`` gives them up to its
   1e-9-scaled covariance noise;
-- the noise comes from a generator seeded by (seed, parameter name), so a run is reproducible
-  and every rank draws the same numbers.
+- the noise comes from a generator seeded by (seed, table: embedding or head), so a run is
+  reproducible and every rank draws the same numbers.
 """
 
 from __future__ import annotations
@@ -289,7 +289,8 @@ def init_new_rows(
         tokenizer: the extended tokenizer (tokenises the descriptions of the ``desc_*`` modes).
         mode: ``model.init_special_tokens``; a ``desc_*`` mode without descriptions falls back to
             ``noise_init`` with a logged warning, as LLaMA-Factory does.
-        seed: ``training.seed``; the noise of each table comes from (seed, its parameter name).
+        seed: ``training.seed``; the noise of each table comes from (seed, its role: embedding or
+            head), the same on every rank and in every parallel layout.
         log: sink for a summary line and warnings.
 
     Returns:
@@ -310,10 +311,12 @@ def init_new_rows(
         )
         mode = "noise_init"
     tables = vocab_parameters(model)
-    if "embedding" not in tables.values():
+    if not tables:
+        return []  # a pipeline stage with neither the embedding nor the head
+    if mode != "noise_init" and "embedding" not in tables.values():
         raise ValueError(
-            f"init_new_rows: found no input embedding in {type(model).__name__} (get_input_embeddings() "
-            "or model.embed_tokens)"
+            f"model.init_special_tokens: {mode} reads the input embedding, which this rank does not hold "
+            "(pipeline stages split the embedding from the LM head); use noise_init"
         )
     params = dict(model.named_parameters())
     for name in tables:
@@ -322,18 +325,17 @@ def init_new_rows(
                 f"init_new_rows: {name} has {params[name].shape[0]} rows but the vocabulary plan "
                 f"says {plan.new_vocab_size}; build the model with plan.model_options(options)"
             )
+    # A tied head kept as its own copy (the last pipeline stage) must get the embedding's rows.
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     means: dict[int, torch.Tensor] | None = None
     # The embedding first: the head's description rows are means of input-embedding rows.
     for name in sorted(tables, key=lambda n: tables[n] != "embedding"):
         param = params[name]
         full = _full(param)
         if mode != "noise_init" and means is None:
-            if tables[name] != "embedding":
-                embedding = next(p for n, p in params.items() if tables.get(n) == "embedding")
-                means = _description_means(_full(embedding), plan, tokenizer, emit)
-            else:
-                means = _description_means(full, plan, tokenizer, emit)
-        generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, f"{name}:new_rows"))
+            means = _description_means(full, plan, tokenizer, emit)
+        role = "embedding" if tied else tables[name]
+        generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, f"{role}:new_rows"))
         rows = new_rows(full, plan, mode, generator=generator, description_means=means)
         write_rows(param, plan.old_vocab_size, rows)
         del full
