@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source, save_hf  # noqa: E402
 from meshforge.config import config_from_dict  # noqa: E402
-from meshforge.data.tokenizer import build_tokenizer, tokenizer_extension  # noqa: E402
+from meshforge.data.tokenizer import build_tokenizer, extension_options, tokenizer_extension  # noqa: E402
 from meshforge.models.materialize import materialize_and_init  # noqa: E402
 from meshforge.models.vocab import init_new_rows, padded_size, vocab_parameters, vocab_plan  # noqa: E402
 
@@ -357,3 +357,13 @@ def test_pipeline_stages_without_the_embedding(hf_dirs: dict[bool, Path]) -> Non
         init_new_rows(last, plan, tok, "desc_init", seed=0)
     last.lm_head = None  # a middle stage: nothing to do
     assert init_new_rows(last, plan, tok, "desc_init", seed=0) == []
+
+
+def test_extension_options_from_the_model_section(tmp_path: Path) -> None:
+    special = tmp_path / "special.yaml"
+    special.write_text("'<think>': 'a reasoning'\n")
+    section = {"add_tokens": "<a>", "new_special_tokens_config": str(special), "split_special_tokens": True}
+    options = extension_options(config_from_dict({"model": section}).model)
+    assert options == {**section, "add_special_tokens": None}
+    tok = build_tokenizer(TOKENIZER, **options)
+    assert tokenizer_extension(tok).new_ids == {"<a>": 8192, "<think>": 8193} and tok.split_special_tokens

@@ -121,6 +121,20 @@ def build_tokenizer(
     return tokenizer
 
 
+def extension_options(model_cfg: Any) -> dict[str, Any]:
+    """`build_tokenizer` keyword arguments from the `model:` section's tokenizer options.
+
+    ``build_tokenizer(path, use_fast=..., **extension_options(cfg.model), log=...)`` extends the
+    tokenizer the same way wherever a run's tokenizer is rebuilt (training, conversion).
+    """
+    return {
+        "split_special_tokens": bool(getattr(model_cfg, "split_special_tokens", False)),
+        "add_tokens": getattr(model_cfg, "add_tokens", None),
+        "add_special_tokens": getattr(model_cfg, "add_special_tokens", None),
+        "new_special_tokens_config": getattr(model_cfg, "new_special_tokens_config", None),
+    }
+
+
 def parse_token_list(value: str | Sequence[str] | None, *, key: str) -> list[str]:
     """Tokens from a comma-separated string (surrounding spaces stripped) or a list.
 
