@@ -49,7 +49,8 @@ $(LF_STAMP): $(STAMP)
 
 test: $(STAMP) lint $(LF_STAMP)
 	$(test_env) $(VENV)/bin/pytest -q tests --ignore=tests/unit/test_sft_llamafactory.py --ignore=tests/unit/test_sft_llamafactory_eval.py
-	$(test_env) PYTHONPATH=$(LF_REF) $(VENV)/bin/pytest -q tests/unit/test_sft_llamafactory.py tests/unit/test_sft_llamafactory_eval.py
+	$(test_env) PYTHONPATH=$(LF_REF) $(VENV)/bin/pytest -q tests/unit/test_sft_llamafactory.py tests/unit/test_sft_llamafactory_eval.py \
+	  "tests/unit/test_tokenizer_extension.py::test_desc_init_cross_check_with_llamafactory"
 
 test-fast: $(STAMP) lint
 	$(test_env) $(VENV)/bin/pytest -q -m "not slow" tests

@@ -112,6 +112,14 @@ class TrainSummary:
     hf_export: Path | None = None
 
 
+def _model_vocab_size(family: Any, options: dict[str, Any]) -> int:
+    """The embedding rows the model would have before any tokenizer extension."""
+    parse = getattr(family, "parse_options", None)
+    if callable(parse):
+        return int(parse(options).vocab_size)
+    return int(options["vocab_size"])
+
+
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a (replicated) DTensor result, e.g. the loss under loss parallel."""
     full = getattr(tensor, "full_tensor", None)
@@ -182,7 +190,7 @@ class Trainer:
         self._build_metric_sinks()
 
     def _build_tokenizer(self) -> Any:
-        from meshforge.data.tokenizer import build_tokenizer
+        from meshforge.data.tokenizer import build_tokenizer, extension_options
 
         model_cfg = self.cfg.model
         path = model_cfg.tokenizer_name_or_path or model_cfg.model_name_or_path
@@ -195,12 +203,15 @@ class Trainer:
             str(path),
             use_fast=bool(model_cfg.use_fast_tokenizer),
             trust_remote_code=bool(model_cfg.trust_remote_code),
+            **extension_options(model_cfg),
+            log=self.log,
         )
 
     def _build_model(self) -> nn.Module:
         from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
         from meshforge.models.generic import GenericFamily
         from meshforge.models.materialize import materialize_and_init
+        from meshforge.models.vocab import init_new_rows, vocab_plan
         from meshforge.parallel.parallelize import parallelize_model
 
         model_cfg = self.cfg.model
@@ -209,6 +220,15 @@ class Trainer:
         source = resolve_model_source(model_cfg, log=self.log)
         family, options = source.family, source.options
         self.family = family
+        # Added tokens (model.add_tokens, ...) may grow the vocabulary: the model is built with the
+        # new size and the checkpoint's rows load into the first rows (models/vocab.py).
+        self.vocab_plan = vocab_plan(
+            self.tokenizer,
+            _model_vocab_size(family, options),
+            resize_vocab=bool(model_cfg.resize_vocab),
+            log=self.log,
+        )
+        options = self.vocab_plan.model_options(options)
         load_hf = source.hf_dir is not None and not bool(model_cfg.train_from_scratch)
         params_dtype = parse_dtype(getattr(model_cfg, "params_dtype", None), key="model.params_dtype")
         compute_dtype = parse_dtype(model_cfg.compute_dtype, key="model.compute_dtype", default=params_dtype)
@@ -239,9 +259,18 @@ class Trainer:
         init_fn = _no_init if load_hf else model.init_full_parameter_
         materialize_and_init(model, device=self.device, seed=int(self.cfg.training.seed), init_fn=init_fn)
         if load_hf:
-            load_hf_weights(model, family, source.hf_dir, log=self.log)
+            load_hf_weights(model, family, source.hf_dir, log=self.log, vocab_plan=self.vocab_plan)
         elif source.hf_dir is not None:
             self.log(f"model: random init (model.train_from_scratch); config from {source.hf_dir}")
+        if self.vocab_plan.resized:
+            init_new_rows(
+                model,
+                self.vocab_plan,
+                self.tokenizer,
+                str(model_cfg.init_special_tokens),
+                int(self.cfg.training.seed),
+                log=self.log,
+            )
         num_params = sum(p.numel() for p in model.parameters())
         self.log(
             f"model: {family.name} with {num_params / 1e6:.2f}M parameters ({params_dtype} weights, "
@@ -468,7 +497,7 @@ class Trainer:
                     f"checkpoint.load_path: {load_path} is a Hugging Face checkpoint; resuming optimizer "
                     "state from it is not possible: set checkpoint.no_load_optim: true to load its weights"
                 )
-            load_hf_weights(self.model, self.family, load_path, log=self.log)
+            load_hf_weights(self.model, self.family, load_path, log=self.log, vocab_plan=self.vocab_plan)
             self.log("checkpoint: starting at step 0 with the Hugging Face weights (no_load_optim)")
             return
         loaded = self.checkpointer.load(

@@ -367,3 +367,44 @@ def test_extension_options_from_the_model_section(tmp_path: Path) -> None:
     assert options == {**section, "add_special_tokens": None}
     tok = build_tokenizer(TOKENIZER, **options)
     assert tokenizer_extension(tok).new_ids == {"<a>": 8192, "<think>": 8193} and tok.split_special_tokens
+
+
+def test_meshforge_train_with_added_tokens_exports_a_grown_model(
+    hf_dirs: dict[bool, Path], tmp_path: Path
+) -> None:
+    """The trainer path: tokens added from the config, HF rows loaded short, new rows initialised."""
+    import json
+
+    import transformers
+    import yaml
+
+    from tests.conftest import read_metrics, run_train, write_corpus
+
+    descriptions = tmp_path / "special.yaml"
+    descriptions.write_text(yaml.safe_dump(DESCRIPTIONS))
+    corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=30)
+    config = tmp_path / "grow.yaml"
+    config.write_text(
+        f"""
+training: {{steps: 2, local_batch_size: 2, global_batch_size: 2, seed: 5}}
+train_dataset:
+  dataloader: {{type: TextDataLoader, data_path: {corpus}, seq_length: 16}}
+model:
+  model_name_or_path: {hf_dirs[True]}
+  tokenizer_name_or_path: {TOKENIZER}
+  add_tokens: "<a>"
+  new_special_tokens_config: {descriptions}
+  init_special_tokens: desc_init
+checkpoint: {{save_hf_weights: true, enable_save: false}}
+"""
+    )
+    out = tmp_path / "run"
+    proc = run_train(config, [f"--training.output_dir={out}"], cwd=tmp_path)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert "8256" in proc.stdout + proc.stderr  # the plan is logged with the padded size
+    exported = out / "hf"
+    assert json.loads((exported / "config.json").read_text())["vocab_size"] == 8256
+    tok = transformers.AutoTokenizer.from_pretrained(exported)
+    assert len(tok) == 8196 and tok.convert_tokens_to_ids("<think>") >= 8192
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    assert model.get_input_embeddings().weight.shape == (8256, OPTIONS["hidden_size"])

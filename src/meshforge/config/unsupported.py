@@ -262,20 +262,6 @@ ENTRIES: list[Unsupported] = [
         lambda c: c.model.quant_recipe_name is not None,
         "low-precision (mxfp8) training",
     ),
-    Unsupported("model.resize_vocab", lambda c: c.model.resize_vocab, "vocabulary resizing"),
-    Unsupported("model.split_special_tokens", lambda c: c.model.split_special_tokens, "tokenizer options"),
-    Unsupported("model.add_tokens", lambda c: c.model.add_tokens is not None, "adding tokens"),
-    Unsupported(
-        "model.add_special_tokens", lambda c: c.model.add_special_tokens is not None, "adding tokens"
-    ),
-    Unsupported(
-        "model.new_special_tokens_config",
-        lambda c: c.model.new_special_tokens_config is not None,
-        "adding tokens",
-    ),
-    Unsupported(
-        "model.init_special_tokens", lambda c: c.model.init_special_tokens != "noise_init", "adding tokens"
-    ),
     Unsupported("training.log_cpu_memory", lambda c: c.training.log_cpu_memory, "host-memory logging"),
     Unsupported(
         "checkpoint.load_worker_number", lambda c: c.checkpoint.load_worker_number != 1, "parallel loading"
