@@ -395,7 +395,7 @@ model:
   add_tokens: "<a>"
   new_special_tokens_config: {descriptions}
   init_special_tokens: desc_init
-checkpoint: {{save_hf_weights: true, enable_save: false}}
+checkpoint: {{save_hf_weights: true, save_interleaved_steps: 2}}
 """
     )
     out = tmp_path / "run"
@@ -408,3 +408,13 @@ checkpoint: {{save_hf_weights: true, enable_save: false}}
     assert len(tok) == 8196 and tok.convert_tokens_to_ids("<think>") >= 8192
     model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
     assert model.get_input_embeddings().weight.shape == (8256, OPTIONS["hidden_size"])
+    # Offline conversion rebuilds the grown vocabulary from the run's config.yaml as well.
+    from meshforge.cli import main
+
+    converted = tmp_path / "converted"
+    assert (
+        main(["convert", "--to", "hf", str(out / "checkpoints" / "checkpoint-00000002"), str(converted)]) == 0
+    )
+    again = transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+    torch.testing.assert_close(again.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    assert len(transformers.AutoTokenizer.from_pretrained(converted)) == 8196

@@ -101,26 +101,42 @@ def dcp_to_hf(
     cfg = load_config(str(cfg_file), [])
     source = resolve_model_source(cfg.model, log=log)
     params_dtype = parse_dtype(cfg.model.params_dtype, key="model.params_dtype")
+    tokenizer = _maybe_tokenizer(cfg.model, log)
+    options = _grown_options(cfg.model, source, tokenizer, log)
     with _one_rank_group():
-        model = _build_on_cpu(source.family, source.options, params_dtype)
+        model = _build_on_cpu(source.family, options, params_dtype)
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=str(step))
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
-        tokenizer = _maybe_tokenizer(cfg.model, log)
         out = save_hf(model, source.family, out_dir, tokenizer=tokenizer, shard_size=shard_size, dtype=dtype)
     log(f"convert: wrote {out} (Hugging Face {source.family.name}) from {step}")
     return out
 
 
+def _grown_options(model_cfg: Any, source: Any, tokenizer: Any, log: Log) -> dict[str, Any]:
+    """The model options with the vocabulary the run trained: tokens added by the config grow it."""
+    if tokenizer is None:
+        return dict(source.options)
+    from meshforge.models.vocab import vocab_plan
+
+    parse = getattr(source.family, "parse_options", None)
+    size = int(parse(source.options).vocab_size) if callable(parse) else int(source.options["vocab_size"])
+    plan = vocab_plan(tokenizer, size, resize_vocab=bool(model_cfg.resize_vocab), log=log)
+    return plan.model_options(dict(source.options))
+
+
 def _maybe_tokenizer(model_cfg: Any, log: Log) -> Any:
-    from meshforge.data.tokenizer import build_tokenizer
+    from meshforge.data.tokenizer import build_tokenizer, extension_options
 
     name = model_cfg.tokenizer_name_or_path or model_cfg.model_name_or_path
     if not name:
         log("convert: warning: the config names no tokenizer; no tokenizer files written")
         return None
     try:
-        return build_tokenizer(str(name), use_fast=bool(model_cfg.use_fast_tokenizer))
+        # The run's added tokens (model.add_tokens, ...) belong to the checkpoint's vocabulary.
+        return build_tokenizer(
+            str(name), use_fast=bool(model_cfg.use_fast_tokenizer), **extension_options(model_cfg)
+        )
     except (OSError, ValueError) as err:
         log(f"convert: warning: tokenizer {name!r} not loaded ({err}); no tokenizer files written")
         return None
