@@ -259,7 +259,15 @@ class Trainer:
         init_fn = _no_init if load_hf else model.init_full_parameter_
         materialize_and_init(model, device=self.device, seed=int(self.cfg.training.seed), init_fn=init_fn)
         if load_hf:
-            load_hf_weights(model, family, source.hf_dir, log=self.log, vocab_plan=self.vocab_plan)
+            load_hf_weights(
+                model,
+                family,
+                source.hf_dir,
+                log=self.log,
+                vocab_plan=self.vocab_plan,
+                partial=self.pipeline_split is not None,
+                aliases=self._tied_aliases(),
+            )
         elif source.hf_dir is not None:
             self.log(f"model: random init (model.train_from_scratch); config from {source.hf_dir}")
         if self.vocab_plan.resized:
@@ -497,7 +505,15 @@ class Trainer:
                     f"checkpoint.load_path: {load_path} is a Hugging Face checkpoint; resuming optimizer "
                     "state from it is not possible: set checkpoint.no_load_optim: true to load its weights"
                 )
-            load_hf_weights(self.model, self.family, load_path, log=self.log, vocab_plan=self.vocab_plan)
+            load_hf_weights(
+                self.model,
+                self.family,
+                load_path,
+                log=self.log,
+                vocab_plan=self.vocab_plan,
+                partial=self.pipeline_split is not None,
+                aliases=self._tied_aliases(),
+            )
             self.log("checkpoint: starting at step 0 with the Hugging Face weights (no_load_optim)")
             return
         loaded = self.checkpointer.load(

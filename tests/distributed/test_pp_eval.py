@@ -82,3 +82,33 @@ def test_tied_embeddings_resume_across_pipeline_layouts(tiny_config: Path, tmp_p
         for x, y in zip(ref[2:], got, strict=True):
             assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_pp2_trains_from_a_hugging_face_folder(tmp_path: Path, tied: bool) -> None:
+    # Each stage loads only its own weights from the folder; the last stage's tied head copy
+    # takes the embedding's stored rows.
+    from tests.conftest import write_corpus
+    from tests.unit.test_hf_interop import _save_hf_model
+
+    folder = _save_hf_model(tmp_path / "hf", tied=tied, shard="60KB")
+    corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=40)
+    config = tmp_path / "from_hf.yaml"
+    config.write_text(
+        f"""
+training: {{steps: 3, local_batch_size: 1, global_batch_size: 4, seed: 5}}
+lr_scheduler: {{type: ConstantWarmUpLR, learning_rate: 1.e-3, warmup_steps: 0}}
+train_dataset:
+  dataloader: {{type: TextDataLoader, data_path: {corpus}, seq_length: 32}}
+model: {{model_name_or_path: {folder}}}
+checkpoint: {{enable_save: false}}
+"""
+    )
+    one, pp = tmp_path / "one", tmp_path / "pp"
+    run_train(config, [f"--training.output_dir={one}"], cwd=tmp_path)
+    run_train(
+        config, ["--parallelism.pipeline_parallel=2", f"--training.output_dir={pp}"], nproc=2, cwd=tmp_path
+    )
+    for x, y in zip(read_metrics(one), read_metrics(pp), strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)

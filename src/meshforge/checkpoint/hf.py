@@ -268,6 +268,8 @@ def load_hf_weights(
     *,
     log: Callable[[str], None] | None = None,
     vocab_plan: VocabPlan | None = None,
+    partial: bool = False,
+    aliases: dict[str, str] | None = None,
 ) -> int:
     """Copy a HF folder's safetensors weights into an already materialised ``model``, in place.
 
@@ -282,6 +284,11 @@ def load_hf_weights(
         vocab_plan: When it resizes the vocabulary, the input embedding and an untied LM head
             accept ``vocab_plan.old_vocab_size`` stored rows, loaded into their first rows (the
             new rows are left as they are, for ``meshforge.models.vocab.init_new_rows``).
+        partial: ``model`` holds part of the checkpoint's model (a pipeline stage): weights of
+            the other parts are not reported as unexpected.
+        aliases: parameter name -> name whose stored weights it takes when its own are not in
+            the checkpoint (a pipeline's last stage keeps a copy of a tied embedding as
+            ``lm_head.weight``, which a tied checkpoint does not store).
 
     Returns:
         The number of parameters (tensors) loaded.
@@ -300,6 +307,9 @@ def load_hf_weights(
     adapter = hf_adapter(family, getattr(model, "config", None))
     params = list(model.named_parameters())
     sources = {name: adapter.hf_sources(name) for name, _ in params}
+    for name, source in (aliases or {}).items():
+        if name in sources and not set(sources[name]) <= set(key_files):
+            sources[name] = adapter.hf_sources(source)
     needed = {key for keys in sources.values() for key in keys}
     missing = needed - set(key_files)
     if missing:
@@ -315,7 +325,7 @@ def load_hf_weights(
     unexpected = {
         key for key in set(key_files) - needed if not any(fnmatch.fnmatchcase(key, p) for p in ignorable)
     }
-    if unexpected:
+    if unexpected and not partial:
         raise ValueError(
             f"{folder}: {len(unexpected)} checkpoint weight(s) have no place in the {family.name} model "
             f"described by the model: section: {_few(unexpected)}"
