@@ -140,6 +140,13 @@ class ParallelDims:
         """Create the DeviceMesh with every named axis (size 1 allowed) and one view per purpose."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.world_size == 1:
+            # One process: one 1-rank mesh serves every purpose. The full 6-axis mesh with its
+            # flattened views makes a dozen gloo groups in a HashStore world of one, and tearing
+            # those down at exit aborted about one single-process run in five ("terminate called
+            # without an active exception"); a single group does not.
+            single = init_device_mesh(device_type, (1,), mesh_dim_names=("world",))
+            return ParallelMesh(single, dict.fromkeys(self.PURPOSES, single))
         root = init_device_mesh(device_type, self.mesh_shape(), mesh_dim_names=self.MESH_DIMS)
         views: dict[str, DeviceMesh] = {name: root[name] for name in ("pp", "cp", "tp")}
         views["batch"] = root["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("batch")
