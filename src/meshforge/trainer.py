@@ -253,6 +253,8 @@ class Trainer:
             apply_compile=apply_compile,
         )
         model = parallel.model
+        if self.cfg.parallelism.cpu_offload and self.device.type == "cpu":
+            self.log("parallelism.cpu_offload: no effect on cpu (the parameters already live in host memory)")
         self.pipeline_split = parallel.pipeline_split
         self.fsdp = parallel.fsdp
         # Loaded weights overwrite every parameter, so skip drawing random ones first.

@@ -17,7 +17,6 @@ TRIGGERS: dict[str, dict] = {
     },
     "parallelism.expert_parallel_async_d2h": {"parallelism": {"expert_parallel_async_d2h": True}},
     "parallelism.ep_fsdp_size": {"parallelism": {"ep_fsdp_size": 2}},
-    "parallelism.cpu_offload": {"parallelism": {"cpu_offload": True}},
     "parallelism.context_parallel_async": {"parallelism": {"context_parallel_async": True}},
     "parallelism.pipeline_parallel_overlap_p2p": {"parallelism": {"pipeline_parallel_overlap_p2p": True}},
     "parallelism.pipeline_parallel_overlap_b_f": {"parallelism": {"pipeline_parallel_overlap_b_f": True}},
@@ -34,8 +33,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.ep_modules": {"parallelism": {"ep_modules": ["model.layers.{*}.moe"]}},
     "parallelism.ep_fsdp_modules": {"parallelism": {"ep_fsdp_modules": ["model.layers.{*}.moe"]}},
     "parallelism.ep_dispatcher": {"parallelism": {"ep_dispatcher": "fused"}},
-    "parallelism.num_to_forward_prefetch": {"parallelism": {"num_to_forward_prefetch": 2}},
-    "parallelism.num_to_backward_prefetch": {"parallelism": {"num_to_backward_prefetch": 0}},
     "parallelism.disable_gradient_division": {"parallelism": {"disable_gradient_division": False}},
     "parallelism.param_dtype": {"parallelism": {"param_dtype": "bf16"}},
     "parallelism.reduce_dtype": {"parallelism": {"reduce_dtype": "bf16"}},
@@ -152,14 +149,14 @@ def test_check_trainable_refuses_with_key_path():
             "train_dataset": {
                 "dataloader": {"type": "TextDataLoader", "data_path": "x.txt", "seq_length": 8}
             },
-            "parallelism": {"cpu_offload": True},
+            "parallelism": {"enable_mc2": True},
             "swap": {"enable": True},
         }
     )
     with pytest.raises(ConfigError) as info:
         check_trainable(cfg)
     text = str(info.value)
-    assert "error: parallelism.cpu_offload: not supported yet: parallelism.cpu_offload" in text
+    assert "error: parallelism.enable_mc2: not supported yet: parallelism.enable_mc2" in text
     assert "error: swap.enable: not supported yet: swap.enable" in text
 
 

@@ -134,7 +134,6 @@ ENTRIES: list[Unsupported] = [
         lambda c: c.parallelism.expert_parallel_async_d2h,
         "asynchronous copy of expert token counts",
     ),
-    Unsupported(f"{_P}.cpu_offload", lambda c: c.parallelism.cpu_offload, "FSDP CPU offload"),
     Unsupported(f"{_P}.context_parallel_async", lambda c: c.parallelism.context_parallel_async, "async CP"),
     Unsupported(
         f"{_P}.pipeline_parallel_overlap_p2p",
@@ -198,16 +197,6 @@ ENTRIES: list[Unsupported] = [
     ),
     Unsupported(
         f"{_P}.ep_dispatcher", lambda c: c.parallelism.ep_dispatcher != "eager", "fused/mc2 EP dispatch"
-    ),
-    Unsupported(
-        f"{_P}.num_to_forward_prefetch",
-        lambda c: c.parallelism.num_to_forward_prefetch != 1,
-        "FSDP prefetch depth",
-    ),
-    Unsupported(
-        f"{_P}.num_to_backward_prefetch",
-        lambda c: c.parallelism.num_to_backward_prefetch != 1,
-        "FSDP prefetch depth",
     ),
     Unsupported(
         f"{_P}.disable_gradient_division",

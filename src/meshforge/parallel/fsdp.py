@@ -13,12 +13,12 @@ since dim 0 is already the ep dimension, and on dim 0 only when dim 1 does not d
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 ReshardPolicy = Literal["always", "never", "default"]
@@ -43,6 +43,9 @@ def apply_fsdp(
     reshard_policy: ReshardPolicy = "default",
     pipeline_parallel: bool = False,
     expert_mesh: DeviceMesh | None = None,
+    cpu_offload: bool = False,
+    forward_prefetch: int = 1,
+    backward_prefetch: int = 1,
 ) -> nn.Module:
     """Shard `model` in place: each decoder layer is an FSDP unit, the root holds the rest.
 
@@ -56,8 +59,14 @@ def apply_fsdp(
         reshard_policy: `always` frees the unsharded parameters after forward (less memory, one
             more all-gather in backward), `never` keeps them, `default` = always unless pipeline
             parallel (where the same stage runs several micro-batches back to back).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory
+            (`CPUOffloadPolicy`; the optimizer step then runs on the CPU).
+        forward_prefetch, backward_prefetch: how many following (forward) / preceding
+            (backward) decoder layers each layer's all-gather is issued ahead for. 1 is FSDP2's
+            own implicit schedule; other values set the lists explicitly.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    extra: dict[str, Any] = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
     if reshard_policy == "default":
         reshard = not pipeline_parallel
     else:
@@ -75,15 +84,33 @@ def apply_fsdp(
                 mp_policy=mp,
                 reshard_after_forward=layer_reshard,
                 shard_placement_fn=placement,
+                **extra,
             )
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=layer_reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=layer_reshard, **extra)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Factor 1 + plain SUM: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    _set_prefetch(layers, forward_prefetch, backward_prefetch)
     return model
+
+
+def _set_prefetch(layers: list[nn.Module], forward: int, backward: int) -> None:
+    """Explicit all-gather prefetch lists (MindSpeed num_to_forward/backward_prefetch)."""
+    for key, depth in (
+        ("parallelism.num_to_forward_prefetch", forward),
+        ("parallelism.num_to_backward_prefetch", backward),
+    ):
+        if depth < 0:
+            raise ValueError(f"{key}: must be >= 0, got {depth}")
+    units = [layer for layer in layers if isinstance(layer, FSDPModule)]
+    for index, layer in enumerate(units):
+        if forward != 1:
+            layer.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + forward])
+        if backward != 1:
+            layer.set_modules_to_backward_prefetch(list(reversed(units[max(0, index - backward) : index])))
 
 
 def _expert_units(model: nn.Module, expert_mesh: DeviceMesh | None) -> dict[int, list[nn.Module]]:

@@ -106,5 +106,15 @@ def parallelize_model(
         else:
             if dims.ep > 1:
                 kwargs["expert_mesh"] = mesh.view("efsdp")
-            apply_fsdp(model, mesh.view("fsdp"), pipeline_parallel=dims.pp > 1, **kwargs)
+            apply_fsdp(
+                model,
+                mesh.view("fsdp"),
+                pipeline_parallel=dims.pp > 1,
+                # Parameters of a CPU run already live in host memory; offloading is for accelerators
+                # (CPUOffloadPolicy moves them to the device for compute, which a CPU run has not).
+                cpu_offload=bool(par.cpu_offload) and mesh.view("fsdp").device_type != "cpu",
+                forward_prefetch=int(par.num_to_forward_prefetch),
+                backward_prefetch=int(par.num_to_backward_prefetch),
+                **kwargs,
+            )
     return ParallelizedModel(model=model, pipeline_split=split, fsdp=fsdp)

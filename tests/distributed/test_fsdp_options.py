@@ -1,0 +1,33 @@
+"""FSDP2 options from the parallelism section: CPU offload and explicit prefetch depths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import read_metrics, run_train
+
+pytestmark = pytest.mark.slow
+
+
+def test_cpu_offload_and_prefetch_depths_equal_one_process(tiny_config: Path, tmp_path: Path) -> None:
+    common = ["--training.steps=3", "--checkpoint.enable_save=false"]
+    one = tmp_path / "one"
+    run_train(tiny_config, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
+    ref = read_metrics(one)
+    variants = {
+        "offload": ["--parallelism.cpu_offload=true"],
+        "prefetch": ["--parallelism.num_to_forward_prefetch=2", "--parallelism.num_to_backward_prefetch=0"],
+    }
+    for name, extra in variants.items():
+        out = tmp_path / name
+        proc = run_train(
+            tiny_config, [*common, *extra, f"--training.output_dir={out}"], nproc=2, cwd=tmp_path
+        )
+        if name == "offload":
+            # A CPU run keeps its parameters in host memory anyway, and says so.
+            assert "parallelism.cpu_offload: no effect on cpu" in proc.stdout + proc.stderr
+        for x, y in zip(ref, read_metrics(out), strict=True):
+            assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), name
+            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), name
