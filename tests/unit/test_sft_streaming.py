@@ -194,3 +194,19 @@ def test_streaming_packing_and_refusals(data, tok, tmp_path):
     with pytest.raises(ValueError, match="fewer than one global batch"):
         next(small)
     assert np.all(np.asarray(next(iter(stream))["input_ids"].shape) == [2, 40])
+
+
+def test_broken_records_of_a_stream_are_counted_and_reported(tmp_path, tok):
+    path = tmp_path / "broken.jsonl"
+    rows = [{"instruction": f"q{i} please", "input": "", "output": f"answer {i}"} for i in range(6)]
+    rows += [
+        {"instruction": "", "input": "", "output": "no prompt"},
+        {"instruction": "", "output": "none"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    lines: list[str] = []
+    stream, _ = build_sft_data(cfg(str(path)), tok, seed=5, log=lines.append)
+    kept = [number(tok, r["input_ids"]) for r in stream.rows(0)]
+    assert sorted(kept) == list(range(6))
+    report = [line for line in lines if "sft stream epoch 0: skipped 2 broken record(s)" in line]
+    assert report, lines

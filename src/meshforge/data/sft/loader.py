@@ -428,7 +428,11 @@ class SFTStream:
         row_length: int,
         pad_id: int,
         label_pad: int,
+        log: Callable[[str], None] | None = None,
     ):
+        self.log = log
+        # Broken records seen by the epoch being read, by reason (reported when the epoch ends).
+        self.skipped: Counter[str] = Counter()
         self.indexed = indexed  # converted, mixed examples with a unique `_row` number, unshuffled
         self.buffer_size = int(cfg.buffer_size)
         self.batch_size = int(cfg.preprocessing_batch_size)
@@ -450,6 +454,14 @@ class SFTStream:
         if self.held_out:
             held = self.held_out
             stream = stream.filter(lambda b: [r not in held for r in b["_row"]], batched=True)
+        skipped = self.skipped = Counter()
+
+        def count_broken(batch: dict[str, list]) -> list[bool]:
+            # Keeps every row: the encoder drops the broken ones; this only counts them by reason.
+            skipped.update(error for error in batch.get("_error", []) if error)
+            return [True] * len(batch["_row"])
+
+        stream = stream.filter(count_broken, batched=True)
         fn, kwargs = self.encode
         encoded = stream.map(
             fn,
@@ -461,7 +473,16 @@ class SFTStream:
         # `datasets` reseeds the shuffle buffer from the epoch of the dataset being iterated, which
         # `filter`/`map` do not carry over: set it on the last one.
         encoded.set_epoch(epoch)
-        return iter(encoded)
+        return self._reporting(iter(encoded), epoch)
+
+    def _reporting(self, rows: Iterator[dict[str, Any]], epoch: int) -> Iterator[dict[str, Any]]:
+        """Yield the rows, then report the broken records the epoch skipped (never silently)."""
+        yield from rows
+        if self.skipped and self.log is not None:
+            reasons = ", ".join(f"{count} {reason}" for reason, count in self.skipped.most_common())
+            self.log(
+                f"sft stream epoch {epoch}: skipped {sum(self.skipped.values())} broken record(s): {reasons}"
+            )
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
         keys = [key for key in COLUMNS if rows and key in rows[0]]
@@ -548,6 +569,7 @@ def build_sft_stream(
         row_length=cfg.cutoff_len,
         pad_id=pad_id,
         label_pad=label_pad,
+        log=log,
     )
     if cfg.val_size > 1e-6:
         # LLaMA-Factory: validation = shuffled.take(val_size), train = shuffled.skip(val_size). The
@@ -572,7 +594,7 @@ def build_sft_stream(
         f"sft data: streaming {len(attrs)} dataset(s) with a shuffle buffer of {cfg.buffer_size}, encoded "
         f"on the fly into rows of {cfg.cutoff_len} tokens"
         + (f"; {_summary(valid_rows, 'validation')}" if valid_rows is not None else "")
-        + "; broken records are skipped without a count",
+        + "; broken records are counted and reported at the end of each epoch",
     )
     return stream, valid_rows
 
