@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests.distributed._exit import leave_worker
+
 pytestmark = pytest.mark.slow
 
 WORLD = 2
@@ -132,6 +134,7 @@ def _worker(rank: int, init_file: str, errors) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    leave_worker()
 
 
 def test_clip_and_adamw_on_fsdp2_dtensors(tmp_path) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.conftest import read_metrics, run_train
+from tests.distributed._exit import leave_worker
 
 pytestmark = pytest.mark.slow
 
@@ -198,6 +199,7 @@ def _worker(rank: int, world: int, init_file: str, errors) -> None:
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
         raise
+    leave_worker()
 
 
 def _launch(world: int) -> None:

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tests.conftest import REPO, read_metrics, run_train
+from tests.distributed._exit import leave_worker
 
 pytestmark = pytest.mark.slow
 
@@ -412,6 +413,7 @@ def _worker(rank: int, world: int, store_path: str) -> None:
     finally:
         dist.destroy_process_group()
     assert not errors, "\n".join(errors)
+    leave_worker()
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.distributed._exit import leave_worker
+
 pytestmark = pytest.mark.slow
 
 OPTIONS = {
@@ -62,6 +64,7 @@ def _worker(rank: int, world: int, store_path: str, hf_dir: str, out_dir: str) -
         dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
     finally:
         dist.destroy_process_group()
+    leave_worker()
 
 
 def test_two_rank_load_and_export_match_the_checkpoint(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.distributed._exit import leave_worker
+
 pytestmark = pytest.mark.slow
 
 WORLD = 2
@@ -195,6 +197,7 @@ def _worker(rank: int, init_file: str, errors) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    leave_worker()
 
 
 def test_pp2_schedules_equal_one_process(tmp_path) -> None:

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.distributed._exit import leave_worker
+
 pytestmark = pytest.mark.slow
 
 OPTIONS = {
@@ -52,6 +54,7 @@ def _worker(rank: int, world: int, store_path: str, out_path: str) -> None:
         dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
     finally:
         dist.destroy_process_group()
+    leave_worker()
 
 
 def test_two_rank_init_equals_one_process(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.conftest import read_metrics, run_train
+from tests.distributed._exit import leave_worker
 
 pytestmark = pytest.mark.slow
 
@@ -286,6 +287,7 @@ def _worker(rank: int, world: int, store_path: str, err_dir: str) -> None:
         raise
     finally:
         dist.destroy_process_group()
+    leave_worker()
 
 
 def test_tp2_equals_one_process(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.distributed._exit import leave_worker
+
 pytestmark = pytest.mark.slow
 
 TOKENIZER = "meshforge://assets/tokenizer"  # 8192 tokens
@@ -86,6 +88,7 @@ def _worker(rank: int, world: int, store_path: str, hf_dir: str, out_dir: str) -
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave_worker()
 
 
 def test_two_rank_grown_vocabulary_equals_one_process(tmp_path: Path) -> None:

@@ -38,6 +38,8 @@ def init_process_group(backend: str, info: DistInfo, *, timeout_s: int = 600) ->
     """Initialise the default process group (idempotent)."""
     if dist.is_initialized():
         return
+    # Read by `python -m meshforge` to leave without interpreter finalization (see __main__.py).
+    dist._meshforge_used = True  # type: ignore[attr-defined]
     timeout = timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout)
