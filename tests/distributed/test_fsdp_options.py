@@ -1,4 +1,4 @@
-"""FSDP2 options from the parallelism section: CPU offload and explicit prefetch depths."""
+"""FSDP2 options from the parallelism section: CPU offload, prefetch depths, units by pattern."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def test_cpu_offload_and_prefetch_depths_equal_one_process(tiny_config: Path, tm
     variants = {
         "offload": ["--parallelism.cpu_offload=true"],
         "prefetch": ["--parallelism.num_to_forward_prefetch=2", "--parallelism.num_to_backward_prefetch=0"],
+        # Units by pattern on a built-in family: attention and MLP of each layer separately.
+        "units": ["--parallelism.fsdp_modules=['model.layers.{*}.self_attn', 'model.layers.{*}.mlp']"],
     }
     for name, extra in variants.items():
         out = tmp_path / name

@@ -23,7 +23,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.enable_mc2": {"parallelism": {"enable_mc2": True}},
     "parallelism.data_parallel_shard_strategy": {"parallelism": {"data_parallel_shard_strategy": "optim"}},
     "parallelism.dense_fsdp_shard_size": {"parallelism": {"dense_fsdp_shard_size": 2}},
-    "parallelism.fsdp_modules": {"parallelism": {"fsdp_modules": ["model.layers.{*}.mlp"]}},
     "parallelism.ignored_modules": {"parallelism": {"ignored_modules": ["lm_head"]}},
     "parallelism.shard_placement_fn": {"parallelism": {"shard_placement_fn": "my_fn"}},
     "parallelism.efsdp_shard_placement_fn": {"parallelism": {"efsdp_shard_placement_fn": "shard_by_dim_0"}},
@@ -240,19 +239,6 @@ def test_sft_fields_are_accepted_with_the_sft_loader():
         {"train_dataset": {"dataloader": {"type": "SFTDataLoader"}, "eval_num_beams": 4}}
     )
     assert unsupported_features(beams) == ["train_dataset.eval_num_beams"]
-
-
-@pytest.mark.parametrize(("model_type", "refused"), [("mistral", False), ("qwen3", True)])
-def test_custom_fsdp_modules_only_on_the_generic_path(tmp_path, model_type, refused):
-    # The generic transformers path places FSDP units by pattern; built-in families do not yet.
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
-    cfg = config_from_dict(
-        {
-            "model": {"model_name_or_path": str(tmp_path)},
-            "parallelism": {"fsdp_modules": ["model.layers.{}.mlp", "model.layers.{}"]},
-        }
-    )
-    assert ("parallelism.fsdp_modules" in unsupported_features(cfg)) is refused
 
 
 @pytest.mark.parametrize(("model_type", "refused"), [("mistral", False), ("qwen3", True)])

@@ -18,7 +18,6 @@ from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
     MS_CHUNK_KWARGS,
     MS_EP_MODULES,
-    MS_FSDP_MODULES,
     MS_LAYER_MODULES,
     MS_TP_COLWISE,
     MS_TP_ROWWISE,
@@ -155,13 +154,6 @@ ENTRIES: list[Unsupported] = [
         f"{_P}.dense_fsdp_shard_size",
         lambda c: c.parallelism.dense_fsdp_shard_size is not None,
         "separate dense shard size",
-    ),
-    Unsupported(
-        f"{_P}.fsdp_modules",
-        lambda c: (
-            c.parallelism.fsdp_modules not in (MS_FSDP_MODULES, MS_LAYER_MODULES) and not is_generic_model(c)
-        ),
-        "custom FSDP wrapping for built-in families (the generic transformers path honours it)",
     ),
     Unsupported(
         f"{_P}.ignored_modules", lambda c: bool(c.parallelism.ignored_modules), "FSDP ignored modules"

@@ -100,8 +100,14 @@ def parallelize_model(
             "reduce_dtype": torch.float32,
             "reshard_policy": getattr(par, "reshard_after_forward_policy", "default"),
         }
-        if family == "generic":
-            # transformers' module trees vary: place units by parallelism.fsdp_modules patterns.
+        if family == "generic" or _custom_units(par.fsdp_modules):
+            # transformers' module trees vary, and a user may want other units than one per
+            # decoder layer: place units by the parallelism.fsdp_modules patterns.
+            if dims.ep > 1:
+                raise NotImplementedError(
+                    "not supported yet: custom parallelism.fsdp_modules together with expert_parallel > 1 "
+                    "(experts need their own FSDP units on the expert mesh)"
+                )
             apply_fsdp_patterns(model, mesh.view("fsdp"), fsdp_modules=list(par.fsdp_modules), **kwargs)
         else:
             if dims.ep > 1:
@@ -118,3 +124,10 @@ def parallelize_model(
                 **kwargs,
             )
     return ParallelizedModel(model=model, pipeline_split=split, fsdp=fsdp)
+
+
+def _custom_units(patterns: list[str]) -> bool:
+    """Whether `fsdp_modules` asks for other units than one per decoder layer (plus the root)."""
+    from meshforge.parallel.config import MS_FSDP_MODULES, MS_LAYER_MODULES
+
+    return list(patterns) not in (MS_FSDP_MODULES, MS_LAYER_MODULES)
