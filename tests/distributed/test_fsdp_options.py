@@ -33,3 +33,20 @@ def test_cpu_offload_and_prefetch_depths_equal_one_process(tiny_config: Path, tm
         for x, y in zip(ref, read_metrics(out), strict=True):
             assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), name
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), name
+
+
+def test_bf16_gradient_reduction_stays_close(tiny_config: Path, tmp_path: Path) -> None:
+    # parallelism.reduce_dtype: bf16 sums the gradients in bfloat16 (half the bytes): close to
+    # the fp32 run, not equal.
+    common = ["--training.steps=3", "--checkpoint.enable_save=false"]
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    run_train(tiny_config, [*common, f"--training.output_dir={fp32}"], nproc=2, cwd=tmp_path)
+    run_train(
+        tiny_config,
+        [*common, "--parallelism.reduce_dtype=bf16", f"--training.output_dir={bf16}"],
+        nproc=2,
+        cwd=tmp_path,
+    )
+    for x, y in zip(read_metrics(fp32), read_metrics(bf16), strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-3)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-2)

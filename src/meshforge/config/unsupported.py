@@ -197,9 +197,6 @@ ENTRIES: list[Unsupported] = [
     ),
     Unsupported(f"{_P}.param_dtype", _param_dtype_differs, "FSDP param dtype other than model.compute_dtype"),
     Unsupported(
-        f"{_P}.reduce_dtype", lambda c: c.parallelism.reduce_dtype != "fp32", "low-precision gradient reduce"
-    ),
-    Unsupported(
         f"{_P}.enable_chunk_batch", lambda c: c.parallelism.enable_chunk_batch, "chunked micro-batches"
     ),
     Unsupported(f"{_P}.chunk_mbs", lambda c: c.parallelism.chunk_mbs != 1, "chunked micro-batches"),

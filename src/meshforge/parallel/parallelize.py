@@ -18,6 +18,9 @@ import torch.nn as nn
 
 from meshforge.parallel.dims import ParallelDims, ParallelMesh
 
+# parallelism.reduce_dtype: the dtype gradients are reduced (summed) in across ranks.
+_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass
 class ParallelizedModel:
@@ -97,7 +100,7 @@ def parallelize_model(
 
         kwargs: dict[str, Any] = {
             "param_dtype": compute_dtype if compute_dtype != param_dtype else None,
-            "reduce_dtype": torch.float32,
+            "reduce_dtype": _REDUCE_DTYPES[str(par.reduce_dtype)],
             "reshard_policy": getattr(par, "reshard_after_forward_policy", "default"),
         }
         if family == "generic" or _custom_units(par.fsdp_modules):
