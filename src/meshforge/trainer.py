@@ -568,27 +568,10 @@ class Trainer:
     # ----------------------------------------------------------------------------- hooks
     def forward_backward(self, batch: dict[str, torch.Tensor], global_tokens: torch.Tensor) -> torch.Tensor:
         """Forward one micro-batch, backward its share of the global mean; return its loss sum."""
-        inputs = {k: batch[k] for k in ("position_ids", "segment_ids", *self._cp_model_kwargs) if k in batch}
-        autocast = self.compute_dtype != torch.float32 and not self.fsdp
-        chunk = self.kernel_options.chunk_loss_size
-        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
-            if chunk is None:
-                logits = self.model(batch["input_ids"], **inputs)
-            else:
-                # Read lm_head.weight after the forward: under FSDP the root's parameters are
-                # unsharded by then (the root keeps them until backward).
-                hidden = self.model(batch["input_ids"], return_hidden=True, **inputs)
-                loss_sum = chunked_cross_entropy_sum(
-                    hidden, self.model.lm_head.weight, batch["labels"], chunk_size=chunk
-                )
-        if chunk is None:
-            with self._loss_context():
-                loss_sum = cross_entropy_sum(logits, batch["labels"])
-                # Dividing by the global token count (not the local one) makes the summed gradients
-                # over micro-batches and ranks equal the gradient of the global-batch mean.
-                objective = loss_sum / global_tokens
-        else:
-            objective = loss_sum / global_tokens
+        loss_sum = self._loss_sum(batch)
+        # Dividing by the global token count (not the local one) makes the summed gradients over
+        # micro-batches and ranks equal the gradient of the global-batch mean.
+        objective = loss_sum / global_tokens
         aux = self._aux_loss()
         if aux is not None:
             # The router loss is a per-micro-batch mean: weight it by this micro-batch's share of
@@ -600,6 +583,23 @@ class Trainer:
         with self._loss_context():
             objective.backward()
         return _plain(loss_sum).detach()
+
+    def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward one batch and return its summed token cross-entropy (the training and eval loss)."""
+        inputs = {k: batch[k] for k in ("position_ids", "segment_ids", *self._cp_model_kwargs) if k in batch}
+        autocast = self.compute_dtype != torch.float32 and not self.fsdp
+        chunk = self.kernel_options.chunk_loss_size
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
+            if chunk is not None:
+                # Read lm_head.weight after the forward: under FSDP the root's parameters are
+                # unsharded by then (the root keeps them until backward).
+                hidden = self.model(batch["input_ids"], return_hidden=True, **inputs)
+                return chunked_cross_entropy_sum(
+                    hidden, self.model.lm_head.weight, batch["labels"], chunk_size=chunk
+                )
+            logits = self.model(batch["input_ids"], **inputs)
+        with self._loss_context():
+            return cross_entropy_sum(logits, batch["labels"])
 
     def _loss_context(self) -> Any:
         """Loss-parallel context under TP with `enable_loss_parallel` (vocab-sharded logits)."""
@@ -831,19 +831,7 @@ class Trainer:
         """CE sum and valid-token count of one validation batch (sharded for CP first)."""
         if self.dims.cp > 1:
             batch = self._shard_for_cp(batch)
-        inputs = {k: batch[k] for k in ("position_ids", "segment_ids", *self._cp_model_kwargs) if k in batch}
-        autocast = self.compute_dtype != torch.float32 and not self.fsdp
-        chunk = self.kernel_options.chunk_loss_size
-        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
-            if chunk is None:
-                logits = self.model(batch["input_ids"], **inputs)
-                with self._loss_context():
-                    loss_sum = cross_entropy_sum(logits, batch["labels"])
-            else:
-                hidden = self.model(batch["input_ids"], return_hidden=True, **inputs)
-                loss_sum = chunked_cross_entropy_sum(
-                    hidden, self.model.lm_head.weight, batch["labels"], chunk_size=chunk
-                )
+        loss_sum = self._loss_sum(batch)
         return _plain(loss_sum).detach(), count_valid_tokens(batch["labels"])
 
     def _save(self) -> None:

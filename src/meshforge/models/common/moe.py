@@ -221,7 +221,46 @@ def run_experts(experts: nn.Module, counts: torch.Tensor) -> Callable[[torch.Ten
     return lambda grouped: exchange(grouped, counts, experts.compute)
 
 
-class GroupedExperts(nn.Module):
+class ExpertsBase(nn.Module):
+    """What every fused experts module shares: the dispatch of routed tokens and the seams.
+
+    A subclass holds its expert weights and implements ``_loop`` and ``_grouped_mm`` (the
+    outputs for tokens sorted by expert); ``use_grouped_mm`` (the ``moe_grouped_gemm`` switch)
+    picks one, and ``token_exchange`` (set by expert parallelism) sends the sorted tokens to
+    the ranks that hold their experts.
+    """
+
+    use_grouped_mm: bool
+    token_exchange: TokenExchange | None
+
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Mix the top-k experts of every token.
+
+        Args:
+            x: Tokens ``[N, hidden]``.
+            indices: Chosen experts ``[N, k]``.
+            weights: Their routing weights ``[N, k]``.
+            counts: Assignments per expert ``[num_experts]`` (``bincount`` of ``indices``).
+
+        Returns:
+            ``sum_j weights[:, j] * expert_{indices[:, j]}(x)``, shape ``[N, hidden]``.
+        """
+        return dispatch_to_experts(x, indices, weights, run_experts(self, counts))
+
+    def compute(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Outputs of the experts held here for tokens sorted by (local) expert, ``counts`` per expert."""
+        return self._grouped_mm(grouped, counts) if self.use_grouped_mm else self._loop(grouped, counts)
+
+    def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def _grouped_mm(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+
+class GroupedExperts(ExpertsBase):
     """``num_experts`` SwiGLU experts in two fused 3-D parameters (transformers' ``Qwen3MoeExperts``).
 
     Args:
@@ -243,26 +282,6 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = False
         # Set by expert parallelism (`meshforge.parallel.expert.apply_ep`); None = all experts here.
         self.token_exchange: TokenExchange | None = None
-
-    def forward(
-        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
-    ) -> torch.Tensor:
-        """Mix the top-k experts of every token.
-
-        Args:
-            x: Tokens ``[N, hidden]``.
-            indices: Chosen experts ``[N, k]``.
-            weights: Their routing weights ``[N, k]``.
-            counts: Assignments per expert ``[num_experts]`` (``bincount`` of ``indices``).
-
-        Returns:
-            ``sum_j weights[:, j] * expert_{indices[:, j]}(x)``, shape ``[N, hidden]``.
-        """
-        return dispatch_to_experts(x, indices, weights, run_experts(self, counts))
-
-    def compute(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
-        """Outputs of the experts held here for tokens sorted by (local) expert, ``counts`` per expert."""
-        return self._grouped_mm(grouped, counts) if self.use_grouped_mm else self._loop(grouped, counts)
 
     def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """Expert outputs for tokens sorted by expert: two matmuls per expert with tokens."""
@@ -385,5 +404,6 @@ __all__ = [
     "dispatch_to_experts",
     "load_balancing_loss",
     "local_tensor",
+    "ExpertsBase",
     "run_experts",
 ]

@@ -29,11 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshforge.models.common.moe import (
+    ExpertsBase,
     RouterStats,
     TokenExchange,
-    dispatch_to_experts,
     local_tensor,
-    run_experts,
 )
 
 
@@ -82,7 +81,7 @@ class GptOssTopKRouter(nn.Module):
         return f"num_experts={self.num_experts}, top_k={self.top_k}"
 
 
-class GptOssExperts(nn.Module):
+class GptOssExperts(ExpertsBase):
     """``num_experts`` clamped-SwiGLU experts with biases, fused and transposed as transformers keeps them.
 
     Args:
@@ -117,26 +116,6 @@ class GptOssExperts(nn.Module):
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-
-    def forward(
-        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
-    ) -> torch.Tensor:
-        """Mix the top-k experts of every token.
-
-        Args:
-            x: Tokens ``[N, hidden]``.
-            indices: Chosen experts ``[N, k]``.
-            weights: Their routing weights ``[N, k]``.
-            counts: Assignments per expert ``[num_experts]`` (``bincount`` of ``indices``).
-
-        Returns:
-            ``sum_j weights[:, j] * expert_{indices[:, j]}(x)``, shape ``[N, hidden]``.
-        """
-        return dispatch_to_experts(x, indices, weights, run_experts(self, counts))
-
-    def compute(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
-        """Outputs of the experts held here for tokens sorted by (local) expert, ``counts`` per expert."""
-        return self._grouped_mm(grouped, counts) if self.use_grouped_mm else self._loop(grouped, counts)
 
     def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """Expert outputs for tokens sorted by expert: two matmuls per expert with tokens."""
