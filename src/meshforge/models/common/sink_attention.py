@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshforge.models.common.rope import apply_rotary
 
@@ -146,8 +147,10 @@ class SinkAttention(nn.Module):
         q = q.view(batch, seq_len, self.num_kv_heads, groups, self.head_dim).permute(0, 2, 3, 1, 4)
         k = k.transpose(1, 2).unsqueeze(2)
         v = v.transpose(1, 2).unsqueeze(2)
+        # Under tensor parallelism the sinks are a DTensor sharded by head: use this rank's heads.
+        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
         out = sink_attention(
-            q, k, v, self.sinks, mask, scaling=self.scaling, dropout=self.dropout, training=self.training
+            q, k, v, sinks, mask, scaling=self.scaling, dropout=self.dropout, training=self.training
         )
         # [B, KV, G, S, D] -> [B, S, KV * G * D]: heads in transformers' order.
         out = out.permute(0, 3, 1, 2, 4).reshape(batch, seq_len, self.num_heads * self.head_dim)
