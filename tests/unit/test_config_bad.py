@@ -296,6 +296,12 @@ BAD = [
         "model.use_flash_attention",
         "alias",
     ),
+    (
+        "param-dtype-alias-conflict",
+        "model:\n  compute_dtype: float32\nparallelism:\n  param_dtype: bf16\n",
+        "parallelism.param_dtype",
+        "contradicts model.compute_dtype",
+    ),
     ("lora-dropout", "lora_config:\n  lora_dropout: 1.5\n", "lora_config.lora_dropout", "[0, 1)"),
     ("eval-interval-no-data", "training:\n  eval_interval: 10\n", "training.eval_interval", "eval_dataset"),
     ("deepseek-only-kernel", "kernels:\n  use_ascend_mhc: true\n", "kernels.use_ascend_mhc", "deepseek_v4"),

@@ -410,3 +410,11 @@ def test_pipeline_stage_strings(tmp_path):
         [LayerRange(0, 1), LayerRange(4, 5)],
         [LayerRange(2, 3), LayerRange(6, 7)],
     ]
+
+
+def test_param_dtype_is_an_alias_of_compute_dtype() -> None:
+    """MindSpeed's parallelism.param_dtype sets model.compute_dtype when that is not written."""
+    cfg = config_from_dict({"parallelism": {"param_dtype": "bf16"}})
+    assert cfg.model.compute_dtype == "bfloat16"
+    same = config_from_dict({"parallelism": {"param_dtype": "fp16"}, "model": {"compute_dtype": "fp16"}})
+    assert same.model.compute_dtype == "float16"

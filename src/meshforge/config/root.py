@@ -61,6 +61,7 @@ class TrainConfig(StrictSection):
                 if not (v is None and k in cls.model_fields and k != "lora_config")
             }
             data = _flash_alias(data)
+            data = _param_dtype_alias(data)
         return data
 
 
@@ -78,6 +79,24 @@ def _flash_alias(data: dict[str, Any]) -> dict[str, Any]:
     ):
         if "use_flash_attn" not in kernels:
             data = {**data, "kernels": {**kernels, "use_flash_attn": model["use_flash_attention"]}}
+    return data
+
+
+_SHORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _param_dtype_alias(data: dict[str, Any]) -> dict[str, Any]:
+    """Carry MindSpeed's `parallelism.param_dtype` into `model.compute_dtype` unless that is written.
+
+    MindSpeed's FSDP `param_dtype` is the dtype the unsharded parameters compute in, while the
+    sharded master weights stay fp32: meshforge's `model.compute_dtype` (FSDP2's
+    `MixedPrecisionPolicy.param_dtype`; autocast without FSDP). A contradiction between two
+    written values is an error in rules.py.
+    """
+    par, model = data.get("parallelism"), data.get("model", {})
+    if isinstance(par, dict) and isinstance(model, dict) and par.get("param_dtype") in _SHORT_DTYPES:
+        if "compute_dtype" not in model:
+            data = {**data, "model": {**model, "compute_dtype": _SHORT_DTYPES[par["param_dtype"]]}}
     return data
 
 

@@ -50,6 +50,18 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
             )
         )
 
+    param_dtype = cfg.parallelism.param_dtype
+    if param_dtype is not None:
+        full = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[param_dtype]
+        if full != cfg.model.compute_dtype:
+            issues.append(
+                (
+                    "parallelism.param_dtype",
+                    f"{param_dtype} contradicts model.compute_dtype ({cfg.model.compute_dtype}); it is the "
+                    "MindSpeed spelling of the dtype FSDP computes in, set one of them",
+                )
+            )
+
     if (
         training.gradient_accumulation_steps is None
         and training.local_batch_size > training.global_batch_size

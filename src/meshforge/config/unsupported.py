@@ -103,14 +103,6 @@ def _sft_entries() -> list[Unsupported]:
     return entries
 
 
-_SHORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def _param_dtype_differs(c: TrainConfig) -> bool:
-    dtype = c.parallelism.param_dtype
-    return dtype is not None and _SHORT_DTYPES[dtype] != c.model.compute_dtype
-
-
 _P = "parallelism"
 ENTRIES: list[Unsupported] = [
     Unsupported(
@@ -195,7 +187,6 @@ ENTRIES: list[Unsupported] = [
         lambda c: not c.parallelism.disable_gradient_division,
         "FSDP mean-reduction",
     ),
-    Unsupported(f"{_P}.param_dtype", _param_dtype_differs, "FSDP param dtype other than model.compute_dtype"),
     Unsupported(
         f"{_P}.enable_chunk_batch", lambda c: c.parallelism.enable_chunk_batch, "chunked micro-batches"
     ),

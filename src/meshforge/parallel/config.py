@@ -129,7 +129,8 @@ class ParallelismConfig(StrictSection):
         "eager", "Expert-parallel all-to-all dispatcher."
     )
     param_dtype: DType | None = describe(
-        None, "FSDP parameter dtype for compute; null follows model.compute_dtype."
+        None,
+        "MindSpeed alias of model.compute_dtype (the dtype FSDP computes in); must agree when both are set.",
     )
     reduce_dtype: DType = describe("fp32", "FSDP gradient reduce dtype.")
     num_to_forward_prefetch: Int = describe(1, "Modules prefetched ahead in forward.")
