@@ -344,10 +344,11 @@ class Trainer:
                 "not supported yet: the MoE router aux loss under parallelism.pipeline_parallel > 1; "
                 "set training.router_aux_loss_coef: 0 and model.output_router_logits: false"
             )
-        if d.pp > 1 and self.cfg.checkpoint.save_hf_weights:
-            raise NotImplementedError(
-                "not supported yet: checkpoint.save_hf_weights with parallelism.pipeline_parallel > 1; "
-                "export with `meshforge convert --to hf` from the saved checkpoint"
+        if d.pp > 1 and self.cfg.checkpoint.save_hf_weights and not self.cfg.checkpoint.enable_save:
+            # The stages hold different layers: the export reads the final checkpoint back whole.
+            raise ValueError(
+                "checkpoint.save_hf_weights: with parallelism.pipeline_parallel > 1 the Hugging Face "
+                "export is written from the final checkpoint; set checkpoint.enable_save: true"
             )
 
     def _router_aux_coef(self, model_config: Any) -> float:
@@ -566,18 +567,18 @@ class Trainer:
             )
 
     # ----------------------------------------------------------------------------- hooks
-    def forward_backward(self, batch: dict[str, torch.Tensor], global_tokens: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> torch.Tensor:
         """Forward one micro-batch, backward its share of the global mean; return its loss sum."""
         loss_sum = self._loss_sum(batch)
         # Dividing by the global token count (not the local one) makes the summed gradients over
         # micro-batches and ranks equal the gradient of the global-batch mean.
-        objective = loss_sum / global_tokens
+        objective = loss_sum / normalizer
         aux = self._aux_loss()
         if aux is not None:
             # The router loss is a per-micro-batch mean: weight it by this micro-batch's share of
             # the global valid tokens, so that one micro-batch on one rank gives exactly
             # transformers' `loss + coef * aux`, and accumulation/data parallelism average it.
-            weight = count_valid_tokens(batch["labels"]).to(global_tokens.dtype) / global_tokens
+            weight = count_valid_tokens(batch["labels"]).to(normalizer.dtype) / normalizer
             self._aux_sum += aux.detach().float() * weight
             objective = objective + self.aux_coef * aux * weight
         with self._loss_context():
@@ -661,16 +662,19 @@ class Trainer:
             torch.as_tensor(local_tokens, device=self.device), loss_group
         )
         global_tokens = global_tokens.clamp(min=1).to(torch.float32)
+        # What this rank divides its loss sum by; the summed gradients are then the gradient of
+        # the global token mean, or of the mean of per-rank means (disable_gradient_division off).
+        normalizer = self._loss_normalizer(local_tokens, global_tokens)
         self._aux_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         if self.pipeline is not None:
             # The schedule runs forward and backward of every micro-batch over the stages and
             # returns the CE sum on every pipeline rank.
-            loss_sum = self.pipeline.step(micro, global_tokens)
+            loss_sum = self.pipeline.step(micro, normalizer)
         else:
             loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
             for mb in micro:
-                loss_sum += self.forward_backward(mb, global_tokens)
-        loss = dist_utils.all_reduce_sum(loss_sum, loss_group) / global_tokens
+                loss_sum += self.forward_backward(mb, normalizer)
+        loss = dist_utils.all_reduce_sum(loss_sum / normalizer, loss_group)
         extra: dict[str, float] = {}
         if self._aux_loss_enabled:
             extra["aux_loss"] = float(dist_utils.all_reduce_sum(self._aux_sum, loss_group))
@@ -687,6 +691,23 @@ class Trainer:
             "valid_tokens": int(global_tokens.item()),
             **extra,
         }
+
+    def _loss_normalizer(self, local_tokens: int, global_tokens: torch.Tensor) -> torch.Tensor:
+        """The divisor of this rank's loss sum for one optimizer step.
+
+        Default (`parallelism.disable_gradient_division: true`, FSDP sums): the global valid-token
+        count, so the gradients summed over micro-batches and ranks are those of the global
+        token mean, the same for any layout. With `false` (MindSpeed: FSDP averages over the
+        data ranks) each data rank takes the mean over its own tokens (summed over its context-
+        parallel ranks, which share its rows) and the ranks are averaged: the tokens of a data
+        rank with short rows weigh more, as in a DDP/HF Trainer run without token averaging.
+        """
+        if self.cfg.parallelism.disable_gradient_division:
+            return global_tokens
+        own = torch.as_tensor(local_tokens, device=self.device)
+        if self.dims.cp > 1:
+            own = dist_utils.all_reduce_sum(own, self.mesh.view("cp").get_group())
+        return own.clamp(min=1).to(torch.float32) * float(self.dims.dp)
 
     def train(self) -> TrainSummary:
         """Run from the current step to the last one, saving, evaluating and logging as configured."""
@@ -723,7 +744,30 @@ class Trainer:
         """Write the current weights, config and tokenizer as a HF folder (collective)."""
         from meshforge.checkpoint.hf import save_hf
 
+        if self.pipeline_split is not None:
+            return self._export_hf_from_checkpoint(out_dir)
         save_hf(self.model, self.family, out_dir, tokenizer=self.tokenizer if self.dist.is_main else None)
+        self.log(f"checkpoint: exported Hugging Face weights to {out_dir} (checkpoint.save_hf_weights)")
+        return out_dir
+
+    def _export_hf_from_checkpoint(self, out_dir: Path) -> Path:
+        """HF export of a pipeline run: rank 0 reads the final checkpoint whole; the others wait.
+
+        Each stage holds only its own layers, so no rank can gather the model from memory; the
+        checkpoint saved at the last step (always, when saving is on) holds all of it.
+        """
+        from meshforge.checkpoint.convert import dcp_to_hf
+
+        if self._last_checkpoint is None:
+            raise RuntimeError("checkpoint.save_hf_weights: no checkpoint was saved to export from")
+        if self.dist.is_main:
+            dcp_to_hf(
+                self._last_checkpoint,
+                out_dir,
+                config_path=self.output_dir / "config.yaml",
+                log=self.log,
+            )
+        dist_utils.barrier()
         self.log(f"checkpoint: exported Hugging Face weights to {out_dir} (checkpoint.save_hf_weights)")
         return out_dir
 

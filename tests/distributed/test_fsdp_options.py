@@ -21,6 +21,9 @@ def test_cpu_offload_and_prefetch_depths_equal_one_process(tiny_config: Path, tm
         "prefetch": ["--parallelism.num_to_forward_prefetch=2", "--parallelism.num_to_backward_prefetch=0"],
         # Units by pattern on a built-in family: attention and MLP of each layer separately.
         "units": ["--parallelism.fsdp_modules=['model.layers.{*}.self_attn', 'model.layers.{*}.mlp']"],
+        # Mean of per-rank token means: packed text rows have the same valid-token count on
+        # every rank, so it equals the global token mean here (test_loss_normalizer covers the rest).
+        "rank_mean": ["--parallelism.disable_gradient_division=false"],
     }
     for name, extra in variants.items():
         out = tmp_path / name

@@ -292,6 +292,8 @@ def test_pp2_checkpoint_resumes_in_one_process(tiny_config: Path, tmp_path: Path
         "--training.steps=4",
         "--checkpoint.save_interleaved_steps=2",
         "--model.tie_word_embeddings=false",
+        # The pp run exports from its final checkpoint; both exports must hold the same weights.
+        "--checkpoint.save_hf_weights=true",
     ]
     pp, one = tmp_path / "pp", tmp_path / "one"
     run_train(
@@ -311,3 +313,10 @@ def test_pp2_checkpoint_resumes_in_one_process(tiny_config: Path, tmp_path: Path
     for x, y in zip(a[2:], b, strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+    from safetensors.torch import load_file
+
+    exported = load_file(pp / "hf" / "model.safetensors")
+    reference = load_file(one / "hf" / "model.safetensors")
+    assert exported.keys() == reference.keys() and "lm_head.weight" in exported
+    for key, tensor in reference.items():
+        torch.testing.assert_close(exported[key], tensor, rtol=1e-4, atol=1e-6, msg=key)

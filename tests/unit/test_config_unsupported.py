@@ -32,7 +32,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.ep_modules": {"parallelism": {"ep_modules": ["model.layers.{*}.moe"]}},
     "parallelism.ep_fsdp_modules": {"parallelism": {"ep_fsdp_modules": ["model.layers.{*}.moe"]}},
     "parallelism.ep_dispatcher": {"parallelism": {"ep_dispatcher": "fused"}},
-    "parallelism.disable_gradient_division": {"parallelism": {"disable_gradient_division": False}},
     "parallelism.enable_chunk_batch": {"parallelism": {"enable_chunk_batch": True}},
     "parallelism.chunk_mbs": {"parallelism": {"chunk_mbs": 2}},
     "parallelism.chunk_mbs_modules": {"parallelism": {"chunk_mbs_modules": ["model.layers.{0-3}"]}},

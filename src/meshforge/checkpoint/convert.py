@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -106,9 +107,20 @@ def dcp_to_hf(
     with _one_rank_group():
         model = _build_on_cpu(source.family, options, params_dtype)
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(step))
+        # Read by this process alone: a training run exports from rank 0 while the others wait.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(step), no_dist=True)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
-        out = save_hf(model, source.family, out_dir, tokenizer=tokenizer, shard_size=shard_size, dtype=dtype)
+        out = save_hf(
+            model,
+            source.family,
+            out_dir,
+            tokenizer=tokenizer,
+            shard_size=shard_size,
+            dtype=dtype,
+            collective=False,
+        )
     log(f"convert: wrote {out} (Hugging Face {source.family.name}) from {step}")
     return out
 

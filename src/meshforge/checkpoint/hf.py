@@ -446,6 +446,7 @@ def save_hf(
     tokenizer: Any = None,
     shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
+    collective: bool = True,
 ) -> Path:
     """Write ``model`` as a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads.
 
@@ -461,6 +462,8 @@ def save_hf(
         tokenizer: Optional HF tokenizer saved alongside (``save_pretrained``).
         shard_size: Largest shard, bytes or a string such as ``"5GB"``.
         dtype: Cast floating weights to this dtype (default: as they are).
+        collective: False when one process writes a model it holds whole (a checkpoint read
+            back by rank 0 alone): no rank is waited for, and this process writes.
 
     Returns:
         The output folder.
@@ -470,7 +473,7 @@ def save_hf(
     out = Path(out_dir)
     limit = parse_size(shard_size)
     adapter = hf_adapter(family, getattr(model, "config", None))
-    main = _is_main()
+    main = _is_main() or not collective
     if main:
         out.mkdir(parents=True, exist_ok=True)
         for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
@@ -516,7 +519,7 @@ def save_hf(
             tokenizer.save_pretrained(str(out))
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if collective and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     return out
 

@@ -183,11 +183,6 @@ ENTRIES: list[Unsupported] = [
         f"{_P}.ep_dispatcher", lambda c: c.parallelism.ep_dispatcher != "eager", "fused/mc2 EP dispatch"
     ),
     Unsupported(
-        f"{_P}.disable_gradient_division",
-        lambda c: not c.parallelism.disable_gradient_division,
-        "FSDP mean-reduction",
-    ),
-    Unsupported(
         f"{_P}.enable_chunk_batch", lambda c: c.parallelism.enable_chunk_batch, "chunked micro-batches"
     ),
     Unsupported(f"{_P}.chunk_mbs", lambda c: c.parallelism.chunk_mbs != 1, "chunked micro-batches"),

@@ -53,7 +53,8 @@ class ParallelismConfig(StrictSection):
     )
     cpu_offload: Bool = describe(False, "Offload FSDP parameters, gradients and optimizer state to CPU.")
     disable_gradient_division: Bool = describe(
-        True, "Sum gradients in FSDP reduce (loss is normalised by tokens)."
+        True,
+        "true: gradient of the global token mean (FSDP sums); false: mean over data ranks of each rank's token mean.",
     )
     dense_fsdp_shard_size: PosInt | None = describe(
         None, "Shard size for dense (non-expert) weights; null = dp shard."
