@@ -121,7 +121,11 @@ def _model_vocab_size(family: Any, options: dict[str, Any]) -> int:
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a (replicated) DTensor result, e.g. the loss under loss parallel."""
+    """The whole tensor of a DTensor (gathered; differentiable), or the tensor itself.
+
+    E.g. the loss under loss parallel, or the sequence-sharded hidden states and the vocab-sharded
+    head for the chunked loss under TP.
+    """
     full = getattr(tensor, "full_tensor", None)
     return full() if callable(full) else tensor
 
@@ -327,10 +331,10 @@ class Trainer:
         """Refuse combinations of parallel degrees and trainer features that are not built yet."""
         d = self.dims
         chunked = self.kernel_options.chunk_loss_size is not None
-        if chunked and (d.tp > 1 or d.pp > 1):
+        if chunked and d.pp > 1:
             raise NotImplementedError(
-                "not supported yet: kernels.chunk_loss_size with parallelism.tensor_parallel > 1 or "
-                "pipeline_parallel > 1 (the chunked loss reads the whole lm_head on one rank)"
+                "not supported yet: kernels.chunk_loss_size with parallelism.pipeline_parallel > 1 "
+                "(the last stage's schedule loss takes the logits)"
             )
         if d.cp > 1 and self._aux_loss_enabled:
             # The load-balancing loss is a product of per-sequence means: each context-parallel
@@ -595,8 +599,11 @@ class Trainer:
                 # Read lm_head.weight after the forward: under FSDP the root's parameters are
                 # unsharded by then (the root keeps them until backward).
                 hidden = self.model(batch["input_ids"], return_hidden=True, **inputs)
+                # Under TP the hidden states are sequence-sharded and the head vocab-sharded
+                # DTensors: every TP rank computes the whole chunked loss (as the replicated-
+                # logits path does); the gathers' backward hands each rank its own slice.
                 return chunked_cross_entropy_sum(
-                    hidden, self.model.lm_head.weight, batch["labels"], chunk_size=chunk
+                    _plain(hidden), _plain(self.model.lm_head.weight), batch["labels"], chunk_size=chunk
                 )
             logits = self.model(batch["input_ids"], **inputs)
         with self._loss_context():

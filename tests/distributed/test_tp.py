@@ -332,6 +332,21 @@ def test_trainer_tp2_equals_one_process_and_resumes_on_one(tiny_config: Path, tm
             y["grad_norm"],
         )
 
+    # The chunked loss (kernels.chunk_loss_size) under TP: the sharded hidden states and head
+    # are gathered; the same numbers as one process with the chunked loss.
+    chunk_one, chunk_tp2 = tmp_path / "chunk_one", tmp_path / "chunk_tp2"
+    chunked = [*common, "--kernels.chunk_loss_size=8", "--checkpoint.enable_save=false"]
+    run_train(tiny_config, [*chunked, f"--training.output_dir={chunk_one}"], cwd=tmp_path)
+    run_train(
+        tiny_config,
+        [*chunked, f"--training.output_dir={chunk_tp2}", "--parallelism.tensor_parallel=2"],
+        nproc=2,
+        cwd=tmp_path,
+    )
+    for x, y in zip(read_metrics(chunk_one), read_metrics(chunk_tp2), strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), ("chunked", x["step"])
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), ("chunked", x["step"])
+
     step2 = tp2 / "checkpoints" / "checkpoint-00000002"
     run_train(
         tiny_config,
