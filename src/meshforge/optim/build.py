@@ -14,7 +14,10 @@ On other devices torch's own default is kept.
 
 Parameter groups: group 0 holds the parameters with weight decay, group 1 those without (see
 `param_groups.py`); both groups always exist, even if empty, so that optimizer state dicts
-have the same structure for every model and rule set.
+have the same structure for every model and rule set. The one exception: a model that mixes
+DTensor and plain parameters (FSDP `ignored_modules`) has a group that would mix them split in
+two (DTensors, then plain tensors; same weight decay), because the fused and foreach kernels
+refuse such a mix.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshforge.optim.param_groups import describe_param_groups, split_weight_decay
+from meshforge.optim.param_groups import describe_param_groups, split_by_tensor_kind, split_weight_decay
 from meshforge.optim.specs import resolve_optimizer_options
 
 __all__ = ["build_optimizer"]
@@ -90,7 +93,8 @@ def build_optimizer(
         options: the section's passthrough keys (`amsgrad`, `fused`, `foreach`).
 
     Returns:
-        A `torch.optim.AdamW` with two groups: decay (`weight_decay`), no decay (0.0).
+        A `torch.optim.AdamW` with two groups: decay (`weight_decay`), no decay (0.0); a group
+        that mixes DTensor and plain parameters becomes two (`split_by_tensor_kind`).
 
     Raises:
         ValueError: naming the config key for a bad value, an unknown or unbuilt type, or a
@@ -112,11 +116,14 @@ def build_optimizer(
     else:
         assert canon == "AdamW", canon  # resolve_optimizer_options refuses unbuilt types
         impl = _implementation(decay + no_decay, opts.pop("fused", None), opts.pop("foreach", None))
+    param_groups = [
+        {"params": part, "weight_decay": wd}
+        for params, wd in ((decay, float(weight_decay)), (no_decay, 0.0))
+        # A model with FSDP-ignored (plain) and sharded (DTensor) parameters: one group per kind.
+        for part in split_by_tensor_kind(params)
+    ]
     optimizer = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": float(weight_decay)},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
+        param_groups,
         lr=float(learning_rate),
         betas=(beta1, beta2),
         eps=float(eps),

@@ -11,6 +11,12 @@ all-reduce per mesh, not per parameter); norms of different meshes (e.g. dense v
 weights) and of plain tensors are then combined as `sqrt(sum(n_i^2))`. The result is a plain,
 replicated float32 scalar tensor, the same on every rank.
 
+Plain-tensor gradients are counted once, locally, never summed over ranks: in a data-parallel
+model a plain parameter is one FSDP ignores (`parallelism.ignored_modules`), replicated on every
+rank with the gradient `meshforge.parallel.fsdp.sync_ignored_grads` summed over the loss group,
+so each rank's copy already is the global gradient. (A replicated DTensor is counted once too:
+its norm is Replicate, `full_tensor()` leaves it as it is.)
+
 Pipeline parallelism (not built yet) will need one more reduction: each stage holds different
 parameters, so the squared norms must also be summed over the `pp` mesh.
 

@@ -23,6 +23,12 @@ ones, so the rule is the same on one process and on a sharded mesh.
 
 Parameters with `requires_grad=False` are left out (they are not optimized). A parameter object
 listed twice (tied weights) is kept once, under its first name.
+
+Tensor kinds: torch's fused and foreach AdamW kernels take one list of tensors per group and
+refuse a list that mixes DTensors with plain tensors. A model where FSDP ignores some modules
+(`parallelism.ignored_modules`) has both, so `split_by_tensor_kind` splits such a group in two
+(DTensors first, then plain tensors) with the same hyperparameters; DTensors on different meshes
+(dense and expert weights) may share a group, the kernels accept that.
 """
 
 from __future__ import annotations
@@ -36,7 +42,13 @@ from meshforge.parallel.patterns import compile_pattern, is_pattern, suggest_nam
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["ParamGroups", "describe_param_groups", "normalize_param_name", "split_weight_decay"]
+__all__ = [
+    "ParamGroups",
+    "describe_param_groups",
+    "normalize_param_name",
+    "split_by_tensor_kind",
+    "split_weight_decay",
+]
 
 _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -155,3 +167,26 @@ def describe_param_groups(groups: ParamGroups, *, weight_decay: float) -> str:
         f"weight decay {weight_decay:g} on {nd} tensors ({ed:,} elements); "
         f"no decay on {nn_} tensors ({en:,} elements)"
     )
+
+
+def _is_dtensor(param: nn.Parameter) -> bool:
+    # Imported here: this module is light (no torch import at load time).
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
+
+
+def split_by_tensor_kind(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Split one optimizer group's parameters so that no part mixes DTensors and plain tensors.
+
+    Args:
+        params: the parameters of one group, in order.
+
+    Returns:
+        `[params]` unchanged when they are all of one kind (or empty), else
+        `[dtensors, plain_tensors]`, each in the given order.
+    """
+    dtensors = [p for p in params if _is_dtensor(p)]
+    if not dtensors or len(dtensors) == len(params):
+        return [params]
+    return [dtensors, [p for p in params if not _is_dtensor(p)]]
