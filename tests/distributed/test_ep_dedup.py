@@ -1,0 +1,243 @@
+"""``moe_token_dispatcher_type: alltoall_deredundancy`` equals ``alltoall`` and one process, sending fewer rows.
+
+One 2-process gloo spawn (ep 2), with the model helpers of ``test_ep.py``:
+
+* models (qwen3_moe, deepseek_v3, gpt_oss; qwen3_moe also under expert-FSDP): logits,
+  cross-entropy, router aux loss and every gradient of the de-duplicated EP model equal the
+  single-process model run on every rank's rows (1e-5 relative), and equal the ``alltoall`` EP
+  model on the same rank;
+* exchange (one experts module, 8 experts, top-k 2, 3 and 4, routings with and without
+  tokens whose experts share a rank, and a rank without tokens): outputs and the gradients of
+  the tokens, the routing weights and the experts equal one process; ``rows_sent`` is exactly
+  the number of distinct (token, rank) pairs, fewer than ``alltoall``'s ``N * k`` whenever a
+  token has two experts on one rank, and the all-to-all bytes counted by ``CommCounter`` drop
+  accordingly.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.distributed._exit import leave_worker
+from tests.distributed.test_ep import BATCH, _batch, _build, _full_grad, _materialize, _objective, _rel
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-5
+
+
+def _ep_model(family: str, token_dispatcher: str, *, fsdp: bool):
+    from meshforge.parallel.dims import ParallelDims
+    from meshforge.parallel.expert import apply_ep
+    from meshforge.parallel.fsdp import apply_fsdp
+
+    world = dist.get_world_size()
+    model = _build(family)
+    dims = ParallelDims(world_size=world, dp_shard=world, ep=2)
+    mesh = dims.build_mesh("cpu")
+    apply_ep(model, dims.mesh_for(mesh, "ep"), token_dispatcher=token_dispatcher)
+    if fsdp:
+        apply_fsdp(
+            model,
+            dims.mesh_for(mesh, "fsdp"),
+            expert_mesh=dims.mesh_for(mesh, "efsdp"),
+            param_dtype=None,
+            reduce_dtype=torch.float32,
+        )
+    _materialize(model)
+    return model
+
+
+def _rows_sent(model) -> int:
+    from meshforge.parallel.expert import expert_modules
+
+    exchanges = {id(m.token_exchange): m.token_exchange for _, m in expert_modules(model)}
+    return sum(e.rows_sent for e in exchanges.values())
+
+
+def _check_model(family: str, errors: list[str], *, fsdp: bool = False) -> None:
+    """De-duplicated EP model against one process and against ``alltoall`` on this rank's rows."""
+    from meshforge.parallel.expert import DeduplicatedExchange, expert_modules
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = _build(family)
+    _materialize(reference)
+    ids, labels = _batch(world, reference.args.vocab_size)
+    expected = None
+    for r in range(world):  # one process runs every rank's rows as micro-batches
+        part = slice(r * BATCH, (r + 1) * BATCH)
+        logits, ce, aux, objective = _objective(reference, ids[part], labels[part], world)
+        objective.backward()
+        if r == rank:
+            expected = (logits.detach(), ce.detach(), None if aux is None else aux.detach())
+    assert expected is not None
+    rows = slice(rank * BATCH, (rank + 1) * BATCH)
+    results = {}
+    for dispatcher in ("alltoall", "alltoall_deredundancy"):
+        model = _ep_model(family, dispatcher, fsdp=fsdp)
+        logits, ce, aux, objective = _objective(model, ids[rows], labels[rows], world)
+        objective.backward()
+        grads = {name: _full_grad(p, reduce_plain=not fsdp) for name, p in model.named_parameters()}
+        results[dispatcher] = (logits.detach(), ce.detach(), aux, grads, _rows_sent(model))
+        if dispatcher == "alltoall_deredundancy":
+            kinds = {type(m.token_exchange) for _, m in expert_modules(model)}
+            if kinds != {DeduplicatedExchange}:
+                errors.append(f"{family}: exchanges are {kinds}")
+
+    tag = f"{family}{'/fsdp' if fsdp else ''}/rank{rank}"
+    logits, ce, aux, grads, dedup_rows = results["alltoall_deredundancy"]
+    plain = results["alltoall"]
+    for what, got, want in (("logits", logits, expected[0]), ("cross-entropy", ce, expected[1])):
+        if _rel(got, want) > TOL:
+            errors.append(f"{tag}: {what} differ from one process by {_rel(got, want):.2e}")
+    if _rel(logits, plain[0]) > TOL:
+        errors.append(f"{tag}: logits differ from alltoall by {_rel(logits, plain[0]):.2e}")
+    if (aux is None) != (expected[2] is None) or (aux is not None and _rel(aux.detach(), expected[2]) > TOL):
+        errors.append(f"{tag}: aux loss {aux} vs {expected[2]}")
+    ref_params = dict(reference.named_parameters())
+    for name, grad in grads.items():
+        want = ref_params[name].grad
+        if want is None:  # deepseek's score-correction bias gets no gradient
+            want = torch.zeros_like(grad)
+        if _rel(grad, want) > TOL and (grad - want).abs().max() > 1e-9:
+            errors.append(f"{tag}: gradient of {name} differs from one process by {_rel(grad, want):.2e}")
+        if _rel(grad, plain[3][name]) > TOL and (grad - plain[3][name]).abs().max() > 1e-9:
+            errors.append(f"{tag}: gradient of {name} differs from alltoall")
+    if not 0 < dedup_rows <= plain[4]:
+        errors.append(f"{tag}: deduplicated exchange sent {dedup_rows} rows, alltoall {plain[4]}")
+
+
+def _full_experts(num_experts: int, hidden: int):
+    from meshforge.models.common.moe import GroupedExperts
+
+    experts = GroupedExperts(num_experts, hidden, 6)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return experts
+
+
+def _check_exchange(errors: list[str], measured: dict[str, float]) -> None:
+    """Experts module alone: equality with one process (tokens, weights, experts) and row counts."""
+    from meshforge.parallel.expert import apply_ep
+    from meshforge.utils.comms import CommCounter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ep_mesh = dist.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    num_experts, hidden, n = 8, 16, 12
+    gen = torch.Generator().manual_seed(7)
+
+    def random_routing(k: int, m: int) -> torch.Tensor:  # k distinct experts per token
+        rows = [torch.randperm(num_experts, generator=gen)[:k] for _ in range(m)]
+        return torch.stack(rows) if rows else torch.zeros(0, k, dtype=torch.long)
+
+    scenarios = {f"random top-{k}": [random_routing(k, n) for _ in range(world)] for k in (2, 3, 4)}
+    # Every token's two experts on different ranks: nothing to de-duplicate.
+    spread = torch.stack([torch.arange(n) % 4, 4 + (torch.arange(n) + 1) % 4], 1)
+    scenarios["no duplicates"] = [spread, spread.flip(1)]
+    # Rank 1 has no tokens (it still receives rows and joins every collective).
+    scenarios["rank 1 without tokens"] = [random_routing(3, n), random_routing(3, 0)]
+    for scenario, indices in scenarios.items():
+        k = indices[0].shape[1]
+        xs = [torch.randn(i.shape[0], hidden, generator=gen) for i in indices]
+        weights = [torch.rand(i.shape[0], k, generator=gen) for i in indices]
+        targets = [torch.randn(i.shape[0], hidden, generator=gen) for i in indices]
+        reference = _full_experts(num_experts, hidden)
+        total = torch.zeros(())
+        expected = None
+        for r in range(world):
+            x, w = xs[r].clone().requires_grad_(True), weights[r].clone().requires_grad_(True)
+            out = reference(x, indices[r], w, torch.bincount(indices[r].flatten(), minlength=num_experts))
+            total = total + (out * targets[r]).sum()
+            if r == rank:
+                expected = (out, x, w)
+        total.backward()
+        assert expected is not None
+        sent, volume, got_all = {}, {}, {}
+        for dispatcher in ("alltoall", "alltoall_deredundancy"):
+            experts = _full_experts(num_experts, hidden)
+            apply_ep(experts, ep_mesh, token_dispatcher=dispatcher)
+            x, w = xs[rank].clone().requires_grad_(True), weights[rank].clone().requires_grad_(True)
+            counts = torch.bincount(indices[rank].flatten(), minlength=num_experts)
+            with CommCounter() as counter:
+                out = experts(x, indices[rank], w, counts)
+                (out * targets[rank]).sum().backward()
+            sent[dispatcher] = experts.token_exchange.rows_sent
+            got_all[dispatcher] = [
+                out.detach(),
+                x.grad,
+                w.grad,
+                *(p.grad.to_local() for p in experts.parameters()),
+            ]
+            volume[dispatcher] = counter.bytes["all_to_all_single"]
+            tag = f"exchange {scenario}/{dispatcher}/rank{rank}"
+            if out.shape != expected[0].shape or (
+                out.numel() and _rel(out.detach(), expected[0].detach()) > TOL
+            ):
+                errors.append(f"{tag}: outputs differ")
+            for what, got, want in (
+                ("tokens", x.grad, expected[1].grad),
+                ("weights", w.grad, expected[2].grad),
+            ):
+                if got is None or got.shape != want.shape or (got.numel() and _rel(got, want) > TOL):
+                    errors.append(f"{tag}: gradient of the {what} differs")
+            for name, param in experts.named_parameters():
+                got = _full_grad(param, reduce_plain=False)  # a DTensor: the full expert gradient
+                if _rel(got, reference.get_parameter(name).grad) > TOL:
+                    errors.append(f"{tag}: gradient of {name} differs")
+        # Against alltoall on the same rank: the same expert inputs, so the expert gradients and
+        # the weights' gradients agree bit for bit; outputs and token gradients differ only in
+        # the order of the k-term sums (bit for bit at k = 2, where a + b == b + a).
+        for i, (a, b) in enumerate(zip(got_all["alltoall"], got_all["alltoall_deredundancy"], strict=True)):
+            if not (torch.equal(a, b) if k == 2 or i >= 2 else a.numel() == 0 or _rel(b, a) < 1e-6):
+                errors.append(f"exchange {scenario}/rank{rank}: result {i} differs from alltoall")
+        pairs = {
+            (t, int(e) // (num_experts // world)) for t, row in enumerate(indices[rank].tolist()) for e in row
+        }
+        if sent["alltoall"] != indices[rank].numel() or sent["alltoall_deredundancy"] != len(pairs):
+            errors.append(
+                f"{scenario}/rank{rank}: rows sent {sent}, expected {indices[rank].numel()} and {len(pairs)}"
+            )
+        duplicates = len(pairs) < indices[rank].numel()
+        if duplicates and not volume["alltoall_deredundancy"] < volume["alltoall"]:
+            errors.append(f"{scenario}/rank{rank}: all-to-all bytes {volume} did not drop")
+        if scenario.startswith("random"):
+            measured[f"{scenario} rows"] = sent["alltoall_deredundancy"] / sent["alltoall"]
+            measured[f"{scenario} bytes"] = volume["alltoall_deredundancy"] / volume["alltoall"]
+
+
+def _worker(rank: int, world: int, store_path: str) -> None:
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    errors: list[str] = []
+    measured: dict[str, float] = {}
+    checks = [
+        lambda: _check_exchange(errors, measured),
+        lambda: _check_model("qwen3_moe", errors),
+        lambda: _check_model("deepseek_v3", errors),
+        lambda: _check_model("gpt_oss", errors),
+        lambda: _check_model("qwen3_moe", errors, fsdp=True),
+    ]
+    try:
+        for check in checks:
+            check()
+        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
+    finally:
+        dist.destroy_process_group()
+    assert not errors, "\n".join(errors)
+    if rank == 0:
+        print("dedup/alltoall ratios (rank 0):", {k: round(v, 3) for k, v in measured.items()}, flush=True)
+    leave_worker()
+
+
+def test_deduplicated_dispatch_equals_alltoall_and_one_process(tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
