@@ -49,15 +49,31 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
+from meshforge.models.common.attention import Attention, positions_from_segments
 from meshforge.models.common.causal_lm import DecoderModel
+from meshforge.models.common.mla import MultiHeadLatentAttention
+from meshforge.models.common.sink_attention import SinkAttention, causal_mask, sink_attention
+from meshforge.models.gpt_oss.model import GptOssModel
 
 CP_METHODS: tuple[str, ...] = ("colossal", "ulysses", "hybrid", "kvallgather")
 #: Extra keys ``shard_batch_for_cp`` adds that the trainer passes to the model: none, the
 #: attention gathers what it needs about the full row itself (see ``ContextParallel.prepare``).
 CP_MODEL_KWARGS: tuple[str, ...] = ()
-#: Families whose attention is ``meshforge.models.common.attention.Attention``.
-CP_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe")
+#: Built-in families CP runs on: every method, packed documents included.
+CP_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss")
+#: Families CP refuses, with the reason (the ``NotImplementedError`` message says it).
+CP_REFUSED: dict[str, str] = {
+    "qwen3_next": (
+        "its Gated DeltaNet layers run a recurrence whose state is carried token by token along "
+        "the whole sequence, so a rank holding a slice of the sequence would need the state the "
+        "ranks before it end with (a sequential hand-over CP does not do); only the attention "
+        "layers could be split"
+    ),
+}
+# The modules apply_cp switches: decoders build the per-forward CPMask (``cp.prepare``),
+# attentions call the plan instead of their single-device attention.
+_DECODERS = (DecoderModel, GptOssModel)
+_ATTENTIONS = (Attention, MultiHeadLatentAttention, SinkAttention)
 
 _ALIASES = {"ring": "colossal"}
 
@@ -199,14 +215,60 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def _allowed(
-    q_index: torch.Tensor, k_index: torch.Tensor, segments: torch.Tensor | None, causal: bool
+    q_index: torch.Tensor,
+    k_index: torch.Tensor,
+    segments: torch.Tensor | None,
+    causal: bool,
+    window: int | None = None,
 ) -> torch.Tensor | None:
-    """Boolean ``[B or 1, 1, Sq, Sk]``: key j visible to query i (causal, same document); None = all."""
+    """Boolean ``[B or 1, 1, Sq, Sk]``: key j visible to query i; None = all.
+
+    Visible: ``j <= i`` when ``causal``, same document when ``segments`` are given, and
+    ``j > i - window`` when ``window`` is set (the sliding-window rule of
+    ``sink_attention.sliding_window_mask``, in global positions, so a window reaches
+    back across the CP ranks' chunk boundaries exactly as on one process).
+    """
     mask = (k_index[None, :] <= q_index[:, None])[None, None] if causal else None
+    if window is not None:
+        band = (k_index[None, :] > q_index[:, None] - window)[None, None]
+        mask = band if mask is None else mask & band
     if segments is not None:
         same = (segments[:, q_index][:, :, None] == segments[:, k_index][:, None, :])[:, None]
         mask = same if mask is None else mask & same
     return mask
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Single-device attention of ``q`` ``[B, H, Sq, D]`` over ``k``/``v`` ``[B, Hkv, Sk, D]``.
+
+    ``allowed`` None means plain causal over equal query and key positions. Without
+    ``sinks`` this is SDPA; with them the explicit-softmax ``sink_attention`` that gpt-oss
+    runs on one process (same arithmetic, so ulysses and kvallgather match it closely).
+    """
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=allowed,
+            is_causal=allowed is None,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    batch, heads, q_len, dim = q.shape
+    kv_heads = k.shape[1]
+    if allowed is None:
+        allowed = causal_mask(q_len, q.device)
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, q_len, dim)
+    out = sink_attention(grouped, k.unsqueeze(2), v.unsqueeze(2), sinks, allowed, scaling=scale)
+    return out.reshape(batch, heads, q_len, v.shape[-1])
 
 
 def _block_update(
@@ -318,38 +380,83 @@ class ContextParallel:
     # data (runs, per-forward mask cache) that dynamo would otherwise re-trace or break on.
     @torch.compiler.disable
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, *, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Any,
+        *,
+        scale: float,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Attention output for the local queries ``[B, H, S_local, D]`` (same layout as ``q``)."""
+        """Attention output for the local queries ``[B, H, S_local, Dv]``.
+
+        Args:
+            q: This rank's queries ``[B, H, S_local, D]``.
+            k: Its keys ``[B, Hkv, S_local, D]`` (``H`` a multiple of ``Hkv``).
+            v: Its values ``[B, Hkv, S_local, Dv]``; ``Dv`` may differ from ``D`` (MLA).
+            mask: The :class:`CPMask` the decoder built for this forward.
+            scale: Multiplier of ``q k^T``.
+            sinks: Per-head sink logits ``[H]`` (gpt-oss): one extra logit per head joins
+                every query's softmax; None for plain softmax attention.
+            window: Sliding window: key j visible from query i only when
+                ``i - window < j <= i`` (global positions); None for full causal attention.
+        """
         if not isinstance(mask, CPMask):
             raise TypeError(
                 "context-parallel attention needs the CPMask that DecoderModel builds when "
                 f"parallelism.context_parallel > 1, got {type(mask).__name__}"
             )
+        # Every exchange moves q/k/v blocks of one head size (K and V travel stacked), so
+        # unequal sizes (MLA: qk = nope + rope, v narrower) are zero-padded to the larger:
+        # zero value columns give zero output columns (cut again below), and zero q/k
+        # columns add nothing to the scores (the scale is explicit).
+        v_dim, qk_dim = v.shape[-1], q.shape[-1]
+        if v_dim < qk_dim:
+            v = F.pad(v, (0, qk_dim - v_dim))
+        elif v_dim > qk_dim:
+            q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
         if self.method == "kvallgather":
-            return self._kv_allgather(q, k, v, mask, scale)
-        if self.method == "colossal":
+            out = self._kv_allgather(q, k, v, mask, scale, sinks, window)
+        elif self.method == "colossal":
             index_of = lambda r: self._index(mask.seq_len, r, q.device)  # noqa: E731
-            return self._ring(q, k, v, mask.q_index, index_of, mask, scale, tag="colossal")
-        return self._ulysses(q, k, v, mask, scale)
+            out = self._ring(q, k, v, mask.q_index, index_of, mask, scale, sinks, window, tag="colossal")
+        else:
+            out = self._ulysses(q, k, v, mask, scale, sinks, window)
+        return out[..., :v_dim] if out.shape[-1] != v_dim else out
 
-    def _kv_allgather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CPMask, scale: float):
+    def _kv_allgather(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: CPMask,
+        scale: float,
+        sinks: torch.Tensor | None,
+        window: int | None,
+    ) -> torch.Tensor:
         full = funcol.all_gather_single_autograd(torch.stack([k, v]), 3, self.group)
-        # Keys after this rank's last query are never visible: leave them out of the product.
-        visible = int(mask.q_index[-1]) + 1
-        if "kvallgather" not in mask.cache:
-            keys = torch.arange(visible, device=q.device)
-            mask.cache["kvallgather"] = _allowed(mask.q_index, keys, mask.segments, causal=True)
-        return F.scaled_dot_product_attention(
-            q,
-            full[0][:, :, :visible],
-            full[1][:, :, :visible],
-            attn_mask=mask.cache["kvallgather"],
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        # Keys after this rank's last query are never visible, nor (sliding window) those
+        # before its first query's window: leave them out of the product.
+        stop = int(mask.q_index[-1]) + 1
+        start = 0 if window is None else max(0, int(mask.q_index[0]) - window + 1)
+        key = ("kvallgather", window)
+        if key not in mask.cache:
+            keys = torch.arange(start, stop, device=q.device)
+            mask.cache[key] = _allowed(mask.q_index, keys, mask.segments, True, window)
+        return _attend(q, full[0][:, :, start:stop], full[1][:, :, start:stop], mask.cache[key], scale, sinks)
 
-    def _ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CPMask, scale: float):
+    def _ulysses(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: CPMask,
+        scale: float,
+        sinks: torch.Tensor | None,
+        window: int | None,
+    ) -> torch.Tensor:
         u = self.ulysses_size
         heads = q.shape[1]
         if heads % u:
@@ -363,22 +470,23 @@ class ContextParallel:
             # the count divides u (query head h still reads K/V head h // group size).
             repeat = u // math.gcd(kv_heads, u)
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if sinks is not None:
+            # After the all-to-all this rank holds the u-th slice of the heads its ulysses
+            # position names (rank = ring * u + ulysses): the sinks of those heads.
+            sinks = sinks.view(u, heads // u)[self.rank % u]
         q, k, v = _seq_to_heads([q, k, v], u, self.ulysses_group)
         if self.method == "ulysses":
-            # Whole sequence in order: the single-process attention, unchanged.
-            if "ulysses" not in mask.cache:
-                mask.cache["ulysses"] = None if mask.segments is None else segment_causal_mask(mask.segments)
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask.cache["ulysses"],
-                is_causal=mask.segments is None,
-                scale=scale,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )
+            # Whole sequence in order: the single-process attention and masks, unchanged.
+            key = ("ulysses", window)
+            if key not in mask.cache:
+                plain = mask.segments is None and window is None
+                everything = torch.arange(mask.seq_len, device=q.device)
+                mask.cache[key] = (
+                    None if plain else _allowed(everything, everything, mask.segments, True, window)
+                )
+            out = _attend(q, k, v, mask.cache[key], scale, sinks)
         else:
-            out = self._hybrid_ring(q, k, v, mask, scale)
+            out = self._hybrid_ring(q, k, v, mask, scale, sinks, window)
         return _heads_to_seq(out, u, self.ulysses_group)
 
     def _group_index(self, seq_len: int, ring_rank: int, device: torch.device) -> torch.Tensor:
@@ -386,7 +494,16 @@ class ContextParallel:
         u = self.ulysses_size
         return torch.cat([self._index(seq_len, ring_rank * u + j, device) for j in range(u)])
 
-    def _hybrid_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CPMask, scale: float):
+    def _hybrid_ring(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: CPMask,
+        scale: float,
+        sinks: torch.Tensor | None,
+        window: int | None,
+    ) -> torch.Tensor:
         gathered = self._group_index(mask.seq_len, self.ring_rank, q.device)
         order = torch.argsort(gathered)
         # Sorted, a group's positions are two contiguous chunks (the coarse ring layout).
@@ -395,7 +512,7 @@ class ContextParallel:
         def kv_index(ring_rank: int) -> torch.Tensor:
             return self._group_index(mask.seq_len, ring_rank, q.device).sort().values
 
-        out = self._ring(q, k, v, gathered[order], kv_index, mask, scale, tag="hybrid")
+        out = self._ring(q, k, v, gathered[order], kv_index, mask, scale, sinks, window, tag="hybrid")
         return out.index_select(2, torch.argsort(order))
 
     def _ring_shift(self, x: torch.Tensor) -> torch.Tensor:
@@ -405,14 +522,18 @@ class ContextParallel:
         send[(r + 1) % n] = recv[(r - 1) % n] = x.shape[0]
         return funcol.all_to_all_single_autograd(x, recv, send, self.ring_group)
 
-    def _ring_plan(self, q_index: torch.Tensor, kv_index_of, mask: CPMask, tag: str) -> list[list[_Block]]:
+    def _ring_plan(
+        self, q_index: torch.Tensor, kv_index_of, mask: CPMask, window: int | None, tag: str
+    ) -> list[list[_Block]]:
         """Per ring step, the (query run, key run) blocks to compute, fully masked ones left out.
 
-        Built once per forward (cached in ``mask.cache`` under ``tag``) and shared by the
-        layers: the block structure depends only on the positions and documents.
+        Built once per forward and window (cached in ``mask.cache`` under ``tag``) and
+        shared by the layers: the block structure depends only on the positions, the
+        documents and the window.
         """
-        if (tag, "plan") in mask.cache:
-            return mask.cache[(tag, "plan")]
+        key = (tag, window, "plan")
+        if key in mask.cache:
+            return mask.cache[key]
         q_runs = _runs(q_index)
         plan: list[list[_Block]] = []
         for step in range(self.ring_size):
@@ -422,15 +543,21 @@ class ContextParallel:
                 for k_off, k_start, k_n in _runs(k_index):
                     if k_start > q_start + q_n - 1:
                         continue  # every key of the chunk lies after every query: fully masked
+                    if window is not None and k_start + k_n - 1 <= q_start - window:
+                        continue  # every key lies before every query's window
                     causal = k_start + k_n - 1 > q_start  # else every key precedes every query
+                    # Does the window cut anything out of this block? (The farthest pair.)
+                    cut = window if window is not None and q_start + q_n - 1 - k_start >= window else None
                     allowed = _allowed(
-                        q_index[q_off : q_off + q_n], k_index[k_off : k_off + k_n], mask.segments, causal
+                        q_index[q_off : q_off + q_n], k_index[k_off : k_off + k_n], mask.segments, causal, cut
                     )
-                    # The same chunk on both sides and no documents: the kernel's own causal mask.
-                    same = causal and mask.segments is None and (q_start, q_n) == (k_start, k_n)
+                    # The same chunk on both sides, no documents, no window cut: the kernel's own causal mask.
+                    same = (
+                        causal and mask.segments is None and cut is None and (q_start, q_n) == (k_start, k_n)
+                    )
                     blocks.append(_Block(q_off, q_n, k_off, k_n, allowed, same))
             plan.append(blocks)
-        mask.cache[(tag, "plan")] = plan
+        mask.cache[key] = plan
         return plan
 
     def _ring(
@@ -442,6 +569,8 @@ class ContextParallel:
         kv_index_of,
         mask: CPMask,
         scale: float,
+        sinks: torch.Tensor | None,
+        window: int | None,
         *,
         tag: str,
     ) -> torch.Tensor:
@@ -450,11 +579,12 @@ class ContextParallel:
         ``kv_index_of(ring_rank)`` gives the positions of that rank's K/V; ``tag`` names
         the caller in the per-forward mask cache. On CPU the blocks run PyTorch's fused
         flash kernel inside one autograd function (forward and backward rings written
-        out); elsewhere plain tensor operations under autograd.
+        out); elsewhere plain tensor operations under autograd. Sinks join once, after
+        the last block: the softmax denominator gains ``exp(sink)``.
         """
-        plan = self._ring_plan(q_index, kv_index_of, mask, tag)
+        plan = self._ring_plan(q_index, kv_index_of, mask, window, tag)
         if q.device.type == "cpu" and FUSED_CPU_RING:
-            return _FusedRing.apply(q, k, v, self, plan, scale)
+            return _FusedRing.apply(q, k, v, sinks, self, plan, scale)
         batch, heads, q_len, dim = q.shape
         kv_heads = k.shape[1]
         grouped = q.reshape(batch, kv_heads, heads // kv_heads, q_len, dim)
@@ -474,8 +604,17 @@ class ContextParallel:
                 )
             if incoming is not None:
                 kv = incoming
-        out = torch.cat([acc / total.unsqueeze(-1) for _, (_, total, acc) in sorted(states.items())], dim=-2)
-        return out.reshape(batch, heads, q_len, dim).to(q.dtype)
+        parts = []
+        for _, (run_max, total, acc) in sorted(states.items()):
+            if sinks is not None:
+                # The sink is one more logit of the row: fold it into the running pair.
+                sink = sinks.float().view(1, kv_heads, heads // kv_heads, 1)
+                new_max = torch.maximum(run_max, sink.detach())
+                rescale = torch.exp(run_max - new_max)
+                total = total * rescale + torch.exp(sink - new_max)
+                acc = acc * rescale.unsqueeze(-1)
+            parts.append(acc / total.unsqueeze(-1))
+        return torch.cat(parts, dim=-2).reshape(batch, heads, q_len, dim).to(q.dtype)
 
 
 #: Run ring blocks on CPU with the fused flash kernel (``False``: the plain autograd path).
@@ -510,7 +649,7 @@ class _Block:
         return self._additive[dtype]
 
     def dead_rows(self) -> torch.Tensor | None:
-        """Queries that see no key of this block ``[B or 1, 1, q_n]`` (only with documents), or None."""
+        """Queries that see no key of this block ``[B or 1, 1, q_n]`` (documents, windows), or None."""
         if self.allowed is None or self.kernel_causal:
             return None
         return ~self.allowed.any(dim=-1)
@@ -532,10 +671,16 @@ class _FusedRing(torch.autograd.Function):
     gradients come from the kernel's backward given the FINAL output and log-sum-exp
     (the block's share of the global softmax), and after ring_size shifts every K/V
     gradient is back on the rank that owns the block.
+
+    Sinks (one logit per head, no value) join after the last block: the log-sum-exp
+    becomes ``logaddexp(lse, sink)`` and the output shrinks by ``exp(lse_old - lse)``
+    (``sigmoid(lse_old - sink)``). Given that final pair, the kernel's backward is exactly
+    the sink softmax's (probabilities ``exp(s - lse)``, ``D = rowsum(dO * out)`` with the
+    sink's value 0), and the sink's own gradient is ``-sum exp(sink - lse) * D``.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, plan: list[list[_Block]], scale: float):  # type: ignore[override]
+    def forward(ctx, q, k, v, sinks, cp: ContextParallel, plan: list[list[_Block]], scale: float):  # type: ignore[override]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
@@ -565,14 +710,19 @@ class _FusedRing(torch.autograd.Function):
                 lse[:, :, qs] = l_new
             if incoming is not None:
                 kv = _wait(incoming)
+        if sinks is not None:
+            sink = sinks.float().view(1, -1, 1).expand_as(lse)
+            total = torch.logaddexp(lse, sink)
+            out = out * torch.exp(lse - total).unsqueeze(-1)
+            lse = total
         out = out.to(q.dtype)
         ctx.cp, ctx.plan, ctx.scale = cp, plan, scale
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = ctx.saved_tensors
         cp, plan = ctx.cp, ctx.plan
         grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -601,7 +751,12 @@ class _FusedRing(torch.autograd.Function):
             dkv = _wait(_ring_send(cp, dkv))
             if incoming is not None:
                 kv = _wait(incoming)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            rows = (grad_out.float() * out.float()).sum(-1)  # D of every query row [B, H, S]
+            weight = torch.exp(sinks.float().view(1, -1, 1) - lse)  # the sink's probability
+            d_sinks = -(weight * rows).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), d_sinks, None, None, None
 
 
 def _seq_to_heads(tensors: list[torch.Tensor], u: int, group: Any) -> list[torch.Tensor]:
@@ -648,15 +803,23 @@ def apply_cp(
             degree; for hybrid ``1 < u < cp`` dividing cp.
 
     Raises:
-        NotImplementedError: For a family without the shared ``Attention``.
+        NotImplementedError: For a family outside ``CP_FAMILIES`` (``CP_REFUSED`` says why
+            for the built-in ones CP cannot split).
         ValueError: For a bad method, ulysses degree or head count.
     """
     method = resolve_method(method)
     family = _family_name(model)
-    decoders = [m for m in model.modules() if isinstance(m, DecoderModel)]
-    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    if family in CP_REFUSED:
+        raise NotImplementedError(
+            f"not supported: parallelism.context_parallel > 1 for {family}: {CP_REFUSED[family]}"
+        )
+    decoders = [m for m in model.modules() if isinstance(m, _DECODERS)]
+    attentions = [m for m in model.modules() if isinstance(m, _ATTENTIONS)]
     if family not in CP_FAMILIES or not decoders or not attentions:
-        raise NotImplementedError(f"not supported yet: parallelism.context_parallel > 1 for {family}")
+        raise NotImplementedError(
+            f"not supported yet: parallelism.context_parallel > 1 for {family} (CP runs on the built-in "
+            f"families {', '.join(CP_FAMILIES)})"
+        )
     if cp_mesh.ndim != 1:
         raise ValueError(f"apply_cp: expects the 1-D cp mesh, got {cp_mesh.ndim} dims")
     size = cp_mesh.size()
@@ -689,6 +852,7 @@ def apply_cp(
 __all__ = [
     "CPMask",
     "CP_FAMILIES",
+    "CP_REFUSED",
     "CP_METHODS",
     "CP_MODEL_KWARGS",
     "ContextParallel",

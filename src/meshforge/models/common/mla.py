@@ -26,9 +26,18 @@ SDPA, or an error when ``flash_strict``). The flash kernel needs one head size f
 so values narrower than ``qk_nope_head_dim + qk_rope_head_dim`` are zero-padded to it and the
 padding is cut from the output (zero value columns leave the others unchanged), as
 transformers does for MLA under flash attention.
+
+Context parallelism (``meshforge.parallel.context.apply_cp``) sets ``cp`` to the callable
+that replaces the SDPA call, as on :class:`~meshforge.models.common.attention.Attention`:
+it takes this rank's ``[B, heads, S_local, *]`` queries, keys and values (values of their
+own head size) and the decoder's per-forward CP mask, and returns the local output. The
+decoder passes global positions, so the (interleaved) RoPE is that of one process.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,19 +119,22 @@ class MultiHeadLatentAttention(nn.Module):
         # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
         self.flash = False
         self.flash_strict = False
+        # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale) -> output.
+        self.cp: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | Any | None,
     ) -> torch.Tensor:
         """Attend over ``x`` ([B, S, hidden]).
 
         Args:
             x: Normalised hidden states.
             rope: ``(cos, sin)`` of width ``qk_rope_head_dim`` for these positions.
-            mask: Boolean ``[B, 1, S, S]`` mask, or None for plain causal attention.
+            mask: Boolean ``[B, 1, S, S]`` mask, or None for plain causal attention; under
+                context parallelism the CP mask object the decoder built for this forward.
 
         Returns:
             ``[B, S, hidden]`` after the output projection.
@@ -149,6 +161,13 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat((q_pass, q_rot), dim=-1).transpose(1, 2)
         k = torch.cat((k_pass, k_rot), dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)
+        if self.cp is not None:
+            if self.dropout and self.training:
+                raise ValueError(
+                    "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
+                )
+            out = self.cp(q, k, v, mask, scale=self.scaling)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_head_dim))
         if self.flash and mask is not None and self.flash_strict:
             raise ValueError(
                 "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "

@@ -19,9 +19,18 @@ sink keeps the denominator positive anyway.
 Key/value heads are shared by query-head groups by broadcasting ``[B, KV, 1, S, D]``
 against queries ``[B, KV, G, S, D]`` instead of materialising repeated K/V; query
 head ``h`` belongs to group ``h // G`` as in transformers' ``repeat_kv``.
+
+Context parallelism (``meshforge.parallel.context.apply_cp``) sets ``cp`` to the callable
+that replaces :func:`sink_attention`: it takes this rank's ``[B, heads, S_local, D]``
+queries, keys and values, the per-forward CP mask object the decoder built (in place of
+the boolean mask), the sinks of this rank's heads and the layer's ``sliding_window``
+(applied there in global positions), and returns the local output.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -93,8 +102,9 @@ class SinkAttention(nn.Module):
     """Self-attention with GQA, RoPE, projection biases and per-head sinks (transformers' ``GptOssAttention``).
 
     Parameter names follow transformers: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``sinks``.
-    The layer's window (or None for full attention) is carried as ``sliding_window``
-    for information; the mask passed to :meth:`forward` already encodes it.
+    The layer's window (or None for full attention) is carried as ``sliding_window``;
+    the mask passed to :meth:`forward` already encodes it, except under context
+    parallelism, where the CP callable applies it.
 
     Args:
         hidden_size: Model width.
@@ -133,22 +143,35 @@ class SinkAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.sinks = nn.Parameter(torch.empty(num_heads))
+        # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale, sinks, window) -> output.
+        self.cp: Callable[..., torch.Tensor] | None = None
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | Any
     ) -> torch.Tensor:
-        """Attend over ``x`` ``[B, S, hidden]`` with the boolean ``mask`` ``[B or 1, 1, S, S]``."""
+        """Attend over ``x`` ``[B, S, hidden]`` with the boolean ``mask`` ``[B or 1, 1, S, S]``.
+
+        Under context parallelism ``mask`` is the CP mask object the decoder built.
+        """
         batch, seq_len, _ = x.shape
         groups = self.num_heads // self.num_kv_heads
         cos, sin = rope
         q = apply_rotary(self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        # Under tensor parallelism the sinks are a DTensor sharded by head: use this rank's heads.
+        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
+        if self.cp is not None:
+            if self.dropout and self.training:
+                raise ValueError(
+                    "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
+                )
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            out = self.cp(q, k, v, mask, scale=self.scaling, sinks=sinks, window=self.sliding_window)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.head_dim))
         q = q.view(batch, seq_len, self.num_kv_heads, groups, self.head_dim).permute(0, 2, 3, 1, 4)
         k = k.transpose(1, 2).unsqueeze(2)
         v = v.transpose(1, 2).unsqueeze(2)
-        # Under tensor parallelism the sinks are a DTensor sharded by head: use this rank's heads.
-        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
         out = sink_attention(
             q, k, v, sinks, mask, scaling=self.scaling, dropout=self.dropout, training=self.training
         )

@@ -13,6 +13,10 @@ Attention alternates by ``layer_types``: ``sliding_attention`` layers see the la
 the packed documents; sinks apply in every layer. The two masks are built once per
 forward. RoPE is YaRN by default (``common/yarn.py``), or plain.
 
+Under context parallelism (``cp`` set by ``meshforge.parallel.context.apply_cp``) the
+inner model asks the CP plan for one per-forward mask object and the global positions;
+every layer passes it on, and the attention's CP callable applies the layer's window.
+
 Besides logits, a forward leaves ``aux_loss()`` (the Switch load-balancing loss over
 all layers, unscaled, as transformers computes it when ``output_router_logits``;
 padding, ``segment_ids == 0``, excluded) and ``tokens_per_expert()``.
@@ -21,6 +25,7 @@ padding, ``segment_ids == 0``, excluded) and ``tokens_per_expert()``.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +122,10 @@ def build_rotary(args: GptOssArgs) -> RotaryEmbedding:
 class GptOssModel(nn.Module):
     """Embedding, decoder layers and final norm (transformers' ``GptOssModel``)."""
 
+    # Set by meshforge.parallel.context.apply_cp: builds the per-forward CP mask object
+    # (and global positions) instead of the local [S, S] masks; None without CP.
+    cp: Any = None
+
     def __init__(self, args: GptOssArgs) -> None:
         super().__init__()
         self.sliding_window = args.sliding_window
@@ -134,6 +143,15 @@ class GptOssModel(nn.Module):
         h = self.embed_tokens(input_ids)
         token_mask = None
         seq_len = input_ids.shape[-1]
+        masks: dict[str, Any]
+        if self.cp is not None:
+            # Context parallel: one mask object for both kinds of layer; each attention
+            # applies its own window in global positions.
+            cp_mask, position_ids = self.cp.prepare(input_ids, position_ids, segment_ids)
+            masks = {"full_attention": cp_mask, "sliding_attention": cp_mask}
+            if segment_ids is not None:
+                token_mask = segment_ids != 0
+            return self._layers(h, position_ids, masks, token_mask)
         if segment_ids is not None:
             full = segment_causal_mask(segment_ids)
             token_mask = segment_ids != 0
@@ -144,7 +162,16 @@ class GptOssModel(nn.Module):
         masks = {"full_attention": full}
         if any(layer.attention_type == "sliding_attention" for layer in self.layers):
             masks["sliding_attention"] = sliding_window_mask(full, self.sliding_window)
-        rope = self.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
+        return self._layers(h, position_ids, masks, token_mask)
+
+    def _layers(
+        self,
+        h: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        masks: dict[str, Any],
+        token_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        rope = self.rotary_emb(position_ids, seq_len=h.shape[1], device=h.device, dtype=h.dtype)
         for layer in self.layers:
             h = layer(h, rope, masks[layer.attention_type], token_mask)
         return self.norm(h)
