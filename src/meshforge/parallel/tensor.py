@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -64,7 +64,9 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 __all__ = [
     "UNSUPPORTED_FAMILIES",
+    "SplitHeads",
     "apply_tp",
+    "attention_input",
     "check_divisible",
     "decoder_tp_plan",
     "generic_tp_plan",
@@ -77,9 +79,10 @@ _PLAN_MODULES = {
     "qwen3": "meshforge.models.qwen3.parallelize",
     "llama": "meshforge.models.llama.parallelize",
     "qwen3_moe": "meshforge.models.qwen3_moe.parallelize",
+    "deepseek_v3": "meshforge.models.deepseek_v3.parallelize",
 }
-# Built-in families with no TP plan yet (MLA, attention sinks, linear attention).
-UNSUPPORTED_FAMILIES = ("deepseek_v3", "gpt_oss", "qwen3_next")
+# Built-in families with no TP plan yet (attention sinks, linear attention).
+UNSUPPORTED_FAMILIES = ("gpt_oss", "qwen3_next")
 # transformers' normalisation modules have family-specific class names (Qwen3RMSNorm, ...).
 _NORM_MARKERS = ("LayerNorm", "RMSNorm", "GroupNorm")
 _TP_KEY = "parallelism.tensor_parallel"
@@ -148,6 +151,7 @@ def decoder_tp_plan(
     loss_parallel: bool,
     head_norms: Sequence[str] = (),
     replicated_mlp: Callable[[nn.Module], bool] | None = None,
+    replicated_mlp_extra_inputs: int = 1,
 ) -> dict[str, ParallelStyle]:
     """The `{module path: ParallelStyle}` plan of a dense pre-norm decoder (qwen3, llama).
 
@@ -166,8 +170,11 @@ def decoder_tp_plan(
             every TP rank over all tokens with replicated weights (the same result and gradients
             on each rank, nothing split); under SP its input is all-gathered and each rank keeps
             its own slice of the output.
+        replicated_mlp_extra_inputs: how many arguments such a whole `mlp` takes after the hidden
+            states (qwen3_moe, gpt_oss: a token mask; deepseek_v3: none); they pass through.
     """
     seq = Shard(1)
+    extra = (None,) * replicated_mlp_extra_inputs
     plan: dict[str, ParallelStyle] = {}
     inner = model.model
     if getattr(inner, "embed_tokens", None) is not None:
@@ -187,8 +194,8 @@ def decoder_tp_plan(
                 # Extra inputs (a token mask) pass through; the output goes back to this rank's
                 # sequence slice (a local chunk; its backward all-gathers the slices' gradients).
                 plan[f"{path}.mlp"] = PrepareModuleInputOutput(
-                    input_layouts=(seq, None),
-                    desired_input_layouts=(Replicate(), None),
+                    input_layouts=(seq, *extra),
+                    desired_input_layouts=(Replicate(), *extra),
                     output_layouts=(Replicate(),),
                     desired_output_layouts=(seq,),
                     use_local_input=True,
@@ -222,6 +229,122 @@ def decoder_tp_plan(
             use_local_output=not loss_parallel,
         )
     return plan
+
+
+class SplitHeads(ParallelStyle):
+    """The token mixer itself under TP, around its child projections' plan (one per module).
+
+    Column-split projections hand a mixer only its local heads, but some mixers also reshape
+    with head-count attributes, or compute directly with per-head parameters that no
+    `nn.Linear` owns. This style makes such a module work on its local heads:
+
+    * `head_attrs` (e.g. MLA's `num_heads`, gpt-oss' `num_heads`/`num_kv_heads`) are divided
+      by the TP degree, as torchtitan does, instead of changing the model code;
+    * `sharded` parameters (per-head vectors: gpt-oss' `sinks`, Gated DeltaNet's `A_log`) are
+      split `Shard(0)` with the heads;
+    * `summed` parameters are kept whole (`Replicate`) but each rank uses them on its own heads
+      only (a per-head norm's weight, or a slice of them: Gated DeltaNet's conv channels, given
+      as a function `(rank, tp) -> index` into dim 0), so their gradient is a partial sum that
+      is reduced over the TP ranks;
+    * for the forward, the module sees plain local tensors in place of those parameters
+      (swapped in by a pre-hook, back after; differentiable, so gradients reach the DTensors);
+    * `inner` (a `PrepareModuleInput`, under SP) is applied to the module as well.
+
+    Names are dotted paths relative to the module (`"conv1d.weight"`).
+    """
+
+    def __init__(
+        self,
+        *,
+        head_attrs: Sequence[str] = (),
+        sharded: Sequence[str] = (),
+        summed: dict[str, Callable[[int, int], torch.Tensor] | None] | None = None,
+        inner: ParallelStyle | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_attrs = tuple(head_attrs)
+        self.sharded = tuple(sharded)
+        self.summed = dict(summed or {})
+        self.inner = inner
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        for attr in self.head_attrs:
+            value = getattr(module, attr)
+            if value % tp:
+                raise ValueError(
+                    f"{type(module).__name__}.{attr} ({value}) is not divisible by {_TP_KEY} ({tp})"
+                )
+            setattr(module, attr, value // tp)
+        local: list[tuple[str, Any]] = []
+        for name in (*self.sharded, *self.summed):
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path)
+            param = owner._parameters[leaf]
+            placement = Shard(0) if name in self.sharded else Replicate()
+            dist = distribute_tensor(param.data, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            owner.register_parameter(leaf, nn.Parameter(dist, requires_grad=param.requires_grad))
+            if name in self.sharded:
+                local.append((name, None))
+            else:
+                index = self.summed[name]
+                local.append((name, None if index is None else index(rank, tp)))
+        if local:
+            module.__dict__["_meshforge_tp_split"] = local
+            module.register_forward_pre_hook(_swap_in_split)
+            module.register_forward_hook(_swap_back_split)
+        if self.inner is not None:
+            self.inner.src_data_rank = self.src_data_rank
+            return self.inner._apply(module, device_mesh)
+        return module
+
+
+def _swap_in_split(module: nn.Module, _args: Any) -> None:
+    """Forward pre-hook of `SplitHeads`: plain local tensors in place of its DTensor parameters."""
+    stash = []
+    for i, (name, index) in enumerate(module._meshforge_tp_split):
+        owner_path, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        param = owner._parameters[leaf]
+        if not isinstance(param, DTensor):
+            continue
+        if param.placements[0].is_shard():
+            tensor = param.to_local()  # the gradient is this rank's slice, as the parameter
+        else:
+            # Used on this rank's heads only: the gradient is one term of a sum over the ranks.
+            tensor = param.to_local(grad_placements=(Partial(),))
+            if index is not None:
+                if index.device != tensor.device:  # once, after the model moved
+                    index = index.to(tensor.device)
+                    module._meshforge_tp_split[i] = (name, index)
+                tensor = tensor.index_select(0, index)
+        stash.append((owner, leaf, param))
+        owner._parameters[leaf] = tensor
+    module.__dict__["_meshforge_tp_split_stash"] = stash
+
+
+def _swap_back_split(module: nn.Module, _args: Any, _output: Any) -> None:
+    for owner, leaf, param in module.__dict__.pop("_meshforge_tp_split_stash", ()):
+        owner._parameters[leaf] = param
+
+
+def attention_input(*, sequence_parallel: bool, num_extra: int, local: bool) -> ParallelStyle | None:
+    """The input preparation of a token mixer under SP: all-gather the sequence of its first input.
+
+    Args:
+        sequence_parallel: without SP the input is already whole: None (nothing to prepare).
+        num_extra: further arguments (RoPE tables, a mask, segment ids) that pass through.
+        local: hand the mixer a plain tensor (mixers whose own parameters are plain tensors)
+            rather than a replicated DTensor.
+    """
+    if not sequence_parallel:
+        return None
+    extra = (None,) * num_extra
+    return PrepareModuleInput(
+        input_layouts=(Shard(1), *extra),
+        desired_input_layouts=(Replicate(), *extra),
+        use_local_output=local,
+    )
 
 
 def _shared_parameters(model: nn.Module) -> list[tuple[str, str]]:

@@ -1,0 +1,238 @@
+"""Tensor-parallel plans of deepseek_v3, gpt_oss and qwen3_next equal one process, on 2 gloo ranks.
+
+One spawn of 2 processes checks every case: each rank builds the full model from the same seed
+(norm weights and other per-head parameters varied so that a wrong layout shows), keeps it as
+the single-process reference and applies `apply_tp` to a deep copy. Forward logits, the loss
+(router aux loss included where the family has one) and every parameter's gradient (gathered
+with `full_tensor`, in its parameter's layout) must match the reference within 1e-5 relative,
+with and without loss parallelism, sequence parallelism on and off, packed documents, tied and
+untied embeddings. Then a few AdamW steps per family give the same losses, and the trainer's
+meta-device build (TP applied before materialisation) gives the same model.
+
+deepseek_v3: latent attention with and without the low-rank query path (and attention biases),
+a dense layer then a sparse one. gpt_oss: a sliding-window layer then a full one, sinks split
+with the heads. qwen3_next: Gated DeltaNet layers (heads split, conv channels and gated norm
+kept whole) and a gated full-attention layer, dense and sparse feed-forwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.distributed._exit import leave_worker
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-5
+# Layer 0 dense (its MLP split), layer 1 sparse (router, shared and routed experts whole).
+DEEPSEEK = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "tie_word_embeddings": False,
+}
+DEEPSEEK_FULL_Q = {**DEEPSEEK, "q_lora_rank": None, "attention_bias": True, "tie_word_embeddings": True}
+# (name, family, options, apply_tp keyword arguments, packed segment ids)
+CASES = [
+    ("deepseek_v3", "deepseek_v3", DEEPSEEK, {}, False),
+    ("deepseek_v3 packed loss-parallel", "deepseek_v3", DEEPSEEK, {"loss_parallel": True}, True),
+    ("deepseek_v3 q_proj bias tied", "deepseek_v3", DEEPSEEK_FULL_Q, {}, False),
+    ("deepseek_v3 q_proj tied loss-parallel", "deepseek_v3", DEEPSEEK_FULL_Q, {"loss_parallel": True}, True),
+    ("deepseek_v3 no SP", "deepseek_v3", DEEPSEEK, {"sequence_parallel": False}, False),
+]
+# (family, options) trained a few AdamW steps, and built on meta like the trainer does.
+TRAIN = [("deepseek_v3", DEEPSEEK)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max absolute difference relative to `b`'s largest magnitude."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _batch(vocab: int, packed: bool, seed: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 16), generator=g)
+    labels = torch.randint(0, vocab, (2, 16), generator=g)
+    labels[0, :3] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    if packed:
+        batch["segment_ids"] = torch.tensor([[1] * 6 + [2] * 10, [1] * 9 + [2] * 5 + [0] * 2])
+    return batch
+
+
+def _vary(model: torch.nn.Module) -> None:
+    """Norm weights start at 1 (or 0), biases at 0: vary them so a wrong gradient or layout shows."""
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith(("bias", "sinks")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+
+    logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))
+    loss = cross_entropy_sum(logits, batch["labels"]) / count_valid_tokens(batch["labels"])
+    assert not hasattr(loss, "placements"), "cross_entropy_sum must return a plain tensor"
+    aux = model.aux_loss() if hasattr(model, "aux_loss") else None
+    if aux is not None:
+        # The router statistics must be those of all tokens, so the aux loss equals one process's.
+        loss = loss + 0.5 * aux
+    return logits, loss
+
+
+def _compare(case: str, ref: torch.nn.Module, tp: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    ref_logits, ref_loss = _loss(ref, batch)
+    ref_loss.backward()
+    logits, loss = _loss(tp, batch)
+    loss.backward()
+    assert rel(_full(logits.detach()), ref_logits.detach()) <= TOL, (case, "logits")
+    assert rel(loss.detach(), ref_loss.detach()) <= TOL, (case, "loss", loss.item(), ref_loss.item())
+    if hasattr(ref, "tokens_per_expert"):
+        counts, ref_counts = tp.tokens_per_expert(), ref.tokens_per_expert()
+        assert counts.keys() == ref_counts.keys() and counts, (case, "expert counts")
+        for layer, value in counts.items():
+            assert torch.equal(value, ref_counts[layer]), (case, "expert counts", layer)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    # Every parameter is a DTensor on the TP mesh (the fused optimizer refuses a mix).
+    plain = [n for n, p in tp.named_parameters() if not hasattr(p, "placements")]
+    assert not plain, (case, "plain parameters", plain)
+    assert [n for n, _ in tp.named_parameters()] == list(ref_grads), (case, "parameter names changed")
+    for name, p in tp.named_parameters():
+        if not p.requires_grad:  # DeepSeek's frozen correction bias
+            assert p.grad is None and ref_grads[name] is None, (case, name)
+            continue
+        assert p.grad is not None, (case, name)
+        # Each gradient is in its parameter's layout, so its local part is this rank's slice.
+        assert p.grad.placements == p.placements, (case, name, p.grad.placements, p.placements)
+        err = rel(_full(p.grad), ref_grads[name])
+        assert err <= TOL, (case, name, err)
+
+
+def _check_case(mesh, case: str, family: str, options: dict, kwargs: dict, packed: bool) -> None:
+    from meshforge.models.registry import resolve_family
+    from meshforge.parallel.tensor import apply_tp
+
+    ref = resolve_family(family).build(options, device="cpu")
+    _vary(ref)
+    tp = copy.deepcopy(ref)
+    apply_tp(tp, mesh, family=family, **kwargs)
+    if options["tie_word_embeddings"]:
+        assert tp.lm_head.weight is tp.model.embed_tokens.weight, case
+    _compare(case, ref, tp, _batch(options["vocab_size"], packed))
+
+
+def _check_training(mesh, family: str, options: dict) -> None:
+    """Three AdamW steps (SP, loss parallel) give the losses of one process; so does a meta build."""
+    from meshforge.models.materialize import materialize_and_init
+    from meshforge.models.registry import resolve_family
+    from meshforge.parallel.tensor import apply_tp
+
+    spec = resolve_family(family)
+    ref, tp = spec.build(options), spec.build(options)
+    # The trainer's order: build on meta, apply TP, then materialise each parameter from the seed.
+    apply_tp(tp, mesh, family=family, loss_parallel=True)
+    for model in (ref, tp):
+        materialize_and_init(model, device=torch.device("cpu"), seed=5, init_fn=model.init_full_parameter_)
+    for name, p in tp.named_parameters():
+        assert torch.equal(_full(p.detach()), ref.get_parameter(name).detach()), (family, "meta build", name)
+    optims = [
+        torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+        for m in (ref, tp)
+    ]
+    for step in range(3):
+        batch = _batch(options["vocab_size"], packed=step == 1, seed=step)
+        losses = []
+        for model, optim in zip((ref, tp), optims, strict=True):
+            optim.zero_grad()
+            _, loss = _loss(model, batch)
+            loss.backward()
+            optim.step()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=TOL), (family, "AdamW step", step, losses)
+
+
+def _check_refusals(mesh) -> None:
+    from meshforge.models.registry import resolve_family
+    from meshforge.parallel.tensor import apply_tp
+
+    deepseek = resolve_family("deepseek_v3")
+    with pytest.raises(
+        ValueError, match=r"model\.num_attention_heads \(3\) .*parallelism\.tensor_parallel \(2\)"
+    ):
+        apply_tp(
+            deepseek.build({**DEEPSEEK, "num_attention_heads": 3, "num_key_value_heads": 3}),
+            mesh,
+            family="deepseek_v3",
+        )
+    with pytest.raises(ValueError, match=r"model\.intermediate_size \(63\)"):
+        apply_tp(deepseek.build({**DEEPSEEK, "intermediate_size": 63}), mesh, family="deepseek_v3")
+    # All layers sparse: the dense intermediate size is not split, so it need not divide.
+    apply_tp(
+        deepseek.build({**DEEPSEEK, "intermediate_size": 63, "first_k_dense_replace": 0}),
+        mesh,
+        family="deepseek_v3",
+    )
+
+
+def _worker(rank: int, world: int, store_path: str, err_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        for case, family, options, kwargs, packed in CASES:
+            _check_case(mesh, case, family, options, kwargs, packed)
+        for family, options in TRAIN:
+            _check_training(mesh, family, options)
+        _check_refusals(mesh)
+        dist.barrier()
+    except BaseException:
+        Path(err_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+    leave_worker()
+
+
+def test_tp2_families_equal_one_process(tmp_path: Path) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    except Exception:
+        errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
+        pytest.fail(f"a TP rank failed:\n{errors}")
