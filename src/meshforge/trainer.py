@@ -317,7 +317,10 @@ class Trainer:
         if d.tp > 1:
             parts.append(f"TP+SP over {d.tp} ranks")
         if d.ep > 1:
-            parts.append(f"experts over {d.ep} ranks")
+            shards = f"expert-FSDP over {d.expert_shard}" + (
+                f" x {d.expert_replicas} replicas" if d.expert_replicas > 1 else ""
+            )
+            parts.append(f"experts over {d.ep} ranks ({shards})")
         if d.cp > 1:
             parts.append(f"CP ({self.cfg.parallelism.cp_method()}) over {d.cp} ranks")
         if self.fsdp:

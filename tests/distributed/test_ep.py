@@ -446,8 +446,8 @@ def _assert_same_steps(a: list[dict], b: list[dict]) -> None:
 
 
 def test_trainer_ep_equals_one_process_and_resumes_elsewhere(tmp_path: Path) -> None:
-    """qwen3_moe: ep2 on 2 ranks and dp4 + ep2 + expert-FSDP 2 on 4 ranks equal one process
-    step by step; the 4-rank checkpoint continues in one process with the same loss."""
+    """qwen3_moe: ep2 on 2 ranks, dp4 + ep2 + expert-FSDP 2 and dp4 + ep2 with replicated expert
+    shards (ep_fsdp_size 1) on 4 ranks equal one process step by step; the 4-rank checkpoint continues in one process with the same loss."""
     config = REPO / "configs" / "qwen3_moe" / "tiny.yaml"
     out = {name: tmp_path / name for name in ("one", "ep2", "ep2x2", "resumed")}
     no_save = "--checkpoint.enable_save=false"
@@ -459,10 +459,19 @@ def test_trainer_ep_equals_one_process_and_resumes_elsewhere(tmp_path: Path) -> 
     assert "experts over 2 ranks" in proc.stdout
     save = "--checkpoint.save_interleaved_steps=4"
     run_train(config, [*TRAIN, ep, save, f"--training.output_dir={out['ep2x2']}"], nproc=4, cwd=tmp_path)
+    # parallelism.ep_fsdp_size 1 (MindSpeed's value): each expert shard replicated over the two
+    # ranks outside its expert group (a 2 x 1 HSDP mesh for the experts).
+    replicated = out["ep2x2"].with_name("ep2_replicated")
+    fsdp1 = "--parallelism.ep_fsdp_size=1"
+    proc = run_train(
+        config, [*TRAIN, ep, fsdp1, no_save, f"--training.output_dir={replicated}"], nproc=4, cwd=tmp_path
+    )
+    assert "experts over 2 ranks (expert-FSDP over 1 x 2 replicas)" in proc.stdout
     one = read_metrics(out["one"])
     assert len(one) == 5 and one[-1]["loss"] < one[0]["loss"] - 0.1  # it trains
     _assert_same_steps(one, read_metrics(out["ep2"]))
     _assert_same_steps(one, read_metrics(out["ep2x2"]))
+    _assert_same_steps(one, read_metrics(replicated))
 
     step4 = out["ep2x2"] / "checkpoints" / "checkpoint-00000004"
     resumed = [*TRAIN, no_save, f"--training.output_dir={out['resumed']}", f"--checkpoint.load_path={step4}"]

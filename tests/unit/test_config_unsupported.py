@@ -16,7 +16,6 @@ TRIGGERS: dict[str, dict] = {
         "parallelism": {"expert_parallel": 8, "moe_token_dispatcher_type": "alltoall_deredundancy"}
     },
     "parallelism.expert_parallel_async_d2h": {"parallelism": {"expert_parallel_async_d2h": True}},
-    "parallelism.ep_fsdp_size": {"parallelism": {"ep_fsdp_size": 2}},
     "parallelism.context_parallel_async": {"parallelism": {"context_parallel_async": True}},
     "parallelism.pipeline_parallel_overlap_p2p": {"parallelism": {"pipeline_parallel_overlap_p2p": True}},
     "parallelism.pipeline_parallel_overlap_b_f": {"parallelism": {"pipeline_parallel_overlap_b_f": True}},

@@ -31,13 +31,14 @@ parallelism: {tensor_parallel: 4, pipeline_parallel: 4, context_parallel: 2, dat
 """
 
 
-def _dims(world, tp=1, cp=1, pp=1, ep=1, shard=-1):
+def _dims(world, tp=1, cp=1, pp=1, ep=1, shard=-1, ep_fsdp=None):
     par = SimpleNamespace(
         tensor_parallel=tp,
         context_parallel=cp,
         pipeline_parallel=pp,
         expert_parallel=ep,
         data_parallel_shard=shard,
+        ep_fsdp_size=ep_fsdp,
     )
     return ParallelDims.from_config(par, world)
 
@@ -50,6 +51,24 @@ def test_expert_parallel_is_carved_from_data_and_context_ranks():
         _dims(8, cp=4, ep=2)
     with pytest.raises(ValueError, match="must divide data_parallel_shard"):
         _dims(4, ep=3)
+
+
+def test_ep_fsdp_size_shards_experts_over_part_of_the_ranks_outside_ep():
+    # 8 data ranks, ep 2: 4 ranks outside each expert group. Unset (or 4) shards over all 4.
+    assert (_dims(8, ep=2).expert_shard, _dims(8, ep=2).expert_replicas) == (4, 1)
+    assert _dims(8, ep=2, ep_fsdp=4).ep_fsdp == 0
+    # 2 shard each expert, 2 replicas of each shard (HSDP for the experts).
+    d = _dims(8, ep=2, ep_fsdp=2)
+    assert (d.expert_shard, d.expert_replicas) == (2, 2)
+    # MindSpeed's 1: experts replicated over the 4 ranks.
+    assert (_dims(8, ep=2, ep_fsdp=1).expert_shard, _dims(8, ep=2, ep_fsdp=1).expert_replicas) == (1, 4)
+    # With HSDP the data replicas add to the expert replicas.
+    assert _dims(8, ep=2, shard=4, ep_fsdp=1).expert_replicas == 4
+    assert _dims(4, ep_fsdp=1).ep_fsdp == 0  # MindSpeed's default without EP: nothing to do
+    with pytest.raises(ValueError, match="must divide the 4 data-shard ranks"):
+        _dims(8, ep=2, ep_fsdp=3)
+    with pytest.raises(ValueError, match="expert_parallel > 1"):
+        _dims(8, ep_fsdp=2)
 
 
 def test_qwen3_8b_parameter_count_and_memory_plan(tmp_path):

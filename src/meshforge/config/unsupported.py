@@ -106,11 +106,6 @@ def _sft_entries() -> list[Unsupported]:
 _P = "parallelism"
 ENTRIES: list[Unsupported] = [
     Unsupported(
-        f"{_P}.ep_fsdp_size",
-        lambda c: c.parallelism.ep_fsdp_size > 1,
-        "an explicit expert-FSDP size (it is derived: data_parallel_shard / (expert_parallel / context_parallel))",
-    ),
-    Unsupported(
         f"{_P}.expert_parallel",
         lambda c: c.parallelism.expert_parallel > 1 and c.parallelism.tensor_parallel > 1,
         "expert parallelism together with tensor parallelism (use one of them for MoE layers)",

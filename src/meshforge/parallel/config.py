@@ -105,8 +105,9 @@ class ParallelismConfig(StrictSection):
     expert_parallel_async_d2h: Bool = describe(False, "Copy expert token counts to host asynchronously.")
     expert_parallel_use_safe_tokens: Bool = describe(True, "Guard against empty experts in EP dispatch.")
     # MindSpeed-LLM ParallelArguments homes.
-    ep_fsdp_size: PosInt = describe(
-        1, "FSDP degree inside each expert-parallel group (MindSpeed ep_fsdp_size)."
+    ep_fsdp_size: PosInt | None = describe(
+        None,
+        "Ranks sharding each expert's weights (MindSpeed ep_fsdp_size); null = all data-shard ranks outside the EP group.",
     )
     fsdp_modules: list[str] = describe(
         list(MS_FSDP_MODULES), "Module patterns wrapped by FSDP; must be non-empty."

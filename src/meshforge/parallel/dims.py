@@ -26,6 +26,9 @@ class ParallelDims:
         dp_shard: data-parallel ranks that shard parameters (FSDP inner axis).
         cp: context-parallel degree. tp: tensor-parallel degree. pp: pipeline stages.
         ep: expert-parallel degree, carved out of `dp_shard * cp` (torchtitan's scheme).
+        ep_fsdp: how many of the data-shard ranks outside an expert-parallel group shard each
+            expert's weights (MindSpeed `ep_fsdp_size`); the others hold replicas. 0 = all of
+            them (`dp_shard_mod_ep`, the default).
     """
 
     world_size: int
@@ -35,6 +38,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    ep_fsdp: int = 0
 
     @classmethod
     def from_config(cls, parallelism: Any, world_size: int) -> ParallelDims:
@@ -90,7 +94,25 @@ class ParallelDims:
                     f"parallelism.expert_parallel: {ep} must be a multiple of context_parallel ({cp}): an "
                     "expert-parallel group spans whole context-parallel groups"
                 )
-        return cls(world_size, dp_replicate, dp_shard, cp, tp, pp, ep)
+        ep_fsdp = int(getattr(parallelism, "ep_fsdp_size", None) or 0)
+        if ep == 1 and ep_fsdp == 1:
+            ep_fsdp = 0  # MindSpeed's default: no expert parallelism, nothing to say
+        if ep_fsdp:
+            outside = dp_shard * cp // ep if ep > 1 else dp_shard
+            if ep == 1:
+                raise ValueError(
+                    f"parallelism.ep_fsdp_size: {ep_fsdp} shards expert weights inside expert parallelism; "
+                    "set parallelism.expert_parallel > 1 (or leave ep_fsdp_size unset)"
+                )
+            if outside % ep_fsdp:
+                raise ValueError(
+                    f"parallelism.ep_fsdp_size: {ep_fsdp} must divide the {outside} data-shard ranks outside "
+                    f"an expert-parallel group (data_parallel_shard {dp_shard} * context_parallel {cp} / "
+                    f"expert_parallel {ep})"
+                )
+            if ep_fsdp == outside:
+                ep_fsdp = 0
+        return cls(world_size, dp_replicate, dp_shard, cp, tp, pp, ep, ep_fsdp)
 
     @property
     def dp(self) -> int:
@@ -119,6 +141,16 @@ class ParallelDims:
     def dp_shard_mod_ep(self) -> int:
         """Data-shard ranks across expert-parallel groups: they shard expert weights FSDP-style."""
         return self.dp_shard // self.dp_shard_in_ep
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks that shard each expert's weights (the efsdp mesh's shard axis)."""
+        return self.ep_fsdp or self.dp_shard_mod_ep
+
+    @property
+    def expert_replicas(self) -> int:
+        """Replicas of each expert shard (the efsdp mesh's replicate axis; 1 = plain FSDP)."""
+        return self.dp_replicate * self.dp_shard_mod_ep // self.expert_shard
 
     @property
     def fsdp_size(self) -> int:
@@ -159,12 +191,16 @@ class ParallelDims:
             views["fsdp"] = loss._unflatten(
                 0, (self.dp_replicate, self.fsdp_size), ("dp_replicate", "dp_shard_cp")
             )
-            rep_mod = root["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_replicate_mod_ep")
-            views["efsdp"] = rep_mod._unflatten(
-                0, (self.dp_replicate, self.dp_shard_mod_ep), ("dp_replicate", "dp_shard_mod_ep")
-            )
         else:
             views["fsdp"] = root["dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_shard_cp")
+        if self.expert_replicas > 1:
+            # Experts HSDP-style: shard over `expert_shard` neighbouring ranks, replicate across
+            # the data replicas and the other shard groups (ep_fsdp_size, HSDP).
+            rep_mod = root["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_replicate_mod_ep")
+            views["efsdp"] = rep_mod._unflatten(
+                0, (self.expert_replicas, self.expert_shard), ("efsdp_replicate", "efsdp_shard")
+            )
+        else:
             views["efsdp"] = root["dp_shard_mod_ep"]
         return ParallelMesh(root, views)
 

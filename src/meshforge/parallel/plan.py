@@ -128,7 +128,10 @@ def plan_lines(cfg: Any, world_size: int, *, log: Callable[[str], None] | None =
         f"dense FSDP over {dims.fsdp_size}",
     ]
     if dims.ep > 1:
-        views.append(f"experts over ep {dims.ep} x expert-FSDP {dims.dp_shard_mod_ep}")
+        views.append(
+            f"experts over ep {dims.ep} x expert-FSDP {dims.expert_shard}"
+            + (f" (x{dims.expert_replicas} replicas)" if dims.expert_replicas > 1 else "")
+        )
     if dims.cp > 1:
         views.append(f"CP {par.cp_method()} {dims.cp}")
     if dims.tp > 1:
@@ -178,7 +181,7 @@ def memory_lines(cfg: Any, dims: ParallelDims, family: str, counts: ParamCounts)
             # A tied head is the embedding itself on one rank, a copy on a separate last stage.
             if not counts.tied or dims.pp > 1:
                 dense += counts.head
-        per_rank = dense / (dims.tp * dims.fsdp_size) + experts / (dims.ep * dims.dp_shard_mod_ep)
+        per_rank = dense / (dims.tp * dims.fsdp_size) + experts / (dims.ep * dims.expert_shard)
         worst = max(worst, per_rank)
     weights = worst * pbytes
     grads = worst * pbytes
