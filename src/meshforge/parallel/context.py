@@ -17,12 +17,13 @@ Methods (``parallelism.context_parallel_method``; MindSpeed's ``cp_type`` maps o
   The sequence is cut into 2 * cp chunks and rank r keeps chunks r and 2cp-1-r
   (load-balanced causal layout), so after the diagonal step every rank computes half
   a block: the query/key chunk pairs that causality masks out entirely are skipped.
-  On CPU each block runs PyTorch's fused flash kernel (``_FusedRing``: output and
+  On CPU each block runs PyTorch's fused flash kernel (``FusedRing``: output and
   log-sum-exp per block forward, the kernel's backward with the final log-sum-exp and
   the K/V gradients travelling the ring back to their owners); elsewhere (or with
   ``FUSED_CPU_RING = False``) the same blocks run as plain tensor operations under autograd.
 * ``kvallgather``: K/V of the whole sequence are all-gathered; local queries attend with
-  their global causal offsets (keys after the rank's last query are left out).
+  their global causal offsets (keys after the rank's last query, or before its first
+  query's sliding window, are left out).
 * ``hybrid``: ulysses inside groups of ``ulysses_degree_in_cp`` consecutive CP ranks, ring
   across the groups. It uses the colossal batch layout: a ulysses group's ranks then
   hold, together, exactly the two chunks a ring rank of the coarser ring would hold.
@@ -31,10 +32,32 @@ Packed documents (``segment_ids``) are respected by all methods: each forward ga
 the full row's document ids once (a tiny integer all-gather) and every query/key block
 is masked block-diagonally by document, exactly as the single-process mask does.
 
-Seams: ``apply_cp`` sets ``cp`` on every :class:`Attention` (the callable that replaces
-SDPA) and on the :class:`DecoderModel` (whose ``prepare`` builds the per-forward
-:class:`CPMask` and global positions); ``shard_batch_for_cp`` gives each rank its
-tokens. No extra model keyword is needed (``CP_MODEL_KWARGS`` is empty).
+Families (``CP_FAMILIES``): the grouped-query ``Attention`` families (qwen3, llama,
+qwen3_moe), deepseek_v3 and gpt_oss, every method:
+
+* deepseek_v3's multi-head latent attention has q/k heads of ``nope + rope`` dims and
+  values of ``v_head_dim``; the narrower side is zero-padded before the exchanges and
+  cut from the output (exact: zero value columns give zero outputs, zero q/k columns
+  add nothing to a score). Its interleaved RoPE reads the global positions.
+* gpt_oss adds per-head sinks (one logit per head joins every softmax) and sliding
+  windows. Ulysses and kvallgather run its single-device explicit softmax on the head
+  slice (the sinks of the rank's heads) or the gathered keys; the ring folds the sink in
+  once after the last block (the denominator gains ``exp(sink)``, i.e. ``out *
+  sigmoid(lse - sink)``). Windows mask key j from query i unless ``i - window < j <= i``
+  in global positions, so they reach across the ranks' chunk boundaries; ring blocks
+  entirely outside a window are skipped like the causally dead ones.
+* qwen3_next is refused (``CP_REFUSED``): its Gated DeltaNet recurrence carries state
+  along the sequence, across the ranks' slices.
+
+Attention dropout stays refused under CP (each attention module raises).
+
+Seams: ``apply_cp`` sets ``cp`` on every attention module (``Attention``,
+``MultiHeadLatentAttention``, ``SinkAttention``: the callable that replaces their
+single-device attention) and on the inner model (:class:`DecoderModel`, gpt_oss'
+``GptOssModel``: its ``prepare`` builds the per-forward :class:`CPMask` and global
+positions); ``shard_batch_for_cp`` gives each rank its tokens. No extra model keyword
+is needed (``CP_MODEL_KWARGS`` is empty). The per-block masks and kernels, the fused
+CPU ring and the ulysses all-to-alls live in :mod:`meshforge.parallel.context_blocks`.
 """
 
 from __future__ import annotations
@@ -52,8 +75,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshforge.models.common.attention import Attention, positions_from_segments
 from meshforge.models.common.causal_lm import DecoderModel
 from meshforge.models.common.mla import MultiHeadLatentAttention
-from meshforge.models.common.sink_attention import SinkAttention, causal_mask, sink_attention
+from meshforge.models.common.sink_attention import SinkAttention
 from meshforge.models.gpt_oss.model import GptOssModel
+from meshforge.parallel.context_blocks import (
+    Block,
+    FusedRing,
+    allowed_mask,
+    attend,
+    block_update,
+    heads_to_seq,
+    runs,
+    seq_to_heads,
+    wait,
+)
 
 CP_METHODS: tuple[str, ...] = ("colossal", "ulysses", "hybrid", "kvallgather")
 #: Extra keys ``shard_batch_for_cp`` adds that the trainer passes to the model: none, the
@@ -198,112 +232,6 @@ class CPMask:
     cache: dict[Any, Any] = field(default_factory=dict)
 
 
-def _wait(x: torch.Tensor) -> torch.Tensor:
-    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
-
-
-def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive positions in ``index``: (local offset, global start, length)."""
-    values = index.tolist()
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for i in range(1, len(values) + 1):
-        if i == len(values) or values[i] != values[i - 1] + 1:
-            runs.append((start, values[start], i - start))
-            start = i
-    return runs
-
-
-def _allowed(
-    q_index: torch.Tensor,
-    k_index: torch.Tensor,
-    segments: torch.Tensor | None,
-    causal: bool,
-    window: int | None = None,
-) -> torch.Tensor | None:
-    """Boolean ``[B or 1, 1, Sq, Sk]``: key j visible to query i; None = all.
-
-    Visible: ``j <= i`` when ``causal``, same document when ``segments`` are given, and
-    ``j > i - window`` when ``window`` is set (the sliding-window rule of
-    ``sink_attention.sliding_window_mask``, in global positions, so a window reaches
-    back across the CP ranks' chunk boundaries exactly as on one process).
-    """
-    mask = (k_index[None, :] <= q_index[:, None])[None, None] if causal else None
-    if window is not None:
-        band = (k_index[None, :] > q_index[:, None] - window)[None, None]
-        mask = band if mask is None else mask & band
-    if segments is not None:
-        same = (segments[:, q_index][:, :, None] == segments[:, k_index][:, None, :])[:, None]
-        mask = same if mask is None else mask & same
-    return mask
-
-
-def _attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    allowed: torch.Tensor | None,
-    scale: float,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """Single-device attention of ``q`` ``[B, H, Sq, D]`` over ``k``/``v`` ``[B, Hkv, Sk, D]``.
-
-    ``allowed`` None means plain causal over equal query and key positions. Without
-    ``sinks`` this is SDPA; with them the explicit-softmax ``sink_attention`` that gpt-oss
-    runs on one process (same arithmetic, so ulysses and kvallgather match it closely).
-    """
-    if sinks is None:
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=allowed,
-            is_causal=allowed is None,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-    batch, heads, q_len, dim = q.shape
-    kv_heads = k.shape[1]
-    if allowed is None:
-        allowed = causal_mask(q_len, q.device)
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads, q_len, dim)
-    out = sink_attention(grouped, k.unsqueeze(2), v.unsqueeze(2), sinks, allowed, scaling=scale)
-    return out.reshape(batch, heads, q_len, v.shape[-1])
-
-
-def _block_update(
-    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fold one key/value block into a query block's running (max, sum, weighted values).
-
-    ``q`` is ``[B, Hkv, G, Sq, D]`` (query heads grouped by their K/V head), ``k``/``v``
-    ``[B, Hkv, Sk, D]``. The running max is detached: softmax does not depend on the
-    shift, so treating it as a constant gives exact gradients and avoids differentiating
-    through max. Rows a block masks entirely contribute exp(-inf) = 0 with no NaN; every
-    row sees at least its own token somewhere, so the final sum is positive.
-    """
-    # Scores, probabilities and the running sums in float32 whatever the compute dtype
-    # (SDPA accumulates bf16 attention in float32 too); the value product in v's dtype.
-    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).float() * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    block_max = scores.detach().amax(dim=-1)
-    new_max = block_max if state is None else torch.maximum(state[0], block_max)
-    shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-    probs = torch.exp(scores - shift.unsqueeze(-1))
-    block_sum = probs.sum(dim=-1)
-    block_out = torch.matmul(probs.to(v.dtype), v.unsqueeze(2)).float()
-    if state is None:
-        return new_max, block_sum, block_out
-    rescale = torch.exp(state[0] - shift)
-    return new_max, state[1] * rescale + block_sum, state[2] * rescale.unsqueeze(-1) + block_out
-
-
 class ContextParallel:
     """The CP algorithm of one model: per-forward preparation and the attention call.
 
@@ -363,7 +291,7 @@ class ContextParallel:
         q_index = self._index(seq_len, self.rank, device)
         segments = None
         if segment_ids is not None:
-            gathered = _wait(funcol.all_gather_single(segment_ids.contiguous(), 1, self.group))
+            gathered = wait(funcol.all_gather_single(segment_ids.contiguous(), 1, self.group))
             order = torch.cat([self._index(seq_len, r, device) for r in range(self.size)])
             segments = torch.empty_like(gathered)
             segments[:, order] = gathered
@@ -444,8 +372,8 @@ class ContextParallel:
         key = ("kvallgather", window)
         if key not in mask.cache:
             keys = torch.arange(start, stop, device=q.device)
-            mask.cache[key] = _allowed(mask.q_index, keys, mask.segments, True, window)
-        return _attend(q, full[0][:, :, start:stop], full[1][:, :, start:stop], mask.cache[key], scale, sinks)
+            mask.cache[key] = allowed_mask(mask.q_index, keys, mask.segments, True, window)
+        return attend(q, full[0][:, :, start:stop], full[1][:, :, start:stop], mask.cache[key], scale, sinks)
 
     def _ulysses(
         self,
@@ -474,7 +402,7 @@ class ContextParallel:
             # After the all-to-all this rank holds the u-th slice of the heads its ulysses
             # position names (rank = ring * u + ulysses): the sinks of those heads.
             sinks = sinks.view(u, heads // u)[self.rank % u]
-        q, k, v = _seq_to_heads([q, k, v], u, self.ulysses_group)
+        q, k, v = seq_to_heads([q, k, v], u, self.ulysses_group)
         if self.method == "ulysses":
             # Whole sequence in order: the single-process attention and masks, unchanged.
             key = ("ulysses", window)
@@ -482,12 +410,12 @@ class ContextParallel:
                 plain = mask.segments is None and window is None
                 everything = torch.arange(mask.seq_len, device=q.device)
                 mask.cache[key] = (
-                    None if plain else _allowed(everything, everything, mask.segments, True, window)
+                    None if plain else allowed_mask(everything, everything, mask.segments, True, window)
                 )
-            out = _attend(q, k, v, mask.cache[key], scale, sinks)
+            out = attend(q, k, v, mask.cache[key], scale, sinks)
         else:
             out = self._hybrid_ring(q, k, v, mask, scale, sinks, window)
-        return _heads_to_seq(out, u, self.ulysses_group)
+        return heads_to_seq(out, u, self.ulysses_group)
 
     def _group_index(self, seq_len: int, ring_rank: int, device: torch.device) -> torch.Tensor:
         """Positions a ulysses group holds after its all-to-all, in gathered (member) order."""
@@ -524,7 +452,7 @@ class ContextParallel:
 
     def _ring_plan(
         self, q_index: torch.Tensor, kv_index_of, mask: CPMask, window: int | None, tag: str
-    ) -> list[list[_Block]]:
+    ) -> list[list[Block]]:
         """Per ring step, the (query run, key run) blocks to compute, fully masked ones left out.
 
         Built once per forward and window (cached in ``mask.cache`` under ``tag``) and
@@ -534,13 +462,13 @@ class ContextParallel:
         key = (tag, window, "plan")
         if key in mask.cache:
             return mask.cache[key]
-        q_runs = _runs(q_index)
-        plan: list[list[_Block]] = []
+        q_runs = runs(q_index)
+        plan: list[list[Block]] = []
         for step in range(self.ring_size):
             k_index = kv_index_of((self.ring_rank - step) % self.ring_size)
             blocks = []
             for q_off, q_start, q_n in q_runs:
-                for k_off, k_start, k_n in _runs(k_index):
+                for k_off, k_start, k_n in runs(k_index):
                     if k_start > q_start + q_n - 1:
                         continue  # every key of the chunk lies after every query: fully masked
                     if window is not None and k_start + k_n - 1 <= q_start - window:
@@ -548,14 +476,14 @@ class ContextParallel:
                     causal = k_start + k_n - 1 > q_start  # else every key precedes every query
                     # Does the window cut anything out of this block? (The farthest pair.)
                     cut = window if window is not None and q_start + q_n - 1 - k_start >= window else None
-                    allowed = _allowed(
+                    allowed = allowed_mask(
                         q_index[q_off : q_off + q_n], k_index[k_off : k_off + k_n], mask.segments, causal, cut
                     )
                     # The same chunk on both sides, no documents, no window cut: the kernel's own causal mask.
                     same = (
                         causal and mask.segments is None and cut is None and (q_start, q_n) == (k_start, k_n)
                     )
-                    blocks.append(_Block(q_off, q_n, k_off, k_n, allowed, same))
+                    blocks.append(Block(q_off, q_n, k_off, k_n, allowed, same))
             plan.append(blocks)
         mask.cache[key] = plan
         return plan
@@ -584,7 +512,7 @@ class ContextParallel:
         """
         plan = self._ring_plan(q_index, kv_index_of, mask, window, tag)
         if q.device.type == "cpu" and FUSED_CPU_RING:
-            return _FusedRing.apply(q, k, v, sinks, self, plan, scale)
+            return FusedRing.apply(q, k, v, sinks, self, plan, scale)
         batch, heads, q_len, dim = q.shape
         kv_heads = k.shape[1]
         grouped = q.reshape(batch, kv_heads, heads // kv_heads, q_len, dim)
@@ -594,7 +522,7 @@ class ContextParallel:
             # Issue the next exchange first so it travels while this block is computed.
             incoming = self._ring_shift(kv) if step < self.ring_size - 1 else None
             for b in blocks:
-                states[b.q_off] = _block_update(
+                states[b.q_off] = block_update(
                     states.get(b.q_off),
                     grouped[..., b.q_off : b.q_off + b.q_n, :],
                     kv[0][:, :, b.k_off : b.k_off + b.k_n],
@@ -619,163 +547,6 @@ class ContextParallel:
 
 #: Run ring blocks on CPU with the fused flash kernel (``False``: the plain autograd path).
 FUSED_CPU_RING = True
-_FLASH_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-@dataclass
-class _Block:
-    """One (query run, key run) pair of a ring step.
-
-    ``allowed`` is the boolean visibility ``[B or 1, 1, q_n, k_n]`` (None: all visible);
-    ``kernel_causal`` says the flash kernel's own causal flag expresses it exactly.
-    """
-
-    q_off: int
-    q_n: int
-    k_off: int
-    k_n: int
-    allowed: torch.Tensor | None
-    kernel_causal: bool
-    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
-
-    def additive(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mask as the flash kernel takes it (0 or -inf, in the query dtype), or None."""
-        if self.allowed is None or self.kernel_causal:
-            return None
-        if dtype not in self._additive:
-            zeros = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
-            self._additive[dtype] = zeros.masked_fill(~self.allowed, float("-inf"))
-        return self._additive[dtype]
-
-    def dead_rows(self) -> torch.Tensor | None:
-        """Queries that see no key of this block ``[B or 1, 1, q_n]`` (documents, windows), or None."""
-        if self.allowed is None or self.kernel_causal:
-            return None
-        return ~self.allowed.any(dim=-1)
-
-
-def _ring_send(cp: ContextParallel, x: torch.Tensor) -> torch.Tensor:
-    """``ContextParallel._ring_shift`` without autograd (inside ``_FusedRing``), waited."""
-    n, r = cp.ring_size, cp.ring_rank
-    send, recv = [0] * n, [0] * n
-    send[(r + 1) % n] = recv[(r - 1) % n] = x.shape[0]
-    return funcol.all_to_all_single(x.contiguous(), recv, send, cp.ring_group)
-
-
-class _FusedRing(torch.autograd.Function):
-    """Ring attention on CPU with the fused flash kernel, forward and backward rings explicit.
-
-    Forward: each block gives (output, log-sum-exp); they merge into the running pair.
-    Backward: K/V travel the ring again with their gradient accumulators; each block's
-    gradients come from the kernel's backward given the FINAL output and log-sum-exp
-    (the block's share of the global softmax), and after ring_size shifts every K/V
-    gradient is back on the rank that owns the block.
-
-    Sinks (one logit per head, no value) join after the last block: the log-sum-exp
-    becomes ``logaddexp(lse, sink)`` and the output shrinks by ``exp(lse_old - lse)``
-    (``sigmoid(lse_old - sink)``). Given that final pair, the kernel's backward is exactly
-    the sink softmax's (probabilities ``exp(s - lse)``, ``D = rowsum(dO * out)`` with the
-    sink's value 0), and the sink's own gradient is ``-sum exp(sink - lse) * D``.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, cp: ContextParallel, plan: list[list[_Block]], scale: float):  # type: ignore[override]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
-        for step, blocks in enumerate(plan):
-            incoming = _ring_send(cp, kv) if step < cp.ring_size - 1 else None
-            for b in blocks:
-                qs, ks = slice(b.q_off, b.q_off + b.q_n), slice(b.k_off, b.k_off + b.k_n)
-                o_b, l_b = _FLASH_FWD(
-                    q[:, :, qs],
-                    kv[0][:, :, ks],
-                    kv[1][:, :, ks],
-                    0.0,
-                    b.kernel_causal,
-                    attn_mask=b.additive(q.dtype),
-                    scale=scale,
-                )
-                dead = b.dead_rows()
-                if dead is not None:
-                    # The kernel reports 0 (not -inf) for rows with nothing visible.
-                    l_b = l_b.masked_fill(dead, float("-inf"))
-                l_old = lse[:, :, qs]
-                l_new = torch.logaddexp(l_old, l_b)
-                shift = torch.where(torch.isfinite(l_new), l_new, torch.zeros_like(l_new))
-                out[:, :, qs] = out[:, :, qs] * torch.exp(l_old - shift).unsqueeze(
-                    -1
-                ) + o_b.float() * torch.exp(l_b - shift).unsqueeze(-1)
-                lse[:, :, qs] = l_new
-            if incoming is not None:
-                kv = _wait(incoming)
-        if sinks is not None:
-            sink = sinks.float().view(1, -1, 1).expand_as(lse)
-            total = torch.logaddexp(lse, sink)
-            out = out * torch.exp(lse - total).unsqueeze(-1)
-            lse = total
-        out = out.to(q.dtype)
-        ctx.cp, ctx.plan, ctx.scale = cp, plan, scale
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v, sinks, out, lse = ctx.saved_tensors
-        cp, plan = ctx.cp, ctx.plan
-        grad_out = grad_out.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        for step, blocks in enumerate(plan):
-            incoming = _ring_send(cp, kv) if step < cp.ring_size - 1 else None
-            for b in blocks:
-                qs, ks = slice(b.q_off, b.q_off + b.q_n), slice(b.k_off, b.k_off + b.k_n)
-                gq, gk, gv = _FLASH_BWD(
-                    grad_out[:, :, qs],
-                    q[:, :, qs],
-                    kv[0][:, :, ks],
-                    kv[1][:, :, ks],
-                    out[:, :, qs],
-                    lse[:, :, qs],
-                    0.0,
-                    b.kernel_causal,
-                    attn_mask=b.additive(q.dtype),
-                    scale=ctx.scale,
-                )
-                dq[:, :, qs] += gq
-                dkv[0, :, :, ks] += gk
-                dkv[1, :, :, ks] += gv
-            # The accumulator travels with its K/V block; ring_size shifts bring it home.
-            dkv = _wait(_ring_send(cp, dkv))
-            if incoming is not None:
-                kv = _wait(incoming)
-        d_sinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            rows = (grad_out.float() * out.float()).sum(-1)  # D of every query row [B, H, S]
-            weight = torch.exp(sinks.float().view(1, -1, 1) - lse)  # the sink's probability
-            d_sinks = -(weight * rows).sum(dim=(0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), d_sinks, None, None, None
-
-
-def _seq_to_heads(tensors: list[torch.Tensor], u: int, group: Any) -> list[torch.Tensor]:
-    """One all-to-all: ``[B, h, S_local, D]`` each -> ``[B, h / u, u * S_local, D]`` (members' order)."""
-    batch, _, local, dim = tensors[0].shape
-    parts = [t.reshape(batch, u, t.shape[1] // u, local, dim) for t in tensors]
-    sizes = [p.shape[2] for p in parts]
-    x = torch.cat(parts, dim=2).transpose(0, 1).contiguous()  # [u (destination), B, heads, S_local, D]
-    y = funcol.all_to_all_single_autograd(x, None, None, group)  # [u (source), B, heads, S_local, D]
-    y = y.permute(1, 2, 0, 3, 4).reshape(batch, sum(sizes), u * local, dim)
-    return list(y.split(sizes, dim=1))
-
-
-def _heads_to_seq(x: torch.Tensor, u: int, group: Any) -> torch.Tensor:
-    """The inverse all-to-all: ``[B, h, u * S_local, D]`` -> ``[B, h * u, S_local, D]``."""
-    batch, heads, seq, dim = x.shape
-    y = x.reshape(batch, heads, u, seq // u, dim).permute(2, 0, 1, 3, 4).contiguous()
-    y = funcol.all_to_all_single_autograd(y, None, None, group)  # [u (head group), B, h, S_local, D]
-    return y.transpose(0, 1).reshape(batch, u * heads, seq // u, dim)
 
 
 def _family_name(model: nn.Module) -> str:
