@@ -55,6 +55,23 @@ DEEPSEEK = {
     "tie_word_embeddings": False,
 }
 DEEPSEEK_FULL_Q = {**DEEPSEEK, "q_lora_rank": None, "attention_bias": True, "tie_word_embeddings": True}
+# Layer 0 sliding-window attention (4 keys), layer 1 full attention; both sparse.
+GPT_OSS = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 16,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "sliding_window": 4,
+    "attention_bias": True,
+    "output_router_logits": True,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
 # (name, family, options, apply_tp keyword arguments, packed segment ids)
 CASES = [
     ("deepseek_v3", "deepseek_v3", DEEPSEEK, {}, False),
@@ -62,9 +79,19 @@ CASES = [
     ("deepseek_v3 q_proj bias tied", "deepseek_v3", DEEPSEEK_FULL_Q, {}, False),
     ("deepseek_v3 q_proj tied loss-parallel", "deepseek_v3", DEEPSEEK_FULL_Q, {"loss_parallel": True}, True),
     ("deepseek_v3 no SP", "deepseek_v3", DEEPSEEK, {"sequence_parallel": False}, False),
+    ("gpt_oss tied", "gpt_oss", GPT_OSS, {}, False),
+    ("gpt_oss tied packed loss-parallel", "gpt_oss", GPT_OSS, {"loss_parallel": True}, True),
+    (
+        "gpt_oss untied loss-parallel",
+        "gpt_oss",
+        {**GPT_OSS, "tie_word_embeddings": False},
+        {"loss_parallel": True},
+        False,
+    ),
+    ("gpt_oss no SP", "gpt_oss", GPT_OSS, {"sequence_parallel": False}, True),
 ]
 # (family, options) trained a few AdamW steps, and built on meta like the trainer does.
-TRAIN = [("deepseek_v3", DEEPSEEK)]
+TRAIN = [("deepseek_v3", DEEPSEEK), ("gpt_oss", GPT_OSS)]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -80,9 +80,10 @@ _PLAN_MODULES = {
     "llama": "meshforge.models.llama.parallelize",
     "qwen3_moe": "meshforge.models.qwen3_moe.parallelize",
     "deepseek_v3": "meshforge.models.deepseek_v3.parallelize",
+    "gpt_oss": "meshforge.models.gpt_oss.parallelize",
 }
-# Built-in families with no TP plan yet (attention sinks, linear attention).
-UNSUPPORTED_FAMILIES = ("gpt_oss", "qwen3_next")
+# Built-in families with no TP plan yet (linear attention).
+UNSUPPORTED_FAMILIES = ("qwen3_next",)
 # transformers' normalisation modules have family-specific class names (Qwen3RMSNorm, ...).
 _NORM_MARKERS = ("LayerNorm", "RMSNorm", "GroupNorm")
 _TP_KEY = "parallelism.tensor_parallel"
