@@ -22,6 +22,21 @@ Tied embeddings: when stage 0 and the last stage are on different ranks, the las
 its own ``lm_head.weight``. ``build_pipeline`` copies the embedding's values into it (whatever
 materialisation or checkpoint loading put there), and ``Pipeline.step`` sums the two gradients
 over the two ranks, so both copies get the same update as the single tied weight would.
+
+Families: the ``DecoderModel`` families (one mask for every layer), gpt_oss (sliding or full
+mask by each layer's ``attention_type``, sinks inside the layers) and qwen3_next (Gated
+DeltaNet layers read ``segment_ids`` to restart their state at document starts, attention
+layers the block-diagonal mask). ``_stage_layer_runner`` builds, per stage call, what the
+family's own ``model.forward`` builds once before its layers.
+
+MoE router aux loss (``aux_coef`` of ``build_pipeline``): transformers' loss is one product
+over the statistics of *all* MoE layers, which live on different stages. Each stage therefore
+returns, next to the hidden states, a float32 ``carry`` of ``2 * E + 1`` values: the running
+sums over the layers so far of the router probabilities (with autograd), the top-k assignments
+and the rows (no gradient). The last stage forms the loss from the totals in its loss
+function, so autograd sends ``d aux / d prob_sum`` (which needs the global assignment totals of
+that micro-batch) back through the schedule's own gradient messages to every stage's routers:
+exactly the single-process gradient, and the exact value for the log.
 """
 
 from __future__ import annotations
@@ -40,8 +55,9 @@ from meshforge.models.common.attention import positions_from_segments, segment_c
 LAYERS_KEY = "parallelism.pipeline_parallel_layers_per_stage"
 SCHEDULE_KEY = "parallelism.pipeline_parallel_schedule"
 
-# Families whose inner model is a ``DecoderModel`` with one mask for every layer.
-SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3")
+# Families whose inner model is a ``DecoderModel`` with one mask for every layer, then gpt_oss
+# and qwen3_next (their own inner models; see `_stage_layer_runner`).
+SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
 
 # Canonical schedule name -> (torch class name, stages per rank: "one" or "many", placement).
 _SCHEDULES: dict[str, tuple[str, str, str]] = {
@@ -329,61 +345,194 @@ def assign_layers(
 # ----------------------------------------------------------------------------------------
 
 
+LayerRunner = Any  # Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def _decoder_runner(
+    inner: Any,
+    ids: torch.Tensor,
+    h: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    seq_len: int,
+    layers: list[nn.Module],
+) -> LayerRunner:
+    """``DecoderModel.forward``'s preparation: one mask (or CP mask object) for every layer."""
+    mask = token_mask = None
+    cp = getattr(inner, "cp", None)
+    if cp is not None:
+        # Context parallel (DecoderModel.cp): the plan reads only the shape and device of
+        # the token ids, which a [B, S] view of the hidden states has too.
+        mask, position_ids = cp.prepare(ids, position_ids, segment_ids)
+        if inner.pass_token_mask and segment_ids is not None:
+            token_mask = segment_ids != 0
+    elif segment_ids is not None:
+        mask = segment_causal_mask(segment_ids)
+        if inner.pass_token_mask:
+            token_mask = segment_ids != 0
+        if position_ids is None:
+            position_ids = positions_from_segments(segment_ids)
+    rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
+    if inner.pass_token_mask:
+        return lambda layer, x: layer(x, rope, mask, token_mask)
+    return lambda layer, x: layer(x, rope, mask)
+
+
+def _gpt_oss_runner(
+    inner: Any,
+    ids: torch.Tensor,
+    h: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    seq_len: int,
+    layers: list[nn.Module],
+) -> LayerRunner:
+    """``GptOssModel.forward``'s preparation: full and sliding masks, token mask, RoPE."""
+    from meshforge.models.common.sink_attention import causal_mask, sliding_window_mask
+
+    token_mask = None
+    masks: dict[str, Any]
+    cp = getattr(inner, "cp", None)
+    if cp is not None:
+        # Context parallel (GptOssModel.cp): one mask object for both kinds of layer; each
+        # attention applies its own window in global positions.
+        cp_mask, position_ids = cp.prepare(ids, position_ids, segment_ids)
+        if segment_ids is not None:
+            token_mask = segment_ids != 0
+        rope = inner.rotary_emb(position_ids, seq_len=h.shape[1], device=h.device, dtype=h.dtype)
+        return lambda layer, x: layer(x, rope, cp_mask, token_mask)
+    if segment_ids is not None:
+        full = segment_causal_mask(segment_ids)
+        token_mask = segment_ids != 0
+        if position_ids is None:
+            position_ids = positions_from_segments(segment_ids)
+    else:
+        full = causal_mask(seq_len, h.device)
+    masks = {"full_attention": full}
+    # Only the stage's own layers decide whether the sliding mask is needed.
+    if any(layer.attention_type == "sliding_attention" for layer in layers):
+        masks["sliding_attention"] = sliding_window_mask(full, inner.sliding_window)
+    rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
+    return lambda layer, x: layer(x, rope, masks[layer.attention_type], token_mask)
+
+
+def _qwen3_next_runner(
+    inner: Any,
+    ids: torch.Tensor,
+    h: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    seq_len: int,
+    layers: list[nn.Module],
+) -> LayerRunner:
+    """``Qwen3NextModel.forward``'s preparation: the attention mask; DeltaNet layers get ``segment_ids``."""
+    if getattr(inner, "cp", None) is not None:
+        raise NotImplementedError(
+            "not supported yet: parallelism.pipeline_parallel > 1 with context_parallel > 1 for qwen3_next"
+        )
+    mask = None
+    if segment_ids is not None:
+        # Each stage restarts nothing itself: a DeltaNet layer resets its state and conv window
+        # at every document start it sees in segment_ids, whichever stage it runs on.
+        if any(layer.layer_type != "linear_attention" for layer in layers):
+            mask = segment_causal_mask(segment_ids)
+        if position_ids is None:
+            position_ids = positions_from_segments(segment_ids)
+    rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
+    return lambda layer, x: layer(x, rope, mask, segment_ids)
+
+
+def _runner_factory(inner: nn.Module) -> Any:
+    """The stage preparation for ``inner`` (the family's inner model), or None if unknown."""
+    from meshforge.models.common.causal_lm import DecoderModel
+
+    if isinstance(inner, DecoderModel):
+        return _decoder_runner
+    from meshforge.models.gpt_oss.model import GptOssModel
+    from meshforge.models.qwen3_next.model import Qwen3NextModel
+
+    if isinstance(inner, GptOssModel):
+        return _gpt_oss_runner
+    if isinstance(inner, Qwen3NextModel):
+        return _qwen3_next_runner
+    return None
+
+
+def _stage_aux_totals(layers: list[nn.Module], num_experts: int, like: torch.Tensor) -> torch.Tensor | None:
+    """``[prob_sum (E), assignments (E), rows]`` summed over the MoE layers just run, or None."""
+    stats = [
+        layer.mlp.last_aux_stats
+        for layer in layers
+        if getattr(layer.mlp, "last_aux_stats", None) is not None and getattr(layer, "is_moe", True)
+    ]
+    if not stats:
+        return None
+    prob_sum = torch.stack([st.prob_sum for st in stats]).sum(0)
+    counts = torch.stack([st.assignments.detach().float() for st in stats]).sum(0)
+    rows = torch.stack([st.rows.detach().float() for st in stats]).sum().reshape(1)
+    out = torch.cat([prob_sum.float(), counts, rows])
+    if out.numel() != 2 * num_experts + 1:
+        raise RuntimeError(f"pipeline aux carry: expected {num_experts} experts, got {prob_sum.numel()}")
+    return out.to(like.device)
+
+
 class _PipelinedCausalLM:
     """Mixin placed in front of a pruned model's class: the forward of one local stage."""
 
     _pp_stages: dict[int, StageInfo]
+    # Set by `Pipeline` when the router aux loss is on: routed experts per layer (carry size).
+    _pp_aux_experts: int | None = None
 
     def forward(
         self,
         inputs: torch.Tensor,
+        carry: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         seq_len: int | None = None,
         *,
         pp_stage: int,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run stage ``pp_stage``: embedding (first) -> its layers -> norm and head (last).
 
         Args:
             inputs: Token ids ``[B, S]`` on the first stage, hidden states ``[B, S, H]`` after.
+            carry: With the router aux loss on, the running aux totals from the previous stage
+                (``[2E + 1]``; None on the first stage). See the module docstring.
             position_ids, segment_ids: As ``CausalLM.forward``; every stage rebuilds the mask
                 and RoPE tables from them (they are tiny next to one layer's compute).
             seq_len: Tokens per row. Needed after the first stage: under sequence parallelism
                 the hidden states passed between stages hold only this rank's part of the row.
+
+        Returns:
+            The hidden states (logits on the last stage); with the aux loss on, a pair
+            ``(hidden or logits, carry)``.
         """
         stage = self._pp_stages[pp_stage]
         inner: Any = self.model  # type: ignore[attr-defined]
         h = inner.embed_tokens(inputs) if stage.is_first else inputs
-        mask = token_mask = None
-        cp = getattr(inner, "cp", None)
-        if cp is not None:
-            # Context parallel (DecoderModel.cp): the plan reads only the shape and device of
-            # the token ids, which a [B, S] view of the hidden states has too.
-            mask, position_ids = cp.prepare(
-                inputs if stage.is_first else h[..., 0], position_ids, segment_ids
-            )
-            if inner.pass_token_mask and segment_ids is not None:
-                token_mask = segment_ids != 0
-        elif segment_ids is not None:
-            mask = segment_causal_mask(segment_ids)
-            if inner.pass_token_mask:
-                token_mask = segment_ids != 0
-            if position_ids is None:
-                position_ids = positions_from_segments(segment_ids)
         if seq_len is None and stage.is_first:
             seq_len = inputs.shape[-1]
         elif seq_len is None:
             from meshforge.parallel.tensor import sequence_shards
 
             seq_len = h.shape[1] * sequence_shards(self)  # type: ignore[arg-type]
-        rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
-        for key in stage.layer_keys:
-            layer = inner.layers[key]
-            h = layer(h, rope, mask, token_mask) if inner.pass_token_mask else layer(h, rope, mask)
+        layers = [inner.layers[key] for key in stage.layer_keys]
+        ids = inputs if stage.is_first else h[..., 0]
+        run = _runner_factory(inner)(inner, ids, h, position_ids, segment_ids, seq_len, layers)
+        for layer in layers:
+            h = run(layer, h)
         if stage.is_last:
             h = self.lm_head(inner.norm(h))  # type: ignore[attr-defined]
-        return h
+        experts = self._pp_aux_experts
+        if experts is None:
+            return h
+        if carry is None:
+            # A leaf that requires grad: the stage output always has a graph, even on a first
+            # stage without MoE layers (the schedule sends a gradient for every float output).
+            carry = torch.zeros(2 * experts + 1, device=h.device, requires_grad=True)
+        local = _stage_aux_totals(layers, experts, h)
+        return h, (carry + local if local is not None else carry * 1.0)
 
     def tie_weights(self) -> None:
         """Tie only where this rank holds both ends; otherwise the copies are kept equal by hand."""
@@ -405,7 +554,8 @@ class _PipelinedMoECausalLM(_PipelinedCausalLM):
     def moe_layers(self) -> dict[int, nn.Module]:
         """This rank's sparse blocks by global decoder-layer index."""
         layers: Any = self.model.layers  # type: ignore[attr-defined]
-        return {int(k): layer.mlp for k, layer in layers.items() if getattr(layer, "is_moe", False)}
+        # gpt-oss layers have no `is_moe`: every one of them is sparse.
+        return {int(k): layer.mlp for k, layer in layers.items() if getattr(layer, "is_moe", True)}
 
 
 _PIPELINED_CLASSES: dict[type, type] = {}
@@ -419,17 +569,13 @@ def _pipelined_class(cls: type) -> type:
 
 
 def _check_supported(model: nn.Module) -> None:
-    from meshforge.models.common.causal_lm import DecoderModel
-
     family = getattr(model, "family", None) or getattr(getattr(model, "config", None), "model_type", None)
     family = family or type(model).__name__
     inner = getattr(model, "model", None)
-    if family not in SUPPORTED_FAMILIES or not isinstance(inner, DecoderModel):
+    if family not in SUPPORTED_FAMILIES or inner is None or _runner_factory(inner) is None:
         raise NotImplementedError(f"not supported yet: parallelism.pipeline_parallel > 1 for {family}")
     if not isinstance(inner.layers, nn.ModuleList):
         raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
-    # The MoE router aux loss is one loss over all layers' statistics, which live on different
-    # stages here: the trainer refuses a non-zero router_aux_loss_coef under pipeline parallelism.
 
 
 def split_model(
@@ -538,12 +684,19 @@ class StageModule(nn.Module):
     def forward(
         self,
         inputs: torch.Tensor,
+        carry: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         seq_len: int | None = None,
-    ) -> torch.Tensor:
-        """Token ids (first stage) or hidden states in, hidden states (or logits, last stage) out."""
-        return self.__dict__["_root"](inputs, position_ids, segment_ids, seq_len, pp_stage=self.stage.index)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Token ids (first stage) or hidden states in, hidden states (or logits, last stage) out.
+
+        With the router aux loss on, the previous stage's ``carry`` comes in second and the
+        output is ``(hidden or logits, carry)``.
+        """
+        return self.__dict__["_root"](
+            inputs, carry, position_ids, segment_ids, seq_len, pp_stage=self.stage.index
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -606,6 +759,7 @@ class Pipeline:
         device: torch.device,
         n_microbatches: int,
         schedule_name: str,
+        aux_coef: float = 0.0,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
@@ -614,6 +768,12 @@ class Pipeline:
         self.group = pp_group
         self.device = torch.device(device)
         self.schedule_name = schedule_name
+        self.aux_coef = float(aux_coef)
+        self.aux_experts = _aux_experts(model) if self.aux_coef != 0.0 else None
+        # Every stage forward then returns (hidden, carry); see the module docstring.
+        model._pp_aux_experts = self.aux_experts
+        self._aux: list[torch.Tensor] = []
+        self.aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self.stages = [
             PipelineStage(StageModule(model, s), s.index, split.num_stages, self.device, group=pp_group)
             for s in split.stages
@@ -624,10 +784,33 @@ class Pipeline:
         self._shape: tuple[int, ...] | None = None
         self.schedule = self._schedule_for(n_microbatches)
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        if self.aux_experts is None:
+            ce = cross_entropy_sum(output, labels)
+            self._ce.append(ce.detach())
+            return ce / self._global_tokens
+        logits, carry = output
         ce = cross_entropy_sum(logits, labels)
         self._ce.append(ce.detach())
-        return ce / self._global_tokens
+        aux = self._aux_from_carry(carry)
+        # As Trainer.forward_backward: the micro-batch's aux loss weighted by its share of the
+        # global valid tokens (on a CP rank: its own part of them; the shares add up).
+        from meshforge.loss import count_valid_tokens
+
+        weight = count_valid_tokens(labels).to(torch.float32) / self._global_tokens
+        self._aux.append((aux.detach() * weight).float())
+        return ce / self._global_tokens + self.aux_coef * aux * weight
+
+    def _aux_from_carry(self, carry: torch.Tensor) -> torch.Tensor:
+        """The Switch aux loss of one micro-batch from the totals carried through the stages."""
+        from meshforge.models.common.moe import reduce_router_totals, switch_loss
+
+        e = int(self.aux_experts)  # type: ignore[arg-type]
+        # Only the probability sums carry gradient; the counts' gradient would be meaningless.
+        prob_sum, assignments, rows = carry[:e], carry[e : 2 * e].detach(), carry[2 * e].detach()
+        group = getattr(self.model, "aux_reduce_group", None)  # the CP group, when CP splits rows
+        assignments, prob_sum, rows = reduce_router_totals(assignments, prob_sum, rows, group)
+        return switch_loss(assignments, prob_sum, rows, e)
 
     def _schedule_for(self, n_microbatches: int) -> Any:
         if n_microbatches not in self._schedules:
@@ -661,7 +844,10 @@ class Pipeline:
         Returns:
             The CE sum of this rank's micro-batches (float32, detached, 0-dim), the same on
             every pp rank. Gradients are accumulated into ``.grad`` (tied embedding/head
-            gradients already summed across the pp ranks holding them).
+            gradients already summed across the pp ranks holding them). With the router aux
+            loss on, ``self.aux_sum`` then holds the sum over the micro-batches of each one's
+            aux loss times its token weight (what ``Trainer.forward_backward`` adds to its
+            ``_aux_sum``), the same on every pp rank.
         """
         total = self._run(micro, global_tokens, train=True)
         self._sum_tied_grads()
@@ -696,6 +882,7 @@ class Pipeline:
         target = batch["labels"] if self.split.has_last else None
         self._global_tokens = global_tokens.to(self.device)
         self._ce = []
+        self._aux = []
         if train:
             self._set_fsdp_sync(False)
             try:
@@ -710,8 +897,19 @@ class Pipeline:
         ce = self._ce[-len(micro) :] if self.split.has_last else []
         total = torch.stack(ce).sum() if ce else torch.zeros((), dtype=torch.float32, device=self.device)
         total = total.float()
-        dist.all_reduce(total, group=self.group)
+        if self.aux_experts is not None:
+            # Only the last stage's rank computed the aux values; one all-reduce for both sums.
+            aux = self._aux[-len(micro) :] if self.split.has_last else []
+            aux_total = torch.stack(aux).sum() if aux else torch.zeros((), device=self.device)
+            both = torch.stack([total, aux_total.float()])
+            dist.all_reduce(both, group=self.group)
+            total = both[0]
+            if train:  # evaluation leaves the training step's value alone
+                self.aux_sum = both[1]
+        else:
+            dist.all_reduce(total, group=self.group)
         self._ce = []
+        self._aux = []
         return total
 
     def _set_fsdp_sync(self, sync: bool) -> None:
@@ -818,6 +1016,24 @@ class Pipeline:
             local.copy_(buf)
 
 
+def _aux_experts(model: nn.Module) -> int | None:
+    """Routed experts per layer when ``model`` has transformers' router aux loss switched on, else None.
+
+    The aux loss exists for the MoE families whose ``aux_loss`` is ``MoECausalLM``'s (not
+    deepseek_v3, which has none) and only with ``output_router_logits``, as without pipelining.
+    """
+    from meshforge.models.common.causal_lm import MoECausalLM
+
+    if (
+        not isinstance(model, MoECausalLM)
+        or getattr(type(model), "aux_loss", None) is not MoECausalLM.aux_loss
+    ):
+        return None
+    if not getattr(model.args, "output_router_logits", False):
+        return None
+    return int(model.num_routed_experts)
+
+
 def build_pipeline(
     split: PipelineSplit,
     model: nn.Module,
@@ -827,6 +1043,7 @@ def build_pipeline(
     n_microbatches: int,
     schedule: str | None = None,
     dxdw_split: bool = False,
+    aux_coef: float = 0.0,
 ) -> Pipeline:
     """Build this rank's ``PipelineStage`` objects and the schedule, after FSDP and materialisation.
 
@@ -841,6 +1058,10 @@ def build_pipeline(
             (interleaved zero bubble) or zbv.
         dxdw_split: ``parallelism.pipeline_parallel_enable_dxdw_split``: run the interleaved
             schedule as its zero-bubble variant (separate input- and weight-gradient passes).
+        aux_coef: The router aux loss coefficient (the trainer's ``aux_coef``). When non-zero
+            and the model has the aux loss (MoE family, ``output_router_logits``), every
+            micro-batch's loss gets ``aux_coef * aux * valid_tokens / global_tokens``, exactly
+            as ``Trainer.forward_backward`` adds it, and ``Pipeline.aux_sum`` the logged value.
 
     Returns:
         The pipeline; its tied weights (if any) are already equal on both ends.
@@ -868,7 +1089,13 @@ def build_pipeline(
             f"does not match the split (pp_size {split.pp_size}, pp_rank {split.pp_rank})"
         )
     pipeline = Pipeline(
-        split, model, group, device=torch.device(device), n_microbatches=n_microbatches, schedule_name=name
+        split,
+        model,
+        group,
+        device=torch.device(device),
+        n_microbatches=n_microbatches,
+        schedule_name=name,
+        aux_coef=aux_coef,
     )
     pipeline.sync_tied_weights()
     return pipeline

@@ -48,15 +48,27 @@ a LongTensor) and ``last_aux_stats``, the per-layer sums (the probability sum ke
 the router's autograd graph until backward) from which
 :func:`load_balancing_loss` forms the Switch-Transformer aux loss over all MoE
 layers exactly as transformers' ``load_balancing_loss_func`` does.
+
+Context parallelism splits every sequence over the CP ranks, so one rank's sums cover only
+its part of the rows. :func:`set_aux_reduce_group` gives the blocks the CP group; their
+``RouterStats`` then carry it and :func:`load_balancing_loss` sums the totals over that
+group before the product (:func:`reduce_router_totals`). Why that gives exactly one
+process's gradient: every CP rank ends with the same loss value ``L``; the trainer weights
+rank r's copy by ``w_r`` (its valid tokens over the global count), the ``w_r`` summing to the
+micro-batch's share ``w``. The backward of the summing all-reduce sums the incoming
+gradients ``w_r * dL/dP`` over the ranks, so every rank's local probability sums get
+``w * dL/dP``, the gradient one process gives the whole micro-batch. The assignment counts
+and row counts carry no gradient and are summed with a plain all-reduce.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -74,11 +86,65 @@ class RouterStats:
         prob_sum: float32 ``[num_experts]``: sum over (non-padding) tokens of the
             router probabilities; carries the router's gradient.
         rows: Number of tokens counted (float32 scalar tensor).
+        group: Process group the rows of this forward are split over (context
+            parallelism), whose totals the loss needs; None when all rows are here.
     """
 
     assignments: torch.Tensor
     prob_sum: torch.Tensor
     rows: torch.Tensor
+    group: Any = None
+
+
+def set_aux_reduce_group(model: torch.nn.Module, group: Any) -> int:
+    """Make the router aux loss of ``model`` sum its statistics over ``group`` (the CP group).
+
+    Call it after ``apply_cp`` with the context-parallel group (or mesh): every rank of it
+    holds part of each sequence. Sets ``aux_reduce_group`` on every block that records
+    ``last_aux_stats`` and on ``model`` itself (the pipeline's last stage reads it there).
+
+    Args:
+        model: The causal LM (any family; blocks without aux statistics are left alone).
+        group: A ``ProcessGroup``, a 1-D ``DeviceMesh``, or None to undo.
+
+    Returns:
+        The number of MoE blocks that now reduce over ``group``.
+    """
+    if group is not None and hasattr(group, "get_group"):
+        group = group.get_group()
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "last_aux_stats"):
+            module.aux_reduce_group = group
+            count += 1
+    model.aux_reduce_group = group
+    return count
+
+
+def reduce_router_totals(
+    assignments: torch.Tensor, prob_sum: torch.Tensor, rows: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sum the aux-loss totals over ``group``: ``prob_sum`` differentiably, the counts plainly.
+
+    The backward of the differentiable all-reduce sums the ranks' incoming gradients (see the
+    module docstring for why that is exactly one process's gradient). A no-op without a group
+    or on a 1-rank group.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return assignments, prob_sum, rows
+    from torch.distributed.nn.functional import all_reduce
+
+    prob_sum = all_reduce(prob_sum, op=dist.ReduceOp.SUM, group=group)
+    counts = torch.cat([assignments.detach().float(), rows.detach().float().reshape(1)])
+    dist.all_reduce(counts, group=group)
+    return counts[:-1], prob_sum, counts[-1]
+
+
+def switch_loss(
+    assignments: torch.Tensor, prob_sum: torch.Tensor, rows: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """``num_experts * sum_e (assignments_e / rows) * (prob_sum_e / rows)``, from summed totals."""
+    return num_experts * torch.sum((assignments / rows) * (prob_sum / rows))
 
 
 def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor | None:
@@ -88,7 +154,9 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Ten
     probabilities are summed over all layers first and divided by the total number
     of rows, then ``num_experts * sum_e f_e * P_e``, where ``f_e`` is the fraction of
     top-k slots routed to expert e (summing to k) and ``P_e`` its mean router
-    probability. Padding tokens were left out of the sums by the layers.
+    probability. Padding tokens were left out of the sums by the layers. When the
+    statistics carry a group (context parallelism), the totals are first summed over it,
+    so every rank of the group gets the loss of the whole sequences.
 
     Args:
         stats: One entry per MoE layer of the forward.
@@ -102,7 +170,8 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Ten
     assignments = torch.stack([s.assignments for s in stats]).sum(0)
     prob_sum = torch.stack([s.prob_sum for s in stats]).sum(0)
     rows = torch.stack([s.rows for s in stats]).sum()
-    return num_experts * torch.sum((assignments / rows) * (prob_sum / rows))
+    assignments, prob_sum, rows = reduce_router_totals(assignments, prob_sum, rows, stats[0].group)
+    return switch_loss(assignments, prob_sum, rows, num_experts)
 
 
 class TopKRouter(nn.Module):
@@ -349,6 +418,8 @@ class MoEBlock(nn.Module):
         self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob=norm_topk_prob)
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.last_aux_stats: RouterStats | None = None
+        # Set by `set_aux_reduce_group` under context parallelism; travels with the stats.
+        self.aux_reduce_group: Any = None
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the MoE to ``x`` ``[B, S, hidden]``.
@@ -391,7 +462,9 @@ class MoEBlock(nn.Module):
                 )
             prob_sum = (probs * keep[:, None]).sum(0)
             rows = keep.sum()
-        self.last_aux_stats = RouterStats(assignments=assignments, prob_sum=prob_sum, rows=rows)
+        self.last_aux_stats = RouterStats(
+            assignments=assignments, prob_sum=prob_sum, rows=rows, group=self.aux_reduce_group
+        )
 
 
 __all__ = [
@@ -405,5 +478,8 @@ __all__ = [
     "load_balancing_loss",
     "local_tensor",
     "ExpertsBase",
+    "reduce_router_totals",
     "run_experts",
+    "set_aux_reduce_group",
+    "switch_loss",
 ]

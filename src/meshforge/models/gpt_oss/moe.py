@@ -24,6 +24,8 @@ common experts (see ``common/moe.py``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -178,6 +180,8 @@ class GptOssMLP(nn.Module):
         self.experts = GptOssExperts(num_experts, hidden_size, intermediate_size, alpha=alpha, limit=limit)
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.last_aux_stats: RouterStats | None = None
+        # Set by `common.moe.set_aux_reduce_group` under context parallelism.
+        self.aux_reduce_group: Any = None
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the MoE to ``x`` ``[B, S, hidden]``; ``token_mask`` ``[B, S]`` is False for padding."""
@@ -213,7 +217,9 @@ class GptOssMLP(nn.Module):
                 )
             prob_sum = (probs * keep[:, None]).sum(0)
             rows = keep.sum()
-        self.last_aux_stats = RouterStats(assignments=assignments, prob_sum=prob_sum, rows=rows)
+        self.last_aux_stats = RouterStats(
+            assignments=assignments, prob_sum=prob_sum, rows=rows, group=self.aux_reduce_group
+        )
 
 
 __all__ = ["GptOssExperts", "GptOssMLP", "GptOssTopKRouter"]
