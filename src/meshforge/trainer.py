@@ -324,8 +324,8 @@ class Trainer:
         if d.cp > 1:
             parts.append(f"CP ({self.cfg.parallelism.cp_method()}) over {d.cp} ranks")
         if self.fsdp:
-            if d.hsdp:
-                parts.append(f"HSDP: {d.dp_replicate} replicas x FSDP over {d.fsdp_size} ranks")
+            if d.dense_replicas > 1:
+                parts.append(f"HSDP: {d.dense_replicas} replicas x FSDP over {d.dense_shard_size} ranks")
             else:
                 parts.append(f"FSDP over {d.fsdp_size} ranks")
         return "".join(f", {p}" for p in parts)

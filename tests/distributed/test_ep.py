@@ -459,14 +459,16 @@ def test_trainer_ep_equals_one_process_and_resumes_elsewhere(tmp_path: Path) -> 
     assert "experts over 2 ranks" in proc.stdout
     save = "--checkpoint.save_interleaved_steps=4"
     run_train(config, [*TRAIN, ep, save, f"--training.output_dir={out['ep2x2']}"], nproc=4, cwd=tmp_path)
-    # parallelism.ep_fsdp_size 1 (MindSpeed's value): each expert shard replicated over the two
+    # parallelism.ep_fsdp_size 1 (MindSpeed's value): each expert replicated over the two
     # ranks outside its expert group (a 2 x 1 HSDP mesh for the experts).
     replicated = out["ep2x2"].with_name("ep2_replicated")
-    fsdp1 = "--parallelism.ep_fsdp_size=1"
+    # Also dense_fsdp_shard_size 2 (MindFormers): dense weights sharded over pairs, 2 replicas.
+    fsdp1 = ["--parallelism.ep_fsdp_size=1", "--parallelism.dense_fsdp_shard_size=2"]
     proc = run_train(
-        config, [*TRAIN, ep, fsdp1, no_save, f"--training.output_dir={replicated}"], nproc=4, cwd=tmp_path
+        config, [*TRAIN, ep, *fsdp1, no_save, f"--training.output_dir={replicated}"], nproc=4, cwd=tmp_path
     )
     assert "experts over 2 ranks (expert-FSDP over 1 x 2 replicas)" in proc.stdout
+    assert "HSDP: 2 replicas x FSDP over 2 ranks" in proc.stdout
     one = read_metrics(out["one"])
     assert len(one) == 5 and one[-1]["loss"] < one[0]["loss"] - 0.1  # it trains
     _assert_same_steps(one, read_metrics(out["ep2"]))

@@ -21,7 +21,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.pipeline_parallel_overlap_b_f": {"parallelism": {"pipeline_parallel_overlap_b_f": True}},
     "parallelism.enable_mc2": {"parallelism": {"enable_mc2": True}},
     "parallelism.data_parallel_shard_strategy": {"parallelism": {"data_parallel_shard_strategy": "optim"}},
-    "parallelism.dense_fsdp_shard_size": {"parallelism": {"dense_fsdp_shard_size": 2}},
     "parallelism.ignored_modules": {"parallelism": {"ignored_modules": ["lm_head"]}},
     "parallelism.shard_placement_fn": {"parallelism": {"shard_placement_fn": "my_fn"}},
     "parallelism.efsdp_shard_placement_fn": {"parallelism": {"efsdp_shard_placement_fn": "shard_by_dim_0"}},

@@ -31,7 +31,7 @@ parallelism: {tensor_parallel: 4, pipeline_parallel: 4, context_parallel: 2, dat
 """
 
 
-def _dims(world, tp=1, cp=1, pp=1, ep=1, shard=-1, ep_fsdp=None):
+def _dims(world, tp=1, cp=1, pp=1, ep=1, shard=-1, ep_fsdp=None, dense=None):
     par = SimpleNamespace(
         tensor_parallel=tp,
         context_parallel=cp,
@@ -39,6 +39,7 @@ def _dims(world, tp=1, cp=1, pp=1, ep=1, shard=-1, ep_fsdp=None):
         expert_parallel=ep,
         data_parallel_shard=shard,
         ep_fsdp_size=ep_fsdp,
+        dense_fsdp_shard_size=dense,
     )
     return ParallelDims.from_config(par, world)
 
@@ -69,6 +70,15 @@ def test_ep_fsdp_size_shards_experts_over_part_of_the_ranks_outside_ep():
         _dims(8, ep=2, ep_fsdp=3)
     with pytest.raises(ValueError, match="expert_parallel > 1"):
         _dims(8, ep_fsdp=2)
+
+
+def test_dense_fsdp_shard_size_is_hsdp_for_dense_weights():
+    d = _dims(8, cp=2, dense=4)  # 8 ranks shard dense weights by default; groups of 4, 2 replicas
+    assert (d.dense_shard_size, d.dense_replicas, d.fsdp_size) == (4, 2, 8)
+    assert _dims(8, shard=4, dense=2).dense_replicas == 4  # with HSDP's 2 replicas
+    assert _dims(8, dense=8).dense_shard == 0
+    with pytest.raises(ValueError, match="must divide the 8 ranks"):
+        _dims(8, dense=3)
 
 
 def test_qwen3_8b_parameter_count_and_memory_plan(tmp_path):

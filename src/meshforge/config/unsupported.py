@@ -138,11 +138,6 @@ ENTRIES: list[Unsupported] = [
         "ZeRO-1/2 style sharding",
     ),
     Unsupported(
-        f"{_P}.dense_fsdp_shard_size",
-        lambda c: c.parallelism.dense_fsdp_shard_size is not None,
-        "separate dense shard size",
-    ),
-    Unsupported(
         f"{_P}.ignored_modules", lambda c: bool(c.parallelism.ignored_modules), "FSDP ignored modules"
     ),
     Unsupported(

@@ -57,7 +57,8 @@ class ParallelismConfig(StrictSection):
         "true: gradient of the global token mean (FSDP sums); false: mean over data ranks of each rank's token mean.",
     )
     dense_fsdp_shard_size: PosInt | None = describe(
-        None, "Shard size for dense (non-expert) weights; null = dp shard."
+        None,
+        "Ranks sharding each dense (non-expert) weight, the rest replicate (HSDP); null = data_parallel_shard x context_parallel.",
     )
     tensor_parallel: PosInt = describe(1, "Tensor-parallel degree (sequence parallel follows it).")
     context_parallel: PosInt = describe(1, "Context-parallel degree (sequence split across ranks).")

@@ -29,6 +29,9 @@ class ParallelDims:
         ep_fsdp: how many of the data-shard ranks outside an expert-parallel group shard each
             expert's weights (MindSpeed `ep_fsdp_size`); the others hold replicas. 0 = all of
             them (`dp_shard_mod_ep`, the default).
+        dense_shard: how many ranks shard each dense (non-expert) parameter (MindFormers
+            `dense_fsdp_shard_size`); the other data and context ranks hold replicas. 0 = all of
+            `dp_shard * cp` (the default).
     """
 
     world_size: int
@@ -39,6 +42,7 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     ep_fsdp: int = 0
+    dense_shard: int = 0
 
     @classmethod
     def from_config(cls, parallelism: Any, world_size: int) -> ParallelDims:
@@ -112,7 +116,16 @@ class ParallelDims:
                 )
             if ep_fsdp == outside:
                 ep_fsdp = 0
-        return cls(world_size, dp_replicate, dp_shard, cp, tp, pp, ep, ep_fsdp)
+        dense = int(getattr(parallelism, "dense_fsdp_shard_size", None) or 0)
+        if dense:
+            if (dp_shard * cp) % dense:
+                raise ValueError(
+                    f"parallelism.dense_fsdp_shard_size: {dense} must divide the {dp_shard * cp} ranks that "
+                    f"shard dense weights (data_parallel_shard {dp_shard} * context_parallel {cp})"
+                )
+            if dense == dp_shard * cp:
+                dense = 0
+        return cls(world_size, dp_replicate, dp_shard, cp, tp, pp, ep, ep_fsdp, dense)
 
     @property
     def dp(self) -> int:
@@ -158,6 +171,16 @@ class ParallelDims:
         return self.dp_shard * self.cp
 
     @property
+    def dense_shard_size(self) -> int:
+        """Ranks that shard each dense parameter (the fsdp mesh's shard axis)."""
+        return self.dense_shard or self.fsdp_size
+
+    @property
+    def dense_replicas(self) -> int:
+        """Replicas of each dense shard: the HSDP replicas and the groups of dense_fsdp_shard_size."""
+        return self.dp_replicate * self.fsdp_size // self.dense_shard_size
+
+    @property
     def needs_fsdp(self) -> bool:
         """FSDP reduces gradients over replicas, data shards and context-parallel ranks."""
         return self.dp_replicate * self.dp_shard * self.cp > 1
@@ -185,12 +208,11 @@ class ParallelDims:
         loss = root["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("loss")
         views["loss"] = loss
         views["ep"] = root["dp_shard_in_ep", "cp"]._flatten("ep")
-        if self.hsdp:
-            # 2-D replicate x shard meshes for HSDP, made by unflattening (slicing a flattened
-            # dim out of the root mesh is deprecated).
-            views["fsdp"] = loss._unflatten(
-                0, (self.dp_replicate, self.fsdp_size), ("dp_replicate", "dp_shard_cp")
-            )
+        if self.dense_replicas > 1:
+            # 2-D replicate x shard meshes for HSDP (and dense_fsdp_shard_size), made by
+            # unflattening (slicing a flattened dim out of the root mesh is deprecated).
+            names = ("fsdp_replicate", "fsdp_shard") if self.dense_shard else ("dp_replicate", "dp_shard_cp")
+            views["fsdp"] = loss._unflatten(0, (self.dense_replicas, self.dense_shard_size), names)
         else:
             views["fsdp"] = root["dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_shard_cp")
         if self.expert_replicas > 1:

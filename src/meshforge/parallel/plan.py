@@ -125,7 +125,8 @@ def plan_lines(cfg: Any, world_size: int, *, log: Callable[[str], None] | None =
     ]
     views = [
         f"data {dims.dp} (replicas {dims.dp_replicate} x shards {dims.dp_shard})",
-        f"dense FSDP over {dims.fsdp_size}",
+        f"dense FSDP over {dims.dense_shard_size}"
+        + (f" x {dims.dense_replicas} replicas" if dims.dense_replicas > 1 else ""),
     ]
     if dims.ep > 1:
         views.append(
@@ -181,7 +182,7 @@ def memory_lines(cfg: Any, dims: ParallelDims, family: str, counts: ParamCounts)
             # A tied head is the embedding itself on one rank, a copy on a separate last stage.
             if not counts.tied or dims.pp > 1:
                 dense += counts.head
-        per_rank = dense / (dims.tp * dims.fsdp_size) + experts / (dims.ep * dims.expert_shard)
+        per_rank = dense / (dims.tp * dims.dense_shard_size) + experts / (dims.ep * dims.expert_shard)
         worst = max(worst, per_rank)
     weights = worst * pbytes
     grads = worst * pbytes
