@@ -9,7 +9,8 @@ kvallgather), with packed documents cut across the rank chunks:
 * deepseek_v3 with q LoRA and values narrower than q/k (12 vs 8), and without q LoRA and
   values wider (16 vs 12), interleaved RoPE: CP pads the narrower side and cuts it again;
 * gpt_oss with a sliding layer (window 5, crossing every chunk boundary of a 16-token row)
-  and a full layer, GQA 4:2, sinks large enough to matter.
+  and a full layer, GQA 4:2 (and MQA under ulysses and the ring), sinks large enough to
+  matter.
 
 It also checks the refusals (qwen3_next, attention dropout). A 4-process launch checks
 hybrid (ulysses 2 x ring 2) on both families.
@@ -69,7 +70,7 @@ def _deepseek(q_lora_rank: int | None, v_head_dim: int, **extra):
     return lambda: build_deepseek_v3(args, device="cpu")
 
 
-def _gpt_oss(**extra):
+def _gpt_oss(num_kv_heads: int = 2, **extra):
     from meshforge.models.gpt_oss.args import GptOssArgs
     from meshforge.models.gpt_oss.model import build_gpt_oss
 
@@ -80,7 +81,7 @@ def _gpt_oss(**extra):
         max_position_embeddings=64,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         head_dim=8,
         sliding_window=5,
         layer_types=["sliding_attention", "full_attention"],
@@ -202,6 +203,10 @@ def _worker(rank: int, world: int, init_file: str, errors) -> None:
                     _check_equal(name, build, "colossal", mesh, packed=True)
             for method in ("colossal", "kvallgather"):
                 _check_equal("gpt_oss", models["gpt_oss"], method, mesh, packed=False)
+            _check_equal("deepseek_qlora_v8", models["deepseek_qlora_v8"], "colossal", mesh, packed=False)
+            # MQA: ulysses repeats the one K/V head so each rank gets whole groups.
+            for method in ("ulysses", "colossal"):
+                _check_equal("gpt_oss_mqa", _gpt_oss(num_kv_heads=1), method, mesh, packed=True)
             _check_errors(mesh)
         else:
             for name in ("deepseek_qlora_v8", "gpt_oss"):

@@ -47,7 +47,8 @@ qwen3_moe), deepseek_v3 and gpt_oss, every method:
   in global positions, so they reach across the ranks' chunk boundaries; ring blocks
   entirely outside a window are skipped like the causally dead ones.
 * qwen3_next is refused (``CP_REFUSED``): its Gated DeltaNet recurrence carries state
-  along the sequence, across the ranks' slices.
+  along the sequence, across the ranks' slices; only a ulysses split inside the DeltaNet
+  layers (per-head recurrence over the whole sequence) could run it, and that is not built.
 
 Attention dropout stays refused under CP (each attention module raises).
 
@@ -98,10 +99,11 @@ CP_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "g
 #: Families CP refuses, with the reason (the ``NotImplementedError`` message says it).
 CP_REFUSED: dict[str, str] = {
     "qwen3_next": (
-        "its Gated DeltaNet layers run a recurrence whose state is carried token by token along "
-        "the whole sequence, so a rank holding a slice of the sequence would need the state the "
-        "ranks before it end with (a sequential hand-over CP does not do); only the attention "
-        "layers could be split"
+        "its Gated DeltaNet layers run a recurrence (and a causal conv) whose state is carried "
+        "token by token along the whole sequence, across the CP ranks' slices, which the "
+        "attention-only exchanges (colossal/ring, kvallgather, hybrid) cannot hand over; ulysses "
+        "(the reference's only method for it: whole sequence per head slice, the recurrence is "
+        "per head) would need its own all-to-alls in the DeltaNet layers, not built yet"
     ),
 }
 # The modules apply_cp switches: decoders build the per-forward CPMask (``cp.prepare``),
@@ -582,7 +584,7 @@ def apply_cp(
     family = _family_name(model)
     if family in CP_REFUSED:
         raise NotImplementedError(
-            f"not supported: parallelism.context_parallel > 1 for {family}: {CP_REFUSED[family]}"
+            f"not supported yet: parallelism.context_parallel > 1 for {family}: {CP_REFUSED[family]}"
         )
     decoders = [m for m in model.modules() if isinstance(m, _DECODERS)]
     attentions = [m for m in model.modules() if isinstance(m, _ATTENTIONS)]

@@ -167,7 +167,8 @@ class MultiHeadLatentAttention(nn.Module):
                     "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
                 )
             out = self.cp(q, k, v, mask, scale=self.scaling)
-            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_head_dim))
+            # -1: under tensor parallelism the rank holds a slice of the heads.
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
         if self.flash and mask is not None and self.flash_strict:
             raise ValueError(
                 "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "

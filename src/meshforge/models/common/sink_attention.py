@@ -168,7 +168,8 @@ class SinkAttention(nn.Module):
                 )
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             out = self.cp(q, k, v, mask, scale=self.scaling, sinks=sinks, window=self.sliding_window)
-            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.head_dim))
+            # -1: under tensor parallelism the rank holds a slice of the heads.
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
         q = q.view(batch, seq_len, self.num_kv_heads, groups, self.head_dim).permute(0, 2, 3, 1, 4)
         k = k.transpose(1, 2).unsqueeze(2)
         v = v.transpose(1, 2).unsqueeze(2)
