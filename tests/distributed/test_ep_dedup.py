@@ -12,6 +12,10 @@ One 2-process gloo spawn (ep 2), with the model helpers of ``test_ep.py``:
   the number of distinct (token, rank) pairs, fewer than ``alltoall``'s ``N * k`` whenever a
   token has two experts on one rank, and the all-to-all bytes counted by ``CommCounter`` drop
   accordingly.
+
+A second spawn (4 processes) prototypes expert parallelism together with tensor parallelism
+(refused by the config today): dp 2 x tp 2 with ep 2 over the data ranks, qwen3_moe (both
+dispatchers) and deepseek_v3, equal to one process.
 """
 
 from __future__ import annotations
@@ -213,6 +217,82 @@ def _check_exchange(errors: list[str], measured: dict[str, float]) -> None:
             measured[f"{scenario} bytes"] = volume["alltoall_deredundancy"] / volume["alltoall"]
 
 
+def _check_ep_with_tp(family: str, dispatcher: str, errors: list[str]) -> None:
+    """4 ranks, dp 2 x tp 2 with ep 2 over the data ranks: the MoE block stays whole on every TP
+    rank (the families' TP plans), its experts sharded over EP and the same on both TP ranks;
+    logits, losses and every gradient equal one process."""
+    from meshforge.parallel.dims import ParallelDims
+    from meshforge.parallel.expert import apply_ep
+    from meshforge.parallel.fsdp import apply_fsdp
+    from meshforge.parallel.tensor import apply_tp
+
+    dims = ParallelDims(world_size=dist.get_world_size(), dp_shard=2, tp=2, ep=2)
+    mesh = dims.build_mesh("cpu")
+    dp_rank = dims.mesh_for(mesh, "batch").get_local_rank()
+    reference = _build(family)
+    _materialize(reference)
+    ids, labels = _batch(dims.dp, reference.args.vocab_size)
+    expected = None
+    for r in range(dims.dp):
+        part = slice(r * BATCH, (r + 1) * BATCH)
+        logits, ce, aux, objective = _objective(reference, ids[part], labels[part], dims.dp)
+        objective.backward()
+        if r == dp_rank:
+            expected = (logits.detach(), ce.detach(), None if aux is None else aux.detach())
+    assert expected is not None
+
+    model = _build(family)
+    apply_tp(model, dims.mesh_for(mesh, "tp"), family=family, sequence_parallel=True)
+    apply_ep(model, dims.mesh_for(mesh, "ep"), token_dispatcher=dispatcher)
+    apply_fsdp(
+        model,
+        dims.mesh_for(mesh, "fsdp"),
+        expert_mesh=dims.mesh_for(mesh, "efsdp"),
+        param_dtype=None,
+        reduce_dtype=torch.float32,
+    )
+    _materialize(model)
+    rows = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
+    logits, ce, aux, objective = _objective(model, ids[rows], labels[rows], dims.dp)
+    objective.backward()
+    tag = f"{family}/dp2 tp2 ep2/{dispatcher}/rank{dist.get_rank()}"
+    for what, got, want in (
+        ("logits", logits.detach(), expected[0]),
+        ("cross-entropy", ce.detach(), expected[1]),
+    ):
+        if _rel(got, want) > TOL:
+            errors.append(f"{tag}: {what} differ by {_rel(got, want):.2e}")
+    if (aux is None) != (expected[2] is None) or (aux is not None and _rel(aux.detach(), expected[2]) > TOL):
+        errors.append(f"{tag}: aux loss {aux} vs {expected[2]}")
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        grad = _full_grad(param, reduce_plain=False)
+        want = ref_params[name].grad
+        if want is None:
+            want = torch.zeros_like(grad)
+        if ".experts." in name and tuple(param.to_local().shape) == tuple(param.shape):
+            errors.append(f"{tag}: {name} is not sharded")
+        if _rel(grad, want) > TOL and (grad - want).abs().max() > 1e-9:
+            errors.append(f"{tag}: gradient of {name} differs by {_rel(grad, want):.2e}")
+
+
+def _worker_ep_tp(rank: int, world: int, store_path: str) -> None:
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    errors: list[str] = []
+    try:
+        _check_ep_with_tp("qwen3_moe", "alltoall", errors)
+        _check_ep_with_tp("qwen3_moe", "alltoall_deredundancy", errors)
+        _check_ep_with_tp("deepseek_v3", "alltoall_deredundancy", errors)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    assert not errors, "\n".join(errors)
+    leave_worker()
+
+
 def _worker(rank: int, world: int, store_path: str) -> None:
     store = dist.FileStore(store_path, world)
     dist.init_process_group(
@@ -241,3 +321,8 @@ def _worker(rank: int, world: int, store_path: str) -> None:
 
 def test_deduplicated_dispatch_equals_alltoall_and_one_process(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+
+
+def test_ep_with_tensor_parallel_equals_one_process(tmp_path: Path) -> None:
+    """Prototype of expert parallelism together with TP (refused by the config today)."""
+    mp.spawn(_worker_ep_tp, args=(4, str(tmp_path / "store")), nprocs=4, join=True)

@@ -40,12 +40,13 @@ experts, weights and sums the token's outputs itself, and returns one combined r
 extra ``k`` columns), so their gradient comes back through it and the router still learns.
 That needs the tokens, indices and weights rather than the expert-sorted copies the
 ``token_exchange`` seam gets, so `apply_ep` also swaps the experts module's ``forward`` for
-:meth:`DeduplicatedExchange.dispatch` (MindSpeed swaps the whole forward for its dispatchers
-too). MindFormers de-duplicates at the node boundary (hence its ``expert_parallel >=
-npu_nums_per_device`` rule); per destination rank is the same idea one level finer: it sends
-no more rows than node-level de-duplication's cross-node step would plus its intra-node copies,
-and on one node it is the only level that exists. Rows sent per token drop from k to the number
-of distinct ranks among its experts. Measured with ``CommCounter`` on ep 2, 8 experts, 1024
+:meth:`DeduplicatedExchange.dispatch` (the reference's EP step swaps ``forward`` too).
+MindFormers de-duplicates at the node boundary (hence its ``expert_parallel >=
+npu_nums_per_device`` rule): a token crosses to a node once and is fanned out inside it. This is
+the same idea per destination rank, which on one node is all the de-duplication there is;
+across nodes it is weaker (a token with experts on two ranks of one remote node crosses the
+boundary twice), and ``npu_nums_per_device`` plays no part. Rows sent per token drop from k to
+the number of distinct ranks among its experts. Measured with ``CommCounter`` on ep 2, 8 experts, 1024
 uniformly routed tokens per rank, hidden 1024, forward plus backward: all-to-all bytes 0.78x
 of ``alltoall`` at top-k 2, 0.62x at top-k 3, 0.49x at top-k 4 (64 experts: 0.75x, 0.60x,
 0.47x); the extra ``k`` weight columns and the int32 expert ids cost about 1 % at hidden 1024.
@@ -53,6 +54,19 @@ The expert gradients and routing-weight gradients equal ``alltoall``'s bit for b
 too at top-k 2; at larger k only the order of the k-term sum differs (~1e-7 relative).
 
 Both exchanges count the hidden-state rows they send (``rows_sent``), for tests and benchmarks.
+
+Together with tensor parallelism (TP runs first): the families' TP plans keep the MoE block
+whole on every TP rank (input all-gathered from the sequence-parallel slices, replicated
+weights, each rank keeps its slice of the output), and turn its weights into replicated
+DTensors on the tp mesh. `apply_ep` accepts those (they hold the full tensor) and re-shards the
+experts over the ep mesh only: the ep groups are per TP coordinate (``ParallelDims``' ep view
+leaves tp out), every TP rank of an ep rank holds the same experts and, since it routes and
+dispatches the same all-gathered tokens, computes the same complete expert gradient. So the
+expert gradients are reduced over the efsdp mesh only, never over tp (summing over tp would
+count them tp times). ``tests/distributed/test_ep_dedup.py`` checks dp 2 x tp 2 with ep 2
+against one process. The price is TP's: each TP rank repeats the MoE compute and the
+all-to-all on the same tokens (a sequence-parallel dispatch that avoids it is analysed in the
+helper report, not built).
 """
 
 from __future__ import annotations
@@ -64,7 +78,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from meshforge.models.common.moe import ExpertCompute, GroupedExperts
 from meshforge.models.gpt_oss.moe import GptOssExperts
@@ -152,6 +166,7 @@ def apply_ep(
     deduplicate = token_dispatcher == "alltoall_deredundancy"
     exchange = DeduplicatedExchange(ep_mesh) if deduplicate else AllToAllExchange(ep_mesh)
     for name, module in experts:  # check them all before changing any
+        _check_not_sharded(name, module)
         num_experts = int(module.num_experts)
         if num_experts % ep:
             key = _EXPERT_COUNT_KEYS.get(family, "model.num_experts")
@@ -168,17 +183,29 @@ def apply_ep(
             module.forward = types.MethodType(_deduplicated_forward, module)
 
 
+def _check_not_sharded(name: str, module: nn.Module) -> None:
+    """Refuse experts whose weights are already split (FSDP, or a tensor-parallel plan).
+
+    Weights that tensor parallelism made replicated DTensors (its plans keep the MoE block whole
+    on every TP rank) are whole on every rank, so they are accepted (see `_shard_experts`).
+    """
+    for pname, param in module.named_parameters(recurse=False):
+        if isinstance(param, DTensor) and not all(isinstance(p, Replicate) for p in param.placements):
+            raise ValueError(
+                f"apply_ep: {name}.{pname} is already distributed ({param.placements}); apply EP "
+                "before FSDP and on experts that tensor parallelism keeps whole"
+            )
+
+
 def _shard_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Replace each ``[num_experts, ...]`` parameter by a ``Shard(0)`` DTensor on ``ep_mesh``."""
     for pname, param in list(module.named_parameters(recurse=False)):
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"apply_ep: {pname} of {type(module).__name__} is already distributed ({param.placements}); "
-                "apply EP before FSDP and on experts that tensor parallelism left alone"
-            )
+        # A replicated DTensor (tensor parallelism's whole MoE block) holds the full tensor
+        # locally; the experts then live on the ep mesh only, the same on every TP rank.
+        data = param.data.to_local() if isinstance(param, DTensor) else param.data
         # src_data_rank=None: every rank already holds the same full tensor (or meta), so each
         # keeps its slice without communication.
-        sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+        sharded = distribute_tensor(data, ep_mesh, [Shard(0)], src_data_rank=None)
         module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
