@@ -7,9 +7,9 @@ clips, loss divided by the global token count as the trainer does); the sharded 
 `sync_ignored_grads` after backward. Losses, grad norms and every full parameter must match within
 1e-5 relative (parameters in L2 norm; see `_compare_params`). Cases: the embedding ignored (tied to lm_head), every MLP ignored, the pattern
 path with ignored MLPs, a `CheckpointManager` save -> fresh model -> load -> one more step equal
-to continuing, the meta-device build the trainer uses, bf16 compute with fp32 ignored modules,
-gradients present on one rank only, and the shard placements `shard_by_dim_1` and a user function
-given by its dotted path (expected DTensor placements, same losses).
+to continuing (and the same checkpoint continuing in one process), the meta-device build the trainer uses, bf16 compute with fp32 ignored modules,
+gradients present on one rank only, the shard placements `shard_by_dim_1` and a user function
+given by its dotted path (expected DTensor placements, same losses), and HSDP 2x1 with both.
 """
 
 from __future__ import annotations
@@ -170,10 +170,10 @@ def _ignored_cases(mesh, rank: int) -> None:
     _check_kinds("embed", model, {"model.embed_tokens.weight"})
     assert model.lm_head.weight is model.model.embed_tokens.weight
     opt = _optimizer(model)
-    # Decay group split (DTensors, then the plain embedding); no-decay group all DTensors.
+    # Groups 0/1 stay decay/no decay (DTensors); the plain embedding (decay) gets group 2.
     kinds = [{isinstance(p, DTensor) for p in g["params"]} for g in opt.param_groups]
-    assert kinds == [{True}, {False}, {True}], kinds
-    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1, 0.0]
+    assert kinds == [{True}, {True}, {False}], kinds
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0, 0.1]
     _train_and_compare("embed", ref, model, rank)
 
     # 2. Every MLP ignored, per-layer units; 3. the same by patterns.
@@ -226,11 +226,20 @@ def _checkpoint_case(mesh, rank: int, save_dir: Path) -> None:
     _compare_params("after load", fresh, model)
     # The plain (ignored) weights are whole on every rank after the load.
     assert not isinstance(fresh.model.layers[1].mlp.up_proj.weight, DTensor)
+    # The same checkpoint in a one-process layout (no FSDP, two optimizer groups): the groups'
+    # hyperparameters must come back right (DCP restores them by index).
+    single = copy.deepcopy(init)
+    single_opt = _optimizer(single)
+    manager.load(path, single, single_opt, load_optimizer=True)
+    assert [g["weight_decay"] for g in single_opt.param_groups] == [0.1, 0.0]
     a = _step(model, opt, batches[2], rank=rank)
     b = _step(fresh, fresh_opt, batches[2], rank=rank)
     assert a == b, ("resume", a, b)
     for (name, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
         assert torch.equal(_full(p.detach()), _full(q.detach())), ("resume", name)
+    c = _step(single, single_opt, batches[2], rank=None)
+    assert abs(c[0] - a[0]) <= TOL * a[0] and abs(c[1] - a[1]) <= TOL * a[1], ("one process", a, c)
+    _compare_params("resumed on one process", model, single)
 
 
 def _meta_and_bf16_cases(mesh, rank: int) -> None:
@@ -319,6 +328,28 @@ def _placement_cases(mesh, rank: int) -> None:
     _train_and_compare("user function", ref, model, rank)
 
 
+def _hsdp_case(rank: int) -> None:
+    """HSDP 2x1 (two replicas of one shard): ignored embedding and shard_by_dim_1 together."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    from meshforge.parallel.fsdp import apply_fsdp
+
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    ref = _build(QWEN3)
+    model = apply_fsdp(
+        copy.deepcopy(ref),
+        mesh,
+        param_dtype=None,
+        reduce_dtype=torch.float32,
+        ignored_modules=["model.embed_tokens"],
+        shard_placement="shard_by_dim_1",
+    )
+    _check_kinds("hsdp", model, {"model.embed_tokens.weight"})
+    assert model.lm_head.weight.placements == (Replicate(), Shard(1))
+    _train_and_compare("hsdp", ref, model, rank)
+
+
 def _worker(rank: int, init_file: str, save_dir: str, errors) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -330,6 +361,7 @@ def _worker(rank: int, init_file: str, save_dir: str, errors) -> None:
         _meta_and_bf16_cases(mesh, rank)
         _partial_grads_case(mesh, rank)
         _placement_cases(mesh, rank)
+        _hsdp_case(rank)
         dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")

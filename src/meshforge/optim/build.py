@@ -14,10 +14,10 @@ On other devices torch's own default is kept.
 
 Parameter groups: group 0 holds the parameters with weight decay, group 1 those without (see
 `param_groups.py`); both groups always exist, even if empty, so that optimizer state dicts
-have the same structure for every model and rule set. The one exception: a model that mixes
-DTensor and plain parameters (FSDP `ignored_modules`) has a group that would mix them split in
-two (DTensors, then plain tensors; same weight decay), because the fused and foreach kernels
-refuse such a mix.
+have the same structure for every model and rule set. The one exception: in a model that mixes
+DTensor and plain parameters (FSDP `ignored_modules`) the plain parameters of each group move to
+a group of their own with the same weight decay, appended after groups 0 and 1 (decay, no decay
+of the DTensors), because the fused and foreach kernels refuse such a mix.
 """
 
 from __future__ import annotations
@@ -116,12 +116,14 @@ def build_optimizer(
     else:
         assert canon == "AdamW", canon  # resolve_optimizer_options refuses unbuilt types
         impl = _implementation(decay + no_decay, opts.pop("fused", None), opts.pop("foreach", None))
-    param_groups = [
-        {"params": part, "weight_decay": wd}
-        for params, wd in ((decay, float(weight_decay)), (no_decay, 0.0))
-        # A model with FSDP-ignored (plain) and sharded (DTensor) parameters: one group per kind.
-        for part in split_by_tensor_kind(params)
+    # A model with FSDP-ignored (plain) and sharded (DTensor) parameters: one group per kind.
+    # The plain parts come last, so groups 0 and 1 stay decay / no decay: DCP restores group
+    # hyperparameters by index, and a checkpoint of a mixed model then loads into an unmixed one.
+    parts = [
+        (split_by_tensor_kind(params), wd) for params, wd in ((decay, float(weight_decay)), (no_decay, 0.0))
     ]
+    param_groups = [{"params": split[0], "weight_decay": wd} for split, wd in parts]
+    param_groups += [{"params": rest, "weight_decay": wd} for split, wd in parts for rest in split[1:]]
     optimizer = torch.optim.AdamW(
         param_groups,
         lr=float(learning_rate),

@@ -114,6 +114,7 @@ def apply_fsdp(
     dense = resolve_shard_placement(shard_placement, shard_size=_shard_size(mesh))
     layers = decoder_layers(model)
     experts = _expert_units(model, expert_mesh)
+    _refuse_ignored_experts(experts, ignored)
     for index, layer in enumerate(layers):
         # The last layer's parameters are needed again right at the start of backward.
         layer_reshard = reshard and index < len(layers) - 1
@@ -194,6 +195,23 @@ def _expert_units(model: nn.Module, expert_mesh: DeviceMesh | None) -> dict[int,
     if expert_mesh is not None and not found:
         raise ValueError("apply_fsdp: expert_mesh given but no experts were sharded by apply_ep")
     return units
+
+
+def _refuse_ignored_experts(experts: dict[int, list[nn.Module]], ignored: set[nn.Parameter]) -> None:
+    """EP-sharded experts cannot be ignored: their gradients differ per ep rank by design.
+
+    `sync_ignored_grads` sums over the loss group, which contains the ep ranks; summing the
+    gradients of different experts would be wrong, so such a configuration is refused.
+    """
+    ids = {id(p) for p in ignored}
+    for modules in experts.values():
+        for module in modules:
+            if any(id(p) in ids for p in module.parameters()):
+                raise ValueError(
+                    "parallelism.ignored_modules: matches experts sharded by expert parallelism "
+                    f"({type(module).__name__}); they get their own FSDP units on the expert mesh and "
+                    "cannot be left out: remove the pattern or set expert_parallel to 1"
+                )
 
 
 def _expert_placement_fn(expert_mesh: DeviceMesh | None, name: str = "shard_by_dim_1") -> PlacementFn | None:
