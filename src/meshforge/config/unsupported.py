@@ -16,7 +16,6 @@ from meshforge.models.config import KernelsConfig
 from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
 from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
-    MS_CHUNK_KWARGS,
     MS_EP_MODULES,
     MS_LAYER_MODULES,
     MS_TP_COLWISE,
@@ -171,20 +170,6 @@ ENTRIES: list[Unsupported] = [
     ),
     Unsupported(
         f"{_P}.ep_dispatcher", lambda c: c.parallelism.ep_dispatcher != "eager", "fused/mc2 EP dispatch"
-    ),
-    Unsupported(
-        f"{_P}.enable_chunk_batch", lambda c: c.parallelism.enable_chunk_batch, "chunked micro-batches"
-    ),
-    Unsupported(f"{_P}.chunk_mbs", lambda c: c.parallelism.chunk_mbs != 1, "chunked micro-batches"),
-    Unsupported(
-        f"{_P}.chunk_mbs_modules",
-        lambda c: c.parallelism.chunk_mbs_modules != MS_LAYER_MODULES,
-        "chunked micro-batches",
-    ),
-    Unsupported(
-        f"{_P}.chunk_mbs_kwarg_names",
-        lambda c: c.parallelism.chunk_mbs_kwarg_names != MS_CHUNK_KWARGS,
-        "chunked micro-batches",
     ),
     Unsupported("recompute.mode", lambda c: c.recompute.mode != "None", "activation recomputation"),
     Unsupported("recompute_comm.enable", lambda c: c.recompute_comm.enable, "communication recomputation"),

@@ -184,6 +184,19 @@ class ParallelismConfig(StrictSection):
                 f"alltoall_deredundancy requires parallelism.expert_parallel ({self.expert_parallel}) >= "
                 f"parallelism.npu_nums_per_device ({self.npu_nums_per_device})",
             )
+        if not self.enable_chunk_batch:
+            for name in (
+                "chunk_mbs",
+                "chunk_mbs_batch_dim",
+                "chunk_mbs_modules",
+                "chunk_mbs_arg_indexs",
+                "chunk_mbs_kwarg_names",
+            ):
+                if (
+                    name in self.model_fields_set
+                    and getattr(self, name) != type(self).model_fields[name].default
+                ):
+                    raise rule_error(name, "has no effect unless parallelism.enable_chunk_batch: true")
         if not self.fsdp_modules:
             raise rule_error("fsdp_modules", "must list at least one module pattern")
         if self.num_to_forward_prefetch < 0:

@@ -1,6 +1,7 @@
 """Apply every parallel dimension to a meta-device model, in the one fixed order.
 
-DESIGN.md fixes the order: PP split -> TP/SP -> EP -> CP -> (recompute/swap) -> compile -> FSDP.
+DESIGN.md fixes the order: PP split -> TP/SP -> EP -> CP -> (recompute/swap) -> chunked
+micro-batches -> compile -> FSDP.
 Each step is a function of its own module (`pipeline.split_model`, `tensor.apply_tp`,
 `expert.apply_ep`, `context.apply_cp`, `fsdp.apply_fsdp`) that takes its mesh view and
 explicit options; this module only decides which run and in what order, so the trainer
@@ -91,6 +92,22 @@ def parallelize_model(
         from meshforge.parallel.context import apply_cp
 
         apply_cp(model, mesh.view("cp"), method=par.cp_method(), ulysses_degree=par.ulysses_degree_in_cp)
+    if par.enable_chunk_batch:
+        from meshforge.parallel.chunk_batch import apply_chunk_batch
+
+        if dims.cp > 1:
+            raise NotImplementedError(
+                "not supported yet: parallelism.enable_chunk_batch with context_parallel > 1 "
+                "(the context-parallel mask describes whole rows)"
+            )
+        apply_chunk_batch(
+            model,
+            chunks=int(par.chunk_mbs),
+            modules=list(par.chunk_mbs_modules),
+            batch_dim=int(par.chunk_mbs_batch_dim),
+            arg_indices=[int(i) for i in par.chunk_mbs_arg_indexs],
+            kwarg_names=list(par.chunk_mbs_kwarg_names),
+        )
     if compile_blocks and apply_compile is not None:
         # Compile before fully_shard: FSDP's hooks stay outside the compiled graphs.
         apply_compile(model)

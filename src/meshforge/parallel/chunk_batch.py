@@ -1,0 +1,169 @@
+"""Chunked micro-batches (MindSpeed `enable_chunk_batch`): run chosen modules on slices of the batch.
+
+A matched module (by default each decoder layer) runs its forward `chunk_mbs` times, each time on
+a contiguous slice of the micro-batch along `chunk_mbs_batch_dim`, and its outputs are joined
+again. Rows never interact inside a decoder layer (attention, MLP, MoE routing and normalisation
+are per row or per token), so the result is the same as one call; what changes is the size of
+the temporaries a layer builds at once (attention scores, the MLP's widened activations, the
+MoE dispatch buffers). Under FSDP the unit's parameters are gathered once for all chunks, since
+the split happens inside the module's own forward.
+
+Which inputs are split: the positional arguments at `chunk_mbs_arg_indexs`, the keyword
+arguments named in `chunk_mbs_kwarg_names` (MindSpeed's defaults are transformers' decoder-layer
+names), and every other tensor argument, or tuple of tensors, whose size along the batch dim is
+the micro-batch's (meshforge's own layers take the RoPE tables, the mask and the token mask
+positionally). Arguments with batch size 1 broadcast and go to every chunk whole.
+
+MoE layers leave per-forward routing statistics behind (`last_aux_stats`, `last_tokens_per_expert`);
+they are sums over tokens, so the chunks' values are added up and the layer reports the same
+statistics as one call would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshforge.parallel.patterns import match_modules
+
+_STATS = ("last_aux_stats", "last_tokens_per_expert")
+
+
+def apply_chunk_batch(
+    model: nn.Module,
+    *,
+    chunks: int,
+    modules: Sequence[str],
+    batch_dim: int = 0,
+    arg_indices: Sequence[int] = (0,),
+    kwarg_names: Sequence[str] = (),
+    key_path: str = "parallelism.chunk_mbs_modules",
+) -> int:
+    """Make every module matching `modules` run its forward on `chunks` slices of the batch.
+
+    Returns:
+        How many modules were wrapped.
+
+    Raises:
+        ValueError: `chunks < 1`, or a pattern that is invalid or matches nothing (naming `key_path`).
+    """
+    if chunks < 1:
+        raise ValueError(f"parallelism.chunk_mbs: must be >= 1, got {chunks}")
+    matched = [module for _, module in match_modules(model, list(modules), key_path=key_path)]
+    for module in matched:
+        module.forward = functools.partial(
+            _chunked_forward,
+            module.forward,
+            chunks=chunks,
+            dim=batch_dim,
+            arg_indices=frozenset(arg_indices),
+            kwarg_names=frozenset(kwarg_names),
+            owner=module,
+        )
+    return len(matched)
+
+
+def _chunked_forward(
+    forward: Any,
+    *args: Any,
+    chunks: int,
+    dim: int,
+    arg_indices: frozenset[int],
+    kwarg_names: frozenset[str],
+    owner: nn.Module,
+    **kwargs: Any,
+) -> Any:
+    batch = _batch_size(args, kwargs, arg_indices, kwarg_names, dim)
+    if batch is None or batch < 2 or chunks == 1:
+        return forward(*args, **kwargs)
+    bounds = _bounds(batch, min(chunks, batch))
+    outputs, stats = [], []
+    for start, stop in bounds:
+        part_args = [_slice(a, start, stop, dim, batch, force=i in arg_indices) for i, a in enumerate(args)]
+        part_kwargs = {
+            k: _slice(v, start, stop, dim, batch, force=k in kwarg_names) for k, v in kwargs.items()
+        }
+        outputs.append(forward(*part_args, **part_kwargs))
+        stats.append(_read_stats(owner))
+    _write_stats(owner, stats)
+    return _join(outputs, dim)
+
+
+def _batch_size(
+    args: tuple[Any, ...], kwargs: dict[str, Any], indices: frozenset[int], names: frozenset[str], dim: int
+) -> int | None:
+    for i in sorted(indices):
+        if i < len(args) and isinstance(args[i], torch.Tensor):
+            return int(args[i].shape[dim])
+    for name in sorted(names):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return int(kwargs[name].shape[dim])
+    return None
+
+
+def _bounds(batch: int, chunks: int) -> list[tuple[int, int]]:
+    """Contiguous, as even as possible (the first `batch % chunks` slices one row longer)."""
+    size, extra = divmod(batch, chunks)
+    out, start = [], 0
+    for i in range(chunks):
+        stop = start + size + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def _slice(value: Any, start: int, stop: int, dim: int, batch: int, *, force: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.ndim > dim and (force or value.shape[dim] == batch):
+            return value.narrow(dim, start, stop - start)
+        return value
+    if isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(_slice(v, start, stop, dim, batch, force=force) for v in value)
+    return value
+
+
+def _join(outputs: list[Any], dim: int) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs, dim=dim)
+    if isinstance(first, tuple):
+        return tuple(_join([o[i] for o in outputs], dim) for i in range(len(first)))
+    if first is None:
+        return None
+    raise TypeError(
+        f"parallelism.enable_chunk_batch: cannot join outputs of type {type(first).__name__} "
+        "(a chunked module must return tensors or tuples of tensors)"
+    )
+
+
+def _read_stats(owner: nn.Module) -> list[tuple[nn.Module, str, Any]]:
+    found = []
+    for module in owner.modules():
+        for name in _STATS:
+            value = getattr(module, name, None)
+            if value is not None:
+                found.append((module, name, value))
+    return found
+
+
+def _write_stats(owner: nn.Module, per_chunk: list[list[tuple[nn.Module, str, Any]]]) -> None:
+    """Sum each MoE statistic over the chunks (they are token sums) and leave the total behind."""
+    if not per_chunk or not per_chunk[0]:
+        return
+    for position, (module, name, _) in enumerate(per_chunk[0]):
+        values = [chunk[position][2] for chunk in per_chunk]
+        if isinstance(values[0], torch.Tensor):
+            total = functools.reduce(torch.add, values)
+        else:  # RouterStats: a dataclass of additive tensors (and a non-tensor group)
+            fields = {
+                f.name: functools.reduce(torch.add, [getattr(v, f.name) for v in values])
+                for f in dataclasses.fields(values[0])
+                if isinstance(getattr(values[0], f.name), torch.Tensor)
+            }
+            total = dataclasses.replace(values[0], **fields)
+        setattr(module, name, total)
