@@ -14,6 +14,9 @@ it alone. One launch checks, against a single process with the same weights and 
 * pp2 with the aux loss on (carried through the stages): qwen3_moe 1f1b, gpt_oss interleaved
   and zero bubble, qwen3_next interleaved whose first stage has only a dense layer: CE sum,
   logged aux sum and every gradient, 1e-5 relative.
+
+A 4-process launch runs qwen3_moe on pp2 x cp2 (the colossal ring): the last stage sums the
+carried totals over the CP group before the product.
 """
 
 from __future__ import annotations
@@ -150,14 +153,16 @@ def _qwen3_moe_pp(tied: bool):
     return build_qwen3_moe(replace(_moe_args(), num_hidden_layers=3, tie_word_embeddings=tied), device="cpu")
 
 
-# (name, family, schedule, interleave, layers_per_stage)
+# (name, family, schedule, interleave, layers_per_stage, fsdp)
 PP_CASES = [
-    ("qwen3_moe 1f1b uneven", "qwen3_moe", "1f1b", 1, ["0", "1-2"]),
-    ("gpt_oss interleaved uneven", "gpt_oss", "interleaved", 2, ["0,3", "1-2,4"]),
+    ("qwen3_moe 1f1b uneven", "qwen3_moe", "1f1b", 1, ["0", "1-2"], False),
+    # The stages call the FSDP root (on a 1-rank data mesh), as under the trainer.
+    ("qwen3_moe 1f1b fsdp", "qwen3_moe", "1f1b", 1, ["0-1", "2"], True),
+    ("gpt_oss interleaved uneven", "gpt_oss", "interleaved", 2, ["0,3", "1-2,4"], False),
     # Stage 0 runs only the dense layer 0: its carry starts the sums with nothing to add.
-    ("qwen3_next interleaved dense first stage", "qwen3_next", "interleaved", 2, ["0,2-3", "1,4"]),
+    ("qwen3_next interleaved dense first stage", "qwen3_next", "interleaved", 2, ["0,2-3", "1,4"], False),
     # Separate input- and weight-gradient passes: the carry's gradient is an input gradient.
-    ("gpt_oss zero bubble", "gpt_oss", "zero_bubble", 2, ["0-1,3", "2,4"]),
+    ("gpt_oss zero bubble", "gpt_oss", "zero_bubble", 2, ["0-1,3", "2,4"], False),
 ]
 
 
@@ -167,11 +172,18 @@ def _pp_model(family: str):
     return build_family(family, tied=True, aux=True)
 
 
-def _check_pp(rank: int, case, pp_mesh) -> None:
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _check_pp(rank: int, case, pp_mesh, dp_mesh) -> None:
     from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.parallel.fsdp import apply_fsdp
     from meshforge.parallel.pipeline import build_pipeline, split_model
 
-    name, family, schedule, interleave, spec = case
+    name, family, schedule, interleave, spec, fsdp = case
     micro = micro_batches()
     tokens = sum(count_valid_tokens(mb["labels"]) for mb in micro)
     ref = _pp_model(family)
@@ -194,6 +206,8 @@ def _check_pp(rank: int, case, pp_mesh) -> None:
         interleave=interleave,
         schedule=schedule,
     )
+    if fsdp:
+        apply_fsdp(split.model, dp_mesh, param_dtype=None, reduce_dtype=torch.float32, pipeline_parallel=True)
     pipe = build_pipeline(
         split, split.model, pp_mesh, device="cpu", n_microbatches=N_MICRO, schedule=schedule, aux_coef=COEF
     )
@@ -203,7 +217,7 @@ def _check_pp(rank: int, case, pp_mesh) -> None:
     close(pipe.aux_sum, want_aux, f"[pp {name}] logged aux sum on rank {rank}")
     for n, p in split.model.named_parameters():
         assert p.grad is not None, f"[pp {name}] {n} has no grad"
-        close(p.grad, want_grads[n], f"[pp {name}] grad {n}")
+        close(_full(p.grad), want_grads[n], f"[pp {name}] grad {n}")
     # Evaluation runs the same stages (with the carry) and leaves the logged training value alone.
     logged = pipe.aux_sum.clone()
     with torch.no_grad():
@@ -211,17 +225,53 @@ def _check_pp(rank: int, case, pp_mesh) -> None:
     assert torch.equal(pipe.aux_sum, logged)
 
 
-def _worker(rank: int, init_file: str, errors) -> None:
+def _check_pp_cp(rank: int, family: str, mesh) -> None:
+    """pp2 x cp2: the carried totals of each CP rank are summed over the CP group on the last stage."""
+    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.models.common.moe import set_aux_reduce_group
+    from meshforge.parallel.context import apply_cp, shard_batch_for_cp
+    from meshforge.parallel.pipeline import build_pipeline, split_model
+
+    name = f"pp2 x cp2 {family}"
+    micro = micro_batches()
+    tokens = sum(count_valid_tokens(mb["labels"]) for mb in micro)
+    ref = _pp_model(family)
+    want_ce, want_aux = torch.zeros(()), torch.zeros(())
+    for mb in micro:
+        ce = cross_entropy_sum(ref(mb["input_ids"], segment_ids=mb["segment_ids"]), mb["labels"])
+        aux = ref.aux_loss()
+        share = count_valid_tokens(mb["labels"]).float() / tokens
+        (ce / tokens + COEF * aux * share).backward()
+        want_ce += ce.detach()
+        want_aux += aux.detach() * share
+    want_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+
+    pp, cp = mesh["pp"], mesh["cp"]
+    split = split_model(
+        _pp_model(family), pp_rank=pp.get_local_rank(), pp_size=2, layers_per_stage=["0", "1-2"]
+    )
+    apply_cp(split.model, cp, method="colossal")
+    set_aux_reduce_group(split.model, cp)
+    pipe = build_pipeline(split, split.model, pp, device="cpu", n_microbatches=N_MICRO, aux_coef=COEF)
+    local = [shard_batch_for_cp(mb, cp, method="colossal") for mb in micro]
+    ce = pipe.step(local, tokens)
+    both = torch.stack([ce, pipe.aux_sum])
+    dist.all_reduce(both, group=cp.get_group())  # as the trainer's loss-group sums
+    close(both[0], want_ce, f"[{name}] CE sum on rank {rank}")
+    close(both[1], want_aux, f"[{name}] logged aux sum on rank {rank}")
+    for n, p in split.model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=cp.get_group())  # as FSDP over the cp ranks would
+        close(grad, want_grads[n], f"[{name}] grad {n}")
+
+
+def _worker4(rank: int, init_file: str, errors) -> None:
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
-        for method in ("ulysses", "colossal"):
-            _check_cp_qwen3_moe(method, mesh)
-        _check_cp_gpt_oss_block(mesh)
-        for case in PP_CASES:
-            _check_pp(rank, case, mesh)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+        _check_pp_cp(rank, "qwen3_moe", mesh)
         dist.barrier()
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
@@ -231,14 +281,40 @@ def _worker(rank: int, init_file: str, errors) -> None:
     leave_worker()
 
 
-def test_router_aux_loss_cp2_and_pp2_equal_one_process(tmp_path) -> None:
+def _worker(rank: int, init_file: str, errors) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("cp", "dp"))
+        for method in ("ulysses", "colossal"):
+            _check_cp_qwen3_moe(method, mesh["cp"])
+        _check_cp_gpt_oss_block(mesh["cp"])
+        for case in PP_CASES:  # the same 2 ranks as a pipeline
+            _check_pp(rank, case, mesh["cp"], mesh["dp"])
+        dist.barrier()
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    leave_worker()
+
+
+def _launch(worker, nprocs: int, init_file: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    mp.start_processes(
-        _worker, args=(str(tmp_path / "rdzv"), errors), nprocs=WORLD, join=True, start_method="spawn"
-    )
+    mp.start_processes(worker, args=(init_file, errors), nprocs=nprocs, join=True, start_method="spawn")
     failures = []
     while not errors.empty():
         failures.append(errors.get())
     assert not failures, "\n".join(failures)
+
+
+def test_router_aux_loss_cp2_and_pp2_equal_one_process(tmp_path) -> None:
+    _launch(_worker, WORLD, str(tmp_path / "rdzv"))
+
+
+def test_router_aux_loss_pp2_cp2_equals_one_process(tmp_path) -> None:
+    _launch(_worker4, 4, str(tmp_path / "rdzv"))

@@ -592,7 +592,7 @@ def split_model(
     Call it on the meta model, before TP, FSDP and materialisation.
 
     Args:
-        model: A built-in ``CausalLM`` of a supported family (qwen3, llama, qwen3_moe, deepseek_v3).
+        model: A built-in ``CausalLM`` of a supported family (``SUPPORTED_FAMILIES``).
         pp_rank: This rank's index on the pp mesh.
         pp_size: Pipeline ranks (``parallelism.pipeline_parallel``).
         layers_per_stage: ``parallelism.pipeline_parallel_layers_per_stage`` (see ``assign_layers``).
