@@ -123,9 +123,9 @@ def _check_equal(method: str, mesh, *, packed: bool, args=None, derive_positions
 
 
 def _check_errors(mesh) -> None:
-    from meshforge.models.deepseek_v3.args import DeepseekV3Args
-    from meshforge.models.deepseek_v3.model import build_deepseek_v3
     from meshforge.models.qwen3.model import build_qwen3
+    from meshforge.models.qwen3_next.args import Qwen3NextArgs
+    from meshforge.models.qwen3_next.model import build_qwen3_next
     from meshforge.parallel.context import apply_cp, shard_batch_for_cp
 
     bad = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "labels": torch.zeros(1, 6, dtype=torch.long)}
@@ -142,11 +142,11 @@ def _check_errors(mesh) -> None:
         apply_cp(build_qwen3(_args()), mesh, method="hybrid", ulysses_degree=2)
     with pytest.raises(ValueError, match=r"context_parallel_method: unknown 'zigzag'"):
         apply_cp(build_qwen3(_args()), mesh, method="zigzag")
-    ds = build_deepseek_v3(DeepseekV3Args(vocab_size=64, hidden_size=32, num_hidden_layers=1))
+    nxt = build_qwen3_next(Qwen3NextArgs(vocab_size=64, hidden_size=32, num_hidden_layers=1))
     with pytest.raises(
-        NotImplementedError, match=r"not supported yet: parallelism.context_parallel > 1 for deepseek_v3"
+        NotImplementedError, match=r"not supported yet: parallelism.context_parallel > 1 for qwen3_next"
     ):
-        apply_cp(ds, mesh, method="ulysses")
+        apply_cp(nxt, mesh, method="ulysses")
     # A tensor mask (e.g. a stage forward that built its own) is refused, not silently misused.
     model = build_qwen3(_args(), device="cpu")
     apply_cp(model, mesh, method="colossal")
