@@ -72,6 +72,37 @@ GPT_OSS = {
     "max_position_embeddings": 64,
     "tie_word_embeddings": True,
 }
+# Layer 0 Gated DeltaNet with a dense MLP, layer 1 gated full attention with a sparse block.
+QWEN3_NEXT = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "partial_rotary_factor": 0.5,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "mlp_only_layers": [0],
+    "output_router_logits": True,
+    "tie_word_embeddings": False,
+}
+# Both layers linear attention, both sparse; tied embeddings.
+QWEN3_NEXT_LINEAR = {
+    **QWEN3_NEXT,
+    "layer_types": ["linear_attention", "linear_attention"],
+    "mlp_only_layers": [],
+    "tie_word_embeddings": True,
+}
 # (name, family, options, apply_tp keyword arguments, packed segment ids)
 CASES = [
     ("deepseek_v3", "deepseek_v3", DEEPSEEK, {}, False),
@@ -89,9 +120,13 @@ CASES = [
         False,
     ),
     ("gpt_oss no SP", "gpt_oss", GPT_OSS, {"sequence_parallel": False}, True),
+    ("qwen3_next", "qwen3_next", QWEN3_NEXT, {}, False),
+    ("qwen3_next packed loss-parallel", "qwen3_next", QWEN3_NEXT, {"loss_parallel": True}, True),
+    ("qwen3_next linear tied packed", "qwen3_next", QWEN3_NEXT_LINEAR, {}, True),
+    ("qwen3_next no SP", "qwen3_next", QWEN3_NEXT, {"sequence_parallel": False}, True),
 ]
 # (family, options) trained a few AdamW steps, and built on meta like the trainer does.
-TRAIN = [("deepseek_v3", DEEPSEEK), ("gpt_oss", GPT_OSS)]
+TRAIN = [("deepseek_v3", DEEPSEEK), ("gpt_oss", GPT_OSS), ("qwen3_next", QWEN3_NEXT)]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -125,6 +160,13 @@ def _vary(model: torch.nn.Module) -> None:
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
             elif name.endswith(("bias", "sinks")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _small_chunks(model: torch.nn.Module) -> None:
+    """Gated DeltaNet in chunks of 4 tokens, so the state is carried across chunks (kernels.gdn_chunk_size)."""
+    for module in model.modules():
+        if hasattr(module, "chunk_size") and hasattr(module, "A_log"):
+            module.chunk_size = 4
 
 
 def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +216,7 @@ def _check_case(mesh, case: str, family: str, options: dict, kwargs: dict, packe
 
     ref = resolve_family(family).build(options, device="cpu")
     _vary(ref)
+    _small_chunks(ref)
     tp = copy.deepcopy(ref)
     apply_tp(tp, mesh, family=family, **kwargs)
     if options["tie_word_embeddings"]:
@@ -193,6 +236,7 @@ def _check_training(mesh, family: str, options: dict) -> None:
     apply_tp(tp, mesh, family=family, loss_parallel=True)
     for model in (ref, tp):
         materialize_and_init(model, device=torch.device("cpu"), seed=5, init_fn=model.init_full_parameter_)
+        _small_chunks(model)
     for name, p in tp.named_parameters():
         assert torch.equal(_full(p.detach()), ref.get_parameter(name).detach()), (family, "meta build", name)
     optims = [
@@ -226,6 +270,16 @@ def _check_refusals(mesh) -> None:
         )
     with pytest.raises(ValueError, match=r"model\.intermediate_size \(63\)"):
         apply_tp(deepseek.build({**DEEPSEEK, "intermediate_size": 63}), mesh, family="deepseek_v3")
+    with pytest.raises(ValueError, match=r"model\.linear_num_key_heads \(1\) .*parallelism\.tensor_parallel"):
+        apply_tp(
+            resolve_family("qwen3_next").build({**QWEN3_NEXT, "linear_num_key_heads": 1}),
+            mesh,
+            family="qwen3_next",
+        )
+    with pytest.raises(ValueError, match=r"model\.num_key_value_heads \(1\)"):
+        apply_tp(
+            resolve_family("gpt_oss").build({**GPT_OSS, "num_key_value_heads": 1}), mesh, family="gpt_oss"
+        )
     # All layers sparse: the dense intermediate size is not split, so it need not divide.
     apply_tp(
         deepseek.build({**DEEPSEEK, "intermediate_size": 63, "first_k_dense_replace": 0}),

@@ -81,9 +81,10 @@ _PLAN_MODULES = {
     "qwen3_moe": "meshforge.models.qwen3_moe.parallelize",
     "deepseek_v3": "meshforge.models.deepseek_v3.parallelize",
     "gpt_oss": "meshforge.models.gpt_oss.parallelize",
+    "qwen3_next": "meshforge.models.qwen3_next.parallelize",
 }
-# Built-in families with no TP plan yet (linear attention).
-UNSUPPORTED_FAMILIES = ("qwen3_next",)
+# Built-in families with no TP plan yet (every built-in family has one now).
+UNSUPPORTED_FAMILIES: tuple[str, ...] = ()
 # transformers' normalisation modules have family-specific class names (Qwen3RMSNorm, ...).
 _NORM_MARKERS = ("LayerNorm", "RMSNorm", "GroupNorm")
 _TP_KEY = "parallelism.tensor_parallel"
@@ -184,13 +185,17 @@ def decoder_tp_plan(
         )
     for path, layer in _layer_items(model):
         whole_mlp = replicated_mlp is not None and replicated_mlp(layer)
+        # A layer with another token mixer (qwen3_next's linear attention) gets its entries from
+        # the family's plan; the norms and the MLP are planned here all the same.
+        attn = getattr(layer, "self_attn", None)
         if sequence_parallel:
             plan[f"{path}.input_layernorm"] = SequenceParallel()
             plan[f"{path}.post_attention_layernorm"] = SequenceParallel()
-            # The attention also takes (cos, sin) and the mask: plain tensors, left as they are.
-            plan[f"{path}.self_attn"] = PrepareModuleInput(
-                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
-            )
+            if attn is not None:
+                # The attention also takes (cos, sin) and the mask: plain tensors, left as they are.
+                plan[f"{path}.self_attn"] = PrepareModuleInput(
+                    input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+                )
             if whole_mlp:
                 # Extra inputs (a token mask) pass through; the output goes back to this rank's
                 # sequence slice (a local chunk; its backward all-gathers the slices' gradients).
@@ -206,15 +211,16 @@ def decoder_tp_plan(
                 plan[f"{path}.mlp"] = PrepareModuleInput(
                     input_layouts=(seq,), desired_input_layouts=(Replicate(),)
                 )
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            plan[f"{path}.self_attn.{proj}"] = ColwiseParallel()
-        plan[f"{path}.self_attn.o_proj"] = RowwiseParallel(
-            output_layouts=seq if sequence_parallel else Replicate()
-        )
-        for norm in head_norms:
-            if getattr(layer.self_attn, norm, None) is not None:
-                # q/k are [B, S, heads, head_dim] when normed: the local heads are dim 2.
-                plan[f"{path}.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        if attn is not None:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                plan[f"{path}.self_attn.{proj}"] = ColwiseParallel()
+            plan[f"{path}.self_attn.o_proj"] = RowwiseParallel(
+                output_layouts=seq if sequence_parallel else Replicate()
+            )
+            for norm in head_norms:
+                if getattr(attn, norm, None) is not None:
+                    # q/k are [B, S, heads, head_dim] when normed: the local heads are dim 2.
+                    plan[f"{path}.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if not whole_mlp:
             plan[f"{path}.mlp.gate_proj"] = ColwiseParallel()
             plan[f"{path}.mlp.up_proj"] = ColwiseParallel()
