@@ -261,6 +261,9 @@ class Trainer:
             self.log("parallelism.cpu_offload: no effect on cpu (the parameters already live in host memory)")
         self.pipeline_split = parallel.pipeline_split
         self.fsdp = parallel.fsdp
+        self._ignored_params = bool(self.cfg.parallelism.ignored_modules)
+        if self._ignored_params and not self.fsdp:
+            self.log("parallelism.ignored_modules: no effect without FSDP (nothing is sharded)")
         # Loaded weights overwrite every parameter, so skip drawing random ones first.
         init_fn = _no_init if load_hf else model.init_full_parameter_
         materialize_and_init(model, device=self.device, seed=int(self.cfg.training.seed), init_fn=init_fn)
@@ -684,6 +687,11 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
             for mb in micro:
                 loss_sum += self.forward_backward(mb, normalizer)
+        if self.fsdp and self._ignored_params:
+            from meshforge.parallel.fsdp import sync_ignored_grads
+
+            # Parameters FSDP leaves alone (parallelism.ignored_modules): sum their gradients here.
+            sync_ignored_grads(self.model, loss_group)
         loss = dist_utils.all_reduce_sum(loss_sum / normalizer, loss_group)
         extra: dict[str, float] = {}
         if self._aux_loss_enabled:

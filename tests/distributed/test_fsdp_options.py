@@ -55,3 +55,31 @@ def test_bf16_gradient_reduction_stays_close(tiny_config: Path, tmp_path: Path) 
     for x, y in zip(read_metrics(fp32), read_metrics(bf16), strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-3)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-2)
+
+
+def test_ignored_modules_train_and_resume_a_checkpoint_saved_without_them(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    """`parallelism.ignored_modules` through `meshforge train`: the dp2 run (embedding and head left
+    unsharded, their gradients summed by the trainer) continues a one-process checkpoint, whose
+    optimizer has no group for the unsharded parameters, with the one-process losses."""
+    one, ignored = tmp_path / "one", tmp_path / "ignored"
+    run_train(tiny_config, ["--training.steps=4", f"--training.output_dir={one}"], cwd=tmp_path)
+    step2 = one / "checkpoints" / "checkpoint-00000002"
+    run_train(
+        tiny_config,
+        [
+            "--training.steps=4",
+            "--checkpoint.enable_save=false",
+            "--parallelism.ignored_modules=['model.embed_tokens']",
+            f"--checkpoint.load_path={step2}",
+            f"--training.output_dir={ignored}",
+        ],
+        nproc=2,
+        cwd=tmp_path,
+    )
+    want, got = read_metrics(one)[2:], read_metrics(ignored)
+    assert [r["step"] for r in got] == [3, 4]
+    for x, y in zip(want, got, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)

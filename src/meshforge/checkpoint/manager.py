@@ -240,10 +240,12 @@ class CheckpointManager:
             # different names: the loaded lists must be this rank's own.
             own_groups = [list(group.get("params", [])) for group in optim_sd.get("param_groups", [])]
             moved = _alias_tied_state(optim_sd, tied_aliases or {}, path)
+            extra_groups = _groups_not_saved(optim_sd, path)
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
             dcp.load(state, checkpoint_id=str(path))
             for copy, source in moved.items():
                 optim_sd["state"][copy] = optim_sd["state"].pop(source)
+            _restore_extra_groups(optim_sd, extra_groups)
             for group, names in zip(optim_sd.get("param_groups", []), own_groups, strict=True):
                 group["params"] = names
             set_state_dict(
@@ -286,6 +288,37 @@ def _alias_tied_state(optim_sd: dict[str, Any], aliases: dict[str, str], path: P
             state[source] = state.pop(copy)
             moved[copy] = source
     return moved
+
+
+def _groups_not_saved(optim_sd: dict[str, Any], path: Path) -> list[dict[str, Any]]:
+    """Take off (and return) the param groups this run has beyond those the checkpoint holds.
+
+    A run with `parallelism.ignored_modules` keeps the unsharded parameters in groups of their
+    own after the usual decay / no-decay groups (fused AdamW cannot mix them with DTensors);
+    a checkpoint from a run without them holds fewer groups. Their settings are restored
+    from a saved group by `_restore_extra_groups`.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "optimizer.param_groups."
+    indices = {int(key[len(prefix) :].split(".", 1)[0]) for key in saved if key.startswith(prefix)}
+    groups = optim_sd.get("param_groups", [])
+    if not indices or len(groups) <= len(indices):
+        return []
+    optim_sd["param_groups"] = groups[: len(indices)]
+    return groups[len(indices) :]
+
+
+def _restore_extra_groups(optim_sd: dict[str, Any], extra: list[dict[str, Any]]) -> None:
+    """Give each group the checkpoint did not hold the loaded settings of the group with its weight decay."""
+    if not extra:
+        return
+    loaded = optim_sd["param_groups"]
+    for group in extra:
+        like = next((g for g in loaded if g.get("weight_decay") == group.get("weight_decay")), loaded[0])
+        group.update({key: value for key, value in like.items() if key != "params"})
+    optim_sd["param_groups"] = loaded + extra
 
 
 def _json_default(value: Any) -> Any:

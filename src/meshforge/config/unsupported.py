@@ -137,19 +137,6 @@ ENTRIES: list[Unsupported] = [
         "ZeRO-1/2 style sharding",
     ),
     Unsupported(
-        f"{_P}.ignored_modules", lambda c: bool(c.parallelism.ignored_modules), "FSDP ignored modules"
-    ),
-    Unsupported(
-        f"{_P}.shard_placement_fn",
-        lambda c: c.parallelism.shard_placement_fn is not None,
-        "custom shard placement",
-    ),
-    Unsupported(
-        f"{_P}.efsdp_shard_placement_fn",
-        lambda c: c.parallelism.efsdp_shard_placement_fn != "shard_by_dim_1",
-        "expert FSDP placement",
-    ),
-    Unsupported(
         f"{_P}.hook_modules",
         lambda c: c.parallelism.hook_modules != MS_LAYER_MODULES,
         "custom prefetch hooks",

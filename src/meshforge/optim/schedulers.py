@@ -338,6 +338,11 @@ def _scheduler_class() -> type:
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             state = dict(state_dict)
             state.pop("lr_fn", None)
+            if len(state.get("base_lrs", self.base_lrs)) != len(self.base_lrs):
+                # Another number of param groups than the saving run (e.g. the unsharded groups
+                # of parallelism.ignored_modules): keep this optimizer's own base lrs.
+                state.pop("base_lrs")
+                state.pop("_last_lr", None)
             super().load_state_dict(state)
             # Re-apply the lr of the restored position: the optimizer's groups may come from a
             # fresh optimizer (no_load_optim) and still hold lr_at(0).

@@ -119,6 +119,8 @@ def parallelize_model(
             "param_dtype": compute_dtype if compute_dtype != param_dtype else None,
             "reduce_dtype": _REDUCE_DTYPES[str(par.reduce_dtype)],
             "reshard_policy": getattr(par, "reshard_after_forward_policy", "default"),
+            "ignored_modules": list(par.ignored_modules) if par.ignored_modules else None,
+            "shard_placement": par.shard_placement_fn,
         }
         if family == "generic" or _custom_units(par.fsdp_modules):
             # transformers' module trees vary, and a user may want other units than one per
@@ -141,6 +143,7 @@ def parallelize_model(
                 cpu_offload=bool(par.cpu_offload) and mesh.view("fsdp").device_type != "cpu",
                 forward_prefetch=int(par.num_to_forward_prefetch),
                 backward_prefetch=int(par.num_to_backward_prefetch),
+                expert_placement=str(par.efsdp_shard_placement_fn),
                 **kwargs,
             )
     return ParallelizedModel(model=model, pipeline_split=split, fsdp=fsdp)
