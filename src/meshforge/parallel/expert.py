@@ -279,6 +279,16 @@ class DeduplicatedExchange(AllToAllExchange):
     the inherited ``__call__`` (the plain seam) still works for callers that only have
     expert-sorted copies.
 
+    Each sent row carries the token's hidden state, its k routing weights and its k local
+    expert ids on the destination (-1 for slots served elsewhere): one all-to-all when the ids
+    are exact in the hidden states' dtype (local experts up to 256 in bf16, 2048 in fp16,
+    2**24 in fp32), else the ids take a second, int32 one. Like ``alltoall`` it syncs with the
+    host once per layer (the split sizes); the counts exchange also tells each rank how many
+    (row, expert) pairs it will run. Routing weights in another dtype than the tokens
+    (deepseek_v3's float32 weights under bf16 compute) travel in their own all-to-all, and the
+    weighted sums come back in the promoted dtype, as the single-process mix computes them:
+    exact, at twice the bytes per returned row in that case.
+
     The expert inputs on the destination are the same rows in the same order as with
     ``alltoall`` (grouped by local expert, then source rank, then token), so the expert
     outputs are identical; only the weighted sum of a token's k outputs is split into a
@@ -316,52 +326,61 @@ class DeduplicatedExchange(AllToAllExchange):
             # Slot j represents its token on rank dest[n, j] when no earlier slot goes there.
             same = dest.unsqueeze(2) == dest.unsqueeze(1)
             earlier = torch.ones(top_k, top_k, dtype=torch.bool, device=dest.device).tril(-1)
-            first = ~(same & earlier).any(-1)
+            first = ~(same & earlier).any(-1).reshape(-1)
             flat_dest = dest.reshape(-1)
-            slots = first.reshape(-1).nonzero().squeeze(1)
-            # Send order: by destination rank, token order inside a rank (stable sort).
-            rep = slots.index_select(0, torch.argsort(flat_dest.index_select(0, slots), stable=True))
+            # Representatives sorted by destination (token order inside one: stable), the other
+            # slots after them under the key `ep`; no host sync until the split sizes.
+            key = torch.where(first, flat_dest, ep)
+            by_dest = torch.argsort(key, stable=True)
+            rows_per_rank = torch.bincount(key, minlength=ep + 1)[:ep]
+            pairs_per_rank = torch.bincount(flat_dest, minlength=ep)  # (row, expert) pairs to run there
+            send_meta = torch.stack([rows_per_rank, pairs_per_rank], 1).reshape(-1)
+            recv_meta = torch.empty_like(send_meta)
+            dist.all_to_all_single(recv_meta, send_meta, group=self.group)
+            host = torch.cat([send_meta, recv_meta]).tolist()  # the one host sync
+            send_splits, recv_splits = host[0 : 2 * ep : 2], host[2 * ep :: 2]
+            num_pairs = sum(host[2 * ep + 1 :: 2])
+            num_recv = sum(recv_splits)
+            rep = by_dest[: sum(send_splits)]  # representative slot of each sent row
             row_token = torch.div(rep, top_k, rounding_mode="floor")
             row_rank = flat_dest.index_select(0, rep)
-            # serve[m, j]: slot j of row m's token is an expert on row m's destination.
-            serve = dest.index_select(0, row_token) == row_rank.unsqueeze(1)
+            # Local expert ids on the row's destination; -1 for the slots served elsewhere.
             local_ids = indices.index_select(0, row_token) - row_rank.unsqueeze(1) * n_local
-            local_ids = torch.where(serve, local_ids, -1).to(torch.int32)
-            send_counts = torch.bincount(row_rank, minlength=ep)
-            recv_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-            both = torch.cat([send_counts, recv_counts]).tolist()  # one host sync
-            send_splits, recv_splits = both[:ep], both[ep:]
-            num_recv = sum(recv_splits)
-            recv_ids = local_ids.new_empty(num_recv * top_k)
-            dist.all_to_all_single(
-                recv_ids,
-                local_ids.reshape(-1),
-                [n * top_k for n in recv_splits],
-                [n * top_k for n in send_splits],
-                group=self.group,
-            )
+            serve = dest.index_select(0, row_token) == row_rank.unsqueeze(1)
+            local_ids = torch.where(serve, local_ids, -1)
         self.rows_sent += rep.numel()
         # All k weights of the token travel; the destination uses those of its own slots (the
         # others multiply zero outputs there, so their gradient from this row is zero).
-        row_weights = weights.index_select(0, row_token)
         rows = x.index_select(0, row_token)
-        if row_weights.dtype == rows.dtype:  # the usual case: one all-to-all for both
-            payload = torch.cat([rows, row_weights], dim=1)
-            received = _wait(all_to_all_single_autograd(payload, recv_splits, send_splits, self.group))
-            rows_in, weights_in = received.split([hidden, top_k], dim=1)
+        row_weights = weights.index_select(0, row_token)
+        ids_inline = n_local <= _EXACT_INTEGERS.get(rows.dtype, 0)
+        parts = [rows]
+        if row_weights.dtype == rows.dtype:
+            parts.append(row_weights)
+        if ids_inline:
+            parts.append(local_ids.to(rows.dtype))  # small integers: exact in this dtype
+        received = _wait(
+            all_to_all_single_autograd(torch.cat(parts, 1), recv_splits, send_splits, self.group)
+        )
+        rows_in = received[:, :hidden]
+        if row_weights.dtype == rows.dtype:
+            weights_in = received[:, hidden : hidden + top_k]
         else:  # keep the weights' own dtype, as the single-process mix does
-            rows_in = _wait(all_to_all_single_autograd(rows, recv_splits, send_splits, self.group))
             weights_in = _wait(all_to_all_single_autograd(row_weights, recv_splits, send_splits, self.group))
-
         with torch.no_grad():
-            ids = recv_ids.long()
-            valid = (ids >= 0).nonzero().squeeze(1)  # received slot positions m * k + j
-            expert_of = ids.index_select(0, valid)
-            # Group by local expert; stable, so source rank then token order inside an expert,
-            # exactly the rows `AllToAllExchange` would hand to that expert.
-            position = valid.index_select(0, torch.argsort(expert_of, stable=True))
-            local_counts = torch.bincount(expert_of, minlength=n_local)
+            if ids_inline:
+                ids = received[:, -top_k:].round().to(torch.int64)
+            else:
+                ids = local_ids.new_empty(num_recv, top_k, dtype=torch.int32)
+                dist.all_to_all_single(
+                    ids, local_ids.to(torch.int32), recv_splits, send_splits, group=self.group
+                )
+                ids = ids.to(torch.int64)
+            # Group the received (row, slot) pairs by local expert; stable, so source rank then
+            # token order inside an expert, exactly the rows `AllToAllExchange` would deliver.
+            slot_key = torch.where(ids >= 0, ids, n_local).reshape(-1)
+            position = torch.argsort(slot_key, stable=True)[:num_pairs]  # received slots m * k + j
+            local_counts = torch.bincount(slot_key, minlength=n_local + 1)[:n_local]
         local_in = rows_in.index_select(0, torch.div(position, top_k, rounding_mode="floor"))
         out = compute(local_in, local_counts)
         if out is None:
@@ -373,6 +392,10 @@ class DeduplicatedExchange(AllToAllExchange):
         # Each returned row lands on its representative slot; the other slots stay zero.
         per_token = back.new_zeros(num_tokens * top_k, width).index_copy(0, rep, back)
         return per_token.view(num_tokens, top_k, width).sum(dim=1)
+
+
+# Largest local expert id each payload dtype holds exactly (integers up to 2**mantissa bits).
+_EXACT_INTEGERS = {torch.float32: 2**24, torch.float64: 2**53, torch.float16: 2**11, torch.bfloat16: 2**8}
 
 
 def _deduplicated_forward(
