@@ -18,9 +18,16 @@ def test_cpu_offload_and_prefetch_depths_equal_one_process(tiny_config: Path, tm
     ref = read_metrics(one)
     variants = {
         "offload": ["--parallelism.cpu_offload=true"],
-        "prefetch": ["--parallelism.num_to_forward_prefetch=2", "--parallelism.num_to_backward_prefetch=0"],
+        "prefetch": [
+            "--parallelism.num_to_forward_prefetch=2",
+            "--parallelism.num_to_backward_prefetch=0",
+            "--parallelism.hook_modules=['model.layers.{0-1}']",
+        ],
         # Units by pattern on a built-in family: attention and MLP of each layer separately.
-        "units": ["--parallelism.fsdp_modules=['model.layers.{*}.self_attn', 'model.layers.{*}.mlp']"],
+        "units": [
+            "--parallelism.fsdp_modules=['model.layers.{*}.self_attn', 'model.layers.{*}.mlp']",
+            "--parallelism.num_to_forward_prefetch=2",
+        ],
         # Mean of per-rank token means: packed text rows have the same valid-token count on
         # every rank, so it equals the global token mean here (test_loss_normalizer covers the rest).
         "rank_mean": ["--parallelism.disable_gradient_division=false"],

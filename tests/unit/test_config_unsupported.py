@@ -21,7 +21,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.pipeline_parallel_overlap_b_f": {"parallelism": {"pipeline_parallel_overlap_b_f": True}},
     "parallelism.enable_mc2": {"parallelism": {"enable_mc2": True}},
     "parallelism.data_parallel_shard_strategy": {"parallelism": {"data_parallel_shard_strategy": "optim"}},
-    "parallelism.hook_modules": {"parallelism": {"hook_modules": ["model.norm"]}},
     "parallelism.tp_colwise": {"parallelism": {"tp_colwise": ["*.q_proj"]}},
     "parallelism.tp_rowwise": {"parallelism": {"tp_rowwise": ["*.o_proj"]}},
     "parallelism.ep_modules": {"parallelism": {"ep_modules": ["model.layers.{*}.moe"]}},

@@ -17,7 +17,6 @@ from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
 from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
     MS_EP_MODULES,
-    MS_LAYER_MODULES,
     MS_TP_COLWISE,
     MS_TP_ROWWISE,
 )
@@ -135,11 +134,6 @@ ENTRIES: list[Unsupported] = [
         f"{_P}.data_parallel_shard_strategy",
         lambda c: c.parallelism.data_parallel_shard_strategy != "optim_grads_params",
         "ZeRO-1/2 style sharding",
-    ),
-    Unsupported(
-        f"{_P}.hook_modules",
-        lambda c: c.parallelism.hook_modules != MS_LAYER_MODULES,
-        "custom prefetch hooks",
     ),
     Unsupported(
         f"{_P}.tp_colwise",

@@ -74,6 +74,7 @@ def apply_fsdp(
     ignored_modules: Sequence[str] | None = None,
     shard_placement: str | None = None,
     expert_placement: str = "shard_by_dim_1",
+    hook_modules: Sequence[str] | None = None,
 ) -> nn.Module:
     """Shard `model` in place: each decoder layer is an FSDP unit, the root holds the rest.
 
@@ -98,6 +99,8 @@ def apply_fsdp(
         shard_placement: `parallelism.shard_placement_fn` for every dense unit (layers and root);
             None keeps FSDP's dim 0.
         expert_placement: `parallelism.efsdp_shard_placement_fn` for the experts units.
+        hook_modules: `parallelism.hook_modules` patterns: the units, in forward order, that
+            prefetch each other (None = every decoder layer).
 
     Raises:
         ValueError: naming `parallelism.ignored_modules[i]` or `parallelism.shard_placement_fn`.
@@ -143,7 +146,12 @@ def apply_fsdp(
         model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, shard_placement_fn=dense, **extra
     )
     _sum_gradients(model)
-    _set_prefetch(layers, forward_prefetch, backward_prefetch)
+    _set_prefetch(
+        _prefetch_chain(model, hook_modules, layers),
+        forward_prefetch,
+        backward_prefetch,
+        hook_modules is not None,
+    )
     _log_fallbacks(dense)
     return model
 
@@ -156,8 +164,36 @@ def _sum_gradients(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def _set_prefetch(layers: list[nn.Module], forward: int, backward: int) -> None:
-    """Explicit all-gather prefetch lists (MindSpeed num_to_forward/backward_prefetch)."""
+def _prefetch_chain(
+    model: nn.Module, hook_modules: Sequence[str] | None, default: list[nn.Module]
+) -> list[nn.Module]:
+    """The FSDP units that prefetch each other, in forward order (`parallelism.hook_modules`).
+
+    Raises:
+        ValueError: naming `parallelism.hook_modules[i]` for a pattern that matches nothing or a
+            module that is not an FSDP unit.
+    """
+    if hook_modules is None:
+        return default
+    from meshforge.parallel.patterns import match_modules
+
+    chain = []
+    for name, module in match_modules(model, list(hook_modules), key_path="parallelism.hook_modules"):
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"parallelism.hook_modules: {name} is not an FSDP unit, so it cannot prefetch; list modules "
+                "that parallelism.fsdp_modules wraps (default: model.layers.{*})"
+            )
+        chain.append(module)
+    return chain
+
+
+def _set_prefetch(layers: list[nn.Module], forward: int, backward: int, explicit: bool = False) -> None:
+    """Explicit all-gather prefetch lists (MindSpeed num_to_forward/backward_prefetch).
+
+    Depth 1 is FSDP2's own implicit schedule over the units in execution order; other depths,
+    or an explicit chain (`explicit`, from `hook_modules`), set the lists on each unit.
+    """
     for key, depth in (
         ("parallelism.num_to_forward_prefetch", forward),
         ("parallelism.num_to_backward_prefetch", backward),
@@ -166,9 +202,9 @@ def _set_prefetch(layers: list[nn.Module], forward: int, backward: int) -> None:
             raise ValueError(f"{key}: must be >= 0, got {depth}")
     units = [layer for layer in layers if isinstance(layer, FSDPModule)]
     for index, layer in enumerate(units):
-        if forward != 1:
+        if forward != 1 or explicit:
             layer.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + forward])
-        if backward != 1:
+        if backward != 1 or explicit:
             layer.set_modules_to_backward_prefetch(list(reversed(units[max(0, index - backward) : index])))
 
 
@@ -238,6 +274,11 @@ def apply_fsdp_patterns(
     key_path: str = "parallelism.fsdp_modules",
     ignored_modules: Sequence[str] | None = None,
     shard_placement: str | None = None,
+    pipeline_parallel: bool = False,
+    cpu_offload: bool = False,
+    forward_prefetch: int = 1,
+    backward_prefetch: int = 1,
+    hook_modules: Sequence[str] | None = None,
 ) -> nn.Module:
     """Shard `model` in place by module patterns (MindSpeed `fsdp_modules`), then the root.
 
@@ -248,7 +289,9 @@ def apply_fsdp_patterns(
     ignored (`ignored_modules`) is not wrapped either.
 
     As in MindSpeed, `shard_placement` (`parallelism.shard_placement_fn`) applies to the units
-    of the first pattern only; the other units and the root shard on dim 0.
+    of the first pattern only; the other units and the root shard on dim 0. `reshard_policy`,
+    `cpu_offload` and the prefetch depths mean what they mean for `apply_fsdp`; the prefetch
+    chain is the units matching `hook_modules` (None: every unit, in forward order).
 
     Raises:
         ValueError: `<key_path>[i]: ...` for a pattern that is invalid or matches no module;
@@ -257,9 +300,14 @@ def apply_fsdp_patterns(
     from meshforge.parallel.patterns import match_modules
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    reshard = reshard_policy != "never"
+    if reshard_policy == "default":
+        reshard = not pipeline_parallel
+    else:
+        reshard = reshard_policy == "always"
     ignored = mark_ignored(model, ignored_modules, param_dtype=param_dtype)
     extra: dict[str, Any] = {"ignored_params": ignored} if ignored else {}
+    if cpu_offload:
+        extra["offload_policy"] = CPUOffloadPolicy()
     placement = resolve_shard_placement(shard_placement, shard_size=_shard_size(mesh))
     tied = _tied_parameter_ids(model)
     units = [
@@ -284,6 +332,12 @@ def apply_fsdp_patterns(
         )
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
     _sum_gradients(model)
+    _set_prefetch(
+        _prefetch_chain(model, hook_modules, units),
+        forward_prefetch,
+        backward_prefetch,
+        hook_modules is not None,
+    )
     _log_fallbacks(placement)
     return model
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from meshforge.parallel.config import MS_LAYER_MODULES
 from meshforge.parallel.dims import ParallelDims, ParallelMesh
 
 # parallelism.reduce_dtype: the dtype gradients are reduced (summed) in across ranks.
@@ -121,7 +122,11 @@ def parallelize_model(
             "reshard_policy": getattr(par, "reshard_after_forward_policy", "default"),
             "ignored_modules": list(par.ignored_modules) if par.ignored_modules else None,
             "shard_placement": par.shard_placement_fn,
+            "hook_modules": None if list(par.hook_modules) == MS_LAYER_MODULES else list(par.hook_modules),
         }
+        # Parameters of a CPU run already live in host memory; offloading is for accelerators
+        # (CPUOffloadPolicy moves them to the device for compute, which a CPU run has not).
+        cpu_offload = bool(par.cpu_offload) and mesh.view("fsdp").device_type != "cpu"
         if family == "generic" or _custom_units(par.fsdp_modules):
             # transformers' module trees vary, and a user may want other units than one per
             # decoder layer: place units by the parallelism.fsdp_modules patterns.
@@ -130,7 +135,16 @@ def parallelize_model(
                     "not supported yet: custom parallelism.fsdp_modules together with expert_parallel > 1 "
                     "(experts need their own FSDP units on the expert mesh)"
                 )
-            apply_fsdp_patterns(model, mesh.view("fsdp"), fsdp_modules=list(par.fsdp_modules), **kwargs)
+            apply_fsdp_patterns(
+                model,
+                mesh.view("fsdp"),
+                fsdp_modules=list(par.fsdp_modules),
+                pipeline_parallel=dims.pp > 1,
+                cpu_offload=cpu_offload,
+                forward_prefetch=int(par.num_to_forward_prefetch),
+                backward_prefetch=int(par.num_to_backward_prefetch),
+                **kwargs,
+            )
         else:
             if dims.ep > 1:
                 kwargs["expert_mesh"] = mesh.view("efsdp")
@@ -138,9 +152,7 @@ def parallelize_model(
                 model,
                 mesh.view("fsdp"),
                 pipeline_parallel=dims.pp > 1,
-                # Parameters of a CPU run already live in host memory; offloading is for accelerators
-                # (CPUOffloadPolicy moves them to the device for compute, which a CPU run has not).
-                cpu_offload=bool(par.cpu_offload) and mesh.view("fsdp").device_type != "cpu",
+                cpu_offload=cpu_offload,
                 forward_prefetch=int(par.num_to_forward_prefetch),
                 backward_prefetch=int(par.num_to_backward_prefetch),
                 expert_placement=str(par.efsdp_shard_placement_fn),
