@@ -31,6 +31,7 @@ def test_cpu_offload_and_prefetch_depths_equal_one_process(tiny_config: Path, tm
         # Mean of per-rank token means: packed text rows have the same valid-token count on
         # every rank, so it equals the global token mean here (test_loss_normalizer covers the rest).
         "rank_mean": ["--parallelism.disable_gradient_division=false"],
+        "zero2": ["--parallelism.data_parallel_shard_strategy=optim_grads"],
         # Each decoder layer (an FSDP unit) runs its 2 rows one at a time.
         "chunk_batch": ["--parallelism.enable_chunk_batch=true", "--parallelism.chunk_mbs=2"],
     }

@@ -297,6 +297,12 @@ BAD = [
         "alias",
     ),
     (
+        "zero2-contradicts-always",
+        "parallelism:\n  data_parallel_shard_strategy: optim_grads\n  reshard_after_forward_policy: always\n",
+        "parallelism.data_parallel_shard_strategy",
+        "contradicts",
+    ),
+    (
         "param-dtype-alias-conflict",
         "model:\n  compute_dtype: float32\nparallelism:\n  param_dtype: bf16\n",
         "parallelism.param_dtype",

@@ -418,3 +418,8 @@ def test_param_dtype_is_an_alias_of_compute_dtype() -> None:
     assert cfg.model.compute_dtype == "bfloat16"
     same = config_from_dict({"parallelism": {"param_dtype": "fp16"}, "model": {"compute_dtype": "fp16"}})
     assert same.model.compute_dtype == "float16"
+
+
+def test_zero2_strategy_keeps_gathered_weights_until_backward() -> None:
+    cfg = config_from_dict({"parallelism": {"data_parallel_shard_strategy": "optim_grads"}})
+    assert cfg.parallelism.reshard_after_forward_policy == "never"

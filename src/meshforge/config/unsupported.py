@@ -132,8 +132,8 @@ ENTRIES: list[Unsupported] = [
     Unsupported(f"{_P}.enable_mc2", lambda c: c.parallelism.enable_mc2, "MC2 fused TP communication"),
     Unsupported(
         f"{_P}.data_parallel_shard_strategy",
-        lambda c: c.parallelism.data_parallel_shard_strategy != "optim_grads_params",
-        "ZeRO-1/2 style sharding",
+        lambda c: c.parallelism.data_parallel_shard_strategy == "optim",
+        "ZeRO-1 (optimizer-only) sharding: FSDP2 always shards the gradients",
     ),
     Unsupported(
         f"{_P}.tp_colwise",

@@ -43,7 +43,8 @@ class ParallelismConfig(StrictSection):
         -1, "FSDP shard group size; -1 = all ranks left after the other degrees (pure FSDP)."
     )
     data_parallel_shard_strategy: Literal["optim_grads_params", "optim_grads", "optim"] = describe(
-        "optim_grads_params", "What FSDP shards: optimizer state, gradients and parameters."
+        "optim_grads_params",
+        "What FSDP shards: optim_grads_params (ZeRO-3); optim_grads (ZeRO-2: weights kept gathered from forward to backward).",
     )
     reshard_after_forward_policy: Literal["always", "never", "default"] = describe(
         "default", "Free gathered parameters after forward: always, never, or default (not under PP)."
@@ -167,6 +168,14 @@ class ParallelismConfig(StrictSection):
             if "reshard_after_forward_policy" not in data:
                 policy = "always" if data["reshard_after_forward"] else "never"
                 data = {**data, "reshard_after_forward_policy": policy}
+        if (
+            isinstance(data, dict)
+            and data.get("data_parallel_shard_strategy") == "optim_grads"
+            and "reshard_after_forward_policy" not in data
+        ):
+            # ZeRO-2 in FSDP2 terms (FSDP1's SHARD_GRAD_OP): gathered weights stay from forward
+            # to backward; gradients and optimizer state are sharded.
+            data = {**data, "reshard_after_forward_policy": "never"}
         return data
 
     @model_validator(mode="after")
@@ -220,6 +229,15 @@ class ParallelismConfig(StrictSection):
                     "ulysses_degree_in_cp",
                     f"hybrid CP requires 1 < ulysses_degree_in_cp < context_parallel ({self.context_parallel}) dividing it, got {u}",
                 )
+        if (
+            self.data_parallel_shard_strategy == "optim_grads"
+            and self.reshard_after_forward_policy == "always"
+        ):
+            raise rule_error(
+                "data_parallel_shard_strategy",
+                "optim_grads (ZeRO-2) keeps the gathered weights until backward; it contradicts "
+                "reshard_after_forward_policy 'always'",
+            )
         if self.reshard_after_forward is not None:
             wanted = "always" if self.reshard_after_forward else "never"
             if wanted != self.reshard_after_forward_policy:
