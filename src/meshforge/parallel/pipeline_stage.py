@@ -1,0 +1,323 @@
+"""The stage side of pipeline parallelism: what one stage's forward runs, per model family.
+
+``meshforge.parallel.pipeline.split_model`` swaps a pruned model's class for a subclass with
+``_PipelinedCausalLM`` in front: its ``forward(..., pp_stage=i)`` runs only stage ``i``'s part
+(embedding on the first stage, its decoder layers, norm and head on the last).
+``StageModule`` wraps one stage for torch's ``PipelineStage``. ``pipeline.py`` holds the layout,
+the pruning, the schedule and the step.
+
+Each family's inner model builds masks and RoPE tables once before its layers; a stage does the
+same for its own layers from the micro-batch's ``position_ids``/``segment_ids`` (tiny next to one
+layer's compute). One preparation per family (``layer_runner_factory``):
+
+* ``DecoderModel`` families (qwen3, llama, qwen3_moe, deepseek_v3): one mask for every layer, or
+  the context-parallel plan's mask object;
+* gpt_oss: the full mask, and the sliding-window mask when the stage runs a sliding layer (each
+  layer keeps the attention type of its global index), or the CP mask object;
+* qwen3_next: the block-diagonal mask for its attention layers; the Gated DeltaNet layers read
+  ``segment_ids`` and restart their state and conv window at every document start, on whichever
+  stage they run.
+
+The MoE router aux loss (see ``pipeline.py``'s module docstring): with it on, every stage also
+returns a ``carry`` of running aux totals, ``[prob_sum (E), assignments (E), rows]`` over the
+MoE layers run so far for this micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
+
+if TYPE_CHECKING:
+    from meshforge.parallel.pipeline import StageInfo
+
+
+LayerRunner = Any  # Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def _decoder_runner(
+    inner: Any,
+    ids: torch.Tensor,
+    h: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    seq_len: int,
+    layers: list[nn.Module],
+) -> LayerRunner:
+    """``DecoderModel.forward``'s preparation: one mask (or CP mask object) for every layer."""
+    mask = token_mask = None
+    cp = getattr(inner, "cp", None)
+    if cp is not None:
+        # Context parallel (DecoderModel.cp): the plan reads only the shape and device of
+        # the token ids, which a [B, S] view of the hidden states has too.
+        mask, position_ids = cp.prepare(ids, position_ids, segment_ids)
+        if inner.pass_token_mask and segment_ids is not None:
+            token_mask = segment_ids != 0
+    elif segment_ids is not None:
+        mask = segment_causal_mask(segment_ids)
+        if inner.pass_token_mask:
+            token_mask = segment_ids != 0
+        if position_ids is None:
+            position_ids = positions_from_segments(segment_ids)
+    rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
+    if inner.pass_token_mask:
+        return lambda layer, x: layer(x, rope, mask, token_mask)
+    return lambda layer, x: layer(x, rope, mask)
+
+
+def _gpt_oss_runner(
+    inner: Any,
+    ids: torch.Tensor,
+    h: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    seq_len: int,
+    layers: list[nn.Module],
+) -> LayerRunner:
+    """``GptOssModel.forward``'s preparation: full and sliding masks, token mask, RoPE."""
+    from meshforge.models.common.sink_attention import causal_mask, sliding_window_mask
+
+    token_mask = None
+    masks: dict[str, Any]
+    cp = getattr(inner, "cp", None)
+    if cp is not None:
+        # Context parallel (GptOssModel.cp): one mask object for both kinds of layer; each
+        # attention applies its own window in global positions.
+        cp_mask, position_ids = cp.prepare(ids, position_ids, segment_ids)
+        if segment_ids is not None:
+            token_mask = segment_ids != 0
+        rope = inner.rotary_emb(position_ids, seq_len=h.shape[1], device=h.device, dtype=h.dtype)
+        return lambda layer, x: layer(x, rope, cp_mask, token_mask)
+    if segment_ids is not None:
+        full = segment_causal_mask(segment_ids)
+        token_mask = segment_ids != 0
+        if position_ids is None:
+            position_ids = positions_from_segments(segment_ids)
+    else:
+        full = causal_mask(seq_len, h.device)
+    masks = {"full_attention": full}
+    # Only the stage's own layers decide whether the sliding mask is needed.
+    if any(layer.attention_type == "sliding_attention" for layer in layers):
+        masks["sliding_attention"] = sliding_window_mask(full, inner.sliding_window)
+    rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
+    return lambda layer, x: layer(x, rope, masks[layer.attention_type], token_mask)
+
+
+def _qwen3_next_runner(
+    inner: Any,
+    ids: torch.Tensor,
+    h: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    seq_len: int,
+    layers: list[nn.Module],
+) -> LayerRunner:
+    """``Qwen3NextModel.forward``'s preparation: the attention mask; DeltaNet layers get ``segment_ids``."""
+    if getattr(inner, "cp", None) is not None:
+        raise NotImplementedError(
+            "not supported yet: parallelism.pipeline_parallel > 1 with context_parallel > 1 for qwen3_next"
+        )
+    mask = None
+    if segment_ids is not None:
+        # Each stage restarts nothing itself: a DeltaNet layer resets its state and conv window
+        # at every document start it sees in segment_ids, whichever stage it runs on.
+        if any(layer.layer_type != "linear_attention" for layer in layers):
+            mask = segment_causal_mask(segment_ids)
+        if position_ids is None:
+            position_ids = positions_from_segments(segment_ids)
+    rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
+    return lambda layer, x: layer(x, rope, mask, segment_ids)
+
+
+def layer_runner_factory(inner: nn.Module) -> Any:
+    """The stage preparation for ``inner`` (the family's inner model), or None if unknown.
+
+    The preparation is called as ``prepare(inner, ids, h, position_ids, segment_ids, seq_len,
+    layers)`` and returns ``run(layer, h) -> h`` for the stage's layers.
+    """
+    from meshforge.models.common.causal_lm import DecoderModel
+
+    if isinstance(inner, DecoderModel):
+        return _decoder_runner
+    from meshforge.models.gpt_oss.model import GptOssModel
+    from meshforge.models.qwen3_next.model import Qwen3NextModel
+
+    if isinstance(inner, GptOssModel):
+        return _gpt_oss_runner
+    if isinstance(inner, Qwen3NextModel):
+        return _qwen3_next_runner
+    return None
+
+
+def _stage_aux_totals(layers: list[nn.Module], num_experts: int, like: torch.Tensor) -> torch.Tensor | None:
+    """``[prob_sum (E), assignments (E), rows]`` summed over the MoE layers just run, or None."""
+    stats = [
+        layer.mlp.last_aux_stats
+        for layer in layers
+        if getattr(layer.mlp, "last_aux_stats", None) is not None and getattr(layer, "is_moe", True)
+    ]
+    if not stats:
+        return None
+    prob_sum = torch.stack([st.prob_sum for st in stats]).sum(0)
+    counts = torch.stack([st.assignments.detach().float() for st in stats]).sum(0)
+    rows = torch.stack([st.rows.detach().float() for st in stats]).sum().reshape(1)
+    out = torch.cat([prob_sum.float(), counts, rows])
+    if out.numel() != 2 * num_experts + 1:
+        raise RuntimeError(f"pipeline aux carry: expected {num_experts} experts, got {prob_sum.numel()}")
+    return out.to(like.device)
+
+
+class _PipelinedCausalLM:
+    """Mixin placed in front of a pruned model's class: the forward of one local stage."""
+
+    _pp_stages: dict[int, StageInfo]
+    # Set by `Pipeline` when the router aux loss is on: routed experts per layer (carry size).
+    _pp_aux_experts: int | None = None
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        carry: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        seq_len: int | None = None,
+        *,
+        pp_stage: int,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run stage ``pp_stage``: embedding (first) -> its layers -> norm and head (last).
+
+        Args:
+            inputs: Token ids ``[B, S]`` on the first stage, hidden states ``[B, S, H]`` after.
+            carry: With the router aux loss on, the running aux totals from the previous stage
+                (``[2E + 1]``; None on the first stage). See the module docstring.
+            position_ids, segment_ids: As ``CausalLM.forward``; every stage rebuilds the mask
+                and RoPE tables from them (they are tiny next to one layer's compute).
+            seq_len: Tokens per row. Needed after the first stage: under sequence parallelism
+                the hidden states passed between stages hold only this rank's part of the row.
+
+        Returns:
+            The hidden states (logits on the last stage); with the aux loss on, a pair
+            ``(hidden or logits, carry)``.
+        """
+        stage = self._pp_stages[pp_stage]
+        inner: Any = self.model  # type: ignore[attr-defined]
+        h = inner.embed_tokens(inputs) if stage.is_first else inputs
+        if seq_len is None and stage.is_first:
+            seq_len = inputs.shape[-1]
+        elif seq_len is None:
+            from meshforge.parallel.tensor import sequence_shards
+
+            seq_len = h.shape[1] * sequence_shards(self)  # type: ignore[arg-type]
+        layers = [inner.layers[key] for key in stage.layer_keys]
+        ids = inputs if stage.is_first else h[..., 0]
+        run = layer_runner_factory(inner)(inner, ids, h, position_ids, segment_ids, seq_len, layers)
+        for layer in layers:
+            h = run(layer, h)
+        if stage.is_last:
+            h = self.lm_head(inner.norm(h))  # type: ignore[attr-defined]
+        experts = self._pp_aux_experts
+        if experts is None:
+            return h
+        if carry is None:
+            # A leaf that requires grad: the stage output always has a graph, even on a first
+            # stage without MoE layers (the schedule sends a gradient for every float output).
+            carry = torch.zeros(2 * experts + 1, device=h.device, requires_grad=True)
+        local = _stage_aux_totals(layers, experts, h)
+        return h, (carry + local if local is not None else carry * 1.0)
+
+    def tie_weights(self) -> None:
+        """Tie only where this rank holds both ends; otherwise the copies are kept equal by hand."""
+        inner: Any = self.model  # type: ignore[attr-defined]
+        head = self.lm_head  # type: ignore[attr-defined]
+        if inner.embed_tokens is not None and head is not None:
+            super().tie_weights()  # type: ignore[misc]
+
+    def num_params(self, **kwargs: Any) -> int:
+        """Parameters held by this rank (the pruned model; see ``CausalLM.num_params``)."""
+        if kwargs.get("exclude_embedding") and self.model.embed_tokens is None:  # type: ignore[attr-defined]
+            kwargs["exclude_embedding"] = False
+        return super().num_params(**kwargs)  # type: ignore[misc]
+
+
+class _PipelinedMoECausalLM(_PipelinedCausalLM):
+    """The MoE families' ``moe_layers`` on the pruned ModuleDict (keyed by global index)."""
+
+    def moe_layers(self) -> dict[int, nn.Module]:
+        """This rank's sparse blocks by global decoder-layer index."""
+        layers: Any = self.model.layers  # type: ignore[attr-defined]
+        # gpt-oss layers have no `is_moe`: every one of them is sparse.
+        return {int(k): layer.mlp for k, layer in layers.items() if getattr(layer, "is_moe", True)}
+
+
+_PIPELINED_CLASSES: dict[type, type] = {}
+
+
+def pipelined_class(cls: type) -> type:
+    """``cls`` with the stage forward in front (cached: one subclass per model class)."""
+    if cls not in _PIPELINED_CLASSES:
+        mixin = _PipelinedMoECausalLM if hasattr(cls, "moe_layers") else _PipelinedCausalLM
+        _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (mixin, cls), {})
+    return _PIPELINED_CLASSES[cls]
+
+
+class StageModule(nn.Module):
+    """One local stage as an ``nn.Module`` for ``PipelineStage``.
+
+    Its forward calls the pruned root model (so FSDP's root hooks gather the embedding, norm
+    and head) with ``pp_stage`` set; its registered children are the stage's own modules, so
+    ``parameters()`` lists what the stage computes with.
+    """
+
+    def __init__(self, model: nn.Module, stage: StageInfo) -> None:
+        super().__init__()
+        self.stage = stage
+        self.__dict__["_root"] = model  # not a child: the root belongs to every local stage
+        inner: Any = model.model
+        self.layers = nn.ModuleDict({k: inner.layers[k] for k in stage.layer_keys})
+        if stage.is_first:
+            self.embed_tokens = inner.embed_tokens
+        if stage.is_last:
+            self.norm = inner.norm
+            self.lm_head = model.lm_head
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        carry: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        seq_len: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Token ids (first stage) or hidden states in, hidden states (or logits, last stage) out.
+
+        With the router aux loss on, the previous stage's ``carry`` comes in second and the
+        output is ``(hidden or logits, carry)``.
+        """
+        return self.__dict__["_root"](
+            inputs, carry, position_ids, segment_ids, seq_len, pp_stage=self.stage.index
+        )
+
+
+def router_aux_experts(model: nn.Module) -> int | None:
+    """Routed experts per layer when ``model`` has transformers' router aux loss switched on, else None.
+
+    The aux loss exists for the MoE families whose ``aux_loss`` is ``MoECausalLM``'s (not
+    deepseek_v3, which has none) and only with ``output_router_logits``, as without pipelining.
+    """
+    from meshforge.models.common.causal_lm import MoECausalLM
+
+    if (
+        not isinstance(model, MoECausalLM)
+        or getattr(type(model), "aux_loss", None) is not MoECausalLM.aux_loss
+    ):
+        return None
+    if not getattr(model.args, "output_router_logits", False):
+        return None
+    return int(model.num_routed_experts)
+
+
+__all__ = ["StageModule", "layer_runner_factory", "pipelined_class", "router_aux_experts"]
