@@ -120,8 +120,8 @@ def apply_ep(
 ) -> None:
     """Shard every MoE block's experts over ``ep_mesh`` and route tokens to them by all-to-all.
 
-    Call on the (meta or real) model before FSDP; real weights are sliced locally (every rank
-    holds the same full tensor), meta ones just get DTensor metadata.
+    Call on the (meta or real) model after tensor parallelism and before FSDP; real weights are
+    sliced locally (every rank holds the same full tensor), meta ones just get DTensor metadata.
 
     Args:
         model: A built-in MoE family model (qwen3_moe, qwen3_next, deepseek_v3, gpt_oss).
@@ -132,9 +132,9 @@ def apply_ep(
         dispatcher: ``parallelism.ep_dispatcher``; only ``eager``.
 
     Raises:
-        ValueError: the mesh is not 1-D, the model has no MoE experts, or the expert count is
+        ValueError: the mesh is not 1-D, the model has no MoE experts, the expert count is
             not divisible by the ep degree (naming ``parallelism.expert_parallel`` and the
-            model key).
+            model key), or expert weights are already split (FSDP applied first).
         NotImplementedError: another dispatcher, or a model family without the EP seam.
     """
     if token_dispatcher not in TOKEN_DISPATCHERS:
