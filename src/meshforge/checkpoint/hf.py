@@ -307,9 +307,12 @@ def load_hf_weights(
     adapter = hf_adapter(family, getattr(model, "config", None))
     params = list(model.named_parameters())
     sources = {name: adapter.hf_sources(name) for name, _ in params}
+    # The name the adapter converts each parameter as: an aliased copy reads its source's keys.
+    converted_as = {name: name for name, _ in params}
     for name, source in (aliases or {}).items():
         if name in sources and not set(sources[name]) <= set(key_files):
             sources[name] = adapter.hf_sources(source)
+            converted_as[name] = source
     needed = {key for keys in sources.values() for key in keys}
     missing = needed - set(key_files)
     if missing:
@@ -348,7 +351,7 @@ def load_hf_weights(
                 # positionally: a test wraps this function with *args).
                 _copy_local_slice(name, param, handle(keys[0]).get_slice(keys[0]), where, rows)
                 continue
-            full = adapter.from_hf(name, {key: handle(key).get_tensor(key) for key in keys})
+            full = adapter.from_hf(converted_as[name], {key: handle(key).get_tensor(key) for key in keys})
             full = _check_and_cast(name, full, param, where, rows=rows)
             if rows is not None:
                 from meshforge.models.vocab import write_rows
