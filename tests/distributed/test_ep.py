@@ -307,9 +307,9 @@ def _check_errors(errors: list[str]) -> None:
         ),
         (lambda: apply_ep(torch.nn.Linear(2, 2), ep_mesh), NotImplementedError, "for transformers models"),
         (
-            lambda: apply_ep(_build("qwen3_moe"), ep_mesh, token_dispatcher="alltoall_deredundancy"),
+            lambda: apply_ep(_build("qwen3_moe"), ep_mesh, token_dispatcher="allgather"),
             NotImplementedError,
-            "moe_token_dispatcher_type='alltoall_deredundancy'",
+            "moe_token_dispatcher_type='allgather'",
         ),
         (
             lambda: apply_ep(_build("qwen3_moe"), ep_mesh, dispatcher="mc2"),
@@ -447,7 +447,8 @@ def _assert_same_steps(a: list[dict], b: list[dict]) -> None:
 
 def test_trainer_ep_equals_one_process_and_resumes_elsewhere(tmp_path: Path) -> None:
     """qwen3_moe: ep2 on 2 ranks, dp4 + ep2 + expert-FSDP 2 and dp4 + ep2 with replicated expert
-    shards (ep_fsdp_size 1) on 4 ranks equal one process step by step; the 4-rank checkpoint continues in one process with the same loss."""
+    shards (ep_fsdp_size 1), and dp2 x tp2 x ep2 with the deduplicated dispatch on 4 ranks equal
+    one process step by step; the 4-rank checkpoint continues in one process with the same loss."""
     config = REPO / "configs" / "qwen3_moe" / "tiny.yaml"
     out = {name: tmp_path / name for name in ("one", "ep2", "ep2x2", "resumed")}
     no_save = "--checkpoint.enable_save=false"
@@ -469,8 +470,19 @@ def test_trainer_ep_equals_one_process_and_resumes_elsewhere(tmp_path: Path) -> 
     )
     assert "experts over 2 ranks (expert-FSDP over 1 x 2 replicas)" in proc.stdout
     assert "HSDP: 2 replicas x FSDP over 2 ranks" in proc.stdout
+    # EP with TP (dp2 x tp2, experts over ep2 at each TP coordinate) and the deduplicated dispatch.
+    ep_tp = out["ep2x2"].with_name("ep2_tp2_dedup")
+    ep_tp_args = [
+        "--parallelism.tensor_parallel=2",
+        "--parallelism.moe_token_dispatcher_type=alltoall_deredundancy",
+        "--parallelism.npu_nums_per_device=2",
+    ]
+    run_train(
+        config, [*TRAIN, ep, *ep_tp_args, no_save, f"--training.output_dir={ep_tp}"], nproc=4, cwd=tmp_path
+    )
     one = read_metrics(out["one"])
     assert len(one) == 5 and one[-1]["loss"] < one[0]["loss"] - 0.1  # it trains
+    _assert_same_steps(one, read_metrics(ep_tp))
     _assert_same_steps(one, read_metrics(out["ep2"]))
     _assert_same_steps(one, read_metrics(out["ep2x2"]))
     _assert_same_steps(one, read_metrics(replicated))

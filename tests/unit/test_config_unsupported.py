@@ -11,10 +11,6 @@ from meshforge.config.unsupported import ENTRIES
 
 # A minimal config that turns each entry's feature on (validity rules satisfied).
 TRIGGERS: dict[str, dict] = {
-    "parallelism.expert_parallel": {"parallelism": {"expert_parallel": 2, "tensor_parallel": 2}},
-    "parallelism.moe_token_dispatcher_type": {
-        "parallelism": {"expert_parallel": 8, "moe_token_dispatcher_type": "alltoall_deredundancy"}
-    },
     "parallelism.expert_parallel_async_d2h": {"parallelism": {"expert_parallel_async_d2h": True}},
     "parallelism.context_parallel_async": {"parallelism": {"context_parallel_async": True}},
     "parallelism.pipeline_parallel_overlap_p2p": {"parallelism": {"pipeline_parallel_overlap_p2p": True}},

@@ -104,16 +104,6 @@ def _sft_entries() -> list[Unsupported]:
 _P = "parallelism"
 ENTRIES: list[Unsupported] = [
     Unsupported(
-        f"{_P}.expert_parallel",
-        lambda c: c.parallelism.expert_parallel > 1 and c.parallelism.tensor_parallel > 1,
-        "expert parallelism together with tensor parallelism (use one of them for MoE layers)",
-    ),
-    Unsupported(
-        f"{_P}.moe_token_dispatcher_type",
-        lambda c: c.parallelism.moe_token_dispatcher_type == "alltoall_deredundancy",
-        "de-duplicated all-to-all dispatch (alltoall is built)",
-    ),
-    Unsupported(
         f"{_P}.expert_parallel_async_d2h",
         lambda c: c.parallelism.expert_parallel_async_d2h,
         "asynchronous copy of expert token counts",
