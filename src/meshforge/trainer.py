@@ -342,18 +342,6 @@ class Trainer:
                 "not supported yet: kernels.chunk_loss_size with parallelism.pipeline_parallel > 1 "
                 "(the last stage's schedule loss takes the logits)"
             )
-        if d.cp > 1 and self._aux_loss_enabled:
-            # The load-balancing loss is a product of per-sequence means: each context-parallel
-            # rank sees part of the sequence, so its local value is not the model's.
-            raise NotImplementedError(
-                "not supported yet: the MoE router aux loss under parallelism.context_parallel > 1; "
-                "set training.router_aux_loss_coef: 0"
-            )
-        if d.pp > 1 and self._aux_loss_enabled:
-            raise NotImplementedError(
-                "not supported yet: the MoE router aux loss under parallelism.pipeline_parallel > 1; "
-                "set training.router_aux_loss_coef: 0 and model.output_router_logits: false"
-            )
         if d.pp > 1 and self.cfg.checkpoint.save_hf_weights and not self.cfg.checkpoint.enable_save:
             # The stages hold different layers: the export reads the final checkpoint back whole.
             raise ValueError(
@@ -423,6 +411,8 @@ class Trainer:
             n_microbatches=self.plan.grad_accum_steps,
             schedule=str(self.cfg.parallelism.pipeline_parallel_schedule),
             dxdw_split=bool(self.cfg.parallelism.pipeline_parallel_enable_dxdw_split),
+            # The last stage adds the router aux loss from totals carried through the stages.
+            aux_coef=self.aux_coef if self._aux_loss_enabled else 0.0,
         )
 
     def _epochs(self) -> float | None:
@@ -683,6 +673,8 @@ class Trainer:
             # The schedule runs forward and backward of every micro-batch over the stages and
             # returns the CE sum on every pipeline rank.
             loss_sum = self.pipeline.step(micro, normalizer)
+            if self._aux_loss_enabled:
+                self._aux_sum = self._aux_sum + self.pipeline.aux_sum
         else:
             loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
             for mb in micro:

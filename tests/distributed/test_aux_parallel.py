@@ -318,3 +318,26 @@ def test_router_aux_loss_cp2_and_pp2_equal_one_process(tmp_path) -> None:
 
 def test_router_aux_loss_pp2_cp2_equals_one_process(tmp_path) -> None:
     _launch(_worker4, 4, str(tmp_path / "rdzv"))
+
+
+def test_trainer_aux_loss_under_pp2_and_cp2_equals_one_process(tmp_path) -> None:
+    """`meshforge train` on qwen3_moe with the router aux loss on: pp2 (1f1b) and cp2 (colossal)
+    log the single-process loss, aux loss and grad norm at every step."""
+    from tests.conftest import read_metrics, run_train
+    from tests.distributed.test_ep import REPO, TRAIN, _assert_same_steps
+
+    config = REPO / "configs" / "qwen3_moe" / "tiny.yaml"
+    common = [*TRAIN, "--checkpoint.enable_save=false"]
+    layouts = {
+        "one": (1, []),
+        "pp2": (2, ["--parallelism.pipeline_parallel=2"]),
+        "cp2": (2, ["--parallelism.context_parallel=2"]),
+    }
+    for name, (nproc, extra) in layouts.items():
+        run_train(
+            config, [*common, *extra, f"--training.output_dir={tmp_path / name}"], nproc=nproc, cwd=tmp_path
+        )
+    one = read_metrics(tmp_path / "one")
+    assert all(r["aux_loss"] > 0 for r in one)
+    for name in ("pp2", "cp2"):
+        _assert_same_steps(one, read_metrics(tmp_path / name))

@@ -93,6 +93,10 @@ def parallelize_model(
         from meshforge.parallel.context import apply_cp
 
         apply_cp(model, mesh.view("cp"), method=par.cp_method(), ulysses_degree=par.ulysses_degree_in_cp)
+        from meshforge.models.common.moe import set_aux_reduce_group
+
+        # The router aux loss is a product of sums over the whole sequence: sum over the CP ranks.
+        set_aux_reduce_group(model, mesh.view("cp"))
     if par.enable_chunk_batch:
         from meshforge.parallel.chunk_batch import apply_chunk_batch
 
