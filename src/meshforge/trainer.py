@@ -336,12 +336,6 @@ class Trainer:
     def _check_parallel_support(self, family: Any) -> None:
         """Refuse combinations of parallel degrees and trainer features that are not built yet."""
         d = self.dims
-        chunked = self.kernel_options.chunk_loss_size is not None
-        if chunked and d.pp > 1:
-            raise NotImplementedError(
-                "not supported yet: kernels.chunk_loss_size with parallelism.pipeline_parallel > 1 "
-                "(the last stage's schedule loss takes the logits)"
-            )
         if d.pp > 1 and self.cfg.checkpoint.save_hf_weights and not self.cfg.checkpoint.enable_save:
             # The stages hold different layers: the export reads the final checkpoint back whole.
             raise ValueError(
@@ -413,6 +407,7 @@ class Trainer:
             dxdw_split=bool(self.cfg.parallelism.pipeline_parallel_enable_dxdw_split),
             # The last stage adds the router aux loss from totals carried through the stages.
             aux_coef=self.aux_coef if self._aux_loss_enabled else 0.0,
+            chunk_loss_size=self.kernel_options.chunk_loss_size,
         )
 
     def _epochs(self) -> float | None:

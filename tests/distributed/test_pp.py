@@ -255,6 +255,16 @@ def test_trainer_pp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> No
                 '--parallelism.pipeline_parallel_layers_per_stage=["0-1","2-4"]',
             ],
         ),
+        # The chunked loss on the last stage (kernels.chunk_loss_size) against one process with it.
+        "1f1b_chunked": (
+            2,
+            [
+                pp,
+                "--parallelism.pipeline_parallel_schedule=1f1b",
+                '--parallelism.pipeline_parallel_layers_per_stage=["0-1","2-4"]',
+                "--kernels.chunk_loss_size=8",
+            ],
+        ),
         # TP+SP inside each stage: the hidden states between stages hold half of each row.
         "tp2_pp2": (
             4,

@@ -501,6 +501,7 @@ class Pipeline:
         n_microbatches: int,
         schedule_name: str,
         aux_coef: float = 0.0,
+        chunk_loss_size: int | None = None,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
@@ -513,6 +514,8 @@ class Pipeline:
         self.aux_experts = router_aux_experts(model) if self.aux_coef != 0.0 else None
         # Every stage forward then returns (hidden, carry); see the module docstring.
         model._pp_aux_experts = self.aux_experts
+        self.chunk_loss_size = chunk_loss_size
+        model._pp_return_hidden = chunk_loss_size is not None
         self._aux: list[torch.Tensor] = []
         self.aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self.stages = [
@@ -525,13 +528,26 @@ class Pipeline:
         self._shape: tuple[int, ...] | None = None
         self.schedule = self._schedule_for(n_microbatches)
 
+    def _ce_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed CE of the last stage's output: logits, or normed hidden states (chunked loss)."""
+        if self.chunk_loss_size is None:
+            return cross_entropy_sum(output, labels)
+        from meshforge.loss import chunked_cross_entropy_sum
+
+        # Read after the forward: under FSDP the head is unsharded by then; under TP the hidden
+        # states and head are DTensors, gathered (differentiably) as in the trainer's own path.
+        weight = self.model.lm_head.weight
+        return chunked_cross_entropy_sum(
+            _whole(output), _whole(weight), labels, chunk_size=self.chunk_loss_size
+        )
+
     def _loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         if self.aux_experts is None:
-            ce = cross_entropy_sum(output, labels)
+            ce = self._ce_sum(output, labels)
             self._ce.append(ce.detach())
             return ce / self._global_tokens
         logits, carry = output
-        ce = cross_entropy_sum(logits, labels)
+        ce = self._ce_sum(logits, labels)
         self._ce.append(ce.detach())
         aux = self._aux_from_carry(carry)
         # As Trainer.forward_backward: the micro-batch's aux loss weighted by its share of the
@@ -767,6 +783,7 @@ def build_pipeline(
     schedule: str | None = None,
     dxdw_split: bool = False,
     aux_coef: float = 0.0,
+    chunk_loss_size: int | None = None,
 ) -> Pipeline:
     """Build this rank's ``PipelineStage`` objects and the schedule, after FSDP and materialisation.
 
@@ -785,6 +802,8 @@ def build_pipeline(
             and the model has the aux loss (MoE family, ``output_router_logits``), every
             micro-batch's loss gets ``aux_coef * aux * valid_tokens / global_tokens``, exactly
             as ``Trainer.forward_backward`` adds it, and ``Pipeline.aux_sum`` the logged value.
+        chunk_loss_size: ``kernels.chunk_loss_size``: the last stage hands the normed hidden
+            states to the loss, which applies ``lm_head`` that many tokens at a time.
 
     Returns:
         The pipeline; its tied weights (if any) are already equal on both ends.
@@ -819,9 +838,16 @@ def build_pipeline(
         n_microbatches=n_microbatches,
         schedule_name=name,
         aux_coef=aux_coef,
+        chunk_loss_size=chunk_loss_size,
     )
     pipeline.sync_tied_weights()
     return pipeline
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The gathered tensor of a DTensor (differentiable), or the tensor itself."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
 
 
 __all__ = [

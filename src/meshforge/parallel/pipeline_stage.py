@@ -177,6 +177,9 @@ class _PipelinedCausalLM:
     _pp_stages: dict[int, StageInfo]
     # Set by `Pipeline` when the router aux loss is on: routed experts per layer (carry size).
     _pp_aux_experts: int | None = None
+    # Set by the Pipeline for kernels.chunk_loss_size: the last stage returns the normed hidden
+    # states and the loss applies lm_head chunk by chunk.
+    _pp_return_hidden: bool = False
 
     def forward(
         self,
@@ -218,7 +221,9 @@ class _PipelinedCausalLM:
         for layer in layers:
             h = run(layer, h)
         if stage.is_last:
-            h = self.lm_head(inner.norm(h))  # type: ignore[attr-defined]
+            h = inner.norm(h)
+            if not self._pp_return_hidden:
+                h = self.lm_head(h)  # type: ignore[attr-defined]
         experts = self._pp_aux_experts
         if experts is None:
             return h
