@@ -317,6 +317,22 @@ def _check_errors(errors: list[str]) -> None:
             "ep_dispatcher='mc2'",
         ),
     ]
+    cases.append(
+        (
+            lambda: apply_ep(_build("qwen3_moe"), ep_mesh, modules=["model.layers.{*}.mlp"]),
+            ValueError,
+            "parallelism.ep_modules: model.layers.0.mlp",
+        )
+    )
+    # parallelism.ep_modules picks the containers: only layer 1's experts are sharded.
+    from meshforge.parallel.expert import expert_modules, is_expert_parallel
+
+    chosen = _build("qwen3_moe")
+    apply_ep(chosen, ep_mesh, modules=["model.layers.1.mlp.experts"])
+    assert [(n, is_expert_parallel(m)) for n, m in expert_modules(chosen)] == [
+        ("model.layers.0.mlp.experts", False),
+        ("model.layers.1.mlp.experts", True),
+    ]
     sharded = _build("qwen3_moe")
     apply_ep(sharded, ep_mesh)
     fsdp_args = {"param_dtype": None, "reduce_dtype": torch.float32}
@@ -458,6 +474,14 @@ def test_trainer_ep_equals_one_process_and_resumes_elsewhere(tmp_path: Path) -> 
         config, [*TRAIN, ep, no_save, f"--training.output_dir={out['ep2']}"], nproc=2, cwd=tmp_path
     )
     assert "experts over 2 ranks" in proc.stdout
+    # parallelism.ep_modules: only the second layer's experts over EP; the first stays whole
+    # (sharded by FSDP with its layer).
+    partial = out["ep2"].with_name("ep2_layer1")
+    layer1 = ["--parallelism.ep_modules=['model.layers.1.mlp.experts']"]
+    layer1.append("--parallelism.ep_fsdp_modules=['model.layers.1.mlp.experts']")
+    run_train(
+        config, [*TRAIN, ep, *layer1, no_save, f"--training.output_dir={partial}"], nproc=2, cwd=tmp_path
+    )
     save = "--checkpoint.save_interleaved_steps=4"
     run_train(config, [*TRAIN, ep, save, f"--training.output_dir={out['ep2x2']}"], nproc=4, cwd=tmp_path)
     # parallelism.ep_fsdp_size 1 (MindSpeed's value): each expert replicated over the two
@@ -483,6 +507,7 @@ def test_trainer_ep_equals_one_process_and_resumes_elsewhere(tmp_path: Path) -> 
     one = read_metrics(out["one"])
     assert len(one) == 5 and one[-1]["loss"] < one[0]["loss"] - 0.1  # it trains
     _assert_same_steps(one, read_metrics(ep_tp))
+    _assert_same_steps(one, read_metrics(partial))
     _assert_same_steps(one, read_metrics(out["ep2"]))
     _assert_same_steps(one, read_metrics(out["ep2x2"]))
     _assert_same_steps(one, read_metrics(replicated))

@@ -19,8 +19,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.data_parallel_shard_strategy": {"parallelism": {"data_parallel_shard_strategy": "optim"}},
     "parallelism.tp_colwise": {"parallelism": {"tp_colwise": ["*.q_proj"]}},
     "parallelism.tp_rowwise": {"parallelism": {"tp_rowwise": ["*.o_proj"]}},
-    "parallelism.ep_modules": {"parallelism": {"ep_modules": ["model.layers.{*}.moe"]}},
-    "parallelism.ep_fsdp_modules": {"parallelism": {"ep_fsdp_modules": ["model.layers.{*}.moe"]}},
     "parallelism.ep_dispatcher": {"parallelism": {"ep_dispatcher": "fused"}},
     "recompute.mode": {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"]}},
     "recompute_comm.enable": {"recompute_comm": {"enable": True, "select_module": {"attn": ["0"]}}},

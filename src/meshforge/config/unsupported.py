@@ -16,7 +16,6 @@ from meshforge.models.config import KernelsConfig
 from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
 from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
-    MS_EP_MODULES,
     MS_TP_COLWISE,
     MS_TP_ROWWISE,
 )
@@ -134,10 +133,6 @@ ENTRIES: list[Unsupported] = [
         f"{_P}.tp_rowwise",
         lambda c: c.parallelism.tp_rowwise != MS_TP_ROWWISE and not is_generic_model(c),
         "custom TP plan for built-in families (the generic transformers path honours it)",
-    ),
-    Unsupported(f"{_P}.ep_modules", lambda c: c.parallelism.ep_modules != MS_EP_MODULES, "custom EP plan"),
-    Unsupported(
-        f"{_P}.ep_fsdp_modules", lambda c: c.parallelism.ep_fsdp_modules != MS_EP_MODULES, "custom EP plan"
     ),
     Unsupported(
         f"{_P}.ep_dispatcher", lambda c: c.parallelism.ep_dispatcher != "eager", "fused/mc2 EP dispatch"

@@ -72,6 +72,7 @@ helper report, not built).
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,6 +118,7 @@ def apply_ep(
     *,
     token_dispatcher: str = "alltoall",
     dispatcher: str = "eager",
+    modules: Sequence[str] | None = None,
 ) -> None:
     """Shard every MoE block's experts over ``ep_mesh`` and route tokens to them by all-to-all.
 
@@ -130,6 +132,9 @@ def apply_ep(
             (token, expert)) or ``alltoall_deredundancy`` (one row per (token, rank), see
             :class:`DeduplicatedExchange`).
         dispatcher: ``parallelism.ep_dispatcher``; only ``eager``.
+        modules: ``parallelism.ep_modules`` patterns choosing which experts containers are
+            sharded (None = all of them); the others stay whole on every rank, sharded by FSDP
+            with their decoder layer.
 
     Raises:
         ValueError: the mesh is not 1-D, the model has no MoE experts, the expert count is
@@ -162,6 +167,8 @@ def apply_ep(
             f"parallelism.expert_parallel: {ep_mesh.size()} needs a mixture-of-experts model, but "
             f"{family} has no routed experts; set it to 1"
         )
+    if modules is not None:
+        experts = _select_experts(model, experts, modules)
     ep = ep_mesh.size()
     deduplicate = token_dispatcher == "alltoall_deredundancy"
     exchange = DeduplicatedExchange(ep_mesh) if deduplicate else AllToAllExchange(ep_mesh)
@@ -181,6 +188,29 @@ def apply_ep(
             # The de-duplicated exchange needs the tokens and routing weights, not the expert-sorted
             # copies of the seam: the module's forward becomes the exchange's dispatch.
             module.forward = types.MethodType(_deduplicated_forward, module)
+
+
+def _select_experts(
+    model: nn.Module, experts: list[tuple[str, nn.Module]], patterns: Sequence[str]
+) -> list[tuple[str, nn.Module]]:
+    """The experts containers matching ``parallelism.ep_modules``.
+
+    Raises:
+        ValueError: naming ``parallelism.ep_modules`` for a pattern that matches nothing or a
+            module that is not an experts container.
+    """
+    from meshforge.parallel.patterns import match_modules
+
+    containers = {id(m) for _, m in experts}
+    chosen = []
+    for name, module in match_modules(model, list(patterns), key_path="parallelism.ep_modules"):
+        if id(module) not in containers:
+            raise ValueError(
+                f"parallelism.ep_modules: {name} ({type(module).__name__}) is not a MoE experts container; "
+                f"they are: {', '.join(n for n, _ in experts[:3])}{', ...' if len(experts) > 3 else ''}"
+            )
+        chosen.append((name, module))
+    return chosen
 
 
 def _check_not_sharded(name: str, module: nn.Module) -> None:

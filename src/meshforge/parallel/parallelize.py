@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from meshforge.parallel.config import MS_LAYER_MODULES
+from meshforge.parallel.config import MS_EP_MODULES, MS_LAYER_MODULES
 from meshforge.parallel.dims import ParallelDims, ParallelMesh
 
 # parallelism.reduce_dtype: the dtype gradients are reduced (summed) in across ranks.
@@ -83,11 +83,21 @@ def parallelize_model(
     if dims.ep > 1:
         from meshforge.parallel.expert import apply_ep
 
+        ep_modules = None if list(par.ep_modules) == MS_EP_MODULES else list(par.ep_modules)
+        if list(par.ep_fsdp_modules) != list(par.ep_modules):
+            # Experts sharded over EP must be their own FSDP units on the efsdp mesh (the dense
+            # mesh cannot shard a tensor that EP already split over the same data ranks).
+            raise NotImplementedError(
+                "not supported yet: parallelism.ep_fsdp_modules different from parallelism.ep_modules "
+                f"({list(par.ep_fsdp_modules)} vs {list(par.ep_modules)}); every expert-parallel "
+                "container is an expert-FSDP unit"
+            )
         apply_ep(
             model,
             mesh.view("ep"),
             token_dispatcher=str(par.moe_token_dispatcher_type),
             dispatcher=str(par.ep_dispatcher),
+            modules=ep_modules,
         )
     if dims.cp > 1:
         from meshforge.parallel.context import apply_cp
