@@ -12,7 +12,8 @@ Reported per layout (median over the timed steps, the first `--warmup` steps dro
 * ``tokens_per_s`` (whole job) and ``tokens_per_s_per_process``;
 * ``comm_mb_per_step``: collective buffer bytes of rank 0 per step, and ``comm_calls``.
 
-Run: ``python benchmarks/parallel_overhead.py [--layouts 1,dp2,tp2,pp2] [--steps 8] [--quick]``.
+Run: ``python benchmarks/parallel_overhead.py [--layouts 1,dp2,tp2,pp2] [--steps 8] [--quick]``;
+MoE: ``--moe --top-k 4 --layouts 1,dp2,ep2,ep2_dedup`` (qwen3_moe, 8 experts).
 Prints one JSON line per layout.
 """
 
@@ -37,6 +38,16 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "pp2": (2, ["--parallelism.pipeline_parallel=2"]),
     "cp2": (2, ["--parallelism.context_parallel=2", "--parallelism.context_parallel_method=ulysses"]),
     "hsdp2": (2, ["--parallelism.data_parallel_shard=1"]),
+    # MoE (--moe): experts over 2 ranks, plain and de-duplicated token dispatch.
+    "ep2": (2, ["--parallelism.expert_parallel=2"]),
+    "ep2_dedup": (
+        2,
+        [
+            "--parallelism.expert_parallel=2",
+            "--parallelism.moe_token_dispatcher_type=alltoall_deredundancy",
+            "--parallelism.npu_nums_per_device=2",
+        ],
+    ),
 }
 
 CONFIG = """
@@ -52,7 +63,7 @@ checkpoint: {{enable_save: false}}
 train_dataset:
   dataloader: {{type: TextDataLoader, data_path: {data}, seq_length: {seq}, shuffle: true}}
 model:
-  model_type: qwen3
+  model_type: {model_type}
   tokenizer_name_or_path: meshforge://assets/tokenizer
   vocab_size: 8192
   hidden_size: {hidden}
@@ -62,6 +73,13 @@ model:
   num_key_value_heads: 4
   head_dim: {head_dim}
   tie_word_embeddings: false
+{moe}"""
+
+MOE = """  num_experts: 8
+  num_experts_per_tok: {top_k}
+  moe_intermediate_size: {moe_width}
+  output_router_logits: true
+  router_aux_loss_coef: 0.01
 """
 
 
@@ -107,6 +125,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="small model, 5 steps: a smoke run")
+    parser.add_argument("--moe", action="store_true", help="qwen3_moe with 8 experts (for ep2, ep2_dedup)")
+    parser.add_argument("--top-k", type=int, default=2, help="experts per token with --moe")
     args = parser.parse_args()
     from tests.conftest import write_corpus
 
@@ -133,6 +153,8 @@ def main() -> None:
                     hidden=hidden,
                     intermediate=hidden * 3,
                     head_dim=hidden // 8,
+                    model_type="qwen3_moe" if args.moe else "qwen3",
+                    moe=MOE.format(top_k=args.top_k, moe_width=hidden) if args.moe else "",
                 )
             )
             result = run_layout(name, config, work, cores, global_batch)
