@@ -123,12 +123,27 @@ class GenericCausalLMMixin:
         if kwargs:
             # transformers' own calling convention (labels=, attention_mask=, ...): its forward.
             return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)  # type: ignore[misc]
+        plan = getattr(self, "meshforge_cp", None)
+        if plan is not None:
+            # Context parallel (set by apply_cp): this rank holds a slice of each row; the CP
+            # attention builds its own mask and RoPE reads the tokens' global positions.
+            from meshforge.parallel.context_generic import CP_KWARG, check_generic_cp, prepare_generic_cp
+
+            position_ids, state = prepare_generic_cp(plan, input_ids, position_ids, segment_ids)
+            out = super().forward(  # type: ignore[misc]
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CP_KWARG: state}
+            )
+            check_generic_cp(self, state)  # type: ignore[arg-type]
+            return out.logits
         mask = None
         if segment_ids is not None:
-            from meshforge.models.common.attention import segment_causal_mask
+            from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
 
             # A 4-D mask is passed to the attention as it is (transformers' "prepared mask").
             mask = segment_causal_mask(segment_ids)
+            if position_ids is None:
+                # Positions restart per document, as in the built-in families (and under CP).
+                position_ids = positions_from_segments(segment_ids)
         out = super().forward(  # type: ignore[misc]
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
         )

@@ -559,6 +559,28 @@ def _family_name(model: nn.Module) -> str:
     return f"{model_type or type(model).__name__} (generic transformers path)"
 
 
+def _ulysses_size(cp_mesh: DeviceMesh, method: str, ulysses_degree: int | None) -> int:
+    """The ulysses group size of ``method`` (1 for the ring methods), validated against the mesh."""
+    if cp_mesh.ndim != 1:
+        raise ValueError(f"apply_cp: expects the 1-D cp mesh, got {cp_mesh.ndim} dims")
+    size = cp_mesh.size()
+    if method == "ulysses":
+        if ulysses_degree not in (None, size):
+            raise ValueError(
+                f"parallelism.ulysses_degree_in_cp: ulysses CP requires it to equal context_parallel ({size}), "
+                f"got {ulysses_degree}"
+            )
+        return size
+    if method == "hybrid":
+        if ulysses_degree is None or not 1 < ulysses_degree < size or size % ulysses_degree:
+            raise ValueError(
+                "parallelism.ulysses_degree_in_cp: hybrid CP requires 1 < ulysses_degree_in_cp < "
+                f"context_parallel ({size}) dividing it, got {ulysses_degree}"
+            )
+        return ulysses_degree
+    return 1
+
+
 def apply_cp(
     model: nn.Module, cp_mesh: DeviceMesh, *, method: str, ulysses_degree: int | None = None
 ) -> None:
@@ -568,7 +590,8 @@ def apply_cp(
     :func:`shard_batch_for_cp` using the same ``method``.
 
     Args:
-        model: A built-in causal LM of a family in ``CP_FAMILIES``.
+        model: A built-in causal LM of a family in ``CP_FAMILIES``, or a transformers model on
+            the generic path (:mod:`meshforge.parallel.context_generic`).
         cp_mesh: The 1-D context-parallel mesh (every CP rank calls this: hybrid creates
             sub-groups).
         method: ``colossal`` (alias ``ring``), ``ulysses``, ``hybrid`` or ``kvallgather``.
@@ -581,6 +604,15 @@ def apply_cp(
         ValueError: For a bad method, ulysses degree or head count.
     """
     method = resolve_method(method)
+    from meshforge.models.generic import GenericCausalLMMixin
+
+    if isinstance(model, GenericCausalLMMixin):
+        # The generic transformers path: the plan runs as the model's attention implementation.
+        from meshforge.parallel.context_generic import apply_generic_cp
+
+        u = _ulysses_size(cp_mesh, method, ulysses_degree)
+        apply_generic_cp(model, ContextParallel(cp_mesh, method, u))
+        return
     family = _family_name(model)
     if family in CP_REFUSED:
         raise NotImplementedError(
@@ -593,24 +625,7 @@ def apply_cp(
             f"not supported yet: parallelism.context_parallel > 1 for {family} (CP runs on the built-in "
             f"families {', '.join(CP_FAMILIES)})"
         )
-    if cp_mesh.ndim != 1:
-        raise ValueError(f"apply_cp: expects the 1-D cp mesh, got {cp_mesh.ndim} dims")
-    size = cp_mesh.size()
-    u = 1
-    if method == "ulysses":
-        if ulysses_degree not in (None, size):
-            raise ValueError(
-                f"parallelism.ulysses_degree_in_cp: ulysses CP requires it to equal context_parallel ({size}), "
-                f"got {ulysses_degree}"
-            )
-        u = size
-    elif method == "hybrid":
-        if ulysses_degree is None or not 1 < ulysses_degree < size or size % ulysses_degree:
-            raise ValueError(
-                "parallelism.ulysses_degree_in_cp: hybrid CP requires 1 < ulysses_degree_in_cp < "
-                f"context_parallel ({size}) dividing it, got {ulysses_degree}"
-            )
-        u = ulysses_degree
+    u = _ulysses_size(cp_mesh, method, ulysses_degree)
     for attn in attentions:
         if attn.num_heads % u:
             raise ValueError(
