@@ -25,6 +25,11 @@ over the two ranks, so both copies get the same update as the single tied weight
 
 Families: the ``DecoderModel`` families, gpt_oss and qwen3_next; ``pipeline_stage.py`` holds
 the stage forward and, per family, what a stage builds before its layers (masks, RoPE).
+The generic transformers path (``models/generic.py``) splits the same way when the model has
+the usual layout (``model.embed_tokens``, ``model.layers`` ModuleList, ``model.norm``,
+``model.rotary_emb``, ``lm_head``) and a model type whose forward a stage reproduces
+(``GENERIC_MASK_RULES``); a tied head is the same shared Parameter there, so it is detected by
+identity, and the copy on the last rank is kept equal as for the built-in families.
 
 MoE router aux loss (``aux_coef`` of ``build_pipeline``): transformers' loss is one product
 over the statistics of *all* MoE layers, which live on different stages. Each stage therefore
@@ -49,6 +54,8 @@ from torch import nn
 from meshforge.loss import cross_entropy_sum
 from meshforge.parallel.pipeline_stage import (
     StageModule,
+    _PipelinedCausalLM,
+    generic_layer_types,
     layer_runner_factory,
     pipelined_class,
     router_aux_experts,
@@ -58,8 +65,9 @@ LAYERS_KEY = "parallelism.pipeline_parallel_layers_per_stage"
 SCHEDULE_KEY = "parallelism.pipeline_parallel_schedule"
 
 # Families whose inner model is a ``DecoderModel`` with one mask for every layer, then gpt_oss
-# and qwen3_next (their own inner models; see `_stage_layer_runner`).
-SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
+# and qwen3_next (their own inner models), and "generic": the generic transformers path for the
+# model types in ``pipeline_stage.GENERIC_MASK_RULES`` (see ``pipeline_stage.layer_runner_factory``).
+SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "generic")
 
 # Canonical schedule name -> (torch class name, stages per rank: "one" or "many", placement).
 _SCHEDULES: dict[str, tuple[str, str, str]] = {
@@ -347,7 +355,45 @@ def assign_layers(
 # ----------------------------------------------------------------------------------------
 
 
+def _check_generic(model: nn.Module) -> None:
+    """The generic transformers path: the usual decoder layout and a model type stages reproduce.
+
+    Raises:
+        NotImplementedError: naming what the model lacks, or its model type.
+        ValueError: when the model is already split.
+    """
+    inner: Any = getattr(model, "model", None)
+    missing = []
+    if not isinstance(inner, nn.Module):
+        missing.append("model (the base model)")
+    else:
+        for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
+            if not isinstance(getattr(inner, attr, None), nn.Module):
+                missing.append(f"model.{attr}")
+        if isinstance(getattr(inner, "layers", None), nn.Module) and not isinstance(
+            inner.layers, nn.ModuleList
+        ):
+            missing.append("model.layers as a ModuleList")
+    if not isinstance(getattr(model, "lm_head", None), nn.Module):
+        missing.append("lm_head")
+    if missing:
+        raise NotImplementedError(
+            f"not supported yet: parallelism.pipeline_parallel > 1 for {type(model).__name__}: the generic "
+            "transformers path splits models laid out as model.embed_tokens, model.layers (a ModuleList), "
+            f"model.norm, model.rotary_emb and lm_head; this one has no {', '.join(missing)}"
+        )
+    # Raises for a model type whose forward the stages do not reproduce, or an unknown layer type.
+    generic_layer_types(inner, list(range(len(inner.layers))))
+
+
 def _check_supported(model: nn.Module) -> None:
+    from meshforge.models.generic import GenericCausalLMMixin
+
+    if isinstance(model, _PipelinedCausalLM):
+        raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
+    if isinstance(model, GenericCausalLMMixin):
+        _check_generic(model)
+        return
     family = getattr(model, "family", None) or getattr(getattr(model, "config", None), "model_type", None)
     family = family or type(model).__name__
     inner = getattr(model, "model", None)
@@ -371,7 +417,8 @@ def split_model(
     Call it on the meta model, before TP, FSDP and materialisation.
 
     Args:
-        model: A built-in ``CausalLM`` of a supported family (``SUPPORTED_FAMILIES``).
+        model: A built-in ``CausalLM`` of a supported family (``SUPPORTED_FAMILIES``), or a generic
+            transformers model (``wrap_generic``) laid out as ``_check_generic`` describes.
         pp_rank: This rank's index on the pp mesh.
         pp_size: Pipeline ranks (``parallelism.pipeline_parallel``).
         layers_per_stage: ``parallelism.pipeline_parallel_layers_per_stage`` (see ``assign_layers``).
@@ -388,6 +435,8 @@ def split_model(
         NotImplementedError: for families without pipeline support.
         ValueError: naming the config key for an invalid layout.
     """
+    from meshforge.models.generic import GenericCausalLMMixin
+
     _check_supported(model)
     name = canonical_schedule(schedule)
     _, stages_per_rank, placement = _SCHEDULES[name]
@@ -407,6 +456,11 @@ def split_model(
         )
     inner: Any = model.model
     num_layers = len(inner.layers)
+    if isinstance(model, GenericCausalLMMixin):
+        # transformers ties by sharing one Parameter (``tie_word_embeddings``; or its own rules).
+        tied_model = model.lm_head.weight is inner.embed_tokens.weight
+    else:
+        tied_model = bool(getattr(model.args, "tie_word_embeddings", False))
     all_stages = assign_layers(
         num_layers,
         pp_size=pp_size,
@@ -425,7 +479,7 @@ def split_model(
         inner.norm = None
         model.lm_head = None
     # With the embedding gone, a tied lm_head.weight is now a parameter of its own on this rank.
-    tied = bool(getattr(model.args, "tie_word_embeddings", False)) and first_rank != last_rank
+    tied = tied_model and first_rank != last_rank
     model.__class__ = pipelined_class(type(model))
     model._pp_stages = {s.index: s for s in local}
     return PipelineSplit(

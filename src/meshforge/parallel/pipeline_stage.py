@@ -133,6 +133,140 @@ def _qwen3_next_runner(
     return lambda layer, x: layer(x, rope, mask, segment_ids)
 
 
+# The generic transformers path: model types whose ``*Model.forward`` (transformers 5.24) is the
+# plain recipe a stage reproduces (embed -> masks + RoPE -> layers -> norm, no embedding scale or
+# logit scaling), and which mask each of their layers gets:
+# * "causal": one ``create_causal_mask`` for every layer;
+# * "sliding_window": ``create_sliding_window_causal_mask`` for every layer when
+#   ``config.sliding_window`` is set, else the causal one (Mistral);
+# * "layer_types": per layer, by ``config.layer_types[global index]`` (full or sliding).
+GENERIC_MASK_RULES: dict[str, str] = {
+    "llama": "causal",
+    "mistral": "sliding_window",
+    "qwen2": "layer_types",
+    "qwen3": "layer_types",
+}
+_HF_MASK_FUNCTIONS = {
+    "full_attention": "create_causal_mask",
+    "sliding_attention": "create_sliding_window_causal_mask",
+}
+
+
+def generic_layer_types(inner: nn.Module, indices: list[int]) -> list[str]:
+    """The attention type (``full_attention``/``sliding_attention``) of each global layer index.
+
+    Raises:
+        NotImplementedError: for a model type outside ``GENERIC_MASK_RULES`` or a layer type
+            other than full or sliding attention.
+    """
+    config: Any = inner.config
+    model_type = getattr(config, "model_type", None)
+    rule = GENERIC_MASK_RULES.get(str(model_type))
+    if rule is None:
+        raise NotImplementedError(
+            f"not supported yet: parallelism.pipeline_parallel > 1 for the transformers model type "
+            f"{model_type!r} ({type(inner).__name__}); pipeline stages reproduce the forward of "
+            f"{', '.join(sorted(GENERIC_MASK_RULES))}"
+        )
+    if rule == "causal":
+        return ["full_attention"] * len(indices)
+    if rule == "sliding_window":
+        kind = "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+        return [kind] * len(indices)
+    types = list(getattr(config, "layer_types", None) or [])
+    out = []
+    for i in indices:
+        kind = types[i] if i < len(types) else None
+        if kind not in _HF_MASK_FUNCTIONS:
+            raise NotImplementedError(
+                f"not supported yet: parallelism.pipeline_parallel > 1 for {type(inner).__name__} layer {i} "
+                f"of type {kind!r} (config.layer_types); stages build full_attention and sliding_attention masks"
+            )
+        out.append(kind)
+    return out
+
+
+def _generic_runner(
+    inner: Any,
+    ids: torch.Tensor,
+    h: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    seq_len: int,
+    layers: list[nn.Module],
+) -> LayerRunner:
+    """A transformers ``*Model.forward``'s preparation, as ``GenericCausalLMMixin.forward`` calls it.
+
+    The one-process generic forward passes ``segment_ids`` as a 4-D block-diagonal causal mask
+    (``attention_mask``) and, when no ``position_ids`` are given, positions that restart at every
+    document (without ``segment_ids`` transformers counts ``0..S-1``); the masks come from the functions the model's own module calls, with the same
+    arguments, so a stage's layers see exactly the masks and RoPE tables they would see there.
+    """
+    import inspect
+    import sys
+
+    if getattr(inner, "cp", None) is not None:
+        raise NotImplementedError(
+            "not supported yet: parallelism.pipeline_parallel > 1 with context_parallel > 1 on the generic "
+            "transformers path"
+        )
+    index_of = {id(layer): int(key) for key, layer in inner.layers.items()}
+    kinds = generic_layer_types(inner, [index_of[id(layer)] for layer in layers])
+    attention_mask = None
+    if segment_ids is not None:
+        attention_mask = segment_causal_mask(segment_ids)
+        if position_ids is None:
+            # As the wrapper (and the built-in families): positions restart per document.
+            position_ids = positions_from_segments(segment_ids)
+    if position_ids is None:
+        position_ids = torch.arange(seq_len, device=h.device).unsqueeze(0)
+    module = sys.modules[type(inner).__module__]
+    masks: dict[str, Any] = {}
+    for kind in dict.fromkeys(kinds):
+        name = _HF_MASK_FUNCTIONS[kind]
+        make = getattr(module, name, None)
+        if make is None:
+            import transformers.masking_utils as masking_utils
+
+            make = getattr(masking_utils, name)
+        masks[kind] = make(
+            config=inner.config,
+            inputs_embeds=h,
+            attention_mask=attention_mask,
+            cache=None,
+            position_ids=position_ids,
+        )
+    rope = inner.rotary_emb(h, position_ids)
+    by_layer = {id(layer): kind for layer, kind in zip(layers, kinds, strict=True)}
+    accepted: dict[type, set[str]] = {}
+
+    def run(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        cls = type(layer)
+        if cls not in accepted:
+            accepted[cls] = set(inspect.signature(cls.forward).parameters)
+        names = accepted[cls]
+        kwargs: dict[str, Any] = {
+            "attention_mask": masks[by_layer[id(layer)]],
+            "position_embeddings": rope,
+            "position_ids": position_ids,
+            "use_cache": False,
+        }
+        out = layer(x, **{k: v for k, v in kwargs.items() if k in names})
+        # transformers 5 layers return the hidden states; older ones a tuple led by them.
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
+def _is_generic_inner(inner: nn.Module) -> bool:
+    """Whether ``inner`` is a transformers base model (the generic path's ``model.model``)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(inner, PreTrainedModel)
+
+
 def layer_runner_factory(inner: nn.Module) -> Any:
     """The stage preparation for ``inner`` (the family's inner model), or None if unknown.
 
@@ -150,6 +284,8 @@ def layer_runner_factory(inner: nn.Module) -> Any:
         return _gpt_oss_runner
     if isinstance(inner, Qwen3NextModel):
         return _qwen3_next_runner
+    if _is_generic_inner(inner):
+        return _generic_runner
     return None
 
 
@@ -174,7 +310,9 @@ def _stage_aux_totals(layers: list[nn.Module], num_experts: int, like: torch.Ten
 class _PipelinedCausalLM:
     """Mixin placed in front of a pruned model's class: the forward of one local stage."""
 
-    _pp_stages: dict[int, StageInfo]
+    # dict[int, StageInfo]; written with Any because transformers' __init_subclass__ resolves the
+    # annotations of every base class at runtime, where StageInfo (pipeline.py) is not importable.
+    _pp_stages: dict[int, Any]
     # Set by `Pipeline` when the router aux loss is on: routed experts per layer (carry size).
     _pp_aux_experts: int | None = None
     # Set by the Pipeline for kernels.chunk_loss_size: the last stage returns the normed hidden
@@ -258,14 +396,44 @@ class _PipelinedMoECausalLM(_PipelinedCausalLM):
         return {int(k): layer.mlp for k, layer in layers.items() if getattr(layer, "is_moe", True)}
 
 
+class _PipelinedGenericCausalLM(_PipelinedCausalLM):
+    """The stage forward in front of a generic transformers model (``GenericCausalLMMixin``)."""
+
+    def tie_weights(self, *args: Any, **kwargs: Any) -> None:
+        """transformers' tying, only where this rank holds both ends (see ``_PipelinedCausalLM``)."""
+        inner: Any = self.model  # type: ignore[attr-defined]
+        if inner.embed_tokens is not None and self.lm_head is not None:  # type: ignore[attr-defined]
+            super(_PipelinedCausalLM, self).tie_weights(*args, **kwargs)  # type: ignore[misc]
+
+    def num_params(self, **kwargs: Any) -> int:
+        """Parameters held by this rank (transformers models have no ``num_params`` of their own)."""
+        inner: Any = self.model  # type: ignore[attr-defined]
+        skip = set()
+        if kwargs.get("exclude_embedding") and inner.embed_tokens is not None:
+            skip.add(id(inner.embed_tokens.weight))
+        params = {id(p): p for p in self.parameters()}  # type: ignore[attr-defined]
+        return sum(p.numel() for key, p in params.items() if key not in skip)
+
+
 _PIPELINED_CLASSES: dict[type, type] = {}
 
 
 def pipelined_class(cls: type) -> type:
     """``cls`` with the stage forward in front (cached: one subclass per model class)."""
     if cls not in _PIPELINED_CLASSES:
-        mixin = _PipelinedMoECausalLM if hasattr(cls, "moe_layers") else _PipelinedCausalLM
-        _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (mixin, cls), {})
+        from meshforge.models.generic import GenericCausalLMMixin
+
+        if issubclass(cls, GenericCausalLMMixin):
+            mixin: type = _PipelinedGenericCausalLM
+        elif hasattr(cls, "moe_layers"):
+            mixin = _PipelinedMoECausalLM
+        else:
+            mixin = _PipelinedCausalLM
+        body = {}
+        if mixin is _PipelinedGenericCausalLM:
+            # As wrap_generic: the class keeps transformers' module (its save code looks there).
+            body["__module__"] = cls.__module__
+        _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (mixin, cls), body)
     return _PIPELINED_CLASSES[cls]
 
 
