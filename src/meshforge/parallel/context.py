@@ -46,9 +46,12 @@ qwen3_moe), deepseek_v3 and gpt_oss, every method:
   sigmoid(lse - sink)``). Windows mask key j from query i unless ``i - window < j <= i``
   in global positions, so they reach across the ranks' chunk boundaries; ring blocks
   entirely outside a window are skipped like the causally dead ones.
-* qwen3_next is refused (``CP_REFUSED``): its Gated DeltaNet recurrence carries state
-  along the sequence, across the ranks' slices; only a ulysses split inside the DeltaNet
-  layers (per-head recurrence over the whole sequence) could run it, and that is not built.
+* qwen3_next runs ulysses only (``CP_ONLY_METHODS``, the reference's only method for
+  it): its gated attention layers take the plan like any ``Attention``; its Gated
+  DeltaNet layers (``cp`` set too) trade sequence for whole key-head groups with their
+  own all-to-alls, so the conv and the recurrence run over the whole row per head
+  (``GatedDeltaNet._mix_ulysses``). The ring methods cannot hand the recurrent state
+  over between the ranks' slices and are refused.
 
 Attention dropout stays refused under CP (each attention module raises).
 
@@ -78,6 +81,8 @@ from meshforge.models.common.causal_lm import DecoderModel
 from meshforge.models.common.mla import MultiHeadLatentAttention
 from meshforge.models.common.sink_attention import SinkAttention
 from meshforge.models.gpt_oss.model import GptOssModel
+from meshforge.models.qwen3_next.gdn import GatedDeltaNet
+from meshforge.models.qwen3_next.model import Qwen3NextModel
 from meshforge.parallel.context_blocks import (
     Block,
     FusedRing,
@@ -94,21 +99,24 @@ CP_METHODS: tuple[str, ...] = ("colossal", "ulysses", "hybrid", "kvallgather")
 #: Extra keys ``shard_batch_for_cp`` adds that the trainer passes to the model: none, the
 #: attention gathers what it needs about the full row itself (see ``ContextParallel.prepare``).
 CP_MODEL_KWARGS: tuple[str, ...] = ()
-#: Built-in families CP runs on: every method, packed documents included.
-CP_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss")
+#: Built-in families CP runs on, packed documents included: every method, unless ``CP_ONLY_METHODS``
+#: limits the family to some.
+CP_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
 #: Families CP refuses, with the reason (the ``NotImplementedError`` message says it).
-CP_REFUSED: dict[str, str] = {
+CP_REFUSED: dict[str, str] = {}
+#: Families of ``CP_FAMILIES`` that run only some methods: those methods, and why not the others.
+CP_ONLY_METHODS: dict[str, tuple[tuple[str, ...], str]] = {
     "qwen3_next": (
+        ("ulysses",),
         "its Gated DeltaNet layers run a recurrence (and a causal conv) whose state is carried "
         "token by token along the whole sequence, across the CP ranks' slices, which the "
-        "attention-only exchanges (colossal/ring, kvallgather, hybrid) cannot hand over; ulysses "
-        "(the reference's only method for it: whole sequence per head slice, the recurrence is "
-        "per head) would need its own all-to-alls in the DeltaNet layers, not built yet"
+        "attention-only exchanges (colossal/ring, kvallgather, hybrid) cannot hand over; use "
+        "context_parallel_method ulysses (whole rows per head slice, as the reference does)",
     ),
 }
 # The modules apply_cp switches: decoders build the per-forward CPMask (``cp.prepare``),
 # attentions call the plan instead of their single-device attention.
-_DECODERS = (DecoderModel, GptOssModel)
+_DECODERS = (DecoderModel, GptOssModel, Qwen3NextModel)
 _ATTENTIONS = (Attention, MultiHeadLatentAttention, SinkAttention)
 
 _ALIASES = {"ring": "colossal"}
@@ -618,9 +626,17 @@ def apply_cp(
         raise NotImplementedError(
             f"not supported yet: parallelism.context_parallel > 1 for {family}: {CP_REFUSED[family]}"
         )
+    only = CP_ONLY_METHODS.get(family)
+    if only is not None and method not in only[0]:
+        raise NotImplementedError(
+            f"not supported yet: parallelism.context_parallel > 1 for {family}: context_parallel_method "
+            f"{method}: {only[1]}"
+        )
     decoders = [m for m in model.modules() if isinstance(m, _DECODERS)]
     attentions = [m for m in model.modules() if isinstance(m, _ATTENTIONS)]
-    if family not in CP_FAMILIES or not decoders or not attentions:
+    # Gated DeltaNet layers (qwen3_next, ulysses only): their own head exchange, same plan.
+    mixers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    if family not in CP_FAMILIES or not decoders or not (attentions or mixers):
         raise NotImplementedError(
             f"not supported yet: parallelism.context_parallel > 1 for {family} (CP runs on the built-in "
             f"families {', '.join(CP_FAMILIES)})"
@@ -632,8 +648,16 @@ def apply_cp(
                 f"parallelism.context_parallel: {method} splits the {attn.num_heads} attention heads over "
                 f"{u} ranks; num_attention_heads must divide by {u}"
             )
+    for mixer in mixers:
+        # Whole key-head groups per rank (value heads are a multiple of key heads, so they follow).
+        if mixer.num_k_heads % u:
+            raise ValueError(
+                f"parallelism.context_parallel: ulysses splits the {mixer.num_k_heads} Gated DeltaNet key heads "
+                f"(per tensor-parallel rank) over {u} ranks; model.linear_num_key_heads must divide by {u} "
+                "(model.linear_num_value_heads, a multiple of it, then does too)"
+            )
     plan = ContextParallel(cp_mesh, method, u)
-    for module in (*decoders, *attentions):
+    for module in (*decoders, *attentions, *mixers):
         module.cp = plan
 
 
@@ -642,6 +666,7 @@ __all__ = [
     "CP_FAMILIES",
     "CP_REFUSED",
     "CP_METHODS",
+    "CP_ONLY_METHODS",
     "CP_MODEL_KWARGS",
     "ContextParallel",
     "apply_cp",

@@ -38,12 +38,15 @@ L2 normalisation as ``x * rsqrt(sum(x^2) + 1e-6)``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshforge.models.common.mlp import activation
 from meshforge.models.common.norms import RMSNorm
+from meshforge.parallel.context_blocks import heads_to_seq, seq_to_heads
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -297,6 +300,9 @@ class GatedDeltaNet(nn.Module):
         self.act_fn = activation(hidden_act)
         # Set by the `gdn_chunk_size` kernel switch (Qwen3NextForCausalLM.configure_kernels).
         self.chunk_size = DEFAULT_CHUNK_SIZE
+        # Set by meshforge.parallel.context.apply_cp (ulysses only): the CP plan whose group
+        # exchanges heads for sequence (see _mix_ulysses); None without CP.
+        self.cp: Any = None
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Unpack the two projections into q, k ``[B,S,Hk,Dk]``, v, z ``[B,S,Hv,Dv]``, b, a ``[B,S,Hv]``."""
@@ -312,28 +318,137 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
         return q, k, v, z, b.reshape(batch, seq_len, -1), a.reshape(batch, seq_len, -1)
 
-    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, cp_mask: Any = None
+    ) -> torch.Tensor:
         """Mix ``x`` ``[B, S, hidden]`` along time; ``segment_ids`` ``[B, S]`` resets at document starts.
 
         Padding tokens (segment 0) have their input zeroed first, as transformers does with
         its attention mask, so they write nothing into the state.
+
+        Args:
+            x: Normalised hidden states (this rank's slice of each row under CP).
+            segment_ids: Document ids of the same tokens, or None.
+            cp_mask: Under context parallelism (``cp`` set), the decoder's per-forward
+                :class:`~meshforge.parallel.context.CPMask` (full-row document ids, length).
         """
         batch, seq_len, _ = x.shape
         if segment_ids is not None:
             x = x * (segment_ids != 0)[..., None].to(x.dtype)
         q, k, v, z, b, a = self._split(x)
-        mixed = torch.cat([t.reshape(batch, seq_len, -1) for t in (q, k, v)], dim=-1).transpose(1, 2)
-        mixed = self.act_fn(causal_conv1d(mixed, self.conv1d.weight, segment_ids)).transpose(1, 2)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        # float32 decay: exp(A_log) of a low-precision A_log can overflow.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, segment_ids=segment_ids)
+        if self.cp is None:
+            out = self._mix(q, k, v, b, a, self.conv1d.weight, self.A_log, self.dt_bias, segment_ids)
+        else:
+            out = self._mix_ulysses(q, k, v, b, a, cp_mask)
         out = self.norm(out, z)
         return self.out_proj(out.reshape(batch, seq_len, -1))
+
+    def _mix(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        conv_weight: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        segment_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Conv, activation and the gated delta rule over whole rows: ``[B, S, Hv, Dv]``.
+
+        Head counts come from the shapes (and ``conv_weight``/``a_log``/``dt_bias`` are those
+        heads' channels and values): under CP ulysses this runs on a slice of the heads.
+        """
+        batch, seq_len, k_heads, _ = q.shape
+        v_heads = v.shape[2]
+        mixed = torch.cat([t.reshape(batch, seq_len, -1) for t in (q, k, v)], dim=-1).transpose(1, 2)
+        mixed = self.act_fn(causal_conv1d(mixed, conv_weight, segment_ids)).transpose(1, 2)
+        key_dim = k_heads * self.head_k_dim
+        q, k, v = mixed.split([key_dim, key_dim, v_heads * self.head_v_dim], dim=-1)
+        q = q.reshape(batch, seq_len, k_heads, self.head_k_dim)
+        k = k.reshape(batch, seq_len, k_heads, self.head_k_dim)
+        v = v.reshape(batch, seq_len, v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        # float32 decay: exp(A_log) of a low-precision A_log can overflow.
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, segment_ids=segment_ids)
+
+    def _mix_ulysses(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        cp_mask: Any,
+    ) -> torch.Tensor:
+        """:meth:`_mix` under CP ulysses: whole rows for a slice of the key-head groups, then back.
+
+        The inputs are all heads of this rank's ``S / u`` tokens. One all-to-all (all
+        five tensors packed per key head: q, k, the group's v, b, a) gives every rank
+        ``Hk / u`` whole key-head groups over the full row, in global order (ulysses keeps
+        contiguous chunks); the conv, the decays and the recurrence then run there with
+        those heads' conv channels, ``A_log`` and ``dt_bias`` and the full-row document
+        ids, exactly as on one process. A second all-to-all returns ``[B, S / u, Hv, Dv]``.
+        Parameters used on a slice get gradient only there; the sum over the CP ranks
+        (FSDP over the cp mesh) is the single-process gradient.
+        """
+        plan = self.cp
+        if getattr(cp_mask, "seq_len", None) is None:
+            raise TypeError(
+                "context-parallel Gated DeltaNet needs the CPMask that Qwen3NextModel builds when "
+                f"parallelism.context_parallel > 1, got {type(cp_mask).__name__}"
+            )
+        u, group = plan.ulysses_size, plan.ulysses_group
+        batch, local_len, k_heads, _ = q.shape
+        v_heads = v.shape[2]
+        per_group = v_heads // k_heads
+        if k_heads % u or local_len * u != cp_mask.seq_len:
+            raise ValueError(
+                f"context parallel Gated DeltaNet: {k_heads} key heads of {local_len} tokens cannot be "
+                f"split over {u} ranks of a {cp_mask.seq_len}-token row; model.linear_num_key_heads "
+                "must divide by parallelism.context_parallel"
+            )
+        dv = self.head_v_dim
+        packed = torch.cat(
+            [
+                q,
+                k,
+                v.reshape(batch, local_len, k_heads, per_group * dv),
+                b.reshape(batch, local_len, k_heads, per_group),
+                a.reshape(batch, local_len, k_heads, per_group),
+            ],
+            dim=-1,
+        ).transpose(1, 2)
+        (full,) = seq_to_heads([packed], u, group)  # [B, Hk / u, S, width]
+        full = full.transpose(1, 2)
+        seq_len, local_k = full.shape[1], k_heads // u
+        local_v = local_k * per_group
+        dk = self.head_k_dim
+        q, k, v, b, a = full.split([dk, dk, per_group * dv, per_group, per_group], dim=-1)
+        v = v.reshape(batch, seq_len, local_v, dv)
+        b, a = b.reshape(batch, seq_len, local_v), a.reshape(batch, seq_len, local_v)
+        rank = plan.rank % u
+        # This rank's conv channels: its slice of each of the q, k and v blocks.
+        key_dim = k_heads * dk
+        qk = torch.arange(rank * local_k * dk, (rank + 1) * local_k * dk, device=q.device)
+        vs = torch.arange(rank * local_v * dv, (rank + 1) * local_v * dv, device=q.device)
+        channels = torch.cat([qk, qk + key_dim, vs + 2 * key_dim])
+        heads = slice(rank * local_v, (rank + 1) * local_v)
+        out = self._mix(
+            q,
+            k,
+            v,
+            b,
+            a,
+            self.conv1d.weight.index_select(0, channels),
+            self.A_log[heads],
+            self.dt_bias[heads],
+            cp_mask.segments,
+        )
+        out = heads_to_seq(out.transpose(1, 2), u, group)  # [B, Hv, S / u, Dv]
+        return out.transpose(1, 2)
 
     def extra_repr(self) -> str:
         return (

@@ -15,9 +15,15 @@ Gated DeltaNet layers restart their recurrent state and conv window at every doc
 start, positions restart per document unless ``position_ids`` are given. Besides
 logits, a forward leaves ``aux_loss()`` (with ``output_router_logits``) and
 ``tokens_per_expert()`` as for Qwen3-MoE.
+
+Context parallelism (ulysses, the reference's only method for this family): the gated
+attention layers call the CP plan like every ``Attention``; the Gated DeltaNet layers
+trade sequence for key-head groups with their own all-to-alls (``gdn.py``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -116,7 +122,11 @@ class GatedAttention(Attention):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Attend over ``x`` ``[B, S, hidden]``; ``mask`` is None (causal) or boolean ``[B, 1, S, S]``."""
+        """Attend over ``x`` ``[B, S, hidden]``; ``mask`` is None (causal) or boolean ``[B, 1, S, S]``.
+
+        Under context parallelism ``mask`` is the decoder's CPMask and ``rope`` holds the
+        global positions of this rank's tokens.
+        """
         batch, seq_len, _ = x.shape
         q, gate = self.q_proj(x).view(batch, seq_len, -1, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(batch, seq_len, -1)
@@ -127,6 +137,16 @@ class GatedAttention(Attention):
         q = self._rotate(q, cos, sin).transpose(1, 2)
         k = self._rotate(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
+        if self.cp is not None:
+            # Context parallel (set by apply_cp): the plan's attention over the CPMask; the
+            # output gate is per token and head, applied locally as on one process.
+            if self.dropout and self.training:
+                raise ValueError(
+                    "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
+                )
+            out = self.cp(q, k, v, mask, scale=self.scaling)
+            out = out.transpose(1, 2).reshape(batch, seq_len, -1)
+            return self.o_proj(out * torch.sigmoid(gate))
         if self.flash and mask is not None and self.flash_strict:
             raise ValueError(
                 "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "
@@ -213,10 +233,15 @@ class Qwen3NextDecoderLayer(nn.Module):
         mask: torch.Tensor | None,
         segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One block; ``mask`` for attention layers, ``segment_ids`` for the DeltaNet and the router stats."""
+        """One block; ``mask`` for attention layers, ``segment_ids`` for the DeltaNet and the router stats.
+
+        Under context parallelism ``mask`` is the CPMask (the DeltaNet reads the full-row
+        document ids from it) and ``segment_ids`` this rank's slice.
+        """
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
-            x = x + self.linear_attn(h, segment_ids)
+            cp_mask = mask if self.linear_attn.cp is not None else None
+            x = x + self.linear_attn(h, segment_ids, cp_mask)
         else:
             x = x + self.self_attn(h, rope, mask)
         h = self.post_attention_layernorm(x)
@@ -226,7 +251,15 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextModel(nn.Module):
-    """Embedding, hybrid decoder layers and final norm (transformers' ``Qwen3NextModel``)."""
+    """Embedding, hybrid decoder layers and final norm (transformers' ``Qwen3NextModel``).
+
+    Under context parallelism (``cp`` set by ``meshforge.parallel.context.apply_cp``,
+    ulysses) the plan's ``prepare`` builds one CPMask per forward (full-row document ids,
+    global positions) that both kinds of layer read.
+    """
+
+    # Set by meshforge.parallel.context.apply_cp; None without CP.
+    cp: Any = None
 
     def __init__(self, args: Qwen3NextArgs) -> None:
         super().__init__()
@@ -244,7 +277,9 @@ class Qwen3NextModel(nn.Module):
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         mask = None
-        if segment_ids is not None:
+        if self.cp is not None:
+            mask, position_ids = self.cp.prepare(input_ids, position_ids, segment_ids)
+        elif segment_ids is not None:
             # Attention gets one block-diagonal mask; the DeltaNet layers read segment_ids directly.
             if self._has_attention:
                 mask = segment_causal_mask(segment_ids)
