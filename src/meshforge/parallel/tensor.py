@@ -23,7 +23,12 @@ both shard the `[vocab, hidden]` weight on dim 0, so one DTensor serves both (re
 
 Built-in families get their plan from `meshforge.models.<family>.parallelize.tp_plan` (qwen3 and
 llama share the dense decoder plan below; qwen3 adds its per-head q/k norms; qwen3_moe keeps its
-routed experts whole on every rank, see its module). The generic
+routed experts whole on every rank, see its module). Every built-in family has a plan: deepseek_v3
+(latent attention by heads), gpt_oss (sink attention with its sinks by heads) and qwen3_next
+(gated attention and Gated DeltaNet by heads) start from the same plan, keep their MoE blocks
+whole like qwen3_moe, and give their token mixers a `SplitHeads` style: local head counts set
+on the module, per-head parameters that no `nn.Linear` owns split with the heads or kept whole
+with their gradients summed over TP. The generic
 transformers path (`family="generic"`) is driven by the `parallelism.tp_colwise` / `tp_rowwise`
 module patterns instead, without SP. transformers 5.24's Qwen3 and Llama attention reshape the
 projections with `view(*input_shape, -1, head_dim)` and keep no head-count attribute in forward
@@ -335,23 +340,41 @@ def _swap_back_split(module: nn.Module, _args: Any, _output: Any) -> None:
         owner._parameters[leaf] = param
 
 
-def attention_input(*, sequence_parallel: bool, num_extra: int, local: bool) -> ParallelStyle | None:
+class _GatherSequence(ParallelStyle):
+    """Forward pre-hook style: all-gather the sequence of a module's first input (Shard(1) -> Replicate).
+
+    Unlike `PrepareModuleInput` it does not fix the number of the other arguments (RoPE tables,
+    masks, segment ids, a context-parallel mask), which pass through untouched.
+    """
+
+    def __init__(self, *, local: bool) -> None:
+        super().__init__()
+        self.local = local
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(functools.partial(self._prepare, mesh=device_mesh))
+        return module
+
+    def _prepare(self, _module: nn.Module, args: tuple[Any, ...], *, mesh: DeviceMesh) -> tuple[Any, ...]:
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
+        if x.placements != (Replicate(),):
+            x = x.redistribute(mesh, (Replicate(),))
+        return (x.to_local() if self.local else x, *args[1:])
+
+
+def attention_input(*, sequence_parallel: bool, local: bool) -> ParallelStyle | None:
     """The input preparation of a token mixer under SP: all-gather the sequence of its first input.
 
     Args:
         sequence_parallel: without SP the input is already whole: None (nothing to prepare).
-        num_extra: further arguments (RoPE tables, a mask, segment ids) that pass through.
         local: hand the mixer a plain tensor (mixers whose own parameters are plain tensors)
-            rather than a replicated DTensor.
+            rather than a replicated DTensor. Its backward treats the gradient as whole
+            (Replicate), so every consumer of the input must produce the full gradient (as
+            column-split projections do: their input gradient is summed over TP).
     """
-    if not sequence_parallel:
-        return None
-    extra = (None,) * num_extra
-    return PrepareModuleInput(
-        input_layouts=(Shard(1), *extra),
-        desired_input_layouts=(Replicate(), *extra),
-        use_local_output=local,
-    )
+    return _GatherSequence(local=local) if sequence_parallel else None
 
 
 def _shared_parameters(model: nn.Module) -> list[tuple[str, str]]:
@@ -637,7 +660,8 @@ def apply_tp(
         model: a built-in family's `*ForCausalLM` (meta or real tensors) or a generic
             transformers model; a pipeline stage with some modules removed works too.
         tp_mesh: the "tp" mesh view.
-        family: built-in family name (`qwen3`, `llama`) or `generic` for the pattern-driven path.
+        family: built-in family name (`qwen3`, `llama`, `qwen3_moe`, `deepseek_v3`, `gpt_oss`,
+            `qwen3_next`) or `generic` for the pattern-driven path.
         sequence_parallel: sequence-split activations between the attention and MLP blocks
             (built-in families; the generic path has none).
         loss_parallel: keep the logits vocab-sharded (`Shard(-1)` DTensor) for

@@ -106,7 +106,7 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
             del plan[key]
         plan[prefix] = SplitHeads(
             head_attrs=("num_heads",),
-            inner=attention_input(sequence_parallel=sequence_parallel, num_extra=2, local=True),
+            inner=attention_input(sequence_parallel=sequence_parallel, local=True),
         )
         plan[f"{prefix}.{'q_proj' if attn.q_lora_rank is None else 'q_b_proj'}"] = ColwiseParallel()
         plan[f"{prefix}.kv_a_proj_with_mqa"] = _SumRopeKeyGrad(attn.qk_rope_head_dim)

@@ -52,6 +52,6 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
         plan[f"model.layers.{path}.self_attn"] = SplitHeads(
             head_attrs=("num_heads", "num_kv_heads"),
             sharded=("sinks",),
-            inner=attention_input(sequence_parallel=sequence_parallel, num_extra=2, local=False),
+            inner=attention_input(sequence_parallel=sequence_parallel, local=False),
         )
     return plan

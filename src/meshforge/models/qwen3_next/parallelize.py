@@ -91,7 +91,7 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
             head_attrs=("num_k_heads", "num_v_heads", "key_dim", "value_dim"),
             sharded=("A_log", "dt_bias"),
             summed={"conv1d.weight": _conv_channels(gdn.key_dim, gdn.value_dim), "norm.weight": None},
-            inner=attention_input(sequence_parallel=sequence_parallel, num_extra=1, local=True),
+            inner=attention_input(sequence_parallel=sequence_parallel, local=True),
         )
         plan[f"{prefix}.in_proj_qkvz"] = ColwiseParallel()
         plan[f"{prefix}.in_proj_ba"] = ColwiseParallel()
