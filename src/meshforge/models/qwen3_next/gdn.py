@@ -34,6 +34,14 @@ cumulative sums NaN or lose float32 precision).
 
 Numerics follow transformers: the rule runs in float32 whatever the compute dtype,
 L2 normalisation as ``x * rsqrt(sum(x^2) + 1e-6)``.
+
+Context parallelism (ulysses; ``GatedDeltaNet.cp`` set by ``apply_cp``): the conv and the
+recurrence need whole rows, but they are independent per head. So right after the two
+projections one all-to-all turns "all heads, 1/cp of the row" into "1/cp of the key-head
+groups (each key head with the value heads it serves), the whole row", the conv runs on
+those heads' channels, the rule on their decays, with the full row's document ids, and
+a second all-to-all turns the rule's output back before the gated norm (per token and
+value head, so it stays local with the output gate ``z``).
 """
 
 from __future__ import annotations

@@ -240,8 +240,10 @@ class Qwen3NextDecoderLayer(nn.Module):
         """
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
-            cp_mask = mask if self.linear_attn.cp is not None else None
-            x = x + self.linear_attn(h, segment_ids, cp_mask)
+            if self.linear_attn.cp is None:
+                x = x + self.linear_attn(h, segment_ids)
+            else:
+                x = x + self.linear_attn(h, segment_ids, mask)
         else:
             x = x + self.self_attn(h, rope, mask)
         h = self.post_attention_layernorm(x)
