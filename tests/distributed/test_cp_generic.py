@@ -49,6 +49,8 @@ MODELS = {
         "Qwen3",
         {"num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
     ),
+    # No layer_types: the window applies to every layer (Mistral-style).
+    "mistral_sliding": ("Mistral", {"num_key_value_heads": 2, "sliding_window": 5}),
     "llama": ("Llama", {"num_key_value_heads": 2}),
     "llama_mqa": ("Llama", {"num_key_value_heads": 1}),
 }
@@ -160,9 +162,8 @@ def _worker(rank: int, world: int, init_file: str, root: str, errors) -> None:
         for method in ("ulysses", "colossal", "kvallgather"):
             for packed in (False, True):
                 _check_equal(folders / "qwen3", method, mesh, packed=packed)
-            # The single-process reference drops the window under a packed-document mask, so
-            # the sliding-window model is compared on unpacked rows.
-            _check_equal(folders / "qwen3_sliding", method, mesh, packed=False)
+                _check_equal(folders / "qwen3_sliding", method, mesh, packed=packed)
+        _check_equal(folders / "mistral_sliding", "colossal", mesh, packed=True)
         _check_equal(folders / "llama", "colossal", mesh, packed=True)
         _check_equal(folders / "llama_mqa", "ulysses", mesh, packed=True)
         _check_errors(folders, mesh)
@@ -226,3 +227,26 @@ def test_generic_train_cp2_equals_one_process(tmp_path: Path) -> None:
         for x, y in zip(one, read_metrics(out), strict=True):
             assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), method
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), method
+
+
+@pytest.mark.parametrize("name", ["qwen3_sliding", "mistral_sliding"])
+def test_generic_packed_rows_keep_the_sliding_window(tmp_path: Path, name: str) -> None:
+    # The one-process reference itself: each document of a packed row gives the logits it
+    # gives alone (positions restart, the window reaches back inside the document only).
+    arch, extra = MODELS[name]
+    torch.manual_seed(0)
+    getattr(transformers, f"{arch}ForCausalLM")(
+        getattr(transformers, f"{arch}Config")(**COMMON, **extra)
+    ).save_pretrained(tmp_path / name)
+    model = _build(tmp_path / name)
+    batch = _batch(packed=True)
+    with torch.no_grad():
+        packed = model(batch["input_ids"], segment_ids=batch["segment_ids"])
+        for row in range(2):
+            segments = batch["segment_ids"][row]
+            for doc in segments.unique().tolist():
+                if doc == 0:
+                    continue
+                where = (segments == doc).nonzero().flatten()
+                alone = model(batch["input_ids"][row : row + 1, where])
+                torch.testing.assert_close(packed[row, where], alone[0], rtol=1e-5, atol=1e-5)

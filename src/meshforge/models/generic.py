@@ -137,10 +137,9 @@ class GenericCausalLMMixin:
             return out.logits
         mask = None
         if segment_ids is not None:
-            from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
+            from meshforge.models.common.attention import positions_from_segments
 
-            # A 4-D mask is passed to the attention as it is (transformers' "prepared mask").
-            mask = segment_causal_mask(segment_ids)
+            mask = packed_masks(self.config, segment_ids)  # type: ignore[attr-defined]
             if position_ids is None:
                 # Positions restart per document, as in the built-in families (and under CP).
                 position_ids = positions_from_segments(segment_ids)
@@ -174,6 +173,36 @@ class GenericCausalLMMixin:
             if has_buffers and not any(True for _ in module.parameters(recurse=False)):
                 # transformers' own init knows each buffer (rotary frequencies, causal-mask tables).
                 self._init_weights(module)  # type: ignore[attr-defined]
+
+
+def packed_masks(config: Any, segment_ids: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The block-diagonal causal mask(s) of packed rows, with the model's sliding window where it has one.
+
+    A 4-D mask reaches the attention as it is (transformers' "prepared mask"), so transformers no
+    longer adds its sliding window: it is added here. Models with ``config.layer_types`` get one
+    mask per layer type (the mapping transformers' decoders accept in place of building theirs);
+    the others (Mistral-style) apply ``config.sliding_window``, when set, to every layer.
+
+    Args:
+        config: The transformers config (``sliding_window``, ``layer_types`` read).
+        segment_ids: ``[B, S]`` document ids (0 = padding).
+
+    Returns:
+        A boolean ``[B, 1, S, S]`` mask, or ``{layer_type: mask}``.
+    """
+    from meshforge.models.common.attention import segment_causal_mask
+
+    mask = segment_causal_mask(segment_ids)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return mask
+    index = torch.arange(segment_ids.shape[-1], device=segment_ids.device)
+    # transformers' rule: key j visible from query i when i - window < j (<= i, the causal part).
+    windowed = mask & (index[None, :] > index[:, None] - int(window))
+    if layer_types is None:
+        return windowed
+    return {kind: windowed if kind == "sliding_attention" else mask for kind in set(layer_types)}
 
 
 _WRAPPED: dict[type, type] = {}
