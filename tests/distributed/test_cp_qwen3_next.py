@@ -14,8 +14,9 @@ and a padded row end:
 
 It also checks the refusals (colossal, kvallgather; head counts that do not divide by the
 CP degree). A second test runs ``meshforge train`` on ``configs/qwen3_next/tiny.yaml``
-(shrunk) with ``context_parallel=2`` ulysses on 2 processes and compares its per-step loss,
-grad norm and aux loss with a 1-process run.
+(shrunk) with ``context_parallel=2`` ulysses on 2 processes, and with tensor parallel 2
+(sequence parallel) x CP 2 on 4, and compares their per-step loss, grad norm and aux loss
+with a 1-process run.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def test_cp_ulysses_qwen3_next_two_ranks_equal_one_process() -> None:
         assert not messages and all(p.exitcode == 0 for p in procs), "\n".join(messages)
 
 
-# configs/qwen3_next/tiny.yaml shrunk to seconds: 2 DeltaNet layers (2 key / 4 value heads) and
+# configs/qwen3_next/tiny.yaml shrunk to seconds: 2 DeltaNet layers (4 key / 8 value heads) and
 # one gated attention layer, MoE (router aux loss on), 3 steps.
 _TRAIN = [
     "--training.steps=3",
@@ -246,6 +247,8 @@ _TRAIN = [
     "--model.moe_intermediate_size=16",
     "--model.shared_expert_intermediate_size=16",
     "--model.num_experts=4",
+    "--model.linear_num_key_heads=4",
+    "--model.linear_num_value_heads=8",
     "--kernels.gdn_chunk_size=8",
     "--checkpoint.enable_save=false",
     "--lr_scheduler.warmup_steps=0",  # full learning rate from step 1: steps 2-3 see moved weights
@@ -256,20 +259,20 @@ def test_train_qwen3_next_cp2_ulysses_equals_one_process(tmp_path: Path) -> None
     corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=60)
     config = ROOT / "configs" / "qwen3_next" / "tiny.yaml"
     common = [*_TRAIN, f"--train_dataset.dataloader.data_path={corpus}"]
+    cp2 = ["--parallelism.context_parallel=2", "--parallelism.context_parallel_method=ulysses"]
+    tp2 = ["--parallelism.tensor_parallel=2", "--parallelism.sequence_parallel=true"]
     runs = {}
-    for name, nproc, extra in (
-        ("one", 1, []),
-        ("cp2", 2, ["--parallelism.context_parallel=2", "--parallelism.context_parallel_method=ulysses"]),
-    ):
+    # tp2 x cp2: 2 local key heads (1 per CP rank) and 2 local attention heads over 1 K/V head.
+    for name, nproc, extra in (("one", 1, []), ("cp2", 2, cp2), ("tp2_cp2", 4, [*tp2, *cp2])):
         out = tmp_path / name
         proc = run_train(config, [*common, *extra, f"--training.output_dir={out}"], nproc=nproc, cwd=tmp_path)
         if nproc > 1:
             assert "CP (ulysses) over 2 ranks" in proc.stdout, proc.stdout
         runs[name] = [m for m in read_metrics(out) if "loss" in m]
-    assert len(runs["one"]) == len(runs["cp2"]) == 3, runs
-    for a, b in zip(runs["cp2"], runs["one"], strict=True):
-        for key in ("loss", "grad_norm", "aux_loss"):
-            if key in b:
-                assert key in a, (key, a)
-                assert abs(a[key] - b[key]) <= TOL * abs(b[key]), (key, a, b)
     assert "aux_loss" in runs["one"][0], runs["one"][0]
+    for name in ("cp2", "tp2_cp2"):
+        assert len(runs[name]) == len(runs["one"]) == 3, runs
+        for a, b in zip(runs[name], runs["one"], strict=True):
+            for key in ("loss", "grad_norm", "aux_loss"):
+                assert key in a, (name, key, a)
+                assert abs(a[key] - b[key]) <= TOL * abs(b[key]), (name, key, a, b)
