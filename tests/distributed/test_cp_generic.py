@@ -1,13 +1,15 @@
 """Context parallelism on the generic transformers path equals one process (gloo, 2 ranks).
 
-One 2-process launch: tiny transformers models (Qwen3 with grouped K/V heads, Qwen3 with
-sliding-window layers, Llama with grouped and with a single K/V head) are saved with
-``save_pretrained``, built through meshforge's generic family and wrapper, and run under
-``apply_cp`` with ulysses, colossal (ring) and kvallgather, with and without packed documents:
-the loss and every parameter gradient (summed over the CP ranks) equal the single-process
-wrapped model's within 1e-5 relative. The refusals (attention dropout, a call outside meshforge's
-forward, heads that do not divide) are checked in the same launch. Then ``meshforge train`` on
-the generic path (a Mistral folder, no built-in family) with ``--parallelism.context_parallel=2``
+One 2-process launch: tiny transformers models (Qwen3 with grouped K/V heads, Qwen3 with a
+sliding-window layer, Mistral with a window on every layer, Llama with grouped and with a single
+K/V head) are saved with ``save_pretrained``, built through meshforge's generic family and
+wrapper, and run under ``apply_cp`` with ulysses, colossal (ring) and kvallgather, with and
+without packed documents: the loss and every parameter gradient (summed over the CP ranks)
+equal the single-process wrapped model's within 1e-5 relative. The refusals (attention dropout,
+a call outside meshforge's forward, a pipeline stage, heads that do not divide) are checked in
+the same launch. A single-process check pins the reference itself: each document of a packed
+row of a sliding-window model gives the logits it gives alone. Then ``meshforge train`` on the
+generic path (a Mistral folder, no built-in family) with ``--parallelism.context_parallel=2``
 (ulysses and colossal) logs the one-process losses and grad norms.
 """
 
@@ -144,6 +146,12 @@ def _check_errors(root: Path, mesh) -> None:
     # transformers' own calling convention bypasses the CP state: refused, not a local-only attention.
     with pytest.raises(RuntimeError, match="runs only inside meshforge's forward"):
         model(torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long))
+    from meshforge.parallel.pipeline import split_model
+
+    model = _build(root / "qwen3")
+    split = split_model(model, pp_rank=0, pp_size=2)
+    with pytest.raises(NotImplementedError, match=r"context_parallel > 1 with pipeline_parallel > 1"):
+        apply_cp(split.model, mesh, method="colossal")
     model = _build(root / "qwen3")
     model.config.num_attention_heads = 3
     with pytest.raises(ValueError, match=r"num_attention_heads must divide by 2"):

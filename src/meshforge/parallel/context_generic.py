@@ -20,7 +20,8 @@ K/V heads arrive un-repeated, as the plan expects (ulysses repeats them only whe
 does not divide over its ranks).
 
 Refused, with the reason (``NotImplementedError``): attention dropout, attention logit soft-capping,
-attention sinks (``s_aux``), non-causal attention, layer types other than full/sliding attention
+attention sinks (``s_aux``), non-causal attention, pipeline parallelism (a stage runs the layers
+without the wrapper's forward), layer types other than full/sliding attention
 (linear attention or recurrent layers carry state across the ranks' slices; chunked attention has
 no CP mask here), and models whose attention does not dispatch through ``AttentionInterface`` (found
 at the first forward: no call reached :func:`cp_attention`).
@@ -170,6 +171,14 @@ def apply_generic_cp(model: nn.Module, plan: ContextParallel) -> None:
         NotImplementedError: For a model config CP cannot run exactly (see module doc).
         ValueError: When the heads do not divide over the ulysses ranks.
     """
+    from meshforge.parallel.pipeline_stage import _PipelinedCausalLM
+
+    if isinstance(model, _PipelinedCausalLM):
+        raise _refuse(
+            "pipeline_parallel > 1",
+            "a pipeline stage runs the decoder layers itself, not the wrapper's forward that builds the "
+            "per-forward CP state the attention needs",
+        )
     config = model.config  # type: ignore[attr-defined]
     _check_config(config, plan.ulysses_size, plan.method)
     register_attention()
