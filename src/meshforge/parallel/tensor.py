@@ -260,7 +260,7 @@ class SplitHeads(ParallelStyle):
       is reduced over the TP ranks;
     * for the forward, the module sees plain local tensors in place of those parameters
       (swapped in by a pre-hook, back after; differentiable, so gradients reach the DTensors);
-    * `inner` (a `PrepareModuleInput`, under SP) is applied to the module as well.
+    * `inner` (the input preparation under SP, `attention_input`) is applied to the module too.
 
     Names are dotted paths relative to the module (`"conv1d.weight"`).
     """
