@@ -4,13 +4,14 @@ One 2-process launch: tiny transformers models (Qwen3 with grouped K/V heads, Qw
 sliding-window layer, Mistral with a window on every layer, Llama with grouped and with a single
 K/V head) are saved with ``save_pretrained``, built through meshforge's generic family and
 wrapper, and run under ``apply_cp`` with ulysses, colossal (ring) and kvallgather, with and
-without packed documents: the loss and every parameter gradient (summed over the CP ranks)
-equal the single-process wrapped model's within 1e-5 relative. The refusals (attention dropout,
-a call outside meshforge's forward, a pipeline stage, heads that do not divide) are checked in
-the same launch. A single-process check pins the reference itself: each document of a packed
-row of a sliding-window model gives the logits it gives alone. Then ``meshforge train`` on the
-generic path (a Mistral folder, no built-in family) with ``--parallelism.context_parallel=2``
-(ulysses and colossal) logs the one-process losses and grad norms.
+without packed documents: the loss and every parameter gradient (summed over the CP ranks) equal
+the single-process wrapped model's within 1e-5 relative. The refusals (attention dropout, a call
+outside meshforge's forward, a pipeline stage, a window the attention never sees, heads that do
+not divide) are checked in the same launch. A single-process check pins the reference itself:
+each document of a packed row of a sliding-window model gives the logits it gives alone. Then
+``meshforge train`` on the generic path (a Mistral folder, no built-in family) with
+``--parallelism.context_parallel=2`` (ulysses and colossal) logs the one-process losses and grad
+norms.
 """
 
 from __future__ import annotations
@@ -146,6 +147,12 @@ def _check_errors(root: Path, mesh) -> None:
     # transformers' own calling convention bypasses the CP state: refused, not a local-only attention.
     with pytest.raises(RuntimeError, match="runs only inside meshforge's forward"):
         model(torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long))
+    # A configured window the attention calls never see (Llama passes none): refused, not dropped.
+    model = _build(root / "llama")
+    model.config.sliding_window = 4
+    apply_cp(model, mesh, method="ulysses")
+    with pytest.raises(NotImplementedError, match=r"sliding_window 4 .*pass no sliding_window"):
+        model(torch.zeros(1, 4, dtype=torch.long))
     from meshforge.parallel.pipeline import split_model
 
     model = _build(root / "qwen3")

@@ -23,8 +23,9 @@ Refused, with the reason (``NotImplementedError``): attention dropout, attention
 attention sinks (``s_aux``), non-causal attention, pipeline parallelism (a stage runs the layers
 without the wrapper's forward), layer types other than full/sliding attention
 (linear attention or recurrent layers carry state across the ranks' slices; chunked attention has
-no CP mask here), and models whose attention does not dispatch through ``AttentionInterface`` (found
-at the first forward: no call reached :func:`cp_attention`).
+no CP mask here), and, found at the first forward, models whose attention does not dispatch
+through ``AttentionInterface`` (no call reached :func:`cp_attention`) or whose configured sliding
+window reaches no attention call (it would live only in the mask CP replaces).
 """
 
 from __future__ import annotations
@@ -53,11 +54,13 @@ class GenericCPState:
         plan: The model's :class:`~meshforge.parallel.context.ContextParallel`.
         mask: This forward's :class:`~meshforge.parallel.context.CPMask`.
         calls: How many attention calls reached :func:`cp_attention` (checked after the forward).
+        windowed: How many of them carried a ``sliding_window``.
     """
 
     plan: ContextParallel
     mask: CPMask
     calls: int = 0
+    windowed: int = 0
 
 
 def _refuse(what: str, why: str) -> NotImplementedError:
@@ -116,6 +119,7 @@ def cp_attention(
     if scaling is None:
         scaling = float(getattr(module, "head_dim", query.shape[-1])) ** -0.5
     state.calls += 1
+    state.windowed += bool(window)
     out = state.plan(
         query, key, value, state.mask, scale=float(scaling), window=int(window) if window else None
     )
@@ -216,16 +220,29 @@ def prepare_generic_cp(
 
 
 def check_generic_cp(model: nn.Module, state: GenericCPState) -> None:
-    """After a forward: fail if no attention call reached the CP plan (the result would be wrong).
+    """After a forward: fail where the CP attention cannot have computed the model's attention.
 
     Raises:
-        NotImplementedError: The model computes attention without transformers' ``AttentionInterface``.
+        NotImplementedError: The model computes attention without transformers'
+            ``AttentionInterface``, or its config has a sliding window (``config.sliding_window``
+            with sliding layers, or without ``layer_types``: Mistral-style, every layer) that no
+            attention call was given (the model would apply it only through the mask CP replaces).
     """
     if state.calls == 0:
         raise _refuse(
             type(model).__name__,
             "its attention does not dispatch through transformers' AttentionInterface, so the CP "
             "attention never ran (each rank attended only to its own slice)",
+        )
+    config = model.config  # type: ignore[attr-defined]
+    layer_types = getattr(config, "layer_types", None)
+    window_expected = bool(getattr(config, "sliding_window", None)) and (
+        layer_types is None or "sliding_attention" in layer_types
+    )
+    if window_expected and state.windowed == 0:
+        raise _refuse(
+            f"config.sliding_window {config.sliding_window} ({type(model).__name__})",
+            "its attention calls pass no sliding_window (the window would live only in the mask CP replaces)",
         )
 
 
