@@ -7,7 +7,8 @@ pp2 1f1b with an uneven split on packed documents (positions restart per documen
 stage) and pp2 gpipe on plain rows against the unsplit wrapper on the same weights: CE sums and
 every parameter gradient within 1e-5 relative, over two AdamW steps. A ``meshforge train`` run
 with ``--parallelism.pipeline_parallel=2`` on a tied generic folder (Mistral: a Qwen3 folder
-would train through the built-in qwen3 family) logs the one-process losses and grad norms.
+would train through the built-in qwen3 family) logs the one-process losses and grad norms, and
+its checkpoint resumes in one process. Unsupported model types and layouts are refused by name.
 """
 
 from __future__ import annotations
@@ -208,7 +209,8 @@ def test_train_pp2_generic_equals_one_process(tmp_path: Path) -> None:
     """``meshforge train`` with pipeline_parallel=2 on a generic folder logs the 1-process numbers.
 
     A Qwen3 folder would train through the built-in qwen3 family, so this one holds a Mistral
-    model (no built-in family; 3 layers, split unevenly).
+    model (no built-in family; 3 layers, split unevenly). The pp2 run's last checkpoint then
+    resumes in one process and its next step equals the 1-process run's.
     """
     from meshforge.data.tokenizer import build_tokenizer
     from tests.unit.test_generic_hf import MISTRAL, _config
@@ -220,23 +222,28 @@ def test_train_pp2_generic_equals_one_process(tmp_path: Path) -> None:
     transformers.MistralForCausalLM(config_hf).save_pretrained(hf_dir)
     build_tokenizer("meshforge://assets/tokenizer").save_pretrained(hf_dir)
     config = _config(tmp_path, hf_dir)
+    # 2 micro-batches of 2 rows per step (1f1b needs at least pp of them).
+    common = ["--training.global_batch_size=4"]
+    pp2 = [
+        "--parallelism.pipeline_parallel=2",
+        "--parallelism.pipeline_parallel_schedule=1f1b",
+        '--parallelism.pipeline_parallel_layers_per_stage=["0", "1-2"]',
+    ]
     runs = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"run{nproc}"
-        # 2 micro-batches of 2 rows per step (1f1b needs at least pp of them).
-        args = [f"--training.output_dir={out}", "--training.global_batch_size=4"]
-        if nproc == 2:
-            args += [
-                "--parallelism.pipeline_parallel=2",
-                "--parallelism.pipeline_parallel_schedule=1f1b",
-                '--parallelism.pipeline_parallel_layers_per_stage=["0", "1-2"]',
-            ]
-        proc = run_train(config, args, nproc=nproc, cwd=tmp_path)
+    for name, nproc, args in (
+        ("one", 1, ["--training.steps=4"]),
+        ("pp2", 2, ["--training.steps=3", *pp2]),
+        ("resumed", 1, ["--training.steps=4", f"--checkpoint.load_path={tmp_path / 'pp2' / 'checkpoints'}"]),
+    ):
+        out = tmp_path / name
+        proc = run_train(config, [f"--training.output_dir={out}", *common, *args], nproc=nproc, cwd=tmp_path)
         assert "generic transformers path" in proc.stdout
-        assert ("pipeline stage(s) 0 of 2" in proc.stdout) == (nproc == 2), proc.stdout
-        runs[nproc] = read_metrics(out)
-    one, two = runs[1], runs[2]
-    assert len(one) == len(two) == 3
-    assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], rel=1e-5)
-    assert [m["grad_norm"] for m in two] == pytest.approx([m["grad_norm"] for m in one], rel=1e-5)
-    assert one[0]["loss"] != one[-1]["loss"]  # it trains
+        assert ("pipeline stage(s) 0 of 2" in proc.stdout) == (name == "pp2"), proc.stdout
+        runs[name] = read_metrics(out)
+    one, two, resumed = runs["one"], runs["pp2"], runs["resumed"]
+    assert len(one) == 4 and len(two) == 3 and [m["step"] for m in resumed] == [4]
+    assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one[:3]], rel=1e-5)
+    assert [m["grad_norm"] for m in two] == pytest.approx([m["grad_norm"] for m in one[:3]], rel=1e-5)
+    assert one[0]["loss"] != one[2]["loss"]  # it trains
+    assert resumed[0]["loss"] == pytest.approx(one[3]["loss"], rel=1e-5)
+    assert resumed[0]["grad_norm"] == pytest.approx(one[3]["grad_norm"], rel=1e-5)
