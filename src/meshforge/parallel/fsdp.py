@@ -308,7 +308,6 @@ def apply_fsdp_patterns(
     extra: dict[str, Any] = {"ignored_params": ignored} if ignored else {}
     if cpu_offload:
         extra["offload_policy"] = CPUOffloadPolicy()
-    placement = resolve_shard_placement(shard_placement, shard_size=_shard_size(mesh))
     tied = _tied_parameter_ids(model)
     units = [
         module
@@ -318,6 +317,8 @@ def apply_fsdp_patterns(
         and not _all_ignored(module, ignored)
     ]
     first = {id(m) for _, m in match_modules(model, fsdp_modules[:1], key_path=key_path)}
+    # After the patterns are checked: their errors come first (and need no mesh).
+    placement = resolve_shard_placement(shard_placement, shard_size=_shard_size(mesh))
     # named_modules() lists parents before children: wrap in reverse so children come first.
     for module in reversed(units):
         # The last unit in forward order is needed again right at the start of backward.
