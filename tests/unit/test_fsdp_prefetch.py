@@ -14,11 +14,15 @@ from meshforge.parallel.fsdp import apply_fsdp, apply_fsdp_patterns
 
 @pytest.fixture
 def mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # Another in-process test may have left a 1-rank default group behind: use it then.
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard_cp",))
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
 
 
 def _model():
