@@ -205,11 +205,6 @@ def _generic_runner(
     import inspect
     import sys
 
-    if getattr(inner, "cp", None) is not None:
-        raise NotImplementedError(
-            "not supported yet: parallelism.pipeline_parallel > 1 with context_parallel > 1 on the generic "
-            "transformers path"
-        )
     index_of = {id(layer): int(key) for key, layer in inner.layers.items()}
     kinds = generic_layer_types(inner, [index_of[id(layer)] for layer in layers])
     attention_mask = None
@@ -398,6 +393,17 @@ class _PipelinedMoECausalLM(_PipelinedCausalLM):
 
 class _PipelinedGenericCausalLM(_PipelinedCausalLM):
     """The stage forward in front of a generic transformers model (``GenericCausalLMMixin``)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``_PipelinedCausalLM.forward``; refuses a context-parallel plan (see below)."""
+        if getattr(self, "meshforge_cp", None) is not None:
+            # The generic CP state is built by the wrapper's own forward, which a stage skips
+            # (context_generic.apply_generic_cp refuses this first; kept in case that changes).
+            raise NotImplementedError(
+                "not supported yet: parallelism.pipeline_parallel > 1 with context_parallel > 1 on the "
+                "generic transformers path"
+            )
+        return super().forward(*args, **kwargs)
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
         """transformers' tying, only where this rank holds both ends (see ``_PipelinedCausalLM``)."""
