@@ -55,7 +55,7 @@ from meshforge.loss import cross_entropy_sum
 from meshforge.parallel.pipeline_stage import (
     StageModule,
     _PipelinedCausalLM,
-    generic_layer_types,
+    check_generic_layout,
     layer_runner_factory,
     pipelined_class,
     router_aux_experts,
@@ -355,44 +355,13 @@ def assign_layers(
 # ----------------------------------------------------------------------------------------
 
 
-def _check_generic(model: nn.Module) -> None:
-    """The generic transformers path: the usual decoder layout and a model type stages reproduce.
-
-    Raises:
-        NotImplementedError: naming what the model lacks, or its model type.
-        ValueError: when the model is already split.
-    """
-    inner: Any = getattr(model, "model", None)
-    missing = []
-    if not isinstance(inner, nn.Module):
-        missing.append("model (the base model)")
-    else:
-        for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
-            if not isinstance(getattr(inner, attr, None), nn.Module):
-                missing.append(f"model.{attr}")
-        if isinstance(getattr(inner, "layers", None), nn.Module) and not isinstance(
-            inner.layers, nn.ModuleList
-        ):
-            missing.append("model.layers as a ModuleList")
-    if not isinstance(getattr(model, "lm_head", None), nn.Module):
-        missing.append("lm_head")
-    if missing:
-        raise NotImplementedError(
-            f"not supported yet: parallelism.pipeline_parallel > 1 for {type(model).__name__}: the generic "
-            "transformers path splits models laid out as model.embed_tokens, model.layers (a ModuleList), "
-            f"model.norm, model.rotary_emb and lm_head; this one has no {', '.join(missing)}"
-        )
-    # Raises for a model type whose forward the stages do not reproduce, or an unknown layer type.
-    generic_layer_types(inner, list(range(len(inner.layers))))
-
-
 def _check_supported(model: nn.Module) -> None:
     from meshforge.models.generic import GenericCausalLMMixin
 
     if isinstance(model, _PipelinedCausalLM):
         raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
     if isinstance(model, GenericCausalLMMixin):
-        _check_generic(model)
+        check_generic_layout(model)
         return
     family = getattr(model, "family", None) or getattr(getattr(model, "config", None), "model_type", None)
     family = family or type(model).__name__
@@ -418,7 +387,7 @@ def split_model(
 
     Args:
         model: A built-in ``CausalLM`` of a supported family (``SUPPORTED_FAMILIES``), or a generic
-            transformers model (``wrap_generic``) laid out as ``_check_generic`` describes.
+            transformers model (``wrap_generic``) laid out as ``check_generic_layout`` describes.
         pp_rank: This rank's index on the pp mesh.
         pp_size: Pipeline ranks (``parallelism.pipeline_parallel``).
         layers_per_stage: ``parallelism.pipeline_parallel_layers_per_stage`` (see ``assign_layers``).

@@ -17,6 +17,11 @@ layer's compute). One preparation per family (``layer_runner_factory``):
 * qwen3_next: the block-diagonal mask for its attention layers; the Gated DeltaNet layers read
   ``segment_ids`` and restart their state and conv window at every document start, on whichever
   stage they run.
+* the generic transformers path (``models/generic.py``): the masks transformers' own mask
+  functions build for each layer's attention type, the RoPE tables of the model's
+  ``rotary_emb`` and the positions, all as ``GenericCausalLMMixin.forward`` would have them
+  built, for the model types in ``GENERIC_MASK_RULES`` (``check_generic_layout`` refuses the
+  rest by name).
 
 The MoE router aux loss (see ``pipeline.py``'s module docstring): with it on, every stage also
 returns a ``carry`` of running aux totals, ``[prob_sum (E), assignments (E), rows]`` over the
@@ -184,6 +189,36 @@ def generic_layer_types(inner: nn.Module, indices: list[int]) -> list[str]:
             )
         out.append(kind)
     return out
+
+
+def check_generic_layout(model: nn.Module) -> None:
+    """The generic transformers path: the usual decoder layout and a model type stages reproduce.
+
+    Raises:
+        NotImplementedError: naming what the model lacks, or its model type.
+    """
+    inner: Any = getattr(model, "model", None)
+    missing = []
+    if not isinstance(inner, nn.Module):
+        missing.append("model (the base model)")
+    else:
+        for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
+            if not isinstance(getattr(inner, attr, None), nn.Module):
+                missing.append(f"model.{attr}")
+        if isinstance(getattr(inner, "layers", None), nn.Module) and not isinstance(
+            inner.layers, nn.ModuleList
+        ):
+            missing.append("model.layers as a ModuleList")
+    if not isinstance(getattr(model, "lm_head", None), nn.Module):
+        missing.append("lm_head")
+    if missing:
+        raise NotImplementedError(
+            f"not supported yet: parallelism.pipeline_parallel > 1 for {type(model).__name__}: the generic "
+            "transformers path splits models laid out as model.embed_tokens, model.layers (a ModuleList), "
+            f"model.norm, model.rotary_emb and lm_head; this one has no {', '.join(missing)}"
+        )
+    # Raises for a model type whose forward the stages do not reproduce, or an unknown layer type.
+    generic_layer_types(inner, list(range(len(inner.layers))))
 
 
 def _generic_runner(
@@ -499,4 +534,12 @@ def router_aux_experts(model: nn.Module) -> int | None:
     return int(model.num_routed_experts)
 
 
-__all__ = ["StageModule", "layer_runner_factory", "pipelined_class", "router_aux_experts"]
+__all__ = [
+    "GENERIC_MASK_RULES",
+    "StageModule",
+    "check_generic_layout",
+    "generic_layer_types",
+    "layer_runner_factory",
+    "pipelined_class",
+    "router_aux_experts",
+]
