@@ -46,8 +46,8 @@ QWEN3 = {
 # (name, folder, schedule, layers_per_stage, packed)
 CASES = [
     ("1f1b uneven untied packed", "untied", "1f1b", ["0", "1-2"], True),
-    # Without segment_ids, so the sliding layer gets transformers' sliding-window mask (with a
-    # 4-D packed-documents mask transformers uses that mask as it is, on one process too).
+    # Packed documents on a sliding layer: the window is kept inside each document (packed_masks).
+    ("gpipe tied sliding layer packed", "tied", "gpipe", ["0-1", "2"], True),
     ("gpipe tied sliding layer", "tied", "gpipe", ["0-1", "2"], False),
 ]
 

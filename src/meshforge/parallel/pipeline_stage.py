@@ -232,8 +232,8 @@ def _generic_runner(
 ) -> LayerRunner:
     """A transformers ``*Model.forward``'s preparation, as ``GenericCausalLMMixin.forward`` calls it.
 
-    The one-process generic forward passes ``segment_ids`` as a 4-D block-diagonal causal mask
-    (``attention_mask``) and, when no ``position_ids`` are given, positions that restart at every
+    The one-process generic forward passes ``segment_ids`` as the block-diagonal causal mask(s) of
+    ``meshforge.models.generic.packed_masks`` (``attention_mask``; sliding windows included) and, when no ``position_ids`` are given, positions that restart at every
     document (without ``segment_ids`` transformers counts ``0..S-1``); the masks come from the functions the model's own module calls, with the same
     arguments, so a stage's layers see exactly the masks and RoPE tables they would see there.
     """
@@ -242,9 +242,13 @@ def _generic_runner(
 
     index_of = {id(layer): int(key) for key, layer in inner.layers.items()}
     kinds = generic_layer_types(inner, [index_of[id(layer)] for layer in layers])
-    attention_mask = None
+    attention_mask: Any = None
     if segment_ids is not None:
-        attention_mask = segment_causal_mask(segment_ids)
+        from meshforge.models.generic import packed_masks
+
+        # As the wrapper: the block-diagonal mask with the model's sliding window added (a 4-D
+        # mask reaches the attention as it is), one per layer type when the model has them.
+        attention_mask = packed_masks(inner.config, segment_ids)
         if position_ids is None:
             # As the wrapper (and the built-in families): positions restart per document.
             position_ids = positions_from_segments(segment_ids)
@@ -253,6 +257,10 @@ def _generic_runner(
     module = sys.modules[type(inner).__module__]
     masks: dict[str, Any] = {}
     for kind in dict.fromkeys(kinds):
+        if isinstance(attention_mask, dict):
+            # transformers' decoders take such a mapping in place of building their masks.
+            masks[kind] = attention_mask[kind]
+            continue
         name = _HF_MASK_FUNCTIONS[kind]
         make = getattr(module, name, None)
         if make is None:
