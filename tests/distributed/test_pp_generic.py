@@ -241,7 +241,7 @@ def test_train_pp2_generic_equals_one_process(tmp_path: Path) -> None:
     runs = {}
     for name, nproc, args in (
         ("one", 1, ["--training.steps=4"]),
-        ("pp2", 2, ["--training.steps=3", *pp2]),
+        ("pp2", 2, ["--training.steps=3", "--checkpoint.save_hf_weights=true", *pp2]),
         ("resumed", 1, ["--training.steps=4", f"--checkpoint.load_path={tmp_path / 'pp2' / 'checkpoints'}"]),
     ):
         out = tmp_path / name
@@ -256,3 +256,9 @@ def test_train_pp2_generic_equals_one_process(tmp_path: Path) -> None:
     assert one[0]["loss"] != one[2]["loss"]  # it trains
     assert resumed[0]["loss"] == pytest.approx(one[3]["loss"], rel=1e-5)
     assert resumed[0]["grad_norm"] == pytest.approx(one[3]["grad_norm"], rel=1e-5)
+    # The export (read back from the final checkpoint) is tied like the folder it came from.
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "pp2" / "hf" / "model.safetensors")
+    assert exported.keys() == load_file(hf_dir / "model.safetensors").keys()
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pp2" / "hf")

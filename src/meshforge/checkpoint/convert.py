@@ -58,7 +58,14 @@ def _build_on_cpu(family: Any, options: dict[str, Any], dtype: torch.dtype) -> t
         model = family.build(options)
     model.to(dtype=dtype)
     # Storage only: every parameter is overwritten by the load that follows.
-    return model.to_empty(device="cpu")
+    model = model.to_empty(device="cpu")
+    # to_empty gives each module a new parameter: tie again (transformers models do not do it
+    # themselves; the built-in families re-tie in their own _apply), or a tied export would
+    # carry an lm_head.weight key of its own.
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    return model
 
 
 def dcp_to_hf(
