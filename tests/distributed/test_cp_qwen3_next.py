@@ -263,14 +263,20 @@ def test_train_qwen3_next_cp2_ulysses_equals_one_process(tmp_path: Path) -> None
     tp2 = ["--parallelism.tensor_parallel=2", "--parallelism.sequence_parallel=true"]
     runs = {}
     # tp2 x cp2: 2 local key heads (1 per CP rank) and 2 local attention heads over 1 K/V head.
-    for name, nproc, extra in (("one", 1, []), ("cp2", 2, cp2), ("tp2_cp2", 4, [*tp2, *cp2])):
+    pp2 = [
+        "--parallelism.pipeline_parallel=2",
+        "--parallelism.pipeline_parallel_schedule=gpipe",
+        '--parallelism.pipeline_parallel_layers_per_stage=["0-1","2"]',
+    ]
+    layouts = (("one", 1, []), ("cp2", 2, cp2), ("tp2_cp2", 4, [*tp2, *cp2]), ("pp2_cp2", 4, [*pp2, *cp2]))
+    for name, nproc, extra in layouts:
         out = tmp_path / name
         proc = run_train(config, [*common, *extra, f"--training.output_dir={out}"], nproc=nproc, cwd=tmp_path)
         if nproc > 1:
             assert "CP (ulysses) over 2 ranks" in proc.stdout, proc.stdout
         runs[name] = [m for m in read_metrics(out) if "loss" in m]
     assert "aux_loss" in runs["one"][0], runs["one"][0]
-    for name in ("cp2", "tp2_cp2"):
+    for name in ("cp2", "tp2_cp2", "pp2_cp2"):
         assert len(runs[name]) == len(runs["one"]) == 3, runs
         for a, b in zip(runs[name], runs["one"], strict=True):
             for key in ("loss", "grad_norm", "aux_loss"):

@@ -122,12 +122,13 @@ def _qwen3_next_runner(
     layers: list[nn.Module],
 ) -> LayerRunner:
     """``Qwen3NextModel.forward``'s preparation: the attention mask; DeltaNet layers get ``segment_ids``."""
-    if getattr(inner, "cp", None) is not None:
-        raise NotImplementedError(
-            "not supported yet: parallelism.pipeline_parallel > 1 with context_parallel > 1 for qwen3_next"
-        )
+    cp = getattr(inner, "cp", None)
     mask = None
-    if segment_ids is not None:
+    if cp is not None:
+        # Context parallel (ulysses; Qwen3NextModel.cp): one CPMask for the attention layers and
+        # the global positions; the DeltaNet layers gather the full row's document ids themselves.
+        mask, position_ids = cp.prepare(ids, position_ids, segment_ids)
+    elif segment_ids is not None:
         # Each stage restarts nothing itself: a DeltaNet layer resets its state and conv window
         # at every document start it sees in segment_ids, whichever stage it runs on.
         if any(layer.layer_type != "linear_attention" for layer in layers):
