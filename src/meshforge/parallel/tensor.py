@@ -644,6 +644,21 @@ def _refuse_custom_patterns(family: str, colwise: list[str] | None, rowwise: lis
             )
 
 
+def _disable_shared_autograd_cache() -> None:
+    """Turn off torch.compile's AOTAutograd cache in this process (TP with `kernels.compile`).
+
+    A compiled TP layer is a rank-specific graph (e.g. the backward of an all-gather keeps this
+    rank's sequence slice, its index baked in), but the cache keys DTensor inputs by their global
+    spec, the same on every rank (pytorch/pytorch#188390; the upstream fix adds the device, which
+    CPU ranks share). With the cache directory shared by the ranks, one rank then loads another's
+    compiled backward: measured on 2 gloo ranks, 5-80% wrong gradients for a layer with a whole
+    (replicated) MoE block. Compiling each rank's graphs itself costs the cache's saving only.
+    """
+    import torch._functorch.config as functorch_config
+
+    functorch_config.enable_autograd_cache = False
+
+
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -698,6 +713,7 @@ def apply_tp(
             f"{', '.join(sorted(_PLAN_MODULES))}, or 'generic' with parallelism.tp_colwise/tp_rowwise)"
         )
     parallelize_module(model, tp_mesh, plan)
+    _disable_shared_autograd_cache()
     _replicate_leftover_parameters(model, tp_mesh)
     _retie(model, aliases, tp)
     _match_grad_layouts(model)
