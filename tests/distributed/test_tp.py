@@ -251,9 +251,9 @@ def _check_refusals(mesh) -> None:
     with pytest.raises(ValueError, match=r"model\.vocab_size \(127\)"):
         apply_tp(family.build({**QWEN3, "vocab_size": 127}), mesh, family="qwen3")
     with pytest.raises(
-        NotImplementedError, match="not supported yet: parallelism.tensor_parallel > 1 for gpt_oss"
+        NotImplementedError, match="not supported yet: parallelism.tensor_parallel > 1 for family 'mamba'"
     ):
-        apply_tp(family.build(QWEN3), mesh, family="gpt_oss")
+        apply_tp(family.build(QWEN3), mesh, family="mamba")
     with pytest.raises(ValueError, match=r"parallelism\.tp_colwise: .*generic transformers path only"):
         apply_tp(family.build(QWEN3), mesh, family="qwen3", colwise=["*.q_proj"])
     model = family.build(QWEN3, device="cpu")

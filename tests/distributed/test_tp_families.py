@@ -320,3 +320,32 @@ def test_tp2_families_equal_one_process(tmp_path: Path) -> None:
     except Exception:
         errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
         pytest.fail(f"a TP rank failed:\n{errors}")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", "qwen3_next"])
+def test_trainer_tp2_equals_one_process(family: str, tmp_path: Path) -> None:
+    """`meshforge train` with tensor_parallel=2 on unpacked text rows (RoPE over the whole row while
+    the hidden states hold half of it) logs the one-process loss and grad norm."""
+    from tests.conftest import read_metrics, run_train, write_corpus
+
+    config = Path(__file__).resolve().parents[2] / "configs" / family / "tiny.yaml"
+    corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=40)
+    common = [
+        "--training.steps=3",
+        "--checkpoint.enable_save=false",
+        f"--train_dataset.dataloader.data_path={corpus}",
+        "--train_dataset.dataloader.seq_length=32",
+    ]
+    one, tp2 = tmp_path / "one", tmp_path / "tp2"
+    run_train(config, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
+    run_train(
+        config,
+        [*common, "--parallelism.tensor_parallel=2", f"--training.output_dir={tp2}"],
+        nproc=2,
+        cwd=tmp_path,
+    )
+    want, got = read_metrics(one), read_metrics(tp2)
+    assert len(want) == len(got) == 3
+    for a, b in zip(want, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)

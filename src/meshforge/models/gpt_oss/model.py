@@ -151,7 +151,7 @@ class GptOssModel(nn.Module):
             masks = {"full_attention": cp_mask, "sliding_attention": cp_mask}
             if segment_ids is not None:
                 token_mask = segment_ids != 0
-            return self._layers(h, position_ids, masks, token_mask)
+            return self._layers(h, position_ids, masks, token_mask, input_ids.shape[-1])
         if segment_ids is not None:
             full = segment_causal_mask(segment_ids)
             token_mask = segment_ids != 0
@@ -162,7 +162,7 @@ class GptOssModel(nn.Module):
         masks = {"full_attention": full}
         if any(layer.attention_type == "sliding_attention" for layer in self.layers):
             masks["sliding_attention"] = sliding_window_mask(full, self.sliding_window)
-        return self._layers(h, position_ids, masks, token_mask)
+        return self._layers(h, position_ids, masks, token_mask, seq_len)
 
     def _layers(
         self,
@@ -170,8 +170,11 @@ class GptOssModel(nn.Module):
         position_ids: torch.Tensor | None,
         masks: dict[str, Any],
         token_mask: torch.Tensor | None,
+        seq_len: int,
     ) -> torch.Tensor:
-        rope = self.rotary_emb(position_ids, seq_len=h.shape[1], device=h.device, dtype=h.dtype)
+        # The row's length from the input ids: under sequence parallelism the embedding output
+        # `h` holds only this rank's slice of the sequence.
+        rope = self.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
         for layer in self.layers:
             h = layer(h, rope, masks[layer.attention_type], token_mask)
         return self.norm(h)
