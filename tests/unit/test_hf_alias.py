@@ -36,4 +36,6 @@ def test_head_copy_of_a_tied_moe_checkpoint_loads_from_the_embedding(tmp_path) -
         copy, FAMILY, tmp_path / "hf", partial=True, aliases={"lm_head.weight": "model.embed_tokens.weight"}
     )
     torch.testing.assert_close(copy.lm_head.weight, saved.model.embed_tokens.weight, rtol=0, atol=0)
-    torch.testing.assert_close(copy.model.embed_tokens.weight, saved.model.embed_tokens.weight, rtol=0, atol=0)
+    torch.testing.assert_close(
+        copy.model.embed_tokens.weight, saved.model.embed_tokens.weight, rtol=0, atol=0
+    )
