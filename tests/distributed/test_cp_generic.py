@@ -17,17 +17,16 @@ norms.
 from __future__ import annotations
 
 import os
-import tempfile
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.conftest import read_metrics, run_train
 from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -191,25 +190,7 @@ def _worker(rank: int, world: int, init_file: str, root: str, errors) -> None:
 
 def test_generic_cp_two_ranks_equal_one_process(tmp_path: Path) -> None:
     _save_models(tmp_path)
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, 2, os.path.join(tmp, "init"), str(tmp_path), errors))
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(180)
-        messages = []
-        while not errors.empty():
-            messages.append(errors.get())
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                messages.append(f"pid {p.pid} timed out")
-        assert not messages and all(p.exitcode == 0 for p in procs), "\n".join(messages)
+    run_workers(_worker, 2, str(tmp_path), timeout=180)
 
 
 def test_generic_train_cp2_equals_one_process(tmp_path: Path) -> None:

@@ -22,17 +22,16 @@ with a 1-process run.
 from __future__ import annotations
 
 import os
-import tempfile
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.conftest import read_metrics, run_train, write_corpus
 from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -209,24 +208,7 @@ def _worker(rank: int, world: int, init_file: str, errors) -> None:
 
 
 def test_cp_ulysses_qwen3_next_two_ranks_equal_one_process() -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, 2, os.path.join(tmp, "init"), errors)) for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        messages = []
-        while not errors.empty():
-            messages.append(errors.get())
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                messages.append(f"pid {p.pid} timed out")
-        assert not messages and all(p.exitcode == 0 for p in procs), "\n".join(messages)
+    run_workers(_worker, 2)
 
 
 # configs/qwen3_next/tiny.yaml shrunk to seconds: 2 DeltaNet layers (4 key / 8 value heads) and
