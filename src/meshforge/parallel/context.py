@@ -241,6 +241,42 @@ class CPMask:
     segments: torch.Tensor | None
     cache: dict[Any, Any] = field(default_factory=dict)
 
+    def narrow_rows(self, start: int, stop: int) -> CPMask:
+        """This mask for batch rows ``start:stop`` (chunked micro-batches run layers on row slices).
+
+        Only ``segments`` is per row; the derived masks in ``cache`` hold a row dimension too, so
+        the slice gets a cache of its own. The slice is kept in this mask's cache, so every layer
+        of the forward shares one per row range (and, through it, the masks it derives). Without
+        documents nothing is per row and the mask itself is returned.
+
+        Raises:
+            ValueError: ``start:stop`` is not a non-empty range of the mask's rows.
+        """
+        if self.segments is None:
+            return self
+        rows = self.segments.shape[0]
+        if not 0 <= start < stop <= rows:
+            raise ValueError(f"CPMask.narrow_rows: rows {start}:{stop} of a {rows}-row batch")
+        if (start, stop) == (0, rows):
+            return self
+        key = ("rows", start, stop)
+        if key not in self.cache:
+            self.cache[key] = CPMask(self.q_index, self.seq_len, self.segments[start:stop])
+        return self.cache[key]
+
+    def narrow_batch(self, dim: int, start: int, stop: int) -> CPMask:
+        """``narrow_rows`` for :mod:`meshforge.parallel.chunk_batch` (objects with this method are sliced).
+
+        Raises:
+            ValueError: ``dim`` is not 0 (the mask's rows are the hidden states' dim 0).
+        """
+        if dim != 0:
+            raise ValueError(
+                f"parallelism.chunk_mbs_batch_dim: {dim}; under context parallelism the decoder layers' "
+                "batch dimension is 0 (the per-row document ids of the CP mask), use 0"
+            )
+        return self.narrow_rows(start, stop)
+
 
 class ContextParallel:
     """The CP algorithm of one model: per-forward preparation and the attention call.
