@@ -33,3 +33,14 @@ def run_workers(worker: Callable[..., None], world: int, *extra: Any, timeout: f
                 p.kill()
                 messages.append(f"pid {p.pid} timed out after {timeout} s")
         assert not messages and all(p.exitcode == 0 for p in procs), "\n".join(messages)
+
+
+def start_workers(worker: Callable[..., None], nprocs: int, *extra: Any) -> None:
+    """Run `worker(rank, *extra, errors)` on `nprocs` processes (torch's `start_processes`); assert none failed."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    errors = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(worker, args=(*extra, errors), nprocs=nprocs, join=True, start_method="spawn")
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not failures, "\n".join(failures)

@@ -21,15 +21,14 @@ carried totals over the CP group before the product.
 
 from __future__ import annotations
 
-import os
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import start_workers
 from tests.distributed.test_pp_families import N_MICRO, build_family, close, micro_batches
 
 pytestmark = pytest.mark.slow
@@ -302,14 +301,7 @@ def _worker(rank: int, init_file: str, errors) -> None:
 
 
 def _launch(worker, nprocs: int, init_file: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    mp.start_processes(worker, args=(init_file, errors), nprocs=nprocs, join=True, start_method="spawn")
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(failures)
+    start_workers(worker, nprocs, init_file)
 
 
 def test_router_aux_loss_cp2_and_pp2_equal_one_process(tmp_path) -> None:

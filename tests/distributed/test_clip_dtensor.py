@@ -7,16 +7,15 @@ gradients, the non-finite path, the weight-decay split by name, and a fused Adam
 
 from __future__ import annotations
 
-import os
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import start_workers
 
 pytestmark = pytest.mark.slow
 
@@ -138,13 +137,4 @@ def _worker(rank: int, init_file: str, errors) -> None:
 
 
 def test_clip_and_adamw_on_fsdp2_dtensors(tmp_path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    mp.start_processes(
-        _worker, args=(str(tmp_path / "rdzv"), errors), nprocs=WORLD, join=True, start_method="spawn"
-    )
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(failures)
+    start_workers(_worker, WORLD, str(tmp_path / "rdzv"))

@@ -15,17 +15,16 @@ given by its dotted path (expected DTensor placements, same losses), and HSDP 2x
 from __future__ import annotations
 
 import copy
-import os
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, Shard
 
 from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import start_workers
 
 pytestmark = pytest.mark.slow
 
@@ -372,17 +371,4 @@ def _worker(rank: int, init_file: str, save_dir: str, errors) -> None:
 
 
 def test_ignored_modules_and_shard_placement_equal_one_process(tmp_path: Path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    mp.start_processes(
-        _worker,
-        args=(str(tmp_path / "rdzv"), str(tmp_path / "ckpt"), errors),
-        nprocs=WORLD,
-        join=True,
-        start_method="spawn",
-    )
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(failures)
+    start_workers(_worker, WORLD, str(tmp_path / "rdzv"), str(tmp_path / "ckpt"))

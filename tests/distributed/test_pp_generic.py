@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.conftest import read_metrics, run_train
 from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import start_workers
 
 pytestmark = pytest.mark.slow
 
@@ -177,13 +177,7 @@ def test_pp2_generic_qwen3_equals_one_process(tmp_path: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     save_qwen3(tmp_path / "untied", tied=False)
     save_qwen3(tmp_path / "tied", tied=True, sliding=True)
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(str(tmp_path), errors), nprocs=WORLD, join=True, start_method="spawn")
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(failures)
+    start_workers(_worker, WORLD, str(tmp_path))
 
 
 def test_generic_refusals(tmp_path: Path) -> None:
