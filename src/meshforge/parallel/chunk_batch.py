@@ -12,7 +12,11 @@ Which inputs are split: the positional arguments at `chunk_mbs_arg_indexs`, the 
 arguments named in `chunk_mbs_kwarg_names` (MindSpeed's defaults are transformers' decoder-layer
 names), and every other tensor argument, or tuple of tensors, whose size along the batch dim is
 the micro-batch's (meshforge's own layers take the RoPE tables, the mask and the token mask
-positionally). Arguments with batch size 1 broadcast and go to every chunk whole.
+positionally). Arguments with batch size 1 broadcast and go to every chunk whole. Objects that
+describe the rows in some other form slice themselves: anything with a
+``narrow_batch(dim, start, stop)`` method (:class:`~meshforge.parallel.context.CPMask`, the
+context-parallel mask with the full rows' document ids) is replaced by what that returns for each
+chunk's rows.
 
 MoE layers leave per-forward routing statistics behind (`last_aux_stats`, `last_tokens_per_expert`);
 they are sums over tokens, so the chunks' values are added up and the layer reports the same
@@ -24,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -32,6 +36,15 @@ from torch import nn
 from meshforge.parallel.patterns import match_modules
 
 _STATS = ("last_aux_stats", "last_tokens_per_expert")
+
+
+@runtime_checkable
+class BatchNarrowable(Protocol):
+    """A per-forward argument that holds per-row data and knows how to give a slice of its rows."""
+
+    def narrow_batch(self, dim: int, start: int, stop: int) -> Any:
+        """The same object for rows ``start:stop`` of the batch (``dim``: the batch dim of the tensors)."""
+        ...
 
 
 def apply_chunk_batch(
@@ -118,6 +131,8 @@ def _bounds(batch: int, chunks: int) -> list[tuple[int, int]]:
 
 
 def _slice(value: Any, start: int, stop: int, dim: int, batch: int, *, force: bool) -> Any:
+    if isinstance(value, BatchNarrowable) and not isinstance(value, torch.Tensor):
+        return value.narrow_batch(dim, start, stop)
     if isinstance(value, torch.Tensor):
         if value.ndim > dim and (force or value.shape[dim] == batch):
             return value.narrow(dim, start, stop - start)
