@@ -9,7 +9,11 @@ attention implementation ``"meshforge_cp"`` and switches the model to it, and th
 forward (:func:`prepare_generic_cp`: the shared :class:`~meshforge.parallel.context.CPMask` with
 the full row's document ids, and the local tokens' global positions for RoPE) and hands it down
 as the keyword ``meshforge_cp``: transformers forwards unknown keywords from the causal LM through
-the decoder layers to the attention function unchanged, and activation recompute replays them.
+the decoder layers to the attention function unchanged, and activation recompute replays them. A pipeline stage
+(``meshforge.parallel.pipeline_stage``) runs its decoder layers without that forward, so it does
+the same itself: ``prepare_generic_cp`` per stage forward, the global positions to the model's
+``rotary_emb``, the state as each layer's ``meshforge_cp`` keyword, and ``check_generic_cp`` on the
+attention types of the layers it ran.
 
 The attention mask transformers would build is not used: an implementation missing from
 ``ALL_MASK_ATTENTION_FUNCTIONS`` makes ``create_causal_mask`` return None, and the CP plan masks
@@ -20,8 +24,7 @@ K/V heads arrive un-repeated, as the plan expects (ulysses repeats them only whe
 does not divide over its ranks).
 
 Refused, with the reason (``NotImplementedError``): attention dropout, attention logit soft-capping,
-attention sinks (``s_aux``), non-causal attention, pipeline parallelism (a stage runs the layers
-without the wrapper's forward), layer types other than full/sliding attention
+attention sinks (``s_aux``), non-causal attention, layer types other than full/sliding attention
 (linear attention or recurrent layers carry state across the ranks' slices; chunked attention has
 no CP mask here), and, found at the first forward, models whose attention does not dispatch
 through ``AttentionInterface`` (no call reached :func:`cp_attention`) or whose configured sliding
@@ -30,6 +33,7 @@ window reaches no attention call (it would live only in the mask CP replaces).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,24 +169,18 @@ def apply_generic_cp(model: nn.Module, plan: ContextParallel) -> None:
     """Switch a wrapped transformers model to context-parallel attention, in place.
 
     Registers ``"meshforge_cp"``, sets it as the model's attention implementation and stores
-    ``plan`` as ``model.meshforge_cp`` (the wrapper's forward reads it). Works on the meta device.
+    ``plan`` as ``model.meshforge_cp`` (the wrapper's forward reads it, and so does a pipeline
+    stage's forward). Works on the meta device.
 
     Args:
-        model: A model wrapped by :func:`meshforge.models.generic.wrap_generic`.
+        model: A model wrapped by :func:`meshforge.models.generic.wrap_generic`, whole or split
+            into pipeline stages (``meshforge.parallel.pipeline.split_model``).
         plan: The CP plan (built by :func:`meshforge.parallel.context.apply_cp`).
 
     Raises:
         NotImplementedError: For a model config CP cannot run exactly (see module doc).
         ValueError: When the heads do not divide over the ulysses ranks.
     """
-    from meshforge.parallel.pipeline_stage import _PipelinedCausalLM
-
-    if isinstance(model, _PipelinedCausalLM):
-        raise _refuse(
-            "pipeline_parallel > 1",
-            "a pipeline stage runs the decoder layers itself, not the wrapper's forward that builds the "
-            "per-forward CP state the attention needs",
-        )
     config = model.config  # type: ignore[attr-defined]
     _check_config(config, plan.ulysses_size, plan.method)
     register_attention()
@@ -219,8 +217,16 @@ def prepare_generic_cp(
     return position_ids, GenericCPState(plan=plan, mask=mask)
 
 
-def check_generic_cp(model: nn.Module, state: GenericCPState) -> None:
+def check_generic_cp(
+    model: nn.Module, state: GenericCPState, *, layer_types: Sequence[str] | None = None
+) -> None:
     """After a forward: fail where the CP attention cannot have computed the model's attention.
+
+    Args:
+        model: The wrapped model (its ``config`` is read).
+        state: The forward's state, its attention calls counted.
+        layer_types: The attention types (``full_attention``/``sliding_attention``) of the layers
+            that ran, when not all of the model's did (a pipeline stage); None: the whole model.
 
     Raises:
         NotImplementedError: The model computes attention without transformers'
@@ -235,7 +241,8 @@ def check_generic_cp(model: nn.Module, state: GenericCPState) -> None:
             "attention never ran (each rank attended only to its own slice)",
         )
     config = model.config  # type: ignore[attr-defined]
-    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        layer_types = getattr(config, "layer_types", None)
     window_expected = bool(getattr(config, "sliding_window", None)) and (
         layer_types is None or "sliding_attention" in layer_types
     )

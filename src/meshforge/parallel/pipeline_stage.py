@@ -21,7 +21,9 @@ layer's compute). One preparation per family (``layer_runner_factory``):
   functions build for each layer's attention type, the RoPE tables of the model's
   ``rotary_emb`` and the positions, all as ``GenericCausalLMMixin.forward`` would have them
   built, for the model types in ``GENERIC_MASK_RULES`` (``check_generic_layout`` refuses the
-  rest by name).
+  rest by name); under context parallelism (``meshforge_cp``, see ``context_generic``) no mask,
+  RoPE from the global positions and the per-forward CP state as each layer's keyword, as the
+  wrapper's CP forward.
 
 The MoE router aux loss (see ``pipeline.py``'s module docstring): with it on, every stage also
 returns a ``carry`` of running aux totals, ``[prob_sum (E), assignments (E), rows]`` over the
@@ -297,6 +299,76 @@ def _generic_runner(
     return run
 
 
+def _generic_cp_runner(
+    model: nn.Module,
+    plan: Any,
+    ids: torch.Tensor,
+    h: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    layers: list[nn.Module],
+) -> LayerRunner:
+    """The generic stage's preparation under context parallelism, as the wrapper's CP forward.
+
+    ``GenericCausalLMMixin.forward`` with a CP plan calls ``prepare_generic_cp`` (the local
+    tokens' global positions, and one ``GenericCPState`` with the full row's document ids) and
+    hands the state to transformers as the keyword ``meshforge_cp``, which its decoder layers pass
+    to the attention function unchanged; no attention mask (the plan masks by global positions,
+    documents and each call's ``sliding_window``). A stage does the same for its own layers:
+    RoPE from the global positions, the state as the layer keyword, and after its last layer
+    ``check_generic_cp`` on the attention types of the layers it ran (a stage of only full
+    attention layers of a model with sliding ones passes no window, rightly).
+
+    Args:
+        model: The pruned wrapped model (its ``meshforge_cp`` is ``plan``).
+        plan: The :class:`~meshforge.parallel.context.ContextParallel` plan.
+        ids: ``[B, S_local]`` token ids, or a view of the hidden states with that shape (the
+            plan reads only the shape and device).
+
+    Raises:
+        NotImplementedError: A decoder layer that takes no ``**kwargs`` (the state cannot reach
+            its attention).
+    """
+    import inspect
+
+    from meshforge.parallel.context_generic import CP_KWARG, check_generic_cp, prepare_generic_cp
+
+    inner: Any = model.model  # type: ignore[attr-defined]
+    index_of = {id(layer): int(key) for key, layer in inner.layers.items()}
+    kinds = generic_layer_types(inner, [index_of[id(layer)] for layer in layers])
+    position_ids, state = prepare_generic_cp(plan, ids, position_ids, segment_ids)
+    rope = inner.rotary_emb(h, position_ids)
+    last = layers[-1] if layers else None
+    accepted: dict[type, set[str]] = {}
+
+    def run(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        cls = type(layer)
+        if cls not in accepted:
+            params = inspect.signature(cls.forward).parameters
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                raise NotImplementedError(
+                    f"not supported yet: parallelism.pipeline_parallel > 1 with context_parallel > 1 for "
+                    f"{cls.__name__}: its forward takes no **kwargs, so the context-parallel state "
+                    f"({CP_KWARG}) cannot reach its attention"
+                )
+            accepted[cls] = set(params)
+        names = accepted[cls]
+        kwargs: dict[str, Any] = {
+            "attention_mask": None,
+            "position_embeddings": rope,
+            "position_ids": position_ids,
+            "use_cache": False,
+        }
+        out = layer(x, **{k: v for k, v in kwargs.items() if k in names}, **{CP_KWARG: state})
+        if layer is last:
+            # As the wrapper after its forward: the attention calls did reach the CP plan, and
+            # with the window of the sliding layers among the ones this stage ran.
+            check_generic_cp(model, state, layer_types=kinds)
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
 def _is_generic_inner(inner: nn.Module) -> bool:
     """Whether ``inner`` is a transformers base model (the generic path's ``model.model``)."""
     try:
@@ -394,7 +466,7 @@ class _PipelinedCausalLM:
             seq_len = h.shape[1] * sequence_shards(self)  # type: ignore[arg-type]
         layers = [inner.layers[key] for key in stage.layer_keys]
         ids = inputs if stage.is_first else h[..., 0]
-        run = layer_runner_factory(inner)(inner, ids, h, position_ids, segment_ids, seq_len, layers)
+        run = self._layer_runner(inner, ids, h, position_ids, segment_ids, seq_len, layers)
         for layer in layers:
             h = run(layer, h)
         if stage.is_last:
@@ -410,6 +482,19 @@ class _PipelinedCausalLM:
             carry = torch.zeros(2 * experts + 1, device=h.device, requires_grad=True)
         local = _stage_aux_totals(layers, experts, h)
         return h, (carry + local if local is not None else carry * 1.0)
+
+    def _layer_runner(
+        self,
+        inner: Any,
+        ids: torch.Tensor,
+        h: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        segment_ids: torch.Tensor | None,
+        seq_len: int,
+        layers: list[nn.Module],
+    ) -> LayerRunner:
+        """The family's stage preparation (``layer_runner_factory``) for this forward's layers."""
+        return layer_runner_factory(inner)(inner, ids, h, position_ids, segment_ids, seq_len, layers)
 
     def tie_weights(self) -> None:
         """Tie only where this rank holds both ends; otherwise the copies are kept equal by hand."""
@@ -438,16 +523,21 @@ class _PipelinedMoECausalLM(_PipelinedCausalLM):
 class _PipelinedGenericCausalLM(_PipelinedCausalLM):
     """The stage forward in front of a generic transformers model (``GenericCausalLMMixin``)."""
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """``_PipelinedCausalLM.forward``; refuses a context-parallel plan (see below)."""
-        if getattr(self, "meshforge_cp", None) is not None:
-            # The generic CP state is built by the wrapper's own forward, which a stage skips
-            # (context_generic.apply_generic_cp refuses this first; kept in case that changes).
-            raise NotImplementedError(
-                "not supported yet: parallelism.pipeline_parallel > 1 with context_parallel > 1 on the "
-                "generic transformers path"
-            )
-        return super().forward(*args, **kwargs)
+    def _layer_runner(
+        self,
+        inner: Any,
+        ids: torch.Tensor,
+        h: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        segment_ids: torch.Tensor | None,
+        seq_len: int,
+        layers: list[nn.Module],
+    ) -> LayerRunner:
+        """``_generic_runner``, or under context parallelism (``meshforge_cp``) ``_generic_cp_runner``."""
+        plan = getattr(self, "meshforge_cp", None)
+        if plan is None:
+            return _generic_runner(inner, ids, h, position_ids, segment_ids, seq_len, layers)
+        return _generic_cp_runner(self, plan, ids, h, position_ids, segment_ids, layers)
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
         """transformers' tying, only where this rank holds both ends (see ``_PipelinedCausalLM``)."""
