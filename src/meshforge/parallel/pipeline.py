@@ -43,7 +43,8 @@ exactly the single-process gradient, and the exact value for the log.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -468,6 +469,42 @@ def split_model(
 # ----------------------------------------------------------------------------------------
 
 
+# Action types a forward-only pass keeps: the forwards, their transfers, FSDP's (un)shards.
+_FORWARD_ACTIONS = ("FORWARD", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
+
+
+@contextmanager
+def _forward_only(schedule: Any, enabled: bool) -> Iterator[None]:
+    """Run ``schedule`` (a torch runtime schedule) with its backward actions left out, inside the block.
+
+    Why zbv needs it: in eval mode torch's runtime skips the backward computations but still hands
+    the input gradient of a V-schedule stage to the previous stage when both sit on the same rank
+    (stages ``pp`` and ``pp - 1`` on the last pp rank), and asks a stage without backward for it
+    (``get_local_bwd_output``: an AssertionError). Without the backward actions the order is each
+    rank's forwards in the schedule's own order, with their sends and receives: every forward's
+    input comes from a forward the schedule already ran before it, and dropping actions only
+    removes waits, so the order cannot deadlock. The full order (same schedule object, so the
+    stages' eval/train re-initialisation stays torch's own) is put back on exit. It edits the
+    runtime's lowered order, ``pipeline_order_with_comms`` (what its ``_step_microbatches`` runs).
+    """
+    if not enabled:
+        yield
+        return
+    full = schedule.pipeline_order_with_comms
+    forward_only: dict[int, list[Any]] = {}
+    for rank, actions in full.items():
+        kept: list[Any] = []
+        for action in actions:
+            subs = getattr(action, "sub_actions", None) or (action,)  # an overlapped F/B pair: its F
+            kept.extend(a for a in subs if a.computation_type.name in _FORWARD_ACTIONS)
+        forward_only[rank] = kept
+    schedule.pipeline_order_with_comms = forward_only
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = full
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -672,7 +709,8 @@ class Pipeline:
             self._fsdp_reduce_grads()
         else:
             # eval() forwards its keyword arguments to step(), return_outputs included.
-            schedule.eval(*args, target=target, return_outputs=False, **kwargs)
+            with _forward_only(schedule, self.schedule_name == "zbv"):
+                schedule.eval(*args, target=target, return_outputs=False, **kwargs)
         # The first run in a mode also calls the loss once for shape inference: keep the real calls.
         ce = self._ce[-len(micro) :] if self.split.has_last else []
         total = torch.stack(ce).sum() if ce else torch.zeros((), dtype=torch.float32, device=self.device)
@@ -723,17 +761,12 @@ class Pipeline:
     def evaluate(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Forward only: the CE sum of ``micro`` (float32, 0-dim), the same on every pp rank.
 
+        Every schedule runs its own action order with the backward actions idle; zbv runs its
+        forward actions only (see :func:`_forward_only`).
+
         Args:
             micro: Micro-batches as for ``step``.
-
-        Raises:
-            NotImplementedError: for the zbv schedule (torch's runtime runs its backward
-                actions in eval mode too).
         """
-        if self.schedule_name == "zbv":
-            raise NotImplementedError(
-                f"not supported yet: evaluation with {SCHEDULE_KEY} zbv; use interleaved or zero_bubble"
-            )
         return self._run(micro, torch.ones((), device=self.device), train=False)
 
     def _tied_pair(self) -> tuple[nn.Parameter | None, int]:
