@@ -219,7 +219,10 @@ def test_train_cp_layouts_equal_one_process(tiny_config: Path, tmp_path: Path) -
     one = read_metrics(tmp_path / "one")
     assert len(one) == 5
     tp2 = ["--parallelism.tensor_parallel=2", "--parallelism.sequence_parallel=true"]
-    layouts = {"ulysses": ([], 2), "colossal": ([], 2), "tp2_colossal": (tp2, 4)}
+    # ulysses also runs each decoder layer on one row at a time (chunked micro-batches; the CP
+    # mask is sliced by rows).
+    chunked = ["--parallelism.enable_chunk_batch=true", "--parallelism.chunk_mbs=2"]
+    layouts = {"ulysses": (chunked, 2), "colossal": ([], 2), "tp2_colossal": (tp2, 4)}
     for name, (extra, nproc) in layouts.items():
         method = name.rsplit("_", 1)[-1]
         out = tmp_path / name

@@ -147,7 +147,7 @@ def apply_fsdp(
     )
     _sum_gradients(model)
     _set_prefetch(
-        _prefetch_chain(model, hook_modules, layers),
+        _prefetch_chain(model, hook_modules, layers, pipeline_parallel),
         forward_prefetch,
         backward_prefetch,
         hook_modules is not None,
@@ -164,8 +164,32 @@ def _sum_gradients(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+def _check_patterns_over_stages(model: nn.Module, patterns: Sequence[str], key_path: str) -> None:
+    """Under pipeline parallelism each rank holds some stages: a pattern must match on some rank.
+
+    Collective over the default group (every rank wraps its stages with FSDP).
+
+    Raises:
+        ValueError: `<key_path>[i]` for a pattern that matches no module on any rank.
+    """
+    from meshforge.parallel.patterns import match_modules
+
+    hits = torch.tensor(
+        [float(bool(match_modules(model, [p], key_path=key_path, allow_unmatched=True))) for p in patterns]
+    )
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(hits, op=dist.ReduceOp.MAX)
+    for i, hit in enumerate(hits.tolist()):
+        if not hit:
+            # Raise the usual message, with this rank's module names as examples.
+            match_modules(model, [patterns[i]], key_path=f"{key_path}[{i}] (on every pipeline stage)")
+
+
 def _prefetch_chain(
-    model: nn.Module, hook_modules: Sequence[str] | None, default: list[nn.Module]
+    model: nn.Module,
+    hook_modules: Sequence[str] | None,
+    default: list[nn.Module],
+    pipeline_parallel: bool = False,
 ) -> list[nn.Module]:
     """The FSDP units that prefetch each other, in forward order (`parallelism.hook_modules`).
 
@@ -177,8 +201,13 @@ def _prefetch_chain(
         return default
     from meshforge.parallel.patterns import match_modules
 
+    key = "parallelism.hook_modules"
+    if pipeline_parallel:
+        _check_patterns_over_stages(model, list(hook_modules), key)
     chain = []
-    for name, module in match_modules(model, list(hook_modules), key_path="parallelism.hook_modules"):
+    for name, module in match_modules(
+        model, list(hook_modules), key_path=key, allow_unmatched=pipeline_parallel
+    ):
         if not isinstance(module, FSDPModule):
             raise ValueError(
                 f"parallelism.hook_modules: {name} is not an FSDP unit, so it cannot prefetch; list modules "
@@ -309,14 +338,23 @@ def apply_fsdp_patterns(
     if cpu_offload:
         extra["offload_policy"] = CPUOffloadPolicy()
     tied = _tied_parameter_ids(model)
+    if pipeline_parallel:
+        _check_patterns_over_stages(model, fsdp_modules, key_path)
     units = [
         module
-        for _, module in match_modules(model, fsdp_modules, key_path=key_path)
+        for _, module in match_modules(
+            model, fsdp_modules, key_path=key_path, allow_unmatched=pipeline_parallel
+        )
         if module is not model
         and not any(id(p) in tied for p in module.parameters())
         and not _all_ignored(module, ignored)
     ]
-    first = {id(m) for _, m in match_modules(model, fsdp_modules[:1], key_path=key_path)}
+    first = {
+        id(m)
+        for _, m in match_modules(
+            model, fsdp_modules[:1], key_path=key_path, allow_unmatched=pipeline_parallel
+        )
+    }
     # After the patterns are checked: their errors come first (and need no mesh).
     placement = resolve_shard_placement(shard_placement, shard_size=_shard_size(mesh))
     # named_modules() lists parents before children: wrap in reverse so children come first.
@@ -334,7 +372,7 @@ def apply_fsdp_patterns(
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
     _sum_gradients(model)
     _set_prefetch(
-        _prefetch_chain(model, hook_modules, units),
+        _prefetch_chain(model, hook_modules, units, pipeline_parallel),
         forward_prefetch,
         backward_prefetch,
         hook_modules is not None,

@@ -153,7 +153,7 @@ def suggest_names(wanted: str, names: Sequence[str], *, limit: int = 4) -> list[
 
 
 def match_modules(
-    model: _HasNamedModules, patterns: Sequence[str], *, key_path: str
+    model: _HasNamedModules, patterns: Sequence[str], *, key_path: str, allow_unmatched: bool = False
 ) -> list[tuple[str, Any]]:
     """Find the modules of `model` whose dotted names match any of `patterns`.
 
@@ -161,6 +161,8 @@ def match_modules(
         model: an `nn.Module` (anything with `named_modules()`).
         patterns: pattern strings, typically a config list such as `parallel.fsdp_modules`.
         key_path: the config key the list came from, used in error messages.
+        allow_unmatched: accept a pattern that matches nothing here (a pipeline stage holds part
+            of the model; the caller checks the patterns over all stages).
 
     Returns:
         `(name, module)` pairs in `named_modules()` order, each module once even when several
@@ -188,7 +190,7 @@ def match_modules(
         if matched:
             out.append((name, module))
     for i, hit in enumerate(hits):
-        if not hit:
+        if not hit and not allow_unmatched:
             examples = ", ".join(suggest_names(patterns[i], [n for n, _ in named]))
             raise ValueError(f"{key_path}[{i}]: pattern {patterns[i]!r} matches no module; e.g. {examples}")
     return out
