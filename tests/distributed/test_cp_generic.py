@@ -102,12 +102,16 @@ def _batch(packed: bool) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _check_equal(folder: Path, method: str, mesh, *, packed: bool) -> None:
+def _check_equal(folder: Path, method: str, mesh, *, packed: bool, chunks: int = 1) -> None:
     from meshforge.loss import cross_entropy_sum
+    from meshforge.parallel.chunk_batch import apply_chunk_batch
     from meshforge.parallel.context import apply_cp, shard_batch_for_cp
 
     ref, model = _build(folder), _build(folder)
     apply_cp(model, mesh, method=method)
+    if chunks > 1:
+        # parallelism.enable_chunk_batch: each layer runs row by row; the CP state is cut by rows.
+        apply_chunk_batch(model, chunks=chunks, modules=["model.layers.{*}"])
     batch = _batch(packed)
     tokens = (batch["labels"] != -100).sum()
 
@@ -124,7 +128,7 @@ def _check_equal(folder: Path, method: str, mesh, *, packed: bool) -> None:
     loss = cross_entropy_sum(logits, local["labels"])
     (loss / tokens).backward()
 
-    what = f"{folder.name} {method} packed={packed}"
+    what = f"{folder.name} {method} packed={packed} chunks={chunks}"
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.get_group())
     assert _rel(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
@@ -174,6 +178,8 @@ def _worker(rank: int, world: int, init_file: str, root: str, errors) -> None:
         _check_equal(folders / "mistral_sliding", "colossal", mesh, packed=True)
         _check_equal(folders / "llama", "colossal", mesh, packed=True)
         _check_equal(folders / "llama_mqa", "ulysses", mesh, packed=True)
+        for method in ("ulysses", "colossal"):
+            _check_equal(folders / "qwen3_sliding", method, mesh, packed=True, chunks=2)
         _check_errors(folders, mesh)
         dist.destroy_process_group()
     except BaseException:
@@ -200,12 +206,19 @@ def test_generic_train_cp2_equals_one_process(tmp_path: Path) -> None:
     run_train(config, [*common, f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
     one = read_metrics(tmp_path / "one")
     assert len(one) == 3
+    # colossal also runs each decoder layer on one row at a time (chunked micro-batches: the CP
+    # state is cut by rows and its call counts add up in the whole batch's state).
+    chunked = {
+        "ulysses": [],
+        "colossal": ["--parallelism.enable_chunk_batch=true", "--parallelism.chunk_mbs=2"],
+    }
     for method in ("ulysses", "colossal"):
         out = tmp_path / method
         proc = run_train(
             config,
             [
                 *common,
+                *chunked[method],
                 f"--training.output_dir={out}",
                 "--parallelism.context_parallel=2",
                 f"--parallelism.context_parallel_method={method}",

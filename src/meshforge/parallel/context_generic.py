@@ -59,12 +59,27 @@ class GenericCPState:
         mask: This forward's :class:`~meshforge.parallel.context.CPMask`.
         calls: How many attention calls reached :func:`cp_attention` (checked after the forward).
         windowed: How many of them carried a ``sliding_window``.
+        parent: The whole batch's state when this one holds some of its rows (chunked
+            micro-batches, ``parallelism.enable_chunk_batch``): calls count there too.
     """
 
     plan: ContextParallel
     mask: CPMask
     calls: int = 0
     windowed: int = 0
+    parent: GenericCPState | None = None
+
+    def record(self, windowed: bool) -> None:
+        """Count one attention call here and in the states this one was cut from."""
+        state: GenericCPState | None = self
+        while state is not None:
+            state.calls += 1
+            state.windowed += windowed
+            state = state.parent
+
+    def narrow_batch(self, dim: int, start: int, stop: int) -> GenericCPState:
+        """The state for rows ``start:stop`` (its mask sliced by rows), counting into this one."""
+        return GenericCPState(self.plan, self.mask.narrow_batch(dim, start, stop), parent=self)
 
 
 def _refuse(what: str, why: str) -> NotImplementedError:
@@ -122,8 +137,7 @@ def cp_attention(
     window = kwargs.get("sliding_window")
     if scaling is None:
         scaling = float(getattr(module, "head_dim", query.shape[-1])) ** -0.5
-    state.calls += 1
-    state.windowed += bool(window)
+    state.record(bool(window))
     out = state.plan(
         query, key, value, state.mask, scale=float(scaling), window=int(window) if window else None
     )

@@ -110,11 +110,6 @@ def parallelize_model(
     if par.enable_chunk_batch:
         from meshforge.parallel.chunk_batch import apply_chunk_batch
 
-        if dims.cp > 1 and family == "generic":
-            raise NotImplementedError(
-                "not supported yet: parallelism.enable_chunk_batch with context_parallel > 1 on the "
-                "generic transformers path (its context-parallel state is not sliced by rows)"
-            )
         apply_chunk_batch(
             model,
             chunks=int(par.chunk_mbs),
