@@ -30,6 +30,12 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The gathered tensor of a DTensor (a differentiable collective), or the tensor itself."""
+    dtensor = _as_dtensor(tensor)
+    return dtensor.full_tensor() if dtensor is not None else tensor
+
+
 def _as_dtensor(tensor: torch.Tensor):
     """`tensor` as a DTensor, or None for a plain tensor (and where torch has no distributed)."""
     if not dist.is_available():
@@ -203,15 +209,15 @@ def chunked_cross_entropy_sum(
         labels: ``[B, S]`` (or ``[N]``) targets, -100 ignored.
         chunk_size: Tokens per chunk (over the flattened batch and sequence).
 
+    Under tensor parallelism ``hidden`` (sequence-sharded) and ``weight`` (vocabulary-sharded)
+    are DTensors: they are gathered whole (differentiably: their backward hands each rank its
+    own slice), so every TP rank computes the whole loss, as the replicated-logits path does.
+
     Returns:
         The float32 scalar sum over valid positions; its backward recomputes one chunk's
         logits at a time.
     """
-    if _as_dtensor(hidden) is not None or _as_dtensor(weight) is not None:
-        raise NotImplementedError(
-            "not supported yet: kernels.chunk_loss_size with parallelism.tensor_parallel > 1 "
-            "(use enable_loss_parallel instead: the vocabulary-sharded logits are not gathered)"
-        )
+    hidden, weight = _whole(hidden), _whole(weight)
     if chunk_size < 1:
         raise ValueError(f"kernels.chunk_loss_size: must be a positive number of tokens, got {chunk_size}")
     device_type = hidden.device.type

@@ -121,11 +121,7 @@ def _model_vocab_size(family: Any, options: dict[str, Any]) -> int:
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor (gathered; differentiable), or the tensor itself.
-
-    E.g. the loss under loss parallel, or the sequence-sharded hidden states and the vocab-sharded
-    head for the chunked loss under TP.
-    """
+    """A plain tensor from a (replicated) DTensor result, e.g. the loss under loss parallel."""
     full = getattr(tensor, "full_tensor", None)
     return full() if callable(full) else tensor
 
@@ -590,11 +586,8 @@ class Trainer:
                 # Read lm_head.weight after the forward: under FSDP the root's parameters are
                 # unsharded by then (the root keeps them until backward).
                 hidden = self.model(batch["input_ids"], return_hidden=True, **inputs)
-                # Under TP the hidden states are sequence-sharded and the head vocab-sharded
-                # DTensors: every TP rank computes the whole chunked loss (as the replicated-
-                # logits path does); the gathers' backward hands each rank its own slice.
                 return chunked_cross_entropy_sum(
-                    _plain(hidden), _plain(self.model.lm_head.weight), batch["labels"], chunk_size=chunk
+                    hidden, self.model.lm_head.weight, batch["labels"], chunk_size=chunk
                 )
             logits = self.model(batch["input_ids"], **inputs)
         with self._loss_context():

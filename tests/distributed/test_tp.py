@@ -261,10 +261,14 @@ def _check_refusals(mesh) -> None:
     with pytest.raises(ValueError, match=r"sequence length \(15\) must be a multiple of 2"):
         model(torch.zeros(1, 15, dtype=torch.long))
     hidden = model(torch.zeros(1, 16, dtype=torch.long), return_hidden=True)
-    with pytest.raises(NotImplementedError, match="kernels.chunk_loss_size"):
-        chunked_cross_entropy_sum(
-            hidden, model.lm_head.weight, torch.zeros(1, 16, dtype=torch.long), chunk_size=4
-        )
+    # The chunked loss takes the sequence-sharded hidden states and vocab-sharded head as they
+    # are (it gathers them): the loss of the gathered tensors.
+    labels = torch.zeros(1, 16, dtype=torch.long)
+    got = chunked_cross_entropy_sum(hidden, model.lm_head.weight, labels, chunk_size=4)
+    want = chunked_cross_entropy_sum(
+        hidden.full_tensor(), model.lm_head.weight.full_tensor(), labels, chunk_size=4
+    )
+    torch.testing.assert_close(got, want)
 
 
 def _worker(rank: int, world: int, store_path: str, err_dir: str) -> None:
@@ -364,58 +368,26 @@ def test_trainer_tp2_equals_one_process_and_resumes_on_one(tiny_config: Path, tm
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x["step"], x["loss"], y["loss"])
 
 
-GENERIC_YAML = """
-training:
-  steps: 3
-  local_batch_size: 2
-  global_batch_size: 2
-  seed: 5
-  deterministic: true
-lr_scheduler:
-  type: ConstantWarmUpLR
-  learning_rate: 1.e-3
-  warmup_steps: 0
-train_dataset:
-  dataloader:
-    type: TextDataLoader
-    data_path: {data}
-    seq_length: 32
-model:
-  model_name_or_path: {model}
-checkpoint:
-  enable_save: false
-"""
-
-
 def test_trainer_generic_tp2_equals_one_process(tmp_path: Path) -> None:
-    """The generic transformers path (a local Qwen3 folder) trains under TP by the default patterns."""
+    """The generic transformers path (a local Mistral folder) trains under TP by the default patterns."""
     transformers = pytest.importorskip("transformers")
     from meshforge.data.tokenizer import build_tokenizer
-    from tests.conftest import write_corpus
+    from tests.unit.test_generic_hf import MISTRAL, _config
 
-    folder = tmp_path / "hf_qwen3"
-    config = transformers.Qwen3Config(
-        vocab_size=8192,  # the bundled tokenizer's size
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    # Mistral: no built-in family, so it trains through the generic path (a Qwen3 folder would
+    # take the built-in qwen3 plan).
+    folder = tmp_path / "hf_mistral"
     torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    transformers.MistralForCausalLM(transformers.MistralConfig(**MISTRAL)).save_pretrained(folder)
     build_tokenizer("meshforge://assets/tokenizer").save_pretrained(folder)
-    cfg = tmp_path / "generic.yaml"
-    cfg.write_text(
-        GENERIC_YAML.format(data=write_corpus(tmp_path / "corpus.jsonl", num_docs=40), model=folder)
-    )
+    cfg = _config(tmp_path, folder, "checkpoint:\n  enable_save: false")
 
     one, tp2 = tmp_path / "one", tmp_path / "tp2"
     run_train(cfg, [f"--training.output_dir={one}"], cwd=tmp_path)
-    run_train(cfg, [f"--training.output_dir={tp2}", "--parallelism.tensor_parallel=2"], nproc=2, cwd=tmp_path)
+    proc = run_train(
+        cfg, [f"--training.output_dir={tp2}", "--parallelism.tensor_parallel=2"], nproc=2, cwd=tmp_path
+    )
+    assert "generic transformers path" in proc.stdout
     a, b = read_metrics(one), read_metrics(tp2)
     assert len(a) == len(b) == 3
     for x, y in zip(a, b, strict=True):

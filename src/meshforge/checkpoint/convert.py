@@ -36,6 +36,7 @@ from meshforge.checkpoint.hf import (
     save_hf,
 )
 from meshforge.checkpoint.manager import COMPLETE_MARKER, TRAINER_STATE_FILE, resolve_load_path
+from meshforge.models.materialize import to_empty_keeping_ties
 
 Log = Callable[[str], None]
 
@@ -57,15 +58,10 @@ def _build_on_cpu(family: Any, options: dict[str, Any], dtype: torch.dtype) -> t
     with torch.device("meta"):
         model = family.build(options)
     model.to(dtype=dtype)
-    # Storage only: every parameter is overwritten by the load that follows.
-    model = model.to_empty(device="cpu")
-    # to_empty gives each module a new parameter: tie again (transformers models do not do it
-    # themselves; the built-in families re-tie in their own _apply), or a tied export would
-    # carry an lm_head.weight key of its own.
-    tie = getattr(model, "tie_weights", None)
-    if callable(tie):
-        tie()
-    return model
+    # Storage only: every parameter is overwritten by the load that follows. Tied weights stay
+    # tied (transformers models do not re-tie after to_empty), or a tied export would carry an
+    # lm_head.weight key of its own.
+    return to_empty_keeping_ties(model, "cpu")
 
 
 def dcp_to_hf(

@@ -40,6 +40,19 @@ def parameter_seed(seed: int, fqn: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def to_empty_keeping_ties(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """`model.to_empty(device=...)` with shared (tied) parameters still shared afterwards.
+
+    `to_empty` re-creates each module's parameters separately, which unties shared weights
+    (e.g. tied input/output embeddings): every alias is pointed back at the first owner's tensor.
+    """
+    ties = _shared_parameters(model)
+    model.to_empty(device=device)
+    for module, name, owner, owner_name in ties:
+        setattr(module, name, getattr(owner, owner_name))
+    return model
+
+
 @torch.no_grad()
 def materialize_and_init(model: nn.Module, *, device: torch.device, seed: int, init_fn: InitFn) -> None:
     """Allocate `model`'s storage on `device` and initialise every parameter reproducibly.
@@ -48,12 +61,7 @@ def materialize_and_init(model: nn.Module, *, device: torch.device, seed: int, i
         init_fn: fills one full CPU tensor in place, given its fully qualified name and a
             seeded generator (each model family provides it).
     """
-    ties = _shared_parameters(model)
-    model.to_empty(device=device)
-    # `to_empty` re-creates each module's parameters separately, which unties shared weights
-    # (e.g. tied input/output embeddings): point every alias back at the first owner's tensor.
-    for module, name, owner, owner_name in ties:
-        setattr(module, name, getattr(owner, owner_name))
+    to_empty_keeping_ties(model, device)
     for fqn, param in model.named_parameters():
         full = torch.empty(param.shape, dtype=param.dtype, device="cpu")
         generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, fqn))

@@ -76,7 +76,8 @@ def apply_chunk_batch(
             dim=batch_dim,
             arg_indices=frozenset(arg_indices),
             kwarg_names=frozenset(kwarg_names),
-            owner=module,
+            # Found once here, not walked on every forward: the MoE blocks that keep statistics.
+            holders=tuple(m for m in module.modules() if any(hasattr(m, name) for name in _STATS)),
         )
     return len(matched)
 
@@ -88,7 +89,7 @@ def _chunked_forward(
     dim: int,
     arg_indices: frozenset[int],
     kwarg_names: frozenset[str],
-    owner: nn.Module,
+    holders: tuple[nn.Module, ...],
     **kwargs: Any,
 ) -> Any:
     batch = _batch_size(args, kwargs, arg_indices, kwarg_names, dim)
@@ -102,8 +103,8 @@ def _chunked_forward(
             k: _slice(v, start, stop, dim, batch, force=k in kwarg_names) for k, v in kwargs.items()
         }
         outputs.append(forward(*part_args, **part_kwargs))
-        stats.append(_read_stats(owner))
-    _write_stats(owner, stats)
+        stats.append(_read_stats(holders))
+    _write_stats(stats)
     return _join(outputs, dim)
 
 
@@ -156,9 +157,9 @@ def _join(outputs: list[Any], dim: int) -> Any:
     )
 
 
-def _read_stats(owner: nn.Module) -> list[tuple[nn.Module, str, Any]]:
+def _read_stats(holders: tuple[nn.Module, ...]) -> list[tuple[nn.Module, str, Any]]:
     found = []
-    for module in owner.modules():
+    for module in holders:
         for name in _STATS:
             value = getattr(module, name, None)
             if value is not None:
@@ -166,7 +167,7 @@ def _read_stats(owner: nn.Module) -> list[tuple[nn.Module, str, Any]]:
     return found
 
 
-def _write_stats(owner: nn.Module, per_chunk: list[list[tuple[nn.Module, str, Any]]]) -> None:
+def _write_stats(per_chunk: list[list[tuple[nn.Module, str, Any]]]) -> None:
     """Sum each MoE statistic over the chunks (they are token sums) and leave the total behind."""
     if not per_chunk or not per_chunk[0]:
         return

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshforge.loss import cross_entropy_sum
+from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
 from meshforge.parallel.pipeline_stage import (
     StageModule,
     _PipelinedCausalLM,
@@ -592,14 +592,9 @@ class Pipeline:
         """Summed CE of the last stage's output: logits, or normed hidden states (chunked loss)."""
         if self.chunk_loss_size is None:
             return cross_entropy_sum(output, labels)
-        from meshforge.loss import chunked_cross_entropy_sum
-
-        # Read after the forward: under FSDP the head is unsharded by then; under TP the hidden
-        # states and head are DTensors, gathered (differentiably) as in the trainer's own path.
+        # Read after the forward: under FSDP the head is unsharded by then.
         weight = self.model.lm_head.weight
-        return chunked_cross_entropy_sum(
-            _whole(output), _whole(weight), labels, chunk_size=self.chunk_loss_size
-        )
+        return chunked_cross_entropy_sum(output, weight, labels, chunk_size=self.chunk_loss_size)
 
     def _loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         if self.aux_experts is None:
@@ -612,8 +607,6 @@ class Pipeline:
         aux = self._aux_from_carry(carry)
         # As Trainer.forward_backward: the micro-batch's aux loss weighted by its share of the
         # global valid tokens (on a CP rank: its own part of them; the shares add up).
-        from meshforge.loss import count_valid_tokens
-
         weight = count_valid_tokens(labels).to(torch.float32) / self._global_tokens
         self._aux.append((aux.detach() * weight).float())
         return ce / self._global_tokens + self.aux_coef * aux * weight
@@ -898,12 +891,6 @@ def build_pipeline(
     )
     pipeline.sync_tied_weights()
     return pipeline
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The gathered tensor of a DTensor (differentiable), or the tensor itself."""
-    full = getattr(tensor, "full_tensor", None)
-    return full() if callable(full) else tensor
 
 
 __all__ = [

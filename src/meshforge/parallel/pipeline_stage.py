@@ -32,6 +32,7 @@ MoE layers run so far for this micro-batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,22 +47,38 @@ if TYPE_CHECKING:
 LayerRunner = Any  # Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
-def _decoder_runner(
-    inner: Any,
-    ids: torch.Tensor,
-    h: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    segment_ids: torch.Tensor | None,
-    seq_len: int,
-    layers: list[nn.Module],
-) -> LayerRunner:
+@dataclass(frozen=True)
+class StageBatch:
+    """What a stage's preparation (``layer_runner_factory``) gets for one micro-batch.
+
+    Attributes:
+        inner: The family's inner model (``model.model``), pruned to this rank's stages.
+        ids: Token ids ``[B, S]``, or a ``[B, S]`` view of the hidden states after the first
+            stage (shape and device are what the CP plans read).
+        h: The hidden states entering the stage's first layer.
+        position_ids, segment_ids: The micro-batch's, as ``CausalLM.forward`` takes them.
+        seq_len: Tokens per row (under sequence parallelism ``h`` holds only a slice).
+        layers: The stage's decoder layers, in order.
+    """
+
+    inner: Any
+    ids: torch.Tensor
+    h: torch.Tensor
+    position_ids: torch.Tensor | None
+    segment_ids: torch.Tensor | None
+    seq_len: int
+    layers: list[nn.Module]
+
+
+def _decoder_runner(b: StageBatch) -> LayerRunner:
     """``DecoderModel.forward``'s preparation: one mask (or CP mask object) for every layer."""
+    inner, segment_ids, position_ids = b.inner, b.segment_ids, b.position_ids
     mask = token_mask = None
     cp = getattr(inner, "cp", None)
     if cp is not None:
         # Context parallel (DecoderModel.cp): the plan reads only the shape and device of
         # the token ids, which a [B, S] view of the hidden states has too.
-        mask, position_ids = cp.prepare(ids, position_ids, segment_ids)
+        mask, position_ids = cp.prepare(b.ids, position_ids, segment_ids)
         if inner.pass_token_mask and segment_ids is not None:
             token_mask = segment_ids != 0
     elif segment_ids is not None:
@@ -70,22 +87,15 @@ def _decoder_runner(
             token_mask = segment_ids != 0
         if position_ids is None:
             position_ids = positions_from_segments(segment_ids)
-    rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
+    rope = inner.rotary_emb(position_ids, seq_len=b.seq_len, device=b.h.device, dtype=b.h.dtype)
     if inner.pass_token_mask:
         return lambda layer, x: layer(x, rope, mask, token_mask)
     return lambda layer, x: layer(x, rope, mask)
 
 
-def _gpt_oss_runner(
-    inner: Any,
-    ids: torch.Tensor,
-    h: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    segment_ids: torch.Tensor | None,
-    seq_len: int,
-    layers: list[nn.Module],
-) -> LayerRunner:
+def _gpt_oss_runner(b: StageBatch) -> LayerRunner:
     """``GptOssModel.forward``'s preparation: full and sliding masks, token mask, RoPE."""
+    inner, segment_ids, position_ids = b.inner, b.segment_ids, b.position_ids
     from meshforge.models.common.sink_attention import causal_mask, sliding_window_mask
 
     token_mask = None
@@ -94,10 +104,10 @@ def _gpt_oss_runner(
     if cp is not None:
         # Context parallel (GptOssModel.cp): one mask object for both kinds of layer; each
         # attention applies its own window in global positions.
-        cp_mask, position_ids = cp.prepare(ids, position_ids, segment_ids)
+        cp_mask, position_ids = cp.prepare(b.ids, position_ids, segment_ids)
         if segment_ids is not None:
             token_mask = segment_ids != 0
-        rope = inner.rotary_emb(position_ids, seq_len=h.shape[1], device=h.device, dtype=h.dtype)
+        rope = inner.rotary_emb(position_ids, seq_len=b.h.shape[1], device=b.h.device, dtype=b.h.dtype)
         return lambda layer, x: layer(x, rope, cp_mask, token_mask)
     if segment_ids is not None:
         full = segment_causal_mask(segment_ids)
@@ -105,39 +115,32 @@ def _gpt_oss_runner(
         if position_ids is None:
             position_ids = positions_from_segments(segment_ids)
     else:
-        full = causal_mask(seq_len, h.device)
+        full = causal_mask(b.seq_len, b.h.device)
     masks = {"full_attention": full}
     # Only the stage's own layers decide whether the sliding mask is needed.
-    if any(layer.attention_type == "sliding_attention" for layer in layers):
+    if any(layer.attention_type == "sliding_attention" for layer in b.layers):
         masks["sliding_attention"] = sliding_window_mask(full, inner.sliding_window)
-    rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
+    rope = inner.rotary_emb(position_ids, seq_len=b.seq_len, device=b.h.device, dtype=b.h.dtype)
     return lambda layer, x: layer(x, rope, masks[layer.attention_type], token_mask)
 
 
-def _qwen3_next_runner(
-    inner: Any,
-    ids: torch.Tensor,
-    h: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    segment_ids: torch.Tensor | None,
-    seq_len: int,
-    layers: list[nn.Module],
-) -> LayerRunner:
+def _qwen3_next_runner(b: StageBatch) -> LayerRunner:
     """``Qwen3NextModel.forward``'s preparation: the attention mask; DeltaNet layers get ``segment_ids``."""
+    inner, segment_ids, position_ids = b.inner, b.segment_ids, b.position_ids
     cp = getattr(inner, "cp", None)
     mask = None
     if cp is not None:
         # Context parallel (ulysses; Qwen3NextModel.cp): one CPMask for the attention layers and
         # the global positions; the DeltaNet layers gather the full row's document ids themselves.
-        mask, position_ids = cp.prepare(ids, position_ids, segment_ids)
+        mask, position_ids = cp.prepare(b.ids, position_ids, segment_ids)
     elif segment_ids is not None:
         # Each stage restarts nothing itself: a DeltaNet layer resets its state and conv window
         # at every document start it sees in segment_ids, whichever stage it runs on.
-        if any(layer.layer_type != "linear_attention" for layer in layers):
+        if any(layer.layer_type != "linear_attention" for layer in b.layers):
             mask = segment_causal_mask(segment_ids)
         if position_ids is None:
             position_ids = positions_from_segments(segment_ids)
-    rope = inner.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
+    rope = inner.rotary_emb(position_ids, seq_len=b.seq_len, device=b.h.device, dtype=b.h.dtype)
     return lambda layer, x: layer(x, rope, mask, segment_ids)
 
 
@@ -224,15 +227,7 @@ def check_generic_layout(model: nn.Module) -> None:
     generic_layer_types(inner, list(range(len(inner.layers))))
 
 
-def _generic_runner(
-    inner: Any,
-    ids: torch.Tensor,
-    h: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    segment_ids: torch.Tensor | None,
-    seq_len: int,
-    layers: list[nn.Module],
-) -> LayerRunner:
+def _generic_runner(b: StageBatch) -> LayerRunner:
     """A transformers ``*Model.forward``'s preparation, as ``GenericCausalLMMixin.forward`` calls it.
 
     The one-process generic forward passes ``segment_ids`` as the block-diagonal causal mask(s) of
@@ -240,6 +235,7 @@ def _generic_runner(
     document (without ``segment_ids`` transformers counts ``0..S-1``); the masks come from the functions the model's own module calls, with the same
     arguments, so a stage's layers see exactly the masks and RoPE tables they would see there.
     """
+    inner, h, position_ids, segment_ids, layers = b.inner, b.h, b.position_ids, b.segment_ids, b.layers
     import inspect
     import sys
 
@@ -256,7 +252,7 @@ def _generic_runner(
             # As the wrapper (and the built-in families): positions restart per document.
             position_ids = positions_from_segments(segment_ids)
     if position_ids is None:
-        position_ids = torch.arange(seq_len, device=h.device).unsqueeze(0)
+        position_ids = torch.arange(b.seq_len, device=h.device).unsqueeze(0)
     module = sys.modules[type(inner).__module__]
     masks: dict[str, Any] = {}
     for kind in dict.fromkeys(kinds):
@@ -299,15 +295,7 @@ def _generic_runner(
     return run
 
 
-def _generic_cp_runner(
-    model: nn.Module,
-    plan: Any,
-    ids: torch.Tensor,
-    h: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    segment_ids: torch.Tensor | None,
-    layers: list[nn.Module],
-) -> LayerRunner:
+def _generic_cp_runner(model: nn.Module, plan: Any, b: StageBatch) -> LayerRunner:
     """The generic stage's preparation under context parallelism, as the wrapper's CP forward.
 
     ``GenericCausalLMMixin.forward`` with a CP plan calls ``prepare_generic_cp`` (the local
@@ -322,8 +310,8 @@ def _generic_cp_runner(
     Args:
         model: The pruned wrapped model (its ``meshforge_cp`` is ``plan``).
         plan: The :class:`~meshforge.parallel.context.ContextParallel` plan.
-        ids: ``[B, S_local]`` token ids, or a view of the hidden states with that shape (the
-            plan reads only the shape and device).
+        b: The stage's batch (its ``ids`` may be a view of the hidden states: the plan reads only
+            their shape and device).
 
     Raises:
         NotImplementedError: A decoder layer that takes no ``**kwargs`` (the state cannot reach
@@ -335,10 +323,10 @@ def _generic_cp_runner(
 
     inner: Any = model.model  # type: ignore[attr-defined]
     index_of = {id(layer): int(key) for key, layer in inner.layers.items()}
-    kinds = generic_layer_types(inner, [index_of[id(layer)] for layer in layers])
-    position_ids, state = prepare_generic_cp(plan, ids, position_ids, segment_ids)
-    rope = inner.rotary_emb(h, position_ids)
-    last = layers[-1] if layers else None
+    kinds = generic_layer_types(inner, [index_of[id(layer)] for layer in b.layers])
+    position_ids, state = prepare_generic_cp(plan, b.ids, b.position_ids, b.segment_ids)
+    rope = inner.rotary_emb(b.h, position_ids)
+    last = b.layers[-1] if b.layers else None
     accepted: dict[type, set[str]] = {}
 
     def run(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -381,8 +369,8 @@ def _is_generic_inner(inner: nn.Module) -> bool:
 def layer_runner_factory(inner: nn.Module) -> Any:
     """The stage preparation for ``inner`` (the family's inner model), or None if unknown.
 
-    The preparation is called as ``prepare(inner, ids, h, position_ids, segment_ids, seq_len,
-    layers)`` and returns ``run(layer, h) -> h`` for the stage's layers.
+    The preparation is called as ``prepare(StageBatch(...))`` and returns ``run(layer, h) -> h``
+    for the stage's layers.
     """
     from meshforge.models.common.causal_lm import DecoderModel
 
@@ -466,7 +454,7 @@ class _PipelinedCausalLM:
             seq_len = h.shape[1] * sequence_shards(self)  # type: ignore[arg-type]
         layers = [inner.layers[key] for key in stage.layer_keys]
         ids = inputs if stage.is_first else h[..., 0]
-        run = self._layer_runner(inner, ids, h, position_ids, segment_ids, seq_len, layers)
+        run = self._layer_runner(StageBatch(inner, ids, h, position_ids, segment_ids, seq_len, layers))
         for layer in layers:
             h = run(layer, h)
         if stage.is_last:
@@ -483,18 +471,9 @@ class _PipelinedCausalLM:
         local = _stage_aux_totals(layers, experts, h)
         return h, (carry + local if local is not None else carry * 1.0)
 
-    def _layer_runner(
-        self,
-        inner: Any,
-        ids: torch.Tensor,
-        h: torch.Tensor,
-        position_ids: torch.Tensor | None,
-        segment_ids: torch.Tensor | None,
-        seq_len: int,
-        layers: list[nn.Module],
-    ) -> LayerRunner:
+    def _layer_runner(self, b: StageBatch) -> LayerRunner:
         """The family's stage preparation (``layer_runner_factory``) for this forward's layers."""
-        return layer_runner_factory(inner)(inner, ids, h, position_ids, segment_ids, seq_len, layers)
+        return layer_runner_factory(b.inner)(b)
 
     def tie_weights(self) -> None:
         """Tie only where this rank holds both ends; otherwise the copies are kept equal by hand."""
@@ -523,21 +502,10 @@ class _PipelinedMoECausalLM(_PipelinedCausalLM):
 class _PipelinedGenericCausalLM(_PipelinedCausalLM):
     """The stage forward in front of a generic transformers model (``GenericCausalLMMixin``)."""
 
-    def _layer_runner(
-        self,
-        inner: Any,
-        ids: torch.Tensor,
-        h: torch.Tensor,
-        position_ids: torch.Tensor | None,
-        segment_ids: torch.Tensor | None,
-        seq_len: int,
-        layers: list[nn.Module],
-    ) -> LayerRunner:
+    def _layer_runner(self, b: StageBatch) -> LayerRunner:
         """``_generic_runner``, or under context parallelism (``meshforge_cp``) ``_generic_cp_runner``."""
         plan = getattr(self, "meshforge_cp", None)
-        if plan is None:
-            return _generic_runner(inner, ids, h, position_ids, segment_ids, seq_len, layers)
-        return _generic_cp_runner(self, plan, ids, h, position_ids, segment_ids, layers)
+        return _generic_runner(b) if plan is None else _generic_cp_runner(self, plan, b)
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
         """transformers' tying, only where this rank holds both ends (see ``_PipelinedCausalLM``)."""
