@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.config.base import ConfigError, Issue
+from meshforge.config.noops import noop_notes
 from meshforge.config.root import TrainConfig
 from meshforge.config.rules import layer_issues
 from meshforge.config.unsupported import unsupported_entries
@@ -171,24 +172,6 @@ def _dedupe(issues: list[Issue]) -> list[Issue]:
     return out
 
 
-ASCEND_ONLY = (
-    ("context", "max_device_memory"),
-    ("parallelism", "npu_nums_per_device"),
-    ("profiler", "mstx"),
-)
-
-
-def ascend_only_notes(cfg: TrainConfig, device: str) -> list[Issue]:
-    """Ascend-only knobs written in the YAML that have no effect on `device` (cpu/cuda): one note each."""
-    if device in ("npu", "auto"):
-        return []
-    notes = []
-    for section, key in ASCEND_ONLY:
-        if key in getattr(cfg, section).model_fields_set:
-            notes.append((f"{section}.{key}", f"Ascend-only setting, no effect on device {device!r}"))
-    return notes
-
-
 def validate_config(cfg: TrainConfig, *, world_size: int | None = None) -> Report:
     """Every check that does not open data or checkpoints; unsupported features and passthrough issues warn."""
     report = Report()
@@ -203,7 +186,7 @@ def validate_config(cfg: TrainConfig, *, world_size: int | None = None) -> Repor
     found, unchecked = _component_issues(cfg)
     report.warnings += _essentials(cfg)
     report.warnings += found + unchecked
-    report.warnings += ascend_only_notes(cfg, cfg.context.device())
+    report.warnings += noop_notes(cfg, cfg.context.device())
     report.warnings += [(e.path, f"not supported yet: {e.path} ({e.note})") for e in unsupported_entries(cfg)]
     report.errors = _dedupe(report.errors)
     report.warnings = _dedupe(report.warnings)
@@ -226,7 +209,7 @@ def check_trainable(
     found, unchecked = _component_issues(cfg)
     issues += found
     warn = log or logger.warning
-    for path, reason in unchecked + ascend_only_notes(cfg, cfg.context.device()):
+    for path, reason in unchecked + noop_notes(cfg, cfg.context.device()):
         warn(f"warning: {path}: {reason}")
     num_layers, source = num_layers_from_model_dir(cfg)
     if num_layers is not None and source != "model.num_hidden_layers":

@@ -10,15 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+from pydantic import BaseModel
+
 from meshforge.data.config import SFT_FIELDS, SFT_LOADER, TrainDatasetConfig
 from meshforge.infer.config import InferenceConfig
-from meshforge.models.config import KernelsConfig
+from meshforge.memory.config import RecomputeCommConfig, RecomputeConfig, SwapConfig
+from meshforge.models.config import KernelsConfig, ModelConfig
 from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
 from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
     MS_TP_COLWISE,
     MS_TP_ROWWISE,
 )
+from meshforge.profiling import ProfilerConfig
+from meshforge.trainer_config import TrainingConfig
 
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
@@ -62,6 +67,41 @@ def is_generic_model(cfg: TrainConfig) -> bool:
     except (OSError, AttributeError):
         return False
     return False
+
+
+def _default(section: type[BaseModel], name: str) -> object:
+    return section.model_fields[name].default
+
+
+def _unbuilt_fields(
+    path: str, section: type[BaseModel], note: str, *, skip: tuple[str, ...] = ()
+) -> list[Unsupported]:
+    """One entry per field of a section whose feature is not built: any non-default value is refused.
+
+    A field such as `profiler.start_step` changes nothing while its section's feature is not built,
+    so writing it alone is refused too, under its own key path.
+    """
+
+    def getter(cfg: TrainConfig, name: str) -> object:
+        node: object = cfg
+        for part in path.split("."):
+            node = getattr(node, part)
+        return getattr(node, name)
+
+    return [
+        Unsupported(
+            f"{path}.{name}",
+            lambda c, n=name: getter(c, n) != _default(section, n),
+            note,
+        )
+        for name in section.model_fields
+        if name not in skip
+    ]
+
+
+def _written_false(cfg: TrainConfig, section: str, name: str) -> bool:
+    node = getattr(cfg, section)
+    return name in node.model_fields_set and getattr(node, name) is False
 
 
 def _sft_default(name: str) -> object:
@@ -137,10 +177,10 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         f"{_P}.ep_dispatcher", lambda c: c.parallelism.ep_dispatcher != "eager", "fused/mc2 EP dispatch"
     ),
-    Unsupported("recompute.mode", lambda c: c.recompute.mode != "None", "activation recomputation"),
-    Unsupported("recompute_comm.enable", lambda c: c.recompute_comm.enable, "communication recomputation"),
-    Unsupported("swap.enable", lambda c: c.swap.enable, "activation offload"),
-    Unsupported("profiler.enable_profiling", lambda c: c.profiler.enable_profiling, "profiling"),
+    *_unbuilt_fields("recompute", RecomputeConfig, "activation recomputation"),
+    *_unbuilt_fields("recompute_comm", RecomputeCommConfig, "communication recomputation"),
+    *_unbuilt_fields("swap", SwapConfig, "activation offload"),
+    *_unbuilt_fields("profiler", ProfilerConfig, "profiling", skip=("mstx",)),
     Unsupported("monitor.moe_monitor", lambda c: c.monitor.moe_monitor.is_set(), "MoE monitor"),
     Unsupported(
         "monitor.train_state", lambda c: c.monitor.train_state != TrainStateConfig(), "train-state monitor"
@@ -162,10 +202,59 @@ ENTRIES: list[Unsupported] = [
         lambda c: not c.optimizer.accumulate_allreduce_grads_in_fp32,
         "low-precision gradient accumulation",
     ),
+    *[
+        Unsupported(
+            f"model.{name}",
+            lambda c, n=name: getattr(c.model, n) != _default(ModelConfig, n),
+            "low-precision (mxfp8) training",
+        )
+        for name in (
+            "quant_recipe_name",
+            "quant_apply_modules",
+            "quant_ignored_modules",
+            "quant_converters",
+            "enable_fsdp_low_precision_all_gather",
+            "fsdp_low_precision_all_gather_mode",
+        )
+    ],
+    *[
+        Unsupported(
+            f"model.{name}",
+            lambda c, n=name: getattr(c.model, n) != _default(ModelConfig, n),
+            "model hubs: models and tokenizers load from a local folder only",
+        )
+        for name in ("model_revision", "cache_dir", "hf_hub_token", "ms_hub_token", "om_hub_token")
+    ],
     Unsupported(
-        "model.quant_recipe_name",
-        lambda c: c.model.quant_recipe_name is not None,
-        "low-precision (mxfp8) training",
+        "training.mtp_loss_scaling_factor",
+        lambda c: c.training.mtp_loss_scaling_factor != _default(TrainingConfig, "mtp_loss_scaling_factor"),
+        "multi-token prediction",
+    ),
+    Unsupported(
+        "training.indexer_loss_coeff",
+        lambda c: c.training.indexer_loss_coeff != _default(TrainingConfig, "indexer_loss_coeff"),
+        "the sparse-attention indexer loss (DeepSeek-V3.2 DSA)",
+    ),
+    Unsupported(
+        f"{_P}.pipeline_parallel_p2p_transport",
+        lambda c: c.parallelism.pipeline_parallel_p2p_transport != "plain",
+        "PP transports other than plain send/recv",
+    ),
+    Unsupported(
+        f"{_P}.pipeline_parallel_microbatch_size",
+        lambda c: c.parallelism.pipeline_parallel_microbatch_size not in (1, c.training.local_batch_size),
+        "a PP micro-batch other than training.local_batch_size rows (each schedule micro-batch is one "
+        "local batch: set training.local_batch_size instead)",
+    ),
+    Unsupported(
+        f"{_P}.sequence_parallel",
+        lambda c: c.parallelism.tensor_parallel > 1 and _written_false(c, "parallelism", "sequence_parallel"),
+        "tensor parallelism without sequence parallelism (SP is on whenever tensor_parallel > 1)",
+    ),
+    Unsupported(
+        "checkpoint.save_global_layout_cache",
+        lambda c: not c.checkpoint.save_global_layout_cache,
+        "saving without the cached save plan",
     ),
     Unsupported("training.log_cpu_memory", lambda c: c.training.log_cpu_memory, "host-memory logging"),
     Unsupported(

@@ -1,0 +1,109 @@
+"""The one list of configuration keys that are accepted but change nothing where the run goes.
+
+A key lands here when the reference system has it and writing it is harmless, but meshforge has
+nothing for it to change: an Ascend-only knob on a CPU or CUDA run, a worker-pool setting for
+loaders that run in the training process, a switch whose "off" value meshforge does not need.
+`config validate` lists each one written with its note, and `meshforge train` logs the same
+warning, so a written key is never silently ignored. Keys whose feature is not built yet are
+refused instead (`config/unsupported.py`); keys that change the run have a reader
+(`config/readers.py`). Every predicate is False for the default config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from meshforge.config.base import Issue
+    from meshforge.config.root import TrainConfig
+
+
+class NoOp(NamedTuple):
+    """A key that has no effect on `device`: where, when it is written to no effect, and why."""
+
+    path: str
+    is_set: Callable[[TrainConfig, str], bool]
+    note: str  # may name the device as `{device}`
+
+
+def _written(cfg: TrainConfig, path: str) -> bool:
+    """Whether the YAML (or an override) wrote the key at `path` (a default is never a no-op)."""
+    *sections, leaf = path.split(".")
+    node: object = cfg
+    for name in sections:
+        node = getattr(node, name)
+    return leaf in getattr(node, "model_fields_set", set())
+
+
+def _entry(path: str, note: str, *, devices: tuple[str, ...] | None = None) -> NoOp:
+    """A no-op when written (on `devices` only, or everywhere when None)."""
+
+    def is_set(cfg: TrainConfig, device: str) -> bool:
+        return (devices is None or device in devices) and _written(cfg, path)
+
+    return NoOp(path, is_set, note)
+
+
+_NOT_NPU = ("cpu", "cuda")
+_ASCEND = "Ascend-only setting, no effect on device {device!r}"
+_NO_WORKERS = (
+    "meshforge's loaders read in the training process and prefetch nothing in the background "
+    "(no worker processes)"
+)
+
+ENTRIES: list[NoOp] = [
+    _entry("context.max_device_memory", _ASCEND, devices=_NOT_NPU),
+    _entry("parallelism.npu_nums_per_device", _ASCEND, devices=_NOT_NPU),
+    _entry("profiler.mstx", _ASCEND, devices=_NOT_NPU),
+    NoOp(
+        "parallelism.cpu_offload",
+        lambda c, d: d == "cpu" and c.parallelism.cpu_offload,
+        "no effect on the CPU: parameters, gradients and optimizer state already live in host memory",
+    ),
+    *[
+        _entry(f"train_dataset.{name}", _NO_WORKERS)
+        for name in ("num_parallel_workers", "prefetch_size", "numa_enable", "persistent_workers")
+    ],
+    _entry("train_dataset.dataloader.python_multiprocessing", _NO_WORKERS),
+    _entry(
+        "train_dataset.use_distribute_dataset",
+        "every loader already shards its samples over the data-parallel ranks",
+    ),
+    NoOp(
+        "train_dataset.pin_memory",
+        lambda c, d: d == "cpu" and _written(c, "train_dataset.pin_memory"),
+        "no effect on the CPU: batches stay in host memory (on an accelerator, true pins each batch "
+        "before its asynchronous copy)",
+    ),
+    NoOp(
+        "model.init_model_with_meta_device",
+        lambda c, d: (
+            _written(c, "model.init_model_with_meta_device") and not c.model.init_model_with_meta_device
+        ),
+        "meshforge always builds the model on the meta device and materialises it shard by shard",
+    ),
+    NoOp(
+        "training.calculate_per_token_loss",
+        lambda c, d: (
+            _written(c, "training.calculate_per_token_loss") and not c.training.calculate_per_token_loss
+        ),
+        "meshforge always divides the summed loss by the global count of valid tokens (see "
+        "parallelism.disable_gradient_division for the per-rank mean)",
+    ),
+    NoOp(
+        "parallelism.expert_parallel_use_safe_tokens",
+        lambda c, d: not c.parallelism.expert_parallel_use_safe_tokens,
+        "meshforge's expert dispatch always handles experts that receive no tokens",
+    ),
+]
+
+
+def noop_entries(cfg: TrainConfig, device: str) -> list[NoOp]:
+    """The entries that `cfg` writes to no effect on `device` (cpu, cuda, npu or auto)."""
+    return [entry for entry in ENTRIES if entry.is_set(cfg, device)]
+
+
+def noop_notes(cfg: TrainConfig, device: str) -> list[Issue]:
+    """One `(key path, note)` warning per written no-op on `device`."""
+    return [(entry.path, entry.note.format(device=device)) for entry in noop_entries(cfg, device)]
