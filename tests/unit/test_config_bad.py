@@ -455,3 +455,23 @@ def test_too_deep_nesting(tmp_path):
     text = "model:\n  x: " + "[" * 40 + "]" * 40 + "\n"
     err = _error(tmp_path, text)
     assert "nesting is too deep" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("stage", "loader"),
+    [("sft", "TextDataLoader"), ("pt", "SFTDataLoader")],
+)
+def test_training_stage_must_match_the_loader(stage: str, loader: str) -> None:
+    from meshforge.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"training": {"stage": stage}, "train_dataset": {"dataloader": {"type": loader}}})
+    assert info.value.issues[0][0] == "training.stage"
+    assert loader in info.value.issues[0][1]
+
+
+def test_training_stage_unwritten_follows_the_loader() -> None:
+    from meshforge.config import config_from_dict
+
+    cfg = config_from_dict({"train_dataset": {"dataloader": {"type": "SFTDataLoader"}}})
+    assert cfg.training.stage == "pt"  # the default is not a contradiction

@@ -76,18 +76,12 @@ ENTRIES: list[NoOp] = [
         "no effect on the CPU: batches stay in host memory (on an accelerator, true pins each batch "
         "before its asynchronous copy)",
     ),
-    NoOp(
+    _entry(
         "model.init_model_with_meta_device",
-        lambda c, d: (
-            _written(c, "model.init_model_with_meta_device") and not c.model.init_model_with_meta_device
-        ),
         "meshforge always builds the model on the meta device and materialises it shard by shard",
     ),
-    NoOp(
+    _entry(
         "training.calculate_per_token_loss",
-        lambda c, d: (
-            _written(c, "training.calculate_per_token_loss") and not c.training.calculate_per_token_loss
-        ),
         "meshforge always divides the summed loss by the global count of valid tokens (see "
         "parallelism.disable_gradient_division for the per-rank mean)",
     ),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshforge.config.layer_spec import LayerRange, check_layer_specs, expand_layers, parse_layer_spec
+from meshforge.data.config import SFT_LOADER
 
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
@@ -34,6 +35,22 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
                 "model.seq_length",
                 f"{cfg.model.seq_length} differs from the data's sequence length {data_seq} "
                 f"({_data_seq_path(cfg)}); the data's value rules: remove model.seq_length or make them equal",
+            )
+        )
+
+    loader = data.dataloader.type
+    if (
+        "stage" in training.model_fields_set
+        and loader
+        and (training.stage == "sft") != (loader == SFT_LOADER)
+    ):
+        wanted = f"{SFT_LOADER}" if training.stage == "sft" else f"a pretraining loader, not {SFT_LOADER}"
+        issues.append(
+            (
+                "training.stage",
+                f"{training.stage!r} trains on {'chat/instruction' if training.stage == 'sft' else 'raw-text'} "
+                f"data: train_dataset.dataloader.type must be {wanted} (got {loader}); as in MindSpeed, sft "
+                "pairs with LLaMA-Factory-style data and pt with pretraining data",
             )
         )
 
