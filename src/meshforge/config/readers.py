@@ -12,7 +12,6 @@ declared by their consumers' option models instead. Light: strings only.
 from __future__ import annotations
 
 READERS: dict[str, tuple[str, ...]] = {
-    "meshforge.config.rules": ("training.stage",),
     "meshforge.checkpoint.hf": (
         "model.model_type",
         "model.architectures",
