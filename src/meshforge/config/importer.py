@@ -4,7 +4,7 @@ MindSpeed YAML groups keys under `model:/data:/parallel:/training:/optimization:
 for generation) or writes them flat. Each key is mapped to its native path, and a line per key
 reports what it became. Unknown keys are errors with a suggestion (MindSpeed itself only logs
 them). MindSpeed defaults that differ from meshforge's are written into the result when they
-change what a run does, so a migrated file means what it meant (NOTES 1b).
+change what a run does, so a migrated file means what it meant.
 """
 
 from __future__ import annotations

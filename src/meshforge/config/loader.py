@@ -20,6 +20,7 @@ from meshforge.config import importer
 from meshforge.config.base import ConfigError, Issue, format_validation_error, unknown_keys_message
 from meshforge.config.root import SECTIONS, TrainConfig
 from meshforge.config.rules import cross_section_issues
+from meshforge.trainer_config import TrainingConfig
 
 MAX_DEPTH = 32
 _FLOAT_12 = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
@@ -145,12 +146,8 @@ def read_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str,
 # --- format detection ------------------------------------------------------------------------
 
 NATIVE_ONLY = frozenset(SECTIONS) - {"model", "training", "inference"}
-_TRAINING_NATIVE = frozenset(TrainConfig.model_fields["training"].annotation.model_fields) - set(
-    importer.TRAINING_KEYS
-)
-_TRAINING_MS = frozenset(importer.TRAINING_KEYS) - set(
-    TrainConfig.model_fields["training"].annotation.model_fields
-)
+_TRAINING_NATIVE = frozenset(TrainingConfig.model_fields) - set(importer.TRAINING_KEYS)
+_TRAINING_MS = frozenset(importer.TRAINING_KEYS) - set(TrainingConfig.model_fields)
 
 
 def _ms_key(key: str, value: Any) -> bool:
@@ -248,7 +245,8 @@ def _copy(value: Any) -> Any:
 
 def _split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
     """Overrides of MindSpeed keys (applied before import) vs native ones (applied after)."""
-    ms, native = [], []
+    ms: list[str] = []
+    native: list[str] = []
     for text in overrides:
         parts, _ = parse_override(text)
         key = parts[-1]

@@ -7,6 +7,7 @@ Each returns (key path, reason) pairs; the caller decides whether they are error
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from meshforge.config.layer_spec import LayerRange, check_layer_specs, expand_layers, parse_layer_spec
@@ -14,6 +15,7 @@ from meshforge.data.config import SFT_LOADER
 
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
+    from meshforge.memory.config import LayerSwapItem, OpSwapItem
 
 Issue = tuple[str, str]
 
@@ -162,8 +164,9 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
         issues.append(
             ("parallelism.pipeline_parallel_layers_per_stage", f"a string must be 'auto', got {stage_spec!r}")
         )
-    if isinstance(stage_spec, list) and all(isinstance(item, str) for item in stage_spec):
-        issues.extend(_stage_string_issues(stage_spec, par.pipeline_parallel_interleave_num))
+    stage_strings = _stage_strings(stage_spec)
+    if stage_strings is not None:
+        issues.extend(_stage_string_issues(stage_strings, par.pipeline_parallel_interleave_num))
 
     if par.context_parallel > 1 and data_seq is not None:
         # The ring layouts (colossal, hybrid) cut each row into 2 * cp chunks for causal load
@@ -182,6 +185,13 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
     if num_layers is not None:
         issues.extend(layer_issues(cfg, num_layers))
     return issues
+
+
+def _stage_strings(spec: object) -> list[str] | None:
+    """The per-rank stage strings of `pipeline_parallel_layers_per_stage`, or None for another form."""
+    if isinstance(spec, list) and all(isinstance(item, str) for item in spec):
+        return [str(item) for item in spec]
+    return None
 
 
 def stage_chunks(spec: list[str]) -> list[list[LayerRange]]:
@@ -258,7 +268,11 @@ def layer_issues(cfg: TrainConfig, num_layers: int) -> list[Issue]:
         issues += check_layer_specs(specs, num_layers, f"recompute_comm.select_module.{key}")
     if cfg.lora_config is not None:
         issues += check_layer_specs(cfg.lora_config.exclude_layers, num_layers, "lora_config.exclude_layers")
-    for name, items in (("layer_swap", swap.layer_swap), ("op_swap", swap.op_swap)):
+    swap_lists: tuple[tuple[str, Sequence[LayerSwapItem | OpSwapItem] | None], ...] = (
+        ("layer_swap", swap.layer_swap),
+        ("op_swap", swap.op_swap),
+    )
+    for name, items in swap_lists:
         for i, item in enumerate(items or []):
             path = f"swap.{name}[{i}].layers"
             found = check_layer_specs(item.layers, num_layers, path)
@@ -294,8 +308,9 @@ def layer_issues(cfg: TrainConfig, num_layers: int) -> list[Issue]:
         )
     par = cfg.parallelism
     stage_spec = par.pipeline_parallel_layers_per_stage
-    if isinstance(stage_spec, list) and stage_spec and all(isinstance(item, str) for item in stage_spec):
-        issues.extend(_stage_layer_issues(stage_spec, num_layers))
+    stage_strings = _stage_strings(stage_spec)
+    if stage_strings:
+        issues.extend(_stage_layer_issues(stage_strings, num_layers))
     chunks = par.pipeline_parallel * par.pipeline_parallel_interleave_num
     if par.pipeline_parallel > 1 and par.pipeline_parallel_layers_per_stage == "auto" and num_layers % chunks:
         issues.append(

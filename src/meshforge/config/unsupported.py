@@ -88,15 +88,22 @@ def _unbuilt_fields(
             node = getattr(node, part)
         return getattr(node, name)
 
+    def differs(name: str) -> Callable[[TrainConfig], bool]:
+        return lambda cfg: getter(cfg, name) != _default(section, name)
+
     return [
-        Unsupported(
-            f"{path}.{name}",
-            lambda c, n=name: getter(c, n) != _default(section, n),
-            note,
-        )
+        Unsupported(f"{path}.{name}", differs(name), note)
         for name in section.model_fields
         if name not in skip
     ]
+
+
+def _model_differs(name: str) -> Callable[[TrainConfig], bool]:
+    return lambda cfg: getattr(cfg.model, name) != _default(ModelConfig, name)
+
+
+def _kernel_enabled(name: str) -> Callable[[TrainConfig], bool]:
+    return lambda cfg: name in cfg.kernels.enabled()
 
 
 def _written_false(cfg: TrainConfig, section: str, name: str) -> bool:
@@ -121,20 +128,26 @@ SFT_NOT_BUILT = (
 )
 
 
+def _sft_set(name: str, *, any_loader: bool) -> Callable[[TrainConfig], bool]:
+    def is_set(cfg: TrainConfig) -> bool:
+        if not any_loader and cfg.train_dataset.dataloader.type == SFT_LOADER:
+            return False
+        return getattr(cfg.train_dataset, name) != _sft_default(name)
+
+    return is_set
+
+
 def _sft_entries() -> list[Unsupported]:
     entries = []
     for name in SFT_FIELDS:
         if name == "dataloader_type":  # a single allowed value: nothing to refuse
             continue
         if name in SFT_NOT_BUILT:
-            is_set = lambda c, n=name: getattr(c.train_dataset, n) != _sft_default(n)  # noqa: E731
+            is_set = _sft_set(name, any_loader=True)
             note = "SFT data pipeline: not built yet"
         else:
             # Built, but only the SFT loader reads it: set with another loader it would be ignored.
-            is_set = lambda c, n=name: (  # noqa: E731
-                c.train_dataset.dataloader.type != SFT_LOADER
-                and getattr(c.train_dataset, n) != _sft_default(n)
-            )
+            is_set = _sft_set(name, any_loader=False)
             note = f"read only by train_dataset.dataloader.type: {SFT_LOADER}"
         entries.append(Unsupported(f"train_dataset.{name}", is_set, note))
     return entries
@@ -205,7 +218,7 @@ ENTRIES: list[Unsupported] = [
     *[
         Unsupported(
             f"model.{name}",
-            lambda c, n=name: getattr(c.model, n) != _default(ModelConfig, n),
+            _model_differs(name),
             "low-precision (mxfp8) training",
         )
         for name in (
@@ -220,7 +233,7 @@ ENTRIES: list[Unsupported] = [
     *[
         Unsupported(
             f"model.{name}",
-            lambda c, n=name: getattr(c.model, n) != _default(ModelConfig, n),
+            _model_differs(name),
             "model hubs: models and tokenizers load from a local folder only",
         )
         for name in ("model_revision", "cache_dir", "hf_hub_token", "ms_hub_token", "om_hub_token")
@@ -265,7 +278,7 @@ ENTRIES: list[Unsupported] = [
     ),
     # Built kernel switches live in meshforge.models.common.kernels; these belong to families not built.
     *[
-        Unsupported(f"kernels.{name}", lambda c, n=name: n in c.kernels.enabled(), "fused kernel")
+        Unsupported(f"kernels.{name}", _kernel_enabled(name), "fused kernel")
         for name in (
             "use_triton_gdn",
             "use_flash_gdn",
