@@ -15,7 +15,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 LF_REF := build/llamafactory-ref
 LF_STAMP := $(LF_REF)/.installed
 
-.PHONY: install demo test test-fast lint format bench clean
+.PHONY: install demo test test-fast lint format bench check-pythons clean
 
 install: $(STAMP)
 
@@ -54,6 +54,10 @@ test: $(STAMP) lint $(LF_STAMP)
 
 test-fast: $(STAMP) lint
 	$(test_env) $(VENV)/bin/pytest -q -m "not slow" tests
+
+# The other Python versions of requires-python (3.12, 3.13 where installed): the torch-free layer's tests.
+check-pythons:
+	scripts/check_python_versions.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/step_throughput.py
