@@ -32,8 +32,9 @@ Packed documents (``segment_ids``) are respected by all methods: each forward ga
 the full row's document ids once (a tiny integer all-gather) and every query/key block
 is masked block-diagonally by document, exactly as the single-process mask does.
 
-Families (``CP_FAMILIES``): the grouped-query ``Attention`` families (qwen3, llama,
-qwen3_moe), deepseek_v3 and gpt_oss, every method:
+Families: each family's spec names the modules CP switches (``FamilySpec.cp_modules``) and
+the methods it runs (``cp_methods``, None = all). The grouped-query ``Attention`` families
+(qwen3, llama, qwen3_moe), deepseek_v3 and gpt_oss run every method:
 
 * deepseek_v3's multi-head latent attention has q/k heads of ``nope + rope`` dims and
   values of ``v_head_dim``; the narrower side is zero-padded before the exchanges and
@@ -46,7 +47,7 @@ qwen3_moe), deepseek_v3 and gpt_oss, every method:
   sigmoid(lse - sink)``). Windows mask key j from query i unless ``i - window < j <= i``
   in global positions, so they reach across the ranks' chunk boundaries; ring blocks
   entirely outside a window are skipped like the causally dead ones.
-* qwen3_next runs ulysses only (``CP_ONLY_METHODS``, the reference's only method for
+* qwen3_next runs ulysses only (its spec's ``cp_methods``, the reference's only method for
   it): its gated attention layers take the plan like any ``Attention``; its Gated
   DeltaNet layers (``cp`` set too) trade sequence for whole key-head groups with their
   own all-to-alls, so the conv and the recurrence run over the whole row per head
@@ -55,9 +56,10 @@ qwen3_moe), deepseek_v3 and gpt_oss, every method:
 
 Attention dropout stays refused under CP (each attention module raises).
 
-Seams: ``apply_cp`` sets ``cp`` on every attention module (``Attention``,
-``MultiHeadLatentAttention``, ``SinkAttention``: the callable that replaces their
-single-device attention) and on the inner model (:class:`DecoderModel`, gpt_oss'
+Seams: ``apply_cp`` sets ``cp`` on every attention module of the spec's ``CPModules``
+(``Attention``, ``MultiHeadLatentAttention``, ``SinkAttention``: the callable that replaces
+their single-device attention), on its token mixers (Gated DeltaNet: it calls the plan's
+``seq_to_heads``/``heads_to_seq``) and on the inner model (``DecoderModel``, gpt_oss'
 ``GptOssModel``: its ``prepare`` builds the per-forward :class:`CPMask` and global
 positions); ``shard_batch_for_cp`` gives each rank its tokens. No extra model keyword
 is needed (``CP_MODEL_KWARGS`` is empty). The per-block masks and kernels, the fused
@@ -76,13 +78,8 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshforge.models.common.attention import Attention, positions_from_segments
-from meshforge.models.common.causal_lm import DecoderModel
-from meshforge.models.common.mla import MultiHeadLatentAttention
-from meshforge.models.common.sink_attention import SinkAttention
-from meshforge.models.gpt_oss.model import GptOssModel
-from meshforge.models.qwen3_next.gdn import GatedDeltaNet
-from meshforge.models.qwen3_next.model import Qwen3NextModel
+from meshforge.models.common.attention import positions_from_segments
+from meshforge.models.spec import is_generic_model
 from meshforge.parallel.context_blocks import (
     Block,
     FusedRing,
@@ -99,26 +96,6 @@ CP_METHODS: tuple[str, ...] = ("colossal", "ulysses", "hybrid", "kvallgather")
 #: Extra keys ``shard_batch_for_cp`` adds that the trainer passes to the model: none, the
 #: attention gathers what it needs about the full row itself (see ``ContextParallel.prepare``).
 CP_MODEL_KWARGS: tuple[str, ...] = ()
-#: Built-in families CP runs on, packed documents included: every method, unless ``CP_ONLY_METHODS``
-#: limits the family to some.
-CP_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
-#: Families CP refuses, with the reason (the ``NotImplementedError`` message says it).
-CP_REFUSED: dict[str, str] = {}
-#: Families of ``CP_FAMILIES`` that run only some methods: those methods, and why not the others.
-CP_ONLY_METHODS: dict[str, tuple[tuple[str, ...], str]] = {
-    "qwen3_next": (
-        ("ulysses",),
-        "its Gated DeltaNet layers run a recurrence (and a causal conv) whose state is carried "
-        "token by token along the whole sequence, across the CP ranks' slices, which the "
-        "attention-only exchanges (colossal/ring, kvallgather, hybrid) cannot hand over; use "
-        "context_parallel_method ulysses (whole rows per head slice, as the reference does)",
-    ),
-}
-# The modules apply_cp switches: decoders build the per-forward CPMask (``cp.prepare``),
-# attentions call the plan instead of their single-device attention.
-_DECODERS = (DecoderModel, GptOssModel, Qwen3NextModel)
-_ATTENTIONS = (Attention, MultiHeadLatentAttention, SinkAttention)
-
 _ALIASES = {"ring": "colossal"}
 
 
@@ -308,6 +285,17 @@ class ContextParallel:
             self.ulysses_group = sub["cp_ulysses"].get_group()
             self.ring_group = sub["cp_ring"].get_group()
             self.ring_size, self.ring_rank = self.size // u, self.rank // u
+
+    def seq_to_heads(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The ulysses all-to-all: ``[B, h, S_local, D]`` each -> ``[B, h / u, u * S_local, D]``.
+
+        Token mixers with their own head exchange (Gated DeltaNet) call it on the plan.
+        """
+        return seq_to_heads(tensors, self.ulysses_size, self.ulysses_group)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse all-to-all: ``[B, h, u * S_local, D]`` -> ``[B, h * u, S_local, D]``."""
+        return heads_to_seq(x, self.ulysses_size, self.ulysses_group)
 
     # ---- per forward -------------------------------------------------------------------
 
@@ -595,14 +583,6 @@ class ContextParallel:
 FUSED_CPU_RING = True
 
 
-def _family_name(model: nn.Module) -> str:
-    family = getattr(type(model), "family", None)
-    if family:
-        return str(family)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return f"{model_type or type(model).__name__} (generic transformers path)"
-
-
 def _ulysses_size(cp_mesh: DeviceMesh, method: str, ulysses_degree: int | None) -> int:
     """The ulysses group size of ``method`` (1 for the ring methods), validated against the mesh."""
     if cp_mesh.ndim != 1:
@@ -634,8 +614,9 @@ def apply_cp(
     :func:`shard_batch_for_cp` using the same ``method``.
 
     Args:
-        model: A built-in causal LM of a family in ``CP_FAMILIES``, or a transformers model on
-            the generic path (:mod:`meshforge.parallel.context_generic`).
+        model: A built-in causal LM whose family spec gives CP modules (``FamilySpec.cp_modules``,
+            limited to ``cp_methods``), or a transformers model on the generic path
+            (:mod:`meshforge.parallel.context_generic`).
         cp_mesh: The 1-D context-parallel mesh (every CP rank calls this: hybrid creates
             sub-groups).
         method: ``colossal`` (alias ``ring``), ``ulysses``, ``hybrid`` or ``kvallgather``.
@@ -643,39 +624,36 @@ def apply_cp(
             degree; for hybrid ``1 < u < cp`` dividing cp.
 
     Raises:
-        NotImplementedError: For a family outside ``CP_FAMILIES`` (``CP_REFUSED`` says why
-            for the built-in ones CP cannot split).
+        NotImplementedError: For a model without CP modules, or a method its family refuses
+            (the spec's ``cp_refusal`` says why).
         ValueError: For a bad method, ulysses degree or head count.
     """
     method = resolve_method(method)
-    from meshforge.models.generic import GenericCausalLMMixin
-
-    if isinstance(model, GenericCausalLMMixin):
+    if is_generic_model(model):
         # The generic transformers path: the plan runs as the model's attention implementation.
         from meshforge.parallel.context_generic import apply_generic_cp
 
         u = _ulysses_size(cp_mesh, method, ulysses_degree)
         apply_generic_cp(model, ContextParallel(cp_mesh, method, u))
         return
-    family = _family_name(model)
-    if family in CP_REFUSED:
-        raise NotImplementedError(
-            f"not supported yet: parallelism.context_parallel > 1 for {family}: {CP_REFUSED[family]}"
-        )
-    only = CP_ONLY_METHODS.get(family)
-    if only is not None and method not in only[0]:
+    from meshforge.models.registry import built_families, spec_of_model
+
+    spec = spec_of_model(model)
+    family = spec.name if spec is not None else type(model).__name__
+    if spec is not None and spec.cp_methods is not None and method not in spec.cp_methods:
         raise NotImplementedError(
             f"not supported yet: parallelism.context_parallel > 1 for {family}: context_parallel_method "
-            f"{method}: {only[1]}"
+            f"{method}: {spec.cp_refusal}"
         )
-    decoders = [m for m in model.modules() if isinstance(m, _DECODERS)]
-    attentions = [m for m in model.modules() if isinstance(m, _ATTENTIONS)]
-    # Gated DeltaNet layers (qwen3_next, ulysses only): their own head exchange, same plan.
-    mixers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
-    if family not in CP_FAMILIES or not decoders or not (attentions or mixers):
+    targets = spec.cp_modules() if spec is not None and spec.cp_modules is not None else None
+    decoders = [m for m in model.modules() if targets and isinstance(m, targets.decoders)]
+    attentions = [m for m in model.modules() if targets and isinstance(m, targets.attentions)]
+    # Token mixers with their own head exchange (qwen3_next's Gated DeltaNet, ulysses only).
+    mixers = [m for m in model.modules() if targets and targets.mixers and isinstance(m, targets.mixers)]
+    if not decoders or not (attentions or mixers):
         raise NotImplementedError(
             f"not supported yet: parallelism.context_parallel > 1 for {family} (CP runs on the built-in "
-            f"families {', '.join(CP_FAMILIES)})"
+            f"families {', '.join(built_families())} and the generic transformers path)"
         )
     u = _ulysses_size(cp_mesh, method, ulysses_degree)
     for attn in attentions:
@@ -699,10 +677,7 @@ def apply_cp(
 
 __all__ = [
     "CPMask",
-    "CP_FAMILIES",
-    "CP_REFUSED",
     "CP_METHODS",
-    "CP_ONLY_METHODS",
     "CP_MODEL_KWARGS",
     "ContextParallel",
     "apply_cp",

@@ -53,22 +53,19 @@ import torch.distributed as dist
 from torch import nn
 
 from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
+from meshforge.models.spec import is_generic_model
 from meshforge.parallel.pipeline_stage import (
     StageModule,
     _PipelinedCausalLM,
     check_generic_layout,
-    layer_runner_factory,
     pipelined_class,
     router_aux_experts,
+    stage_preparation,
 )
 
 LAYERS_KEY = "parallelism.pipeline_parallel_layers_per_stage"
 SCHEDULE_KEY = "parallelism.pipeline_parallel_schedule"
 
-# Families whose inner model is a ``DecoderModel`` with one mask for every layer, then gpt_oss
-# and qwen3_next (their own inner models), and "generic": the generic transformers path for the
-# model types in ``pipeline_stage.GENERIC_MASK_RULES`` (see ``pipeline_stage.layer_runner_factory``).
-SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "generic")
 
 # Canonical schedule name -> (torch class name, stages per rank: "one" or "many", placement).
 _SCHEDULES: dict[str, tuple[str, str, str]] = {
@@ -357,17 +354,16 @@ def assign_layers(
 
 
 def _check_supported(model: nn.Module) -> None:
-    from meshforge.models.generic import GenericCausalLMMixin
-
+    """Refuse a model whose family has no stage preparation (``FamilySpec.stage_preparation``)."""
     if isinstance(model, _PipelinedCausalLM):
         raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
-    if isinstance(model, GenericCausalLMMixin):
+    if is_generic_model(model):
         check_generic_layout(model)
         return
     family = getattr(model, "family", None) or getattr(getattr(model, "config", None), "model_type", None)
     family = family or type(model).__name__
     inner = getattr(model, "model", None)
-    if family not in SUPPORTED_FAMILIES or inner is None or layer_runner_factory(inner) is None:
+    if inner is None or stage_preparation(type(model)) is None:
         raise NotImplementedError(f"not supported yet: parallelism.pipeline_parallel > 1 for {family}")
     if not isinstance(inner.layers, nn.ModuleList):
         raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
@@ -387,7 +383,7 @@ def split_model(
     Call it on the meta model, before TP, FSDP and materialisation.
 
     Args:
-        model: A built-in ``CausalLM`` of a supported family (``SUPPORTED_FAMILIES``), or a generic
+        model: A built-in ``CausalLM`` of a family with a stage preparation, or a generic
             transformers model (``wrap_generic``) laid out as ``check_generic_layout`` describes.
         pp_rank: This rank's index on the pp mesh.
         pp_size: Pipeline ranks (``parallelism.pipeline_parallel``).
@@ -405,8 +401,6 @@ def split_model(
         NotImplementedError: for families without pipeline support.
         ValueError: naming the config key for an invalid layout.
     """
-    from meshforge.models.generic import GenericCausalLMMixin
-
     _check_supported(model)
     name = canonical_schedule(schedule)
     _, stages_per_rank, placement = _SCHEDULES[name]
@@ -426,7 +420,7 @@ def split_model(
         )
     inner: Any = model.model
     num_layers = len(inner.layers)
-    if isinstance(model, GenericCausalLMMixin):
+    if is_generic_model(model):
         # transformers ties by sharing one Parameter (``tie_word_embeddings``; or its own rules).
         tied_model = model.lm_head.weight is inner.embed_tokens.weight
     else:

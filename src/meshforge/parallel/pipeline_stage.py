@@ -32,118 +32,20 @@ MoE layers run so far for this micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
+from meshforge.models.common.attention import positions_from_segments
+from meshforge.models.common.stage import LayerRunner, StageBatch
 
 if TYPE_CHECKING:
     from meshforge.parallel.pipeline import StageInfo
 
 
-LayerRunner = Any  # Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class StageBatch:
-    """What a stage's preparation (``layer_runner_factory``) gets for one micro-batch.
-
-    Attributes:
-        inner: The family's inner model (``model.model``), pruned to this rank's stages.
-        ids: Token ids ``[B, S]``, or a ``[B, S]`` view of the hidden states after the first
-            stage (shape and device are what the CP plans read).
-        h: The hidden states entering the stage's first layer.
-        position_ids, segment_ids: The micro-batch's, as ``CausalLM.forward`` takes them.
-        seq_len: Tokens per row (under sequence parallelism ``h`` holds only a slice).
-        layers: The stage's decoder layers, in order.
-    """
-
-    inner: Any
-    ids: torch.Tensor
-    h: torch.Tensor
-    position_ids: torch.Tensor | None
-    segment_ids: torch.Tensor | None
-    seq_len: int
-    layers: list[nn.Module]
-
-
-def _decoder_runner(b: StageBatch) -> LayerRunner:
-    """``DecoderModel.forward``'s preparation: one mask (or CP mask object) for every layer."""
-    inner, segment_ids, position_ids = b.inner, b.segment_ids, b.position_ids
-    mask = token_mask = None
-    cp = getattr(inner, "cp", None)
-    if cp is not None:
-        # Context parallel (DecoderModel.cp): the plan reads only the shape and device of
-        # the token ids, which a [B, S] view of the hidden states has too.
-        mask, position_ids = cp.prepare(b.ids, position_ids, segment_ids)
-        if inner.pass_token_mask and segment_ids is not None:
-            token_mask = segment_ids != 0
-    elif segment_ids is not None:
-        mask = segment_causal_mask(segment_ids)
-        if inner.pass_token_mask:
-            token_mask = segment_ids != 0
-        if position_ids is None:
-            position_ids = positions_from_segments(segment_ids)
-    rope = inner.rotary_emb(position_ids, seq_len=b.seq_len, device=b.h.device, dtype=b.h.dtype)
-    if inner.pass_token_mask:
-        return lambda layer, x: layer(x, rope, mask, token_mask)
-    return lambda layer, x: layer(x, rope, mask)
-
-
-def _gpt_oss_runner(b: StageBatch) -> LayerRunner:
-    """``GptOssModel.forward``'s preparation: full and sliding masks, token mask, RoPE."""
-    inner, segment_ids, position_ids = b.inner, b.segment_ids, b.position_ids
-    from meshforge.models.common.sink_attention import causal_mask, sliding_window_mask
-
-    token_mask = None
-    masks: dict[str, Any]
-    cp = getattr(inner, "cp", None)
-    if cp is not None:
-        # Context parallel (GptOssModel.cp): one mask object for both kinds of layer; each
-        # attention applies its own window in global positions.
-        cp_mask, position_ids = cp.prepare(b.ids, position_ids, segment_ids)
-        if segment_ids is not None:
-            token_mask = segment_ids != 0
-        rope = inner.rotary_emb(position_ids, seq_len=b.h.shape[1], device=b.h.device, dtype=b.h.dtype)
-        return lambda layer, x: layer(x, rope, cp_mask, token_mask)
-    if segment_ids is not None:
-        full = segment_causal_mask(segment_ids)
-        token_mask = segment_ids != 0
-        if position_ids is None:
-            position_ids = positions_from_segments(segment_ids)
-    else:
-        full = causal_mask(b.seq_len, b.h.device)
-    masks = {"full_attention": full}
-    # Only the stage's own layers decide whether the sliding mask is needed.
-    if any(layer.attention_type == "sliding_attention" for layer in b.layers):
-        masks["sliding_attention"] = sliding_window_mask(full, inner.sliding_window)
-    rope = inner.rotary_emb(position_ids, seq_len=b.seq_len, device=b.h.device, dtype=b.h.dtype)
-    return lambda layer, x: layer(x, rope, masks[layer.attention_type], token_mask)
-
-
-def _qwen3_next_runner(b: StageBatch) -> LayerRunner:
-    """``Qwen3NextModel.forward``'s preparation: the attention mask; DeltaNet layers get ``segment_ids``."""
-    inner, segment_ids, position_ids = b.inner, b.segment_ids, b.position_ids
-    cp = getattr(inner, "cp", None)
-    mask = None
-    if cp is not None:
-        # Context parallel (ulysses; Qwen3NextModel.cp): one CPMask for the attention layers and
-        # the global positions; the DeltaNet layers gather the full row's document ids themselves.
-        mask, position_ids = cp.prepare(b.ids, position_ids, segment_ids)
-    elif segment_ids is not None:
-        # Each stage restarts nothing itself: a DeltaNet layer resets its state and conv window
-        # at every document start it sees in segment_ids, whichever stage it runs on.
-        if any(layer.layer_type != "linear_attention" for layer in b.layers):
-            mask = segment_causal_mask(segment_ids)
-        if position_ids is None:
-            position_ids = positions_from_segments(segment_ids)
-    rope = inner.rotary_emb(position_ids, seq_len=b.seq_len, device=b.h.device, dtype=b.h.dtype)
-    return lambda layer, x: layer(x, rope, mask, segment_ids)
-
-
+# The stage batch and the built-in families' preparations live with the models
+# (``meshforge.models.common.stage``, each family's ``stage.py``), named by the family spec.
 # The generic transformers path: model types whose ``*Model.forward`` (transformers 5.24) is the
 # plain recipe a stage reproduces (embed -> masks + RoPE -> layers -> norm, no embedding scale or
 # logit scaling), and which mask each of their layers gets:
@@ -308,7 +210,7 @@ def _generic_cp_runner(model: nn.Module, plan: Any, b: StageBatch) -> LayerRunne
     attention layers of a model with sliding ones passes no window, rightly).
 
     Args:
-        model: The pruned wrapped model (its ``meshforge_cp`` is ``plan``).
+        model: The pruned wrapped model (its ``meshforge_cp`` holds ``plan``).
         plan: The :class:`~meshforge.parallel.context.ContextParallel` plan.
         b: The stage's batch (its ``ids`` may be a view of the hidden states: the plan reads only
             their shape and device).
@@ -355,37 +257,6 @@ def _generic_cp_runner(model: nn.Module, plan: Any, b: StageBatch) -> LayerRunne
         return out[0] if isinstance(out, tuple) else out
 
     return run
-
-
-def _is_generic_inner(inner: nn.Module) -> bool:
-    """Whether ``inner`` is a transformers base model (the generic path's ``model.model``)."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(inner, PreTrainedModel)
-
-
-def layer_runner_factory(inner: nn.Module) -> Any:
-    """The stage preparation for ``inner`` (the family's inner model), or None if unknown.
-
-    The preparation is called as ``prepare(StageBatch(...))`` and returns ``run(layer, h) -> h``
-    for the stage's layers.
-    """
-    from meshforge.models.common.causal_lm import DecoderModel
-
-    if isinstance(inner, DecoderModel):
-        return _decoder_runner
-    from meshforge.models.gpt_oss.model import GptOssModel
-    from meshforge.models.qwen3_next.model import Qwen3NextModel
-
-    if isinstance(inner, GptOssModel):
-        return _gpt_oss_runner
-    if isinstance(inner, Qwen3NextModel):
-        return _qwen3_next_runner
-    if _is_generic_inner(inner):
-        return _generic_runner
-    return None
 
 
 def _stage_aux_totals(layers: list[nn.Module], num_experts: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -471,9 +342,12 @@ class _PipelinedCausalLM:
         local = _stage_aux_totals(layers, experts, h)
         return h, (carry + local if local is not None else carry * 1.0)
 
+    # The family's stage preparation (``FamilySpec.stage_preparation``), set by ``pipelined_class``.
+    _pp_prepare: Any = None
+
     def _layer_runner(self, b: StageBatch) -> LayerRunner:
-        """The family's stage preparation (``layer_runner_factory``) for this forward's layers."""
-        return layer_runner_factory(b.inner)(b)
+        """The family's stage preparation for this forward's layers."""
+        return type(self)._pp_prepare(b)
 
     def tie_weights(self) -> None:
         """Tie only where this rank holds both ends; otherwise the copies are kept equal by hand."""
@@ -504,8 +378,8 @@ class _PipelinedGenericCausalLM(_PipelinedCausalLM):
 
     def _layer_runner(self, b: StageBatch) -> LayerRunner:
         """``_generic_runner``, or under context parallelism (``meshforge_cp``) ``_generic_cp_runner``."""
-        plan = getattr(self, "meshforge_cp", None)
-        return _generic_runner(b) if plan is None else _generic_cp_runner(self, plan, b)
+        hook = getattr(self, "meshforge_cp", None)
+        return _generic_runner(b) if hook is None else _generic_cp_runner(self, hook.plan, b)
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
         """transformers' tying, only where this rank holds both ends (see ``_PipelinedCausalLM``)."""
@@ -526,21 +400,30 @@ class _PipelinedGenericCausalLM(_PipelinedCausalLM):
 _PIPELINED_CLASSES: dict[type, type] = {}
 
 
+def stage_preparation(cls: type) -> Any:
+    """The stage preparation of a model class (its family spec's), or None when PP is not built for it."""
+    from meshforge.models.registry import spec_of_model_class
+    from meshforge.models.spec import GENERIC
+
+    if getattr(cls, "family", None) == GENERIC:
+        return _generic_runner
+    spec = spec_of_model_class(cls)
+    return None if spec is None else spec.stage_preparation
+
+
 def pipelined_class(cls: type) -> type:
     """``cls`` with the stage forward in front (cached: one subclass per model class)."""
     if cls not in _PIPELINED_CLASSES:
-        from meshforge.models.generic import GenericCausalLMMixin
+        from meshforge.models.spec import GENERIC
 
-        if issubclass(cls, GenericCausalLMMixin):
+        body: dict[str, Any] = {}
+        if getattr(cls, "family", None) == GENERIC:
             mixin: type = _PipelinedGenericCausalLM
-        elif hasattr(cls, "moe_layers"):
-            mixin = _PipelinedMoECausalLM
-        else:
-            mixin = _PipelinedCausalLM
-        body = {}
-        if mixin is _PipelinedGenericCausalLM:
             # As wrap_generic: the class keeps transformers' module (its save code looks there).
             body["__module__"] = cls.__module__
+        else:
+            mixin = _PipelinedMoECausalLM if hasattr(cls, "moe_layers") else _PipelinedCausalLM
+            body["_pp_prepare"] = staticmethod(stage_preparation(cls))
         _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (mixin, cls), body)
     return _PIPELINED_CLASSES[cls]
 
@@ -606,7 +489,7 @@ __all__ = [
     "StageModule",
     "check_generic_layout",
     "generic_layer_types",
-    "layer_runner_factory",
     "pipelined_class",
     "router_aux_experts",
+    "stage_preparation",
 ]
