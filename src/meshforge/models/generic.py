@@ -14,7 +14,7 @@ own ``_init_weights`` and ``save_pretrained`` stay available.
 ``GenericFamily`` is the path's ``FamilySpec`` (name, ``build``, the HF adapter), so the trainer
 and the checkpoint code treat it like a built-in family. Its parallel pieces are driven by module
 patterns and transformers' own functions instead (``meshforge.parallel``: ``generic_tp_plan``, the
-generic stage preparation, ``context_generic``); parallel code recognises such a model by its
+generic stage preparation, ``parallel.context.generic``); parallel code recognises such a model by its
 class' ``family`` (``meshforge.models.spec.GENERIC``).
 """
 

@@ -10,7 +10,7 @@ forward (:func:`prepare_generic_cp`: the shared :class:`~meshforge.parallel.cont
 the full row's document ids, and the local tokens' global positions for RoPE) and hands it down
 as the keyword ``meshforge_cp``: transformers forwards unknown keywords from the causal LM through
 the decoder layers to the attention function unchanged, and activation recompute replays them. A pipeline stage
-(``meshforge.parallel.pipeline_stage``) runs its decoder layers without that forward, so it does
+(``meshforge.parallel.pipeline.generic_stage``) runs its decoder layers without that forward, so it does
 the same itself: ``prepare_generic_cp`` per stage forward, the global positions to the model's
 ``rotary_emb``, the state as each layer's ``meshforge_cp`` keyword, and ``check_generic_cp`` on the
 attention types of the layers it ran.
@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshforge.parallel.context import ContextParallel, CPMask
+from meshforge.parallel.context.layout import CPMask
+from meshforge.parallel.context.plan import ContextParallel
 
 #: The name :func:`cp_attention` is registered under in transformers' ``AttentionInterface``.
 ATTN_IMPLEMENTATION = "meshforge_cp"
