@@ -17,7 +17,6 @@ from meshforge.parallel.fsdp.placement import PlacementFn, log_fallbacks, resolv
 ReshardPolicy = Literal["always", "never", "default"]
 
 
-
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a HF-style causal LM (`model.layers`)."""
     inner = getattr(model, "model", None)

@@ -236,8 +236,8 @@ def assign_layers(
         num_layers: Decoder layers in the model.
         pp_size: Pipeline ranks.
         layers_per_stage: ``'auto'`` (or None): contiguous, as even as possible. Otherwise one
-            entry per rank, each holding ``interleave`` chunks: a string ``'0-3,8-11'`` (NOTES:
-            chunk ``c`` on rank ``r`` is virtual stage ``c * pp + r``) or a list of the global
+            entry per rank, each holding ``interleave`` chunks: a string ``'0-3,8-11'`` (chunk
+             ``c`` on rank ``r`` is virtual stage ``c * pp + r``) or a list of the global
             layer indices the rank runs (``[[0, 1, 4], [2, 3, 5]]``; each maximal run of
             consecutive indices is one chunk).
         interleave: Stages per rank (``pipeline_parallel_interleave_num``).
