@@ -172,7 +172,7 @@ def _check_errors(mesh) -> None:
 @contextlib.contextmanager
 def _plain_ring():
     """The ring's plain autograd path (used off CPU) instead of the fused CPU flash kernel."""
-    from meshforge.parallel import context
+    from meshforge.parallel.context import plan as context
 
     context.FUSED_CPU_RING = False
     try:

@@ -16,12 +16,12 @@ from torch.distributed.tensor import Shard
 
 from meshforge.optim.param_groups import split_by_tensor_kind
 from meshforge.parallel.fsdp import (
-    _log_fallbacks,
     ignored_parameter_names,
     mark_ignored,
     resolve_shard_placement,
     sync_ignored_grads,
 )
+from meshforge.parallel.fsdp.placement import log_fallbacks as _log_fallbacks
 
 
 def dim1_if_wide(param: nn.Parameter) -> Shard | None:

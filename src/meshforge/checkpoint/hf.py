@@ -7,28 +7,13 @@ one key at a time), converted by the family's adapter, checked, and each rank ke
 Export is the mirror image: each parameter is gathered in full (a collective, every rank takes
 part), converted to HF keys, and rank 0 appends it to the current safetensors shard file.
 
-Adapter protocol (one optional module per family, named by ``FamilySpec.hf_module``, usually
-``meshforge.models.<family>.hf``). Every function is optional; an absent function or module
-means the default given here, which suits families whose parameter names already are the HF
-safetensors keys (qwen3):
+Each family's spec gives its adapter (``FamilySpec.hf_adapter(args)``, the
+``meshforge.models.spec.HFStateDictAdapter`` protocol: ``hf_sources``, ``from_hf``, ``to_hf``,
+``to_hf_config``, ``from_hf_config``, ``architecture``, ``ignored_keys``, ``renames_only``).
+``meshforge.models.common.hf_adapter.HFAdapterBase`` is the identity mapping (parameter names
+are the HF safetensors keys, as for qwen3); families with fused experts subclass it.
 
-- ``hf_sources(name: str) -> list[str]``: the HF safetensors keys needed to build our parameter
-  ``name`` (default ``[name]``).
-- ``from_hf(name: str, tensors: dict[str, Tensor]) -> Tensor``: our full parameter from those HF
-  tensors (keyed by HF key; default: the single tensor). E.g. stack per-expert weights into one
-  fused 3-D tensor.
-- ``to_hf(name: str, tensor: Tensor) -> dict[str, Tensor]``: HF key -> tensor for one full
-  parameter (default ``{name: tensor}``); the inverse of ``from_hf``.
-- ``HF_ARCHITECTURE: str``: the transformers class written to ``architectures`` (default: the
-  family's first ``hf_architectures`` entry).
-- ``to_hf_config(args) -> dict``: the ``config.json`` body for the family's args (default:
-  ``args.to_hf_dict()``); ``model_type`` and ``architectures`` are added when missing.
-- ``from_hf_config(config: dict) -> dict``: ``model:`` options from a ``config.json`` (default:
-  the keys that are family option keys; the rest, e.g. ``transformers_version``, are dropped).
-- ``IGNORED_HF_KEYS: tuple[str, ...]``: ``fnmatch`` patterns of HF keys a checkpoint may carry that
-  the model does not need (default: rotary ``inv_freq`` buffers).
-
-Families without ``from_hf`` get a cheaper sharded load: each FSDP rank reads only its own slice
+Families whose adapter only renames (``renames_only``) get a cheaper sharded load: each FSDP rank reads only its own slice
 of a tensor from disk (``safe_open(...).get_slice``); with ``from_hf`` every rank reads the source
 tensors in full (one parameter at a time) and keeps its shard. Export reads the family's args
 from ``model.config``.
@@ -46,14 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import importlib
 import json
 import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,12 +45,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 if TYPE_CHECKING:
     from meshforge.models.registry import FamilySpec
+    from meshforge.models.spec import HFStateDictAdapter
     from meshforge.models.vocab import VocabPlan
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-_DEFAULT_IGNORED = ("*.rotary_emb.inv_freq",)
 _TIED_HEAD = "lm_head.weight"
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -149,66 +132,9 @@ def find_hf_weights(path: str | Path) -> dict[str, Path]:
 
 
 # --------------------------------------------------------------------------------------- adapter
-class HFAdapter:
-    """A family's HF mapping: its optional adapter module with the defaults filled in."""
-
-    def __init__(self, family: FamilySpec, args: Any = None) -> None:
-        self.family = family
-        module_name = getattr(family, "hf_module", None)
-        self._module: ModuleType | None = importlib.import_module(module_name) if module_name else None
-        # A module may offer ``adapter(args)``: hf_sources/from_hf/to_hf bound to the model's
-        # args (qwen3_moe needs num_experts to list the per-expert keys of a fused parameter).
-        bind = self._get("adapter")
-        self._bound = bind(args) if bind is not None and args is not None else None
-
-    def _get(self, name: str) -> Any:
-        return getattr(self._module, name, None) if self._module is not None else None
-
-    @property
-    def architecture(self) -> str:
-        return self._get("HF_ARCHITECTURE") or self.family.hf_architectures[0]
-
-    @property
-    def ignored_keys(self) -> tuple[str, ...]:
-        return tuple(self._get("IGNORED_HF_KEYS") or ()) + _DEFAULT_IGNORED
-
-    @property
-    def renames_only(self) -> bool:
-        """True when ``from_hf`` is the default (one HF tensor per parameter, same layout)."""
-        return self._get("from_hf") is None
-
-    def hf_sources(self, name: str) -> list[str]:
-        fn = getattr(self._bound, "hf_sources", None) or self._get("hf_sources")
-        return list(fn(name)) if fn else [name]
-
-    def from_hf(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        fn = getattr(self._bound, "from_hf", None) or self._get("from_hf")
-        if fn:
-            return fn(name, tensors)
-        (tensor,) = tensors.values()
-        return tensor
-
-    def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        fn = getattr(self._bound, "to_hf", None) or self._get("to_hf")
-        return dict(fn(name, tensor)) if fn else {name: tensor}
-
-    def to_hf_config(self, args: Any) -> dict[str, Any]:
-        fn = self._get("to_hf_config")
-        body = dict(fn(args)) if fn else dict(args.to_hf_dict())
-        body.setdefault("model_type", self.family.name)
-        body.setdefault("architectures", [self.architecture])
-        return body
-
-    def from_hf_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        fn = self._get("from_hf_config")
-        if fn:
-            return dict(fn(config))
-        return {k: v for k, v in config.items() if k in self.family.option_keys}
-
-
-def hf_adapter(family: FamilySpec, args: Any = None) -> HFAdapter:
-    """The HF adapter of ``family`` (see the module docstring for the protocol), bound to ``args`` if given."""
-    return HFAdapter(family, args)
+def hf_adapter(family: FamilySpec, args: Any = None) -> HFStateDictAdapter:
+    """The HF state-dict adapter of ``family`` (``FamilySpec.hf_adapter``), bound to ``args`` if given."""
+    return family.hf_adapter(args)
 
 
 # --------------------------------------------------------------------------------------- loading

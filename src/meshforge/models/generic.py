@@ -11,9 +11,11 @@ safetensors keys transformers writes, so ``load_hf_weights`` / ``save_hf`` work 
 names, FSDP module patterns such as ``model.layers.{*}`` name the real tree, and transformers'
 own ``_init_weights`` and ``save_pretrained`` stay available.
 
-``GenericFamily`` stands in for a ``FamilySpec`` (name, ``build``, ``hf_module``), so the trainer
-and the checkpoint code treat it like a built-in family; this module is also its HF adapter
-(``to_hf_config``).
+``GenericFamily`` is the path's ``FamilySpec`` (name, ``build``, the HF adapter), so the trainer
+and the checkpoint code treat it like a built-in family. Its parallel pieces are driven by module
+patterns and transformers' own functions instead (``meshforge.parallel``: ``generic_tp_plan``, the
+generic stage preparation, ``parallel.context.generic``); parallel code recognises such a model by its
+class' ``family`` (``meshforge.models.spec.GENERIC``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshforge.models.registry import FamilySpec
+from meshforge.models.common.hf_adapter import HFAdapterBase
+from meshforge.models.spec import GENERIC, CPForward, FamilyArgs, FamilySpec, HFStateDictAdapter
 
 # transformers' normalisation modules have family-specific class names (MistralRMSNorm, ...).
 _NORM_MARKERS = ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")
@@ -67,14 +70,14 @@ class GenericFamily(FamilySpec):
     hf_dir: Path = field(default=Path("."))
     trust_remote_code: bool = False
 
-    def parse_options(self, options: dict[str, Any]) -> Any:
+    def parse_options(self, options: dict[str, object]) -> Any:
         """The folder's ``AutoConfig`` with ``options`` (passthrough ``model:`` keys) set on it."""
         config = load_auto_config(self.hf_dir, trust_remote_code=self.trust_remote_code)
         for key, value in options.items():
             setattr(config, key, value)
         return config
 
-    def build(self, options: dict[str, Any], *, device: str | torch.device = "meta") -> nn.Module:
+    def build(self, options: dict[str, object], *, device: str | torch.device = "meta") -> nn.Module:
         """Build the transformers model (SDPA attention) on ``device`` and wrap it in place."""
         from transformers import AutoModelForCausalLM
 
@@ -91,6 +94,28 @@ class GenericFamily(FamilySpec):
         return wrap_generic(model)
 
 
+def _refuse_options(options: dict[str, object]) -> FamilyArgs:
+    raise TypeError("GenericFamily.parse_options reads the folder's config; call it on the family")
+
+
+def _refuse_build(args: FamilyArgs, device: str | torch.device) -> nn.Module:
+    raise TypeError("GenericFamily.build builds from the folder; call it on the family")
+
+
+class GenericHFAdapter(HFAdapterBase):
+    """The generic path's ``HFStateDictAdapter``: transformers' names, its own config.json body."""
+
+    def to_hf_config(self, args: FamilyArgs) -> dict[str, object]:
+        body = to_hf_config(args)
+        body.setdefault("model_type", self.spec.name)
+        body.setdefault("architectures", [self.architecture])
+        return body
+
+
+def _generic_adapter(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
+    return GenericHFAdapter(spec, args)
+
+
 def generic_family(hf_dir: Path, hf_config: dict[str, Any], *, trust_remote_code: bool) -> GenericFamily:
     """The ``GenericFamily`` for a folder whose config.json (``hf_config``) names no built family."""
     architectures = hf_config.get("architectures") or []
@@ -101,9 +126,9 @@ def generic_family(hf_dir: Path, hf_config: dict[str, Any], *, trust_remote_code
         hf_architectures=tuple(architectures),
         model_ids=(),
         option_keys=frozenset(),
-        args_module="",
-        model_module="",
-        hf_module=__name__,
+        from_options=_refuse_options,
+        builder=_refuse_build,
+        adapter=_generic_adapter,
         hf_dir=Path(hf_dir),
         trust_remote_code=trust_remote_code,
     )
@@ -111,6 +136,8 @@ def generic_family(hf_dir: Path, hf_config: dict[str, Any], *, trust_remote_code
 
 class GenericCausalLMMixin:
     """Placed in front of a transformers ``*ForCausalLM`` class: meshforge's model contract."""
+
+    family = GENERIC
 
     def forward(  # type: ignore[override]
         self,
@@ -123,17 +150,15 @@ class GenericCausalLMMixin:
         if kwargs:
             # transformers' own calling convention (labels=, attention_mask=, ...): its forward.
             return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)  # type: ignore[misc]
-        plan = getattr(self, "meshforge_cp", None)
+        plan: CPForward | None = getattr(self, "meshforge_cp", None)
         if plan is not None:
             # Context parallel (set by apply_cp): this rank holds a slice of each row; the CP
             # attention builds its own mask and RoPE reads the tokens' global positions.
-            from meshforge.parallel.context_generic import CP_KWARG, check_generic_cp, prepare_generic_cp
-
-            position_ids, state = prepare_generic_cp(plan, input_ids, position_ids, segment_ids)
+            position_ids, state = plan.prepare(input_ids, position_ids, segment_ids)
             out = super().forward(  # type: ignore[misc]
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CP_KWARG: state}
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **{plan.keyword: state}
             )
-            check_generic_cp(self, state)  # type: ignore[arg-type]
+            plan.check(self, state)  # type: ignore[arg-type]
             return out.logits
         mask = None
         if segment_ids is not None:
@@ -235,7 +260,7 @@ def wrap_generic(model: nn.Module) -> nn.Module:
     return model
 
 
-# ------------------------------------------------------------------ HF adapter (checkpoint.hf protocol)
+# ------------------------------------------------------------------ HF adapter
 def to_hf_config(config: Any) -> dict[str, Any]:
     """config.json body of a generic model: transformers' own config, as ``save_pretrained`` writes it."""
     body = config.to_dict()

@@ -1,100 +1,45 @@
-"""Model-family registry: which built-in family a config names, and its option keys.
+"""Model-family registry: the list of family specs, and which one a config or a model names.
 
 A family is found by any of the three names a config may carry: transformers'
 ``model_type`` (``qwen3``), an ``architectures`` entry (``Qwen3ForCausalLM``, a
 string or a list as in ``config.json``) or MindSpeed's ``model_id``. The registry
 is light (no torch at import; the config system uses it to check ``model:``
-passthrough keys); ``FamilySpec.build`` imports the family's modules on first use.
+passthrough keys): each ``spec.py`` imports only its family's ``args.py``, and the spec's
+functions import the family's heavy modules when called.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from meshforge.models.deepseek_v3.spec import FAMILY as DEEPSEEK_V3
+from meshforge.models.gpt_oss.spec import FAMILY as GPT_OSS
+from meshforge.models.llama.spec import FAMILY as LLAMA
+from meshforge.models.qwen3.spec import FAMILY as QWEN3
+from meshforge.models.qwen3_moe.spec import FAMILY as QWEN3_MOE
+from meshforge.models.qwen3_next.spec import FAMILY as QWEN3_NEXT
+from meshforge.models.spec import FamilySpec
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-
-@dataclass(frozen=True)
-class FamilySpec:
-    """A built-in model family.
-
-    Attributes:
-        name: Family name, equal to its transformers ``model_type``.
-        hf_architectures: transformers class names it stands for.
-        model_ids: MindSpeed ``model_id`` values that select it.
-        option_keys: ``model:`` passthrough keys the family declares (its args fields
-            plus ``flavor``).
-        args_module: Module holding ``from_options`` and ``FLAVORS``.
-        model_module: Module holding ``build_<name>``.
-        hf_module: Optional module with the family's Hugging Face adapter (key and layout
-            mapping, config.json conversion; protocol in ``meshforge.checkpoint.hf``).
-            None means the parameter names are the HF safetensors keys as they are.
-    """
-
-    name: str
-    hf_architectures: tuple[str, ...]
-    model_ids: tuple[str, ...]
-    option_keys: frozenset[str]
-    args_module: str
-    model_module: str
-    hf_module: str | None = None
-
-    def parse_options(self, options: dict[str, Any]) -> Any:
-        """Validate ``options`` into the family's args dataclass (imports no torch)."""
-        return importlib.import_module(self.args_module).from_options(options)
-
-    def build(self, options: dict[str, Any], *, device: str | torch.device = "meta") -> nn.Module:
-        """Construct the model from passthrough options, on the meta device by default.
-
-        Raises:
-            ValueError: For an unknown or invalid option.
-        """
-        args = self.parse_options(options)
-        builder: Callable[..., nn.Module] = getattr(
-            importlib.import_module(self.model_module), f"build_{self.name}"
-        )
-        return builder(args, device=device)
-
-
-def _qwen3_option_keys() -> frozenset[str]:
-    from meshforge.models.qwen3.args import OPTION_KEYS
-
-    return OPTION_KEYS
-
-
-_FAMILIES: dict[str, FamilySpec] = {
-    "qwen3": FamilySpec(
-        name="qwen3",
-        hf_architectures=("Qwen3ForCausalLM",),
-        model_ids=("qwen3",),
-        option_keys=_qwen3_option_keys(),
-        args_module="meshforge.models.qwen3.args",
-        model_module="meshforge.models.qwen3.model",
-    ),
-}
-
-
-# Families that keep their entry beside their code (`models/<family>/spec.py`). Loaded on first
-# use, not at import: each spec module imports `FamilySpec` from here (a cycle otherwise).
-_SPEC_MODULES = (
-    "meshforge.models.llama.spec",
-    "meshforge.models.qwen3_moe.spec",
-    "meshforge.models.deepseek_v3.spec",
-    "meshforge.models.gpt_oss.spec",
-    "meshforge.models.qwen3_next.spec",
+# The built-in families, one line each: adding a family is a folder `models/<family>/` with its
+# `spec.py`, plus its line here.
+SPECS: tuple[FamilySpec, ...] = (
+    QWEN3,
+    LLAMA,
+    QWEN3_MOE,
+    DEEPSEEK_V3,
+    GPT_OSS,
+    QWEN3_NEXT,
 )
+_FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in SPECS}
 
 
 def _families() -> dict[str, FamilySpec]:
-    for module_name in _SPEC_MODULES:
-        family = importlib.import_module(module_name).FAMILY
-        _FAMILIES.setdefault(family.name, family)
     return _FAMILIES
 
 
@@ -111,7 +56,9 @@ def _as_list(architectures: str | Sequence[str] | None) -> list[str]:
     return list(architectures)
 
 
-def _lookup(model_type: str | None, architectures: str | Sequence[str] | None, model_id: str | None):
+def _lookup(
+    model_type: str | None, architectures: str | Sequence[str] | None, model_id: str | None
+) -> tuple[FamilySpec | None, list[str]]:
     """Return ``(spec or None, what was asked for)``; first match of type, architectures, id."""
     asked: list[str] = []
     if model_type:
@@ -209,3 +156,25 @@ def build_model(
     """Build a model of ``family`` (a name or spec) from its passthrough ``options``."""
     spec = family if isinstance(family, FamilySpec) else resolve_family(model_type=family)
     return spec.build(options, device=device)
+
+
+def spec_of_model_class(cls: type) -> FamilySpec | None:
+    """The spec of a built-in model class (its ``family`` class attribute), else None."""
+    name = getattr(cls, "family", None)
+    return _FAMILIES.get(name) if isinstance(name, str) else None
+
+
+def spec_of_model(model: nn.Module) -> FamilySpec | None:
+    """The spec of a built-in family's model (or pipeline stage of one), else None (generic, other)."""
+    return spec_of_model_class(type(model))
+
+
+def expert_types() -> tuple[type[nn.Module], ...]:
+    """The experts container classes of every MoE family (imports their modules)."""
+    types = {spec.moe.expert_type() for spec in _FAMILIES.values() if spec.moe is not None}
+    return tuple(sorted(types, key=lambda cls: f"{cls.__module__}.{cls.__qualname__}"))
+
+
+def expert_count_keys() -> dict[str, str]:
+    """``family -> model.* key`` of the routed-expert count, for the MoE families."""
+    return {name: spec.moe.expert_count_key for name, spec in _FAMILIES.items() if spec.moe is not None}

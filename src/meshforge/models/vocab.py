@@ -32,9 +32,10 @@ Where LLaMA-Factory 0.9.5 is inconsistent, this module does what it means to do:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -86,11 +87,53 @@ def padded_size(size: int, multiple: int = PAD_TO_MULTIPLE_OF) -> int:
     return -(-size // multiple) * multiple
 
 
+#: The attribute under which ``meshforge.data.tokenizer.extend_tokenizer`` leaves its record of
+#: the added tokens on the tokenizer (read when no ``added`` is passed to ``vocab_plan``).
+ADDED_TOKENS_ATTR = "meshforge_extension"
+
+
+@runtime_checkable
+class AddedTokens(Protocol):
+    """What a tokenizer extension added (``meshforge.data.tokenizer.TokenizerExtension`` is one).
+
+    Attributes:
+        num_added: Tokens the extension added to the vocabulary.
+        requested: Whether the configuration asked for tokens (resizing is then implied).
+        new_ids: Added token -> its id.
+        descriptions: Added token -> the text its embedding row starts from (``desc_init``).
+    """
+
+    @property
+    def num_added(self) -> int: ...
+
+    @property
+    def requested(self) -> bool: ...
+
+    @property
+    def new_ids(self) -> Mapping[str, int]: ...
+
+    @property
+    def descriptions(self) -> Mapping[str, str]: ...
+
+
+class _NothingAdded:
+    num_added = 0
+    requested = False
+    new_ids: Mapping[str, int] = MappingProxyType({})
+    descriptions: Mapping[str, str] = MappingProxyType({})
+
+
+def _added_tokens(tokenizer: Any) -> AddedTokens:
+    found = getattr(tokenizer, ADDED_TOKENS_ATTR, None)
+    return found if isinstance(found, AddedTokens) else _NothingAdded()
+
+
 def vocab_plan(
     tokenizer: Any,
     model_vocab_size: int,
     *,
     resize_vocab: bool,
+    added: AddedTokens | None = None,
     pad_to_multiple_of: int = PAD_TO_MULTIPLE_OF,
     log: Callable[[str], None] | None = None,
 ) -> VocabPlan:
@@ -105,15 +148,15 @@ def vocab_plan(
         tokenizer: the (extended) Hugging Face tokenizer (see ``meshforge.data.tokenizer``).
         model_vocab_size: ``vocab_size`` of the model config (``model:`` section / config.json).
         resize_vocab: ``model.resize_vocab``.
+        added: What the tokenizer extension added; None reads the record the extension left on
+            ``tokenizer`` (``ADDED_TOKENS_ATTR``; none: nothing was added).
         pad_to_multiple_of: row-count granularity of a resized vocabulary.
         log: sink for one line when the vocabulary is resized.
 
     Raises:
         ValueError: when the tokenizer has more tokens than the model and resizing is off.
     """
-    from meshforge.data.tokenizer import tokenizer_extension
-
-    extension = tokenizer_extension(tokenizer)
+    extension = added if added is not None else _added_tokens(tokenizer)
     size = len(tokenizer)
     old = int(model_vocab_size)
     if size <= old:

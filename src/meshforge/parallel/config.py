@@ -1,6 +1,6 @@
 """`parallelism:` section: FSDP/HSDP, TP/SP, CP, PP and EP degrees and their options (light).
 
-Fields and defaults follow the MindFormers ParallelismConfig (NOTES 1a); the MindSpeed-LLM
+Fields and defaults follow the MindFormers ParallelismConfig (its PyNative training config); the MindSpeed-LLM
 ParallelArguments get native homes here (module patterns, FSDP prefetch, EP dispatcher, mixed
 precision dtypes, chunked micro-batches). `sequence_parallel` follows tensor parallelism
 automatically, as the MindFormers document says; its code's error for tp > 1 without it is

@@ -1,8 +1,8 @@
 """Expert parallelism (EP): each rank of the ``ep`` mesh holds ``num_experts / ep`` experts.
 
-`apply_ep` runs on the meta model, before FSDP and materialisation (issue 5's order: PP -> TP ->
-EP -> CP -> compile -> FSDP). It does two things to every MoE experts module (the common
-``GroupedExperts`` of qwen3_moe, qwen3_next and deepseek_v3, and gpt_oss' ``GptOssExperts``):
+`apply_ep` runs on the meta model, before FSDP and materialisation (DESIGN.md's order: PP -> TP ->
+EP -> CP -> compile -> FSDP). It does two things to every MoE experts module (the type each MoE family's spec names: the
+common ``GroupedExperts`` of qwen3_moe, qwen3_next and deepseek_v3, gpt_oss' ``GptOssExperts``):
 
 * its fused expert parameters (all ``[num_experts, ...]``) become DTensors ``Shard(0)`` on the
   ep mesh, so materialisation and HF loading (``distribute_tensor(full, mesh, placements)``)
@@ -81,22 +81,21 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from meshforge.models.common.moe import ExpertCompute, GroupedExperts
-from meshforge.models.gpt_oss.moe import GptOssExperts
+from meshforge.models.common.moe import ExpertCompute
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-EXPERT_MODULES: tuple[type[nn.Module], ...] = (GroupedExperts, GptOssExperts)
-"""Experts containers that have the ``token_exchange`` seam and ``[num_experts, ...]`` weights."""
 
-# The model key that holds each family's routed-expert count (for error messages).
-_EXPERT_COUNT_KEYS = {
-    "qwen3_moe": "model.num_experts",
-    "deepseek_v3": "model.n_routed_experts",
-    "gpt_oss": "model.num_local_experts",
-    "qwen3_next": "model.num_experts",
-}
+def expert_types() -> tuple[type[nn.Module], ...]:
+    """Experts containers that have the ``token_exchange`` seam and ``[num_experts, ...]`` weights.
+
+    Each MoE family's spec names its type (``FamilySpec.moe.expert_type``).
+    """
+    from meshforge.models.registry import expert_types as family_expert_types
+
+    return family_expert_types()
+
 
 TOKEN_DISPATCHERS = ("alltoall", "alltoall_deredundancy")
 EP_DISPATCHERS = ("eager",)
@@ -104,12 +103,13 @@ EP_DISPATCHERS = ("eager",)
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every MoE experts container in ``model``, in module order."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, EXPERT_MODULES)]
+    types = expert_types()
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, types)]
 
 
 def is_expert_parallel(module: nn.Module) -> bool:
     """Whether ``module`` is an experts container whose weights are sharded over an ep mesh."""
-    return isinstance(module, EXPERT_MODULES) and isinstance(module.token_exchange, AllToAllExchange)
+    return isinstance(module, expert_types()) and isinstance(module.token_exchange, AllToAllExchange)
 
 
 def apply_ep(
@@ -153,13 +153,16 @@ def apply_ep(
         )
     if ep_mesh.ndim != 1:
         raise ValueError(f"apply_ep: the ep mesh must be 1-D, got {ep_mesh.ndim}-D {ep_mesh}")
+    from meshforge.models.registry import expert_count_keys
+
+    count_keys = expert_count_keys()
     family = str(getattr(model, "family", type(model).__name__))
     experts = expert_modules(model)
     if not experts:
         if not type(model).__module__.startswith("meshforge."):
             raise NotImplementedError(
                 f"not supported yet: parallelism.expert_parallel > 1 for transformers models (the generic "
-                f"path; {type(model).__name__}); built-in MoE families: {', '.join(sorted(_EXPERT_COUNT_KEYS))}"
+                f"path; {type(model).__name__}); built-in MoE families: {', '.join(sorted(count_keys))}"
             )
         if callable(getattr(model, "moe_layers", None)):  # a MoE family without the token_exchange seam
             raise NotImplementedError(f"not supported yet: parallelism.expert_parallel > 1 for {family}")
@@ -176,7 +179,7 @@ def apply_ep(
         _check_not_sharded(name, module)
         num_experts = int(module.num_experts)
         if num_experts % ep:
-            key = _EXPERT_COUNT_KEYS.get(family, "model.num_experts")
+            key = count_keys.get(family, "model.num_experts")
             raise ValueError(
                 f"parallelism.expert_parallel: {ep} does not divide {key} = {num_experts} "
                 f"(each rank holds num_experts / expert_parallel experts of {name})"
@@ -443,7 +446,7 @@ def _wait(tensor: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "EXPERT_MODULES",
+    "expert_types",
     "AllToAllExchange",
     "DeduplicatedExchange",
     "apply_ep",

@@ -103,10 +103,12 @@ def parallelize_model(
         from meshforge.parallel.context import apply_cp
 
         apply_cp(model, mesh.view("cp"), method=par.cp_method(), ulysses_degree=par.ulysses_degree_in_cp)
-        from meshforge.models.common.moe import set_aux_reduce_group
+        from meshforge.models.registry import spec_of_model
 
-        # The router aux loss is a product of sums over the whole sequence: sum over the CP ranks.
-        set_aux_reduce_group(model, mesh.view("cp"))
+        spec = spec_of_model(model)
+        if spec is not None and spec.moe is not None and spec.moe.aux_reduce is not None:
+            # The router aux loss is a product of sums over the whole sequence: sum over the CP ranks.
+            spec.moe.aux_reduce(model, mesh.view("cp"))
     if par.enable_chunk_batch:
         from meshforge.parallel.chunk_batch import apply_chunk_batch
 

@@ -1,8 +1,8 @@
 """Module-name patterns shared by every config key that names modules.
 
 Keys such as `parallel.fsdp_modules`, `tp_colwise`, `recompute_modules` and the optimizer's
-weight-decay rules name modules with a small pattern language (MindSpeed-LLM's, see
-`reference/NOTES.md`, "Module matcher"), so that `model.layers.{*}.mlp.experts` and `*.q_proj`
+weight-decay rules name modules with a small pattern language (MindSpeed-LLM's module
+matcher), so that `model.layers.{*}.mlp.experts` and `*.q_proj`
 mean the same thing for built-in models and for any Hugging Face model:
 
 | token   | matches                                                                    |

@@ -21,8 +21,9 @@ Tied input/output embeddings work: the embedding's RowwiseParallel and the head'
 both shard the `[vocab, hidden]` weight on dim 0, so one DTensor serves both (re-tied after
 `parallelize_module`, which gives each module a new parameter).
 
-Built-in families get their plan from `meshforge.models.<family>.parallelize.tp_plan` (qwen3 and
-llama share the dense decoder plan below; qwen3 adds its per-head q/k norms; qwen3_moe keeps its
+Built-in families get their plan from their spec (`FamilySpec.tp_plan`, written in
+`meshforge.models.<family>.parallelize` with the pieces of `meshforge.models.common.tp_plan`; qwen3
+and llama share the dense decoder plan; qwen3 adds its per-head q/k norms; qwen3_moe keeps its
 routed experts whole on every rank, see its module). Every built-in family has a plan: deepseek_v3
 (latent attention by heads), gpt_oss (sink attention with its sinks by heads) and qwen3_next
 (gated attention and Gated DeltaNet by heads) start from the same plan, keep their MoE blocks
@@ -49,26 +50,33 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from meshforge.models.common.tp_plan import (
+    TP_KEY,
+    SplitHeads,
+    attention_input,
+    check_divisible,
+    decoder_tp_plan,
+)
+
+if TYPE_CHECKING:
+    from meshforge.models.spec import FamilySpec, TPPlan
+
 __all__ = [
-    "UNSUPPORTED_FAMILIES",
     "SplitHeads",
     "apply_tp",
     "attention_input",
@@ -79,20 +87,9 @@ __all__ = [
     "sequence_shards",
 ]
 
-# Families whose plan is module-local to `meshforge.models.<family>.parallelize`.
-_PLAN_MODULES = {
-    "qwen3": "meshforge.models.qwen3.parallelize",
-    "llama": "meshforge.models.llama.parallelize",
-    "qwen3_moe": "meshforge.models.qwen3_moe.parallelize",
-    "deepseek_v3": "meshforge.models.deepseek_v3.parallelize",
-    "gpt_oss": "meshforge.models.gpt_oss.parallelize",
-    "qwen3_next": "meshforge.models.qwen3_next.parallelize",
-}
-# Built-in families with no TP plan yet (every built-in family has one now).
-UNSUPPORTED_FAMILIES: tuple[str, ...] = ()
 # transformers' normalisation modules have family-specific class names (Qwen3RMSNorm, ...).
 _NORM_MARKERS = ("LayerNorm", "RMSNorm", "GroupNorm")
-_TP_KEY = "parallelism.tensor_parallel"
+_TP_KEY = TP_KEY
 # Set on the inner model by `apply_tp` under SP: how many ranks split the sequence dim of the
 # hidden states between blocks (`sequence_shards`).
 _SP_ATTR = "sequence_parallel_shards"
@@ -121,260 +118,6 @@ def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager[No
     from torch.distributed.tensor.parallel import loss_parallel
 
     return loss_parallel()
-
-
-def check_divisible(sizes: dict[str, int], tp: int, *, prefix: str = "model") -> None:
-    """Raise when a size that TP splits is not a multiple of the TP degree.
-
-    Args:
-        sizes: config key (without `prefix`) -> value, e.g. `{"num_key_value_heads": 2}`.
-        tp: the tensor-parallel degree.
-        prefix: the config section the keys live in.
-
-    Raises:
-        ValueError: naming the first offending key and `parallelism.tensor_parallel`.
-    """
-    for key, value in sizes.items():
-        if value % tp:
-            raise ValueError(
-                f"{prefix}.{key} ({value}) is not divisible by {_TP_KEY} ({tp}): tensor parallelism "
-                f"splits it evenly over the TP ranks; choose a {_TP_KEY} that divides it"
-            )
-
-
-def _layer_items(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """`(dotted path, layer)` for every decoder layer (a ModuleList, or a ModuleDict on a PP stage)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no `model.layers`; no tensor-parallel plan applies")
-    for name, layer in layers.named_children():
-        yield f"model.layers.{name}", layer
-
-
-def decoder_tp_plan(
-    model: nn.Module,
-    *,
-    sequence_parallel: bool,
-    loss_parallel: bool,
-    head_norms: Sequence[str] = (),
-    replicated_mlp: Callable[[nn.Module], bool] | None = None,
-    replicated_mlp_extra_inputs: int = 1,
-) -> dict[str, ParallelStyle]:
-    """The `{module path: ParallelStyle}` plan of a dense pre-norm decoder (qwen3, llama).
-
-    The model must have transformers' tree: `model.embed_tokens`, `model.layers.<i>` with
-    `input_layernorm`, `self_attn.{q,k,v,o}_proj`, `post_attention_layernorm`,
-    `mlp.{gate,up,down}_proj`, then `model.norm` and `lm_head`. Modules a pipeline stage dropped
-    (embedding, final norm, head) are left out of the plan.
-
-    Args:
-        sequence_parallel: split activations outside attention/MLP along the sequence (Shard(1)).
-        loss_parallel: leave the logits vocab-sharded (a Shard(-1) DTensor) for the loss.
-        head_norms: names of per-head norms inside `self_attn` (qwen3's `q_norm`, `k_norm`):
-            they see only the local heads, so their weight becomes a replicated DTensor whose
-            gradient is summed over the TP ranks.
-        replicated_mlp: says which layers keep their `mlp` whole (routed experts): it runs on
-            every TP rank over all tokens with replicated weights (the same result and gradients
-            on each rank, nothing split); under SP its input is all-gathered and each rank keeps
-            its own slice of the output.
-        replicated_mlp_extra_inputs: how many arguments such a whole `mlp` takes after the hidden
-            states (qwen3_moe, gpt_oss: a token mask; deepseek_v3: none); they pass through.
-    """
-    seq = Shard(1)
-    extra = (None,) * replicated_mlp_extra_inputs
-    plan: dict[str, ParallelStyle] = {}
-    inner = model.model
-    if getattr(inner, "embed_tokens", None) is not None:
-        plan["model.embed_tokens"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate()
-        )
-    for path, layer in _layer_items(model):
-        whole_mlp = replicated_mlp is not None and replicated_mlp(layer)
-        # A layer with another token mixer (qwen3_next's linear attention) gets its entries from
-        # the family's plan; the norms and the MLP are planned here all the same.
-        attn = getattr(layer, "self_attn", None)
-        if sequence_parallel:
-            plan[f"{path}.input_layernorm"] = SequenceParallel()
-            plan[f"{path}.post_attention_layernorm"] = SequenceParallel()
-            if attn is not None:
-                # The attention also takes (cos, sin) and the mask: plain tensors, left as they are.
-                plan[f"{path}.self_attn"] = PrepareModuleInput(
-                    input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
-                )
-            if whole_mlp:
-                # Extra inputs (a token mask) pass through; the output goes back to this rank's
-                # sequence slice (a local chunk; its backward all-gathers the slices' gradients).
-                plan[f"{path}.mlp"] = PrepareModuleInputOutput(
-                    input_layouts=(seq, *extra),
-                    desired_input_layouts=(Replicate(), *extra),
-                    output_layouts=(Replicate(),),
-                    desired_output_layouts=(seq,),
-                    use_local_input=True,
-                    use_local_output=True,
-                )
-            else:
-                plan[f"{path}.mlp"] = PrepareModuleInput(
-                    input_layouts=(seq,), desired_input_layouts=(Replicate(),)
-                )
-        if attn is not None:
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                plan[f"{path}.self_attn.{proj}"] = ColwiseParallel()
-            plan[f"{path}.self_attn.o_proj"] = RowwiseParallel(
-                output_layouts=seq if sequence_parallel else Replicate()
-            )
-            for norm in head_norms:
-                if getattr(attn, norm, None) is not None:
-                    # q/k are [B, S, heads, head_dim] when normed: the local heads are dim 2.
-                    plan[f"{path}.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if not whole_mlp:
-            plan[f"{path}.mlp.gate_proj"] = ColwiseParallel()
-            plan[f"{path}.mlp.up_proj"] = ColwiseParallel()
-            plan[f"{path}.mlp.down_proj"] = RowwiseParallel(
-                output_layouts=seq if sequence_parallel else Replicate()
-            )
-    if sequence_parallel and getattr(inner, "norm", None) is not None:
-        plan["model.norm"] = SequenceParallel()
-    if getattr(model, "lm_head", None) is not None:
-        plan["lm_head"] = ColwiseParallel(
-            input_layouts=seq if sequence_parallel else Replicate(),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    return plan
-
-
-class SplitHeads(ParallelStyle):
-    """The token mixer itself under TP, around its child projections' plan (one per module).
-
-    Column-split projections hand a mixer only its local heads, but some mixers also reshape
-    with head-count attributes, or compute directly with per-head parameters that no
-    `nn.Linear` owns. This style makes such a module work on its local heads:
-
-    * `head_attrs` (e.g. MLA's `num_heads`, gpt-oss' `num_heads`/`num_kv_heads`) are divided
-      by the TP degree, as torchtitan does, instead of changing the model code;
-    * `sharded` parameters (per-head vectors: gpt-oss' `sinks`, Gated DeltaNet's `A_log`) are
-      split `Shard(0)` with the heads;
-    * `summed` parameters are kept whole (`Replicate`) but each rank uses them on its own heads
-      only (a per-head norm's weight, or a slice of them: Gated DeltaNet's conv channels, given
-      as a function `(rank, tp) -> index` into dim 0), so their gradient is a partial sum that
-      is reduced over the TP ranks;
-    * for the forward, the module sees plain local tensors in place of those parameters
-      (swapped in by a pre-hook, back after; differentiable, so gradients reach the DTensors);
-    * `inner` (the input preparation under SP, `attention_input`) is applied to the module too.
-
-    Names are dotted paths relative to the module (`"conv1d.weight"`).
-    """
-
-    def __init__(
-        self,
-        *,
-        head_attrs: Sequence[str] = (),
-        sharded: Sequence[str] = (),
-        summed: dict[str, Callable[[int, int], torch.Tensor] | None] | None = None,
-        inner: ParallelStyle | None = None,
-    ) -> None:
-        super().__init__()
-        self.head_attrs = tuple(head_attrs)
-        self.sharded = tuple(sharded)
-        self.summed = dict(summed or {})
-        self.inner = inner
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
-        for attr in self.head_attrs:
-            value = getattr(module, attr)
-            if value % tp:
-                raise ValueError(
-                    f"{type(module).__name__}.{attr} ({value}) is not divisible by {_TP_KEY} ({tp})"
-                )
-            setattr(module, attr, value // tp)
-        local: list[tuple[str, Any]] = []
-        for name in (*self.sharded, *self.summed):
-            owner_path, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(owner_path)
-            param = owner._parameters[leaf]
-            placement = Shard(0) if name in self.sharded else Replicate()
-            dist = distribute_tensor(param.data, device_mesh, [placement], src_data_rank=self.src_data_rank)
-            owner.register_parameter(leaf, nn.Parameter(dist, requires_grad=param.requires_grad))
-            if name in self.sharded:
-                local.append((name, None))
-            else:
-                index = self.summed[name]
-                local.append((name, None if index is None else index(rank, tp)))
-        if local:
-            module.__dict__["_meshforge_tp_split"] = local
-            module.register_forward_pre_hook(_swap_in_split)
-            module.register_forward_hook(_swap_back_split)
-        if self.inner is not None:
-            self.inner.src_data_rank = self.src_data_rank
-            return self.inner._apply(module, device_mesh)
-        return module
-
-
-def _swap_in_split(module: nn.Module, _args: Any) -> None:
-    """Forward pre-hook of `SplitHeads`: plain local tensors in place of its DTensor parameters."""
-    stash = []
-    for i, (name, index) in enumerate(module._meshforge_tp_split):
-        owner_path, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_path)
-        param = owner._parameters[leaf]
-        if not isinstance(param, DTensor):
-            continue
-        if param.placements[0].is_shard():
-            tensor = param.to_local()  # the gradient is this rank's slice, as the parameter
-        else:
-            # Used on this rank's heads only: the gradient is one term of a sum over the ranks.
-            tensor = param.to_local(grad_placements=(Partial(),))
-            if index is not None:
-                if index.device != tensor.device:  # once, after the model moved
-                    index = index.to(tensor.device)
-                    module._meshforge_tp_split[i] = (name, index)
-                tensor = tensor.index_select(0, index)
-        stash.append((owner, leaf, param))
-        owner._parameters[leaf] = tensor
-    module.__dict__["_meshforge_tp_split_stash"] = stash
-
-
-def _swap_back_split(module: nn.Module, _args: Any, _output: Any) -> None:
-    for owner, leaf, param in module.__dict__.pop("_meshforge_tp_split_stash", ()):
-        owner._parameters[leaf] = param
-
-
-class _GatherSequence(ParallelStyle):
-    """Forward pre-hook style: all-gather the sequence of a module's first input (Shard(1) -> Replicate).
-
-    Unlike `PrepareModuleInput` it does not fix the number of the other arguments (RoPE tables,
-    masks, segment ids, a context-parallel mask), which pass through untouched.
-    """
-
-    def __init__(self, *, local: bool) -> None:
-        super().__init__()
-        self.local = local
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(functools.partial(self._prepare, mesh=device_mesh))
-        return module
-
-    def _prepare(self, _module: nn.Module, args: tuple[Any, ...], *, mesh: DeviceMesh) -> tuple[Any, ...]:
-        x = args[0]
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
-        if x.placements != (Replicate(),):
-            x = x.redistribute(mesh, (Replicate(),))
-        return (x.to_local() if self.local else x, *args[1:])
-
-
-def attention_input(*, sequence_parallel: bool, local: bool) -> ParallelStyle | None:
-    """The input preparation of a token mixer under SP: all-gather the sequence of its first input.
-
-    Args:
-        sequence_parallel: without SP the input is already whole: None (nothing to prepare).
-        local: hand the mixer a plain tensor (mixers whose own parameters are plain tensors)
-            rather than a replicated DTensor. Its backward treats the gradient as whole
-            (Replicate), so every consumer of the input must produce the full gradient (as
-            column-split projections do: their input gradient is summed over TP).
-    """
-    return _GatherSequence(local=local) if sequence_parallel else None
 
 
 def _shared_parameters(model: nn.Module) -> list[tuple[str, str]]:
@@ -533,16 +276,6 @@ def _sequence_check_hook(tp: int):
     return hook
 
 
-def _builtin_plan(
-    model: nn.Module, family: str, tp: int, *, sequence_parallel: bool, loss_parallel: bool
-) -> dict[str, ParallelStyle]:
-    module = importlib.import_module(_PLAN_MODULES[family])
-    args = getattr(model, "args", None)
-    if args is not None:
-        check_divisible(module.tp_sizes(args), tp)
-    return module.tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-
-
 def generic_tp_plan(
     model: nn.Module, tp: int, *, colwise: Sequence[str], rowwise: Sequence[str], loss_parallel: bool
 ) -> dict[str, ParallelStyle]:
@@ -644,6 +377,29 @@ def _refuse_custom_patterns(family: str, colwise: list[str] | None, rowwise: lis
             )
 
 
+def _family_plan(family: str | FamilySpec) -> tuple[str, TPPlan]:
+    """The name and TP plan of a built-in family.
+
+    Raises:
+        NotImplementedError: an unknown family, or one without a plan.
+    """
+    from meshforge.models.registry import built_families, resolve_family
+
+    if isinstance(family, str):
+        try:
+            family = resolve_family(model_type=family)
+        except ValueError:
+            raise NotImplementedError(
+                f"not supported yet: {_TP_KEY} > 1 for family {family!r} (built: "
+                f"{', '.join(built_families())}, or 'generic' with parallelism.tp_colwise/tp_rowwise)"
+            ) from None
+    if family.tp_plan is None:
+        raise NotImplementedError(
+            f"not supported yet: {_TP_KEY} > 1 for {family.name} (no tensor-parallel plan)"
+        )
+    return family.name, family.tp_plan
+
+
 def _disable_shared_autograd_cache() -> None:
     """Turn off torch.compile's AOTAutograd cache in this process (TP with `kernels.compile`).
 
@@ -663,7 +419,7 @@ def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
     *,
-    family: str,
+    family: str | FamilySpec,
     sequence_parallel: bool = True,
     loss_parallel: bool = False,
     colwise: list[str] | None = None,
@@ -675,8 +431,8 @@ def apply_tp(
         model: a built-in family's `*ForCausalLM` (meta or real tensors) or a generic
             transformers model; a pipeline stage with some modules removed works too.
         tp_mesh: the "tp" mesh view.
-        family: built-in family name (`qwen3`, `llama`, `qwen3_moe`, `deepseek_v3`, `gpt_oss`,
-            `qwen3_next`) or `generic` for the pattern-driven path.
+        family: a built-in family (its name or spec: the plan is `FamilySpec.tp_plan`) or
+            `generic` for the pattern-driven path.
         sequence_parallel: sequence-split activations between the attention and MLP blocks
             (built-in families; the generic path has none).
         loss_parallel: keep the logits vocab-sharded (`Shard(-1)` DTensor) for
@@ -686,32 +442,21 @@ def apply_tp(
         rowwise: `parallelism.tp_rowwise` patterns (generic path; likewise).
 
     Raises:
-        NotImplementedError: a family with no TP plan yet.
+        NotImplementedError: an unknown family, or one with no TP plan.
         ValueError: a size TP splits is not divisible by the TP degree, a pattern is invalid
             (or custom for a built-in family), or tied weights would get different layouts.
     """
     tp = tp_mesh.size()
-    if family in UNSUPPORTED_FAMILIES:
-        raise NotImplementedError(
-            f"not supported yet: {_TP_KEY} > 1 for {family} (tensor-parallel plans exist for "
-            f"{', '.join(sorted(_PLAN_MODULES))} and the generic transformers path)"
-        )
     aliases = _shared_parameters(model)
-    if family in _PLAN_MODULES:
-        _refuse_custom_patterns(family, colwise, rowwise)
-        plan = _builtin_plan(
-            model, family, tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
-        )
-    elif family == "generic":
+    if family == "generic":
         plan = generic_tp_plan(
             model, tp, colwise=colwise or [], rowwise=rowwise or [], loss_parallel=loss_parallel
         )
         sequence_parallel = False
     else:
-        raise NotImplementedError(
-            f"not supported yet: {_TP_KEY} > 1 for family {family!r} (built: "
-            f"{', '.join(sorted(_PLAN_MODULES))}, or 'generic' with parallelism.tp_colwise/tp_rowwise)"
-        )
+        name, tp_plan = _family_plan(family)
+        _refuse_custom_patterns(name, colwise, rowwise)
+        plan = tp_plan(model, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     parallelize_module(model, tp_mesh, plan)
     _disable_shared_autograd_cache()
     _replicate_leftover_parameters(model, tp_mesh)

@@ -449,22 +449,43 @@ class MoEBlock(nn.Module):
         counts: torch.Tensor,
         token_mask: torch.Tensor | None,
     ) -> None:
-        num_experts = self.gate.num_experts
-        if token_mask is None:
-            assignments = counts.float()
-            prob_sum = probs.sum(0)
-            rows = torch.tensor(float(probs.shape[0]), device=probs.device)
-        else:
-            keep = token_mask.reshape(-1).to(torch.float32)
-            with torch.no_grad():
-                assignments = torch.zeros(num_experts, device=probs.device).index_add_(
-                    0, indices.reshape(-1), keep.repeat_interleave(indices.shape[-1])
-                )
-            prob_sum = (probs * keep[:, None]).sum(0)
-            rows = keep.sum()
-        self.last_aux_stats = RouterStats(
-            assignments=assignments, prob_sum=prob_sum, rows=rows, group=self.aux_reduce_group
+        self.last_aux_stats = router_stats(
+            probs, indices, counts, token_mask, num_experts=self.gate.num_experts, group=self.aux_reduce_group
         )
+
+
+def router_stats(
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    token_mask: torch.Tensor | None,
+    *,
+    num_experts: int,
+    group: Any,
+) -> RouterStats:
+    """One layer's router statistics for the aux loss, padding left out.
+
+    Args:
+        probs: Router probabilities over all experts ``[N, E]`` (float32, with autograd).
+        indices: The top-k experts of each token ``[N, k]``.
+        counts: Assignments per expert over all tokens ``[E]`` (used as they are without a mask).
+        token_mask: ``[B, S]`` False for padding, or None.
+        num_experts: ``E``.
+        group: The process group the statistics are summed over (CP), or None.
+    """
+    if token_mask is None:
+        assignments = counts.float()
+        prob_sum = probs.sum(0)
+        rows = torch.tensor(float(probs.shape[0]), device=probs.device)
+    else:
+        keep = token_mask.reshape(-1).to(torch.float32)
+        with torch.no_grad():
+            assignments = torch.zeros(num_experts, device=probs.device).index_add_(
+                0, indices.reshape(-1), keep.repeat_interleave(indices.shape[-1])
+            )
+        prob_sum = (probs * keep[:, None]).sum(0)
+        rows = keep.sum()
+    return RouterStats(assignments=assignments, prob_sum=prob_sum, rows=rows, group=group)
 
 
 __all__ = [
@@ -479,6 +500,7 @@ __all__ = [
     "local_tensor",
     "ExpertsBase",
     "reduce_router_totals",
+    "router_stats",
     "run_experts",
     "set_aux_reduce_group",
     "switch_loss",

@@ -19,13 +19,15 @@ model does not need are ever ignored, so a model with a real layer 61 still load
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from meshforge.models.qwen3_moe import hf as _fused
-from meshforge.models.qwen3_moe.hf import from_hf, hf_sources, to_hf
+from meshforge.models.qwen3_moe.hf import Qwen3MoeStateDictAdapter, from_hf, hf_sources, to_hf
 
 if TYPE_CHECKING:
     from meshforge.models.deepseek_v3.args import DeepseekV3Args
+    from meshforge.models.spec import FamilySpec
 
 HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
 
@@ -85,13 +87,32 @@ def adapter(args: DeepseekV3Args) -> _fused.Qwen3MoeHFAdapter:
     return _fused.Qwen3MoeHFAdapter(num_experts=args.n_routed_experts)
 
 
+class DeepseekV3StateDictAdapter(Qwen3MoeStateDictAdapter):
+    """The family's ``HFStateDictAdapter``: Qwen3-MoE's expert mapping, DeepSeek's config.json."""
+
+    hf_architecture = HF_ARCHITECTURE
+    extra_ignored_keys = IGNORED_HF_KEYS
+
+    def from_hf_config(self, config: Mapping[str, object]) -> dict[str, object]:
+        return from_hf_config(dict(config))
+
+
+def state_dict_adapter(spec: FamilySpec, args: DeepseekV3Args | None) -> DeepseekV3StateDictAdapter:
+    """The adapter of ``spec`` with the routed-expert count of ``args`` bound."""
+    return DeepseekV3StateDictAdapter(
+        spec, args, num_experts=args.n_routed_experts if args is not None else None
+    )
+
+
 __all__ = [
     "HF_ARCHITECTURE",
     "IGNORED_HF_KEYS",
+    "DeepseekV3StateDictAdapter",
     "adapter",
     "from_hf",
     "from_hf_config",
     "hf_sources",
+    "state_dict_adapter",
     "to_hf",
     "to_hf_config",
 ]

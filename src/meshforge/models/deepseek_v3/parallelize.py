@@ -1,8 +1,8 @@
 """DeepSeek-V3's tensor-parallel plan: multi-head latent attention split by heads, MoE kept whole.
 
-`meshforge.parallel.tensor.apply_tp` imports this module for `family: deepseek_v3`. The
+The `deepseek_v3` spec (`spec.py`) takes its plan from this module. The
 embedding, norms, dense MLP layers (the first `first_k_dense_replace`) and head follow the
-shared dense-decoder plan (`meshforge.parallel.tensor.decoder_tp_plan`). The attention
+shared dense-decoder plan (`meshforge.models.common.tp_plan.decoder_tp_plan`). The attention
 (`meshforge.models.common.mla`) is split by heads:
 
 | module                                   | style                                          |
@@ -43,7 +43,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from meshforge.parallel.tensor import SplitHeads, attention_input, decoder_tp_plan
+from meshforge.models.common.tp_plan import SplitHeads, attention_input, check_sizes, decoder_tp_plan
 
 
 def tp_sizes(args) -> dict[str, int]:
@@ -113,3 +113,11 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
         plan[f"{prefix}.kv_b_proj"] = ColwiseParallel()
         plan[f"{prefix}.o_proj"] = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
     return plan
+
+
+def checked_tp_plan(
+    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The family's ``TPPlan``: the split sizes checked against ``tp``, then :func:`tp_plan`."""
+    check_sizes(model, tp, tp_sizes)
+    return tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)

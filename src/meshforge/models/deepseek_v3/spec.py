@@ -1,16 +1,64 @@
-"""Registry entry of the built-in DeepSeek-V3 family (light: imports only ``args.py``, no torch)."""
+"""The DeepSeek-V3 family's spec: everything the rest of meshforge needs of it.
+
+Light: imports only ``args.py``; each function below imports the family's torch module when
+called.
+"""
 
 from __future__ import annotations
 
-from meshforge.models.deepseek_v3.args import OPTION_KEYS
-from meshforge.models.registry import FamilySpec
+from typing import TYPE_CHECKING
+
+from meshforge.models.common.family_parts import (
+    aux_reduce,
+    decoder_cp_modules,
+    decoder_stage,
+    grouped_experts,
+)
+from meshforge.models.deepseek_v3.args import OPTION_KEYS, DeepseekV3Args, from_options
+from meshforge.models.spec import FamilyArgs, FamilySpec, MoESpec
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    from meshforge.models.spec import HFStateDictAdapter
+
+
+def _build(args: FamilyArgs, device: str | torch.device) -> nn.Module:
+    from meshforge.models.deepseek_v3.model import build_deepseek_v3
+
+    assert isinstance(args, DeepseekV3Args)
+    return build_deepseek_v3(args, device=device)
+
+
+def _tp_plan(
+    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    from meshforge.models.deepseek_v3.parallelize import checked_tp_plan
+
+    return checked_tp_plan(model, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+def _hf_adapter(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
+    from meshforge.models.deepseek_v3.hf import state_dict_adapter
+
+    assert args is None or isinstance(args, DeepseekV3Args)
+    return state_dict_adapter(spec, args)
+
 
 FAMILY = FamilySpec(
     name="deepseek_v3",
     hf_architectures=("DeepseekV3ForCausalLM",),
     model_ids=(),
     option_keys=OPTION_KEYS,
-    args_module="meshforge.models.deepseek_v3.args",
-    model_module="meshforge.models.deepseek_v3.model",
-    hf_module="meshforge.models.deepseek_v3.hf",
+    from_options=from_options,
+    builder=_build,
+    adapter=_hf_adapter,
+    tp_plan=_tp_plan,
+    stage_preparation=decoder_stage,
+    cp_modules=decoder_cp_modules,
+    moe=MoESpec(
+        expert_type=grouped_experts, expert_count_key="model.n_routed_experts", aux_reduce=aux_reduce
+    ),
 )

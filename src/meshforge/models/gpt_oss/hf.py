@@ -25,7 +25,10 @@ which has to be dequantised to bf16/fp32 first.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from meshforge.models.common.hf_adapter import HFAdapterBase
 
 if TYPE_CHECKING:
     from meshforge.models.gpt_oss.args import GptOssArgs
@@ -55,3 +58,12 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
             "Mxfp4Config(dequantize=True) and save_pretrained)"
         )
     return {k: v for k, v in config.items() if k in OPTION_KEYS and k != "flavor"}
+
+
+class GptOssStateDictAdapter(HFAdapterBase):
+    """The family's ``HFStateDictAdapter``: names and layouts as they are, quantised configs refused."""
+
+    hf_architecture = HF_ARCHITECTURE
+
+    def from_hf_config(self, config: Mapping[str, object]) -> dict[str, object]:
+        return from_hf_config(dict(config))

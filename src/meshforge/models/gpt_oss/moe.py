@@ -35,6 +35,7 @@ from meshforge.models.common.moe import (
     RouterStats,
     TokenExchange,
     local_tensor,
+    router_stats,
 )
 
 
@@ -204,21 +205,13 @@ class GptOssMLP(nn.Module):
         # transformers' load_balancing_loss_func takes the softmax over *all* router logits
         # (bias included); its top-k of those probabilities picks the same experts as the router.
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        num_experts = self.router.num_experts
-        if token_mask is None:
-            assignments = counts.float()
-            prob_sum = probs.sum(0)
-            rows = torch.tensor(float(probs.shape[0]), device=probs.device)
-        else:
-            keep = token_mask.reshape(-1).to(torch.float32)
-            with torch.no_grad():
-                assignments = torch.zeros(num_experts, device=probs.device).index_add_(
-                    0, indices.reshape(-1), keep.repeat_interleave(indices.shape[-1])
-                )
-            prob_sum = (probs * keep[:, None]).sum(0)
-            rows = keep.sum()
-        self.last_aux_stats = RouterStats(
-            assignments=assignments, prob_sum=prob_sum, rows=rows, group=self.aux_reduce_group
+        self.last_aux_stats = router_stats(
+            probs,
+            indices,
+            counts,
+            token_mask,
+            num_experts=self.router.num_experts,
+            group=self.aux_reduce_group,
         )
 
 

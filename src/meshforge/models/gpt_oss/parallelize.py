@@ -1,7 +1,7 @@
 """gpt-oss' tensor-parallel plan: sink attention split by heads, every MoE block kept whole.
 
-`meshforge.parallel.tensor.apply_tp` imports this module for `family: gpt_oss`. The embedding,
-norms and head follow the shared dense-decoder plan (`meshforge.parallel.tensor.decoder_tp_plan`).
+The `gpt_oss` spec (`spec.py`) takes its plan from this module. The embedding,
+norms and head follow the shared dense-decoder plan (`meshforge.models.common.tp_plan.decoder_tp_plan`).
 The attention (`meshforge.models.common.sink_attention`) is split as a plain GQA attention is:
 `q/k/v_proj` column-wise with their biases, `o_proj` row-wise (its bias added once, after the
 reduction), so each rank holds whole query heads together with the key/value heads they read
@@ -27,7 +27,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from meshforge.parallel.tensor import SplitHeads, attention_input, decoder_tp_plan
+from meshforge.models.common.tp_plan import SplitHeads, attention_input, check_sizes, decoder_tp_plan
 
 
 def tp_sizes(args) -> dict[str, int]:
@@ -55,3 +55,11 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
             inner=attention_input(sequence_parallel=sequence_parallel, local=False),
         )
     return plan
+
+
+def checked_tp_plan(
+    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The family's ``TPPlan``: the split sizes checked against ``tp``, then :func:`tp_plan`."""
+    check_sizes(model, tp, tp_sizes)
+    return tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)

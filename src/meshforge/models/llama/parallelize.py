@@ -1,7 +1,7 @@
 """Llama's tensor-parallel plan: the shared dense-decoder plan as it is.
 
-`meshforge.parallel.tensor.apply_tp` imports this module for `family: llama`. The layout is
-`meshforge.parallel.tensor.decoder_tp_plan` (Megatron/torchtitan: column-split q/k/v and gate/up,
+The `llama` spec (`spec.py`) takes its plan from this module. The layout is
+`meshforge.models.common.tp_plan.decoder_tp_plan` (Megatron/torchtitan: column-split q/k/v and gate/up,
 row-split o/down, vocab-split embedding and head, sequence-parallel norms). Llama has no per-head
 norms; its optional attention and MLP biases follow their projections (column-split biases are
 split, row-split biases stay replicated and are added once after the reduction).
@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from meshforge.parallel.tensor import decoder_tp_plan
+from meshforge.models.common.tp_plan import check_sizes, decoder_tp_plan
 
 
 def tp_sizes(args) -> dict[str, int]:
@@ -28,3 +28,11 @@ def tp_sizes(args) -> dict[str, int]:
 def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
     """`{module path: ParallelStyle}` for a `LlamaForCausalLM` (or a pipeline stage of one)."""
     return decoder_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+def checked_tp_plan(
+    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The family's ``TPPlan``: the split sizes checked against ``tp``, then :func:`tp_plan`."""
+    check_sizes(model, tp, tp_sizes)
+    return tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)

@@ -1,7 +1,7 @@
 """Qwen3's tensor-parallel plan: the shared dense-decoder plan plus its per-head q/k norms.
 
-`meshforge.parallel.tensor.apply_tp` imports this module for `family: qwen3`. The layout is
-`meshforge.parallel.tensor.decoder_tp_plan` (Megatron/torchtitan: column-split q/k/v and gate/up,
+The `qwen3` spec (`spec.py`) takes its plan from this module. The layout is
+`meshforge.models.common.tp_plan.decoder_tp_plan` (Megatron/torchtitan: column-split q/k/v and gate/up,
 row-split o/down, vocab-split embedding and head, sequence-parallel norms). Qwen3 normalises
 queries and keys per head (`q_norm`, `k_norm` over `head_dim`) after the column split, so each
 rank normalises only its own heads: those weights become replicated DTensors whose gradients are
@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from meshforge.parallel.tensor import decoder_tp_plan
+from meshforge.models.common.tp_plan import check_sizes, decoder_tp_plan
 
 
 def tp_sizes(args) -> dict[str, int]:
@@ -34,3 +34,11 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
         loss_parallel=loss_parallel,
         head_norms=("q_norm", "k_norm"),
     )
+
+
+def checked_tp_plan(
+    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The family's ``TPPlan``: the split sizes checked against ``tp``, then :func:`tp_plan`."""
+    check_sizes(model, tp, tp_sizes)
+    return tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)

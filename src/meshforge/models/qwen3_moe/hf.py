@@ -14,11 +14,10 @@ ours (in memory)                       safetensors keys
 anything else                          the same name
 =====================================  ==============================================
 
-Protocol used by the checkpoint loader/exporter: ``hf_sources(name)``,
-``from_hf(name, tensors)``, ``to_hf(name, tensor)``. ``from_hf`` and ``to_hf`` find the
-expert count in their inputs; ``hf_sources`` cannot guess it from a name, so the
-expert names need ``num_experts`` (or use :func:`adapter`, which binds it from the
-model's args and exposes the same three functions with the plain signatures).
+``Qwen3MoeStateDictAdapter`` is the family's ``HFStateDictAdapter`` (what the checkpoint
+loader and exporter use). ``from_hf`` and ``to_hf`` find the expert count in their inputs;
+``hf_sources`` cannot guess it from a name, so the expert names need ``num_experts`` (bound
+from the model's args by the adapter, or by :func:`adapter`).
 """
 
 from __future__ import annotations
@@ -27,10 +26,13 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from meshforge.models.common.hf_adapter import HFAdapterBase
+
 if TYPE_CHECKING:
     import torch
 
     from meshforge.models.qwen3_moe.args import Qwen3MoeArgs
+    from meshforge.models.spec import FamilyArgs, FamilySpec
 
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 
@@ -180,3 +182,36 @@ class Qwen3MoeHFAdapter:
 def adapter(args: Qwen3MoeArgs) -> Qwen3MoeHFAdapter:
     """Protocol object (``hf_sources``/``from_hf``/``to_hf`` with plain signatures) for ``args``."""
     return Qwen3MoeHFAdapter(num_experts=args.num_experts)
+
+
+class Qwen3MoeStateDictAdapter(HFAdapterBase):
+    """The family's ``HFStateDictAdapter``: per-expert safetensors keys <-> fused experts.
+
+    Args:
+        spec: The family.
+        args: The model's args, or None (then fused expert names cannot list their keys).
+        num_experts: Routed experts per MoE layer (from ``args``; None without them).
+    """
+
+    hf_architecture = HF_ARCHITECTURE
+    renames_only = False
+
+    def __init__(
+        self, spec: FamilySpec, args: FamilyArgs | None = None, *, num_experts: int | None = None
+    ) -> None:
+        super().__init__(spec, args)
+        self.experts = Qwen3MoeHFAdapter(num_experts=num_experts) if num_experts is not None else None
+
+    def hf_sources(self, name: str) -> list[str]:
+        return self.experts.hf_sources(name) if self.experts is not None else hf_sources(name)
+
+    def from_hf(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.experts.from_hf(name, tensors) if self.experts is not None else from_hf(name, tensors)
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return to_hf(name, tensor)
+
+
+def state_dict_adapter(spec: FamilySpec, args: Qwen3MoeArgs | None) -> Qwen3MoeStateDictAdapter:
+    """The adapter of ``spec`` with the expert count of ``args`` bound."""
+    return Qwen3MoeStateDictAdapter(spec, args, num_experts=args.num_experts if args is not None else None)

@@ -1,8 +1,8 @@
 """Qwen3-MoE's tensor-parallel plan: Qwen3's attention split, the routed experts kept whole.
 
-`meshforge.parallel.tensor.apply_tp` imports this module for `family: qwen3_moe`. Attention,
+The `qwen3_moe` spec (`spec.py`) takes its plan from this module. Attention,
 the dense MLP layers (`mlp_only_layers`, `decoder_sparse_step`), the embedding, norms and head
-follow the shared dense-decoder plan (`meshforge.parallel.tensor.decoder_tp_plan`, with the
+follow the shared dense-decoder plan (`meshforge.models.common.tp_plan.decoder_tp_plan`, with the
 per-head `q_norm`/`k_norm` as in Qwen3). A sparse block (router and fused experts) is not split:
 every TP rank runs it over all the tokens with replicated weights, so its output, its gradients,
 the router aux loss and the per-expert token counts are exactly those of one process; under
@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from meshforge.parallel.tensor import decoder_tp_plan
+from meshforge.models.common.tp_plan import check_sizes, decoder_tp_plan
 
 
 def tp_sizes(args) -> dict[str, int]:
@@ -39,3 +39,11 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
         head_norms=("q_norm", "k_norm"),
         replicated_mlp=lambda layer: bool(getattr(layer, "is_moe", False)),
     )
+
+
+def checked_tp_plan(
+    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The family's ``TPPlan``: the split sizes checked against ``tp``, then :func:`tp_plan`."""
+    check_sizes(model, tp, tp_sizes)
+    return tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)

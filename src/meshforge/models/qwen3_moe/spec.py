@@ -1,19 +1,62 @@
-"""Registry entry of the built-in Qwen3-MoE family (light: imports only ``args.py``, no torch).
+"""The Qwen3-MoE family's spec: everything the rest of meshforge needs of it.
 
-The lead registers ``FAMILY`` in ``meshforge.models.registry``; tests use it directly.
+Light: imports only ``args.py``; each function below imports the family's torch module when
+called.
 """
 
 from __future__ import annotations
 
-from meshforge.models.qwen3_moe.args import OPTION_KEYS
-from meshforge.models.registry import FamilySpec
+from typing import TYPE_CHECKING
+
+from meshforge.models.common.family_parts import (
+    aux_reduce,
+    decoder_cp_modules,
+    decoder_stage,
+    grouped_experts,
+)
+from meshforge.models.qwen3_moe.args import OPTION_KEYS, Qwen3MoeArgs, from_options
+from meshforge.models.spec import FamilyArgs, FamilySpec, MoESpec
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    from meshforge.models.spec import HFStateDictAdapter
+
+
+def _build(args: FamilyArgs, device: str | torch.device) -> nn.Module:
+    from meshforge.models.qwen3_moe.model import build_qwen3_moe
+
+    assert isinstance(args, Qwen3MoeArgs)
+    return build_qwen3_moe(args, device=device)
+
+
+def _tp_plan(
+    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    from meshforge.models.qwen3_moe.parallelize import checked_tp_plan
+
+    return checked_tp_plan(model, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+def _hf_adapter(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
+    from meshforge.models.qwen3_moe.hf import state_dict_adapter
+
+    assert args is None or isinstance(args, Qwen3MoeArgs)
+    return state_dict_adapter(spec, args)
+
 
 FAMILY = FamilySpec(
     name="qwen3_moe",
     hf_architectures=("Qwen3MoeForCausalLM",),
     model_ids=("qwen3_moe",),
     option_keys=OPTION_KEYS,
-    args_module="meshforge.models.qwen3_moe.args",
-    model_module="meshforge.models.qwen3_moe.model",
-    hf_module="meshforge.models.qwen3_moe.hf",
+    from_options=from_options,
+    builder=_build,
+    adapter=_hf_adapter,
+    tp_plan=_tp_plan,
+    stage_preparation=decoder_stage,
+    cp_modules=decoder_cp_modules,
+    moe=MoESpec(expert_type=grouped_experts, expert_count_key="model.num_experts", aux_reduce=aux_reduce),
 )

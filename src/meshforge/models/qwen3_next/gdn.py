@@ -54,7 +54,6 @@ from torch import nn
 
 from meshforge.models.common.mlp import activation
 from meshforge.models.common.norms import RMSNorm
-from meshforge.parallel.context_blocks import heads_to_seq, seq_to_heads
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -408,7 +407,7 @@ class GatedDeltaNet(nn.Module):
                 "context-parallel Gated DeltaNet needs the CPMask that Qwen3NextModel builds when "
                 f"parallelism.context_parallel > 1, got {type(cp_mask).__name__}"
             )
-        u, group = plan.ulysses_size, plan.ulysses_group
+        u = plan.ulysses_size
         batch, local_len, k_heads, _ = q.shape
         v_heads = v.shape[2]
         per_group = v_heads // k_heads
@@ -429,7 +428,7 @@ class GatedDeltaNet(nn.Module):
             ],
             dim=-1,
         ).transpose(1, 2)
-        (full,) = seq_to_heads([packed], u, group)  # [B, Hk / u, S, width]
+        (full,) = plan.seq_to_heads([packed])  # [B, Hk / u, S, width]
         full = full.transpose(1, 2)
         seq_len, local_k = full.shape[1], k_heads // u
         local_v = local_k * per_group
@@ -455,7 +454,7 @@ class GatedDeltaNet(nn.Module):
             self.dt_bias[heads],
             cp_mask.segments,
         )
-        out = heads_to_seq(out.transpose(1, 2), u, group)  # [B, Hv, S / u, Dv]
+        out = plan.heads_to_seq(out.transpose(1, 2))  # [B, Hv, S / u, Dv]
         return out.transpose(1, 2)
 
     def extra_repr(self) -> str:

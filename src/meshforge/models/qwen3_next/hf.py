@@ -13,12 +13,20 @@ reused here. Published Qwen3-Next checkpoints also carry multi-token-prediction 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from meshforge.models.qwen3_moe.hf import Qwen3MoeHFAdapter, from_hf, hf_sources, to_hf
+from meshforge.models.qwen3_moe.hf import (
+    Qwen3MoeHFAdapter,
+    Qwen3MoeStateDictAdapter,
+    from_hf,
+    hf_sources,
+    to_hf,
+)
 
 if TYPE_CHECKING:
     from meshforge.models.qwen3_next.args import Qwen3NextArgs
+    from meshforge.models.spec import FamilySpec
 
 HF_ARCHITECTURE = "Qwen3NextForCausalLM"
 
@@ -58,13 +66,30 @@ def adapter(args: Qwen3NextArgs) -> Qwen3MoeHFAdapter:
     return Qwen3MoeHFAdapter(num_experts=args.num_experts)
 
 
+class Qwen3NextStateDictAdapter(Qwen3MoeStateDictAdapter):
+    """The family's ``HFStateDictAdapter``: Qwen3-MoE's expert mapping, ``mtp.*`` ignored."""
+
+    hf_architecture = HF_ARCHITECTURE
+    extra_ignored_keys = IGNORED_HF_KEYS
+
+    def from_hf_config(self, config: Mapping[str, object]) -> dict[str, object]:
+        return from_hf_config(dict(config))
+
+
+def state_dict_adapter(spec: FamilySpec, args: Qwen3NextArgs | None) -> Qwen3NextStateDictAdapter:
+    """The adapter of ``spec`` with the expert count of ``args`` bound."""
+    return Qwen3NextStateDictAdapter(spec, args, num_experts=args.num_experts if args is not None else None)
+
+
 __all__ = [
     "HF_ARCHITECTURE",
     "IGNORED_HF_KEYS",
+    "Qwen3NextStateDictAdapter",
     "adapter",
     "from_hf",
     "from_hf_config",
     "hf_sources",
+    "state_dict_adapter",
     "to_hf",
     "to_hf_config",
 ]

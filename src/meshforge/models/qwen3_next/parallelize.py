@@ -1,8 +1,8 @@
 """Qwen3-Next's tensor-parallel plan: gated attention and Gated DeltaNet split by heads, MoE whole.
 
-`meshforge.parallel.tensor.apply_tp` imports this module for `family: qwen3_next`. The
+The `qwen3_next` spec (`spec.py`) takes its plan from this module. The
 embedding, the zero-centred norms, the dense MLP layers and the head follow the shared
-dense-decoder plan (`meshforge.parallel.tensor.decoder_tp_plan`). Each rank keeps whole heads
+dense-decoder plan (`meshforge.models.common.tp_plan.decoder_tp_plan`). Each rank keeps whole heads
 of both token mixers, so the per-head arithmetic is that of one process:
 
 * Gated full attention (`self_attn`): `q_proj` emits, per head, `head_dim` query values then
@@ -38,7 +38,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from meshforge.parallel.tensor import SplitHeads, attention_input, decoder_tp_plan
+from meshforge.models.common.tp_plan import SplitHeads, attention_input, check_sizes, decoder_tp_plan
 
 
 def tp_sizes(args) -> dict[str, int]:
@@ -97,3 +97,11 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
         plan[f"{prefix}.in_proj_ba"] = ColwiseParallel()
         plan[f"{prefix}.out_proj"] = RowwiseParallel(output_layouts=out)
     return plan
+
+
+def checked_tp_plan(
+    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The family's ``TPPlan``: the split sizes checked against ``tp``, then :func:`tp_plan`."""
+    check_sizes(model, tp, tp_sizes)
+    return tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)

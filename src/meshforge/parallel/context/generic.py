@@ -10,7 +10,7 @@ forward (:func:`prepare_generic_cp`: the shared :class:`~meshforge.parallel.cont
 the full row's document ids, and the local tokens' global positions for RoPE) and hands it down
 as the keyword ``meshforge_cp``: transformers forwards unknown keywords from the causal LM through
 the decoder layers to the attention function unchanged, and activation recompute replays them. A pipeline stage
-(``meshforge.parallel.pipeline_stage``) runs its decoder layers without that forward, so it does
+(``meshforge.parallel.pipeline.generic_stage``) runs its decoder layers without that forward, so it does
 the same itself: ``prepare_generic_cp`` per stage forward, the global positions to the model's
 ``rotary_emb``, the state as each layer's ``meshforge_cp`` keyword, and ``check_generic_cp`` on the
 attention types of the layers it ran.
@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshforge.parallel.context import ContextParallel, CPMask
+from meshforge.parallel.context.layout import CPMask
+from meshforge.parallel.context.plan import ContextParallel
 
 #: The name :func:`cp_attention` is registered under in transformers' ``AttentionInterface``.
 ATTN_IMPLEMENTATION = "meshforge_cp"
@@ -183,8 +184,8 @@ def apply_generic_cp(model: nn.Module, plan: ContextParallel) -> None:
     """Switch a wrapped transformers model to context-parallel attention, in place.
 
     Registers ``"meshforge_cp"``, sets it as the model's attention implementation and stores
-    ``plan`` as ``model.meshforge_cp`` (the wrapper's forward reads it, and so does a pipeline
-    stage's forward). Works on the meta device.
+    a :class:`GenericCPForward` of ``plan`` as ``model.meshforge_cp`` (the wrapper's forward calls
+    it, and a pipeline stage's forward reads its plan). Works on the meta device.
 
     Args:
         model: A model wrapped by :func:`meshforge.models.generic.wrap_generic`, whole or split
@@ -205,7 +206,31 @@ def apply_generic_cp(model: nn.Module, plan: ContextParallel) -> None:
             "transformers cannot switch its attention implementation (it does not dispatch through "
             "AttentionInterface)",
         )
-    model.meshforge_cp = plan
+    model.meshforge_cp = GenericCPForward(plan)
+
+
+class GenericCPForward:
+    """The ``CPForward`` a wrapped model's forward calls (``model.meshforge_cp``).
+
+    Args:
+        plan: The model's :class:`~meshforge.parallel.context.ContextParallel`.
+    """
+
+    keyword = CP_KWARG
+
+    def __init__(self, plan: ContextParallel) -> None:
+        self.plan = plan
+
+    def prepare(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, segment_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, GenericCPState]:
+        """:func:`prepare_generic_cp` with this plan."""
+        return prepare_generic_cp(self.plan, input_ids, position_ids, segment_ids)
+
+    def check(self, model: nn.Module, state: object) -> None:
+        """:func:`check_generic_cp` on the whole model."""
+        assert isinstance(state, GenericCPState)
+        check_generic_cp(model, state)
 
 
 def prepare_generic_cp(
@@ -270,6 +295,7 @@ def check_generic_cp(
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CP_KWARG",
+    "GenericCPForward",
     "GenericCPState",
     "apply_generic_cp",
     "check_generic_cp",

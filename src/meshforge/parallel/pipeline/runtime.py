@@ -1,51 +1,9 @@
-"""Pipeline parallelism on ``torch.distributed.pipelining``: layer split, stage modules, schedules.
-
-The trainer calls this in two places (see ``Trainer._build_model``):
-
-1. ``split_model`` on the meta model, before TP/FSDP/materialisation: it decides which decoder
-   layers every (virtual) stage runs and prunes the model in place to what this pp rank hosts.
-   The layers stay under ``model.layers`` in a ``ModuleDict`` keyed by their *global* index, so
-   parameter names (``model.layers.7.mlp.up_proj.weight``) are those of the whole model and a
-   checkpoint saved in one pipeline layout loads in another. The embedding lives only where
-   stage 0 runs, the final norm and head only where the last stage runs.
-2. ``build_pipeline`` after FSDP and materialisation: one ``PipelineStage`` per local stage and
-   the schedule. ``Pipeline.step`` then runs forward and backward of all micro-batches.
-
-Why the stages call the pruned root model instead of its children: FSDP2 (applied by the
-trainer to the whole pruned model) gathers the root's own parameters (embedding, norm, head) in
-the root's forward hook. Each stage therefore runs ``root(x, ..., pp_stage=i)``; the root's class
-is swapped for a subclass whose ``forward`` runs only stage ``i``'s part. ``StageModule`` still
-registers the stage's layers (and embedding/head) as children so that ``parameters()`` of a
-stage is exactly what it computes (the zero-bubble weight pass iterates it).
-
-Tied embeddings: when stage 0 and the last stage are on different ranks, the last rank keeps
-its own ``lm_head.weight``. ``build_pipeline`` copies the embedding's values into it (whatever
-materialisation or checkpoint loading put there), and ``Pipeline.step`` sums the two gradients
-over the two ranks, so both copies get the same update as the single tied weight would.
-
-Families: the ``DecoderModel`` families, gpt_oss and qwen3_next; ``pipeline_stage.py`` holds
-the stage forward and, per family, what a stage builds before its layers (masks, RoPE).
-The generic transformers path (``models/generic.py``) splits the same way when the model has
-the usual layout (``model.embed_tokens``, ``model.layers`` ModuleList, ``model.norm``,
-``model.rotary_emb``, ``lm_head``) and a model type whose forward a stage reproduces
-(``GENERIC_MASK_RULES``); a tied head is the same shared Parameter there, so it is detected by
-identity, and the copy on the last rank is kept equal as for the built-in families.
-
-MoE router aux loss (``aux_coef`` of ``build_pipeline``): transformers' loss is one product
-over the statistics of *all* MoE layers, which live on different stages. Each stage therefore
-returns, next to the hidden states, a float32 ``carry`` of ``2 * E + 1`` values: the running
-sums over the layers so far of the router probabilities (with autograd), the top-k assignments
-and the rows (no gradient). The last stage forms the loss from the totals in its loss
-function, so autograd sends ``d aux / d prob_sum`` (which needs the global assignment totals of
-that micro-batch) back through the schedule's own gradient messages to every stage's routers:
-exactly the single-process gradient, and the exact value for the log.
-"""
+"""The pipeline at run time: one ``PipelineStage`` per local stage, the schedule, its step and evaluation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,421 +11,17 @@ import torch.distributed as dist
 from torch import nn
 
 from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
-from meshforge.parallel.pipeline_stage import (
+from meshforge.parallel.pipeline.layout import (
+    SCHEDULE_KEY,
+    SCHEDULES,
+    ZERO_BUBBLE,
+    PipelineSplit,
+    canonical_schedule,
+)
+from meshforge.parallel.pipeline.stage import (
     StageModule,
-    _PipelinedCausalLM,
-    check_generic_layout,
-    layer_runner_factory,
-    pipelined_class,
     router_aux_experts,
 )
-
-LAYERS_KEY = "parallelism.pipeline_parallel_layers_per_stage"
-SCHEDULE_KEY = "parallelism.pipeline_parallel_schedule"
-
-# Families whose inner model is a ``DecoderModel`` with one mask for every layer, then gpt_oss
-# and qwen3_next (their own inner models), and "generic": the generic transformers path for the
-# model types in ``pipeline_stage.GENERIC_MASK_RULES`` (see ``pipeline_stage.layer_runner_factory``).
-SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "generic")
-
-# Canonical schedule name -> (torch class name, stages per rank: "one" or "many", placement).
-_SCHEDULES: dict[str, tuple[str, str, str]] = {
-    "gpipe": ("ScheduleGPipe", "one", "loop"),
-    "1f1b": ("Schedule1F1B", "one", "loop"),
-    "interleaved1f1b": ("ScheduleInterleaved1F1B", "many", "loop"),
-    "interleavedzerobubble": ("ScheduleInterleavedZeroBubble", "many", "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", "many", "v"),
-}
-_ALIASES = {
-    "interleaved": "interleaved1f1b",
-    "zerobubble": "interleavedzerobubble",
-    "zb": "interleavedzerobubble",
-    "zbvzerobubble": "zbv",
-}
-_ZERO_BUBBLE = ("interleavedzerobubble", "zbv")
-
-
-def canonical_schedule(name: str) -> str:
-    """Normalise a schedule name (case, ``_``/``-`` ignored; ``interleaved`` = ``interleaved1f1b``).
-
-    Raises:
-        ValueError: naming ``parallelism.pipeline_parallel_schedule`` for an unknown name.
-    """
-    key = str(name).lower().replace("_", "").replace("-", "").replace(" ", "")
-    key = _ALIASES.get(key, key)
-    if key not in _SCHEDULES:
-        valid = ", ".join([*_SCHEDULES, *_ALIASES])
-        raise ValueError(f"{SCHEDULE_KEY}: unknown schedule {name!r}; valid: {valid}")
-    return key
-
-
-@dataclass(frozen=True)
-class StageInfo:
-    """One (virtual) pipeline stage.
-
-    Attributes:
-        index: Global stage index (0 = embedding side).
-        rank: The pp rank that runs it.
-        layers: Global decoder-layer indices it runs, ascending and contiguous.
-        is_first: Runs the embedding.
-        is_last: Runs the final norm and the LM head.
-    """
-
-    index: int
-    rank: int
-    layers: tuple[int, ...]
-    is_first: bool
-    is_last: bool
-
-    @property
-    def layer_keys(self) -> tuple[str, ...]:
-        """Keys of its layers in the pruned ``model.layers`` ModuleDict."""
-        return tuple(str(i) for i in self.layers)
-
-
-@dataclass
-class PipelineSplit:
-    """What ``split_model`` decided for this rank.
-
-    Attributes:
-        model: The pruned model (the same object that was passed in).
-        stages: This rank's stages, by ascending index.
-        all_stages: Every stage of the pipeline, by index.
-        pp_rank, pp_size, interleave: The layout.
-        schedule: Canonical schedule name (``canonical_schedule``).
-        tied_across_ranks: Tied input/output embeddings whose two ends live on different ranks:
-            this rank's ``lm_head.weight`` (last stage) is a separate copy kept equal to
-            ``model.embed_tokens.weight`` (stage 0).
-    """
-
-    model: nn.Module
-    stages: list[StageInfo]
-    all_stages: list[StageInfo]
-    pp_rank: int
-    pp_size: int
-    interleave: int
-    schedule: str
-    tied_across_ranks: bool = False
-
-    @property
-    def num_stages(self) -> int:
-        """Total number of (virtual) stages, ``pp_size * interleave``."""
-        return len(self.all_stages)
-
-    @property
-    def first_rank(self) -> int:
-        """The pp rank running stage 0 (the embedding)."""
-        return self.all_stages[0].rank
-
-    @property
-    def last_rank(self) -> int:
-        """The pp rank running the last stage (norm and LM head)."""
-        return self.all_stages[-1].rank
-
-    @property
-    def has_first(self) -> bool:
-        """This rank runs stage 0."""
-        return self.pp_rank == self.first_rank
-
-    @property
-    def has_last(self) -> bool:
-        """This rank runs the last stage."""
-        return self.pp_rank == self.last_rank
-
-    @property
-    def stage_ids(self) -> list[int]:
-        """Indices of this rank's stages."""
-        return [s.index for s in self.stages]
-
-    @property
-    def tied_copies(self) -> tuple[str, ...]:
-        """Names on this rank that copy a parameter held by another pp rank.
-
-        A norm or any other sum over the pp ranks must leave these out: with tied embeddings
-        split across ranks, ``lm_head.weight`` on the last rank is the same weight (and, after
-        ``Pipeline.step``, the same gradient) as the embedding on the first rank.
-        """
-        return ("lm_head.weight",) if self.tied_across_ranks and self.has_last else ()
-
-
-# ----------------------------------------------------------------------------------------
-# Layer assignment
-# ----------------------------------------------------------------------------------------
-
-
-def stage_rank(stage: int, pp_size: int, placement: str) -> int:
-    """The pp rank that runs ``stage``: looping (``stage % pp``) or V-shaped (zero-bubble V)."""
-    if placement == "v":
-        rnd, pos = divmod(stage, pp_size)
-        return pos if rnd % 2 == 0 else pp_size - 1 - pos
-    return stage % pp_size
-
-
-def _rank_chunk_stage(rank: int, chunk: int, pp_size: int, placement: str) -> int:
-    """Virtual stage of chunk ``chunk`` on ``rank``: ``chunk * pp + rank`` (looping placement)."""
-    if placement == "v":
-        return chunk * pp_size + (rank if chunk % 2 == 0 else pp_size - 1 - rank)
-    return chunk * pp_size + rank
-
-
-def _auto_sizes(num_layers: int, num_stages: int) -> list[int]:
-    """Layer counts per stage, as even as possible; extra layers go to the middle stages first.
-
-    The first and last stages also run the embedding and the head, so they are the last to get
-    an extra layer.
-    """
-    base, extra = divmod(num_layers, num_stages)
-    order = (
-        list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
-    )
-    sizes = [base] * num_stages
-    for stage in order[:extra]:
-        sizes[stage] += 1
-    return sizes
-
-
-def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive integers, as inclusive ``(lo, hi)`` pairs."""
-    runs: list[tuple[int, int]] = []
-    for i in indices:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], i)
-        else:
-            runs.append((i, i))
-    return runs
-
-
-def _rank_chunks(spec: Any, pp_size: int, interleave: int) -> list[list[tuple[int, int]]]:
-    """Parse an explicit spec into, per rank, its chunks as inclusive layer ranges."""
-    from meshforge.config.layer_spec import parse_layer_spec
-
-    if not isinstance(spec, list | tuple) or len(spec) != pp_size:
-        got = f"{len(spec)} entries" if isinstance(spec, list | tuple) else repr(spec)
-        raise ValueError(
-            f"{LAYERS_KEY}: needs 'auto' or one entry per pipeline rank (pipeline_parallel = {pp_size}), got {got}"
-        )
-    per_rank: list[list[tuple[int, int]]] = []
-    for rank, item in enumerate(spec):
-        path = f"{LAYERS_KEY}[{rank}]"
-        if isinstance(item, str):
-            chunks = []
-            for text in item.split(","):
-                try:
-                    rng = parse_layer_spec(text)
-                except ValueError as exc:
-                    raise ValueError(f"{path}: {exc}") from None
-                chunks.append((rng.lo, rng.hi))
-        elif isinstance(item, list | tuple) and all(
-            isinstance(i, int) and not isinstance(i, bool) for i in item
-        ):
-            if list(item) != sorted(set(item)) or any(i < 0 for i in item):
-                raise ValueError(
-                    f"{path}: layer indices must be ascending, distinct and >= 0, got {list(item)}"
-                )
-            # A rank's chunks are separated by other ranks' stages, so each is one maximal run.
-            chunks = _runs(item)
-        else:
-            raise ValueError(
-                f"{path}: write the rank's chunks as a string like '0-3,8-11' or a list of layer indices, got {item!r}"
-            )
-        if len(chunks) != interleave:
-            shown = ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in chunks)
-            raise ValueError(
-                f"{path}: has {len(chunks)} chunk(s) ({shown}); needs pipeline_parallel_interleave_num = "
-                f"{interleave} contiguous chunks per rank"
-            )
-        per_rank.append(chunks)
-    return per_rank
-
-
-def assign_layers(
-    num_layers: int,
-    *,
-    pp_size: int,
-    layers_per_stage: Any = "auto",
-    interleave: int = 1,
-    placement: str = "loop",
-) -> list[StageInfo]:
-    """Decide the layers and the rank of every (virtual) stage.
-
-    Args:
-        num_layers: Decoder layers in the model.
-        pp_size: Pipeline ranks.
-        layers_per_stage: ``'auto'`` (or None): contiguous, as even as possible. Otherwise one
-            entry per rank, each holding ``interleave`` chunks: a string ``'0-3,8-11'`` (NOTES:
-            chunk ``c`` on rank ``r`` is virtual stage ``c * pp + r``) or a list of the global
-            layer indices the rank runs (``[[0, 1, 4], [2, 3, 5]]``; each maximal run of
-            consecutive indices is one chunk).
-        interleave: Stages per rank (``pipeline_parallel_interleave_num``).
-        placement: ``loop`` (stage ``s`` on rank ``s % pp``) or ``v`` (zero-bubble V schedule).
-
-    Returns:
-        Every stage by index; the stages tile ``0..num_layers-1`` in order.
-
-    Raises:
-        ValueError: naming ``parallelism.pipeline_parallel_layers_per_stage`` when the spec does
-            not cover every layer exactly once in stage order or does not fit pp x interleave.
-    """
-    num_stages = pp_size * interleave
-    if layers_per_stage is None or layers_per_stage == "auto":
-        if num_layers < num_stages:
-            raise ValueError(
-                f"{LAYERS_KEY}: 'auto' needs at least one layer per stage: {num_layers} layers for "
-                f"pipeline_parallel ({pp_size}) x interleave ({interleave}) = {num_stages} stages"
-            )
-        ranges, lo = [], 0
-        for size in _auto_sizes(num_layers, num_stages):
-            ranges.append((lo, lo + size - 1))
-            lo += size
-    elif isinstance(layers_per_stage, str):
-        raise ValueError(f"{LAYERS_KEY}: a string must be 'auto', got {layers_per_stage!r}")
-    else:
-        by_stage: dict[int, tuple[int, int]] = {}
-        for rank, chunks in enumerate(_rank_chunks(layers_per_stage, pp_size, interleave)):
-            for c, chunk in enumerate(chunks):
-                by_stage[_rank_chunk_stage(rank, c, pp_size, placement)] = chunk
-        ranges = [by_stage[s] for s in range(num_stages)]
-        expected = 0
-        for s, (lo, hi) in enumerate(ranges):
-            if lo != expected:
-                raise ValueError(
-                    f"{LAYERS_KEY}: stage {s} (rank {stage_rank(s, pp_size, placement)}) starts at layer {lo}, "
-                    f"expected {expected}: the stages in order must cover layers 0..{num_layers - 1} exactly once"
-                )
-            expected = hi + 1
-        if expected != num_layers:
-            raise ValueError(
-                f"{LAYERS_KEY}: the stages cover layers 0..{expected - 1}; the model has {num_layers}"
-            )
-    return [
-        StageInfo(
-            index=s,
-            rank=stage_rank(s, pp_size, placement),
-            layers=tuple(range(lo, hi + 1)),
-            is_first=s == 0,
-            is_last=s == num_stages - 1,
-        )
-        for s, (lo, hi) in enumerate(ranges)
-    ]
-
-
-# ----------------------------------------------------------------------------------------
-# Pruning the model (the stage forward itself is in pipeline_stage.py)
-# ----------------------------------------------------------------------------------------
-
-
-def _check_supported(model: nn.Module) -> None:
-    from meshforge.models.generic import GenericCausalLMMixin
-
-    if isinstance(model, _PipelinedCausalLM):
-        raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
-    if isinstance(model, GenericCausalLMMixin):
-        check_generic_layout(model)
-        return
-    family = getattr(model, "family", None) or getattr(getattr(model, "config", None), "model_type", None)
-    family = family or type(model).__name__
-    inner = getattr(model, "model", None)
-    if family not in SUPPORTED_FAMILIES or inner is None or layer_runner_factory(inner) is None:
-        raise NotImplementedError(f"not supported yet: parallelism.pipeline_parallel > 1 for {family}")
-    if not isinstance(inner.layers, nn.ModuleList):
-        raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
-
-
-def split_model(
-    model: nn.Module,
-    *,
-    pp_rank: int,
-    pp_size: int,
-    layers_per_stage: Any = "auto",
-    interleave: int = 1,
-    schedule: str = "1f1b",
-) -> PipelineSplit:
-    """Decide every stage's layers and prune ``model`` in place to what ``pp_rank`` runs.
-
-    Call it on the meta model, before TP, FSDP and materialisation.
-
-    Args:
-        model: A built-in ``CausalLM`` of a supported family (``SUPPORTED_FAMILIES``), or a generic
-            transformers model (``wrap_generic``) laid out as ``check_generic_layout`` describes.
-        pp_rank: This rank's index on the pp mesh.
-        pp_size: Pipeline ranks (``parallelism.pipeline_parallel``).
-        layers_per_stage: ``parallelism.pipeline_parallel_layers_per_stage`` (see ``assign_layers``).
-        interleave: ``parallelism.pipeline_parallel_interleave_num`` (stages per rank).
-        schedule: ``parallelism.pipeline_parallel_schedule`` (decides the stage placement and
-            whether several stages per rank are allowed).
-
-    Returns:
-        The split; ``split.model`` is ``model``, pruned: ``model.layers`` is a ModuleDict keyed by
-        global layer index, ``embed_tokens`` is None unless this rank runs stage 0, ``norm`` and
-        ``lm_head`` are None unless it runs the last stage.
-
-    Raises:
-        NotImplementedError: for families without pipeline support.
-        ValueError: naming the config key for an invalid layout.
-    """
-    from meshforge.models.generic import GenericCausalLMMixin
-
-    _check_supported(model)
-    name = canonical_schedule(schedule)
-    _, stages_per_rank, placement = _SCHEDULES[name]
-    if pp_size < 1 or not 0 <= pp_rank < pp_size:
-        raise ValueError(f"split_model: pp_rank {pp_rank} is not in [0, {pp_size})")
-    if interleave < 1:
-        raise ValueError(f"parallelism.pipeline_parallel_interleave_num: must be >= 1, got {interleave}")
-    if stages_per_rank == "one" and interleave != 1:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_interleave_num: {interleave} stages per rank need an interleaved "
-            f"schedule ({SCHEDULE_KEY}: interleaved or zero_bubble), not {schedule!r}"
-        )
-    if name == "zbv" and interleave != 2:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_interleave_num: the zbv schedule runs exactly 2 stages per rank, "
-            f"got {interleave}"
-        )
-    inner: Any = model.model
-    num_layers = len(inner.layers)
-    if isinstance(model, GenericCausalLMMixin):
-        # transformers ties by sharing one Parameter (``tie_word_embeddings``; or its own rules).
-        tied_model = model.lm_head.weight is inner.embed_tokens.weight
-    else:
-        tied_model = bool(getattr(model.args, "tie_word_embeddings", False))
-    all_stages = assign_layers(
-        num_layers,
-        pp_size=pp_size,
-        layers_per_stage=layers_per_stage,
-        interleave=interleave,
-        placement=placement,
-    )
-    local = [s for s in all_stages if s.rank == pp_rank]
-    hosted = sorted(i for s in local for i in s.layers)
-    old_layers = inner.layers
-    inner.layers = nn.ModuleDict({str(i): old_layers[i] for i in hosted})
-    first_rank, last_rank = all_stages[0].rank, all_stages[-1].rank
-    if pp_rank != first_rank:
-        inner.embed_tokens = None
-    if pp_rank != last_rank:
-        inner.norm = None
-        model.lm_head = None
-    # With the embedding gone, a tied lm_head.weight is now a parameter of its own on this rank.
-    tied = tied_model and first_rank != last_rank
-    model.__class__ = pipelined_class(type(model))
-    model._pp_stages = {s.index: s for s in local}
-    return PipelineSplit(
-        model=model,
-        stages=local,
-        all_stages=all_stages,
-        pp_rank=pp_rank,
-        pp_size=pp_size,
-        interleave=interleave,
-        schedule=name,
-        tied_across_ranks=tied,
-    )
-
-
-# ----------------------------------------------------------------------------------------
-# Schedule and step
-# ----------------------------------------------------------------------------------------
-
 
 # Action types a forward-only pass keeps: the forwards, their transfers, FSDP's (un)shards.
 _FORWARD_ACTIONS = ("FORWARD", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
@@ -627,7 +181,7 @@ class Pipeline:
             import torch.distributed.pipelining.schedules as schedules
 
             check_microbatches(self.schedule_name, n_microbatches, self.split.pp_size)
-            cls_name, stages_per_rank, _ = _SCHEDULES[self.schedule_name]
+            cls_name, stages_per_rank, _ = SCHEDULES[self.schedule_name]
             cls = getattr(schedules, cls_name)
             stages = self.stages[0] if stages_per_rank == "one" else self.stages
             # scale_grads=False: the loss is already divided by the global token count.
@@ -862,14 +416,14 @@ def build_pipeline(
             micro-batch count does not fit the schedule.
     """
     name = canonical_schedule(schedule or split.schedule)
-    if dxdw_split and name not in _ZERO_BUBBLE:
+    if dxdw_split and name not in ZERO_BUBBLE:
         if name != "interleaved1f1b":
             raise ValueError(
                 f"parallelism.pipeline_parallel_enable_dxdw_split: needs an interleaved or zero-bubble "
                 f"schedule ({SCHEDULE_KEY}: interleaved, zero_bubble or zbv), not {name!r}"
             )
         name = "interleavedzerobubble"
-    if name != split.schedule and _SCHEDULES[name][1:] != _SCHEDULES[split.schedule][1:]:
+    if name != split.schedule and SCHEDULES[name][1:] != SCHEDULES[split.schedule][1:]:
         raise ValueError(f"{SCHEDULE_KEY}: {name!r} does not match the split made for {split.schedule!r}")
     if model is not split.model:
         raise ValueError("build_pipeline: `model` must be split.model (after FSDP/materialisation)")
@@ -893,14 +447,4 @@ def build_pipeline(
     return pipeline
 
 
-__all__ = [
-    "Pipeline",
-    "PipelineSplit",
-    "StageInfo",
-    "StageModule",
-    "assign_layers",
-    "build_pipeline",
-    "canonical_schedule",
-    "check_microbatches",
-    "split_model",
-]
+__all__ = ["Pipeline", "build_pipeline", "check_microbatches"]

@@ -1,0 +1,226 @@
+"""The contract between a model family and the rest of meshforge: one ``FamilySpec`` per family.
+
+Code outside ``models/`` (the trainer, ``parallel/``, ``checkpoint/``) reaches a family only
+through its spec, found by the registry (``meshforge.models.registry``). The spec is light:
+names, option keys and the options parser (``args.py`` imports no torch) are plain fields, and
+every heavy piece is a function of the family's ``spec.py`` that imports its module when called
+(the model class, the TP plan, the pipeline stage preparation, the CP modules, the expert type,
+the HF adapter). So resolving a family from a config never imports torch, and ``parallel/``
+never imports ``models/<family>``: it calls these functions.
+
+The protocols below say what each piece must do; ``models/common`` has the shared
+implementations (``hf_adapter.HFAdapterBase``, ``stage.decoder_stage``, ``tp_plan``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    from meshforge.models.common.stage import LayerRunner, StageBatch
+
+#: ``model_type`` of the generic transformers path (any ``AutoModelForCausalLM`` from a folder).
+GENERIC = "generic"
+
+
+class FamilyArgs(Protocol):
+    """What every family's args dataclass offers (``models/<family>/args.py``)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding table."""
+        ...
+
+    def to_hf_dict(self) -> dict[str, object]:
+        """The transformers ``config.json`` fields of these args."""
+        ...
+
+
+class HFStateDictAdapter(Protocol):
+    """A family's mapping between its parameters and the keys transformers writes to safetensors.
+
+    ``meshforge.models.common.hf_adapter.HFAdapterBase`` implements the identity mapping (names
+    are the HF keys, one tensor each); families whose checkpoints differ subclass it.
+    """
+
+    @property
+    def architecture(self) -> str:
+        """The transformers class written to ``config.json``'s ``architectures``."""
+        ...
+
+    @property
+    def ignored_keys(self) -> tuple[str, ...]:
+        """``fnmatch`` patterns of checkpoint keys the model does not need."""
+        ...
+
+    @property
+    def renames_only(self) -> bool:
+        """True when every parameter is one HF tensor of the same layout (slices can be read)."""
+        ...
+
+    def hf_sources(self, name: str) -> list[str]:
+        """The HF keys needed to build parameter ``name``."""
+        ...
+
+    def from_hf(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Parameter ``name`` (full) from the tensors of ``hf_sources(name)``."""
+        ...
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """HF key -> tensor for one full parameter (the inverse of ``from_hf``)."""
+        ...
+
+    def to_hf_config(self, args: FamilyArgs) -> dict[str, object]:
+        """The ``config.json`` body for ``args`` (``model_type`` and ``architectures`` included)."""
+        ...
+
+    def from_hf_config(self, config: Mapping[str, object]) -> dict[str, object]:
+        """``model:`` options from a ``config.json`` body."""
+        ...
+
+
+class TPPlan(Protocol):
+    """A family's tensor-parallel plan: ``{module path: ParallelStyle}`` for a model or a stage.
+
+    Raises ``ValueError`` naming the ``model.*`` key when a size it splits is not a multiple of
+    ``tp``.
+    """
+
+    def __call__(
+        self, model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
+    ) -> dict[str, ParallelStyle]: ...
+
+
+class CPModules(NamedTuple):
+    """The module classes context parallelism switches (their ``cp`` attribute is the plan).
+
+    Attributes:
+        decoders: Inner models that build the per-forward CP mask (``cp.prepare``).
+        attentions: Attention modules that call the plan instead of their own attention
+            (``num_heads`` is split over the ulysses ranks).
+        mixers: Other token mixers with their own head exchange (``num_k_heads`` split).
+    """
+
+    decoders: tuple[type[nn.Module], ...]
+    attentions: tuple[type[nn.Module], ...]
+    mixers: tuple[type[nn.Module], ...] = ()
+
+
+class CPForward(Protocol):
+    """What a generic transformers model's forward asks of its context-parallel plan.
+
+    ``meshforge.parallel.context`` sets one as ``model.meshforge_cp``; the model calls it
+    without knowing the parallel code.
+    """
+
+    keyword: str
+
+    def prepare(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, segment_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, object]:
+        """This forward's global positions and the state handed to every attention call."""
+        ...
+
+    def check(self, model: nn.Module, state: object) -> None:
+        """After the forward: refuse what the CP attention cannot have computed."""
+        ...
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What expert parallelism and the router aux loss need of a mixture-of-experts family.
+
+    Attributes:
+        expert_type: Returns the experts container class (``[num_experts, ...]`` weights and
+            the ``token_exchange`` seam).
+        expert_count_key: The ``model.*`` key of the routed-expert count (for error messages).
+        aux_reduce: Sets the process group the router statistics are summed over (CP ranks),
+            or None when the family has no router aux loss.
+    """
+
+    expert_type: Callable[[], type[nn.Module]]
+    expert_count_key: str
+    aux_reduce: Callable[[nn.Module, DeviceMesh], None] | None = None
+
+
+def _no_adapter(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
+    from meshforge.models.common.hf_adapter import HFAdapterBase
+
+    return HFAdapterBase(spec, args)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family: everything the trainer, ``parallel/`` and ``checkpoint/`` need of it.
+
+    Attributes:
+        name: Family name, equal to its transformers ``model_type``.
+        hf_architectures: transformers class names it stands for.
+        model_ids: MindSpeed ``model_id`` values that select it.
+        option_keys: ``model:`` passthrough keys the family declares.
+        from_options: Validates ``model:`` options into the family's args (no torch).
+        builder: ``(args, device) -> model``; imports the model module when called.
+        adapter: ``(spec, args or None) -> HFStateDictAdapter``; default: the identity mapping.
+        tp_plan: The tensor-parallel plan, or None when TP is not built for the family.
+        stage_preparation: ``StageBatch -> run(layer, h)``: what a pipeline stage does before
+            its layers (masks, RoPE), or None when PP is not built for the family.
+        cp_modules: Returns the module classes CP switches, or None when CP is not built.
+        cp_methods: The CP methods the family runs (None: all of them).
+        cp_refusal: Why the other methods are refused (the error says it).
+        moe: Expert parallelism and aux-loss hooks of a MoE family (None: dense).
+    """
+
+    name: str
+    hf_architectures: tuple[str, ...]
+    model_ids: tuple[str, ...]
+    option_keys: frozenset[str]
+    from_options: Callable[[dict[str, object]], FamilyArgs]
+    builder: Callable[[FamilyArgs, str | torch.device], nn.Module]
+    adapter: Callable[[FamilySpec, FamilyArgs | None], HFStateDictAdapter] = field(default=_no_adapter)
+    tp_plan: TPPlan | None = None
+    stage_preparation: Callable[[StageBatch], LayerRunner] | None = None
+    cp_modules: Callable[[], CPModules] | None = None
+    cp_methods: tuple[str, ...] | None = None
+    cp_refusal: str = ""
+    moe: MoESpec | None = None
+
+    def parse_options(self, options: dict[str, object]) -> FamilyArgs:
+        """Validate ``options`` into the family's args dataclass (imports no torch)."""
+        return self.from_options(options)
+
+    def build(self, options: dict[str, object], *, device: str | torch.device = "meta") -> nn.Module:
+        """Construct the model from passthrough options, on the meta device by default.
+
+        Raises:
+            ValueError: For an unknown or invalid option.
+        """
+        return self.builder(self.parse_options(options), device)
+
+    def hf_adapter(self, args: FamilyArgs | None = None) -> HFStateDictAdapter:
+        """The family's HF state-dict adapter, bound to the model's ``args`` when given."""
+        return self.adapter(self, args)
+
+
+def is_generic_model(model: nn.Module) -> bool:
+    """Whether ``model`` came through the generic transformers path (asks the model's class)."""
+    return getattr(type(model), "family", None) == GENERIC
+
+
+__all__ = [
+    "GENERIC",
+    "CPForward",
+    "CPModules",
+    "FamilyArgs",
+    "FamilySpec",
+    "HFStateDictAdapter",
+    "MoESpec",
+    "TPPlan",
+    "is_generic_model",
+]

@@ -1,0 +1,126 @@
+"""Pruning a meta model in place to the pipeline stages one rank runs (global names kept)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from meshforge.models.spec import is_generic_model
+from meshforge.parallel.pipeline.generic_stage import check_generic_layout
+from meshforge.parallel.pipeline.layout import (
+    SCHEDULE_KEY,
+    SCHEDULES,
+    PipelineSplit,
+    assign_layers,
+    canonical_schedule,
+)
+from meshforge.parallel.pipeline.stage import _PipelinedCausalLM, pipelined_class, stage_preparation
+
+
+def _check_supported(model: nn.Module) -> None:
+    """Refuse a model whose family has no stage preparation (``FamilySpec.stage_preparation``)."""
+    if isinstance(model, _PipelinedCausalLM):
+        raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
+    if is_generic_model(model):
+        check_generic_layout(model)
+        return
+    family = getattr(model, "family", None) or getattr(getattr(model, "config", None), "model_type", None)
+    family = family or type(model).__name__
+    inner = getattr(model, "model", None)
+    if inner is None or stage_preparation(type(model)) is None:
+        raise NotImplementedError(f"not supported yet: parallelism.pipeline_parallel > 1 for {family}")
+    if not isinstance(inner.layers, nn.ModuleList):
+        raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
+
+
+def split_model(
+    model: nn.Module,
+    *,
+    pp_rank: int,
+    pp_size: int,
+    layers_per_stage: Any = "auto",
+    interleave: int = 1,
+    schedule: str = "1f1b",
+) -> PipelineSplit:
+    """Decide every stage's layers and prune ``model`` in place to what ``pp_rank`` runs.
+
+    Call it on the meta model, before TP, FSDP and materialisation.
+
+    Args:
+        model: A built-in ``CausalLM`` of a family with a stage preparation, or a generic
+            transformers model (``wrap_generic``) laid out as ``check_generic_layout`` describes.
+        pp_rank: This rank's index on the pp mesh.
+        pp_size: Pipeline ranks (``parallelism.pipeline_parallel``).
+        layers_per_stage: ``parallelism.pipeline_parallel_layers_per_stage`` (see ``assign_layers``).
+        interleave: ``parallelism.pipeline_parallel_interleave_num`` (stages per rank).
+        schedule: ``parallelism.pipeline_parallel_schedule`` (decides the stage placement and
+            whether several stages per rank are allowed).
+
+    Returns:
+        The split; ``split.model`` is ``model``, pruned: ``model.layers`` is a ModuleDict keyed by
+        global layer index, ``embed_tokens`` is None unless this rank runs stage 0, ``norm`` and
+        ``lm_head`` are None unless it runs the last stage.
+
+    Raises:
+        NotImplementedError: for families without pipeline support.
+        ValueError: naming the config key for an invalid layout.
+    """
+    _check_supported(model)
+    name = canonical_schedule(schedule)
+    _, stages_per_rank, placement = SCHEDULES[name]
+    if pp_size < 1 or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"split_model: pp_rank {pp_rank} is not in [0, {pp_size})")
+    if interleave < 1:
+        raise ValueError(f"parallelism.pipeline_parallel_interleave_num: must be >= 1, got {interleave}")
+    if stages_per_rank == "one" and interleave != 1:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_interleave_num: {interleave} stages per rank need an interleaved "
+            f"schedule ({SCHEDULE_KEY}: interleaved or zero_bubble), not {schedule!r}"
+        )
+    if name == "zbv" and interleave != 2:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_interleave_num: the zbv schedule runs exactly 2 stages per rank, "
+            f"got {interleave}"
+        )
+    inner: Any = model.model
+    num_layers = len(inner.layers)
+    if is_generic_model(model):
+        # transformers ties by sharing one Parameter (``tie_word_embeddings``; or its own rules).
+        tied_model = model.lm_head.weight is inner.embed_tokens.weight
+    else:
+        tied_model = bool(getattr(model.args, "tie_word_embeddings", False))
+    all_stages = assign_layers(
+        num_layers,
+        pp_size=pp_size,
+        layers_per_stage=layers_per_stage,
+        interleave=interleave,
+        placement=placement,
+    )
+    local = [s for s in all_stages if s.rank == pp_rank]
+    hosted = sorted(i for s in local for i in s.layers)
+    old_layers = inner.layers
+    inner.layers = nn.ModuleDict({str(i): old_layers[i] for i in hosted})
+    first_rank, last_rank = all_stages[0].rank, all_stages[-1].rank
+    if pp_rank != first_rank:
+        inner.embed_tokens = None
+    if pp_rank != last_rank:
+        inner.norm = None
+        model.lm_head = None
+    # With the embedding gone, a tied lm_head.weight is now a parameter of its own on this rank.
+    tied = tied_model and first_rank != last_rank
+    model.__class__ = pipelined_class(type(model))
+    model._pp_stages = {s.index: s for s in local}
+    return PipelineSplit(
+        model=model,
+        stages=local,
+        all_stages=all_stages,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        interleave=interleave,
+        schedule=name,
+        tied_across_ranks=tied,
+    )
+
+
+__all__ = ["split_model"]

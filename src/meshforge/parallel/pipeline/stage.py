@@ -1,0 +1,263 @@
+"""The stage side of pipeline parallelism: what one stage's forward runs, per model family.
+
+``meshforge.parallel.pipeline.split_model`` swaps a pruned model's class for a subclass with
+``_PipelinedCausalLM`` in front: its ``forward(..., pp_stage=i)`` runs only stage ``i``'s part
+(embedding on the first stage, its decoder layers, norm and head on the last).
+``StageModule`` wraps one stage for torch's ``PipelineStage``.
+
+Each family's inner model builds masks and RoPE tables once before its layers; a stage does the
+same for its own layers from the micro-batch's ``position_ids``/``segment_ids`` (tiny next to one
+layer's compute), with the preparation its family spec names (``FamilySpec.stage_preparation``:
+``meshforge.models.common.stage.decoder_stage`` for the ``DecoderModel`` families, gpt_oss' and
+qwen3_next's own ``stage.py``); the generic transformers path uses ``generic_stage.py``.
+
+The MoE router aux loss (see the package docstring): with it on, every stage also
+returns a ``carry`` of running aux totals, ``[prob_sum (E), assignments (E), rows]`` over the
+MoE layers run so far for this micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from meshforge.models.common.stage import LayerRunner, StageBatch
+from meshforge.parallel.pipeline.generic_stage import generic_cp_stage, generic_stage
+
+if TYPE_CHECKING:
+    from meshforge.parallel.pipeline.layout import StageInfo
+
+
+def _stage_aux_totals(layers: list[nn.Module], num_experts: int, like: torch.Tensor) -> torch.Tensor | None:
+    """``[prob_sum (E), assignments (E), rows]`` summed over the MoE layers just run, or None."""
+    stats = [
+        layer.mlp.last_aux_stats
+        for layer in layers
+        if getattr(layer.mlp, "last_aux_stats", None) is not None and getattr(layer, "is_moe", True)
+    ]
+    if not stats:
+        return None
+    prob_sum = torch.stack([st.prob_sum for st in stats]).sum(0)
+    counts = torch.stack([st.assignments.detach().float() for st in stats]).sum(0)
+    rows = torch.stack([st.rows.detach().float() for st in stats]).sum().reshape(1)
+    out = torch.cat([prob_sum.float(), counts, rows])
+    if out.numel() != 2 * num_experts + 1:
+        raise RuntimeError(f"pipeline aux carry: expected {num_experts} experts, got {prob_sum.numel()}")
+    return out.to(like.device)
+
+
+class _PipelinedCausalLM:
+    """Mixin placed in front of a pruned model's class: the forward of one local stage."""
+
+    # dict[int, StageInfo]; written with Any because transformers' __init_subclass__ resolves the
+    # annotations of every base class at runtime, where StageInfo (pipeline.py) is not importable.
+    _pp_stages: dict[int, Any]
+    # Set by `Pipeline` when the router aux loss is on: routed experts per layer (carry size).
+    _pp_aux_experts: int | None = None
+    # Set by the Pipeline for kernels.chunk_loss_size: the last stage returns the normed hidden
+    # states and the loss applies lm_head chunk by chunk.
+    _pp_return_hidden: bool = False
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        carry: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        seq_len: int | None = None,
+        *,
+        pp_stage: int,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run stage ``pp_stage``: embedding (first) -> its layers -> norm and head (last).
+
+        Args:
+            inputs: Token ids ``[B, S]`` on the first stage, hidden states ``[B, S, H]`` after.
+            carry: With the router aux loss on, the running aux totals from the previous stage
+                (``[2E + 1]``; None on the first stage). See the module docstring.
+            position_ids, segment_ids: As ``CausalLM.forward``; every stage rebuilds the mask
+                and RoPE tables from them (they are tiny next to one layer's compute).
+            seq_len: Tokens per row. Needed after the first stage: under sequence parallelism
+                the hidden states passed between stages hold only this rank's part of the row.
+
+        Returns:
+            The hidden states (logits on the last stage); with the aux loss on, a pair
+            ``(hidden or logits, carry)``.
+        """
+        stage = self._pp_stages[pp_stage]
+        inner: Any = self.model  # type: ignore[attr-defined]
+        h = inner.embed_tokens(inputs) if stage.is_first else inputs
+        if seq_len is None and stage.is_first:
+            seq_len = inputs.shape[-1]
+        elif seq_len is None:
+            from meshforge.parallel.tensor import sequence_shards
+
+            seq_len = h.shape[1] * sequence_shards(self)  # type: ignore[arg-type]
+        layers = [inner.layers[key] for key in stage.layer_keys]
+        ids = inputs if stage.is_first else h[..., 0]
+        run = self._layer_runner(StageBatch(inner, ids, h, position_ids, segment_ids, seq_len, layers))
+        for layer in layers:
+            h = run(layer, h)
+        if stage.is_last:
+            h = inner.norm(h)
+            if not self._pp_return_hidden:
+                h = self.lm_head(h)  # type: ignore[attr-defined]
+        experts = self._pp_aux_experts
+        if experts is None:
+            return h
+        if carry is None:
+            # A leaf that requires grad: the stage output always has a graph, even on a first
+            # stage without MoE layers (the schedule sends a gradient for every float output).
+            carry = torch.zeros(2 * experts + 1, device=h.device, requires_grad=True)
+        local = _stage_aux_totals(layers, experts, h)
+        return h, (carry + local if local is not None else carry * 1.0)
+
+    # The family's stage preparation (``FamilySpec.stage_preparation``), set by ``pipelined_class``.
+    _pp_prepare: Any = None
+
+    def _layer_runner(self, b: StageBatch) -> LayerRunner:
+        """The family's stage preparation for this forward's layers."""
+        return type(self)._pp_prepare(b)
+
+    def tie_weights(self) -> None:
+        """Tie only where this rank holds both ends; otherwise the copies are kept equal by hand."""
+        inner: Any = self.model  # type: ignore[attr-defined]
+        head = self.lm_head  # type: ignore[attr-defined]
+        if inner.embed_tokens is not None and head is not None:
+            super().tie_weights()  # type: ignore[misc]
+
+    def num_params(self, **kwargs: Any) -> int:
+        """Parameters held by this rank (the pruned model; see ``CausalLM.num_params``)."""
+        if kwargs.get("exclude_embedding") and self.model.embed_tokens is None:  # type: ignore[attr-defined]
+            kwargs["exclude_embedding"] = False
+        return super().num_params(**kwargs)  # type: ignore[misc]
+
+
+class _PipelinedMoECausalLM(_PipelinedCausalLM):
+    """The MoE families' ``moe_layers`` on the pruned ModuleDict (keyed by global index)."""
+
+    def moe_layers(self) -> dict[int, nn.Module]:
+        """This rank's sparse blocks by global decoder-layer index."""
+        layers: Any = self.model.layers  # type: ignore[attr-defined]
+        # gpt-oss layers have no `is_moe`: every one of them is sparse.
+        return {int(k): layer.mlp for k, layer in layers.items() if getattr(layer, "is_moe", True)}
+
+
+class _PipelinedGenericCausalLM(_PipelinedCausalLM):
+    """The stage forward in front of a generic transformers model (``GenericCausalLMMixin``)."""
+
+    def _layer_runner(self, b: StageBatch) -> LayerRunner:
+        """``generic_stage``, or under context parallelism (``meshforge_cp``) ``generic_cp_stage``."""
+        hook = getattr(self, "meshforge_cp", None)
+        return generic_stage(b) if hook is None else generic_cp_stage(self, hook.plan, b)
+
+    def tie_weights(self, *args: Any, **kwargs: Any) -> None:
+        """transformers' tying, only where this rank holds both ends (see ``_PipelinedCausalLM``)."""
+        inner: Any = self.model  # type: ignore[attr-defined]
+        if inner.embed_tokens is not None and self.lm_head is not None:  # type: ignore[attr-defined]
+            super(_PipelinedCausalLM, self).tie_weights(*args, **kwargs)  # type: ignore[misc]
+
+    def num_params(self, **kwargs: Any) -> int:
+        """Parameters held by this rank (transformers models have no ``num_params`` of their own)."""
+        inner: Any = self.model  # type: ignore[attr-defined]
+        skip = set()
+        if kwargs.get("exclude_embedding") and inner.embed_tokens is not None:
+            skip.add(id(inner.embed_tokens.weight))
+        params = {id(p): p for p in self.parameters()}  # type: ignore[attr-defined]
+        return sum(p.numel() for key, p in params.items() if key not in skip)
+
+
+_PIPELINED_CLASSES: dict[type, type] = {}
+
+
+def stage_preparation(cls: type) -> Any:
+    """The stage preparation of a model class (its family spec's), or None when PP is not built for it."""
+    from meshforge.models.registry import spec_of_model_class
+    from meshforge.models.spec import GENERIC
+
+    if getattr(cls, "family", None) == GENERIC:
+        return generic_stage
+    spec = spec_of_model_class(cls)
+    return None if spec is None else spec.stage_preparation
+
+
+def pipelined_class(cls: type) -> type:
+    """``cls`` with the stage forward in front (cached: one subclass per model class)."""
+    if cls not in _PIPELINED_CLASSES:
+        from meshforge.models.spec import GENERIC
+
+        body: dict[str, Any] = {}
+        if getattr(cls, "family", None) == GENERIC:
+            mixin: type = _PipelinedGenericCausalLM
+            # As wrap_generic: the class keeps transformers' module (its save code looks there).
+            body["__module__"] = cls.__module__
+        else:
+            mixin = _PipelinedMoECausalLM if hasattr(cls, "moe_layers") else _PipelinedCausalLM
+            body["_pp_prepare"] = staticmethod(stage_preparation(cls))
+        _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (mixin, cls), body)
+    return _PIPELINED_CLASSES[cls]
+
+
+class StageModule(nn.Module):
+    """One local stage as an ``nn.Module`` for ``PipelineStage``.
+
+    Its forward calls the pruned root model (so FSDP's root hooks gather the embedding, norm
+    and head) with ``pp_stage`` set; its registered children are the stage's own modules, so
+    ``parameters()`` lists what the stage computes with.
+    """
+
+    def __init__(self, model: nn.Module, stage: StageInfo) -> None:
+        super().__init__()
+        self.stage = stage
+        self.__dict__["_root"] = model  # not a child: the root belongs to every local stage
+        inner: Any = model.model
+        self.layers = nn.ModuleDict({k: inner.layers[k] for k in stage.layer_keys})
+        if stage.is_first:
+            self.embed_tokens = inner.embed_tokens
+        if stage.is_last:
+            self.norm = inner.norm
+            self.lm_head = model.lm_head
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        carry: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        seq_len: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Token ids (first stage) or hidden states in, hidden states (or logits, last stage) out.
+
+        With the router aux loss on, the previous stage's ``carry`` comes in second and the
+        output is ``(hidden or logits, carry)``.
+        """
+        return self.__dict__["_root"](
+            inputs, carry, position_ids, segment_ids, seq_len, pp_stage=self.stage.index
+        )
+
+
+def router_aux_experts(model: nn.Module) -> int | None:
+    """Routed experts per layer when ``model`` has transformers' router aux loss switched on, else None.
+
+    The aux loss exists for the MoE families whose ``aux_loss`` is ``MoECausalLM``'s (not
+    deepseek_v3, which has none) and only with ``output_router_logits``, as without pipelining.
+    """
+    from meshforge.models.common.causal_lm import MoECausalLM
+
+    if (
+        not isinstance(model, MoECausalLM)
+        or getattr(type(model), "aux_loss", None) is not MoECausalLM.aux_loss
+    ):
+        return None
+    if not getattr(model.args, "output_router_logits", False):
+        return None
+    return int(model.num_routed_experts)
+
+
+__all__ = [
+    "StageModule",
+    "pipelined_class",
+    "router_aux_experts",
+    "stage_preparation",
+]

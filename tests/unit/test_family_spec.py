@@ -1,0 +1,228 @@
+"""Every built-in family's spec gives what the rest of meshforge asks of it, and parallel/ reaches
+families only through their specs (no import of ``models/<family>``, no models <-> parallel circle)."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from meshforge.models.common.stage import StageBatch
+from meshforge.models.registry import SPECS, built_families, resolve_family, spec_of_model
+from meshforge.models.spec import CPModules, FamilySpec, HFStateDictAdapter
+from meshforge.models.vocab import vocab_plan
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PACKAGE = SRC / "meshforge"
+FAMILIES = sorted(built_families())
+MOE_FAMILIES = {"qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"}
+
+
+def _build(spec: FamilySpec) -> nn.Module:
+    return spec.build({"flavor": "tiny"}, device="meta")
+
+
+def test_registry_lists_one_spec_per_family_folder():
+    folders = sorted(p.parent.name for p in (PACKAGE / "models").glob("*/spec.py"))
+    assert folders == FAMILIES
+    assert [spec.name for spec in SPECS] == [resolve_family(model_type=s.name).name for s in SPECS]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_spec_gives_every_piece(name: str):
+    spec = resolve_family(model_type=name)
+    model = _build(spec)
+    assert spec_of_model(model) is spec
+
+    # HF adapter: the protocol's members, bound to the model's args.
+    adapter = spec.hf_adapter(model.config)
+    for member in ("architecture", "ignored_keys", "renames_only"):
+        assert hasattr(adapter, member), member
+    hf_adapter: HFStateDictAdapter = adapter
+    names = [n for n, _ in model.named_parameters()]
+    assert all(hf_adapter.hf_sources(n) for n in names)
+    body = hf_adapter.to_hf_config(model.config)
+    assert body["model_type"] == name and body["architectures"] == [spec.hf_architectures[0]]
+    options = hf_adapter.from_hf_config(body)
+    assert spec.parse_options(options).to_hf_dict() == model.config.to_hf_dict()
+
+    # TP plan: module paths of this model, each a ParallelStyle.
+    assert spec.tp_plan is not None
+    plan = spec.tp_plan(model, tp=1, sequence_parallel=True, loss_parallel=False)
+    modules = dict(model.named_modules())
+    assert plan and all(isinstance(style, ParallelStyle) for style in plan.values())
+    assert set(plan) <= set(modules), sorted(set(plan) - set(modules))[:3]
+
+    # Pipeline stage preparation: runs the real layers like the model's own forward does.
+    assert spec.stage_preparation is not None
+    real = spec.build({"flavor": "tiny"}, device="cpu")
+    ids = torch.randint(0, real.config.vocab_size, (1, 8))
+    inner = real.model
+    h = inner.embed_tokens(ids)
+    layers = list(inner.layers)
+    run = spec.stage_preparation(StageBatch(inner, ids, h, None, None, 8, layers))
+    for layer in layers:
+        h = run(layer, h)
+    expected = real(ids)
+    got = real.lm_head(inner.norm(h))
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-6
+
+    # Context parallelism: the modules CP switches exist in the model.
+    assert spec.cp_modules is not None
+    targets = spec.cp_modules()
+    assert isinstance(targets, CPModules)
+    kinds = [type(m) for m in model.modules()]
+    assert any(issubclass(k, targets.decoders) for k in kinds)
+    switched = targets.attentions + targets.mixers
+    assert any(issubclass(k, switched) for k in kinds)
+    if spec.cp_methods is not None:
+        assert spec.cp_refusal
+
+    # Experts: the MoE families name their experts container, and the model has them.
+    if name in MOE_FAMILIES:
+        assert spec.moe is not None and spec.moe.expert_count_key.startswith("model.")
+        expert_type = spec.moe.expert_type()
+        assert any(issubclass(k, expert_type) for k in kinds)
+    else:
+        assert spec.moe is None
+
+
+def test_cp_method_refusal_comes_from_the_spec():
+    from meshforge.parallel.context import apply_cp
+
+    spec = resolve_family(model_type="qwen3_next")
+    assert spec.cp_methods == ("ulysses",)
+    model = _build(spec)
+
+    class _Mesh:
+        ndim = 1
+
+        def size(self) -> int:
+            return 2
+
+    with pytest.raises(NotImplementedError, match="context_parallel_method colossal: its Gated DeltaNet"):
+        apply_cp(model, _Mesh(), method="colossal")  # type: ignore[arg-type]
+
+
+def test_tp_refuses_an_unknown_family_naming_the_built_ones():
+    from meshforge.parallel.tensor import apply_tp
+
+    class _Mesh:
+        def size(self) -> int:
+            return 2
+
+    with pytest.raises(NotImplementedError, match="family 'mamba'.*qwen3"):
+        apply_tp(nn.Linear(2, 2), _Mesh(), family="mamba")  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Added:
+    new_ids: dict[str, int] = field(default_factory=dict)
+    descriptions: dict[str, str] = field(default_factory=dict)
+    requested: bool = True
+
+    @property
+    def num_added(self) -> int:
+        return len(self.new_ids)
+
+
+class _Tokenizer:
+    def __len__(self) -> int:
+        return 70
+
+
+def test_vocab_plan_takes_the_added_tokens_as_an_argument():
+    with pytest.raises(ValueError, match="model.resize_vocab"):
+        vocab_plan(_Tokenizer(), 64, resize_vocab=False)
+    plan = vocab_plan(_Tokenizer(), 64, resize_vocab=False, added=_Added({"<x>": 69}, {"<x>": "x"}))
+    assert plan.new_vocab_size == 128
+
+
+# ------------------------------------------------------------------------------ import arrows
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """meshforge modules ``path`` imports, at module level or inside functions (not for typing only)."""
+    tree = ast.parse(path.read_text())
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            typing_only.update(id(sub) for sub in ast.walk(node))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return {name for name in out if name.startswith("meshforge.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = {r for t in _imports(path) if (r := resolve(t)) and r != name}
+    return graph
+
+
+def test_parallel_reaches_families_only_through_their_specs():
+    families = {f"meshforge.models.{name}" for name in FAMILIES}
+    bad = [
+        (module, target)
+        for module, targets in _graph().items()
+        if module.startswith("meshforge.parallel")
+        for target in targets
+        if any(target == f or target.startswith(f + ".") for f in families)
+    ]
+    assert not bad, bad
+
+
+def test_models_import_neither_parallel_nor_data():
+    bad = [
+        (module, target)
+        for module, targets in _graph().items()
+        if module.startswith("meshforge.models")
+        for target in targets
+        if target.startswith(("meshforge.parallel", "meshforge.data"))
+    ]
+    assert not bad, bad
+
+
+def test_no_import_circle_through_models_or_parallel():
+    graph = _graph()
+    scope = {m for m in graph if m.startswith(("meshforge.models", "meshforge.parallel"))}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node] & scope):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for start in sorted(scope):
+        if start not in state:
+            circle = visit(start)
+            assert circle is None, " -> ".join(circle)
