@@ -415,11 +415,11 @@ class Trainer:
         return None if self.cfg.training.epochs is None else float(self.cfg.training.epochs)
 
     def _build_data(self) -> Any:
-        from meshforge.data.build import build_train_loader
+        from meshforge.data.build import LoaderContext, build_train_loader
 
         batch_mesh = self.mesh.view("batch")
-        return build_train_loader(
-            self.cfg.train_dataset,
+        # One context for the train and the eval loader: SFT data is prepared once for both.
+        self.loader_context = LoaderContext(
             tokenizer=self.tokenizer,
             local_batch_size=self.plan.local_batch_size,
             dp_rank=batch_mesh.get_local_rank(),
@@ -431,6 +431,7 @@ class Trainer:
             epochs=self._epochs(),
             log=self.log,
         )
+        return build_train_loader(self.cfg.train_dataset, self.loader_context)
 
     def _resolve_total_steps(self) -> int:
         """`training.steps`, or the steps that `training.epochs` passes over the data take."""
@@ -449,17 +450,7 @@ class Trainer:
         from meshforge.data.build import build_eval_loader
 
         interval = self.cfg.training.eval_interval
-        loader = build_eval_loader(
-            self.cfg.train_dataset,
-            tokenizer=self.tokenizer,
-            local_batch_size=self.plan.local_batch_size,
-            dp_rank=self.mesh.view("batch").get_local_rank(),
-            dp_size=self.dims.dp,
-            seed=int(self.cfg.training.seed),
-            global_batch_size=self.plan.global_batch_size,
-            total_steps=self.total_steps,
-            log=self.log,
-        )
+        loader = build_eval_loader(self.cfg.train_dataset, self.loader_context)
         if loader is None and interval is not None:
             raise ValueError(
                 "training.eval_interval: there is no validation data: set train_dataset.val_size or "

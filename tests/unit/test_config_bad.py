@@ -225,9 +225,25 @@ BAD = [
     ),
     (
         "seq-length-mismatch-megatron",
-        "model:\n  seq_length: 1024\ntrain_dataset:\n  dataloader:\n    config:\n      seq_length: 4096\n",
+        "model:\n  seq_length: 1024\ntrain_dataset:\n  dataloader:\n    type: BlendedMegatronDatasetDataLoader\n"
+        "    config:\n      seq_length: 4096\n",
         "model.seq_length",
         "train_dataset.dataloader.config.seq_length",
+    ),
+    (
+        # The data's sequence length is read typed when the config loads: a bad value is an error
+        # there even while the other loader options (data_path) are not given yet.
+        "seq-length-bad-value",
+        "train_dataset:\n  dataloader:\n    type: TextDataLoader\n    seq_length: abc\n",
+        "train_dataset.dataloader.seq_length",
+        "integer",
+    ),
+    (
+        "seq-length-bad-megatron",
+        "train_dataset:\n  dataloader:\n    type: BlendedMegatronDatasetDataLoader\n    config:\n"
+        "      seq_length: true\n",
+        "train_dataset.dataloader.config.seq_length",
+        "integer",
     ),
     (
         "ga-and-gbs",

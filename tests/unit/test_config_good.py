@@ -193,8 +193,10 @@ def test_seq_length_sources(tmp_path):
         "train_dataset:\n  dataloader:\n    type: TextDataLoader\n    seq_length: 256\nmodel:\n  seq_length: 256\n",
     )
     assert cfg.train_dataset.seq_length() == 256
+    assert cfg.train_dataset.seq_length_source() == (256, "train_dataset.dataloader.seq_length")
     cfg = _load(tmp_path, "train_dataset:\n  dataloader:\n    type: SFTDataLoader\n  cutoff_len: 1024\n")
     assert cfg.train_dataset.seq_length() == 1024
+    assert cfg.train_dataset.seq_length_source() == (1024, "train_dataset.cutoff_len")
     assert TrainConfig().train_dataset.seq_length() is None
 
 

@@ -106,7 +106,7 @@ def test_lf_keeps_sft_fields_and_shuffles(tmp_path):
 
 def test_imported_flags_reach_the_gpt_dataset(tmp_path):
     """End to end: the imported config builds a loader whose batches separate documents."""
-    from meshforge.data.build import build_train_loader
+    from meshforge.data.build import LoaderContext, build_train_loader
     from meshforge.data.tokenizer import build_tokenizer
 
     src = resolve_path("meshforge://assets/megatron/python_docstrings_text_document")
@@ -117,13 +117,15 @@ def test_imported_flags_reach_the_gpt_dataset(tmp_path):
     )
     loader = build_train_loader(
         cfg.train_dataset,
-        tokenizer=build_tokenizer("meshforge://assets/tokenizer"),
-        local_batch_size=2,
-        dp_rank=0,
-        dp_size=1,
-        seed=int(cfg.training.seed),
-        global_batch_size=2,
-        total_steps=3,
+        LoaderContext(
+            tokenizer=build_tokenizer("meshforge://assets/tokenizer"),
+            local_batch_size=2,
+            dp_rank=0,
+            dp_size=1,
+            seed=int(cfg.training.seed),
+            global_batch_size=2,
+            total_steps=3,
+        ),
     )
     batch = next(loader)
     assert set(batch) >= {"input_ids", "labels", "position_ids", "segment_ids"}

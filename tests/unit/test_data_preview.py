@@ -73,7 +73,7 @@ def _contract(loader_batch, k):
 
 
 def test_demo_text_rows_follow_the_unshuffled_loader(tmp_path):
-    from meshforge.data.build import build_train_loader
+    from meshforge.data.build import LoaderContext, build_train_loader
     from tests.conftest import write_corpus
 
     data = [f"train_dataset.dataloader.data_path={write_corpus(tmp_path / 'corpus.jsonl')}"]
@@ -88,12 +88,14 @@ def test_demo_text_rows_follow_the_unshuffled_loader(tmp_path):
     off = load_config(DEMO, [*data, "train_dataset.dataloader.shuffle=false"])
     trainer_loader = build_train_loader(
         off.train_dataset,
-        tokenizer=tok,
-        local_batch_size=16,
-        dp_rank=0,
-        dp_size=1,
-        seed=42,
-        global_batch_size=16,
+        LoaderContext(
+            tokenizer=tok,
+            local_batch_size=16,
+            dp_rank=0,
+            dp_size=1,
+            seed=42,
+            global_batch_size=16,
+        ),
     )
     batch = next(trainer_loader)
     for k, row in enumerate(rows):

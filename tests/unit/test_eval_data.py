@@ -15,8 +15,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from meshforge.data.build import build_eval_loader, build_train_loader, steps_for_epochs  # noqa: E402
+from meshforge.data.build import LoaderContext, build_eval_loader, build_train_loader  # noqa: E402
 from meshforge.data.config import TrainDatasetConfig  # noqa: E402
+from meshforge.data.epochs import steps_for_epochs  # noqa: E402
 from meshforge.data.loader import EvalLoader  # noqa: E402
 from meshforge.data.megatron.indexed import IndexedDatasetWriter  # noqa: E402
 from meshforge.data.sft.loader import build_sft_data  # noqa: E402
@@ -88,10 +89,13 @@ def test_train_loader_never_yields_validation_examples(tmp_path, tok):
     write_alpaca(tmp_path / "a.jsonl", 16)
     cfg = sft(dataset={"file_name": str(tmp_path / "a.jsonl")}, val_size=4, drop_remainder=False)
     kw = {"tokenizer": tok, "local_batch_size": 2, "dp_size": 2, "seed": 0, "global_batch_size": 4}
-    loaders = [build_train_loader(cfg, dp_rank=r, **kw) for r in range(2)]
-    evals = [build_eval_loader(cfg, dp_rank=r, **kw) for r in range(2)]
+    # The contexts of both ranks share one `shared` memo here, so all four loaders come from one
+    # pipeline run (same objects), as the train and eval loader of one rank's context do in a run.
+    shared: dict[str, object] = {}
+    contexts = [LoaderContext(dp_rank=r, shared=shared, **kw) for r in range(2)]
+    loaders = [build_train_loader(cfg, ctx) for ctx in contexts]
+    evals = [build_eval_loader(cfg, ctx) for ctx in contexts]
     assert loaders[0].num_samples == 12 and evals[0].num_samples == 4
-    # the train and eval loaders of one run share one pipeline run (same objects)
     assert loaders[0].dataset is loaders[1].dataset and evals[0].dataset is evals[1].dataset
 
     def numbers(batch):
@@ -118,7 +122,7 @@ def test_eval_dataset_is_separate_data_and_none_without_eval(tmp_path, tok):
     assert sorted(tags(tok, train)) == list(range(10)) and tags(tok, valid, "e") == [0, 1, 2]
     kw = {"tokenizer": tok, "local_batch_size": 2, "dp_rank": 0, "dp_size": 1, "seed": 0}
     plain = sft(dataset={"file_name": str(tmp_path / "a.jsonl")})
-    assert build_eval_loader(plain, **kw) is None
+    assert build_eval_loader(plain, LoaderContext(**kw)) is None
     with pytest.raises(ValueError, match=r"train_dataset\.eval_dataset\[0\]: 'missing' is not in"):
         (tmp_path / "dataset_info.json").write_text(json.dumps({"a": {"file_name": "a.jsonl"}}))
         build_sft_data(sft(dataset="a", eval_dataset="missing", dataset_dir=str(tmp_path)), tok, seed=0)
@@ -127,7 +131,7 @@ def test_eval_dataset_is_separate_data_and_none_without_eval(tmp_path, tok):
     text = TrainDatasetConfig.model_validate(
         {"dataloader": {"type": "TextDataLoader", "data_path": "x.txt", "seq_length": 8}}
     )
-    assert build_eval_loader(text, **kw) is None
+    assert build_eval_loader(text, LoaderContext(**kw)) is None
 
 
 def test_tokenized_path_keeps_the_validation_part(tmp_path, tok):
@@ -319,7 +323,7 @@ def test_megatron_valid_split_equals_megatron_core(tmp_path):
                 ).build()
             cfg = mg(data_path, split, tmp_path / f"o{n}", sizes)
             kw = {"tokenizer": None, "local_batch_size": 3, "dp_size": 2, "seed": 9}
-            loaders = [build_eval_loader(cfg, dp_rank=r, **kw) for r in range(2)]
+            loaders = [build_eval_loader(cfg, LoaderContext(dp_rank=r, **kw)) for r in range(2)]
             assert loaders[0].num_samples == len(ref) >= 10
             # rank r holds chunks r, r + 2, ...: put them back in order and compare sample by sample
             chunks = [[b["input_ids"].numpy() for b in ld] for ld in loaders]
@@ -334,7 +338,7 @@ def test_megatron_valid_split_equals_megatron_core(tmp_path):
 def test_megatron_no_valid_split_gives_none(tmp_path):
     a = _write(tmp_path, "a", 40, 0)
     kw = {"tokenizer": None, "local_batch_size": 2, "dp_rank": 0, "dp_size": 1, "seed": 1}
-    assert build_eval_loader(mg([a], "1,0,0", tmp_path), **kw) is None
+    assert build_eval_loader(mg([a], "1,0,0", tmp_path), LoaderContext(**kw)) is None
 
 
 # ---------------------------------------------------------------------------------------- epochs
@@ -355,15 +359,24 @@ def test_epochs_size_the_run(tmp_path, tok):
     write_alpaca(tmp_path / "a.jsonl", 21)
     kw = {"tokenizer": tok, "local_batch_size": 2, "dp_rank": 0, "dp_size": 1, "seed": 0}
     cfg = sft(dataset={"file_name": str(tmp_path / "a.jsonl")}, val_size=5)
-    loader = build_train_loader(cfg, global_batch_size=4, epochs=2.0, **kw)
+    loader = build_train_loader(cfg, LoaderContext(global_batch_size=4, epochs=2.0, **kw))
     assert loader.num_samples == 16 and loader.total_steps == 8
-    assert build_train_loader(cfg, global_batch_size=4, total_steps=5, **kw).total_steps is None
+    assert (
+        build_train_loader(cfg, LoaderContext(global_batch_size=4, total_steps=5, **kw)).total_steps is None
+    )
     # Megatron: one epoch is the train split's samples; the data is then built for steps x batch
     a = _write(tmp_path, "a", 100, 2)
     mcfg = mg([a], "9,1,0", tmp_path)
     lines = []
     loader = build_train_loader(
-        mcfg, global_batch_size=4, epochs=1.5, total_steps=1000, log=lines.append, **{**kw, "tokenizer": None}
+        mcfg,
+        LoaderContext(
+            global_batch_size=4,
+            epochs=1.5,
+            total_steps=1000,
+            log=lines.append,
+            **{**kw, "tokenizer": None},
+        ),
     )
     from meshforge.data.megatron.gpt_dataset import split_document_indices
     from meshforge.data.megatron.indexed import IndexedDataset
@@ -376,5 +389,10 @@ def test_epochs_size_the_run(tmp_path, tok):
     assert any("training.epochs 1.5" in line for line in lines)
     with pytest.raises(ValueError, match=r"sizes\[0\]: fixes the train samples"):
         build_train_loader(
-            mg([a], "9,1,0", tmp_path, sizes=[50]), global_batch_size=4, epochs=1, **{**kw, "tokenizer": None}
+            mg([a], "9,1,0", tmp_path, sizes=[50]),
+            LoaderContext(
+                global_batch_size=4,
+                epochs=1,
+                **{**kw, "tokenizer": None},
+            ),
         )

@@ -8,11 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import ValidationError
 
-from meshforge.data import build as data_build
-from meshforge.data.build import build_train_loader, register_loader
+from meshforge.data.build import LoaderContext, build_train_loader
+from meshforge.data.config import TrainDatasetConfig
 from meshforge.data.loader import StatefulLoader
+from meshforge.data.options import LoaderOptions
+from meshforge.data.specs import LOADERS, LoaderKind, register_loader
 
 SEQ = 3
 
@@ -206,28 +208,6 @@ def test_state_mismatch_and_argument_errors():
 # --- build_train_loader --------------------------------------------------------------------------------
 
 
-class LoaderCfg(BaseModel):
-    """Stand-in for the config system's DataloaderConfig (same declared fields, passthrough extras)."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str | None = None
-    shuffle: bool = False
-    column_names: list[str] = ["input_ids", "labels"]
-    python_multiprocessing: bool = False
-
-
-class DatasetCfg(BaseModel):
-    """Stand-in for TrainDatasetConfig's declared fields."""
-
-    model_config = ConfigDict(extra="forbid")
-    dataloader: LoaderCfg = LoaderCfg()
-    drop_remainder: bool = True
-    num_parallel_workers: int = 8
-    prefetch_size: int = 1
-    numa_enable: bool = False
-    use_distribute_dataset: bool = False
-
-
 @pytest.fixture(scope="module")
 def tok():
     from meshforge.data.tokenizer import build_tokenizer
@@ -245,11 +225,11 @@ def _corpus(tmp_path: Path) -> Path:
 
 def _build(cfg, tok, **kw):
     args = {"tokenizer": tok, "local_batch_size": 2, "dp_rank": 0, "dp_size": 1, "seed": 0, **kw}
-    return build_train_loader(cfg, **args)
+    return build_train_loader(cfg, LoaderContext(**args))
 
 
 def test_build_text_loader(tok, tmp_path):
-    cfg = DatasetCfg.model_validate(
+    cfg = TrainDatasetConfig.model_validate(
         {"dataloader": {"type": "TextDataLoader", "data_path": str(_corpus(tmp_path)), "seq_length": 16}}
     )
     lines: list[str] = []
@@ -263,7 +243,7 @@ def test_build_text_loader(tok, tmp_path):
 
 
 def test_build_notes_explicit_pipeline_settings(tok, tmp_path):
-    cfg = DatasetCfg.model_validate(
+    cfg = TrainDatasetConfig.model_validate(
         {
             "dataloader": {"type": "TextDataLoader", "data_path": str(_corpus(tmp_path)), "seq_length": 8},
             "num_parallel_workers": 8,  # the default value, but set explicitly: still reported
@@ -281,15 +261,15 @@ def test_build_notes_explicit_pipeline_settings(tok, tmp_path):
 
 def test_build_errors_name_keys(tok, tmp_path):
     with pytest.raises(ValueError, match=r"train_dataset\.dataloader\.type: not supported yet"):
-        _build(DatasetCfg.model_validate({"dataloader": {"type": "WebDatasetLoader"}}), tok)
+        _build(TrainDatasetConfig.model_validate({"dataloader": {"type": "WebDatasetLoader"}}), tok)
     with pytest.raises(ValueError, match=r"train_dataset\.dataloader\.type: no data loader type"):
-        _build(DatasetCfg(), tok)
-    bad = DatasetCfg.model_validate(
+        _build(TrainDatasetConfig(), tok)
+    bad = TrainDatasetConfig.model_validate(
         {"dataloader": {"type": "TextDataLoader", "data_path": "x", "seq_len": 8}}
     )
     with pytest.raises(ValueError, match=r"train_dataset\.dataloader\.seq_len: unknown option"):
         _build(bad, tok)
-    missing = DatasetCfg.model_validate(
+    missing = TrainDatasetConfig.model_validate(
         {
             "dataloader": {
                 "type": "TextDataLoader",
@@ -302,26 +282,33 @@ def test_build_errors_name_keys(tok, tmp_path):
         _build(missing, tok)
 
 
+class IdOptions(LoaderOptions):
+    n: int
+
+    def sequence(self, data):
+        return 1, "train_dataset.dataloader.n"
+
+
 def test_register_loader(tok, monkeypatch):
-    monkeypatch.setattr(data_build, "LOADER_BUILDERS", dict(data_build.LOADER_BUILDERS))
+    monkeypatch.setitem(LOADERS, "IdLoader", LOADERS["TextDataLoader"])  # removed again at teardown
     seen = {}
 
-    def build_ids(
-        dataset_cfg, *, tokenizer, local_batch_size, dp_rank, dp_size, seed, global_batch_size, log
-    ):
-        seen["n"] = dataset_cfg.dataloader.model_extra["n"]
+    def build_ids(dataset_cfg, ctx):
+        seen["n"] = dataset_cfg.dataloader.options_as(IdOptions).n
         return StatefulLoader(
             IdDataset(seen["n"]),
-            local_batch_size=local_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            seed=seed,
+            local_batch_size=ctx.local_batch_size,
+            dp_rank=ctx.dp_rank,
+            dp_size=ctx.dp_size,
+            seed=ctx.seed,
             shuffle=False,
         )
 
-    register_loader("IdLoader", build_ids)
-    loader = _build(DatasetCfg.model_validate({"dataloader": {"type": "IdLoader", "n": 6}}), tok)
+    register_loader("IdLoader", LoaderKind(IdOptions, IdOptions, build_ids))
+    loader = _build(TrainDatasetConfig.model_validate({"dataloader": {"type": "IdLoader", "n": 6}}), tok)
     assert seen == {"n": 6} and ids_of(next(loader)) == [0, 1]
+    with pytest.raises(ValidationError, match="n"):
+        TrainDatasetConfig.model_validate({"dataloader": {"type": "IdLoader", "n": "six"}})
 
 
 def test_build_with_real_train_dataset_config(tok, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshforge.data.build import build_train_loader
+from meshforge.data.build import LoaderContext, build_train_loader
 from meshforge.data.config import TrainDatasetConfig
 from meshforge.data.megatron.gpt_dataset import GPTDataset
 from meshforge.data.megatron.indexed import IndexedDatasetWriter
@@ -49,14 +49,16 @@ def _loaders(cfg, *, dp, local, gbs, total_steps=None, seed=11, tokenizer=None, 
     return [
         build_train_loader(
             cfg,
-            tokenizer=tokenizer,
-            local_batch_size=local,
-            dp_rank=r,
-            dp_size=dp,
-            seed=seed,
-            global_batch_size=gbs,
-            total_steps=total_steps,
-            log=log,
+            LoaderContext(
+                tokenizer=tokenizer,
+                local_batch_size=local,
+                dp_rank=r,
+                dp_size=dp,
+                seed=seed,
+                global_batch_size=gbs,
+                total_steps=total_steps,
+                log=log,
+            ),
         )
         for r in range(dp)
     ]
@@ -199,18 +201,18 @@ def test_packed_row_logits_equal_each_document_alone(prefix, tmp_path):
 
 def test_valid_split_built_only_when_asked(prefix, tmp_path):
     from meshforge.data.megatron.loader import build_megatron_dataset
-    from meshforge.data.specs import parse_megatron_options
+    from meshforge.data.megatron.specs import MegatronDataLoaderOptions
 
     cfg = _cfg(prefix, tmp_path, split="9,1,0")
     _loaders(cfg, dp=1, local=2, gbs=2, total_steps=3)
     names = [p.name for p in (tmp_path / "cache").iterdir()]
     assert names and all("-GPTDataset-train-" in n for n in names)
-    options = parse_megatron_options(dict(cfg.dataloader.model_extra))
+    options = cfg.dataloader.options_as(MegatronDataLoaderOptions)
     train, valid = build_megatron_dataset(options, tokenizer=None, seed=1, num_samples=10, with_valid=True)
     assert len(train) >= 10 and len(valid) > 0 and valid.split == "valid"
     assert set(valid.documents.tolist()).isdisjoint(train.documents.tolist())
     with pytest.raises(ValueError, match=r"\(valid split\): 0 documents"):
-        tiny = parse_megatron_options(dict(_cfg(prefix, tmp_path, split="1000,1,0").dataloader.model_extra))
+        tiny = _cfg(prefix, tmp_path, split="1000,1,0").dataloader.options_as(MegatronDataLoaderOptions)
         build_megatron_dataset(tiny, tokenizer=None, seed=1, num_samples=10, with_valid=True)
 
 

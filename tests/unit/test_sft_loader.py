@@ -12,7 +12,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from meshforge.config import ConfigError, config_from_dict  # noqa: E402
-from meshforge.data.build import build_train_loader  # noqa: E402
+from meshforge.data.build import LoaderContext, build_train_loader  # noqa: E402
 from meshforge.data.sft.loader import build_sft_dataset  # noqa: E402
 from meshforge.data.tokenizer import build_tokenizer  # noqa: E402
 
@@ -179,7 +179,15 @@ def test_loader_resume_continues_with_next_batch(tmp_path, tok):
 
     def loader():
         return build_train_loader(
-            cfg, tokenizer=tok, local_batch_size=2, dp_rank=0, dp_size=1, seed=3, global_batch_size=2
+            cfg,
+            LoaderContext(
+                tokenizer=tok,
+                local_batch_size=2,
+                dp_rank=0,
+                dp_size=1,
+                seed=3,
+                global_batch_size=2,
+            ),
         )
 
     full = loader()
@@ -236,12 +244,14 @@ def test_two_ranks_resume_and_match_one_rank(tmp_path, tok):
     def loader(rank, size, local):
         return build_train_loader(
             cfg,
-            tokenizer=tok,
-            local_batch_size=local,
-            dp_rank=rank,
-            dp_size=size,
-            seed=5,
-            global_batch_size=4,
+            LoaderContext(
+                tokenizer=tok,
+                local_batch_size=local,
+                dp_rank=rank,
+                dp_size=size,
+                seed=5,
+                global_batch_size=4,
+            ),
         )
 
     one = loader(0, 1, 4)

@@ -11,7 +11,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from meshforge.data.build import build_eval_loader, build_train_loader  # noqa: E402
+from meshforge.data.build import LoaderContext, build_eval_loader, build_train_loader  # noqa: E402
 from meshforge.data.config import TrainDatasetConfig  # noqa: E402
 from meshforge.data.loader import StreamLoader  # noqa: E402
 from meshforge.data.sft.loader import SFTStream, build_sft_data  # noqa: E402
@@ -65,7 +65,15 @@ def numbers(tok, batch):
 def loaders(c, tok, *, dp, local=2, gbs=4, seed=5):
     return [
         build_train_loader(
-            c, tokenizer=tok, local_batch_size=local, dp_rank=r, dp_size=dp, seed=seed, global_batch_size=gbs
+            c,
+            LoaderContext(
+                tokenizer=tok,
+                local_batch_size=local,
+                dp_rank=r,
+                dp_size=dp,
+                seed=seed,
+                global_batch_size=gbs,
+            ),
         )
         for r in range(dp)
     ]
@@ -102,7 +110,7 @@ def test_validation_is_the_head_of_the_stream_and_never_trained_on(data, tok):
     later = [number(tok, r["input_ids"]) for r in stream.rows(1)]
     assert sorted(later) == sorted(head[4:])  # a reshuffled epoch still leaves the validation out
     kw = {"tokenizer": tok, "local_batch_size": 3, "dp_size": 1, "dp_rank": 0, "seed": 5}
-    ev = build_eval_loader(c, **kw)
+    ev = build_eval_loader(c, LoaderContext(**kw))
     assert ev.num_samples == 4 and sorted(n for b in ev for n in numbers(tok, b)) == sorted(held)
 
 
@@ -174,7 +182,7 @@ def test_streaming_packing_and_refusals(data, tok, tmp_path):
         "global_batch_size": 2,
     }
     with pytest.raises(ValueError, match=r"training\.epochs: the length of this data is not known"):
-        build_train_loader(cfg(data, val_size=1), epochs=1.0, **kw)
+        build_train_loader(cfg(data, val_size=1), LoaderContext(epochs=1.0, **kw))
     with pytest.raises(ValueError, match=r"tokenized_path: cannot be combined with streaming"):
         build_sft_data(cfg(data, tokenized_path=str(tmp_path / "t")), tok, seed=0)
     (tmp_path / "empty.jsonl").write_text("")
@@ -182,7 +190,7 @@ def test_streaming_packing_and_refusals(data, tok, tmp_path):
         build_sft_data(cfg(str(tmp_path / "empty.jsonl")), tok, seed=0)
     # a state of the in-memory loader is not taken for a stream, and the other way round
     [stream] = loaders(cfg(data), tok, dp=1)
-    plain = build_train_loader(cfg(data, streaming=False), **kw)
+    plain = build_train_loader(cfg(data, streaming=False), LoaderContext(**kw))
     with pytest.raises(ValueError, match="non-streaming loader"):
         stream.load_state_dict(plain.state_dict())
     with pytest.raises(ValueError, match="streaming loader"):

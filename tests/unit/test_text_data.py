@@ -11,13 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshforge.data.specs import (
-    BUILT_LOADERS,
-    TextDataLoaderOptions,
-    check_dataloader_options,
-    parse_text_options,
-)
+from meshforge.data.specs import LOADERS, check_dataloader_options, parse_dataloader_options
 from meshforge.data.text import TextDataset, list_text_files
+from meshforge.data.text_specs import TextDataLoaderOptions
 from meshforge.data.tokenizer import build_tokenizer, eod_token_id
 from meshforge.resources import data_root
 
@@ -32,6 +28,12 @@ def tok():
 def _jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+def parse_text_options(options: dict) -> TextDataLoaderOptions:
+    parsed = parse_dataloader_options("TextDataLoader", options)
+    assert isinstance(parsed, TextDataLoaderOptions)
+    return parsed
 
 
 def _opts(paths, seq_length: int = 8, **kw) -> TextDataLoaderOptions:
@@ -89,7 +91,7 @@ def test_options_valid_and_coerced():
         and opts.text_key == "text"
         and opts.append_eod
     )
-    assert "TextDataLoader" in BUILT_LOADERS
+    assert LOADERS["TextDataLoader"].options is TextDataLoaderOptions
 
 
 @pytest.mark.parametrize(

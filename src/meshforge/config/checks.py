@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from meshforge.config.base import ConfigError, Issue
 from meshforge.config.noops import noop_notes
@@ -37,52 +36,46 @@ def _component_issues(cfg: TrainConfig) -> tuple[list[Issue], list[Issue]]:
     found: list[Issue] = []
     unchecked: list[Issue] = []
 
-    def ask(section: str, module: str, func: str, call: Callable[[Any], list[Issue]]) -> None:
+    def ask(section: str, check: Callable[[], list[Issue]]) -> None:
         try:
-            mod = __import__(module, fromlist=[func])
-            checker = getattr(mod, func)
-        except (ImportError, AttributeError) as exc:
-            unchecked.append(
-                (section, f"component not available, passthrough keys not checked ({module}.{func}: {exc})")
-            )
+            reported = check()
+        except ImportError as exc:
+            unchecked.append((section, f"component not available, passthrough keys not checked ({exc})"))
             return
-        try:
-            reported = call(checker) or []
         except Exception as exc:  # a component bug must not turn `config validate` into a traceback
-            unchecked.append(
-                (section, f"passthrough check failed ({module}.{func}: {type(exc).__name__}: {exc})")
-            )
+            unchecked.append((section, f"passthrough check failed ({type(exc).__name__}: {exc})"))
             return
         for key, reason in reported:
             found.append((f"{section}.{key}" if key else section, reason))
 
-    model = cfg.model
-    ask(
-        "model",
-        "meshforge.models.registry",
-        "check_model_options",
-        lambda f: f(model.model_type, model.architectures, model.model_id, dict(model.model_extra or {})),
-    )
-    loader = cfg.train_dataset.dataloader
-    ask(
-        "train_dataset.dataloader",
-        "meshforge.data.specs",
-        "check_dataloader_options",
-        lambda f: f(loader.type, dict(loader.model_extra or {})),
-    )
-    opt, sched = cfg.optimizer, cfg.lr_scheduler
-    ask(
-        "optimizer",
-        "meshforge.optim.specs",
-        "check_optimizer_options",
-        lambda f: f(opt.type, dict(opt.model_extra or {})),
-    )
-    ask(
-        "lr_scheduler",
-        "meshforge.optim.specs",
-        "check_scheduler_options",
-        lambda f: f(sched.type, dict(sched.model_extra or {})),
-    )
+    def model_options() -> list[Issue]:
+        from meshforge.models.registry import check_model_options
+
+        model = cfg.model
+        return check_model_options(
+            model.model_type, model.architectures, model.model_id, dict(model.model_extra or {})
+        )
+
+    def dataloader_options() -> list[Issue]:
+        from meshforge.data.specs import check_dataloader_options
+
+        loader = cfg.train_dataset.dataloader
+        return check_dataloader_options(loader.type, dict(loader.model_extra or {}))
+
+    def optimizer_options() -> list[Issue]:
+        from meshforge.optim.specs import check_optimizer_options
+
+        return check_optimizer_options(cfg.optimizer.type, dict(cfg.optimizer.model_extra or {}))
+
+    def scheduler_options() -> list[Issue]:
+        from meshforge.optim.specs import check_scheduler_options
+
+        return check_scheduler_options(cfg.lr_scheduler.type, dict(cfg.lr_scheduler.model_extra or {}))
+
+    ask("model", model_options)
+    ask("train_dataset.dataloader", dataloader_options)
+    ask("optimizer", optimizer_options)
+    ask("lr_scheduler", scheduler_options)
     return found, unchecked
 
 

@@ -30,13 +30,14 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
     issues: list[Issue] = []
     training, par, data = cfg.training, cfg.parallelism, cfg.train_dataset
 
-    data_seq = data.seq_length()
-    if cfg.model.seq_length is not None and data_seq is not None and cfg.model.seq_length != data_seq:
+    source = data.seq_length_source()
+    if cfg.model.seq_length is not None and source is not None and cfg.model.seq_length != source[0]:
+        data_seq, data_key = source
         issues.append(
             (
                 "model.seq_length",
                 f"{cfg.model.seq_length} differs from the data's sequence length {data_seq} "
-                f"({_data_seq_path(cfg)}); the data's value rules: remove model.seq_length or make them equal",
+                f"({data_key}); the data's value rules: remove model.seq_length or make them equal",
             )
         )
 
@@ -168,16 +169,17 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
     if stage_strings is not None:
         issues.extend(_stage_string_issues(stage_strings, par.pipeline_parallel_interleave_num))
 
-    if par.context_parallel > 1 and data_seq is not None:
+    if par.context_parallel > 1 and source is not None:
+        data_seq, data_key = source
         # The ring layouts (colossal, hybrid) cut each row into 2 * cp chunks for causal load
         # balance; ulysses and kvallgather into cp contiguous slices.
         chunks = par.context_parallel * (2 if par.cp_method() in ("colossal", "hybrid") else 1)
-        if int(data_seq) % chunks:
+        if data_seq % chunks:
             issues.append(
                 (
                     "parallelism.context_parallel",
                     f"{par.context_parallel} ({par.cp_method()}) cuts each sequence into {chunks} equal parts, "
-                    f"but the data's sequence length {data_seq} ({_data_seq_path(cfg)}) is not a multiple of {chunks}",
+                    f"but the data's sequence length {data_seq} ({data_key}) is not a multiple of {chunks}",
                 )
             )
 
@@ -246,15 +248,6 @@ def _stage_layer_issues(spec: list[str], num_layers: int) -> list[Issue]:
     if expected != num_layers:
         return [(path, f"stages cover layers 0..{expected - 1}; the model has {num_layers} layers")]
     return []
-
-
-def _data_seq_path(cfg: TrainConfig) -> str:
-    extra = cfg.train_dataset.dataloader.model_extra or {}
-    if "seq_length" in extra:
-        return "train_dataset.dataloader.seq_length"
-    if isinstance(extra.get("config"), dict) and "seq_length" in extra["config"]:
-        return "train_dataset.dataloader.config.seq_length"
-    return "train_dataset.cutoff_len"
 
 
 def layer_issues(cfg: TrainConfig, num_layers: int) -> list[Issue]:

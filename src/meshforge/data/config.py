@@ -1,16 +1,17 @@
 """`train_dataset:` section: the data loader and its data (light: pydantic only).
 
-`train_dataset.dataloader` keeps undeclared keys for the loader named by its `type` (checked by
-`meshforge.data.specs`). The SFT fields of MindSpeed-LLM DataArguments live directly under
+`train_dataset.dataloader` keeps undeclared keys for the loader named by its `type`; they are parsed
+once, at validation, with that loader's options model (`meshforge.data.specs` registers them) and
+kept typed in `DataloaderConfig.options`. The SFT fields of MindSpeed-LLM DataArguments live directly under
 `train_dataset`, with the `__post_init__` rules of that class (NOTES 1b), one of them done better:
 `interleave_probs` is checked against the real number of datasets, not the characters of a string.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import field_validator, model_validator
+from pydantic import PrivateAttr, field_validator, model_validator
 
 from meshforge.config.base import (
     Bool,
@@ -22,6 +23,11 @@ from meshforge.config.base import (
     describe,
     rule_error,
 )
+
+if TYPE_CHECKING:
+    from meshforge.data.options import LoaderOptions
+
+    OptionsT = TypeVar("OptionsT", bound=LoaderOptions)
 
 SFT_LOADER = "SFTDataLoader"
 MEGATRON_LOADER = "BlendedMegatronDatasetDataLoader"
@@ -36,6 +42,61 @@ class DataloaderConfig(PassthroughSection):
     shuffle: Bool = describe(False, "Shuffle the sample order (seeded by training.seed).")
     column_names: list[str] = describe(["input_ids", "labels"], "Columns produced by the dataset.")
     python_multiprocessing: Bool = describe(False, "Load with Python worker processes.")
+
+    _options: LoaderOptions | None = PrivateAttr(default=None)
+    _sequence: LoaderOptions | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _parse_options(self) -> DataloaderConfig:
+        # The options of a built loader are parsed here, once. When they do not parse (a fragment
+        # such as a reference example without data_path), the config still loads: the problems are
+        # reported by `check_dataloader_options` (warnings in `config validate`, errors in
+        # `train`), and only the sequence length is read, where a bad value is an error now. A type
+        # that names no built loader is reported there too ("not supported yet").
+        from meshforge.data.specs import LOADERS, options_or_issues, sequence_or_issues
+
+        kind = LOADERS.get(self.type) if self.type is not None else None
+        if kind is None:
+            return self
+        extra = self.model_extra or {}
+        parsed = options_or_issues(self.type, extra)
+        if not isinstance(parsed, list):
+            self._options = self._sequence = parsed
+            return self
+        sequence = sequence_or_issues(kind, extra)
+        if isinstance(sequence, list):
+            (key, reason), *more = sequence
+            also = "".join(f"; also train_dataset.dataloader.{k}: {r}" for k, r in more)
+            raise rule_error(key, reason + also)
+        self._sequence = sequence
+        return self
+
+    @property
+    def options(self) -> LoaderOptions | None:
+        """The parsed options of the loader named by `type`; None when it names no built loader."""
+        return self._options
+
+    @property
+    def sequence_options(self) -> LoaderOptions | None:
+        """The options, or only their sequence-length part when the others do not parse (yet)."""
+        return self._sequence
+
+    def options_as(self, model: type[OptionsT]) -> OptionsT:
+        """The parsed options, which must be of `model` (the builder of that loader asks).
+
+        Raises:
+            ValueError: the options do not parse (every problem, with its key path), or `type`
+                names another loader (or none).
+        """
+        if self._options is None and self.type is not None:
+            from meshforge.data.specs import parse_dataloader_options
+
+            parse_dataloader_options(self.type, self.model_extra or {})  # raises, naming each key
+        if not isinstance(self._options, model):
+            raise ValueError(
+                f"train_dataset.dataloader.type: {self.type!r} does not take {model.__name__} options"
+            )
+        return self._options
 
 
 def count_datasets(dataset: Any) -> int:
@@ -225,21 +286,17 @@ class TrainDatasetConfig(StrictSection):
         except ValueError:
             raise rule_error("interleave_probs", f"must be comma-separated numbers, got {value!r}") from None
 
-    def seq_length(self) -> int | None:
-        """The data's sequence length wherever the loader keeps it, or None.
+    def seq_length_source(self) -> tuple[int, str] | None:
+        """(tokens per sample, the key path that sets it), from the loader's parsed options.
 
         `dataloader.seq_length` (text loader), `dataloader.config.seq_length` (Megatron loader), or
-        `cutoff_len` for the SFT loader (a packed row is `cutoff_len` tokens long).
+        `cutoff_len` for the SFT loader. None when `dataloader.type` names no built loader or the
+        options do not set it yet (a bad value is a validation error when the config loads).
         """
-        extra = self.dataloader.model_extra or {}
-        value = extra.get("seq_length")
-        if value is None and isinstance(extra.get("config"), dict):
-            value = extra["config"].get("seq_length")
-        if value is None and self.dataloader.type == SFT_LOADER:
-            return self.cutoff_len
-        if isinstance(value, bool):
-            return None
-        try:
-            return int(value) if value is not None else None
-        except (TypeError, ValueError):
-            return None
+        options = self.dataloader.sequence_options
+        return options.sequence(self) if options is not None else None
+
+    def seq_length(self) -> int | None:
+        """The data's sequence length (see `seq_length_source`), or None without a built loader."""
+        source = self.seq_length_source()
+        return source[0] if source is not None else None

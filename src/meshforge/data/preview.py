@@ -24,13 +24,19 @@ read. The last label (the target of the token after the row) has no token in `te
 
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 from collections.abc import Callable, Iterable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from meshforge.config.root import TrainConfig
+    from meshforge.data.config import TrainDatasetConfig
+    from meshforge.data.loader import StatefulLoader, StreamLoader
 
 IGNORE_INDEX = -100
 MASK_OPEN = "[MASKED]"
@@ -38,13 +44,13 @@ MASK_CLOSE = "[/MASKED]"
 ROW_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
 
-def unshuffled(dataset_cfg: Any) -> Any:
+def unshuffled(dataset_cfg: TrainDatasetConfig) -> TrainDatasetConfig:
     """A copy of the `train_dataset` section with `dataloader.shuffle` off (other settings kept)."""
     loader = dataset_cfg.dataloader.model_copy(update={"shuffle": False})
     return dataset_cfg.model_copy(update={"dataloader": loader})
 
 
-def _tokenizer(cfg: Any) -> Any:
+def _tokenizer(cfg: TrainConfig) -> PreTrainedTokenizerBase:
     from meshforge.data.tokenizer import build_tokenizer
 
     model = cfg.model
@@ -59,7 +65,7 @@ def _tokenizer(cfg: Any) -> Any:
     )
 
 
-def _refuse_unbuilt_data_features(cfg: Any) -> None:
+def _refuse_unbuilt_data_features(cfg: TrainConfig) -> None:
     """Refuse the train_dataset features `meshforge train` refuses, so a preview never shows data a run would not use."""
     from meshforge.config import ConfigError
     from meshforge.config.unsupported import unsupported_entries
@@ -73,7 +79,9 @@ def _refuse_unbuilt_data_features(cfg: Any) -> None:
         raise ConfigError(issues)
 
 
-def build_preview_loader(cfg: Any, *, log: Callable[[str], None] | None = None) -> tuple[Any, Any]:
+def build_preview_loader(
+    cfg: TrainConfig, *, log: Callable[[str], None] | None = None
+) -> tuple[PreTrainedTokenizerBase, StatefulLoader | StreamLoader]:
     """The run's tokenizer and its rank-0 loader of a one-rank run with shuffling off.
 
     Args:
@@ -87,29 +95,24 @@ def build_preview_loader(cfg: Any, *, log: Callable[[str], None] | None = None) 
         ConfigError: a data feature that is not built yet.
         ValueError / FileNotFoundError: what the loader raises for bad options or data.
     """
-    from meshforge.data.build import build_train_loader
+    from meshforge.data.build import LoaderContext, build_train_loader
 
     _refuse_unbuilt_data_features(cfg)
     tokenizer = _tokenizer(cfg)
     training = cfg.training
-    local = int(training.local_batch_size)
-    extra: dict[str, Any] = {}
-    epochs = getattr(training, "epochs", None)
-    if epochs is not None and "epochs" in inspect.signature(build_train_loader).parameters:
-        extra["epochs"] = epochs  # a run sized by epochs sizes Megatron data by them too
-    loader = build_train_loader(
-        unshuffled(cfg.train_dataset),
+    context = LoaderContext(
         tokenizer=tokenizer,
-        local_batch_size=local,
+        local_batch_size=training.local_batch_size,
         dp_rank=0,
         dp_size=1,
-        seed=int(training.seed),
+        seed=training.seed,
         # the run's global batch on one rank, so the epoch is cut where the trainer cuts it
         global_batch_size=training.effective_global_batch_size(1),
+        total_steps=training.steps,
+        epochs=training.epochs,  # a run sized by epochs sizes Megatron data by them too
         log=log,
-        total_steps=int(training.steps),
-        **extra,
     )
+    loader = build_train_loader(unshuffled(cfg.train_dataset), context)
     return tokenizer, loader
 
 
@@ -125,7 +128,7 @@ def not_trained(labels: np.ndarray) -> np.ndarray:
     return masked
 
 
-def masked_text(tokenizer: Any, input_ids: Iterable[int], labels: Iterable[int]) -> str:
+def masked_text(tokenizer: PreTrainedTokenizerBase, input_ids: Iterable[int], labels: Iterable[int]) -> str:
     """Decode a row, wrapping each run of non-target tokens in `[MASKED]...[/MASKED]`."""
     ids = np.asarray(list(input_ids), dtype=np.int64)
     masked = not_trained(np.asarray(list(labels), dtype=np.int64))
@@ -151,11 +154,11 @@ def _row_length(dataset: Any, index: int, width: int) -> int:
 
 
 def preview_rows(
-    cfg: Any,
+    cfg: TrainConfig,
     num_samples: int,
     *,
     log: Callable[[str], None] | None = None,
-    loader: tuple[Any, Any] | None = None,
+    loader: tuple[PreTrainedTokenizerBase, StatefulLoader | StreamLoader] | None = None,
 ) -> list[dict[str, Any]]:
     """The first `num_samples` rows of the run's data, in the trainer's order with shuffling off.
 
@@ -176,10 +179,12 @@ def preview_rows(
     if num_samples <= 0:
         raise ValueError(f"--num-samples: must be a positive number of rows, got {num_samples}")
     tokenizer, data_loader = loader if loader is not None else build_preview_loader(cfg, log=log)
-    dataset = getattr(data_loader, "dataset", None)
-    if not hasattr(data_loader, "used_per_epoch") or not callable(getattr(dataset, "get_batch", None)):
+    from meshforge.data.loader import StatefulLoader
+
+    if not isinstance(data_loader, StatefulLoader):
         return _rows_from_batches(data_loader, tokenizer, num_samples)
-    per_epoch = int(data_loader.used_per_epoch)
+    dataset = data_loader.dataset
+    per_epoch = data_loader.used_per_epoch
     count = min(num_samples, per_epoch)
     if count < num_samples and log is not None:
         log(
@@ -201,7 +206,9 @@ def preview_rows(
     return rows
 
 
-def _rows_from_batches(data_loader: Any, tokenizer: Any, num_samples: int) -> list[dict[str, Any]]:
+def _rows_from_batches(
+    data_loader: StreamLoader, tokenizer: PreTrainedTokenizerBase, num_samples: int
+) -> list[dict[str, Any]]:
     """Rows of a loader without random access (a stream): its batches in order, split into rows.
 
     These rows keep the batch's padding (a stream cannot say where a row ended before batching).

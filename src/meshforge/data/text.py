@@ -28,13 +28,18 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from meshforge.data.specs import TextDataLoaderOptions
+from meshforge.data.text_specs import TextDataLoaderOptions
 from meshforge.data.tokenizer import eod_token_id
 from meshforge.resources import resolve_path
+
+if TYPE_CHECKING:
+    from meshforge.data.config import TrainDatasetConfig
+    from meshforge.data.context import LoaderContext
+    from meshforge.data.loader import StatefulLoader
 
 SUFFIXES = (".jsonl", ".json", ".txt")
 TOKENIZE_BATCH = 1000  # documents per tokenizer call: large enough for the Rust batch path
@@ -259,3 +264,21 @@ class TextDataset:
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         batch = self.get_batch(np.asarray([index]))
         return {key: value[0] for key, value in batch.items()}
+
+
+def build_text_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> StatefulLoader:
+    """The train builder of `TextDataLoader` (registered in `meshforge.data.specs`)."""
+    from meshforge.data.loader import StatefulLoader
+
+    options = dataset_cfg.dataloader.options_as(TextDataLoaderOptions)
+    dataset = TextDataset.from_options(options, ctx.tokenizer, log=ctx.log)
+    return StatefulLoader(
+        dataset,
+        local_batch_size=ctx.local_batch_size,
+        dp_rank=ctx.dp_rank,
+        dp_size=ctx.dp_size,
+        seed=ctx.seed,
+        shuffle=dataset_cfg.dataloader.shuffle,
+        drop_remainder=dataset_cfg.drop_remainder,
+        global_batch_size=ctx.global_batch_size,
+    )

@@ -25,12 +25,22 @@ eval_loss values are comparable across the run (limit each evaluation with `max_
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from meshforge.data.epochs import steps_for_epochs
 from meshforge.data.megatron.specs import COLUMN_NAMES, MegatronDataLoaderOptions
 from meshforge.resources import resolve_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from meshforge.data.config import TrainDatasetConfig
+    from meshforge.data.context import LoaderContext
+    from meshforge.data.loader import EvalLoader, StatefulLoader
+    from meshforge.data.megatron.blended import BlendedDataset
+    from meshforge.data.megatron.gpt_dataset import GPTDataset
 
 
 def resolved_blend(data_path: list[str]) -> list[str]:
@@ -91,7 +101,7 @@ def epoch_samples(options: MegatronDataLoaderOptions, split_no: int = 0) -> int:
 def build_megatron_dataset(
     options: MegatronDataLoaderOptions,
     *,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
     seed: int,
     num_samples: int | None,
     rank: int = 0,
@@ -100,7 +110,7 @@ def build_megatron_dataset(
     valid_samples: int | None = None,
     with_valid: bool = False,
     with_train: bool = True,
-) -> tuple[Any, Any]:
+) -> tuple[GPTDataset | BlendedDataset | None, GPTDataset | BlendedDataset | None]:
     """(train, valid) datasets of the configured blend.
 
     valid is built only `with_valid` (else None), and is None when the split gives it 0; it holds
@@ -157,8 +167,8 @@ def build_megatron_dataset(
     return datasets[0], datasets[1]
 
 
-def _eod_from_tokenizer(tokenizer: Any) -> int:
-    """The issue's EOD rule (`<|endoftext|>`, else eos_token), with the fix named on failure."""
+def _eod_from_tokenizer(tokenizer: PreTrainedTokenizerBase | None) -> int:
+    """The tokenizer's end-of-document id (`<|endoftext|>`, else eos_token), with the fix named on failure."""
     from meshforge.data.tokenizer import EOD_TOKEN, eod_token_id
 
     if tokenizer is None:
@@ -174,90 +184,66 @@ def _eod_from_tokenizer(tokenizer: Any) -> int:
         ) from None
 
 
-def build_megatron_loader(
-    dataset_cfg: Any,
-    *,
-    tokenizer: Any,
-    local_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-    seed: int,
-    global_batch_size: int | None,
-    log: Callable[[str], None] | None,
-    total_steps: int | None = None,
-    epochs: float | None = None,
-) -> Any:
-    """The `LoaderBuilder` of `BlendedMegatronDatasetDataLoader` (see `meshforge.data.build`).
+def build_megatron_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> StatefulLoader:
+    """The train builder of `BlendedMegatronDatasetDataLoader` (registered in `meshforge.data.specs`).
 
-    With `epochs`, the steps come from `epoch_samples` (and are stored in `loader.total_steps`);
-    `total_steps` is then ignored.
+    With `ctx.epochs`, the steps come from `epoch_samples` (and are stored in `loader.total_steps`);
+    `ctx.total_steps` is then ignored.
     """
-    from meshforge.data.build import steps_for_epochs
     from meshforge.data.loader import StatefulLoader
-    from meshforge.data.specs import parse_megatron_options
 
-    options = parse_megatron_options(dict(getattr(dataset_cfg.dataloader, "model_extra", None) or {}))
-    check_columns(getattr(dataset_cfg.dataloader, "column_names", None))
-    global_batch = global_batch_size or dp_size * local_batch_size
+    options = dataset_cfg.dataloader.options_as(MegatronDataLoaderOptions)
+    check_columns(dataset_cfg.dataloader.column_names)
+    global_batch = ctx.global_batch
+    total_steps = ctx.total_steps
     planned = None
-    if epochs is not None:
+    if ctx.epochs is not None:
         if options.sizes and options.sizes[0] > 0:
             raise ValueError(
                 "train_dataset.dataloader.sizes[0]: fixes the train samples, and training.epochs sets them "
                 "from the data size; set only one of them"
             )
         per_epoch = epoch_samples(options)
-        planned = steps_for_epochs(per_epoch, epochs, global_batch, bool(dataset_cfg.drop_remainder))
+        planned = steps_for_epochs(per_epoch, ctx.epochs, global_batch, dataset_cfg.drop_remainder)
         total_steps = planned
-        if log is not None:
-            log(
-                f"Megatron data: training.epochs {epochs:g} x {per_epoch:,} samples per epoch = {planned:,} "
-                f"steps of {global_batch} samples"
-            )
+        ctx.say(
+            f"Megatron data: training.epochs {ctx.epochs:g} x {per_epoch:,} samples per epoch = {planned:,} "
+            f"steps of {global_batch} samples"
+        )
     rank, barrier = _rank_and_barrier()
     train, _ = build_megatron_dataset(
         options,
-        tokenizer=tokenizer,
-        seed=seed,
+        tokenizer=ctx.tokenizer,
+        seed=ctx.seed,
         num_samples=train_samples(options, total_steps, global_batch),
         rank=rank,
         barrier=barrier,
-        log=log,
+        log=ctx.log,
     )
+    assert train is not None  # build_megatron_dataset raises when the split gives train nothing
     loader = StatefulLoader(
         train,
-        local_batch_size=local_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=seed,
-        shuffle=bool(dataset_cfg.dataloader.shuffle),
-        drop_remainder=bool(dataset_cfg.drop_remainder),
-        global_batch_size=global_batch_size,
+        local_batch_size=ctx.local_batch_size,
+        dp_rank=ctx.dp_rank,
+        dp_size=ctx.dp_size,
+        seed=ctx.seed,
+        shuffle=dataset_cfg.dataloader.shuffle,
+        drop_remainder=dataset_cfg.drop_remainder,
+        global_batch_size=ctx.global_batch_size,
     )
     loader.total_steps = planned
     return loader
 
 
-def build_megatron_eval_loader(
-    dataset_cfg: Any,
-    *,
-    tokenizer: Any,
-    local_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-    seed: int,
-    log: Callable[[str], None] | None = None,
-    **_: Any,
-) -> Any:
+def build_megatron_eval_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> EvalLoader | None:
     """The `EvalLoader` of the split's validation part (see the module docstring), or None when the
     split gives it 0."""
     from meshforge.data.loader import EvalLoader
     from meshforge.data.megatron.blended import parse_blend
     from meshforge.data.megatron.gpt_dataset import parse_split
-    from meshforge.data.specs import parse_megatron_options
 
-    options = parse_megatron_options(dict(getattr(dataset_cfg.dataloader, "model_extra", None) or {}))
-    check_columns(getattr(dataset_cfg.dataloader, "column_names", None))
+    options = dataset_cfg.dataloader.options_as(MegatronDataLoaderOptions)
+    check_columns(dataset_cfg.dataloader.column_names)
     if parse_split(options.config.split)[1] == 0:
         return None
     valid_samples = None
@@ -268,12 +254,12 @@ def build_megatron_eval_loader(
     rank, barrier = _rank_and_barrier()
     _, valid = build_megatron_dataset(
         options,
-        tokenizer=tokenizer,
-        seed=seed,
+        tokenizer=ctx.tokenizer,
+        seed=ctx.seed,
         num_samples=None,
         rank=rank,
         barrier=barrier,
-        log=log,
+        log=ctx.log,
         valid_samples=valid_samples,
         with_valid=True,
         with_train=False,
@@ -283,7 +269,7 @@ def build_megatron_eval_loader(
             f"train_dataset.dataloader.config.split: {options.config.split!r} gives the validation split "
             "no samples; give it a larger share or set the second part to 0 (no evaluation)"
         )
-    return EvalLoader(valid, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    return EvalLoader(valid, local_batch_size=ctx.local_batch_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
 
 
 def _rank_and_barrier() -> tuple[int, Callable[[], None] | None]:

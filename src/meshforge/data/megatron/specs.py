@@ -1,5 +1,7 @@
 """Options of `BlendedMegatronDatasetDataLoader`, checkable without data (LIGHT: pydantic only).
 
+Consumed by `meshforge.data.megatron.loader.build_megatron_loader` (and its eval twin).
+
 The shape is MindFormers' (reference/mindformers-pynative-train-config.zh.txt):
 
     train_dataset:
@@ -25,9 +27,14 @@ folded into `labels` (-100), `attention_mask` / `actual_seq_len` become `segment
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from meshforge.data.options import LoaderOptions
+
+if TYPE_CHECKING:
+    from meshforge.data.config import TrainDatasetConfig
 
 # Columns MindFormers / Megatron name, and what each becomes in the meshforge batch.
 COLUMN_NAMES = {
@@ -41,7 +48,15 @@ COLUMN_NAMES = {
 }
 
 
-class MegatronDatasetOptions(BaseModel):
+class MegatronSequenceSettings(BaseModel):
+    """The sequence length in `train_dataset.dataloader.config`, readable from a config fragment."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    seq_length: StrictInt = Field(gt=1, description="Tokens per sample (model input length).")
+
+
+class MegatronDatasetOptions(MegatronSequenceSettings):
     """`train_dataset.dataloader.config`: the GPTDataset settings."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -50,7 +65,6 @@ class MegatronDatasetOptions(BaseModel):
         description="Megatron blend list: dataset prefixes (without .bin/.idx), optionally as "
         "'weight, prefix' pairs, e.g. ['0.3', 'data/a_text_document', '0.7', 'data/b_text_document']."
     )
-    seq_length: StrictInt = Field(gt=1, description="Tokens per sample (model input length).")
     split: str = Field(default="1,0,0", description="Train, valid, test proportions of each dataset.")
     eod: StrictInt | None = Field(
         default=None,
@@ -103,7 +117,18 @@ class MegatronDatasetOptions(BaseModel):
         return value
 
 
-class MegatronDataLoaderOptions(BaseModel):
+class MegatronSequenceOptions(LoaderOptions):
+    """The sequence length of `BlendedMegatronDatasetDataLoader`, readable from a config fragment."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    config: MegatronSequenceSettings = Field(description="The dataset settings (data_path, seq_length, ...).")
+
+    def sequence(self, data: TrainDatasetConfig) -> tuple[int, str]:
+        return self.config.seq_length, "train_dataset.dataloader.config.seq_length"
+
+
+class MegatronDataLoaderOptions(MegatronSequenceOptions):
     """Options of `BlendedMegatronDatasetDataLoader` (besides the declared dataloader fields)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

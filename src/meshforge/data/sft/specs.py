@@ -2,11 +2,19 @@
 
 The SFT data fields live directly under `train_dataset` (MindSpeed DataArguments names), so the
 loader takes no options of its own under `train_dataset.dataloader`; any key there is a mistake.
+Consumed by `meshforge.data.sft.loader.build_sft_loader` (and its eval twin).
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import TYPE_CHECKING
+
+from pydantic import ConfigDict
+
+from meshforge.data.options import LoaderOptions
+
+if TYPE_CHECKING:
+    from meshforge.data.config import TrainDatasetConfig
 
 # Built chat templates (`train_dataset.template`; null = the tokenizer's own chat_template) and tool
 # formats, listed here so the config can check names without importing the templates module.
@@ -14,7 +22,17 @@ TEMPLATE_NAMES = ("qwen3", "qwen3_nothink", "chatml", "llama3", "empty", "gpt", 
 TOOL_FORMATS = ("qwen",)
 
 
-class SFTDataLoaderOptions(BaseModel):
+class SFTSequenceOptions(LoaderOptions):
+    """The sequence length of `SFTDataLoader`: `train_dataset.cutoff_len`, whatever the options hold."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    def sequence(self, data: TrainDatasetConfig) -> tuple[int, str]:
+        # A packed (or padded) row is cutoff_len tokens long.
+        return data.cutoff_len, "train_dataset.cutoff_len"
+
+
+class SFTDataLoaderOptions(SFTSequenceOptions):
     """No own options: set template, dataset, cutoff_len, packing, ... under `train_dataset`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
