@@ -89,7 +89,7 @@ def dcp_to_hf(
             ``--config`` option).
     """
     from meshforge.config import load_config
-    from meshforge.trainer import parse_dtype
+    from meshforge.utils.dtype import parse_dtype
 
     try:
         step = resolve_load_path(step_dir)

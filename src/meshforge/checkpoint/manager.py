@@ -104,7 +104,7 @@ class CheckpointManager:
         save_dir: folder that receives the step folders.
         prefix: step folder prefix (`checkpoint.prefix`).
         interval: save every this many steps (`checkpoint.save_interleaved_steps`).
-        keep: how many complete step folders to keep (`checkpoint.save_max`).
+        keep: how many complete step folders to keep (`checkpoint.save_max`); None keeps all.
         enabled: `checkpoint.enable_save`.
         save_optimizer: False for `checkpoint.no_save_optim` (weights only, no exact resume).
         rank: this process's global rank; rank 0 writes the shared files.
@@ -117,7 +117,7 @@ class CheckpointManager:
         save_dir: Path,
         prefix: str,
         interval: int,
-        keep: int,
+        keep: int | None,
         enabled: bool,
         save_optimizer: bool,
         rank: int,
@@ -202,6 +202,8 @@ class CheckpointManager:
         barrier()
 
     def _prune(self) -> None:
+        if self.keep is None:
+            return
         steps = list_complete_steps(self.save_dir)
         for _, old in steps[: max(0, len(steps) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
