@@ -36,6 +36,7 @@ from meshforge.checkpoint.hf import (
     save_hf,
 )
 from meshforge.checkpoint.manager import COMPLETE_MARKER, TRAINER_STATE_FILE, resolve_load_path
+from meshforge.checkpoint.readers import read_dcp_metadata
 from meshforge.models.materialize import to_empty_keeping_ties
 
 Log = Callable[[str], None]
@@ -96,6 +97,7 @@ def dcp_to_hf(
     except FileNotFoundError as err:
         # The resolver speaks of the config key; here the folder came from the command line.
         raise FileNotFoundError(str(err).replace("checkpoint.load_path: ", "convert: ", 1)) from None
+    read_dcp_metadata(step)
     cfg_file = Path(config_path) if config_path else step.parent.parent / "config.yaml"
     if not cfg_file.is_file():
         raise FileNotFoundError(
