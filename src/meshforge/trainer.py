@@ -160,9 +160,10 @@ class Trainer(TrainerBuild):
 
     def _aux_loss(self) -> torch.Tensor | None:
         """The model's auxiliary (MoE router) loss of the last forward, if it has one and it counts."""
-        if not self._aux_loss_enabled:
+        get = getattr(self.model, "aux_loss", None)
+        if not callable(get) or self.aux_coef == 0.0:
             return None
-        return self.model.aux_loss()
+        return get()
 
     def clip_grads(self) -> torch.Tensor:
         """Clip the global gradient norm to `training.max_norm`; return the pre-clip norm."""
@@ -184,8 +185,9 @@ class Trainer(TrainerBuild):
         """
         params = dict(self.model.named_parameters())
         copies = set(self.pipeline_split.tied_copies if self.pipeline_split is not None else ())
-        counted = [p for name, p in params.items() if name not in copies]
-        return counted, [p for name, p in params.items() if name in copies]
+        counted: list[torch.Tensor] = [p for name, p in params.items() if name not in copies]
+        uncounted: list[torch.Tensor] = [p for name, p in params.items() if name in copies]
+        return counted, uncounted
 
     def log_step(self, record: dict[str, Any]) -> None:
         """Write one step's metrics to every sink (rank 0 only)."""
@@ -248,7 +250,7 @@ class Trainer(TrainerBuild):
             **extra,
         }
 
-    def _loss_normalizer(self, local_tokens: int, global_tokens: torch.Tensor) -> torch.Tensor:
+    def _loss_normalizer(self, local_tokens: torch.Tensor | int, global_tokens: torch.Tensor) -> torch.Tensor:
         """The divisor of this rank's loss sum for one optimizer step.
 
         Default (`parallelism.disable_gradient_division: true`, FSDP sums): the global valid-token
@@ -264,26 +266,6 @@ class Trainer(TrainerBuild):
         if self.dims.cp > 1:
             own = dist_utils.all_reduce_sum(own, self.mesh.view("cp").get_group())
         return own.clamp(min=1).to(torch.float32) * float(self.dims.dp)
-
-    def _stop_if_not_finite(self, loss: float, grad_norm: float) -> None:
-        """Raise `TrainingDivergedError` when this step's loss or gradient norm is NaN or infinite.
-
-        Both values are already reduced, but the decision is summed over the world once more so
-        that no rank can step while another stops (a rank left waiting in the next collective
-        would hang the run).
-        """
-        bad = torch.tensor(
-            0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0, device=self.device
-        )
-        if float(dist_utils.all_reduce_sum(bad)) == 0.0:
-            return
-        what = "loss" if not math.isfinite(loss) else "gradient norm"
-        raise TrainingDivergedError(
-            f"step {self.step + 1}: the {what} is not finite (loss {loss}, gradient norm {grad_norm}); "
-            f"the run stopped before applying it. Lower lr_scheduler.learning_rate (now "
-            f"{self.cfg.lr_scheduler.learning_rate:g}) or clip harder with training.max_norm (now "
-            f"{self.cfg.training.max_norm:g}), or check the data"
-        )
 
     def _stop_if_not_finite(self, loss: float, grad_norm: float) -> None:
         """Raise `TrainingDivergedError` when this step's loss or gradient norm is NaN or infinite.
@@ -400,12 +382,15 @@ class Trainer(TrainerBuild):
         """Validation loss (global valid-token mean CE) over the whole validation loader."""
         from meshforge.evaluation import evaluate
 
+        loader = self.eval_loader
+        if loader is None:
+            raise RuntimeError("evaluate: the run has no validation data")
         self.model.eval()
         try:
             if self.pipeline is not None:
                 return evaluate_pipeline(
                     self.pipeline,
-                    self.eval_loader,
+                    loader,
                     group_size=self.plan.grad_accum_steps,
                     max_batches=self.cfg.training.eval_iters,
                     device=self.device,
@@ -414,7 +399,7 @@ class Trainer(TrainerBuild):
                 )
             return evaluate(
                 self._eval_forward,
-                self.eval_loader,
+                loader,
                 device=self.device,
                 loss_group=self.mesh.view("loss").get_group(),
                 max_batches=self.cfg.training.eval_iters,

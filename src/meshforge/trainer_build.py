@@ -367,6 +367,8 @@ class TrainerBuild:
         if training.epochs is None:
             return training.steps
         steps = self.loader.total_steps
+        if steps is None:
+            raise RuntimeError("training.epochs: the train loader did not size the run (no total_steps)")
         if "steps" in training.model_fields_set and training.steps != steps:
             self.log(
                 f"training.epochs {training.epochs:g} sets the run to {steps} steps (training.steps not used)"

@@ -63,6 +63,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshforge.checkpoint.readers import open_safetensors, read_json_object
 
 if TYPE_CHECKING:
+    from meshforge.models.config import ModelConfig
     from meshforge.models.registry import FamilySpec
     from meshforge.models.vocab import VocabPlan
 
@@ -543,7 +544,7 @@ class ModelSource:
     hf_dir: Path | None
 
 
-def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = None) -> ModelSource:
+def resolve_model_source(model_cfg: ModelConfig, *, log: Callable[[str], None] | None = None) -> ModelSource:
     """Family and options from the ``model:`` section, reading ``model_name_or_path/config.json``.
 
     With ``model_name_or_path``, config.json gives the options (mapped by the family's adapter)
@@ -565,7 +566,7 @@ def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = 
 
     emit = log or (lambda _msg: None)
     extra = dict(model_cfg.model_extra or {})
-    named = (model_cfg.model_type, model_cfg.architectures, getattr(model_cfg, "model_id", None))
+    named = (model_cfg.model_type, model_cfg.architectures, model_cfg.model_id)
     if not model_cfg.model_name_or_path:
         return ModelSource(resolve_family(*named), extra, None)
     hf_dir = resolve_path(model_cfg.model_name_or_path)
@@ -600,7 +601,7 @@ def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = 
 
 
 def _generic_source(
-    model_cfg: Any,
+    model_cfg: ModelConfig,
     hf_dir: Path,
     config: dict[str, Any],
     extra: dict[str, Any],
@@ -610,8 +611,7 @@ def _generic_source(
     """No built-in family: transformers' ``AutoModelForCausalLM`` from the folder (the generic path)."""
     from meshforge.models.generic import generic_family
 
-    trust = bool(getattr(model_cfg, "trust_remote_code", False))
-    family = generic_family(hf_dir, config, trust_remote_code=trust)
+    family = generic_family(hf_dir, config, trust_remote_code=model_cfg.trust_remote_code)
     try:
         family.parse_options({})
     except ValueError as err:
