@@ -135,7 +135,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
 
-    from meshforge.trainer import Trainer
+    from meshforge.trainer import Trainer, TrainingDivergedError
     from meshforge.utils.distributed import destroy_process_group
     from meshforge.utils.log import get_logger
 
@@ -157,6 +157,12 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         destroy_process_group(synchronize=False)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except TrainingDivergedError as err:
+        # Every rank stops at the same step (the trainer reduces the decision): leave together.
+        destroy_process_group()
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 1
     except BaseException:
         destroy_process_group(synchronize=False)
         raise
@@ -181,7 +187,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
     try:
         from meshforge.checkpoint.convert import dcp_to_hf, hf_to_dcp
-        from meshforge.trainer import parse_dtype
+        from meshforge.utils.dtype import parse_dtype
 
         if args.to == "hf":
             dtype = parse_dtype(args.dtype, key="--dtype") if args.dtype else None

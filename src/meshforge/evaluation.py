@@ -16,25 +16,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshforge.data.loader import IGNORE_INDEX
 
 
-def _process_group(loss_group: Any) -> Any:
-    # A 1-D DeviceMesh is accepted as well as a ProcessGroup.
-    get_group = getattr(loss_group, "get_group", None)
-    return get_group() if callable(get_group) else loss_group
+def _process_group(loss_group: dist.ProcessGroup | DeviceMesh) -> dist.ProcessGroup:
+    """A 1-D DeviceMesh is accepted as well as a ProcessGroup."""
+    return loss_group.get_group() if isinstance(loss_group, DeviceMesh) else loss_group
 
 
 def evaluate(
-    model_forward: Callable[[dict[str, torch.Tensor]], Any],
+    model_forward: Callable[
+        [dict[str, torch.Tensor]], torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]
+    ],
     loader: Iterable[dict[str, torch.Tensor]],
     *,
     device: torch.device | str,
-    loss_group: Any = None,
+    loss_group: dist.ProcessGroup | DeviceMesh | None = None,
     max_batches: int | None = None,
 ) -> dict[str, float]:
     """Mean cross-entropy per valid token over `loader` (one pass from its start), all ranks together.
@@ -73,5 +75,8 @@ def evaluate(
             totals[1] += torch.as_tensor(tokens, device=device).to(torch.float64)
     if loss_group is not None:
         totals = all_reduce_sum(totals, _process_group(loss_group))
-    loss_sum, tokens = (float(v) for v in totals.cpu())
-    return {"eval_loss": loss_sum / tokens if tokens > 0 else math.nan, "eval_tokens": float(int(tokens))}
+    loss_total, token_total = (float(v) for v in totals.cpu())
+    return {
+        "eval_loss": loss_total / token_total if token_total > 0 else math.nan,
+        "eval_tokens": float(int(token_total)),
+    }

@@ -23,12 +23,17 @@ def _protocol(config: Path, root: Path, nproc: int) -> tuple[list[dict], list[di
     a, b, c = root / f"a{nproc}", root / f"b{nproc}", root / f"c{nproc}"
     run_train(config, [f"--training.steps={2 * K}", f"--training.output_dir={a}"], nproc=nproc, cwd=root)
     # B saves in the background (checkpoint.async_save): its checkpoint must resume exactly too.
-    run_train(
+    saving = run_train(
         config,
         [f"--training.steps={K}", f"--training.output_dir={b}", "--checkpoint.async_save=true"],
         nproc=nproc,
         cwd=root,
     )
+    # The save was handed to the background writer and completed before the run ended (the
+    # thread itself is checked in tests/unit/test_checkpoint_resume.py).
+    assert f"checkpoint: started saving step {K}" in saving.stdout
+    assert f"checkpoint: background save of step {K} finished" in saving.stdout
+    assert (b / "checkpoints" / f"checkpoint-{K:08d}" / "COMPLETE").is_file()
     run_train(
         config,
         [

@@ -9,6 +9,7 @@ run `meshforge train` / `meshforge convert` on such a folder.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,77 @@ def test_convert_refusals_name_the_folder(
     # No run folder around the step: the run's config.yaml must be given.
     assert main(["convert", "--to", "hf", str(step), str(tmp_path / "o")]) == 2
     assert "pass it with --config" in capsys.readouterr().err
+
+
+def _copy(folder: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(folder, dest)
+    return dest
+
+
+def _truncate(file: Path) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.slow
+def test_truncated_safetensors_in_model_name_or_path_is_one_line(hf_tied: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    broken = _copy(hf_tied, tmp_path / "broken")
+    _truncate(broken / "model.safetensors")
+    config = _config(tmp_path, "broken", f"  model_name_or_path: {broken}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshforge", "train", "--config", str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"error: {broken / 'model.safetensors'}: not a valid safetensors file" in proc.stderr
+
+
+def test_truncated_shard_and_broken_index_are_named(hf_untied_sharded: Path, tmp_path: Path) -> None:
+    from meshforge.checkpoint.readers import open_safetensors
+
+    broken = _copy(hf_untied_sharded, tmp_path / "shard")
+    victim = sorted(broken.glob("model-*.safetensors"))[1]
+    _truncate(victim)
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(str(victim))}: not a valid safetensors file .*truncated"
+    ):
+        with open_safetensors(victim):
+            pass
+    # The loader opens shards lazily: the truncated one is named when its first weight is read.
+    with pytest.raises(ValueError, match=rf"{re.escape(str(victim))}: not a valid safetensors file"):
+        _load_ours(broken)
+
+    index = _copy(hf_untied_sharded, tmp_path / "index") / INDEX_FILE
+    index.write_text('{"weight_map": {"a": ')
+    with pytest.raises(ValueError, match=rf"{re.escape(str(index))}: not valid JSON"):
+        find_hf_weights(index.parent)
+    index.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(index))}: must hold a JSON object, got list"):
+        find_hf_weights(index.parent)
+    index.write_text('{"weight_map": {"model.norm.weight": 3}}')
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(str(index))}: `weight_map` values must be shard file names"
+    ):
+        find_hf_weights(index.parent)
+
+
+def test_broken_config_json_is_named(hf_tied: Path, tmp_path: Path) -> None:
+    config = _copy(hf_tied, tmp_path / "cfg") / "config.json"
+    config.write_text('{"model_type": "qwen3",')
+    with pytest.raises(ValueError, match=rf"{re.escape(str(config))}: not valid JSON"):
+        read_hf_config(config.parent)
+    config.write_text('"qwen3"')
+    with pytest.raises(ValueError, match=rf"{re.escape(str(config))}: must hold a JSON object, got str"):
+        read_hf_config(config.parent)
+    config.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(config))}: not a UTF-8 text file"):
+        read_hf_config(config.parent)

@@ -1,6 +1,6 @@
 """`checkpoint:` section: what to save, where, how often, and what to load at start (light).
 
-Defaults follow the MindFormers code (NOTES 1a); `save_epochs` and `save_hf_weights` give the
+Defaults follow the MindFormers code; `save_epochs` and `save_hf_weights` give the
 MindSpeed-LLM keys of the same name a native home.
 """
 

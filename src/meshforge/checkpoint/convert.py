@@ -15,7 +15,7 @@ import json
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,15 @@ from meshforge.checkpoint.hf import (
     save_hf,
 )
 from meshforge.checkpoint.manager import COMPLETE_MARKER, TRAINER_STATE_FILE, resolve_load_path
+from meshforge.checkpoint.readers import read_dcp_metadata
 from meshforge.models.materialize import to_empty_keeping_ties
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from meshforge.checkpoint.hf import ModelSource
+    from meshforge.models.config import ModelConfig
+    from meshforge.models.registry import FamilySpec
 
 Log = Callable[[str], None]
 
@@ -54,7 +62,7 @@ def _one_rank_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _build_on_cpu(family: Any, options: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
+def _build_on_cpu(family: FamilySpec, options: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
     with torch.device("meta"):
         model = family.build(options)
     model.to(dtype=dtype)
@@ -89,13 +97,14 @@ def dcp_to_hf(
             ``--config`` option).
     """
     from meshforge.config import load_config
-    from meshforge.trainer import parse_dtype
+    from meshforge.utils.dtype import parse_dtype
 
     try:
         step = resolve_load_path(step_dir)
     except FileNotFoundError as err:
         # The resolver speaks of the config key; here the folder came from the command line.
         raise FileNotFoundError(str(err).replace("checkpoint.load_path: ", "convert: ", 1)) from None
+    read_dcp_metadata(step)
     cfg_file = Path(config_path) if config_path else step.parent.parent / "config.yaml"
     if not cfg_file.is_file():
         raise FileNotFoundError(
@@ -128,19 +137,20 @@ def dcp_to_hf(
     return out
 
 
-def _grown_options(model_cfg: Any, source: Any, tokenizer: Any, log: Log) -> dict[str, Any]:
+def _grown_options(
+    model_cfg: ModelConfig, source: ModelSource, tokenizer: PreTrainedTokenizerBase | None, log: Log
+) -> dict[str, Any]:
     """The model options with the vocabulary the run trained: tokens added by the config grow it."""
     if tokenizer is None:
         return dict(source.options)
     from meshforge.models.vocab import vocab_plan
 
-    parse = getattr(source.family, "parse_options", None)
-    size = int(parse(source.options).vocab_size) if callable(parse) else int(source.options["vocab_size"])
-    plan = vocab_plan(tokenizer, size, resize_vocab=bool(model_cfg.resize_vocab), log=log)
+    size = int(source.family.parse_options(source.options).vocab_size)
+    plan = vocab_plan(tokenizer, size, resize_vocab=model_cfg.resize_vocab, log=log)
     return plan.model_options(dict(source.options))
 
 
-def _maybe_tokenizer(model_cfg: Any, log: Log) -> Any:
+def _maybe_tokenizer(model_cfg: ModelConfig, log: Log) -> PreTrainedTokenizerBase | None:
     from meshforge.data.tokenizer import build_tokenizer, extension_options
 
     name = model_cfg.tokenizer_name_or_path or model_cfg.model_name_or_path
@@ -149,9 +159,7 @@ def _maybe_tokenizer(model_cfg: Any, log: Log) -> Any:
         return None
     try:
         # The run's added tokens (model.add_tokens, ...) belong to the checkpoint's vocabulary.
-        return build_tokenizer(
-            str(name), use_fast=bool(model_cfg.use_fast_tokenizer), **extension_options(model_cfg)
-        )
+        return build_tokenizer(name, use_fast=model_cfg.use_fast_tokenizer, **extension_options(model_cfg))
     except (OSError, ValueError) as err:
         log(f"convert: warning: tokenizer {name!r} not loaded ({err}); no tokenizer files written")
         return None

@@ -43,7 +43,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from meshforge.checkpoint.readers import open_safetensors, read_json_object
+
 if TYPE_CHECKING:
+    from meshforge.models.config import ModelConfig
     from meshforge.models.registry import FamilySpec
     from meshforge.models.spec import HFStateDictAdapter
     from meshforge.models.vocab import VocabPlan
@@ -75,13 +78,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{folder}: not a folder (a Hugging Face model folder with config.json)")
     if not file.is_file():
         raise FileNotFoundError(f"{folder}: no {CONFIG_FILE} (a Hugging Face model folder needs one)")
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except ValueError as err:
-        raise ValueError(f"{file}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(file)
 
 
 def is_hf_dir(path: str | Path) -> bool:
@@ -100,17 +97,17 @@ def find_hf_weights(path: str | Path) -> dict[str, Path]:
     Raises:
         FileNotFoundError: Naming the folder, when it has neither, or naming the shard files the
             index lists that are missing.
-        ValueError: For an index without a ``weight_map``.
+        ValueError: Naming the file, for an index that is not JSON or has no ``weight_map``, or a
+            ``model.safetensors`` whose header cannot be read (truncated).
     """
     folder = Path(path)
     index = folder / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        except ValueError as err:
-            raise ValueError(f"{index}: not valid JSON ({err})") from None
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: has no `weight_map` (key -> shard file)")
+        if not all(isinstance(name, str) for name in weight_map.values()):
+            raise ValueError(f"{index}: `weight_map` values must be shard file names")
         files = {name: folder / name for name in set(weight_map.values())}
         missing = [name for name, file in files.items() if not file.is_file()]
         if missing:
@@ -121,9 +118,7 @@ def find_hf_weights(path: str | Path) -> dict[str, Path]:
         return {key: files[name] for key, name in weight_map.items()}
     single = folder / SINGLE_FILE
     if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt", device="cpu") as handle:
+        with open_safetensors(single) as handle:
             return dict.fromkeys(handle.keys(), single)
     raise FileNotFoundError(
         f"{folder}: no Hugging Face weights ({SINGLE_FILE} or {INDEX_FILE}); "
@@ -224,8 +219,6 @@ def load_hf_weights(
         ValueError: Missing or unexpected keys (a few listed), or a shape that does not match
             (naming the file and the key).
     """
-    from safetensors import safe_open
-
     from meshforge.models.vocab import vocab_parameters
 
     folder = Path(path)
@@ -265,7 +258,7 @@ def load_hf_weights(
         def handle(key: str) -> Any:
             file = key_files[key]
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                handles[file] = stack.enter_context(open_safetensors(file))
             return handles[file]
 
         for name, param in params:
@@ -477,7 +470,7 @@ class ModelSource:
     hf_dir: Path | None
 
 
-def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = None) -> ModelSource:
+def resolve_model_source(model_cfg: ModelConfig, *, log: Callable[[str], None] | None = None) -> ModelSource:
     """Family and options from the ``model:`` section, reading ``model_name_or_path/config.json``.
 
     With ``model_name_or_path``, config.json gives the options (mapped by the family's adapter)
@@ -499,7 +492,7 @@ def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = 
 
     emit = log or (lambda _msg: None)
     extra = dict(model_cfg.model_extra or {})
-    named = (model_cfg.model_type, model_cfg.architectures, getattr(model_cfg, "model_id", None))
+    named = (model_cfg.model_type, model_cfg.architectures, model_cfg.model_id)
     if not model_cfg.model_name_or_path:
         return ModelSource(resolve_family(*named), extra, None)
     hf_dir = resolve_path(model_cfg.model_name_or_path)
@@ -534,7 +527,7 @@ def resolve_model_source(model_cfg: Any, *, log: Callable[[str], None] | None = 
 
 
 def _generic_source(
-    model_cfg: Any,
+    model_cfg: ModelConfig,
     hf_dir: Path,
     config: dict[str, Any],
     extra: dict[str, Any],
@@ -544,8 +537,7 @@ def _generic_source(
     """No built-in family: transformers' ``AutoModelForCausalLM`` from the folder (the generic path)."""
     from meshforge.models.generic import generic_family
 
-    trust = bool(getattr(model_cfg, "trust_remote_code", False))
-    family = generic_family(hf_dir, config, trust_remote_code=trust)
+    family = generic_family(hf_dir, config, trust_remote_code=model_cfg.trust_remote_code)
     try:
         family.parse_options({})
     except ValueError as err:

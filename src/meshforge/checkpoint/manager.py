@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from meshforge.checkpoint.readers import read_dcp_metadata, read_json_object
 from meshforge.utils.distributed import barrier
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -104,7 +108,7 @@ class CheckpointManager:
         save_dir: folder that receives the step folders.
         prefix: step folder prefix (`checkpoint.prefix`).
         interval: save every this many steps (`checkpoint.save_interleaved_steps`).
-        keep: how many complete step folders to keep (`checkpoint.save_max`).
+        keep: how many complete step folders to keep (`checkpoint.save_max`); None keeps all.
         enabled: `checkpoint.enable_save`.
         save_optimizer: False for `checkpoint.no_save_optim` (weights only, no exact resume).
         rank: this process's global rank; rank 0 writes the shared files.
@@ -117,7 +121,7 @@ class CheckpointManager:
         save_dir: Path,
         prefix: str,
         interval: int,
-        keep: int,
+        keep: int | None,
         enabled: bool,
         save_optimizer: bool,
         rank: int,
@@ -202,6 +206,8 @@ class CheckpointManager:
         barrier()
 
     def _prune(self) -> None:
+        if self.keep is None:
+            return
         steps = list_complete_steps(self.save_dir)
         for _, old in steps[: max(0, len(steps) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
@@ -228,7 +234,9 @@ class CheckpointManager:
                 under the source name only, which then loads into the copy.
         """
         path = resolve_load_path(load_path)
-        meta = json.loads((path / TRAINER_STATE_FILE).read_text())
+        meta = read_trainer_state(path)
+        # Read up front so that a damaged checkpoint is reported by name before DCP touches it.
+        saved = read_dcp_metadata(path)
         if load_optimizer and not meta.get("has_optimizer", True):
             raise ValueError(
                 f"checkpoint.load_path: {path} was saved without optimizer state "
@@ -239,8 +247,8 @@ class CheckpointManager:
             # DCP keeps one rank's copy of the param-group name lists, and pipeline ranks list
             # different names: the loaded lists must be this rank's own.
             own_groups = [list(group.get("params", [])) for group in optim_sd.get("param_groups", [])]
-            moved = _alias_tied_state(optim_sd, tied_aliases or {}, path)
-            extra_groups = _groups_not_saved(optim_sd, path)
+            moved = _alias_tied_state(optim_sd, tied_aliases or {}, saved)
+            extra_groups = _groups_not_saved(optim_sd, saved)
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
             dcp.load(state, checkpoint_id=str(path))
             for copy, source in moved.items():
@@ -254,8 +262,7 @@ class CheckpointManager:
                 model_state_dict=state["model"],
                 optim_state_dict=state["optimizer"],
             )
-            rank_file = path / "rng" / f"rank_{self.rank:05d}.pt"
-            rng = torch.load(rank_file, weights_only=False) if rank_file.is_file() else None
+            rng = _read_rng_state(path / "rng" / f"rank_{self.rank:05d}.pt")
             trainer_state = meta
         else:
             state = {"model": get_model_state_dict(model)}
@@ -269,16 +276,48 @@ class CheckpointManager:
         )
 
 
-def _alias_tied_state(optim_sd: dict[str, Any], aliases: dict[str, str], path: Path) -> dict[str, str]:
+def read_trainer_state(step_dir: Path) -> dict[str, Any]:
+    """`trainer_state.json` of a step folder (step, tokens seen, schedule and data position).
+
+    Raises:
+        FileNotFoundError: when the folder has none.
+        ValueError: naming the file, when it is not a JSON object or has no integer `step`.
+    """
+    file = step_dir / TRAINER_STATE_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"checkpoint.load_path: {step_dir} has no {TRAINER_STATE_FILE} (not a meshforge checkpoint folder)"
+        )
+    state = read_json_object(file)
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"{file}: `step` must be a non-negative integer, got {step!r}")
+    return state
+
+
+def _read_rng_state(file: Path) -> dict[str, Any] | None:
+    """One rank's saved RNG states, or None when that rank saved none (another world size)."""
+    if not file.is_file():
+        return None
+    try:
+        return torch.load(file, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - a damaged pickle/zip can raise almost anything
+        raise ValueError(
+            f"{file}: the saved RNG state cannot be read ({type(err).__name__}: {err}); the "
+            "checkpoint is damaged: load another step folder"
+        ) from None
+
+
+def _alias_tied_state(
+    optim_sd: dict[str, Any], aliases: dict[str, str], metadata: Metadata
+) -> dict[str, str]:
     """Rename a tied copy's optimizer state to its source's name when only the source was saved.
 
     Returns the renames made (copy -> source), to undo after loading.
     """
     if not aliases:
         return {}
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = metadata.state_dict_metadata
     state = optim_sd.get("state", {})
     moved: dict[str, str] = {}
     for copy, source in aliases.items():
@@ -290,7 +329,7 @@ def _alias_tied_state(optim_sd: dict[str, Any], aliases: dict[str, str], path: P
     return moved
 
 
-def _groups_not_saved(optim_sd: dict[str, Any], path: Path) -> list[dict[str, Any]]:
+def _groups_not_saved(optim_sd: dict[str, Any], metadata: Metadata) -> list[dict[str, Any]]:
     """Take off (and return) the param groups this run has beyond those the checkpoint holds.
 
     A run with `parallelism.ignored_modules` keeps the unsharded parameters in groups of their
@@ -298,9 +337,7 @@ def _groups_not_saved(optim_sd: dict[str, Any], path: Path) -> list[dict[str, An
     a checkpoint from a run without them holds fewer groups. Their settings are restored
     from a saved group by `_restore_extra_groups`.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = metadata.state_dict_metadata
     prefix = "optimizer.param_groups."
     indices = {int(key[len(prefix) :].split(".", 1)[0]) for key in saved if key.startswith(prefix)}
     groups = optim_sd.get("param_groups", [])

@@ -1,0 +1,84 @@
+"""Readers of the files a checkpoint folder holds, with one-line errors that name the file.
+
+A damaged file (a truncated copy, an interrupted download, a hand edit) must end a run with the
+file's path and what is wrong with it, not with the parser's traceback: `meshforge train`
+prints `ValueError`/`FileNotFoundError` messages as they are and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from safetensors import safe_open as SafeOpen
+    from torch.distributed.checkpoint.metadata import Metadata
+
+DCP_METADATA_FILE = ".metadata"
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """The JSON object in `file`.
+
+    Raises:
+        FileNotFoundError: when `file` does not exist.
+        ValueError: naming the file, when it is not valid JSON or holds something else than an object.
+    """
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: not found")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file}: not a UTF-8 text file ({err})") from None
+    except ValueError as err:
+        raise ValueError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+@contextlib.contextmanager
+def open_safetensors(file: Path) -> Iterator[SafeOpen]:
+    """`safetensors.safe_open` on the CPU, with a damaged file reported by name.
+
+    safetensors checks the header (and that the data it describes fits in the file) when the
+    file is opened, so a truncated file fails here, before any tensor is read.
+
+    Raises:
+        ValueError: naming the file and safetensors' reason.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as err:
+        raise ValueError(
+            f"{file}: not a valid safetensors file ({err}); it may be truncated or incompletely "
+            "downloaded: copy it again"
+        ) from None
+    with handle as opened:
+        yield opened
+
+
+def read_dcp_metadata(step_dir: Path) -> Metadata:
+    """The DCP metadata (global shapes and storage layout) of a checkpoint step folder.
+
+    Raises:
+        FileNotFoundError: when the folder has no `.metadata`.
+        ValueError: naming the file, when it cannot be unpickled (a truncated or foreign file).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    file = step_dir / DCP_METADATA_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{step_dir}: no {DCP_METADATA_FILE} (not a DCP checkpoint folder)")
+    try:
+        return FileSystemReader(str(step_dir)).read_metadata()
+    except Exception as err:  # noqa: BLE001 - unpickling a damaged file can raise almost anything
+        raise ValueError(
+            f"{file}: the DCP checkpoint metadata cannot be read ({type(err).__name__}: {err}); the "
+            "checkpoint is damaged (a truncated copy?): load another step folder"
+        ) from None
