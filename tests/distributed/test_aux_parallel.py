@@ -21,14 +21,11 @@ carried totals over the CP group before the product.
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed._exit import leave_worker
-from tests.distributed._spawn import start_workers
+from tests.distributed._spawn import run_workers
 from tests.distributed.test_pp_families import N_MICRO, build_family, close, micro_batches
 
 pytestmark = pytest.mark.slow
@@ -264,52 +261,30 @@ def _check_pp_cp(rank: int, family: str, mesh) -> None:
         close(grad, want_grads[n], f"[{name}] grad {n}")
 
 
-def _worker4(rank: int, init_file: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker4(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
-        _check_pp_cp(rank, "qwen3_moe", mesh)
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+    _check_pp_cp(rank, "qwen3_moe", mesh)
 
 
-def _worker(rank: int, init_file: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("cp", "dp"))
-        for method in ("ulysses", "colossal"):
-            _check_cp_qwen3_moe(method, mesh["cp"])
-        _check_cp_gpt_oss_block(mesh["cp"])
-        for case in PP_CASES:  # the same 2 ranks as a pipeline
-            _check_pp(rank, case, mesh["cp"], mesh["dp"])
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("cp", "dp"))
+    for method in ("ulysses", "colossal"):
+        _check_cp_qwen3_moe(method, mesh["cp"])
+    _check_cp_gpt_oss_block(mesh["cp"])
+    for case in PP_CASES:  # the same 2 ranks as a pipeline
+        _check_pp(rank, case, mesh["cp"], mesh["dp"])
 
 
-def _launch(worker, nprocs: int, init_file: str) -> None:
-    start_workers(worker, nprocs, init_file)
+def test_router_aux_loss_cp2_and_pp2_equal_one_process() -> None:
+    run_workers(_worker, WORLD)
 
 
-def test_router_aux_loss_cp2_and_pp2_equal_one_process(tmp_path) -> None:
-    _launch(_worker, WORLD, str(tmp_path / "rdzv"))
-
-
-def test_router_aux_loss_pp2_cp2_equals_one_process(tmp_path) -> None:
-    _launch(_worker4, 4, str(tmp_path / "rdzv"))
+def test_router_aux_loss_pp2_cp2_equals_one_process() -> None:
+    run_workers(_worker4, 4)
 
 
 def test_trainer_aux_loss_under_pp2_and_cp2_equals_one_process(tmp_path) -> None:

@@ -11,14 +11,10 @@ chunks and reduced over the CP ranks) with ulysses and colossal: logits, loss an
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed._exit import leave_worker
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -173,25 +169,16 @@ def _check_mask_slices(mesh) -> None:
         mask.narrow_rows(2, 6)
 
 
-def _worker(rank: int, world: int, init_file: str, errors) -> None:
-    try:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        _check_mask_slices(mesh)
-        for moe in (False, True):
-            for method in ("ulysses", "colossal"):
-                _check(moe, method, 2, mesh)
-        # Uneven chunks (rows 2, 1, 1) on the ring's fused kernel path.
-        _check(False, "colossal", 3, mesh)
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    leave_worker()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    _check_mask_slices(mesh)
+    for moe in (False, True):
+        for method in ("ulysses", "colossal"):
+            _check(moe, method, 2, mesh)
+    # Uneven chunks (rows 2, 1, 1) on the ring's fused kernel path.
+    _check(False, "colossal", 3, mesh)
 
 
 def test_chunked_micro_batches_under_cp2_equal_unchunked_and_one_process() -> None:

@@ -21,8 +21,6 @@ with a 1-process run.
 
 from __future__ import annotations
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import read_metrics, run_train, write_corpus
-from tests.distributed._exit import leave_worker
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -179,32 +176,23 @@ def _check_errors(mesh) -> None:
         apply_cp(build_qwen3_next(bad_heads), mesh, method="ulysses")
 
 
-def _worker(rank: int, world: int, init_file: str, errors) -> None:
-    try:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        _check_equal("moe_gqa", _build(_args(), chunk_size=5), mesh, packed=True)
-        dense = _args(
-            linear_num_value_heads=2,
-            num_key_value_heads=1,
-            mlp_only_layers=[0, 1, 2],
-            output_router_logits=False,
-        )
-        # float64 parameters and activations (the rule itself runs in float32 by design): in
-        # float32 this model's one-process decay gradients (dt_bias, A_log) are ~5e-6 off their
-        # float64 values (sums over tokens that nearly cancel), too close to the tolerance.
-        for packed in (False, True):
-            _check_equal("dense_mqa", _build(dense, chunk_size=4, dtype=torch.float64), mesh, packed=packed)
-        _check_errors(mesh)
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    leave_worker()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    _check_equal("moe_gqa", _build(_args(), chunk_size=5), mesh, packed=True)
+    dense = _args(
+        linear_num_value_heads=2,
+        num_key_value_heads=1,
+        mlp_only_layers=[0, 1, 2],
+        output_router_logits=False,
+    )
+    # float64 parameters and activations (the rule itself runs in float32 by design): in
+    # float32 this model's one-process decay gradients (dt_bias, A_log) are ~5e-6 off their
+    # float64 values (sums over tokens that nearly cancel), too close to the tolerance.
+    for packed in (False, True):
+        _check_equal("dense_mqa", _build(dense, chunk_size=4, dtype=torch.float64), mesh, packed=packed)
+    _check_errors(mesh)
 
 
 def test_cp_ulysses_qwen3_next_two_ranks_equal_one_process() -> None:

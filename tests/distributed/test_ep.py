@@ -12,17 +12,15 @@ Trainer level: `meshforge train` with `parallelism.expert_parallel` against one 
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tests.conftest import REPO, read_metrics, run_train
-from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -407,34 +405,25 @@ def _check_hf_roundtrip(folder: Path, errors: list[str]) -> None:
             errors.append("hf: the export from EP shards differs from the loaded checkpoint")
 
 
-def _worker(rank: int, world: int, store_path: str) -> None:
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
+def _worker(rank: int, world: int, folder: str) -> None:
     errors: list[str] = []
-    try:
-        if world == 2:
-            _check_errors(errors)
-            _check_model("qwen3_moe", "ep", errors)
-            _check_model("qwen3_moe", "ep+fsdp", errors)
-            _check_model("deepseek_v3", "ep+fsdp", errors)
-            _check_model("gpt_oss", "ep+fsdp", errors)
-            _check_model("qwen3_next", "ep+fsdp", errors)
-        else:
-            _check_model("qwen3_moe", "dp4 ep2 efsdp2", errors)
-            _check_exchange_zero_rows(errors)
-            _check_hf_roundtrip(Path(store_path).parent, errors)
-        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
-    finally:
-        dist.destroy_process_group()
+    if world == 2:
+        _check_errors(errors)
+        _check_model("qwen3_moe", "ep", errors)
+        _check_model("qwen3_moe", "ep+fsdp", errors)
+        _check_model("deepseek_v3", "ep+fsdp", errors)
+        _check_model("gpt_oss", "ep+fsdp", errors)
+        _check_model("qwen3_next", "ep+fsdp", errors)
+    else:
+        _check_model("qwen3_moe", "dp4 ep2 efsdp2", errors)
+        _check_exchange_zero_rows(errors)
+        _check_hf_roundtrip(Path(folder), errors)
     assert not errors, "\n".join(errors)
-    leave_worker()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_module_equals_one_process(world: int, tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+    run_workers(_worker, world, str(tmp_path))
 
 
 TRAIN = [

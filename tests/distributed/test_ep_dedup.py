@@ -20,15 +20,13 @@ dispatchers) and deepseek_v3, equal to one process.
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import run_workers
 from tests.distributed.test_ep import BATCH, _batch, _build, _full_grad, _materialize, _objective, _rel
 
 pytestmark = pytest.mark.slow
@@ -293,28 +291,15 @@ def _check_ep_with_tp(family: str, dispatcher: str, errors: list[str]) -> None:
             errors.append(f"{tag}: gradient of {name} differs by {_rel(grad, want):.2e}")
 
 
-def _worker_ep_tp(rank: int, world: int, store_path: str) -> None:
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
+def _worker_ep_tp(rank: int, world: int) -> None:
     errors: list[str] = []
-    try:
-        _check_ep_with_tp("qwen3_moe", "alltoall", errors)
-        _check_ep_with_tp("qwen3_moe", "alltoall_deredundancy", errors)
-        _check_ep_with_tp("deepseek_v3", "alltoall_deredundancy", errors)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    _check_ep_with_tp("qwen3_moe", "alltoall", errors)
+    _check_ep_with_tp("qwen3_moe", "alltoall_deredundancy", errors)
+    _check_ep_with_tp("deepseek_v3", "alltoall_deredundancy", errors)
     assert not errors, "\n".join(errors)
-    leave_worker()
 
 
-def _worker(rank: int, world: int, store_path: str) -> None:
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
+def _worker(rank: int, world: int) -> None:
     errors: list[str] = []
     measured: dict[str, float] = {}
     checks = [
@@ -324,22 +309,17 @@ def _worker(rank: int, world: int, store_path: str) -> None:
         lambda: _check_model("gpt_oss", errors),
         lambda: _check_model("qwen3_moe", errors, fsdp=True),
     ]
-    try:
-        for check in checks:
-            check()
-        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
-    finally:
-        dist.destroy_process_group()
+    for check in checks:
+        check()
     assert not errors, "\n".join(errors)
     if rank == 0:
         print("dedup/alltoall ratios (rank 0):", {k: round(v, 3) for k, v in measured.items()}, flush=True)
-    leave_worker()
 
 
 def test_deduplicated_dispatch_equals_alltoall_and_one_process(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+    run_workers(_worker, 2)
 
 
 def test_ep_with_tensor_parallel_equals_one_process(tmp_path: Path) -> None:
     """Prototype of expert parallelism together with TP (refused by the config today)."""
-    mp.spawn(_worker_ep_tp, args=(4, str(tmp_path / "store")), nprocs=4, join=True)
+    run_workers(_worker_ep_tp, 4)

@@ -15,7 +15,6 @@ given by its dotted path (expected DTensor placements, same losses), and HSDP 2x
 from __future__ import annotations
 
 import copy
-import traceback
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from tests.distributed._exit import leave_worker
-from tests.distributed._spawn import start_workers
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -349,26 +347,17 @@ def _hsdp_case(rank: int) -> None:
     _train_and_compare("hsdp", ref, model, rank)
 
 
-def _worker(rank: int, init_file: str, save_dir: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int, save_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
-        _ignored_cases(mesh, rank)
-        _checkpoint_case(mesh, rank, Path(save_dir))
-        _meta_and_bf16_cases(mesh, rank)
-        _partial_grads_case(mesh, rank)
-        _placement_cases(mesh, rank)
-        _hsdp_case(rank)
-        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+    _ignored_cases(mesh, rank)
+    _checkpoint_case(mesh, rank, Path(save_dir))
+    _meta_and_bf16_cases(mesh, rank)
+    _partial_grads_case(mesh, rank)
+    _placement_cases(mesh, rank)
+    _hsdp_case(rank)
 
 
 def test_ignored_modules_and_shard_placement_equal_one_process(tmp_path: Path) -> None:
-    start_workers(_worker, WORLD, str(tmp_path / "rdzv"), str(tmp_path / "ckpt"))
+    run_workers(_worker, WORLD, str(tmp_path / "ckpt"))

@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +30,7 @@ OPTIONS = {
 }
 
 
-def _worker(rank: int, world: int, store_path: str, hf_dir: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, hf_dir: str, out_dir: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -41,30 +39,23 @@ def _worker(rank: int, world: int, store_path: str, hf_dir: str, out_dir: str) -
     from meshforge.models.registry import resolve_family
     from meshforge.parallel.fsdp import apply_fsdp
 
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        family = resolve_family("qwen3")
-        model = family.build(OPTIONS)
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-        apply_fsdp(model, mesh, param_dtype=None, reduce_dtype=torch.float32)
-        materialize_and_init(model, device=torch.device("cpu"), seed=0, init_fn=lambda *_: None)
-        # Count the reads that take only this rank's slice from disk (every parameter here).
-        calls = []
-        real = hf._copy_local_slice
-        hf._copy_local_slice = lambda *a: (calls.append(a[0]), real(*a))
-        hf.load_hf_weights(model, family, hf_dir)
-        assert len(calls) == len(list(model.parameters())), calls
-        local = dict(model.named_parameters())["model.layers.0.mlp.up_proj.weight"].to_local()
-        assert local.shape[0] == OPTIONS["intermediate_size"] // world  # really sharded
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(full, Path(out_dir) / "loaded.pt")
-        hf.save_hf(model, family, Path(out_dir) / "export", shard_size="40KB")
-        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
-    finally:
-        dist.destroy_process_group()
-    leave_worker()
+    family = resolve_family("qwen3")
+    model = family.build(OPTIONS)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    apply_fsdp(model, mesh, param_dtype=None, reduce_dtype=torch.float32)
+    materialize_and_init(model, device=torch.device("cpu"), seed=0, init_fn=lambda *_: None)
+    # Count the reads that take only this rank's slice from disk (every parameter here).
+    calls = []
+    real = hf._copy_local_slice
+    hf._copy_local_slice = lambda *a: (calls.append(a[0]), real(*a))
+    hf.load_hf_weights(model, family, hf_dir)
+    assert len(calls) == len(list(model.parameters())), calls
+    local = dict(model.named_parameters())["model.layers.0.mlp.up_proj.weight"].to_local()
+    assert local.shape[0] == OPTIONS["intermediate_size"] // world  # really sharded
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(full, Path(out_dir) / "loaded.pt")
+    hf.save_hf(model, family, Path(out_dir) / "export", shard_size="40KB")
 
 
 def test_two_rank_load_and_export_match_the_checkpoint(tmp_path: Path) -> None:
@@ -81,7 +72,7 @@ def test_two_rank_load_and_export_match_the_checkpoint(tmp_path: Path) -> None:
     hf_dir.mkdir()
     save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
 
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(hf_dir), str(tmp_path)), nprocs=2, join=True)
+    run_workers(_worker, 2, str(hf_dir), str(tmp_path))
 
     loaded = torch.load(tmp_path / "loaded.pt")
     assert set(loaded) - {"lm_head.weight"} <= set(tensors) and set(tensors) <= set(loaded)

@@ -9,15 +9,13 @@ the last rank starts from its own seed and must be synced from the embedding.
 
 from __future__ import annotations
 
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed._exit import leave_worker
-from tests.distributed._spawn import start_workers
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -175,26 +173,17 @@ def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
         assert torch.equal(both[0], both[1]), f"[{name}] tied copies differ"
 
 
-def _worker(rank: int, init_file: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("pp", "dp"))
-        for case in CASES:
-            torch.manual_seed(0)
-            _run_case(rank, case, mesh["pp"], mesh["dp"])
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("pp", "dp"))
+    for case in CASES:
+        torch.manual_seed(0)
+        _run_case(rank, case, mesh["pp"], mesh["dp"])
 
 
 def test_pp2_schedules_equal_one_process(tmp_path) -> None:
-    start_workers(_worker, WORLD, str(tmp_path / "rdzv"))
+    run_workers(_worker, WORLD)
 
 
 def test_trainer_pp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> None:

@@ -18,8 +18,6 @@ sliding one (that stage's attention rightly gets no window).
 from __future__ import annotations
 
 import json
-import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import read_metrics, run_train
-from tests.distributed._exit import leave_worker
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -157,22 +154,12 @@ def _run_case(case, root: Path, pp_mesh, cp_mesh) -> None:
         _close(grad, grads[name], f"{what} grad {name}")
 
 
-def _worker(rank: int, world: int, init_file: str, root: str, errors) -> None:
-    try:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
-        for case in CASES:
-            _run_case(case, Path(root), mesh["pp"], mesh["cp"])
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    leave_worker()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+    for case in CASES:
+        _run_case(case, Path(root), mesh["pp"], mesh["cp"])
 
 
 def test_pp2_cp2_generic_stages_equal_one_process(tmp_path: Path) -> None:

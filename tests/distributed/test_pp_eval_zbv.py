@@ -11,16 +11,12 @@ process, tied and untied heads, packed documents, and one FSDP-wrapped model) an
 
 from __future__ import annotations
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.conftest import REPO, read_metrics, run_train
-from tests.distributed._exit import leave_worker
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -155,22 +151,13 @@ def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
     _close(pipe.evaluate(evals), final_ce, f"[{name}] final evaluate on rank {rank}")
 
 
-def _worker(rank: int, world: int, init_file: str, errors) -> None:
-    try:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
-        for case in CASES:
-            torch.manual_seed(0)
-            _run_case(rank, case, mesh["pp"], mesh["dp"])
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    leave_worker()
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    for case in CASES:
+        torch.manual_seed(0)
+        _run_case(rank, case, mesh["pp"], mesh["dp"])
 
 
 def test_pp2_zbv_evaluate_equals_one_process() -> None:

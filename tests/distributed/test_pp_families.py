@@ -12,14 +12,10 @@ with an uneven split, tied and untied embeddings. The router aux loss is off her
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.distributed._exit import leave_worker
-from tests.distributed._spawn import start_workers
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -167,23 +163,14 @@ def _run_case(rank: int, case, pp_mesh) -> None:
         opt.step()
 
 
-def _worker(rank: int, init_file: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("pp",))
-        for case in CASES:
-            torch.manual_seed(0)
-            _run_case(rank, case, mesh["pp"])
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("pp",))
+    for case in CASES:
+        torch.manual_seed(0)
+        _run_case(rank, case, mesh["pp"])
 
 
 def test_pp2_gpt_oss_and_qwen3_next_equal_one_process(tmp_path) -> None:
-    start_workers(_worker, WORLD, str(tmp_path / "rdzv"))
+    run_workers(_worker, WORLD)

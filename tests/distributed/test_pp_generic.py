@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.conftest import read_metrics, run_train
-from tests.distributed._exit import leave_worker
-from tests.distributed._spawn import start_workers
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -156,28 +153,19 @@ def _run_case(rank: int, case, root: Path, pp_mesh) -> None:
         opt.step()
 
 
-def _worker(rank: int, root: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{root}/rdzv", rank=rank, world_size=WORLD)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("pp",))
-        for case in CASES:
-            _run_case(rank, case, Path(root), mesh["pp"])
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("pp",))
+    for case in CASES:
+        _run_case(rank, case, Path(root), mesh["pp"])
 
 
 def test_pp2_generic_qwen3_equals_one_process(tmp_path: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     save_qwen3(tmp_path / "untied", tied=False)
     save_qwen3(tmp_path / "tied", tied=True, sliding=True)
-    start_workers(_worker, WORLD, str(tmp_path))
+    run_workers(_worker, WORLD, str(tmp_path))
 
 
 def test_generic_refusals(tmp_path: Path) -> None:

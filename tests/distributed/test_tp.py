@@ -16,17 +16,13 @@ a third trains a transformers Qwen3 folder through the generic path under TP.
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.conftest import read_metrics, run_train
-from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -271,36 +267,21 @@ def _check_refusals(mesh) -> None:
     torch.testing.assert_close(got, want)
 
 
-def _worker(rank: int, world: int, store_path: str, err_dir: str) -> None:
+def _worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        for case, family_name, options, kwargs, packed in CASES:
-            _check_builtin(mesh, family_name, options, kwargs, packed, case)
-        _check_meta_build(mesh)
-        _check_compiled_layers(mesh)
-        _check_generic(mesh)
-        _check_refusals(mesh)
-        dist.barrier()
-    except BaseException:
-        Path(err_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    for case, family_name, options, kwargs, packed in CASES:
+        _check_builtin(mesh, family_name, options, kwargs, packed, case)
+    _check_meta_build(mesh)
+    _check_compiled_layers(mesh)
+    _check_generic(mesh)
+    _check_refusals(mesh)
 
 
-def test_tp2_equals_one_process(tmp_path: Path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"a TP rank failed:\n{errors}")
+def test_tp2_equals_one_process() -> None:
+    run_workers(_worker, 2)
 
 
 def test_trainer_tp2_equals_one_process_and_resumes_on_one(tiny_config: Path, tmp_path: Path) -> None:
