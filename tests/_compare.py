@@ -39,17 +39,40 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / scale
 
 
+def max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest elementwise error relative to ``want``'s largest magnitude, in float64.
+
+    A second bound beside the norm for results whose every element matters on its own (trained
+    weights); not for gradients, whose small elements are rounding-sized on any layout.
+    """
+    a, b = _plain(got), _plain(want)
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
 def close_error(
-    got: torch.Tensor, want: torch.Tensor, *, rtol: float = RTOL, want64: torch.Tensor | None = None
+    got: torch.Tensor,
+    want: torch.Tensor,
+    *,
+    rtol: float = RTOL,
+    want64: torch.Tensor | None = None,
+    floor: float = 0.0,
 ) -> float:
     """The error of ``got`` in units of what it may be (``<= 1`` passes).
 
-    Without ``want64``: ``rel_error(got, want) / rtol``. With it (the same quantity computed in
+    Without ``want64``: ``‖got - want‖ / (rtol * max(‖want‖, floor))``; ``floor`` is the norm below
+    which a tensor counts as rounding noise of a larger computation (a gradient that one optimizer
+    step on slightly different weights moves by more than its own size). With ``want64`` (the same quantity computed in
     float64 from the same inputs): ``‖got - want64‖`` over the larger of ``rtol * ‖want64‖`` and
     ``ROUNDING_FACTOR`` times ``‖want - want64‖``, the float32 reference's own rounding error.
     """
     if want64 is None:
-        return rel_error(got, want) / rtol
+        a, b = _plain(got), _plain(want)
+        assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+        diff, bound = (a - b).norm().item(), rtol * max(b.norm().item(), floor)
+        if bound == 0.0:
+            return 0.0 if diff == 0.0 else float("inf")
+        return diff / bound
     a, b, exact = _plain(got), _plain(want), _plain(want64)
     assert a.shape == b.shape == exact.shape, (tuple(a.shape), tuple(b.shape), tuple(exact.shape))
     bound = max(rtol * exact.norm().item(), ROUNDING_FACTOR * (b - exact).norm().item())
@@ -65,10 +88,11 @@ def assert_close(
     *,
     rtol: float = RTOL,
     want64: torch.Tensor | None = None,
+    floor: float = 0.0,
     what: object = "",
 ) -> None:
     """Fail unless ``got`` is within ``rtol`` of ``want`` by norm (see ``close_error``)."""
-    err = close_error(got, want, rtol=rtol, want64=want64)
+    err = close_error(got, want, rtol=rtol, want64=want64, floor=floor)
     assert err <= 1.0, (what, f"norm-relative error {rel_error(got, want):.3e}", f"{err:.2f} x allowed")
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._compare import rel_error
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -22,10 +23,6 @@ pytestmark = pytest.mark.slow
 SEQ, ROWS, VOCAB = 16, 4, 64
 AUX_COEF = 0.02
 TOL = 1e-5
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _args(moe: bool):
@@ -138,14 +135,14 @@ def _check(moe: bool, method: str, chunks: int, mesh) -> None:
     plain = _cp_run(moe, method, mesh, batch, tokens, None)
     chunked = _cp_run(moe, method, mesh, batch, tokens, chunks)
     for label, (logits, loss, grads, _) in (("unchunked", plain), ("chunked", chunked)):
-        assert _rel(logits, ref_logits) <= TOL, (what, label, "logits", _rel(logits, ref_logits))
-        assert _rel(loss, ref_loss) <= TOL, (what, label, "loss", loss, ref_loss)
+        assert rel_error(logits, ref_logits) <= TOL, (what, label, "logits", rel_error(logits, ref_logits))
+        assert rel_error(loss, ref_loss) <= TOL, (what, label, "loss", loss, ref_loss)
         for name, want in ref_grads.items():
-            assert _rel(grads[name], want) <= TOL, (what, label, name, _rel(grads[name], want))
+            assert rel_error(grads[name], want) <= TOL, (what, label, name, rel_error(grads[name], want))
     # Chunked against unchunked CP: the same operations on fewer rows, so (nearly) bit-equal.
-    assert _rel(chunked[0], plain[0]) <= 1e-6, (what, "logits vs unchunked")
+    assert rel_error(chunked[0], plain[0]) <= 1e-6, (what, "logits vs unchunked")
     for name, want in plain[2].items():
-        assert _rel(chunked[2][name], want) <= TOL, (what, "grad vs unchunked", name)
+        assert rel_error(chunked[2][name], want) <= TOL, (what, "grad vs unchunked", name)
     for got, want in zip(chunked[3], plain[3], strict=True):
         assert torch.equal(got, want), (what, "tokens per expert", got, want)
 

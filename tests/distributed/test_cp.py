@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._compare import rel_error
 from tests.conftest import read_metrics, run_train
 from tests.distributed._spawn import run_workers
 
@@ -27,10 +28,6 @@ pytestmark = pytest.mark.slow
 
 SEQ = 16
 TOL = 1e-5
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _args(num_heads: int = 4, num_kv_heads: int = 2):
@@ -108,14 +105,14 @@ def _check_equal(method: str, mesh, *, packed: bool, args=None, derive_positions
 
     what = f"{method} packed={packed} heads={args.num_attention_heads}/{args.num_key_value_heads}"
     full = unshard_sequence(logits.detach(), mesh, method=method)
-    assert _rel(full, ref_logits.detach()) <= TOL, (what, _rel(full, ref_logits.detach()))
+    assert rel_error(full, ref_logits.detach()) <= TOL, (what, rel_error(full, ref_logits.detach()))
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.get_group())
-    assert _rel(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
+    assert rel_error(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         grad = p.grad.clone()
         dist.all_reduce(grad, group=mesh.get_group())
-        assert _rel(grad, q.grad) <= TOL, (what, name, _rel(grad, q.grad))
+        assert rel_error(grad, q.grad) <= TOL, (what, name, rel_error(grad, q.grad))
 
 
 def _check_errors(mesh) -> None:

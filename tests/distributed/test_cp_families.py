@@ -24,16 +24,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._compare import rel_error
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
 SEQ = 16
 TOL = 1e-5
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _deepseek(q_lora_rank: int | None, v_head_dim: int, **extra):
@@ -134,10 +131,10 @@ def _check_equal(name: str, build, method: str, mesh, *, packed: bool) -> None:
 
     what = f"{name} {method} packed={packed}"
     full = unshard_sequence(logits.detach(), mesh, method=method)
-    assert _rel(full, ref_logits.detach()) <= TOL, (what, _rel(full, ref_logits.detach()))
+    assert rel_error(full, ref_logits.detach()) <= TOL, (what, rel_error(full, ref_logits.detach()))
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.get_group())
-    assert _rel(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
+    assert rel_error(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
     checked = 0
     for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         if q.grad is None:
@@ -145,7 +142,7 @@ def _check_equal(name: str, build, method: str, mesh, *, packed: bool) -> None:
             continue
         grad = p.grad.clone()
         dist.all_reduce(grad, group=mesh.get_group())
-        assert _rel(grad, q.grad) <= TOL, (what, pname, _rel(grad, q.grad))
+        assert rel_error(grad, q.grad) <= TOL, (what, pname, rel_error(grad, q.grad))
         checked += 1
     assert checked > 10, (what, checked)
 

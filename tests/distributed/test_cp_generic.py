@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._compare import rel_error
 from tests.conftest import read_metrics, run_train
 from tests.distributed._spawn import run_workers
 
@@ -53,10 +54,6 @@ MODELS = {
     "llama": ("Llama", {"num_key_value_heads": 2}),
     "llama_mqa": ("Llama", {"num_key_value_heads": 1}),
 }
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _save_models(root: Path) -> None:
@@ -128,11 +125,11 @@ def _check_equal(folder: Path, method: str, mesh, *, packed: bool, chunks: int =
     what = f"{folder.name} {method} packed={packed} chunks={chunks}"
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.get_group())
-    assert _rel(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
+    assert rel_error(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         grad = p.grad.clone()
         dist.all_reduce(grad, group=mesh.get_group())
-        assert _rel(grad, q.grad) <= TOL, (what, name, _rel(grad, q.grad))
+        assert rel_error(grad, q.grad) <= TOL, (what, name, rel_error(grad, q.grad))
 
 
 def _check_errors(root: Path, mesh) -> None:

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._compare import rel_error
 from tests.conftest import read_metrics, run_train, write_corpus
 from tests.distributed._spawn import run_workers
 
@@ -35,10 +36,6 @@ pytestmark = pytest.mark.slow
 SEQ = 16
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _args(**extra):
@@ -135,13 +132,13 @@ def _check_equal(name: str, build, mesh, *, packed: bool, tol: float = TOL) -> N
 
     what = f"{name} packed={packed}"
     full = unshard_sequence(logits.detach(), mesh, method="ulysses")
-    assert _rel(full, ref_logits.detach()) <= tol, (what, _rel(full, ref_logits.detach()))
+    assert rel_error(full, ref_logits.detach()) <= tol, (what, rel_error(full, ref_logits.detach()))
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.get_group())
-    assert _rel(total, ref_loss.detach()) <= tol, (what, total, ref_loss)
+    assert rel_error(total, ref_loss.detach()) <= tol, (what, total, ref_loss)
     assert (aux is None) == (ref_aux is None), what
     if aux is not None:
-        assert _rel(aux.detach(), ref_aux.detach()) <= tol, (what, aux, ref_aux)
+        assert rel_error(aux.detach(), ref_aux.detach()) <= tol, (what, aux, ref_aux)
     checked = 0
     for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         if q.grad is None:
@@ -149,7 +146,7 @@ def _check_equal(name: str, build, mesh, *, packed: bool, tol: float = TOL) -> N
             continue
         grad = p.grad.clone()
         dist.all_reduce(grad, group=mesh.get_group())
-        assert _rel(grad, q.grad) <= tol, (what, pname, _rel(grad, q.grad))
+        assert rel_error(grad, q.grad) <= tol, (what, pname, rel_error(grad, q.grad))
         checked += 1
     # Every DeltaNet parameter took part (conv channels, decays, gated norm, projections).
     names = {n for n, p in ref.named_parameters() if p.grad is not None}

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from tests._compare import max_rel_error, rel_error
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -55,16 +56,6 @@ FSDP_MODULES = ["model.layers.{*}", "model.embed_tokens", "lm_head"]
 def wide_on_dim1(param: torch.nn.Parameter) -> Shard | None:
     """User placement function (reached as `tests.distributed.test_fsdp_ignored:wide_on_dim1`)."""
     return Shard(1) if param.ndim == 2 else None
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Max absolute difference relative to `b`'s largest magnitude."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """L2 norm of the difference relative to `b`'s."""
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -133,7 +124,12 @@ def _compare_params(case: str, model, ref) -> None:
     for (name, p), (ref_name, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         assert name == ref_name, (case, name, ref_name)
         a, b = _full(p.detach()), _full(q.detach())
-        assert norm_rel(a, b) <= TOL and rel(a, b) <= 10 * TOL, (case, name, norm_rel(a, b), rel(a, b))
+        assert rel_error(a, b) <= TOL and max_rel_error(a, b) <= 10 * TOL, (
+            case,
+            name,
+            rel_error(a, b),
+            max_rel_error(a, b),
+        )
 
 
 def _train_and_compare(case: str, ref, model, rank: int, steps: int = 3) -> list[tuple[float, float]]:
@@ -272,7 +268,7 @@ def _meta_and_bf16_cases(mesh, rank: int) -> None:
     ref_loss = cross_entropy_sum(ref(batch["input_ids"]), batch["labels"]) / tokens
     loss = loss.detach().clone()
     dist.all_reduce(loss)
-    assert rel(loss, ref_loss.detach()) < 2e-2, ("bf16", loss.item(), ref_loss.item())
+    assert rel_error(loss, ref_loss.detach()) < 2e-2, ("bf16", loss.item(), ref_loss.item())
     assert model.model.layers[0].mlp.up_proj.weight.grad.dtype == torch.float32
 
 

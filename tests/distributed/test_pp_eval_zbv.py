@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._compare import assert_close
 from tests.conftest import REPO, read_metrics, run_train
 from tests.distributed._spawn import run_workers
 
@@ -107,12 +108,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    err = (got - want).abs().max().item()
-    scale = want.abs().max().item()
-    assert err <= RTOL * max(scale, 1e-6), f"{what}: max abs err {err:.3e}, scale {scale:.3e}"
-
-
 def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
     from meshforge.parallel.fsdp import apply_fsdp
     from meshforge.parallel.pipeline import build_pipeline, split_model
@@ -138,7 +133,7 @@ def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
         grads = [None if p.grad is None else p.grad.clone() for p in split.model.parameters()]
         got = pipe.evaluate(evals)
         assert got.dim() == 0 and not got.requires_grad
-        _close(got, want_eval, f"[{name}] evaluate before step {step} on rank {rank}")
+        assert_close(got, want_eval, floor=1e-6, what=f"[{name}] evaluate before step {step} on rank {rank}")
         for p, before in zip(split.model.parameters(), grads, strict=True):
             # No gradient from evaluation (torch's stage set-up for eval may drop old ones).
             unchanged = p.grad is None or (before is not None and torch.equal(p.grad, before))
@@ -146,9 +141,9 @@ def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
         opt.zero_grad()
         pipe.step(train, tokens)
         for n, p in split.model.named_parameters():
-            _close(_full(p.grad), want_grads[n], f"[{name}] step {step} grad {n}")
+            assert_close(_full(p.grad), want_grads[n], floor=1e-6, what=f"[{name}] step {step} grad {n}")
         opt.step()
-    _close(pipe.evaluate(evals), final_ce, f"[{name}] final evaluate on rank {rank}")
+    assert_close(pipe.evaluate(evals), final_ce, floor=1e-6, what=f"[{name}] final evaluate on rank {rank}")
 
 
 def _worker(rank: int, world: int) -> None:

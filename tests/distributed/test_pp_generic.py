@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._compare import assert_close
 from tests.conftest import read_metrics, run_train
 from tests.distributed._spawn import run_workers
 
@@ -118,13 +119,6 @@ def _reference(folder: Path, micro, steps: int = 2):
     return history, tokens
 
 
-def close(got: torch.Tensor, want: torch.Tensor, what: str, floor: float = 1e-6) -> None:
-    """Max abs error within RTOL of the tensor's largest value (or of ``floor`` if that is smaller)."""
-    err = (got - want).abs().max().item()
-    scale = want.abs().max().item()
-    assert err <= RTOL * max(scale, floor), f"{what}: max abs err {err:.3e}, scale {scale:.3e}"
-
-
 def _run_case(rank: int, case, root: Path, pp_mesh) -> None:
     from meshforge.parallel.pipeline import build_pipeline, split_model
 
@@ -145,11 +139,13 @@ def _run_case(rank: int, case, root: Path, pp_mesh) -> None:
     for step, (want_ce, want_grads) in enumerate(history):
         opt.zero_grad()
         ce = pipe.step(micro, tokens)
-        close(ce, want_ce, f"[{name}] step {step} CE sum on rank {rank}")
+        assert_close(ce, want_ce, floor=1e-6, what=f"[{name}] step {step} CE sum on rank {rank}")
         for n, p in model.named_parameters():
             assert p.grad is not None, f"[{name}] {n} has no grad"
             # A tied head copy's gradient must be the one tied weight's (both uses summed).
-            close(p.grad, want_grads[n], f"[{name}] step {step} grad {n} on rank {rank}")
+            assert_close(
+                p.grad, want_grads[n], floor=1e-6, what=f"[{name}] step {step} grad {n} on rank {rank}"
+            )
         opt.step()
 
 

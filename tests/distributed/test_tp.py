@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._compare import rel_error
 from tests.conftest import read_metrics, run_train
 from tests.distributed._spawn import run_workers
 
@@ -68,11 +69,6 @@ CASES = [
 ]
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Max absolute difference relative to `b`'s largest magnitude."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -116,8 +112,8 @@ def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch
 def _compare(case: str, ref: torch.nn.Module, tp: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
     ref_logits, ref_loss = _step(ref, batch)
     logits, loss = _step(tp, batch)
-    assert rel(logits, ref_logits) <= TOL, (case, "logits", rel(logits, ref_logits))
-    assert rel(loss, ref_loss) <= TOL, (case, "loss", loss.item(), ref_loss.item())
+    assert rel_error(logits, ref_logits) <= TOL, (case, "logits", rel_error(logits, ref_logits))
+    assert rel_error(loss, ref_loss) <= TOL, (case, "loss", loss.item(), ref_loss.item())
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     # Every parameter is a DTensor on the TP mesh (the fused optimizer refuses a mix).
     plain = [n for n, p in tp.named_parameters() if not hasattr(p, "placements")]
@@ -128,7 +124,7 @@ def _compare(case: str, ref: torch.nn.Module, tp: torch.nn.Module, batch: dict[s
         assert p.grad is not None, (case, name)
         # Each gradient is in its parameter's layout, so its local part is this rank's slice.
         assert getattr(p.grad, "placements", None) == getattr(p, "placements", None), (case, name)
-        err = rel(_full(p.grad), ref_grads[name])
+        err = rel_error(_full(p.grad), ref_grads[name])
         assert err <= TOL, (case, name, err)
 
 
