@@ -206,6 +206,7 @@ def _config(tmp_path: Path, name: str, model_lines: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

@@ -307,6 +307,7 @@ def test_flash_attention_equals_plain_sdpa_on_cuda():
 
 
 # ----------------------------------------------------------------------------- through the trainer
+@pytest.mark.slow
 def test_trainer_chunk_loss_size_gives_the_same_losses_and_flash_true_is_refused_on_cpu(
     tiny_config: Path, tmp_path: Path
 ):
