@@ -263,7 +263,21 @@ def _meta_and_bf16_cases(mesh, rank: int) -> None:
     batch = _batches(1)[0]
     local = {k: v.chunk(WORLD)[rank] for k, v in batch.items()}
     tokens = count_valid_tokens(batch["labels"]).float()
+    # The dtype each linear really computed in: bf16 inside the FSDP units, fp32 in the MLPs.
+    ran: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    watched = {"attention": model.model.layers[0].self_attn.q_proj, "mlp": model.model.layers[0].mlp.up_proj}
+
+    def record(key: str):
+        def hook(module: torch.nn.Module, args: tuple, _out: torch.Tensor) -> None:
+            ran.setdefault(key, (args[0].dtype, module.weight.dtype))
+
+        return hook
+
+    hooks = [module.register_forward_hook(record(key)) for key, module in watched.items()]
     loss = cross_entropy_sum(model(local["input_ids"]), local["labels"]) / tokens
+    for hook in hooks:
+        hook.remove()
+    assert ran == {"attention": (torch.bfloat16, torch.bfloat16), "mlp": (torch.float32, torch.float32)}, ran
     loss.backward()
     ref_loss = cross_entropy_sum(ref(batch["input_ids"]), batch["labels"]) / tokens
     loss = loss.detach().clone()
