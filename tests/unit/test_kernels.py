@@ -26,6 +26,7 @@ from meshforge.models.qwen3.args import Qwen3Args  # noqa: E402
 from meshforge.models.qwen3.model import build_qwen3  # noqa: E402
 from meshforge.models.qwen3_moe.args import Qwen3MoeArgs  # noqa: E402
 from meshforge.models.qwen3_moe.model import build_qwen3_moe  # noqa: E402
+from tests._compare import assert_close  # noqa: E402
 from tests.conftest import read_metrics, run_train  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -360,15 +361,26 @@ def test_compiled_decoder_layers_match_eager(tmp_path: Path, monkeypatch):
     compiled.load_state_dict(eager.state_dict())
     apply_compile(compiled)
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    # Every decoder layer is compiled in place, and running them really goes through dynamo and
+    # AOTAutograd (forward and backward graphs), which the eager twin never does.
+    assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers)
+    assert eager.model.layers[0]._compiled_call_impl is None
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     ids, labels = _batch(7)
     losses = []
+    graphs = []
     for model in (eager, compiled):
         loss = cross_entropy_sum(model(ids), labels)
         loss.backward()
         losses.append(loss)
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+        graphs.append((counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]))
+    assert graphs[0] == (0, 0) and graphs[1][0] >= 1 and graphs[1][1] >= 1, graphs
+    assert_close(losses[1], losses[0], what="loss")
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+        assert_close(b.grad, a.grad, rtol=1e-4, what=name)
 
 
 def test_options_object_is_plain_data():
