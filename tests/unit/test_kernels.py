@@ -106,8 +106,8 @@ def test_chunked_cross_entropy_equals_plain_loss_and_gradients(chunk_size):
     chunked = chunked_cross_entropy_sum(hidden, weight, labels, chunk_size=chunk_size)
     (chunked / 7).backward()
     torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(hidden.grad, ref_h, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(weight.grad, ref_w, rtol=1e-5, atol=1e-6)
+    assert_close(hidden.grad, ref_h, what="hidden grad")
+    assert_close(weight.grad, ref_w, what="weight grad")
 
 
 def test_chunked_cross_entropy_keeps_no_full_logits():
@@ -161,7 +161,7 @@ def test_model_hidden_output_feeds_the_chunked_loss(build):
     chunked.backward()
     torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-5)
     for name, grad in _grads(model).items():
-        torch.testing.assert_close(grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert_close(grad, ref[name], what=name)
 
 
 # ----------------------------------------------------------------------------- resolution
@@ -232,7 +232,7 @@ def test_plain_rmsnorm_and_auto_switches_give_the_same_model(build):
     )
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert norms and not any(m.fused for m in norms)
-    torch.testing.assert_close(model(ids), default, rtol=1e-5, atol=1e-5)
+    assert_close(model(ids), default, what="logits")
 
 
 def test_grouped_gemm_switch_gives_the_loop_numbers():
@@ -247,7 +247,7 @@ def test_grouped_gemm_switch_gives_the_loop_numbers():
     grouped.backward()
     torch.testing.assert_close(grouped, plain, rtol=1e-6, atol=1e-5)
     for name, grad in _grads(model).items():
-        torch.testing.assert_close(grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert_close(grad, ref[name], what=name)
 
 
 def test_fix_router_assigns_token_i_to_experts_i_k_plus_j_mod_e():
