@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._compare import max_rel_error, rel_error
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -109,4 +110,6 @@ def test_torchrun_training_from_hf_folder_equals_one_process(tmp_path: Path) -> 
     b = load_file(str(runs[2] / "hf" / "model.safetensors"))
     assert a.keys() == b.keys() and "lm_head.weight" not in a  # tied: one tensor, as transformers writes
     for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
+        # Trained weights: 1e-5 in norm, 1e-4 of the largest weight elementwise (Adam moves an
+        # element whose gradient is a near-zero cancellation by its own rounding).
+        assert rel_error(b[name], a[name]) <= 1e-5 and max_rel_error(b[name], a[name]) <= 1e-4, name
