@@ -13,9 +13,10 @@ One 2-process gloo spawn (ep 2), with the model helpers of ``test_ep.py``:
   token has two experts on one rank, and the all-to-all bytes counted by ``CommCounter`` drop
   accordingly.
 
-A second spawn (4 processes) prototypes expert parallelism together with tensor parallelism
-(refused by the config today): dp 2 x tp 2 with ep 2 over the data ranks, qwen3_moe (both
-dispatchers) and deepseek_v3, equal to one process.
+A second spawn (4 processes) runs expert parallelism together with tensor parallelism, the
+layout the trainer builds for ``expert_parallel`` with ``tensor_parallel`` (docs/architecture.md,
+"Departures": the MoE block stays whole on each TP rank, EP shards its experts): dp 2 x tp 2 with
+ep 2 over the data ranks, qwen3_moe (both dispatchers) and deepseek_v3, equal to one process.
 """
 
 from __future__ import annotations
@@ -328,5 +329,5 @@ def test_deduplicated_dispatch_equals_alltoall_and_one_process(tmp_path: Path) -
 
 
 def test_ep_with_tensor_parallel_equals_one_process(tmp_path: Path) -> None:
-    """Prototype of expert parallelism together with TP (refused by the config today)."""
+    """Expert parallelism together with TP (dp 2 x tp 2, ep 2 over the data ranks) equals one process."""
     run_workers(_worker_ep_tp, 4)

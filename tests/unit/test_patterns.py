@@ -1,4 +1,4 @@
-"""Module-pattern semantics (reference NOTES.md, "Module matcher") and error messages."""
+"""Module-pattern semantics (`meshforge.parallel.patterns`: `{*}`, ranges, globs) and error messages."""
 
 from __future__ import annotations
 

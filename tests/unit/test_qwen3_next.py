@@ -124,7 +124,7 @@ def _pair(args: Qwen3NextArgs, seed: int = 0):
 
 
 def _options(**fields) -> KernelOptions:
-    """KernelOptions carrying the GDN fields the lead is asked to add (gdn_chunk_size, ...)."""
+    """KernelOptions with the Gated DeltaNet switches set (gdn_chunk_size, triton_gdn, ...), declared or not."""
     extended = dataclasses.make_dataclass(
         "GdnKernelOptions",
         [
