@@ -1,8 +1,14 @@
-"""Shared test fixtures: offline Hugging Face, a tiny training config, and a run launcher."""
+"""Shared test fixtures: offline Hugging Face, a tiny training config, and a run launcher.
+
+Tiers are by speed: a test that starts a process (a subprocess, torchrun, `python -m meshforge`,
+spawned workers) costs seconds of start-up alone, so it must be marked `slow`; the autouse
+fixture below fails one that is not, so `make test-fast` stays fast.
+"""
 
 from __future__ import annotations
 
 import json
+import multiprocessing.process
 import os
 import subprocess
 import sys
@@ -14,6 +20,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _processes_need_the_slow_mark(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail a test without the `slow` mark as soon as it starts a process."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise pytest.fail.Exception(
+            f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow (tests/conftest.py)",
+            pytrace=False,
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
 
 TINY_CONFIG = """
 training:

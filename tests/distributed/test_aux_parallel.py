@@ -21,15 +21,13 @@ carried totals over the CP group before the product.
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed._exit import leave_worker
-from tests.distributed._spawn import start_workers
-from tests.distributed.test_pp_families import N_MICRO, build_family, close, micro_batches
+from tests._compare import assert_close
+from tests.distributed._spawn import run_workers
+from tests.distributed.test_pp_families import N_MICRO, build_family, micro_batches
 
 pytestmark = pytest.mark.slow
 
@@ -92,16 +90,16 @@ def _check_cp_qwen3_moe(method: str, mesh) -> None:
     assert set_aux_reduce_group(model, mesh) == 2
     logits = model(local["input_ids"], local["position_ids"], local["segment_ids"])
     aux = model.aux_loss()
-    close(aux.detach(), want_aux.detach(), f"{what}: aux value")
+    assert_close(aux.detach(), want_aux.detach(), floor=1e-6, what=f"{what}: aux value")
     share = count_valid_tokens(local["labels"]).float() / tokens
     (cross_entropy_sum(logits, local["labels"]) / tokens + COEF * aux * share).backward()
     logged = (aux.detach() * share).clone()
     dist.all_reduce(logged, group=mesh.get_group())
-    close(logged, want_aux.detach(), f"{what}: logged aux")
+    assert_close(logged, want_aux.detach(), floor=1e-6, what=f"{what}: logged aux")
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         grad = p.grad.clone()
         dist.all_reduce(grad, group=mesh.get_group())
-        close(grad, q.grad, f"{what}: grad {name}")
+        assert_close(grad, q.grad, floor=1e-6, what=f"{what}: grad {name}")
 
 
 def _check_cp_gpt_oss_block(mesh) -> None:
@@ -134,14 +132,14 @@ def _check_cp_gpt_oss_block(mesh) -> None:
     xl = x[:, index].clone().requires_grad_(True)
     mine(xl, keep[:, index])
     aux = load_balancing_loss([mine.last_aux_stats], 4)
-    close(aux.detach(), want.detach(), f"{what}: aux value")
+    assert_close(aux.detach(), want.detach(), floor=1e-6, what=f"{what}: aux value")
     share = keep[:, index].sum().float() / keep.sum().float()
     (aux * share).backward()
-    close(xl.grad, xr.grad[:, index], f"{what}: input grad")
+    assert_close(xl.grad, xr.grad[:, index], floor=1e-6, what=f"{what}: input grad")
     for (name, p), (_, q) in zip(mine.router.named_parameters(), ref.router.named_parameters(), strict=True):
         grad = p.grad.clone()
         dist.all_reduce(grad, group=mesh.get_group())
-        close(grad, q.grad, f"{what}: router.{name} grad")
+        assert_close(grad, q.grad, floor=1e-6, what=f"{what}: router.{name} grad")
 
 
 def _qwen3_moe_pp(tied: bool):
@@ -212,15 +210,15 @@ def _check_pp(rank: int, case, pp_mesh, dp_mesh) -> None:
     )
     assert pipe.aux_experts == 4
     ce = pipe.step(micro, tokens)
-    close(ce, want_ce, f"[pp {name}] CE sum on rank {rank}")
-    close(pipe.aux_sum, want_aux, f"[pp {name}] logged aux sum on rank {rank}")
+    assert_close(ce, want_ce, floor=1e-6, what=f"[pp {name}] CE sum on rank {rank}")
+    assert_close(pipe.aux_sum, want_aux, floor=1e-6, what=f"[pp {name}] logged aux sum on rank {rank}")
     for n, p in split.model.named_parameters():
         assert p.grad is not None, f"[pp {name}] {n} has no grad"
-        close(_full(p.grad), want_grads[n], f"[pp {name}] grad {n}")
+        assert_close(_full(p.grad), want_grads[n], floor=1e-6, what=f"[pp {name}] grad {n}")
     # Evaluation runs the same stages (with the carry) and leaves the logged training value alone.
     logged = pipe.aux_sum.clone()
     with torch.no_grad():
-        close(pipe.evaluate(micro), want_ce, f"[pp {name}] evaluate CE sum")
+        assert_close(pipe.evaluate(micro), want_ce, floor=1e-6, what=f"[pp {name}] evaluate CE sum")
     assert torch.equal(pipe.aux_sum, logged)
 
 
@@ -256,60 +254,38 @@ def _check_pp_cp(rank: int, family: str, mesh) -> None:
     ce = pipe.step(local, tokens)
     both = torch.stack([ce, pipe.aux_sum])
     dist.all_reduce(both, group=cp.get_group())  # as the trainer's loss-group sums
-    close(both[0], want_ce, f"[{name}] CE sum on rank {rank}")
-    close(both[1], want_aux, f"[{name}] logged aux sum on rank {rank}")
+    assert_close(both[0], want_ce, floor=1e-6, what=f"[{name}] CE sum on rank {rank}")
+    assert_close(both[1], want_aux, floor=1e-6, what=f"[{name}] logged aux sum on rank {rank}")
     for n, p in split.model.named_parameters():
         grad = p.grad.clone()
         dist.all_reduce(grad, group=cp.get_group())  # as FSDP over the cp ranks would
-        close(grad, want_grads[n], f"[{name}] grad {n}")
+        assert_close(grad, want_grads[n], floor=1e-6, what=f"[{name}] grad {n}")
 
 
-def _worker4(rank: int, init_file: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker4(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
-        _check_pp_cp(rank, "qwen3_moe", mesh)
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+    _check_pp_cp(rank, "qwen3_moe", mesh)
 
 
-def _worker(rank: int, init_file: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("cp", "dp"))
-        for method in ("ulysses", "colossal"):
-            _check_cp_qwen3_moe(method, mesh["cp"])
-        _check_cp_gpt_oss_block(mesh["cp"])
-        for case in PP_CASES:  # the same 2 ranks as a pipeline
-            _check_pp(rank, case, mesh["cp"], mesh["dp"])
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("cp", "dp"))
+    for method in ("ulysses", "colossal"):
+        _check_cp_qwen3_moe(method, mesh["cp"])
+    _check_cp_gpt_oss_block(mesh["cp"])
+    for case in PP_CASES:  # the same 2 ranks as a pipeline
+        _check_pp(rank, case, mesh["cp"], mesh["dp"])
 
 
-def _launch(worker, nprocs: int, init_file: str) -> None:
-    start_workers(worker, nprocs, init_file)
+def test_router_aux_loss_cp2_and_pp2_equal_one_process() -> None:
+    run_workers(_worker, WORLD)
 
 
-def test_router_aux_loss_cp2_and_pp2_equal_one_process(tmp_path) -> None:
-    _launch(_worker, WORLD, str(tmp_path / "rdzv"))
-
-
-def test_router_aux_loss_pp2_cp2_equals_one_process(tmp_path) -> None:
-    _launch(_worker4, 4, str(tmp_path / "rdzv"))
+def test_router_aux_loss_pp2_cp2_equals_one_process() -> None:
+    run_workers(_worker4, 4)
 
 
 def test_trainer_aux_loss_under_pp2_and_cp2_equals_one_process(tmp_path) -> None:

@@ -11,14 +11,11 @@ chunks and reduced over the CP ranks) with ulysses and colossal: logits, loss an
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed._exit import leave_worker
+from tests._compare import rel_error
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -26,10 +23,6 @@ pytestmark = pytest.mark.slow
 SEQ, ROWS, VOCAB = 16, 4, 64
 AUX_COEF = 0.02
 TOL = 1e-5
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _args(moe: bool):
@@ -142,14 +135,14 @@ def _check(moe: bool, method: str, chunks: int, mesh) -> None:
     plain = _cp_run(moe, method, mesh, batch, tokens, None)
     chunked = _cp_run(moe, method, mesh, batch, tokens, chunks)
     for label, (logits, loss, grads, _) in (("unchunked", plain), ("chunked", chunked)):
-        assert _rel(logits, ref_logits) <= TOL, (what, label, "logits", _rel(logits, ref_logits))
-        assert _rel(loss, ref_loss) <= TOL, (what, label, "loss", loss, ref_loss)
+        assert rel_error(logits, ref_logits) <= TOL, (what, label, "logits", rel_error(logits, ref_logits))
+        assert rel_error(loss, ref_loss) <= TOL, (what, label, "loss", loss, ref_loss)
         for name, want in ref_grads.items():
-            assert _rel(grads[name], want) <= TOL, (what, label, name, _rel(grads[name], want))
+            assert rel_error(grads[name], want) <= TOL, (what, label, name, rel_error(grads[name], want))
     # Chunked against unchunked CP: the same operations on fewer rows, so (nearly) bit-equal.
-    assert _rel(chunked[0], plain[0]) <= 1e-6, (what, "logits vs unchunked")
+    assert rel_error(chunked[0], plain[0]) <= 1e-6, (what, "logits vs unchunked")
     for name, want in plain[2].items():
-        assert _rel(chunked[2][name], want) <= TOL, (what, "grad vs unchunked", name)
+        assert rel_error(chunked[2][name], want) <= TOL, (what, "grad vs unchunked", name)
     for got, want in zip(chunked[3], plain[3], strict=True):
         assert torch.equal(got, want), (what, "tokens per expert", got, want)
 
@@ -173,25 +166,16 @@ def _check_mask_slices(mesh) -> None:
         mask.narrow_rows(2, 6)
 
 
-def _worker(rank: int, world: int, init_file: str, errors) -> None:
-    try:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        _check_mask_slices(mesh)
-        for moe in (False, True):
-            for method in ("ulysses", "colossal"):
-                _check(moe, method, 2, mesh)
-        # Uneven chunks (rows 2, 1, 1) on the ring's fused kernel path.
-        _check(False, "colossal", 3, mesh)
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    leave_worker()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    _check_mask_slices(mesh)
+    for moe in (False, True):
+        for method in ("ulysses", "colossal"):
+            _check(moe, method, 2, mesh)
+    # Uneven chunks (rows 2, 1, 1) on the ring's fused kernel path.
+    _check(False, "colossal", 3, mesh)
 
 
 def test_chunked_micro_batches_under_cp2_equal_unchunked_and_one_process() -> None:

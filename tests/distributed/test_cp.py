@@ -14,26 +14,20 @@ grad norms.
 from __future__ import annotations
 
 import contextlib
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests._compare import rel_error
 from tests.conftest import read_metrics, run_train
-from tests.distributed._exit import leave_worker
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
 SEQ = 16
 TOL = 1e-5
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _args(num_heads: int = 4, num_kv_heads: int = 2):
@@ -111,14 +105,14 @@ def _check_equal(method: str, mesh, *, packed: bool, args=None, derive_positions
 
     what = f"{method} packed={packed} heads={args.num_attention_heads}/{args.num_key_value_heads}"
     full = unshard_sequence(logits.detach(), mesh, method=method)
-    assert _rel(full, ref_logits.detach()) <= TOL, (what, _rel(full, ref_logits.detach()))
+    assert rel_error(full, ref_logits.detach()) <= TOL, (what, rel_error(full, ref_logits.detach()))
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.get_group())
-    assert _rel(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
+    assert rel_error(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         grad = p.grad.clone()
         dist.all_reduce(grad, group=mesh.get_group())
-        assert _rel(grad, q.grad) <= TOL, (what, name, _rel(grad, q.grad))
+        assert rel_error(grad, q.grad) <= TOL, (what, name, rel_error(grad, q.grad))
 
 
 def _check_errors(mesh) -> None:
@@ -167,38 +161,29 @@ def _plain_ring():
         context.FUSED_CPU_RING = True
 
 
-def _worker(rank: int, world: int, init_file: str, errors) -> None:
-    try:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        if world == 2:
-            for method in ("ulysses", "colossal", "kvallgather"):
-                for packed in (False, True):
-                    _check_equal(method, mesh, packed=packed, derive_positions=packed and method != "ulysses")
-            _check_equal("colossal", mesh, packed=True, args=_args(4, 1))
-            with _plain_ring():
-                for packed in (False, True):
-                    _check_equal("colossal", mesh, packed=packed)
-            # MQA: one K/V head repeated so each ulysses rank gets whole groups.
-            _check_equal("ulysses", mesh, packed=True, args=_args(4, 1))
-            # The MoE family: DecoderModel's token mask (padding out of routing stats) under CP.
-            _check_equal("colossal", mesh, packed=True, args=_moe_args())
-            _check_errors(mesh)
-        else:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    if world == 2:
+        for method in ("ulysses", "colossal", "kvallgather"):
             for packed in (False, True):
-                _check_equal("hybrid", mesh, packed=packed)
+                _check_equal(method, mesh, packed=packed, derive_positions=packed and method != "ulysses")
+        _check_equal("colossal", mesh, packed=True, args=_args(4, 1))
+        with _plain_ring():
+            for packed in (False, True):
                 _check_equal("colossal", mesh, packed=packed)
-            with _plain_ring():
-                _check_equal("hybrid", mesh, packed=True)
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    leave_worker()
+        # MQA: one K/V head repeated so each ulysses rank gets whole groups.
+        _check_equal("ulysses", mesh, packed=True, args=_args(4, 1))
+        # The MoE family: DecoderModel's token mask (padding out of routing stats) under CP.
+        _check_equal("colossal", mesh, packed=True, args=_moe_args())
+        _check_errors(mesh)
+    else:
+        for packed in (False, True):
+            _check_equal("hybrid", mesh, packed=packed)
+            _check_equal("colossal", mesh, packed=packed)
+        with _plain_ring():
+            _check_equal("hybrid", mesh, packed=True)
 
 
 def _launch(world: int) -> None:

@@ -19,24 +19,18 @@ hybrid (ulysses 2 x ring 2) on both families.
 from __future__ import annotations
 
 import contextlib
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed._exit import leave_worker
+from tests._compare import rel_error
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
 SEQ = 16
 TOL = 1e-5
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _deepseek(q_lora_rank: int | None, v_head_dim: int, **extra):
@@ -137,10 +131,10 @@ def _check_equal(name: str, build, method: str, mesh, *, packed: bool) -> None:
 
     what = f"{name} {method} packed={packed}"
     full = unshard_sequence(logits.detach(), mesh, method=method)
-    assert _rel(full, ref_logits.detach()) <= TOL, (what, _rel(full, ref_logits.detach()))
+    assert rel_error(full, ref_logits.detach()) <= TOL, (what, rel_error(full, ref_logits.detach()))
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.get_group())
-    assert _rel(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
+    assert rel_error(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
     checked = 0
     for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         if q.grad is None:
@@ -148,7 +142,7 @@ def _check_equal(name: str, build, method: str, mesh, *, packed: bool) -> None:
             continue
         grad = p.grad.clone()
         dist.all_reduce(grad, group=mesh.get_group())
-        assert _rel(grad, q.grad) <= TOL, (what, pname, _rel(grad, q.grad))
+        assert rel_error(grad, q.grad) <= TOL, (what, pname, rel_error(grad, q.grad))
         checked += 1
     assert checked > 10, (what, checked)
 
@@ -181,42 +175,33 @@ def _plain_ring():
         context.FUSED_CPU_RING = True
 
 
-def _worker(rank: int, world: int, init_file: str, errors) -> None:
-    try:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        models = {
-            "deepseek_qlora_v8": _deepseek(8, 8),
-            "deepseek_v16": _deepseek(None, 16),
-            "gpt_oss": _gpt_oss(),
-        }
-        if world == 2:
-            for name, build in models.items():
-                for method in ("ulysses", "colossal", "kvallgather"):
-                    _check_equal(name, build, method, mesh, packed=True)
-                with _plain_ring():
-                    _check_equal(name, build, "colossal", mesh, packed=True)
-            for method in ("colossal", "kvallgather"):
-                _check_equal("gpt_oss", models["gpt_oss"], method, mesh, packed=False)
-            _check_equal("deepseek_qlora_v8", models["deepseek_qlora_v8"], "colossal", mesh, packed=False)
-            # MQA: ulysses repeats the one K/V head so each rank gets whole groups.
-            for method in ("ulysses", "colossal"):
-                _check_equal("gpt_oss_mqa", _gpt_oss(num_kv_heads=1), method, mesh, packed=True)
-            _check_errors(mesh)
-        else:
-            for name in ("deepseek_qlora_v8", "gpt_oss"):
-                _check_equal(name, models[name], "hybrid", mesh, packed=True)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    models = {
+        "deepseek_qlora_v8": _deepseek(8, 8),
+        "deepseek_v16": _deepseek(None, 16),
+        "gpt_oss": _gpt_oss(),
+    }
+    if world == 2:
+        for name, build in models.items():
+            for method in ("ulysses", "colossal", "kvallgather"):
+                _check_equal(name, build, method, mesh, packed=True)
             with _plain_ring():
-                _check_equal("gpt_oss", models["gpt_oss"], "hybrid", mesh, packed=True)
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    leave_worker()
+                _check_equal(name, build, "colossal", mesh, packed=True)
+        for method in ("colossal", "kvallgather"):
+            _check_equal("gpt_oss", models["gpt_oss"], method, mesh, packed=False)
+        _check_equal("deepseek_qlora_v8", models["deepseek_qlora_v8"], "colossal", mesh, packed=False)
+        # MQA: ulysses repeats the one K/V head so each rank gets whole groups.
+        for method in ("ulysses", "colossal"):
+            _check_equal("gpt_oss_mqa", _gpt_oss(num_kv_heads=1), method, mesh, packed=True)
+        _check_errors(mesh)
+    else:
+        for name in ("deepseek_qlora_v8", "gpt_oss"):
+            _check_equal(name, models[name], "hybrid", mesh, packed=True)
+        with _plain_ring():
+            _check_equal("gpt_oss", models["gpt_oss"], "hybrid", mesh, packed=True)
 
 
 def _launch(world: int) -> None:

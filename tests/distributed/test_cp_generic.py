@@ -16,16 +16,14 @@ norms.
 
 from __future__ import annotations
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests._compare import rel_error
 from tests.conftest import read_metrics, run_train
-from tests.distributed._exit import leave_worker
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -56,10 +54,6 @@ MODELS = {
     "llama": ("Llama", {"num_key_value_heads": 2}),
     "llama_mqa": ("Llama", {"num_key_value_heads": 1}),
 }
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _save_models(root: Path) -> None:
@@ -131,11 +125,11 @@ def _check_equal(folder: Path, method: str, mesh, *, packed: bool, chunks: int =
     what = f"{folder.name} {method} packed={packed} chunks={chunks}"
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.get_group())
-    assert _rel(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
+    assert rel_error(total, ref_loss.detach()) <= TOL, (what, total, ref_loss)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         grad = p.grad.clone()
         dist.all_reduce(grad, group=mesh.get_group())
-        assert _rel(grad, q.grad) <= TOL, (what, name, _rel(grad, q.grad))
+        assert rel_error(grad, q.grad) <= TOL, (what, name, rel_error(grad, q.grad))
 
 
 def _check_errors(root: Path, mesh) -> None:
@@ -162,30 +156,21 @@ def _check_errors(root: Path, mesh) -> None:
         apply_cp(model, mesh, method="ulysses")
 
 
-def _worker(rank: int, world: int, init_file: str, root: str, errors) -> None:
-    try:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        folders = Path(root)
-        for method in ("ulysses", "colossal", "kvallgather"):
-            for packed in (False, True):
-                _check_equal(folders / "qwen3", method, mesh, packed=packed)
-                _check_equal(folders / "qwen3_sliding", method, mesh, packed=packed)
-        _check_equal(folders / "mistral_sliding", "colossal", mesh, packed=True)
-        _check_equal(folders / "llama", "colossal", mesh, packed=True)
-        _check_equal(folders / "llama_mqa", "ulysses", mesh, packed=True)
-        for method in ("ulysses", "colossal"):
-            _check_equal(folders / "qwen3_sliding", method, mesh, packed=True, chunks=2)
-        _check_errors(folders, mesh)
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    leave_worker()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    folders = Path(root)
+    for method in ("ulysses", "colossal", "kvallgather"):
+        for packed in (False, True):
+            _check_equal(folders / "qwen3", method, mesh, packed=packed)
+            _check_equal(folders / "qwen3_sliding", method, mesh, packed=packed)
+    _check_equal(folders / "mistral_sliding", "colossal", mesh, packed=True)
+    _check_equal(folders / "llama", "colossal", mesh, packed=True)
+    _check_equal(folders / "llama_mqa", "ulysses", mesh, packed=True)
+    for method in ("ulysses", "colossal"):
+        _check_equal(folders / "qwen3_sliding", method, mesh, packed=True, chunks=2)
+    _check_errors(folders, mesh)
 
 
 def test_generic_cp_two_ranks_equal_one_process(tmp_path: Path) -> None:

@@ -21,16 +21,14 @@ with a 1-process run.
 
 from __future__ import annotations
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests._compare import rel_error
 from tests.conftest import read_metrics, run_train, write_corpus
-from tests.distributed._exit import leave_worker
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -38,10 +36,6 @@ pytestmark = pytest.mark.slow
 SEQ = 16
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _args(**extra):
@@ -138,13 +132,13 @@ def _check_equal(name: str, build, mesh, *, packed: bool, tol: float = TOL) -> N
 
     what = f"{name} packed={packed}"
     full = unshard_sequence(logits.detach(), mesh, method="ulysses")
-    assert _rel(full, ref_logits.detach()) <= tol, (what, _rel(full, ref_logits.detach()))
+    assert rel_error(full, ref_logits.detach()) <= tol, (what, rel_error(full, ref_logits.detach()))
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.get_group())
-    assert _rel(total, ref_loss.detach()) <= tol, (what, total, ref_loss)
+    assert rel_error(total, ref_loss.detach()) <= tol, (what, total, ref_loss)
     assert (aux is None) == (ref_aux is None), what
     if aux is not None:
-        assert _rel(aux.detach(), ref_aux.detach()) <= tol, (what, aux, ref_aux)
+        assert rel_error(aux.detach(), ref_aux.detach()) <= tol, (what, aux, ref_aux)
     checked = 0
     for (pname, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         if q.grad is None:
@@ -152,7 +146,7 @@ def _check_equal(name: str, build, mesh, *, packed: bool, tol: float = TOL) -> N
             continue
         grad = p.grad.clone()
         dist.all_reduce(grad, group=mesh.get_group())
-        assert _rel(grad, q.grad) <= tol, (what, pname, _rel(grad, q.grad))
+        assert rel_error(grad, q.grad) <= tol, (what, pname, rel_error(grad, q.grad))
         checked += 1
     # Every DeltaNet parameter took part (conv channels, decays, gated norm, projections).
     names = {n for n, p in ref.named_parameters() if p.grad is not None}
@@ -179,32 +173,23 @@ def _check_errors(mesh) -> None:
         apply_cp(build_qwen3_next(bad_heads), mesh, method="ulysses")
 
 
-def _worker(rank: int, world: int, init_file: str, errors) -> None:
-    try:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        _check_equal("moe_gqa", _build(_args(), chunk_size=5), mesh, packed=True)
-        dense = _args(
-            linear_num_value_heads=2,
-            num_key_value_heads=1,
-            mlp_only_layers=[0, 1, 2],
-            output_router_logits=False,
-        )
-        # float64 parameters and activations (the rule itself runs in float32 by design): in
-        # float32 this model's one-process decay gradients (dt_bias, A_log) are ~5e-6 off their
-        # float64 values (sums over tokens that nearly cancel), too close to the tolerance.
-        for packed in (False, True):
-            _check_equal("dense_mqa", _build(dense, chunk_size=4, dtype=torch.float64), mesh, packed=packed)
-        _check_errors(mesh)
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    leave_worker()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    _check_equal("moe_gqa", _build(_args(), chunk_size=5), mesh, packed=True)
+    dense = _args(
+        linear_num_value_heads=2,
+        num_key_value_heads=1,
+        mlp_only_layers=[0, 1, 2],
+        output_router_logits=False,
+    )
+    # float64 parameters and activations (the rule itself runs in float32 by design): in
+    # float32 this model's one-process decay gradients (dt_bias, A_log) are ~5e-6 off their
+    # float64 values (sums over tokens that nearly cancel), too close to the tolerance.
+    for packed in (False, True):
+        _check_equal("dense_mqa", _build(dense, chunk_size=4, dtype=torch.float64), mesh, packed=packed)
+    _check_errors(mesh)
 
 
 def test_cp_ulysses_qwen3_next_two_ranks_equal_one_process() -> None:

@@ -12,17 +12,16 @@ Trainer level: `meshforge train` with `parallelism.expert_parallel` against one 
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests._compare import rel_error
 from tests.conftest import REPO, read_metrics, run_train
-from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -127,10 +126,6 @@ def _objective(model, ids, labels, world):
     return logits, ce, aux, objective
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
 def _full_grad(param: torch.Tensor, *, reduce_plain: bool) -> torch.Tensor:
     """The full gradient of `param` on every rank (a collective: every rank calls it in order)."""
     from torch.distributed.tensor import DTensor
@@ -184,11 +179,11 @@ def _check_model(family: str, layout: str, errors: list[str], tol: float = 1e-5)
 
     tag = f"{family}/{layout}/rank{rank}"
     assert mine is not None
-    if _rel(logits.detach(), mine[0]) > tol:
-        errors.append(f"{tag}: logits differ by {_rel(logits.detach(), mine[0]):.2e}")
-    if _rel(ce.detach(), mine[1]) > tol:
-        errors.append(f"{tag}: cross-entropy differs by {_rel(ce.detach(), mine[1]):.2e}")
-    if (aux is None) != (mine[2] is None) or (aux is not None and _rel(aux.detach(), mine[2]) > tol):
+    if rel_error(logits.detach(), mine[0]) > tol:
+        errors.append(f"{tag}: logits differ by {rel_error(logits.detach(), mine[0]):.2e}")
+    if rel_error(ce.detach(), mine[1]) > tol:
+        errors.append(f"{tag}: cross-entropy differs by {rel_error(ce.detach(), mine[1]):.2e}")
+    if (aux is None) != (mine[2] is None) or (aux is not None and rel_error(aux.detach(), mine[2]) > tol):
         errors.append(f"{tag}: aux loss {aux} vs {mine[2]}")
     ref_params = dict(reference.named_parameters())
     experts_seen = 0
@@ -202,8 +197,8 @@ def _check_model(family: str, layout: str, errors: list[str], tol: float = 1e-5)
         if expected is None:  # no gradient at all (deepseek's score-correction bias)
             if grad.abs().max() > 0:
                 errors.append(f"{tag}: {name} got a gradient; one process gives none")
-        elif _rel(grad, expected) > tol:
-            errors.append(f"{tag}: gradient of {name} differs by {_rel(grad, expected):.2e}")
+        elif rel_error(grad, expected) > tol:
+            errors.append(f"{tag}: gradient of {name} differs by {rel_error(grad, expected):.2e}")
     if not experts_seen:
         errors.append(f"{tag}: no expert parameters found")
 
@@ -268,14 +263,14 @@ def _check_exchange_zero_rows(errors: list[str]) -> None:
         out = sharded(x, indices[rank], weights[rank], counts)
         (out * torch.arange(hidden)).sum().backward()
         tag = f"exchange ({scenario})/rank{rank}"
-        if out.shape != expected.shape or (out.numel() and _rel(out.detach(), expected) > 1e-5):
+        if out.shape != expected.shape or (out.numel() and rel_error(out.detach(), expected) > 1e-5):
             errors.append(f"{tag}: outputs differ")
         for name, param in sharded.named_parameters():
             if param.grad is None:
                 errors.append(f"{tag}: {name} has no gradient")
                 continue
             got = param.grad.full_tensor()
-            if _rel(got, reference.get_parameter(name).grad) > 1e-5:
+            if rel_error(got, reference.get_parameter(name).grad) > 1e-5:
                 errors.append(f"{tag}: gradient of {name} differs")
 
 
@@ -407,34 +402,25 @@ def _check_hf_roundtrip(folder: Path, errors: list[str]) -> None:
             errors.append("hf: the export from EP shards differs from the loaded checkpoint")
 
 
-def _worker(rank: int, world: int, store_path: str) -> None:
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
+def _worker(rank: int, world: int, folder: str) -> None:
     errors: list[str] = []
-    try:
-        if world == 2:
-            _check_errors(errors)
-            _check_model("qwen3_moe", "ep", errors)
-            _check_model("qwen3_moe", "ep+fsdp", errors)
-            _check_model("deepseek_v3", "ep+fsdp", errors)
-            _check_model("gpt_oss", "ep+fsdp", errors)
-            _check_model("qwen3_next", "ep+fsdp", errors)
-        else:
-            _check_model("qwen3_moe", "dp4 ep2 efsdp2", errors)
-            _check_exchange_zero_rows(errors)
-            _check_hf_roundtrip(Path(store_path).parent, errors)
-        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
-    finally:
-        dist.destroy_process_group()
+    if world == 2:
+        _check_errors(errors)
+        _check_model("qwen3_moe", "ep", errors)
+        _check_model("qwen3_moe", "ep+fsdp", errors)
+        _check_model("deepseek_v3", "ep+fsdp", errors)
+        _check_model("gpt_oss", "ep+fsdp", errors)
+        _check_model("qwen3_next", "ep+fsdp", errors)
+    else:
+        _check_model("qwen3_moe", "dp4 ep2 efsdp2", errors)
+        _check_exchange_zero_rows(errors)
+        _check_hf_roundtrip(Path(folder), errors)
     assert not errors, "\n".join(errors)
-    leave_worker()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_module_equals_one_process(world: int, tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+    run_workers(_worker, world, str(tmp_path))
 
 
 TRAIN = [

@@ -13,23 +13,23 @@ One 2-process gloo spawn (ep 2), with the model helpers of ``test_ep.py``:
   token has two experts on one rank, and the all-to-all bytes counted by ``CommCounter`` drop
   accordingly.
 
-A second spawn (4 processes) prototypes expert parallelism together with tensor parallelism
-(refused by the config today): dp 2 x tp 2 with ep 2 over the data ranks, qwen3_moe (both
-dispatchers) and deepseek_v3, equal to one process.
+A second spawn (4 processes) runs expert parallelism together with tensor parallelism, the
+layout the trainer builds for ``expert_parallel`` with ``tensor_parallel`` (docs/architecture.md,
+"Departures": the MoE block stays whole on each TP rank, EP shards its experts): dp 2 x tp 2 with
+ep 2 over the data ranks, qwen3_moe (both dispatchers) and deepseek_v3, equal to one process.
 """
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.distributed._exit import leave_worker
-from tests.distributed.test_ep import BATCH, _batch, _build, _full_grad, _materialize, _objective, _rel
+from tests._compare import rel_error
+from tests.distributed._spawn import run_workers
+from tests.distributed.test_ep import BATCH, _batch, _build, _full_grad, _materialize, _objective
 
 pytestmark = pytest.mark.slow
 
@@ -98,20 +98,24 @@ def _check_model(family: str, errors: list[str], *, fsdp: bool = False) -> None:
     logits, ce, aux, grads, dedup_rows = results["alltoall_deredundancy"]
     plain = results["alltoall"]
     for what, got, want in (("logits", logits, expected[0]), ("cross-entropy", ce, expected[1])):
-        if _rel(got, want) > TOL:
-            errors.append(f"{tag}: {what} differ from one process by {_rel(got, want):.2e}")
-    if _rel(logits, plain[0]) > TOL:
-        errors.append(f"{tag}: logits differ from alltoall by {_rel(logits, plain[0]):.2e}")
-    if (aux is None) != (expected[2] is None) or (aux is not None and _rel(aux.detach(), expected[2]) > TOL):
+        if rel_error(got, want) > TOL:
+            errors.append(f"{tag}: {what} differ from one process by {rel_error(got, want):.2e}")
+    if rel_error(logits, plain[0]) > TOL:
+        errors.append(f"{tag}: logits differ from alltoall by {rel_error(logits, plain[0]):.2e}")
+    if (aux is None) != (expected[2] is None) or (
+        aux is not None and rel_error(aux.detach(), expected[2]) > TOL
+    ):
         errors.append(f"{tag}: aux loss {aux} vs {expected[2]}")
     ref_params = dict(reference.named_parameters())
     for name, grad in grads.items():
         want = ref_params[name].grad
         if want is None:  # deepseek's score-correction bias gets no gradient
             want = torch.zeros_like(grad)
-        if _rel(grad, want) > TOL and (grad - want).abs().max() > 1e-9:
-            errors.append(f"{tag}: gradient of {name} differs from one process by {_rel(grad, want):.2e}")
-        if _rel(grad, plain[3][name]) > TOL and (grad - plain[3][name]).abs().max() > 1e-9:
+        if rel_error(grad, want) > TOL and (grad - want).abs().max() > 1e-9:
+            errors.append(
+                f"{tag}: gradient of {name} differs from one process by {rel_error(grad, want):.2e}"
+            )
+        if rel_error(grad, plain[3][name]) > TOL and (grad - plain[3][name]).abs().max() > 1e-9:
             errors.append(f"{tag}: gradient of {name} differs from alltoall")
     if not 0 < dedup_rows <= plain[4]:
         errors.append(f"{tag}: deduplicated exchange sent {dedup_rows} rows, alltoall {plain[4]}")
@@ -194,25 +198,25 @@ def _check_exchange(errors: list[str], measured: dict[str, float]) -> None:
             volume[dispatcher] = counter.bytes["all_to_all_single"]
             tag = f"exchange {scenario}/{dispatcher}/rank{rank}"
             if out.shape != expected[0].shape or (
-                out.numel() and _rel(out.detach(), expected[0].detach()) > TOL
+                out.numel() and rel_error(out.detach(), expected[0].detach()) > TOL
             ):
                 errors.append(f"{tag}: outputs differ")
             for what, got, want in (
                 ("tokens", x.grad, expected[1].grad),
                 ("weights", w.grad, expected[2].grad),
             ):
-                if got is None or got.shape != want.shape or (got.numel() and _rel(got, want) > TOL):
+                if got is None or got.shape != want.shape or (got.numel() and rel_error(got, want) > TOL):
                     errors.append(f"{tag}: gradient of the {what} differs")
             for name, param in experts.named_parameters():
                 got = _full_grad(param, reduce_plain=False)  # a DTensor: the full expert gradient
-                if _rel(got, reference.get_parameter(name).grad) > TOL:
+                if rel_error(got, reference.get_parameter(name).grad) > TOL:
                     errors.append(f"{tag}: gradient of {name} differs")
         # Against alltoall on the same rank: the same expert inputs, so the expert gradients and
         # the weights' gradients agree bit for bit; outputs and token gradients differ only in
         # the order of the k-term sums (bit for bit at k = 2, where a + b == b + a).
         for variant in ("alltoall_deredundancy", "ids apart"):
             for i, (a, b) in enumerate(zip(got_all["alltoall"], got_all[variant], strict=True)):
-                if not (torch.equal(a, b) if k == 2 or i >= 2 else a.numel() == 0 or _rel(b, a) < 1e-6):
+                if not (torch.equal(a, b) if k == 2 or i >= 2 else a.numel() == 0 or rel_error(b, a) < 1e-6):
                     errors.append(
                         f"exchange {scenario}/{variant}/rank{rank}: result {i} differs from alltoall"
                     )
@@ -277,9 +281,11 @@ def _check_ep_with_tp(family: str, dispatcher: str, errors: list[str]) -> None:
         ("logits", logits.detach(), expected[0]),
         ("cross-entropy", ce.detach(), expected[1]),
     ):
-        if _rel(got, want) > TOL:
-            errors.append(f"{tag}: {what} differ by {_rel(got, want):.2e}")
-    if (aux is None) != (expected[2] is None) or (aux is not None and _rel(aux.detach(), expected[2]) > TOL):
+        if rel_error(got, want) > TOL:
+            errors.append(f"{tag}: {what} differ by {rel_error(got, want):.2e}")
+    if (aux is None) != (expected[2] is None) or (
+        aux is not None and rel_error(aux.detach(), expected[2]) > TOL
+    ):
         errors.append(f"{tag}: aux loss {aux} vs {expected[2]}")
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
@@ -289,32 +295,19 @@ def _check_ep_with_tp(family: str, dispatcher: str, errors: list[str]) -> None:
             want = torch.zeros_like(grad)
         if ".experts." in name and tuple(param.to_local().shape) == tuple(param.shape):
             errors.append(f"{tag}: {name} is not sharded")
-        if _rel(grad, want) > TOL and (grad - want).abs().max() > 1e-9:
-            errors.append(f"{tag}: gradient of {name} differs by {_rel(grad, want):.2e}")
+        if rel_error(grad, want) > TOL and (grad - want).abs().max() > 1e-9:
+            errors.append(f"{tag}: gradient of {name} differs by {rel_error(grad, want):.2e}")
 
 
-def _worker_ep_tp(rank: int, world: int, store_path: str) -> None:
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
+def _worker_ep_tp(rank: int, world: int) -> None:
     errors: list[str] = []
-    try:
-        _check_ep_with_tp("qwen3_moe", "alltoall", errors)
-        _check_ep_with_tp("qwen3_moe", "alltoall_deredundancy", errors)
-        _check_ep_with_tp("deepseek_v3", "alltoall_deredundancy", errors)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    _check_ep_with_tp("qwen3_moe", "alltoall", errors)
+    _check_ep_with_tp("qwen3_moe", "alltoall_deredundancy", errors)
+    _check_ep_with_tp("deepseek_v3", "alltoall_deredundancy", errors)
     assert not errors, "\n".join(errors)
-    leave_worker()
 
 
-def _worker(rank: int, world: int, store_path: str) -> None:
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
+def _worker(rank: int, world: int) -> None:
     errors: list[str] = []
     measured: dict[str, float] = {}
     checks = [
@@ -324,22 +317,17 @@ def _worker(rank: int, world: int, store_path: str) -> None:
         lambda: _check_model("gpt_oss", errors),
         lambda: _check_model("qwen3_moe", errors, fsdp=True),
     ]
-    try:
-        for check in checks:
-            check()
-        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
-    finally:
-        dist.destroy_process_group()
+    for check in checks:
+        check()
     assert not errors, "\n".join(errors)
     if rank == 0:
         print("dedup/alltoall ratios (rank 0):", {k: round(v, 3) for k, v in measured.items()}, flush=True)
-    leave_worker()
 
 
 def test_deduplicated_dispatch_equals_alltoall_and_one_process(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+    run_workers(_worker, 2)
 
 
 def test_ep_with_tensor_parallel_equals_one_process(tmp_path: Path) -> None:
-    """Prototype of expert parallelism together with TP (refused by the config today)."""
-    mp.spawn(_worker_ep_tp, args=(4, str(tmp_path / "store")), nprocs=4, join=True)
+    """Expert parallelism together with TP (dp 2 x tp 2, ep 2 over the data ranks) equals one process."""
+    run_workers(_worker_ep_tp, 4)

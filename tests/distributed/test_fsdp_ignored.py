@@ -15,7 +15,6 @@ given by its dotted path (expected DTensor placements, same losses), and HSDP 2x
 from __future__ import annotations
 
 import copy
-import traceback
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from tests.distributed._exit import leave_worker
-from tests.distributed._spawn import start_workers
+from tests._compare import max_rel_error, rel_error
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -57,16 +56,6 @@ FSDP_MODULES = ["model.layers.{*}", "model.embed_tokens", "lm_head"]
 def wide_on_dim1(param: torch.nn.Parameter) -> Shard | None:
     """User placement function (reached as `tests.distributed.test_fsdp_ignored:wide_on_dim1`)."""
     return Shard(1) if param.ndim == 2 else None
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Max absolute difference relative to `b`'s largest magnitude."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """L2 norm of the difference relative to `b`'s."""
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +124,12 @@ def _compare_params(case: str, model, ref) -> None:
     for (name, p), (ref_name, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         assert name == ref_name, (case, name, ref_name)
         a, b = _full(p.detach()), _full(q.detach())
-        assert norm_rel(a, b) <= TOL and rel(a, b) <= 10 * TOL, (case, name, norm_rel(a, b), rel(a, b))
+        assert rel_error(a, b) <= TOL and max_rel_error(a, b) <= 10 * TOL, (
+            case,
+            name,
+            rel_error(a, b),
+            max_rel_error(a, b),
+        )
 
 
 def _train_and_compare(case: str, ref, model, rank: int, steps: int = 3) -> list[tuple[float, float]]:
@@ -269,12 +263,26 @@ def _meta_and_bf16_cases(mesh, rank: int) -> None:
     batch = _batches(1)[0]
     local = {k: v.chunk(WORLD)[rank] for k, v in batch.items()}
     tokens = count_valid_tokens(batch["labels"]).float()
+    # The dtype each linear really computed in: bf16 inside the FSDP units, fp32 in the MLPs.
+    ran: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    watched = {"attention": model.model.layers[0].self_attn.q_proj, "mlp": model.model.layers[0].mlp.up_proj}
+
+    def record(key: str):
+        def hook(module: torch.nn.Module, args: tuple, _out: torch.Tensor) -> None:
+            ran.setdefault(key, (args[0].dtype, module.weight.dtype))
+
+        return hook
+
+    hooks = [module.register_forward_hook(record(key)) for key, module in watched.items()]
     loss = cross_entropy_sum(model(local["input_ids"]), local["labels"]) / tokens
+    for hook in hooks:
+        hook.remove()
+    assert ran == {"attention": (torch.bfloat16, torch.bfloat16), "mlp": (torch.float32, torch.float32)}, ran
     loss.backward()
     ref_loss = cross_entropy_sum(ref(batch["input_ids"]), batch["labels"]) / tokens
     loss = loss.detach().clone()
     dist.all_reduce(loss)
-    assert rel(loss, ref_loss.detach()) < 2e-2, ("bf16", loss.item(), ref_loss.item())
+    assert rel_error(loss, ref_loss.detach()) < 2e-2, ("bf16", loss.item(), ref_loss.item())
     assert model.model.layers[0].mlp.up_proj.weight.grad.dtype == torch.float32
 
 
@@ -349,26 +357,17 @@ def _hsdp_case(rank: int) -> None:
     _train_and_compare("hsdp", ref, model, rank)
 
 
-def _worker(rank: int, init_file: str, save_dir: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int, save_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
-        _ignored_cases(mesh, rank)
-        _checkpoint_case(mesh, rank, Path(save_dir))
-        _meta_and_bf16_cases(mesh, rank)
-        _partial_grads_case(mesh, rank)
-        _placement_cases(mesh, rank)
-        _hsdp_case(rank)
-        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+    _ignored_cases(mesh, rank)
+    _checkpoint_case(mesh, rank, Path(save_dir))
+    _meta_and_bf16_cases(mesh, rank)
+    _partial_grads_case(mesh, rank)
+    _placement_cases(mesh, rank)
+    _hsdp_case(rank)
 
 
 def test_ignored_modules_and_shard_placement_equal_one_process(tmp_path: Path) -> None:
-    start_workers(_worker, WORLD, str(tmp_path / "rdzv"), str(tmp_path / "ckpt"))
+    run_workers(_worker, WORLD, str(tmp_path / "ckpt"))

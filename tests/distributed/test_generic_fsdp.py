@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._compare import max_rel_error, rel_error
 from tests.conftest import read_metrics, run_train
 from tests.unit.test_generic_hf import MISTRAL, _config
 
@@ -48,4 +49,6 @@ def test_generic_fsdp_two_ranks_equal_one_process(tmp_path: Path, tied: bool) ->
     a, b = load_file(runs[1] / "hf" / "model.safetensors"), load_file(runs[2] / "hf" / "model.safetensors")
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+        # Trained weights: 1e-5 in norm, 1e-4 of the largest weight elementwise (Adam moves an
+        # element whose gradient is a near-zero cancellation by its own rounding).
+        assert rel_error(b[key], a[key]) <= 1e-5 and max_rel_error(b[key], a[key]) <= 1e-4, key

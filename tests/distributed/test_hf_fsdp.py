@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.distributed._exit import leave_worker
+from tests._compare import max_rel_error, rel_error
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +31,7 @@ OPTIONS = {
 }
 
 
-def _worker(rank: int, world: int, store_path: str, hf_dir: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, hf_dir: str, out_dir: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -41,30 +40,23 @@ def _worker(rank: int, world: int, store_path: str, hf_dir: str, out_dir: str) -
     from meshforge.models.registry import resolve_family
     from meshforge.parallel.fsdp import apply_fsdp
 
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        family = resolve_family("qwen3")
-        model = family.build(OPTIONS)
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-        apply_fsdp(model, mesh, param_dtype=None, reduce_dtype=torch.float32)
-        materialize_and_init(model, device=torch.device("cpu"), seed=0, init_fn=lambda *_: None)
-        # Count the reads that take only this rank's slice from disk (every parameter here).
-        calls = []
-        real = hf._copy_local_slice
-        hf._copy_local_slice = lambda *a: (calls.append(a[0]), real(*a))
-        hf.load_hf_weights(model, family, hf_dir)
-        assert len(calls) == len(list(model.parameters())), calls
-        local = dict(model.named_parameters())["model.layers.0.mlp.up_proj.weight"].to_local()
-        assert local.shape[0] == OPTIONS["intermediate_size"] // world  # really sharded
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(full, Path(out_dir) / "loaded.pt")
-        hf.save_hf(model, family, Path(out_dir) / "export", shard_size="40KB")
-        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
-    finally:
-        dist.destroy_process_group()
-    leave_worker()
+    family = resolve_family("qwen3")
+    model = family.build(OPTIONS)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    apply_fsdp(model, mesh, param_dtype=None, reduce_dtype=torch.float32)
+    materialize_and_init(model, device=torch.device("cpu"), seed=0, init_fn=lambda *_: None)
+    # Count the reads that take only this rank's slice from disk (every parameter here).
+    calls = []
+    real = hf._copy_local_slice
+    hf._copy_local_slice = lambda *a: (calls.append(a[0]), real(*a))
+    hf.load_hf_weights(model, family, hf_dir)
+    assert len(calls) == len(list(model.parameters())), calls
+    local = dict(model.named_parameters())["model.layers.0.mlp.up_proj.weight"].to_local()
+    assert local.shape[0] == OPTIONS["intermediate_size"] // world  # really sharded
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(full, Path(out_dir) / "loaded.pt")
+    hf.save_hf(model, family, Path(out_dir) / "export", shard_size="40KB")
 
 
 def test_two_rank_load_and_export_match_the_checkpoint(tmp_path: Path) -> None:
@@ -81,7 +73,7 @@ def test_two_rank_load_and_export_match_the_checkpoint(tmp_path: Path) -> None:
     hf_dir.mkdir()
     save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
 
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(hf_dir), str(tmp_path)), nprocs=2, join=True)
+    run_workers(_worker, 2, str(hf_dir), str(tmp_path))
 
     loaded = torch.load(tmp_path / "loaded.pt")
     assert set(loaded) - {"lm_head.weight"} <= set(tensors) and set(tensors) <= set(loaded)
@@ -118,4 +110,6 @@ def test_torchrun_training_from_hf_folder_equals_one_process(tmp_path: Path) -> 
     b = load_file(str(runs[2] / "hf" / "model.safetensors"))
     assert a.keys() == b.keys() and "lm_head.weight" not in a  # tied: one tensor, as transformers writes
     for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
+        # Trained weights: 1e-5 in norm, 1e-4 of the largest weight elementwise (Adam moves an
+        # element whose gradient is a near-zero cancellation by its own rounding).
+        assert rel_error(b[name], a[name]) <= 1e-5 and max_rel_error(b[name], a[name]) <= 1e-4, name

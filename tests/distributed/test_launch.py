@@ -21,6 +21,7 @@ def _launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_launch_usage_errors(tmp_path: Path) -> None:
     assert _launch([], tmp_path).returncode == 2
     bad = _launch(["meshforge train", "two"], tmp_path)

@@ -9,15 +9,14 @@ the last rank starts from its own seed and must be synced from the embedding.
 
 from __future__ import annotations
 
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed._exit import leave_worker
-from tests.distributed._spawn import start_workers
+from tests._compare import assert_close
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -113,12 +112,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    err = (got - want).abs().max().item()
-    scale = want.abs().max().item()
-    assert err <= RTOL * max(scale, 1e-6), f"{what}: max abs err {err:.3e}, scale {scale:.3e}"
-
-
 def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
     from meshforge.parallel.fsdp import apply_fsdp
     from meshforge.parallel.pipeline import build_pipeline, split_model
@@ -153,15 +146,15 @@ def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
         opt.zero_grad()
         ce = pipe.step(micro, tokens)
         assert ce.dim() == 0 and ce.dtype == torch.float32 and not ce.requires_grad
-        _close(ce, want_ce, f"[{name}] step {step} CE sum on rank {rank}")
+        assert_close(ce, want_ce, floor=1e-6, what=f"[{name}] step {step} CE sum on rank {rank}")
         for n, p in split.model.named_parameters():
             assert p.grad is not None, f"[{name}] {n} has no grad"
-            _close(_full(p.grad), want_grads[n], f"[{name}] step {step} grad {n}")
+            assert_close(_full(p.grad), want_grads[n], floor=1e-6, what=f"[{name}] step {step} grad {n}")
         opt.step()
     for n, p in split.model.named_parameters():
-        _close(_full(p.detach()), final[n], f"[{name}] final weight {n}")
+        assert_close(_full(p.detach()), final[n], floor=1e-6, what=f"[{name}] final weight {n}")
     # Forward-only evaluation after training; then one more training step still runs.
-    _close(pipe.evaluate(micro), final_ce, f"[{name}] evaluate CE sum on rank {rank}")
+    assert_close(pipe.evaluate(micro), final_ce, floor=1e-6, what=f"[{name}] evaluate CE sum on rank {rank}")
     opt.zero_grad()
     assert torch.isfinite(pipe.step(micro, tokens))
     with pytest.raises(ValueError, match=r"micro-batches of shape \[\(2, 4\)\] after \(2, 8\)"):
@@ -175,26 +168,17 @@ def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
         assert torch.equal(both[0], both[1]), f"[{name}] tied copies differ"
 
 
-def _worker(rank: int, init_file: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("pp", "dp"))
-        for case in CASES:
-            torch.manual_seed(0)
-            _run_case(rank, case, mesh["pp"], mesh["dp"])
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("pp", "dp"))
+    for case in CASES:
+        torch.manual_seed(0)
+        _run_case(rank, case, mesh["pp"], mesh["dp"])
 
 
 def test_pp2_schedules_equal_one_process(tmp_path) -> None:
-    start_workers(_worker, WORLD, str(tmp_path / "rdzv"))
+    run_workers(_worker, WORLD)
 
 
 def test_trainer_pp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> None:

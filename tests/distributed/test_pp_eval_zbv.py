@@ -11,16 +11,13 @@ process, tied and untied heads, packed documents, and one FSDP-wrapped model) an
 
 from __future__ import annotations
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from tests._compare import assert_close
 from tests.conftest import REPO, read_metrics, run_train
-from tests.distributed._exit import leave_worker
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -111,12 +108,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    err = (got - want).abs().max().item()
-    scale = want.abs().max().item()
-    assert err <= RTOL * max(scale, 1e-6), f"{what}: max abs err {err:.3e}, scale {scale:.3e}"
-
-
 def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
     from meshforge.parallel.fsdp import apply_fsdp
     from meshforge.parallel.pipeline import build_pipeline, split_model
@@ -142,7 +133,7 @@ def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
         grads = [None if p.grad is None else p.grad.clone() for p in split.model.parameters()]
         got = pipe.evaluate(evals)
         assert got.dim() == 0 and not got.requires_grad
-        _close(got, want_eval, f"[{name}] evaluate before step {step} on rank {rank}")
+        assert_close(got, want_eval, floor=1e-6, what=f"[{name}] evaluate before step {step} on rank {rank}")
         for p, before in zip(split.model.parameters(), grads, strict=True):
             # No gradient from evaluation (torch's stage set-up for eval may drop old ones).
             unchanged = p.grad is None or (before is not None and torch.equal(p.grad, before))
@@ -150,27 +141,18 @@ def _run_case(rank: int, case, pp_mesh, dp_mesh) -> None:
         opt.zero_grad()
         pipe.step(train, tokens)
         for n, p in split.model.named_parameters():
-            _close(_full(p.grad), want_grads[n], f"[{name}] step {step} grad {n}")
+            assert_close(_full(p.grad), want_grads[n], floor=1e-6, what=f"[{name}] step {step} grad {n}")
         opt.step()
-    _close(pipe.evaluate(evals), final_ce, f"[{name}] final evaluate on rank {rank}")
+    assert_close(pipe.evaluate(evals), final_ce, floor=1e-6, what=f"[{name}] final evaluate on rank {rank}")
 
 
-def _worker(rank: int, world: int, init_file: str, errors) -> None:
-    try:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
-        for case in CASES:
-            torch.manual_seed(0)
-            _run_case(rank, case, mesh["pp"], mesh["dp"])
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    leave_worker()
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    for case in CASES:
+        torch.manual_seed(0)
+        _run_case(rank, case, mesh["pp"], mesh["dp"])
 
 
 def test_pp2_zbv_evaluate_equals_one_process() -> None:

@@ -12,14 +12,11 @@ with an uneven split, tied and untied embeddings. The router aux loss is off her
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.distributed._exit import leave_worker
-from tests.distributed._spawn import start_workers
+from tests._compare import assert_close
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -128,13 +125,6 @@ def _reference(family: str, tied: bool, micro, steps: int = 2):
     return history, tokens
 
 
-def close(got: torch.Tensor, want: torch.Tensor, what: str, floor: float = 1e-6) -> None:
-    """Max abs error within RTOL of the tensor's largest value (or of ``floor`` if that is smaller)."""
-    err = (got - want).abs().max().item()
-    scale = want.abs().max().item()
-    assert err <= RTOL * max(scale, floor), f"{what}: max abs err {err:.3e}, scale {scale:.3e}"
-
-
 # After one AdamW step the weights differ by float32 rounding, and a few gradients are tiny
 # (qwen3_next's dt_bias: ~1e-5); their second-step error (~2e-10) is rounding, not a wrong term.
 GRAD_FLOOR = 1e-4
@@ -160,30 +150,26 @@ def _run_case(rank: int, case, pp_mesh) -> None:
     for step, (want_ce, want_grads) in enumerate(history):
         opt.zero_grad()
         ce = pipe.step(micro, tokens)
-        close(ce, want_ce, f"[{name}] step {step} CE sum on rank {rank}")
+        assert_close(ce, want_ce, floor=1e-6, what=f"[{name}] step {step} CE sum on rank {rank}")
         for n, p in split.model.named_parameters():
             assert p.grad is not None, f"[{name}] {n} has no grad"
-            close(p.grad, want_grads[n], f"[{name}] step {step} grad {n}", GRAD_FLOOR if step else 1e-6)
+            assert_close(
+                p.grad,
+                want_grads[n],
+                floor=GRAD_FLOOR if step else 1e-6,
+                what=f"[{name}] step {step} grad {n}",
+            )
         opt.step()
 
 
-def _worker(rank: int, init_file: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("pp",))
-        for case in CASES:
-            torch.manual_seed(0)
-            _run_case(rank, case, mesh["pp"])
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("pp",))
+    for case in CASES:
+        torch.manual_seed(0)
+        _run_case(rank, case, mesh["pp"])
 
 
 def test_pp2_gpt_oss_and_qwen3_next_equal_one_process(tmp_path) -> None:
-    start_workers(_worker, WORLD, str(tmp_path / "rdzv"))
+    run_workers(_worker, WORLD)

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from tests._compare import assert_close
 from tests.conftest import read_metrics, run_train
-from tests.distributed._exit import leave_worker
-from tests.distributed._spawn import start_workers
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -121,13 +119,6 @@ def _reference(folder: Path, micro, steps: int = 2):
     return history, tokens
 
 
-def close(got: torch.Tensor, want: torch.Tensor, what: str, floor: float = 1e-6) -> None:
-    """Max abs error within RTOL of the tensor's largest value (or of ``floor`` if that is smaller)."""
-    err = (got - want).abs().max().item()
-    scale = want.abs().max().item()
-    assert err <= RTOL * max(scale, floor), f"{what}: max abs err {err:.3e}, scale {scale:.3e}"
-
-
 def _run_case(rank: int, case, root: Path, pp_mesh) -> None:
     from meshforge.parallel.pipeline import build_pipeline, split_model
 
@@ -148,36 +139,29 @@ def _run_case(rank: int, case, root: Path, pp_mesh) -> None:
     for step, (want_ce, want_grads) in enumerate(history):
         opt.zero_grad()
         ce = pipe.step(micro, tokens)
-        close(ce, want_ce, f"[{name}] step {step} CE sum on rank {rank}")
+        assert_close(ce, want_ce, floor=1e-6, what=f"[{name}] step {step} CE sum on rank {rank}")
         for n, p in model.named_parameters():
             assert p.grad is not None, f"[{name}] {n} has no grad"
             # A tied head copy's gradient must be the one tied weight's (both uses summed).
-            close(p.grad, want_grads[n], f"[{name}] step {step} grad {n} on rank {rank}")
+            assert_close(
+                p.grad, want_grads[n], floor=1e-6, what=f"[{name}] step {step} grad {n} on rank {rank}"
+            )
         opt.step()
 
 
-def _worker(rank: int, root: str, errors) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{root}/rdzv", rank=rank, world_size=WORLD)
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("pp",))
-        for case in CASES:
-            _run_case(rank, case, Path(root), mesh["pp"])
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("pp",))
+    for case in CASES:
+        _run_case(rank, case, Path(root), mesh["pp"])
 
 
 def test_pp2_generic_qwen3_equals_one_process(tmp_path: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     save_qwen3(tmp_path / "untied", tied=False)
     save_qwen3(tmp_path / "tied", tied=True, sliding=True)
-    start_workers(_worker, WORLD, str(tmp_path))
+    run_workers(_worker, WORLD, str(tmp_path))
 
 
 def test_generic_refusals(tmp_path: Path) -> None:

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -41,25 +40,18 @@ def _build(device: torch.device, shard: bool) -> torch.nn.Module:
     return model
 
 
-def _worker(rank: int, world: int, store_path: str, out_path: str) -> None:
+def _worker(rank: int, world: int, out_path: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        model = _build(torch.device("cpu"), shard=True)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(full, out_path)
-        dist.barrier()  # no rank may tear gloo down while a peer's transfer is in flight
-    finally:
-        dist.destroy_process_group()
-    leave_worker()
+    model = _build(torch.device("cpu"), shard=True)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(full, out_path)
 
 
 def test_two_rank_init_equals_one_process(tmp_path: Path) -> None:
     out = tmp_path / "sharded.pt"
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    run_workers(_worker, 2, str(out))
     sharded = torch.load(out)
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -16,17 +16,14 @@ a third trains a transformers Qwen3 folder through the generic path under TP.
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests._compare import rel_error
 from tests.conftest import read_metrics, run_train
-from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -72,11 +69,6 @@ CASES = [
 ]
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Max absolute difference relative to `b`'s largest magnitude."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -120,8 +112,8 @@ def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch
 def _compare(case: str, ref: torch.nn.Module, tp: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
     ref_logits, ref_loss = _step(ref, batch)
     logits, loss = _step(tp, batch)
-    assert rel(logits, ref_logits) <= TOL, (case, "logits", rel(logits, ref_logits))
-    assert rel(loss, ref_loss) <= TOL, (case, "loss", loss.item(), ref_loss.item())
+    assert rel_error(logits, ref_logits) <= TOL, (case, "logits", rel_error(logits, ref_logits))
+    assert rel_error(loss, ref_loss) <= TOL, (case, "loss", loss.item(), ref_loss.item())
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     # Every parameter is a DTensor on the TP mesh (the fused optimizer refuses a mix).
     plain = [n for n, p in tp.named_parameters() if not hasattr(p, "placements")]
@@ -132,7 +124,7 @@ def _compare(case: str, ref: torch.nn.Module, tp: torch.nn.Module, batch: dict[s
         assert p.grad is not None, (case, name)
         # Each gradient is in its parameter's layout, so its local part is this rank's slice.
         assert getattr(p.grad, "placements", None) == getattr(p, "placements", None), (case, name)
-        err = rel(_full(p.grad), ref_grads[name])
+        err = rel_error(_full(p.grad), ref_grads[name])
         assert err <= TOL, (case, name, err)
 
 
@@ -271,36 +263,21 @@ def _check_refusals(mesh) -> None:
     torch.testing.assert_close(got, want)
 
 
-def _worker(rank: int, world: int, store_path: str, err_dir: str) -> None:
+def _worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        for case, family_name, options, kwargs, packed in CASES:
-            _check_builtin(mesh, family_name, options, kwargs, packed, case)
-        _check_meta_build(mesh)
-        _check_compiled_layers(mesh)
-        _check_generic(mesh)
-        _check_refusals(mesh)
-        dist.barrier()
-    except BaseException:
-        Path(err_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    for case, family_name, options, kwargs, packed in CASES:
+        _check_builtin(mesh, family_name, options, kwargs, packed, case)
+    _check_meta_build(mesh)
+    _check_compiled_layers(mesh)
+    _check_generic(mesh)
+    _check_refusals(mesh)
 
 
-def test_tp2_equals_one_process(tmp_path: Path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"a TP rank failed:\n{errors}")
+def test_tp2_equals_one_process() -> None:
+    run_workers(_worker, 2)
 
 
 def test_trainer_tp2_equals_one_process_and_resumes_on_one(tiny_config: Path, tmp_path: Path) -> None:

@@ -4,7 +4,10 @@ One spawn of 2 processes checks every case: each rank builds the full model from
 (norm weights and other per-head parameters varied so that a wrong layout shows), keeps it as
 the single-process reference and applies `apply_tp` to a deep copy. Forward logits, the loss
 (router aux loss included where the family has one) and every parameter's gradient (gathered
-with `full_tensor`, in its parameter's layout) must match the reference within 1e-5 relative,
+with `full_tensor`, in its parameter's layout) must match the reference within 1e-5 of its norm,
+or, for a gradient whose float32 rounding is larger than that on one process already (qwen3_next's
+`dt_bias` and `A_log` sum terms that cancel), be no further from a float64 run than a few times
+the float32 reference's own error (`tests._compare`),
 with and without loss parallelism, sequence parallelism on and off, packed documents, tied and
 untied embeddings. Then a few AdamW steps per family give the same losses, and the trainer's
 meta-device build (TP applied before materialisation) gives the same model.
@@ -18,20 +21,16 @@ kept whole) and a gated full-attention layer, dense and sparse feed-forwards.
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.distributed._exit import leave_worker
+from tests._compare import assert_close, assert_scalar_close
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
-TOL = 1e-5
 # Layer 0 dense (its MLP split), layer 1 sparse (router, shared and routed experts whole).
 DEEPSEEK = {
     "vocab_size": 128,
@@ -129,11 +128,6 @@ CASES = [
 TRAIN = [("deepseek_v3", DEEPSEEK), ("gpt_oss", GPT_OSS), ("qwen3_next", QWEN3_NEXT)]
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Max absolute difference relative to `b`'s largest magnitude."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -182,19 +176,28 @@ def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch
     return logits, loss
 
 
-def _compare(case: str, ref: torch.nn.Module, tp: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
+def _compare(
+    case: str,
+    ref: torch.nn.Module,
+    ref64: torch.nn.Module,
+    tp: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+) -> None:
     ref_logits, ref_loss = _loss(ref, batch)
     ref_loss.backward()
+    logits64, loss64 = _loss(ref64, batch)
+    loss64.backward()
     logits, loss = _loss(tp, batch)
     loss.backward()
-    assert rel(_full(logits.detach()), ref_logits.detach()) <= TOL, (case, "logits")
-    assert rel(loss.detach(), ref_loss.detach()) <= TOL, (case, "loss", loss.item(), ref_loss.item())
+    assert_close(logits, ref_logits, want64=logits64, what=(case, "logits"))
+    assert_close(loss, ref_loss, want64=loss64, what=(case, "loss"))
     if hasattr(ref, "tokens_per_expert"):
         counts, ref_counts = tp.tokens_per_expert(), ref.tokens_per_expert()
         assert counts.keys() == ref_counts.keys() and counts, (case, "expert counts")
         for layer, value in counts.items():
             assert torch.equal(value, ref_counts[layer]), (case, "expert counts", layer)
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    grads64 = {n: p.grad for n, p in ref64.named_parameters()}
     # Every parameter is a DTensor on the TP mesh (the fused optimizer refuses a mix).
     plain = [n for n, p in tp.named_parameters() if not hasattr(p, "placements")]
     assert not plain, (case, "plain parameters", plain)
@@ -206,8 +209,7 @@ def _compare(case: str, ref: torch.nn.Module, tp: torch.nn.Module, batch: dict[s
         assert p.grad is not None, (case, name)
         # Each gradient is in its parameter's layout, so its local part is this rank's slice.
         assert p.grad.placements == p.placements, (case, name, p.grad.placements, p.placements)
-        err = rel(_full(p.grad), ref_grads[name])
-        assert err <= TOL, (case, name, err)
+        assert_close(p.grad, ref_grads[name], want64=grads64[name], what=(case, name))
 
 
 def _check_case(mesh, case: str, family: str, options: dict, kwargs: dict, packed: bool) -> None:
@@ -218,13 +220,15 @@ def _check_case(mesh, case: str, family: str, options: dict, kwargs: dict, packe
     _vary(ref)
     _small_chunks(ref)
     tp = copy.deepcopy(ref)
+    # The same model in float64: what the float32 runs round away from.
+    ref64 = copy.deepcopy(ref).to(torch.float64)
     apply_tp(tp, mesh, family=family, **kwargs)
     # Compiled TP graphs are rank-specific; the AOTAutograd cache would share them across ranks
     # (pytorch/pytorch#188390: measured 5-80% wrong gradients with kernels.compile).
     assert not torch._functorch.config.enable_autograd_cache, case
     if options["tie_word_embeddings"]:
         assert tp.lm_head.weight is tp.model.embed_tokens.weight, case
-    _compare(case, ref, tp, _batch(options["vocab_size"], packed))
+    _compare(case, ref, ref64, tp, _batch(options["vocab_size"], packed))
 
 
 def _check_training(mesh, family: str, options: dict) -> None:
@@ -255,7 +259,7 @@ def _check_training(mesh, family: str, options: dict) -> None:
             loss.backward()
             optim.step()
             losses.append(loss.item())
-        assert losses[1] == pytest.approx(losses[0], rel=TOL), (family, "AdamW step", step, losses)
+        assert_scalar_close(losses[1], losses[0], what=(family, "AdamW step", step))
 
 
 def _check_refusals(mesh) -> None:
@@ -291,35 +295,20 @@ def _check_refusals(mesh) -> None:
     )
 
 
-def _worker(rank: int, world: int, store_path: str, err_dir: str) -> None:
+def _worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        for case, family, options, kwargs, packed in CASES:
-            _check_case(mesh, case, family, options, kwargs, packed)
-        for family, options in TRAIN:
-            _check_training(mesh, family, options)
-        _check_refusals(mesh)
-        dist.barrier()
-    except BaseException:
-        Path(err_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    for case, family, options, kwargs, packed in CASES:
+        _check_case(mesh, case, family, options, kwargs, packed)
+    for family, options in TRAIN:
+        _check_training(mesh, family, options)
+    _check_refusals(mesh)
 
 
-def test_tp2_families_equal_one_process(tmp_path: Path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"a TP rank failed:\n{errors}")
+def test_tp2_families_equal_one_process() -> None:
+    run_workers(_worker, 2)
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", "qwen3_next"])
@@ -347,5 +336,5 @@ def test_trainer_tp2_equals_one_process(family: str, tmp_path: Path) -> None:
     want, got = read_metrics(one), read_metrics(tp2)
     assert len(want) == len(got) == 3
     for a, b in zip(want, got, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert_scalar_close(b["loss"], a["loss"], what=(family, a["step"], "loss"))
+        assert_scalar_close(b["grad_norm"], a["grad_norm"], what=(family, a["step"], "grad_norm"))

@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.distributed._exit import leave_worker
+from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -74,21 +72,14 @@ def _grown(hf_dir: str, layout: str | None, mesh=None) -> dict[str, torch.Tensor
     return out
 
 
-def _worker(rank: int, world: int, store_path: str, hf_dir: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, hf_dir: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-        for layout in LAYOUTS:
-            tables = _grown(hf_dir, layout, mesh)
-            if rank == 0:
-                torch.save(tables, Path(out_dir) / f"{layout}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    leave_worker()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    for layout in LAYOUTS:
+        tables = _grown(hf_dir, layout, mesh)
+        if rank == 0:
+            torch.save(tables, Path(out_dir) / f"{layout}.pt")
 
 
 def test_two_rank_grown_vocabulary_equals_one_process(tmp_path: Path) -> None:
@@ -98,7 +89,7 @@ def test_two_rank_grown_vocabulary_equals_one_process(tmp_path: Path) -> None:
     hf_dir = tmp_path / "hf"
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**OPTIONS)).save_pretrained(hf_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(hf_dir), str(tmp_path)), nprocs=2, join=True)
+    run_workers(_worker, 2, str(hf_dir), str(tmp_path))
 
     single = _grown(str(hf_dir), None)
     for layout, mode in LAYOUTS.items():

@@ -11,6 +11,7 @@ from meshforge.models.qwen3_moe.args import Qwen3MoeArgs
 from meshforge.models.qwen3_moe.model import build_qwen3_moe
 from meshforge.parallel.chunk_batch import apply_chunk_batch
 from meshforge.parallel.config import MS_CHUNK_KWARGS
+from tests._compare import assert_close
 
 ARGS = Qwen3MoeArgs(
     vocab_size=64,
@@ -54,7 +55,7 @@ def test_chunked_layers_give_the_same_loss_aux_loss_and_gradients(chunks: int) -
     got_loss, got_grads, got_counts = _loss_and_grads(chunked, ids, segments)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-7)
     for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        assert_close(got_grads[name], grad, what=name)
     for got, want in zip(got_counts, want_counts, strict=True):
         assert torch.equal(got, want)
 

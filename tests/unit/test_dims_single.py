@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = """
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -22,6 +24,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_single_process_mesh_creates_one_group() -> None:
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True)
     assert int(out.stdout.strip().splitlines()[-1]) <= 1

@@ -13,6 +13,7 @@ EXAMPLES = sorted(p for p in (REPO / "configs").rglob("*.yaml") if p.name != "de
 
 
 @pytest.mark.parametrize("config", EXAMPLES, ids=lambda p: str(p.relative_to(REPO / "configs")))
+@pytest.mark.slow
 def test_example_config_trains(config: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     run_train(

@@ -86,7 +86,7 @@ def _hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    # 1e-5 relative to the logits' scale (issue 3's acceptance bound).
+    # 1e-5 relative to the logits' scale: the HF-parity bound of every built-in family.
     err = (ours - ref).abs().max().item()
     assert err <= 1e-5 * ref.abs().max().item(), err
 
@@ -207,6 +207,7 @@ def _config(tmp_path: Path, name: str, model_lines: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import read_metrics, run_train
+
+pytestmark = pytest.mark.slow  # every test here runs meshforge in a subprocess
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3" / "pretrain_megatron_tiny.yaml"
 

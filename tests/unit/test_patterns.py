@@ -1,4 +1,4 @@
-"""Module-pattern semantics (reference NOTES.md, "Module matcher") and error messages."""
+"""Module-pattern semantics (`meshforge.parallel.patterns`: `{*}`, ranges, globs) and error messages."""
 
 from __future__ import annotations
 
@@ -128,6 +128,7 @@ def test_match_modules_on_real_module() -> None:
     assert [n for n, _ in match_modules(model, ["{1-2}"], key_path="k")] == ["1", "2"]
 
 
+@pytest.mark.slow
 def test_patterns_module_is_light() -> None:
     code = "import sys, meshforge.parallel.patterns; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

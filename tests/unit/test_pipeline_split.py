@@ -45,7 +45,7 @@ def test_auto_even_and_uneven() -> None:
 
 
 def test_explicit_strings_and_index_lists() -> None:
-    # NOTES format: chunk c of rank r is virtual stage c * pp + r.
+    # One string per rank, its chunks in order: chunk c of rank r is virtual stage c * pp + r.
     stages = assign_layers(5, pp_size=2, layers_per_stage=["0,3", "1-2,4"], interleave=2)
     assert _layers(stages) == [(0,), (1, 2), (3,), (4,)]
     assert [s.rank for s in stages] == [0, 1, 0, 1]

@@ -124,7 +124,7 @@ def _pair(args: Qwen3NextArgs, seed: int = 0):
 
 
 def _options(**fields) -> KernelOptions:
-    """KernelOptions carrying the GDN fields the lead is asked to add (gdn_chunk_size, ...)."""
+    """KernelOptions with the Gated DeltaNet switches set (gdn_chunk_size, triton_gdn, ...), declared or not."""
     extended = dataclasses.make_dataclass(
         "GdnKernelOptions",
         [
@@ -488,6 +488,7 @@ def test_args_validation_names_keys():
     assert deeper.resolved_layer_types == ["linear_attention", "full_attention"] * 2
 
 
+@pytest.mark.slow
 def test_spec_and_args_import_no_torch():
     code = (
         "import sys; from meshforge.models.qwen3_next.spec import FAMILY; "

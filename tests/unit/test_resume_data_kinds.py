@@ -15,6 +15,7 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.slow
 def test_restart_from_checkpoint_continues_exactly(config: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     common = ["--training.steps=4", "--training.deterministic=true", "--checkpoint.save_interleaved_steps=2"]

@@ -1,4 +1,4 @@
-"""SFT encoding against LLaMA-Factory's rules (NOTES 3), with expectations written from the rules.
+"""SFT encoding against LLaMA-Factory's template rules, with expectations written from the rules.
 
 Every expected id list is built from the strings the rules say each slot renders, each tokenised on
 its own (the slot granularity), so a template or processor that renders differently fails here.
