@@ -13,10 +13,10 @@ Each family's spec gives its adapter (``FamilySpec.hf_adapter(args)``, the
 ``meshforge.models.common.hf_adapter.HFAdapterBase`` is the identity mapping (parameter names
 are the HF safetensors keys, as for qwen3); families with fused experts subclass it.
 
-Families whose adapter only renames (``renames_only``) get a cheaper sharded load: each FSDP rank reads only its own slice
-of a tensor from disk (``safe_open(...).get_slice``); with ``from_hf`` every rank reads the source
-tensors in full (one parameter at a time) and keeps its shard. Export reads the family's args
-from ``model.config``.
+Families whose adapter only renames (``renames_only``) get a cheaper sharded load: each FSDP rank
+reads only its own slice of a tensor from disk (``safe_open(...).get_slice``); otherwise every
+rank reads the source tensors in full (one parameter at a time) and keeps its shard. Export
+reads the family's args from ``model.config``.
 
 Tied embeddings: a tied model has one parameter (``model.embed_tokens.weight``); a checkpoint may
 also carry ``lm_head.weight`` (then ignored) or not.

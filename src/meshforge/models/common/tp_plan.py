@@ -211,6 +211,8 @@ class SplitHeads(ParallelStyle):
             owner_path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_path)
             param = owner._parameters[leaf]
+            if param is None:
+                raise ValueError(f"SplitHeads: {type(module).__name__}.{name} is not a parameter")
             placement = Shard(0) if name in self.sharded else Replicate()
             dist = distribute_tensor(param.data, device_mesh, [placement], src_data_rank=self.src_data_rank)
             owner.register_parameter(leaf, nn.Parameter(dist, requires_grad=param.requires_grad))
@@ -231,8 +233,9 @@ class SplitHeads(ParallelStyle):
 
 def _swap_in_split(module: nn.Module, _args: Any) -> None:
     """Forward pre-hook of `SplitHeads`: plain local tensors in place of its DTensor parameters."""
-    stash = []
-    for i, (name, index) in enumerate(module._meshforge_tp_split):
+    stash: list[tuple[nn.Module, str, DTensor]] = []
+    split: list[tuple[str, torch.Tensor | None]] = module.__dict__["_meshforge_tp_split"]
+    for i, (name, index) in enumerate(split):
         owner_path, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_path)
         param = owner._parameters[leaf]
@@ -246,7 +249,7 @@ def _swap_in_split(module: nn.Module, _args: Any) -> None:
             if index is not None:
                 if index.device != tensor.device:  # once, after the model moved
                     index = index.to(tensor.device)
-                    module._meshforge_tp_split[i] = (name, index)
+                    split[i] = (name, index)
                 tensor = tensor.index_select(0, index)
         stash.append((owner, leaf, param))
         owner._parameters[leaf] = tensor
