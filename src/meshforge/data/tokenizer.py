@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from meshforge.resources import resolve_path
 
@@ -162,17 +162,31 @@ def build_tokenizer(
     return tokenizer
 
 
-def extension_options(model_cfg: Any) -> dict[str, Any]:
+class TokenizerOptions(Protocol):
+    """The tokenizer options of the `model:` section (`ModelConfig`), named here so that the data
+    package does not import the models package."""
+
+    @property
+    def split_special_tokens(self) -> bool: ...
+    @property
+    def add_tokens(self) -> str | None: ...
+    @property
+    def add_special_tokens(self) -> str | None: ...
+    @property
+    def new_special_tokens_config(self) -> str | None: ...
+
+
+def extension_options(model_cfg: TokenizerOptions) -> dict[str, Any]:
     """`build_tokenizer` keyword arguments from the `model:` section's tokenizer options.
 
     ``build_tokenizer(path, use_fast=..., **extension_options(cfg.model), log=...)`` extends the
     tokenizer the same way wherever a run's tokenizer is rebuilt (training, conversion).
     """
     return {
-        "split_special_tokens": bool(getattr(model_cfg, "split_special_tokens", False)),
-        "add_tokens": getattr(model_cfg, "add_tokens", None),
-        "add_special_tokens": getattr(model_cfg, "add_special_tokens", None),
-        "new_special_tokens_config": getattr(model_cfg, "new_special_tokens_config", None),
+        "split_special_tokens": model_cfg.split_special_tokens,
+        "add_tokens": model_cfg.add_tokens,
+        "add_special_tokens": model_cfg.add_special_tokens,
+        "new_special_tokens_config": model_cfg.new_special_tokens_config,
     }
 
 
