@@ -264,3 +264,64 @@ def test_other_ranks_wait_for_rank_zero(tmp_path):
     GPTDataset(ds, docs, 50, cfg, rank=0, barrier=lambda: calls.append(0))
     late = GPTDataset(ds, docs, 50, cfg, rank=1, barrier=lambda: calls.append(1))
     assert calls == [1, 0, 1] and len(late) >= 50
+
+
+def _loader_samples(tmp_path, prefix, seq, steps, seed):
+    """The input_ids meshforge trains on for `steps` steps of one sample (sizes unset), in order."""
+    from meshforge.data.build import LoaderContext, build_train_loader
+    from meshforge.data.config import TrainDatasetConfig
+
+    cfg = TrainDatasetConfig.model_validate(
+        {
+            "dataloader": {
+                "type": "BlendedMegatronDatasetDataLoader",
+                "config": {
+                    "seq_length": seq,
+                    "eod": EOD,
+                    "seed": seed,
+                    "data_path": [str(prefix)],
+                    "path_to_cache": str(tmp_path / f"ours-{steps}"),
+                },
+            }
+        }
+    )
+    ctx = LoaderContext(
+        tokenizer=None,
+        local_batch_size=1,
+        dp_rank=0,
+        dp_size=1,
+        seed=0,
+        global_batch_size=1,
+        total_steps=steps,
+    )
+    loader = build_train_loader(cfg, ctx)
+    return [next(loader)["input_ids"][0].numpy() for _ in range(steps)], len(loader.dataset)
+
+
+@pytest.mark.parametrize(
+    ("docs", "seq"),
+    [
+        ([65], 64),  # one document of exactly seq_length + 1 tokens, no EOD: one sample per epoch
+        ([33, 32], 32),  # two documents, exactly one epoch of two samples
+        ([40, 25], 16),  # a remainder at the end of the epoch
+    ],
+)
+def test_loader_samples_at_the_epoch_boundary_equal_megatron_core(tmp_path, docs, seq):
+    prefix = tmp_path / "tiny_text_document"
+    with IndexedDatasetWriter(prefix, np.int32) as w:
+        start = 1
+        for n in docs:
+            w.add_document(np.arange(start, start + n))  # no EOD token in the data
+            start += n
+    per_epoch = (sum(docs) - 1) // seq
+    for steps in sorted({1, per_epoch, per_epoch + 1}):
+        flags = {"reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False}
+        theirs = _megatron_gpt(tmp_path / f"mc-{steps}", str(prefix), seq, [steps, 0, 0], "1,0,0", **flags)[0]
+        ours, size = _loader_samples(tmp_path, prefix, seq, steps, seed=7)
+        assert size == len(theirs), (steps, size, len(theirs))
+        for i in range(steps):
+            assert np.array_equal(ours[i], theirs[i]["tokens"].numpy()), (steps, i)
+    # the one-epoch case reads the corpus from its first token
+    ours, _ = _loader_samples(tmp_path, prefix, seq, per_epoch, seed=7)
+    first_epoch = sorted(int(row[0]) for row in ours)
+    assert first_epoch == [1 + k * seq for k in range(per_epoch)]

@@ -332,3 +332,14 @@ def test_specs_module_is_light() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_optimizer_options_are_typed() -> None:
+    from meshforge.optim.options import AdamWOptions, FusedAdamWOptions
+    from meshforge.optim.specs import resolve_optimizer_options
+
+    assert resolve_optimizer_options("adamw", {"amsgrad": True, "fused": None}) == (
+        "AdamW",
+        AdamWOptions(amsgrad=True, fused=None, foreach=None),
+    )
+    assert resolve_optimizer_options("FusedAdamW", {}) == ("FusedAdamW", FusedAdamWOptions(amsgrad=False))

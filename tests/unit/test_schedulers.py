@@ -291,3 +291,23 @@ def test_scheduler_with_zero_learning_rate() -> None:
         opt, type="ConstantWarmUpLR", learning_rate=0.0, total_steps=None, options={"warmup_steps": 2}
     )
     assert _run(opt, sched, 3) == [0.0, 0.0, 0.0]
+
+
+def test_options_are_typed_and_declared_once() -> None:
+    import dataclasses
+
+    from meshforge.optim.options import SCHEDULER_OPTIONS, CosineWithWarmUpLROptions
+    from meshforge.optim.specs import SCHEDULER_SPECS, resolve_scheduler_options
+
+    canon, opts = resolve_scheduler_options(
+        "cosinewithwarmuplr", {"min_lr": "1e-5", "warmup_steps": "3", "decay_ratio": 0.5}
+    )
+    assert canon == "CosineWithWarmUpLR" and isinstance(opts, CosineWithWarmUpLROptions)
+    assert (opts.lr_end, opts.warmup_steps, opts.decay_ratio, opts.num_cycles) == (1e-5, 3, 0.5, 0.5)
+    assert opts.decay_steps is None and opts.warmup_ratio is None
+    # The table of keys is the dataclass fields plus their aliases, nothing written twice.
+    for name, cls in SCHEDULER_OPTIONS.items():
+        table = SCHEDULER_SPECS[name]
+        fields = [f.name for f in dataclasses.fields(cls)]
+        assert [k for k, spec in table.items() if spec.alias_of is None] == fields
+        assert all(table[spec.alias_of] for spec in table.values() if spec.alias_of is not None)

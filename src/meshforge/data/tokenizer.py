@@ -15,9 +15,11 @@ can size the embedding and initialise the new rows.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from meshforge.resources import resolve_path
 
@@ -57,6 +59,32 @@ class TokenizerExtension:
         return bool(self.tokens or self.special_tokens)
 
 
+# JSON files of a tokenizer folder, checked first so that a broken one is named with its line.
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def _check_json(path: Path) -> None:
+    """Raise ValueError naming `path` (and the line) when it exists but is not valid UTF-8 JSON."""
+    if not path.is_file():
+        return
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte {exc.start}); the tokenizer file is corrupt"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}); the file is truncated "
+            "or corrupt: copy it again from the model's folder"
+        ) from None
+
+
 def build_tokenizer(
     name_or_path: str,
     *,
@@ -91,7 +119,8 @@ def build_tokenizer(
     Raises:
         FileNotFoundError: when the folder (or `new_special_tokens_config`) does not exist (hub
             names are not downloaded).
-        ValueError: for an empty token or a malformed `new_special_tokens_config` (names the key).
+        ValueError: for an empty token or a malformed `new_special_tokens_config` (names the key),
+            or tokenizer files that do not load (names the file, and the line of broken JSON).
     """
     path = resolve_path(name_or_path)
     if not path.is_dir():
@@ -103,9 +132,21 @@ def build_tokenizer(
     from transformers import AutoTokenizer
 
     kwargs = {"split_special_tokens": True} if split_special_tokens else {}
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(path), use_fast=use_fast, trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
-    )
+    for name in TOKENIZER_JSON_FILES:
+        _check_json(path / name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(path), use_fast=use_fast, trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
+        )
+    except Exception as exc:  # the Rust tokenizers library raises bare Exceptions for a bad file
+        if isinstance(exc, ImportError):
+            raise
+        main = path / "tokenizer.json"
+        where = main if main.is_file() else path
+        raise ValueError(
+            f"{where}: not a tokenizer Hugging Face can load ({type(exc).__name__}: {_first_line(exc)}); "
+            "replace the tokenizer files with ones saved by save_pretrained"
+        ) from None
     if split_special_tokens and not getattr(tokenizer, "split_special_tokens", False):
         raise ValueError(
             f"model.split_special_tokens: the {type(tokenizer).__name__} tokenizer in {path} does not "
@@ -121,17 +162,31 @@ def build_tokenizer(
     return tokenizer
 
 
-def extension_options(model_cfg: Any) -> dict[str, Any]:
+class TokenizerOptions(Protocol):
+    """The tokenizer options of the `model:` section (`ModelConfig`), named here so that the data
+    package does not import the models package."""
+
+    @property
+    def split_special_tokens(self) -> bool: ...
+    @property
+    def add_tokens(self) -> str | None: ...
+    @property
+    def add_special_tokens(self) -> str | None: ...
+    @property
+    def new_special_tokens_config(self) -> str | None: ...
+
+
+def extension_options(model_cfg: TokenizerOptions) -> dict[str, Any]:
     """`build_tokenizer` keyword arguments from the `model:` section's tokenizer options.
 
     ``build_tokenizer(path, use_fast=..., **extension_options(cfg.model), log=...)`` extends the
     tokenizer the same way wherever a run's tokenizer is rebuilt (training, conversion).
     """
     return {
-        "split_special_tokens": bool(getattr(model_cfg, "split_special_tokens", False)),
-        "add_tokens": getattr(model_cfg, "add_tokens", None),
-        "add_special_tokens": getattr(model_cfg, "add_special_tokens", None),
-        "new_special_tokens_config": getattr(model_cfg, "new_special_tokens_config", None),
+        "split_special_tokens": model_cfg.split_special_tokens,
+        "add_tokens": model_cfg.add_tokens,
+        "add_special_tokens": model_cfg.add_special_tokens,
+        "new_special_tokens_config": model_cfg.new_special_tokens_config,
     }
 
 

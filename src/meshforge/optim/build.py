@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshforge.optim.options import AdamWOptions
 from meshforge.optim.param_groups import describe_param_groups, split_by_tensor_kind, split_weight_decay
 from meshforge.optim.specs import resolve_optimizer_options
 
@@ -90,7 +91,8 @@ def build_optimizer(
         learning_rate: `lr_scheduler.learning_rate`; the scheduler sets the actual per-step lr.
         betas, eps, weight_decay: `optimizer.*`.
         weight_decay_include, weight_decay_exclude: name rules (see `param_groups.py`).
-        options: the section's passthrough keys (`amsgrad`, `fused`, `foreach`).
+        options: the section's passthrough keys (`amsgrad`, `fused`, `foreach`), declared in
+            `optim/options.py` (`AdamWOptions`, `FusedAdamWOptions`).
 
     Returns:
         A `torch.optim.AdamW` with two groups: decay (`weight_decay`), no decay (0.0); a group
@@ -111,11 +113,10 @@ def build_optimizer(
     no_decay = [p for _, p in groups.no_decay]
     if not decay and not no_decay:
         raise ValueError("optimizer: the model has no trainable parameters (all have requires_grad=False)")
-    if canon == "FusedAdamW":
+    if isinstance(opts, AdamWOptions):
+        impl = _implementation(decay + no_decay, opts.fused, opts.foreach)
+    else:  # FusedAdamW
         impl = {"fused": True, "foreach": None}
-    else:
-        assert canon == "AdamW", canon  # resolve_optimizer_options refuses unbuilt types
-        impl = _implementation(decay + no_decay, opts.pop("fused", None), opts.pop("foreach", None))
     # A model with FSDP-ignored (plain) and sharded (DTensor) parameters: one group per kind.
     # The plain parts come last, so groups 0 and 1 stay decay / no decay: DCP restores group
     # hyperparameters by index, and a checkpoint of a mixed model then loads into an unmixed one.
@@ -129,7 +130,7 @@ def build_optimizer(
         lr=float(learning_rate),
         betas=(beta1, beta2),
         eps=float(eps),
-        amsgrad=bool(opts.get("amsgrad", False)),
+        amsgrad=opts.amsgrad,
         **impl,
     )
     log.info(

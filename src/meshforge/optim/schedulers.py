@@ -65,6 +65,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from meshforge.optim.options import (
+    CosineAnnealingLROptions,
+    CosineAnnealingWarmRestartsOptions,
+    CosineWithRestartsAndWarmUpLROptions,
+    CosineWithWarmUpLROptions,
+    DecayToEndOptions,
+    PolynomialWithWarmUpLROptions,
+    SchedulerOptions,
+    WarmupOptions,
+    WarmUpStableDecayLROptions,
+)
 from meshforge.optim.specs import resolve_scheduler_options
 
 if TYPE_CHECKING:
@@ -98,7 +109,7 @@ class _Ctx:
 
     canon: str
     lr: float
-    opts: dict[str, Any]
+    opts: SchedulerOptions  # the options dataclass of `canon` (optim/options.py)
     raw: Mapping[str, Any]  # the options as written, to tell an explicit lr_end from a default
     total: _Total
     warmup: int = 0
@@ -108,7 +119,8 @@ class _Ctx:
         return self.init + (self.lr - self.init) * t / self.warmup
 
     def lr_end(self) -> float:
-        lr_end = float(self.opts["lr_end"])
+        assert isinstance(self.opts, DecayToEndOptions)
+        lr_end = self.opts.lr_end
         explicit = "min_lr" if "min_lr" in self.raw else "lr_end" if "lr_end" in self.raw else None
         if explicit and lr_end > self.lr:
             raise ValueError(
@@ -125,10 +137,12 @@ class _Ctx:
 
     def decay_end(self, *, ratio: bool) -> tuple[int, str]:
         """The step where a cosine-type decay ends: decay_steps, int(T*decay_ratio), or T."""
-        if self.opts.get("decay_steps") is not None:
-            end, name = int(self.opts["decay_steps"]), f"{_S}.decay_steps"
-        elif ratio and self.opts.get("decay_ratio") is not None:
-            end = int(self.total.get("decay_ratio") * self.opts["decay_ratio"])
+        o = self.opts
+        assert isinstance(o, CosineWithWarmUpLROptions | CosineWithRestartsAndWarmUpLROptions)
+        if o.decay_steps is not None:
+            end, name = o.decay_steps, f"{_S}.decay_steps"
+        elif ratio and isinstance(o, CosineWithWarmUpLROptions) and o.decay_ratio is not None:
+            end = int(self.total.get("decay_ratio") * o.decay_ratio)
             name = f"int(total_steps * {_S}.decay_ratio)"
         else:
             end, name = self.total.get(self.canon), "the schedule"
@@ -157,7 +171,8 @@ def _cosine(c: _Ctx) -> Callable[[int], float]:
     lr, lr_end, warmup = c.lr, c.lr_end(), c.warmup
     D, _ = c.decay_end(ratio=True)
     span = max(1, D - warmup)
-    cycles = float(c.opts["num_cycles"])
+    assert isinstance(c.opts, CosineWithWarmUpLROptions)
+    cycles = c.opts.num_cycles
 
     def at(t: int) -> float:
         if t >= D:
@@ -174,12 +189,13 @@ def _wsd(c: _Ctx) -> Callable[[int], float]:
     lr, lr_end, warmup, T = c.lr, c.lr_end(), c.warmup, c.total.get(c.canon)
     c.fits(T, "the schedule")
     o = c.opts
-    if o.get("decay_start_steps") is not None:
-        S, key = int(o["decay_start_steps"]), "decay_start_steps"
-    elif o.get("decay_start_ratio") is not None:
-        S, key = int(T * o["decay_start_ratio"]), "decay_start_ratio"
-    elif o.get("decay_ratio") is not None:
-        S, key = T - int(T * o["decay_ratio"]), "decay_ratio"
+    assert isinstance(o, WarmUpStableDecayLROptions)
+    if o.decay_start_steps is not None:
+        S, key = o.decay_start_steps, "decay_start_steps"
+    elif o.decay_start_ratio is not None:
+        S, key = int(T * o.decay_start_ratio), "decay_start_ratio"
+    elif o.decay_ratio is not None:
+        S, key = T - int(T * o.decay_ratio), "decay_ratio"
     else:
         S, key = warmup, ""
     if key and not warmup <= S <= T:
@@ -200,9 +216,11 @@ def _wsd(c: _Ctx) -> Callable[[int], float]:
 
 
 def _polynomial(c: _Ctx) -> Callable[[int], float]:
-    lr, lr_end, warmup, power = c.lr, c.lr_end(), c.warmup, float(c.opts["power"])
-    if c.opts.get("decay_steps") is not None:
-        span = int(c.opts["decay_steps"])
+    o = c.opts
+    assert isinstance(o, PolynomialWithWarmUpLROptions)
+    lr, lr_end, warmup, power = c.lr, c.lr_end(), c.warmup, o.power
+    if o.decay_steps is not None:
+        span = o.decay_steps
     else:
         T = c.total.get(c.canon)
         c.fits(T, "the schedule")
@@ -222,7 +240,8 @@ def _cosine_restarts(c: _Ctx) -> Callable[[int], float]:
     lr, lr_end, warmup = c.lr, c.lr_end(), c.warmup
     D, _ = c.decay_end(ratio=False)
     span = max(1, D - warmup)
-    cycles = float(c.opts["num_cycles"])
+    assert isinstance(c.opts, CosineWithRestartsAndWarmUpLROptions)
+    cycles = c.opts.num_cycles
 
     def at(t: int) -> float:
         if t >= D:
@@ -236,14 +255,16 @@ def _cosine_restarts(c: _Ctx) -> Callable[[int], float]:
 
 
 def _cosine_annealing(c: _Ctx) -> Callable[[int], float]:
-    lr, eta_min, t_max = c.lr, float(c.opts["eta_min"]), int(c.opts["t_max"])
+    assert isinstance(c.opts, CosineAnnealingLROptions)
+    lr, eta_min, t_max = c.lr, c.opts.eta_min, c.opts.t_max
     # Periodic like torch's closed form: back at learning_rate after 2 * t_max steps.
     return lambda t: eta_min + (lr - eta_min) * 0.5 * (1.0 + math.cos(math.pi * t / t_max))
 
 
 def _cosine_warm_restarts(c: _Ctx) -> Callable[[int], float]:
-    lr, eta_min = c.lr, float(c.opts["eta_min"])
-    t_0, t_mult = int(c.opts["t_0"]), int(c.opts["t_mult"])
+    o = c.opts
+    assert isinstance(o, CosineAnnealingWarmRestartsOptions)
+    lr, eta_min, t_0, t_mult = c.lr, o.eta_min, o.t_0, o.t_mult
 
     def at(t: int) -> float:
         # Integer walk over the periods (t_0, t_0*t_mult, ...): exact at every restart, unlike
@@ -299,12 +320,14 @@ def lr_schedule(
     canon, opts = resolve_scheduler_options(type, options)
     if canon is None:
         return lambda t: lr
-    ctx = _Ctx(canon=canon, lr=lr, opts=opts, raw=options, total=_Total(total_steps, opts.get("total_steps")))
-    if opts.get("warmup_steps") is not None:
-        ctx.warmup = int(opts["warmup_steps"])
-    elif opts.get("warmup_ratio") is not None:
-        ctx.warmup = int(ctx.total.get("warmup_ratio") * opts["warmup_ratio"])
-    ctx.init = float(opts.get("warmup_lr_init") or 0.0)
+    horizon = opts.total_steps if isinstance(opts, WarmupOptions) else None
+    ctx = _Ctx(canon=canon, lr=lr, opts=opts, raw=options, total=_Total(total_steps, horizon))
+    if isinstance(opts, WarmupOptions):
+        if opts.warmup_steps is not None:
+            ctx.warmup = opts.warmup_steps
+        elif opts.warmup_ratio is not None:
+            ctx.warmup = int(ctx.total.get("warmup_ratio") * opts.warmup_ratio)
+        ctx.init = opts.warmup_lr_init
     return _BUILDERS[canon](ctx)
 
 

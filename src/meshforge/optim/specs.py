@@ -2,13 +2,14 @@
 
 Both sections are `allow_extra` in the MindFormers format: besides their declared fields
 (`type`, `betas`, ... / `type`, `learning_rate`) they carry keys that belong to the chosen
-optimizer or scheduler (`warmup_ratio`, `lr_end`, ...). This module is the single table of those
-keys, with their types and ranges, so that
+optimizer or scheduler (`warmup_ratio`, `lr_end`, ...). Each type declares them once, as the
+fields of its options dataclass in `optim/options.py`; this module derives the table of keys, types
+and ranges from those fields, so that
 
 * the config system can report every wrong key at load time (`check_*_options`, returning
   `(key relative to the section, reason)` pairs, never raising), and
-* the builders get typed, alias-resolved values (`resolve_*_options`, raising `ValueError` that
-  names `lr_scheduler.<key>`).
+* the builders get an instance of that dataclass, alias-resolved (`resolve_*_options`, raising
+  `ValueError` that names `lr_scheduler.<key>`).
 
 Numbers follow the project rule: `1e-8` and `"10"` are accepted (PyYAML reads `1e-8` as a
 string), a bool is never a number, NaN and infinities are rejected.
@@ -18,11 +19,21 @@ Light module: no torch import.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from meshforge.optim.options import (
+    OPTIMIZER_OPTIONS,
+    SCHEDULER_OPTIONS,
+    AdamWOptions,
+    FusedAdamWOptions,
+    SchedulerOptions,
+)
 
 __all__ = [
     "OPTIMIZER_SPECS",
@@ -78,180 +89,54 @@ class OptionSpec:
         return f"{left}{lo}, {hi}{right}"
 
 
-# ----------------------------------------------------------------------------- optimizers
+# ----------------------------------------------------------------------------- types
 
 # `FusedAdamW` is MindSpeed's `optimizer: fused_adamw`: AdamW with the fused kernel forced.
-OPTIMIZERS_BUILT: tuple[str, ...] = ("AdamW", "FusedAdamW")
+OPTIMIZERS_BUILT: tuple[str, ...] = tuple(OPTIMIZER_OPTIONS)
 # Declared by the references (MindFormers `optimizer.type`, MindSpeed `optimizer: muon`) but not
 # built yet: `config validate` accepts them, `train` refuses them (see `optimizer_not_built`).
 OPTIMIZERS_PLANNED: tuple[str, ...] = ("Muon",)
 
-_ADAMW_OPTIONS = (
-    OptionSpec("amsgrad", "bool", "Use the AMSGrad variant of Adam.", default=False),
-    OptionSpec(
-        "fused",
-        "optional_bool",
-        "Fused kernel; null lets meshforge choose (fused on CPU/CUDA, see optim/build.py).",
-    ),
-    OptionSpec(
-        "foreach",
-        "optional_bool",
-        "Multi-tensor (foreach) implementation; null lets meshforge choose (see optim/build.py).",
-    ),
-)
-
-OPTIMIZER_SPECS: dict[str, dict[str, OptionSpec]] = {
-    "AdamW": {s.name: s for s in _ADAMW_OPTIONS},
-    "FusedAdamW": {s.name: s for s in _ADAMW_OPTIONS if s.name == "amsgrad"},
-}
-
-# ----------------------------------------------------------------------------- schedulers
-
-SCHEDULERS_BUILT: tuple[str, ...] = (
-    "ConstantWarmUpLR",
-    "LinearWithWarmUpLR",
-    "CosineWithWarmUpLR",
-    "WarmUpStableDecayLR",
-    "PolynomialWithWarmUpLR",
-    "CosineWithRestartsAndWarmUpLR",
-    "CosineAnnealingLR",
-    "CosineAnnealingWarmRestarts",
-)
+SCHEDULERS_BUILT: tuple[str, ...] = tuple(SCHEDULER_OPTIONS)
 # Other MindFormers schedule names: recognised, refused by `train` until built.
 SCHEDULERS_PLANNED: tuple[str, ...] = ("ConstantWithCoolDownLR",)
 
-_WARMUP = (
-    OptionSpec("warmup_steps", "int", "Steps of linear warm-up; wins over warmup_ratio.", lo=0),
-    OptionSpec(
-        "warmup_ratio",
-        "float",
-        "Warm-up length as a fraction of total_steps (int(total*ratio)); ignored when warmup_steps is set.",
-        lo=0.0,
-        hi=1.0,
-    ),
-    OptionSpec("warmup_lr_init", "float", "Learning rate at the first warm-up step.", default=0.0, lo=0.0),
-    OptionSpec(
-        "total_steps",
-        "int",
-        "Horizon of the schedule; null or a value <= 0 (MindFormers writes -1) means training.steps.",
-    ),
-)
+
+def _kind(hint: Any) -> Kind:
+    members = [m for m in typing.get_args(hint) if m is not type(None)] or [hint]
+    optional = type(None) in typing.get_args(hint)
+    if members == [bool]:
+        return "optional_bool" if optional else "bool"
+    if members == [int]:
+        return "int"
+    if members == [float]:
+        return "float"
+    raise TypeError(f"option type {hint!r} is not int, float or bool (optionally | None)")
 
 
-def _lr_end(default: float) -> tuple[OptionSpec, OptionSpec]:
-    return (
-        OptionSpec("lr_end", "float", "Final (floor) learning rate of the decay.", default=default, lo=0.0),
-        OptionSpec(
-            "min_lr", "float", "Alias of lr_end (MindSpeed / Megatron name).", lo=0.0, alias_of="lr_end"
-        ),
-    )
+def specs_of(options_class: type) -> dict[str, OptionSpec]:
+    """The keys of one type, from the fields of its options dataclass (aliases after their field)."""
+    hints = typing.get_type_hints(options_class)
+    table: dict[str, OptionSpec] = {}
+    for item in dataclasses.fields(options_class):
+        meta = item.metadata
+        kind = _kind(hints[item.name])
+        bounds = {k: meta[k] for k in ("lo", "hi", "lo_open", "hi_open")}
+        default = None if item.default is dataclasses.MISSING else item.default
+        table[item.name] = OptionSpec(
+            item.name, kind, meta["description"], default=default, required=meta["required"], **bounds
+        )
+        for alias, text in meta["aliases"].items():
+            table[alias] = OptionSpec(alias, kind, text, alias_of=item.name, **bounds)
+    return table
 
 
-def _table(*specs: OptionSpec) -> dict[str, OptionSpec]:
-    return {s.name: s for s in specs}
-
-
-SCHEDULER_SPECS: dict[str, dict[str, OptionSpec]] = {
-    "ConstantWarmUpLR": _table(*_WARMUP),
-    "LinearWithWarmUpLR": _table(*_WARMUP, *_lr_end(0.0)),
-    "CosineWithWarmUpLR": _table(
-        *_WARMUP,
-        *_lr_end(0.0),
-        OptionSpec(
-            "num_cycles",
-            "float",
-            "Number of cosine waves over the decay (0.5 = one half-cosine from peak to lr_end).",
-            default=0.5,
-            lo=0.0,
-            lo_open=True,
-        ),
-        OptionSpec(
-            "decay_steps",
-            "int",
-            "Step at which the cosine reaches lr_end and stays there (default: total_steps).",
-            lo=1,
-        ),
-        OptionSpec(
-            "decay_ratio",
-            "float",
-            "decay_steps as a fraction of total_steps; ignored when decay_steps is set.",
-            lo=0.0,
-            lo_open=True,
-            hi=1.0,
-        ),
-    ),
-    "WarmUpStableDecayLR": _table(
-        *_WARMUP,
-        *_lr_end(1e-7),
-        OptionSpec(
-            "decay_start_steps",
-            "int",
-            "Step at which the linear decay to lr_end starts (end of the stable phase).",
-            lo=0,
-        ),
-        OptionSpec(
-            "decay_start_ratio",
-            "float",
-            "decay_start_steps as a fraction of total_steps; ignored when decay_start_steps is set.",
-            lo=0.0,
-            hi=1.0,
-        ),
-        OptionSpec(
-            "decay_ratio",
-            "float",
-            "Length of the decay phase as a fraction of total_steps (decay starts at "
-            "total - int(total*ratio)); ignored when decay_start_steps is set.",
-            lo=0.0,
-            hi=1.0,
-        ),
-    ),
+OPTIMIZER_SPECS: dict[str, dict[str, OptionSpec]] = {
+    name: specs_of(cls) for name, cls in OPTIMIZER_OPTIONS.items()
 }
-
-_ETA_MIN = OptionSpec("eta_min", "float", "Lowest learning rate of each cosine.", default=0.0, lo=0.0)
-SCHEDULER_SPECS["PolynomialWithWarmUpLR"] = _table(
-    *_WARMUP,
-    *_lr_end(1e-7),
-    OptionSpec(
-        "power",
-        "float",
-        "Exponent of the polynomial decay (1.0 = linear).",
-        default=1.0,
-        lo=0.0,
-        lo_open=True,
-    ),
-    OptionSpec(
-        "decay_steps",
-        "int",
-        "Length of the decay after the warm-up (default: total_steps - warm-up); lr_end afterwards.",
-        lo=1,
-    ),
-)
-SCHEDULER_SPECS["CosineWithRestartsAndWarmUpLR"] = _table(
-    *_WARMUP,
-    *_lr_end(0.0),
-    OptionSpec(
-        "num_cycles",
-        "float",
-        "Number of restarts (hard restarts to the peak) between the warm-up and decay_steps.",
-        default=1.0,
-        lo=0.0,
-        lo_open=True,
-    ),
-    OptionSpec(
-        "decay_steps", "int", "Step at which the schedule ends at lr_end (default: total_steps).", lo=1
-    ),
-)
-SCHEDULER_SPECS["CosineAnnealingLR"] = _table(
-    OptionSpec(
-        "t_max", "int", "Steps of one half-cosine from learning_rate to eta_min.", lo=1, required=True
-    ),
-    _ETA_MIN,
-)
-SCHEDULER_SPECS["CosineAnnealingWarmRestarts"] = _table(
-    OptionSpec("t_0", "int", "Steps until the first restart.", lo=1, required=True),
-    OptionSpec("t_mult", "int", "Factor by which each period grows after a restart.", default=1, lo=1),
-    _ETA_MIN,
-)
+SCHEDULER_SPECS: dict[str, dict[str, OptionSpec]] = {
+    name: specs_of(cls) for name, cls in SCHEDULER_OPTIONS.items()
+}
 
 # Pairs that contradict each other when both are given (neither has precedence).
 _EXCLUSIVE: dict[str, tuple[tuple[str, str], ...]] = {
@@ -438,11 +323,13 @@ def _raise_first(section: str, problems: list[tuple[str, str]]) -> None:
         raise ValueError("\n".join(lines))
 
 
-def resolve_optimizer_options(type_name: str, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+def resolve_optimizer_options(
+    type_name: str, options: Mapping[str, Any]
+) -> tuple[str, AdamWOptions | FusedAdamWOptions]:
     """Validate and convert `optimizer:` passthrough keys for a built optimizer.
 
     Returns:
-        `(canonical type, {key: typed value})` with defaults filled in.
+        `(canonical type, its options)` with defaults filled in.
 
     Raises:
         ValueError: `optimizer.<key>: <reason>` (one line per problem); for a type that is not
@@ -455,40 +342,40 @@ def resolve_optimizer_options(type_name: str, options: Mapping[str, Any]) -> tup
         raise ValueError(not_built)
     canon = canonical_optimizer_type(type_name)
     assert canon is not None
-    table = OPTIMIZER_SPECS[canon]
-    values, _ = _check(table, options, canon, ())
-    return canon, {name: values.get(name, spec.default) for name, spec in table.items()}
+    values, _ = _check(OPTIMIZER_SPECS[canon], options, canon, ())
+    return canon, OPTIMIZER_OPTIONS[canon](**_folded(OPTIMIZER_SPECS[canon], values))
 
 
 def resolve_scheduler_options(
     type_name: str | None, options: Mapping[str, Any]
-) -> tuple[str | None, dict[str, Any]]:
+) -> tuple[str | None, SchedulerOptions]:
     """Validate and convert `lr_scheduler:` passthrough keys for a built scheduler.
 
     Aliases are folded into their canonical key (`min_lr` -> `lr_end`); absent keys get their
     default (None for "not set").
 
     Returns:
-        `(canonical type or None, {canonical key: typed value})`.
+        `(canonical type or None, its options)`; a constant rate (no type) has no options.
 
     Raises:
         ValueError: `lr_scheduler.<key>: <reason>`, or `not supported yet: lr_scheduler.type=...`.
     """
     _raise_first("lr_scheduler", check_scheduler_options(type_name, options))
     if type_name is None:
-        return None, {}
+        return None, SchedulerOptions()
     not_built = scheduler_not_built(type_name)
     if not_built:
         raise ValueError(not_built)
     canon = canonical_scheduler_type(type_name)
     assert canon is not None
-    table = SCHEDULER_SPECS[canon]
-    values, _ = _check(table, options, canon, ())
-    out: dict[str, Any] = {}
-    for name, spec in table.items():
-        if spec.alias_of is None:
-            out[name] = values.get(name, spec.default)
+    values, _ = _check(SCHEDULER_SPECS[canon], options, canon, ())
+    return canon, SCHEDULER_OPTIONS[canon](**_folded(SCHEDULER_SPECS[canon], values))
+
+
+def _folded(table: Mapping[str, OptionSpec], values: Mapping[str, Any]) -> dict[str, Any]:
+    """Checked values by field name: an alias given counts for its field; absent keys are left out."""
+    out = {name: values[name] for name, spec in table.items() if spec.alias_of is None and name in values}
     for name, spec in table.items():
         if spec.alias_of is not None and name in values:
             out[spec.alias_of] = values[name]
-    return canon, out
+    return out

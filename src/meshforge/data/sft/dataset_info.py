@@ -100,6 +100,8 @@ def _read_info(dataset_dir: Path) -> dict[str, Any]:
         )
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8 JSON") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
     if not isinstance(info, dict):

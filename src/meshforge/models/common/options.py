@@ -4,15 +4,20 @@ Every built-in family's ``args.py`` reads its options the same way: unknown keys
 refused by name with a did-you-mean, alternative spellings (``ALIASES``) are folded
 into the field name, numbers may come as YAML 1.1 strings (``"1e-6"``), a bool is
 never a number, ``flavor`` picks a named starting point, and the remaining keys
-override its fields. This module holds those steps once; a family keeps only its
-field sets and its own extra rules. It does not import torch (``args.py`` files must
-load without it).
+override its fields. This module holds those steps once. A family declares each field
+once, in its ``*Args`` dataclass: how a value is read follows from the field's type
+(``field_coercer``) and positive sizes are checked with one rule (``require_positive``);
+``args.py`` keeps only the family's own extra rules. It does not import torch
+(``args.py`` files must load without it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
+import types
+import typing
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
@@ -142,6 +147,76 @@ def coerce_scalar(
     return value
 
 
+class FieldKinds(NamedTuple):
+    """The fields of an ``*Args`` dataclass grouped by how an option value for them is read."""
+
+    ints: frozenset[str]
+    floats: frozenset[str]
+    bools: frozenset[str]
+    int_lists: frozenset[str]
+
+
+def _kind(hint: Any) -> str | None:
+    """``int``, ``float``, ``bool`` or ``list[int]`` for a field type (``None`` allowed), else None."""
+    origin = typing.get_origin(hint)
+    members = typing.get_args(hint) if origin in (types.UnionType, typing.Union) else (hint,)
+    members = tuple(m for m in members if m is not type(None))
+    if len(members) != 1:
+        return None  # e.g. eos_token_id: int | list[int] | None passes through as given
+    (only,) = members
+    if only in (int, float, bool):
+        return only.__name__
+    if typing.get_origin(only) is list and typing.get_args(only) == (int,):
+        return "list[int]"
+    return None
+
+
+def field_kinds(args_class: type) -> FieldKinds:
+    """Group the fields of the dataclass ``args_class`` by their declared type."""
+    hints = typing.get_type_hints(args_class)
+    found: dict[str, set[str]] = {"int": set(), "float": set(), "bool": set(), "list[int]": set()}
+    for item in dataclasses.fields(args_class):
+        kind = _kind(hints[item.name])
+        if kind is not None:
+            found[kind].add(item.name)
+    return FieldKinds(*(frozenset(found[k]) for k in ("int", "float", "bool", "list[int]")))
+
+
+def field_coercer(args_class: type) -> Callable[[str, Any], Any]:
+    """``(key, value) -> value`` reading an option by the type of its field in ``args_class``.
+
+    ``int``/``float`` fields take numbers or their string spellings, ``bool`` fields only
+    true/false, ``list[int]`` fields a list of such integers; None stays None and other
+    fields pass through (the dataclass checks them).
+    """
+    kinds = field_kinds(args_class)
+
+    def coerce(key: str, value: Any) -> Any:
+        if key in kinds.int_lists and value is not None:
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"{key}: must be a list of integers, got {value!r}")
+            return [number(f"{key}[{i}]", v, integer=True) for i, v in enumerate(value)]
+        return coerce_scalar(key, value, ints=kinds.ints, floats=kinds.floats, bools=kinds.bools)
+
+    return coerce
+
+
+def require_positive(args: object, names: Collection[str]) -> None:
+    """The one positivity rule of sizes: each named field of ``args`` is an int > 0 (never a bool).
+
+    Raises:
+        ValueError: ``<name>: must be a positive integer, got <value>`` for the first that is not.
+    """
+    for name in names:
+        positive_int(name, getattr(args, name))
+
+
+def positive_int(name: str, value: object) -> None:
+    """Raise ``<name>: must be a positive integer, got <value>`` unless ``value`` is an int > 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
 class ParsedOptions(NamedTuple):
     """What ``parse_options`` hands back for the family to finish with ``replace(base, **overrides)``."""
 
@@ -202,12 +277,17 @@ def parse_options(
 
 
 __all__ = [
+    "FieldKinds",
     "ParsedOptions",
     "close_match",
     "coerce_scalar",
+    "field_coercer",
+    "field_kinds",
     "fold_aliases",
     "number",
     "parse_options",
+    "positive_int",
     "reject_unknown",
+    "require_positive",
     "unknown_option_message",
 ]

@@ -18,14 +18,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from meshforge.models.common.options import coerce_scalar, parse_options
+from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
-
-
-def _positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -75,24 +70,26 @@ class DeepseekV3Args:
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "moe_intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "n_routed_experts",
-            "kv_lora_rank",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "n_group",
-            "topk_group",
-            "num_experts_per_tok",
-            "max_position_embeddings",
-        ):
-            _positive(name, getattr(self, name))
+        require_positive(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "moe_intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "n_routed_experts",
+                "kv_lora_rank",
+                "qk_rope_head_dim",
+                "v_head_dim",
+                "n_group",
+                "topk_group",
+                "num_experts_per_tok",
+                "max_position_embeddings",
+            ),
+        )
         for name in (
             "n_shared_experts",
             "qk_nope_head_dim",
@@ -103,7 +100,7 @@ class DeepseekV3Args:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
         if self.q_lora_rank is not None:
-            _positive("q_lora_rank", self.q_lora_rank)
+            positive_int("q_lora_rank", self.q_lora_rank)
         if self.num_key_value_heads != self.num_attention_heads:
             # MLA expands keys/values to every query head through kv_b_proj; transformers then
             # repeats them num_attention_heads // num_key_value_heads more times, which only
@@ -248,53 +245,8 @@ FLAVORS: dict[str, DeepseekV3Args] = {
     ),
 }
 
-_INT_FIELDS = frozenset(
-    {
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "moe_intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "n_shared_experts",
-        "n_routed_experts",
-        "kv_lora_rank",
-        "q_lora_rank",
-        "qk_rope_head_dim",
-        "v_head_dim",
-        "qk_nope_head_dim",
-        "n_group",
-        "topk_group",
-        "num_experts_per_tok",
-        "first_k_dense_replace",
-        "max_position_embeddings",
-        "pad_token_id",
-        "bos_token_id",
-        "pretraining_tp",
-        "num_nextn_predict_layers",
-        "head_dim",
-        "qk_head_dim",
-    }
-)
-_FLOAT_FIELDS = frozenset(
-    {"routed_scaling_factor", "initializer_range", "rms_norm_eps", "rope_theta", "attention_dropout"}
-)
-_BOOL_FIELDS = frozenset(
-    {
-        "output_router_logits",
-        "norm_topk_prob",
-        "use_cache",
-        "tie_word_embeddings",
-        "rope_interleave",
-        "attention_bias",
-    }
-)
-
-
-def _coerce(key: str, value: Any) -> Any:
-    """Accept YAML spellings of numbers (``"1e-6"``, ``"10"``); never a bool as a number."""
-    return coerce_scalar(key, value, ints=_INT_FIELDS, floats=_FLOAT_FIELDS, bools=_BOOL_FIELDS)
+# How an option is read follows from its field's type in DeepseekV3Args (ints, floats, bools, int lists).
+_by_field = field_coercer(DeepseekV3Args)
 
 
 def from_options(options: dict[str, Any]) -> DeepseekV3Args:
@@ -321,7 +273,7 @@ def from_options(options: dict[str, Any]) -> DeepseekV3Args:
         known=OPTION_KEYS,
         flavors=FLAVORS,
         default=DeepseekV3Args,
-        coerce=_coerce,
+        coerce=_by_field,
         aliases=ALIASES,
     )
     if "num_attention_heads" in options and "num_key_value_heads" not in options:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from meshforge.models.common.options import coerce_scalar, parse_options
+from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 150_000.0
 #: RoPE types the built-in model computes (transformers' ``rope_type``).
@@ -73,20 +73,22 @@ class GptOssArgs:
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        for name in (
-            "num_hidden_layers",
-            "num_local_experts",
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-            "num_experts_per_tok",
-        ):
-            _positive_int(name, getattr(self, name))
+        require_positive(
+            self,
+            (
+                "num_hidden_layers",
+                "num_local_experts",
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "max_position_embeddings",
+                "num_experts_per_tok",
+            ),
+        )
         if self.head_dim is not None:
-            _positive_int("head_dim", self.head_dim)
+            positive_int("head_dim", self.head_dim)
         if self.attn_head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.attn_head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -118,7 +120,7 @@ class GptOssArgs:
                 raise ValueError(
                     "sliding_window: required (a positive integer) when layer_types has sliding_attention"
                 )
-            _positive_int("sliding_window", self.sliding_window)
+            positive_int("sliding_window", self.sliding_window)
         if self.rope_parameters is not None and not isinstance(self.rope_parameters, dict):
             raise ValueError(f"rope_parameters: must be a mapping, got {self.rope_parameters!r}")
         rope_type = self.rope["rope_type"]
@@ -168,11 +170,6 @@ class GptOssArgs:
         return out
 
 
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-
-
 # Other spellings found in config.json files and older configs.
 ALIASES: dict[str, str] = {"num_experts": "num_local_experts", "rope_scaling": "rope_parameters"}
 
@@ -215,35 +212,8 @@ FLAVORS: dict[str, GptOssArgs] = {
     ),
 }
 
-_INT_FIELDS = frozenset(
-    {
-        "num_hidden_layers",
-        "num_local_experts",
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "head_dim",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "sliding_window",
-        "max_position_embeddings",
-        "num_experts_per_tok",
-        "pad_token_id",
-        "bos_token_id",
-    }
-)
-_FLOAT_FIELDS = frozenset(
-    {
-        "initializer_range",
-        "rms_norm_eps",
-        "rope_theta",
-        "attention_dropout",
-        "swiglu_alpha",
-        "swiglu_limit",
-        "router_aux_loss_coef",
-    }
-)
-_BOOL_FIELDS = frozenset({"tie_word_embeddings", "output_router_logits", "use_cache", "attention_bias"})
+# How an option is read follows from its field's type in GptOssArgs (ints, floats, bools, int lists).
+_by_field = field_coercer(GptOssArgs)
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -256,7 +226,7 @@ def _coerce(key: str, value: Any) -> Any:
         if not isinstance(value, dict):
             raise ValueError(f"rope_parameters: must be a mapping, got {value!r}")
         return dict(value)
-    return coerce_scalar(key, value, ints=_INT_FIELDS, floats=_FLOAT_FIELDS, bools=_BOOL_FIELDS)
+    return _by_field(key, value)
 
 
 def from_options(options: dict[str, Any]) -> GptOssArgs:

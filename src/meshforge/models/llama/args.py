@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from meshforge.models.common.options import (
-    coerce_scalar,
+    field_coercer,
     number,
     parse_options,
+    require_positive,
 )
 from meshforge.models.common.options import (
     unknown_option_message as _unknown_option_message,
@@ -68,21 +69,22 @@ class LlamaArgs:
     rope_scaling: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_attention_heads"):
-            self._check_positive(name)
+        require_positive(self, ("hidden_size", "num_attention_heads"))
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        for name in (
-            "vocab_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            self._check_positive(name)
+        require_positive(
+            self,
+            (
+                "vocab_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_key_value_heads",
+                "head_dim",
+                "max_position_embeddings",
+            ),
+        )
         if self.hidden_size % self.num_attention_heads:
             # transformers' LlamaConfig refuses this even when head_dim is given, so such
             # a model could not be exported; say so here rather than at export time.
@@ -116,11 +118,6 @@ class LlamaArgs:
                     f"(to change the base of a loaded config, override {name} as a whole)"
                 )
         self._check_rope(self.rope)
-
-    def _check_positive(self, name: str) -> None:
-        value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: must be a positive integer, got {value!r}")
 
     @staticmethod
     def _check_rope(rope: dict[str, Any]) -> None:
@@ -243,24 +240,11 @@ def unknown_option_message(key: str, known: frozenset[str] | set[str]) -> str:
     return _unknown_option_message(key, known, "Llama")
 
 
-_INT_FIELDS = frozenset(
-    {
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "max_position_embeddings",
-        "pad_token_id",
-        "bos_token_id",
-        "pretraining_tp",
-    }
-)
-_FLOAT_FIELDS = frozenset({"initializer_range", "rms_norm_eps", "rope_theta", "attention_dropout"})
-_BOOL_FIELDS = frozenset({"use_cache", "tie_word_embeddings", "attention_bias", "mlp_bias"})
 _ROPE_FLOAT_KEYS = frozenset({"rope_theta", "factor", "low_freq_factor", "high_freq_factor"})
+
+
+# How an option is read follows from its field's type in LlamaArgs (ints, floats, bools, int lists).
+_by_field = field_coercer(LlamaArgs)
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -275,7 +259,7 @@ def _coerce(key: str, value: Any) -> Any:
             elif sub == "original_max_position_embeddings":
                 out[sub] = number(f"{key}.{sub}", raw, integer=True)
         return out
-    return coerce_scalar(key, value, ints=_INT_FIELDS, floats=_FLOAT_FIELDS, bools=_BOOL_FIELDS)
+    return _by_field(key, value)
 
 
 def from_options(options: dict[str, Any]) -> LlamaArgs:

@@ -14,14 +14,26 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from meshforge.models.common.options import (
-    coerce_scalar,
+    field_coercer,
     parse_options,
+    require_positive,
 )
 from meshforge.models.common.options import (
     unknown_option_message as _unknown_option_message,
 )
 
 DEFAULT_ROPE_THETA = 10_000.0
+# Sizes that must be positive integers.
+POSITIVE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -56,19 +68,7 @@ class Qwen3Args:
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        require_positive(self, POSITIVE_FIELDS)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
@@ -156,29 +156,8 @@ def unknown_option_message(key: str, known: frozenset[str] | set[str]) -> str:
     return _unknown_option_message(key, known, "Qwen3")
 
 
-_INT_FIELDS = frozenset(
-    {
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "max_position_embeddings",
-        "sliding_window",
-        "max_window_layers",
-        "pad_token_id",
-        "bos_token_id",
-    }
-)
-_FLOAT_FIELDS = frozenset({"initializer_range", "rms_norm_eps", "rope_theta", "attention_dropout"})
-_BOOL_FIELDS = frozenset({"use_cache", "tie_word_embeddings", "attention_bias", "use_sliding_window"})
-
-
-def _coerce(key: str, value: Any) -> Any:
-    """Accept YAML spellings of numbers (``"1e-6"``, ``"10"``); never a bool as a number."""
-    return coerce_scalar(key, value, ints=_INT_FIELDS, floats=_FLOAT_FIELDS, bools=_BOOL_FIELDS)
+# How each option is read follows from its field's type in Qwen3Args.
+_coerce = field_coercer(Qwen3Args)
 
 
 def from_options(options: dict[str, Any]) -> Qwen3Args:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from meshforge.models.common.options import coerce_scalar, number, parse_options
+from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -63,31 +63,29 @@ class Qwen3MoeArgs:
         if not self.use_sliding_window:
             # As Qwen3MoeConfig does: the window only exists when sliding attention is on.
             object.__setattr__(self, "sliding_window", None)
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-            "decoder_sparse_step",
-            "moe_intermediate_size",
-            "num_experts_per_tok",
-            "num_experts",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        require_positive(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "max_position_embeddings",
+                "decoder_sparse_step",
+                "moe_intermediate_size",
+                "num_experts_per_tok",
+                "num_experts",
+            ),
+        )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
                 f"got {self.num_key_value_heads}"
             )
-        if self.head_dim is not None and (
-            isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0
-        ):
-            raise ValueError(f"head_dim: must be a positive integer or null, got {self.head_dim!r}")
+        if self.head_dim is not None:
+            positive_int("head_dim", self.head_dim)
         if self.attn_head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.attn_head_dim}")
         if self.num_experts_per_tok > self.num_experts:
@@ -201,47 +199,8 @@ FLAVORS: dict[str, Qwen3MoeArgs] = {
     ),
 }
 
-_INT_FIELDS = frozenset(
-    {
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "max_position_embeddings",
-        "sliding_window",
-        "pad_token_id",
-        "bos_token_id",
-        "decoder_sparse_step",
-        "moe_intermediate_size",
-        "num_experts_per_tok",
-        "num_experts",
-    }
-)
-_FLOAT_FIELDS = frozenset(
-    {"initializer_range", "rms_norm_eps", "rope_theta", "attention_dropout", "router_aux_loss_coef"}
-)
-_BOOL_FIELDS = frozenset(
-    {
-        "use_cache",
-        "tie_word_embeddings",
-        "attention_bias",
-        "use_sliding_window",
-        "norm_topk_prob",
-        "output_router_logits",
-    }
-)
-
-
-def _coerce(key: str, value: Any) -> Any:
-    """Accept YAML spellings of numbers (``"1e-6"``, ``"10"``); never a bool as a number."""
-    if key == "mlp_only_layers" and value is not None:
-        if not isinstance(value, list | tuple):
-            raise ValueError(f"mlp_only_layers: must be a list of layer indices, got {value!r}")
-        return [number(f"mlp_only_layers[{i}]", v, integer=True) for i, v in enumerate(value)]
-    return coerce_scalar(key, value, ints=_INT_FIELDS, floats=_FLOAT_FIELDS, bools=_BOOL_FIELDS)
+# How an option is read follows from its field's type in Qwen3MoeArgs (ints, floats, bools, int lists).
+_by_field = field_coercer(Qwen3MoeArgs)
 
 
 def from_options(options: dict[str, Any]) -> Qwen3MoeArgs:
@@ -267,7 +226,7 @@ def from_options(options: dict[str, Any]) -> Qwen3MoeArgs:
         known=OPTION_KEYS,
         flavors=FLAVORS,
         default=Qwen3MoeArgs,
-        coerce=_coerce,
+        coerce=_by_field,
         aliases=ALIASES,
     )
     return replace(parsed.base, **parsed.overrides)

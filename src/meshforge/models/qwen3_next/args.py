@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from meshforge.models.common.options import coerce_scalar, number, parse_options
+from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
@@ -68,29 +68,29 @@ class Qwen3NextArgs:
     def __post_init__(self) -> None:
         if self.mlp_only_layers is None:
             object.__setattr__(self, "mlp_only_layers", [])
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-            "head_dim",
-            "linear_conv_kernel_dim",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "decoder_sparse_step",
-            "moe_intermediate_size",
-            "shared_expert_intermediate_size",
-            "num_experts_per_tok",
-            "num_experts",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        require_positive(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "max_position_embeddings",
+                "head_dim",
+                "linear_conv_kernel_dim",
+                "linear_key_head_dim",
+                "linear_value_head_dim",
+                "linear_num_key_heads",
+                "linear_num_value_heads",
+                "decoder_sparse_step",
+                "moe_intermediate_size",
+                "shared_expert_intermediate_size",
+                "num_experts_per_tok",
+                "num_experts",
+            ),
+        )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
@@ -106,11 +106,8 @@ class Qwen3NextArgs:
                 f"num_experts_per_tok: must be at most num_experts ({self.num_experts}), "
                 f"got {self.num_experts_per_tok}"
             )
-        interval = self.full_attention_interval
-        if interval is not None and (
-            isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0
-        ):
-            raise ValueError(f"full_attention_interval: must be a positive integer, got {interval!r}")
+        if self.full_attention_interval is not None:
+            positive_int("full_attention_interval", self.full_attention_interval)
         self._check_layer_lists()
         if not 0.0 <= float(self.attention_dropout) < 1.0:
             raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
@@ -280,53 +277,8 @@ FLAVORS: dict[str, Qwen3NextArgs] = {
     ),
 }
 
-_INT_FIELDS = frozenset(
-    {
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "max_position_embeddings",
-        "pad_token_id",
-        "bos_token_id",
-        "linear_conv_kernel_dim",
-        "linear_key_head_dim",
-        "linear_value_head_dim",
-        "linear_num_key_heads",
-        "linear_num_value_heads",
-        "decoder_sparse_step",
-        "moe_intermediate_size",
-        "shared_expert_intermediate_size",
-        "num_experts_per_tok",
-        "num_experts",
-        "full_attention_interval",
-    }
-)
-_FLOAT_FIELDS = frozenset(
-    {
-        "initializer_range",
-        "rms_norm_eps",
-        "rope_theta",
-        "partial_rotary_factor",
-        "attention_dropout",
-        "router_aux_loss_coef",
-    }
-)
-_BOOL_FIELDS = frozenset(
-    {"use_cache", "tie_word_embeddings", "attention_bias", "norm_topk_prob", "output_router_logits"}
-)
-
-
-def _coerce(key: str, value: Any) -> Any:
-    """Accept YAML spellings of numbers (``"1e-6"``, ``"10"``); never a bool as a number."""
-    if key == "mlp_only_layers" and value is not None:
-        if not isinstance(value, list | tuple):
-            raise ValueError(f"mlp_only_layers: must be a list of layer indices, got {value!r}")
-        return [number(f"mlp_only_layers[{i}]", v, integer=True) for i, v in enumerate(value)]
-    return coerce_scalar(key, value, ints=_INT_FIELDS, floats=_FLOAT_FIELDS, bools=_BOOL_FIELDS)
+# How an option is read follows from its field's type in Qwen3NextArgs (ints, floats, bools, int lists).
+_by_field = field_coercer(Qwen3NextArgs)
 
 
 def from_options(options: dict[str, Any]) -> Qwen3NextArgs:
@@ -358,7 +310,7 @@ def from_options(options: dict[str, Any]) -> Qwen3NextArgs:
         known=OPTION_KEYS,
         flavors=FLAVORS,
         default=Qwen3NextArgs,
-        coerce=_coerce,
+        coerce=_by_field,
     )
     overrides = dict(parsed.overrides)
     # A new layer count or interval re-derives the layer kinds unless they are given too.
