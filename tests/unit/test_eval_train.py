@@ -5,7 +5,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, read_metrics, run_train
+
+pytestmark = pytest.mark.slow
 
 SFT = REPO / "configs" / "qwen3" / "sft_alpaca_tiny.yaml"
 MEGATRON = REPO / "configs" / "qwen3" / "pretrain_megatron_tiny.yaml"

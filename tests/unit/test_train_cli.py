@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import read_metrics, run_train
+
+pytestmark = pytest.mark.slow
 
 
 def test_demo_runs_from_any_directory_and_writes_its_outputs(tmp_path: Path) -> None:
