@@ -1,6 +1,6 @@
 """FSDP2 data parallel equals one process, and resume is exact, with 1 and 2 processes.
 
-Resume protocol (issue 2): A trains 2k steps; B trains k steps; C resumes B to 2k steps. C's
+Resume protocol: A trains 2k steps; B trains k steps; C resumes B to 2k steps. C's
 losses for steps k+1..2k must equal A's bitwise (deterministic mode, CPU). The 2-process run A
 must match the 1-process run A within 1e-5 relative (same global batch and seed). B saves
 asynchronously, so the background path is held to the same standard.

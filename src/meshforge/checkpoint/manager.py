@@ -179,6 +179,8 @@ class CheckpointManager:
             (target / TRAINER_STATE_FILE).write_text(json.dumps(payload, indent=2, default=_json_default))
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(target), process_group=self._group)
+            # Without an async stager DCP returns a plain Future (torch's annotation is wider).
+            assert isinstance(future, Future)
             self._pending = (future, target, step)
         else:
             dcp.save(state, checkpoint_id=str(target))
@@ -243,7 +245,9 @@ class CheckpointManager:
                 "(checkpoint.no_save_optim); set checkpoint.no_load_optim: true to load its weights only"
             )
         if load_optimizer:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_state = get_state_dict(model, optimizer)
+            # Read and rewritten as plain nested dicts below (param-group lists, renamed states).
+            optim_sd: dict[str, Any] = dict(optim_state)
             # DCP keeps one rank's copy of the param-group name lists, and pipeline ranks list
             # different names: the loaded lists must be this rank's own.
             own_groups = [list(group.get("params", [])) for group in optim_sd.get("param_groups", [])]
