@@ -121,5 +121,5 @@ def _worker(rank: int, world: int) -> None:
         assert torch.equal(p.full_tensor(), q.detach()), n
 
 
-def test_clip_and_adamw_on_fsdp2_dtensors(tmp_path) -> None:
+def test_clip_and_adamw_on_fsdp2_dtensors() -> None:
     run_workers(_worker, WORLD)

@@ -21,8 +21,6 @@ ep 2 over the data ranks, qwen3_moe (both dispatchers) and deepseek_v3, equal to
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -324,10 +322,10 @@ def _worker(rank: int, world: int) -> None:
         print("dedup/alltoall ratios (rank 0):", {k: round(v, 3) for k, v in measured.items()}, flush=True)
 
 
-def test_deduplicated_dispatch_equals_alltoall_and_one_process(tmp_path: Path) -> None:
+def test_deduplicated_dispatch_equals_alltoall_and_one_process() -> None:
     run_workers(_worker, 2)
 
 
-def test_ep_with_tensor_parallel_equals_one_process(tmp_path: Path) -> None:
+def test_ep_with_tensor_parallel_equals_one_process() -> None:
     """Expert parallelism together with TP (dp 2 x tp 2, ep 2 over the data ranks) equals one process."""
     run_workers(_worker_ep_tp, 4)

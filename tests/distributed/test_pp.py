@@ -177,7 +177,7 @@ def _worker(rank: int, world: int) -> None:
         _run_case(rank, case, mesh["pp"], mesh["dp"])
 
 
-def test_pp2_schedules_equal_one_process(tmp_path) -> None:
+def test_pp2_schedules_equal_one_process() -> None:
     run_workers(_worker, WORLD)
 
 

@@ -171,5 +171,5 @@ def _worker(rank: int, world: int) -> None:
         _run_case(rank, case, mesh["pp"])
 
 
-def test_pp2_gpt_oss_and_qwen3_next_equal_one_process(tmp_path) -> None:
+def test_pp2_gpt_oss_and_qwen3_next_equal_one_process() -> None:
     run_workers(_worker, WORLD)
