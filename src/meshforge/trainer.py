@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from meshforge.config import TrainConfig, check_trainable, dump_config
+from meshforge.config.noops import noop_notes
 from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
 from meshforge.parallel.dims import ParallelDims
 from meshforge.resources import resolve_path
@@ -67,10 +68,10 @@ class Trainer(TrainerBuild):
     """Runs one training job described by a validated `TrainConfig`."""
 
     def __init__(self, cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> None:
-        check_trainable(cfg)
         self.cfg = cfg
         self.logger = get_logger("trainer")
         self.log = log or self.logger.info
+        check_trainable(cfg, log=self.log)
         self.step = 0
         self.tokens_seen = 0
         self._last_checkpoint: Path | None = None
@@ -85,6 +86,13 @@ class Trainer(TrainerBuild):
         set_seed(cfg.training.seed)
         self.dist = dist_utils.env_dist_info()
         self.device = resolve_device(cfg.context.device_target, local_rank=self.dist.local_rank)
+        if cfg.context.device() == "auto":
+            # check_trainable warned about the keys that are no-ops everywhere; now the device is
+            # known, so are the ones that are no-ops on it (cpu_offload on the CPU, ...).
+            known = noop_notes(cfg, "auto")
+            for path, note in noop_notes(cfg, self.device.type):
+                if (path, note) not in known:
+                    self.log(f"warning: {path}: {note}")
         dist_utils.init_process_group(backend_for(self.device), self.dist)
         self.dims = ParallelDims.from_config(cfg.parallelism, self.dist.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
@@ -361,6 +369,17 @@ class Trainer(TrainerBuild):
             "elapsed_s": time.perf_counter() - start_time,
             "memory_bytes": peak_memory_bytes(self.device),
         }
+        if self.flops_per_token is not None:
+            from meshforge.monitor.throughput import peak_flops, throughput_fields
+
+            record.update(
+                throughput_fields(
+                    record["tokens_per_s"],
+                    flops_per_token=self.flops_per_token,
+                    world_size=self.dist.world_size,
+                    peak=peak_flops(self.device, self.compute_dtype),
+                )
+            )
         losses.append(metrics["loss"])
         if self._eval_due(total):
             record.update(self.evaluate())
@@ -447,7 +466,15 @@ class Trainer(TrainerBuild):
         return shard_batch_for_cp(batch, self.mesh.view("cp"), method=self.cfg.parallelism.cp_method())
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        """Copy a batch to the device; on an accelerator from pinned memory (`train_dataset.pin_memory`).
+
+        A copy from pageable memory is synchronous whatever `non_blocking` says; pinning first
+        lets it overlap with the step's compute.
+        """
+        if self.device.type == "cpu":
+            return batch
+        pin = self.cfg.train_dataset.pin_memory
+        return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=pin) for k, v in batch.items()}
 
     def close(self) -> None:
         if self.console is not None:

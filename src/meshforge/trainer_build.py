@@ -97,6 +97,7 @@ class TrainerBuild:
     family: FamilySpec
     vocab_plan: VocabPlan
     compute_dtype: torch.dtype
+    flops_per_token: float | None
     kernel_options: KernelOptions
     aux_coef: float
     pipeline_split: PipelineSplit | None
@@ -170,6 +171,7 @@ class TrainerBuild:
         self.kernel_options = self._configure_kernels(model, family.name, compute_dtype)
         model_config = getattr(model, "config", None)
         self._check_model_fits_data(model_config)
+        self.flops_per_token = self._flops_per_token(model)
         self.aux_coef = self._router_aux_coef(model_config)
         self._aux_loss_enabled = self.aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
         self._check_parallel_support()
@@ -185,8 +187,6 @@ class TrainerBuild:
             apply_compile=apply_compile,
         )
         model = parallel.model
-        if self.cfg.parallelism.cpu_offload and self.device.type == "cpu":
-            self.log("parallelism.cpu_offload: no effect on cpu (the parameters already live in host memory)")
         self.pipeline_split = parallel.pipeline_split
         self.fsdp = parallel.fsdp
         self._ignored_params = bool(self.cfg.parallelism.ignored_modules)
@@ -276,6 +276,20 @@ class TrainerBuild:
         if "router_aux_loss_coef" in training.model_fields_set:
             return training.router_aux_loss_coef
         return float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
+
+    def _flops_per_token(self, model: nn.Module) -> float | None:
+        """Model FLOPs of one token for `training.log_throughput` (counted on the whole model)."""
+        if not self.cfg.training.log_throughput:
+            return None
+        from meshforge.monitor.throughput import model_flops_per_token
+
+        seq = self.cfg.train_dataset.seq_length() or self.cfg.model.seq_length
+        if seq is None:
+            raise ValueError(
+                "training.log_throughput: the FLOPs of a token depend on the sequence length, which "
+                "neither the data nor model.seq_length gives"
+            )
+        return model_flops_per_token(model, seq)
 
     def _check_model_fits_data(self, model_config: object) -> None:
         """Refuse a tokenizer bigger than the embedding, or samples longer than the positions."""

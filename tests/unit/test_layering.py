@@ -164,8 +164,6 @@ def _is_trainer(module: str) -> bool:
     return _in(module, f"{PACKAGE}.trainer") or module.startswith(f"{PACKAGE}.trainer_")
 
 
-
-
 def forbidden_arrows() -> list[str]:
     families = _family_packages()
     problems = []
@@ -176,7 +174,8 @@ def forbidden_arrows() -> list[str]:
             if _in(module, f"{PACKAGE}.parallel") and any(_in(name, f) for f in families):
                 problems.append(f"{arrow} (parallel imports a model family; ask its FamilySpec)")
             if _is_trainer(name) and any(
-                _in(module, f"{PACKAGE}.{pkg}") for pkg in ("checkpoint", "models", "parallel", "data", "optim")
+                _in(module, f"{PACKAGE}.{pkg}")
+                for pkg in ("checkpoint", "models", "parallel", "data", "optim")
             ):
                 problems.append(f"{arrow} (a component imports the trainer)")
             if _in(module, f"{PACKAGE}.models") and _in(name, f"{PACKAGE}.data"):

@@ -59,7 +59,7 @@ ENTRIES: list[NoOp] = [
     NoOp(
         "parallelism.cpu_offload",
         lambda c, d: d == "cpu" and c.parallelism.cpu_offload,
-        "no effect on the CPU: parameters, gradients and optimizer state already live in host memory",
+        "no effect on cpu: parameters, gradients and optimizer state already live in host memory",
     ),
     *[
         _entry(f"train_dataset.{name}", _NO_WORKERS)
@@ -73,7 +73,7 @@ ENTRIES: list[NoOp] = [
     NoOp(
         "train_dataset.pin_memory",
         lambda c, d: d == "cpu" and _written(c, "train_dataset.pin_memory"),
-        "no effect on the CPU: batches stay in host memory (on an accelerator, true pins each batch "
+        "no effect on cpu: batches stay in host memory (on an accelerator, true pins each batch "
         "before its asynchronous copy)",
     ),
     _entry(

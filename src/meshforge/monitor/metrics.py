@@ -74,6 +74,10 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
         f"grad_norm {record['grad_norm']:.3f}",
         f"{record['tokens_per_s']:,.0f} tok/s",
     ]
+    if "tflops_per_rank" in record:
+        parts.append(f"{record['tflops_per_rank']:.3g} TFLOP/s/rank")
+    if "mfu" in record:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
     if "memory_bytes" in record:
         parts.append(f"mem {record['memory_bytes'] / 2**30:.2f} GiB")
     return " | ".join(parts)
