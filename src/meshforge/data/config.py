@@ -9,6 +9,7 @@ kept typed in `DataloaderConfig.options`. The SFT fields of MindSpeed-LLM DataAr
 
 from __future__ import annotations
 
+import builtins
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import PrivateAttr, field_validator, model_validator
@@ -81,7 +82,7 @@ class DataloaderConfig(PassthroughSection):
         """The options, or only their sequence-length part when the others do not parse (yet)."""
         return self._sequence
 
-    def options_as(self, model: type[OptionsT]) -> OptionsT:
+    def options_as(self, model: builtins.type[OptionsT]) -> OptionsT:
         """The parsed options, which must be of `model` (the builder of that loader asks).
 
         Raises:
