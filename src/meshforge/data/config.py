@@ -3,7 +3,7 @@
 `train_dataset.dataloader` keeps undeclared keys for the loader named by its `type`; they are parsed
 once, at validation, with that loader's options model (`meshforge.data.specs` registers them) and
 kept typed in `DataloaderConfig.options`. The SFT fields of MindSpeed-LLM DataArguments live directly under
-`train_dataset`, with the `__post_init__` rules of that class (NOTES 1b), one of them done better:
+`train_dataset`, with the `__post_init__` rules of that class, one of them done better:
 `interleave_probs` is checked against the real number of datasets, not the characters of a string.
 """
 

@@ -1,6 +1,6 @@
 """Encode aligned examples into `input_ids`/`labels` exactly as LLaMA-Factory's supervised processor.
 
-`encode_example` is `SupervisedDatasetProcessor._encode_data_example` (NOTES 3): turn pairs are
+`encode_example` is `SupervisedDatasetProcessor._encode_data_example` (LLaMA-Factory's `data/processor/supervised.py`): turn pairs are
 truncated with `infer_seqlen` against the budget left, prompts are masked with -100 unless
 `train_on_prompt`, and under `mask_history` the pairs are walked last-first so the final turn keeps
 its budget and only it is trained (with efficient eos, earlier turns' eos stays masked too, the fix

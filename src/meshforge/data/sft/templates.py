@@ -1,6 +1,6 @@
 """Chat templates that turn a conversation into (prompt ids, response ids) pairs, LLaMA-Factory style.
 
-Encoding is slot by slot and message by message (NOTES 3): each string slot has `{{content}}`
+Encoding is slot by slot and message by message (LLaMA-Factory's `data/template.py`): each string slot has `{{content}}`
 substituted and is tokenised alone with `add_special_tokens=False` (empty strings skipped);
 `{"bos_token"}` / `{"eos_token"}` / `{"token": t}` slots become single ids; the ids are
 concatenated. This granularity matters: tokenising a whole rendered conversation can merge tokens
