@@ -7,7 +7,7 @@ end of preprocessing (LLaMA-Factory only logs a warning per record). The rules a
 a newline; sharegpt takes a leading system message as `_system`, roles must alternate
 (user/observation at even positions, assistant/function at odd ones), the count must be even; the
 processor filter (odd `len(_prompt)`, exactly one response) is applied here too. Empty turns are
-also counted as broken (LLaMA-Factory keeps them), so that an empty answer is never trained on.
+also counted as broken, so that an empty answer is never trained on.
 """
 
 from __future__ import annotations
