@@ -491,3 +491,22 @@ def test_training_stage_unwritten_follows_the_loader() -> None:
 
     cfg = config_from_dict({"train_dataset": {"dataloader": {"type": "SFTDataLoader"}}})
     assert cfg.training.stage == "pt"  # the default is not a contradiction
+
+
+def test_loader_option_typo_is_a_validate_warning_and_a_train_error(tmp_path):
+    from meshforge.config import check_trainable, validate_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "train_dataset:\n  dataloader:\n    type: TextDataLoader\n    data_path: x.jsonl\n"
+        "    seq_length: 8\n    text_kye: body\n",
+        encoding="utf-8",
+    )
+    cfg = load_config(path)  # loads: the options are checked by the loader's own model
+    assert cfg.train_dataset.seq_length() == 8
+    [(key, reason)] = cfg.train_dataset.dataloader.option_issues()
+    assert key == "text_kye" and "did you mean 'text_key'" in reason
+    report = validate_config(cfg)
+    assert ("train_dataset.dataloader.text_kye", reason) in report.warnings
+    with pytest.raises(ConfigError, match=r"train_dataset\.dataloader\.text_kye"):
+        check_trainable(cfg)

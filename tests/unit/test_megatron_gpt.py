@@ -35,7 +35,7 @@ def _corpus(path, n_docs=120, seed=0, max_len=40, empty_every=0):
 
 
 def _walk(sizes, doc_idx, seq, epochs, tpe, drop_last=True, extra=1):
-    """Line-by-line transcription of Megatron's C++ build_sample_idx (megatron/core/datasets/helpers.cpp)."""
+    """Line-by-line transcription of Megatron's C++ build_sample_idx (megatron-core's helpers.cpp)."""
     total = epochs * tpe - extra
     n = total // seq if drop_last else -(-total // seq)
     out = [(0, 0)]

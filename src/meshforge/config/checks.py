@@ -57,10 +57,8 @@ def _component_issues(cfg: TrainConfig) -> tuple[list[Issue], list[Issue]]:
         )
 
     def dataloader_options() -> list[Issue]:
-        from meshforge.data.specs import check_dataloader_options
-
-        loader = cfg.train_dataset.dataloader
-        return check_dataloader_options(loader.type, dict(loader.model_extra or {}))
+        # Parsed once, when the section was validated (meshforge.data.specs has the models).
+        return cfg.train_dataset.dataloader.option_issues()
 
     def optimizer_options() -> list[Issue]:
         from meshforge.optim.specs import check_optimizer_options

@@ -3,12 +3,13 @@
 `train_dataset.dataloader` keeps undeclared keys for the loader named by its `type`; they are parsed
 once, at validation, with that loader's options model (`meshforge.data.specs` registers them) and
 kept typed in `DataloaderConfig.options`. The SFT fields of MindSpeed-LLM DataArguments live directly under
-`train_dataset`, with the `__post_init__` rules of that class (NOTES 1b), one of them done better:
+`train_dataset`, with the `__post_init__` rules of that class, one of them done better:
 `interleave_probs` is checked against the real number of datasets, not the characters of a string.
 """
 
 from __future__ import annotations
 
+import builtins
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import PrivateAttr, field_validator, model_validator
@@ -45,6 +46,7 @@ class DataloaderConfig(PassthroughSection):
 
     _options: LoaderOptions | None = PrivateAttr(default=None)
     _sequence: LoaderOptions | None = PrivateAttr(default=None)
+    _issues: list[tuple[str, str]] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _parse_options(self) -> DataloaderConfig:
@@ -55,13 +57,14 @@ class DataloaderConfig(PassthroughSection):
         # that names no built loader is reported there too ("not supported yet").
         from meshforge.data.specs import LOADERS, options_or_issues, sequence_or_issues
 
-        kind = LOADERS.get(self.type) if self.type is not None else None
-        if kind is None:
-            return self
         extra = self.model_extra or {}
         parsed = options_or_issues(self.type, extra)
+        kind = LOADERS.get(self.type) if self.type is not None else None
         if not isinstance(parsed, list):
             self._options = self._sequence = parsed
+            return self
+        self._issues = parsed
+        if kind is None:
             return self
         sequence = sequence_or_issues(kind, extra)
         if isinstance(sequence, list):
@@ -76,22 +79,25 @@ class DataloaderConfig(PassthroughSection):
         """The parsed options of the loader named by `type`; None when it names no built loader."""
         return self._options
 
+    def option_issues(self) -> list[tuple[str, str]]:
+        """(key relative to this section, reason) for each problem of `type` and its options,
+        found when the section was validated; empty when the options parsed."""
+        return list(self._issues)
+
     @property
     def sequence_options(self) -> LoaderOptions | None:
         """The options, or only their sequence-length part when the others do not parse (yet)."""
         return self._sequence
 
-    def options_as(self, model: type[OptionsT]) -> OptionsT:
+    def options_as(self, model: builtins.type[OptionsT]) -> OptionsT:
         """The parsed options, which must be of `model` (the builder of that loader asks).
 
         Raises:
             ValueError: the options do not parse (every problem, with its key path), or `type`
                 names another loader (or none).
         """
-        if self._options is None and self.type is not None:
-            from meshforge.data.specs import parse_dataloader_options
-
-            parse_dataloader_options(self.type, self.model_extra or {})  # raises, naming each key
+        if self._options is None and self._issues:
+            raise ValueError("\n".join(f"train_dataset.dataloader.{k}: {r}" for k, r in self._issues))
         if not isinstance(self._options, model):
             raise ValueError(
                 f"train_dataset.dataloader.type: {self.type!r} does not take {model.__name__} options"

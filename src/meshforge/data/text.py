@@ -37,6 +37,8 @@ from meshforge.data.tokenizer import eod_token_id
 from meshforge.resources import resolve_path
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from meshforge.data.config import TrainDatasetConfig
     from meshforge.data.context import LoaderContext
     from meshforge.data.loader import StatefulLoader
@@ -163,7 +165,7 @@ def read_documents(path: Path, text_key: str) -> Iterator[str]:
 
 
 def tokenize_documents(
-    docs: Iterator[str], tokenizer: Any, *, eod_id: int | None
+    docs: Iterator[str], tokenizer: PreTrainedTokenizerBase, *, eod_id: int | None
 ) -> tuple[np.ndarray, int, int]:
     """Tokenize documents in batches into one int32 stream, `eod_id` after each when given.
 
@@ -216,7 +218,11 @@ class TextDataset:
 
     @classmethod
     def from_options(
-        cls, options: TextDataLoaderOptions, tokenizer: Any, *, log: Callable[[str], None] | None = None
+        cls,
+        options: TextDataLoaderOptions,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        log: Callable[[str], None] | None = None,
     ) -> TextDataset:
         """Read, tokenize and pack the files named by `options`; log the summary line.
 

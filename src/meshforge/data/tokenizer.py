@@ -19,9 +19,12 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from meshforge.resources import resolve_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EOD_TOKEN = "<|endoftext|>"
 # The attribute of a Hugging Face tokenizer that holds its `TokenizerExtension`.
@@ -95,7 +98,7 @@ def build_tokenizer(
     add_special_tokens: str | Sequence[str] | None = None,
     new_special_tokens_config: str | Mapping[str, str] | None = None,
     log: Callable[[str], None] | None = None,
-) -> Any:
+) -> PreTrainedTokenizerBase:
     """Load a tokenizer from a local folder without touching the network, and extend it.
 
     Args:
@@ -255,7 +258,7 @@ def load_special_token_descriptions(source: str | Mapping[str, str]) -> dict[str
 
 
 def extend_tokenizer(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     add_tokens: str | Sequence[str] | None = None,
     add_special_tokens: str | Sequence[str] | None = None,
@@ -309,7 +312,7 @@ def extend_tokenizer(
     return extension
 
 
-def tokenizer_extension(tokenizer: Any) -> TokenizerExtension:
+def tokenizer_extension(tokenizer: PreTrainedTokenizerBase) -> TokenizerExtension:
     """What `extend_tokenizer` added to ``tokenizer`` (an empty extension when nothing was)."""
     found = getattr(tokenizer, _EXTENSION_ATTR, None)
     if isinstance(found, TokenizerExtension):
@@ -317,7 +320,7 @@ def tokenizer_extension(tokenizer: Any) -> TokenizerExtension:
     return TokenizerExtension(size_before=len(tokenizer))
 
 
-def eod_token_id(tokenizer: Any) -> int:
+def eod_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The id that ends a document in a packed token stream.
 
     `<|endoftext|>` when the vocabulary has it (Qwen, GPT-2 style and the bundled tokenizer: it is

@@ -2,7 +2,7 @@
 
 `data_path` is Megatron's blend list: `['0.3', 'a_text_document', '0.7', 'b_text_document']` (weights
 and prefixes) or `['a_text_document', 'b_text_document']` (prefixes only). The rules and their quirks
-are Megatron-LM's (NOTES.md section 2), kept so that a blend means the same here as there:
+are Megatron-LM's (megatron-core's `blended_megatron_dataset_builder.py` and `blended_dataset.py`), kept so that a blend means the same here as there:
 
 - An odd-length list is prefixes only. An even-length list is read as (weight, prefix) pairs; when a
   weight is not a number the list is taken as prefixes only, but (Megatron's iterator-reuse quirk)

@@ -1,7 +1,7 @@
 """Megatron's GPTDataset: fixed-length samples cut from shuffled documents, with cached indices.
 
 Same corpus, seq_length, seed and split give the same samples in the same order as Megatron-LM's
-(megatron-core) GPTDataset; the tests compare both. The rules (NOTES.md section 2):
+(megatron-core) GPTDataset; the tests compare both. The rules (megatron-core 0.16's `datasets/gpt_dataset.py` and `helpers.cpp`):
 
 - Epochs: the smallest e with `e * tokens_per_epoch >= num_samples * seq_length + 1` (the +1 is
   `add_extra_token_to_sequence`: a sample holds seq_length + 1 tokens, neighbours share one).

@@ -2,7 +2,7 @@
 
 Pretraining corpora arrive preprocessed by Megatron-LM's `tools/preprocess_data.py`; reading them
 unchanged (and writing files Megatron reads unchanged) is the point of this module, so the layout is
-Megatron's, byte for byte (NOTES.md section 2):
+Megatron's, byte for byte (megatron-core's `datasets/indexed_dataset.py`):
 
     .idx: b"MMIDIDX\\x00\\x00" | <Q version=1 | <B dtype code | <Q sequence count | <Q document count
           | int32 sequence_lengths[seq] | int64 sequence_pointers[seq] | int64 document_indices[doc]

@@ -31,11 +31,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
 from meshforge.data.megatron.indexed import IndexedDatasetWriter, optimal_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
 CHUNK_RECORDS = 2048  # records per task: the tokenizer's Rust batch path needs big batches to use every core
@@ -191,7 +194,7 @@ def _init_worker(tokenizer_path: str, keys: list[str], eod: int | None) -> None:
     _init_worker_with(build_tokenizer(tokenizer_path), keys, eod)
 
 
-def _init_worker_with(tokenizer: Any, keys: list[str], eod: int | None) -> None:
+def _init_worker_with(tokenizer: PreTrainedTokenizerBase, keys: list[str], eod: int | None) -> None:
     global _TOKENIZER, _KEYS, _EOD
     _TOKENIZER, _KEYS, _EOD = tokenizer, keys, eod
 
@@ -276,7 +279,7 @@ def encode_chunk(chunk: list[Raw]) -> EncodedChunk:
 # driver
 
 
-def resolve_eod(tokenizer: Any, eod_token: str | None) -> tuple[int, str]:
+def resolve_eod(tokenizer: PreTrainedTokenizerBase, eod_token: str | None) -> tuple[int, str]:
     """(EOD id, its token): `eod_token` when given, else `<|endoftext|>`, else eos_token.
 
     Raises:

@@ -3,11 +3,11 @@
 Each converter works on one record and returns the aligned example plus `_error`: "" when the
 example is usable, else the reason it is dropped, so the loader can report counts by reason at the
 end of preprocessing (LLaMA-Factory only logs a warning per record). The rules are LLaMA-Factory's
-(NOTES 3): alpaca history pairs become user/assistant turns and instruction + input are joined with
+(LLaMA-Factory's `data/converter.py`): alpaca history pairs become user/assistant turns and instruction + input are joined with
 a newline; sharegpt takes a leading system message as `_system`, roles must alternate
 (user/observation at even positions, assistant/function at odd ones), the count must be even; the
 processor filter (odd `len(_prompt)`, exactly one response) is applied here too. Empty turns are
-also counted as broken, as the issue asks.
+also counted as broken, so that an empty answer is never trained on.
 """
 
 from __future__ import annotations

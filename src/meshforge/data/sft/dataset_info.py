@@ -3,7 +3,7 @@
 A dataset is either a name looked up in `{dataset_dir}/dataset_info.json`, or an inline dict with
 the same keys (`file_name`, `formatting`, `columns`, `tags`, ...). The column and tag defaults, and
 the rule that a given `columns` / `tags` object replaces the defaults instead of merging with them
-(every key it omits becomes None), follow LLaMA-Factory's `DatasetAttr` exactly (NOTES 3), so a
+(every key it omits becomes None), follow LLaMA-Factory's `DatasetAttr` exactly (LLaMA-Factory's `data/parser.py`), so a
 `dataset_info.json` written for LLaMA-Factory means the same thing here. Hub, script and cloud
 sources are refused: meshforge never downloads data during a run.
 """

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshforge.data.sft.processor import IGNORE_INDEX, encode_example
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def greedy_knapsack(numbers: list[int], capacity: int) -> list[list[int]]:
@@ -79,7 +82,7 @@ def pack_batch(
     batch: dict[str, list],
     *,
     template: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     cutoff_len: int,
     train_on_prompt: bool,
     mask_history: bool,

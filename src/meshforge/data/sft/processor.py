@@ -1,6 +1,6 @@
 """Encode aligned examples into `input_ids`/`labels` exactly as LLaMA-Factory's supervised processor.
 
-`encode_example` is `SupervisedDatasetProcessor._encode_data_example` (NOTES 3): turn pairs are
+`encode_example` is `SupervisedDatasetProcessor._encode_data_example` (LLaMA-Factory's `data/processor/supervised.py`): turn pairs are
 truncated with `infer_seqlen` against the budget left, prompts are masked with -100 unless
 `train_on_prompt`, and under `mask_history` the pairs are walked last-first so the final turn keeps
 its budget and only it is trained (with efficient eos, earlier turns' eos stays masked too, the fix
@@ -10,7 +10,10 @@ stores them); the loader shifts them into the batch contract.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100
 
@@ -30,7 +33,7 @@ def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int
 
 def encode_example(
     template: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     prompt: list[dict],
     response: list[dict],
     system: str,
@@ -80,7 +83,7 @@ def encode_batch(
     batch: dict[str, list],
     *,
     template: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     cutoff_len: int,
     train_on_prompt: bool,
     mask_history: bool,

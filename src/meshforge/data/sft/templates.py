@@ -1,6 +1,6 @@
 """Chat templates that turn a conversation into (prompt ids, response ids) pairs, LLaMA-Factory style.
 
-Encoding is slot by slot and message by message (NOTES 3): each string slot has `{{content}}`
+Encoding is slot by slot and message by message (LLaMA-Factory's `data/template.py`): each string slot has `{{content}}`
 substituted and is tokenised alone with `add_special_tokens=False` (empty strings skipped);
 `{"bos_token"}` / `{"eos_token"}` / `{"token": t}` slots become single ids; the ids are
 concatenated. This granularity matters: tokenising a whole rendered conversation can merge tokens
@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshforge.data.sft.converters import ASSISTANT, FUNCTION, OBSERVATION, USER
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Slot = str | dict[str, str] | set[str]
 
@@ -54,7 +57,7 @@ def qwen_function_text(content: str) -> str:
     return "\n".join(f"<tool_call>\n{text}\n</tool_call>" for text in texts)
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """`tokenizer.encode(text, add_special_tokens=False)`, straight through the Rust backend when possible.
 
     For a fast tokenizer that does not split special tokens the backend call gives the same ids
@@ -89,7 +92,7 @@ class Template:
     mask_history: bool = False
 
     # -- slot encoding -------------------------------------------------------------------------
-    def _ids(self, tokenizer: Any, slots: list[Slot], content: str = "") -> list[int]:
+    def _ids(self, tokenizer: PreTrainedTokenizerBase, slots: list[Slot], content: str = "") -> list[int]:
         ids: list[int] = []
         for slot in slots:
             if isinstance(slot, str):
@@ -119,7 +122,9 @@ class Template:
             )
         return qwen_tool_text(parsed)
 
-    def _encode(self, tokenizer: Any, messages: list[dict], system: str, tools: str) -> list[list[int]]:
+    def _encode(
+        self, tokenizer: PreTrainedTokenizerBase, messages: list[dict], system: str, tools: str
+    ) -> list[list[int]]:
         system = system or self.default_system
         encoded = []
         for i, message in enumerate(messages):
@@ -160,7 +165,7 @@ class Template:
         return re.sub(f"{re.escape(open_)}(.*?){re.escape(close)}", "", content, flags=re.DOTALL).lstrip("\n")
 
     def encode_multiturn(
-        self, tokenizer: Any, messages: list[dict], system: str = "", tools: str = ""
+        self, tokenizer: PreTrainedTokenizerBase, messages: list[dict], system: str = "", tools: str = ""
     ) -> list[tuple[list[int], list[int]]]:
         """(prompt ids, response ids) per turn pair."""
         if not self.reasoning:
@@ -186,7 +191,7 @@ class Template:
                     encoded[i] = encoded[i] + empty
         return [(encoded[i], encoded[i + 1]) for i in range(0, len(encoded), 2)]
 
-    def fix_special_tokens(self, tokenizer: Any) -> None:
+    def fix_special_tokens(self, tokenizer: PreTrainedTokenizerBase) -> None:
         """LLaMA-Factory's eos/pad/stop-word fix, restricted to tokens already in the vocabulary.
 
         Raises:
@@ -283,7 +288,7 @@ class HFChatTemplate(Template):
     """
 
     def encode_multiturn(
-        self, tokenizer: Any, messages: list[dict], system: str = "", tools: str = ""
+        self, tokenizer: PreTrainedTokenizerBase, messages: list[dict], system: str = "", tools: str = ""
     ) -> list[tuple[list[int], list[int]]]:
         system = system or self.default_system
         roles = {USER: "user", ASSISTANT: "assistant", OBSERVATION: "tool", FUNCTION: "assistant"}
@@ -322,17 +327,17 @@ class HFChatTemplate(Template):
         return pairs
 
     @staticmethod
-    def _text_ids(tokenizer: Any, text: str) -> list[int]:
+    def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
         return encode_text(tokenizer, text) if text else []
 
-    def fix_special_tokens(self, tokenizer: Any) -> None:
+    def fix_special_tokens(self, tokenizer: PreTrainedTokenizerBase) -> None:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
 
 
 def get_template(
     name: str | None,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     default_system: str | None = None,
     enable_thinking: bool | None = True,
