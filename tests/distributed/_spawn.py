@@ -3,8 +3,8 @@
 A worker is a module-level function `worker(rank, world, *extra)`. It runs inside a gloo process
 group that `run_workers` has already joined (file rendezvous, one thread per process), and it
 just raises to fail: the failing rank's traceback is sent back and becomes the test's failure
-message, the other ranks are stopped. Helpers that a worker needs are imported inside it, so a
-spawned child imports torch once, not the whole test module's dependencies twice.
+message, and the other ranks, which may wait forever in a collective, are stopped 5 s later.
+After the worker returns, all ranks meet at a barrier and leave through `_exit.leave_worker`.
 """
 
 from __future__ import annotations

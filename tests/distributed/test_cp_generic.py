@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._compare import rel_error
+from tests._compare import assert_close, rel_error
 from tests.conftest import read_metrics, run_train
 from tests.distributed._spawn import run_workers
 
@@ -237,4 +237,4 @@ def test_generic_packed_rows_keep_the_sliding_window(tmp_path: Path, name: str) 
                     continue
                 where = (segments == doc).nonzero().flatten()
                 alone = model(batch["input_ids"][row : row + 1, where])
-                torch.testing.assert_close(packed[row, where], alone[0], rtol=1e-5, atol=1e-5)
+                assert_close(packed[row, where], alone[0], what=(row, where))

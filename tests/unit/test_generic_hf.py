@@ -15,6 +15,7 @@ import torch
 
 from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
 from meshforge.config import config_from_dict
+from tests._compare import assert_close
 from tests.conftest import read_metrics, run_train, write_corpus
 
 transformers = pytest.importorskip("transformers")
@@ -154,7 +155,7 @@ def test_packed_segments_match_separate_documents(hf_mistral: Path) -> None:
     with torch.no_grad():
         out = model(packed, position_ids=positions, segment_ids=segments)
         alone = torch.cat([model(a), model(b)], dim=1)
-    torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+    assert_close(out, alone, what="packed vs alone")
 
 
 def test_overrides_are_logged_and_seeded_init_is_hf_style(hf_mistral: Path) -> None:

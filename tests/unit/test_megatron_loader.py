@@ -10,6 +10,7 @@ from meshforge.data.config import TrainDatasetConfig
 from meshforge.data.megatron.gpt_dataset import GPTDataset
 from meshforge.data.megatron.indexed import IndexedDatasetWriter
 from meshforge.data.specs import check_dataloader_options
+from tests._compare import assert_close
 
 EOD = 0
 
@@ -196,7 +197,7 @@ def test_packed_row_logits_equal_each_document_alone(prefix, tmp_path):
             for s in seg.unique().tolist():
                 cols = (seg == s).nonzero().flatten()
                 alone = model(batch["input_ids"][row, cols][None])[0]
-                torch.testing.assert_close(packed[row, cols], alone, rtol=1e-5, atol=1e-5)
+                assert_close(packed[row, cols], alone, what=(row, cols))
 
 
 def test_valid_split_built_only_when_asked(prefix, tmp_path):

@@ -15,6 +15,7 @@ from meshforge.config import ConfigError, config_from_dict  # noqa: E402
 from meshforge.data.build import LoaderContext, build_train_loader  # noqa: E402
 from meshforge.data.sft.loader import build_sft_dataset  # noqa: E402
 from meshforge.data.tokenizer import build_tokenizer  # noqa: E402
+from tests._compare import assert_close
 
 X = -100
 
@@ -233,7 +234,7 @@ def test_neat_packed_row_gives_each_example_its_own_logits(tmp_path, tok):
         for seg in range(1, int(segments.max()) + 1):
             where = (segments == seg).nonzero().flatten()
             alone = model(batch["input_ids"][:, where])[0]
-            torch.testing.assert_close(packed[where], alone, rtol=1e-5, atol=1e-5)
+            assert_close(packed[where], alone, what="packed vs alone")
 
 
 def test_two_ranks_resume_and_match_one_rank(tmp_path, tok):

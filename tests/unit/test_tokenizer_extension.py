@@ -18,6 +18,7 @@ from meshforge.config import config_from_dict  # noqa: E402
 from meshforge.data.tokenizer import build_tokenizer, extension_options, tokenizer_extension  # noqa: E402
 from meshforge.models.materialize import materialize_and_init  # noqa: E402
 from meshforge.models.vocab import init_new_rows, padded_size, vocab_parameters, vocab_plan  # noqa: E402
+from tests._compare import assert_close
 
 TOKENIZER = "meshforge://assets/tokenizer"  # 8192 tokens
 DESCRIPTIONS = {"<think>": "the start of a reasoning", "</think>": "the end of a reasoning", "<tool>": "call"}
@@ -309,7 +310,7 @@ def test_full_flow_logits_and_export(hf_dirs: dict[bool, Path], tmp_path: Path) 
         ours = model(ids)
         theirs = reference(ids).logits
     assert ours.shape == (2, 12, 8256)
-    torch.testing.assert_close(ours[..., :8192], theirs, rtol=1e-5, atol=1e-5)
+    assert_close(ours[..., :8192], theirs, what="logits")
     # New tokens run through the model and get their own logits.
     with torch.no_grad():
         new_ids = torch.tensor([[1, 8192, 8193, 8195, 2]])
@@ -318,7 +319,7 @@ def test_full_flow_logits_and_export(hf_dirs: dict[bool, Path], tmp_path: Path) 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert reloaded.config.vocab_size == 8256
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, ours, rtol=1e-5, atol=1e-5)
+        assert_close(reloaded(ids).logits, ours, what="reloaded logits")
     assert len(transformers.AutoTokenizer.from_pretrained(out)) == 8196
 
 
