@@ -208,9 +208,14 @@ class FamilySpec:
         return self.adapter(self, args)
 
 
+def is_generic_class(cls: type) -> bool:
+    """Whether ``cls`` is a model class of the generic transformers path (its ``family``)."""
+    return getattr(cls, "family", None) == GENERIC
+
+
 def is_generic_model(model: nn.Module) -> bool:
     """Whether ``model`` came through the generic transformers path (asks the model's class)."""
-    return getattr(type(model), "family", None) == GENERIC
+    return is_generic_class(type(model))
 
 
 __all__ = [
@@ -222,5 +227,6 @@ __all__ = [
     "HFStateDictAdapter",
     "MoESpec",
     "TPPlan",
+    "is_generic_class",
     "is_generic_model",
 ]

@@ -65,8 +65,8 @@ dispatches the same all-gathered tokens, computes the same complete expert gradi
 expert gradients are reduced over the efsdp mesh only, never over tp (summing over tp would
 count them tp times). ``tests/distributed/test_ep_dedup.py`` checks dp 2 x tp 2 with ep 2
 against one process. The price is TP's: each TP rank repeats the MoE compute and the
-all-to-all on the same tokens (a sequence-parallel dispatch that avoids it is analysed in the
-helper report, not built).
+all-to-all on the same tokens (a dispatch of each rank's sequence slice would avoid it; not
+built: it needs the expert gradients reduced over tp and the router statistics summed over it).
 """
 
 from __future__ import annotations

@@ -18,12 +18,14 @@ MoE layers run so far for this micro-batch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from meshforge.models.common.stage import LayerRunner, StageBatch
+from meshforge.models.spec import is_generic_class
 from meshforge.parallel.pipeline.generic_stage import generic_cp_stage, generic_stage
 
 if TYPE_CHECKING:
@@ -114,11 +116,13 @@ class _PipelinedCausalLM:
         return h, (carry + local if local is not None else carry * 1.0)
 
     # The family's stage preparation (``FamilySpec.stage_preparation``), set by ``pipelined_class``.
-    _pp_prepare: Any = None
+    _pp_prepare: ClassVar[Callable[[StageBatch], LayerRunner] | None] = None
 
     def _layer_runner(self, b: StageBatch) -> LayerRunner:
         """The family's stage preparation for this forward's layers."""
-        return type(self)._pp_prepare(b)
+        prepare = type(self)._pp_prepare
+        assert prepare is not None, "pipelined_class sets the stage preparation"
+        return prepare(b)
 
     def tie_weights(self) -> None:
         """Tie only where this rank holds both ends; otherwise the copies are kept equal by hand."""
@@ -174,9 +178,8 @@ _PIPELINED_CLASSES: dict[type, type] = {}
 def stage_preparation(cls: type) -> Any:
     """The stage preparation of a model class (its family spec's), or None when PP is not built for it."""
     from meshforge.models.registry import spec_of_model_class
-    from meshforge.models.spec import GENERIC
 
-    if getattr(cls, "family", None) == GENERIC:
+    if is_generic_class(cls):
         return generic_stage
     spec = spec_of_model_class(cls)
     return None if spec is None else spec.stage_preparation
@@ -185,10 +188,8 @@ def stage_preparation(cls: type) -> Any:
 def pipelined_class(cls: type) -> type:
     """``cls`` with the stage forward in front (cached: one subclass per model class)."""
     if cls not in _PIPELINED_CLASSES:
-        from meshforge.models.spec import GENERIC
-
         body: dict[str, Any] = {}
-        if getattr(cls, "family", None) == GENERIC:
+        if is_generic_class(cls):
             mixin: type = _PipelinedGenericCausalLM
             # As wrap_generic: the class keeps transformers' module (its save code looks there).
             body["__module__"] = cls.__module__
