@@ -269,5 +269,9 @@ def test_bundled_corpus_packs(tok):
 
 
 def test_sft_loader_options_point_to_train_dataset_fields():
-    [(key, reason)] = check_dataloader_options("SFTDataLoader", {"cutoff_len": 5})
+    from meshforge.data.config import TrainDatasetConfig
+
+    [(key, reason)] = check_dataloader_options(
+        "SFTDataLoader", {"cutoff_len": 5}, section_fields=TrainDatasetConfig.model_fields
+    )
     assert key == "cutoff_len" and "train_dataset.cutoff_len" in reason

@@ -58,7 +58,10 @@ class DataloaderConfig(PassthroughSection):
         from meshforge.data.specs import LOADERS, options_or_issues, sequence_or_issues
 
         extra = self.model_extra or {}
-        parsed = options_or_issues(self.type, extra)
+        # The enclosing section's field names, once it exists (its own default is built before it).
+        section = globals().get("TrainDatasetConfig")
+        fields = section.model_fields if section is not None else ()
+        parsed = options_or_issues(self.type, extra, section_fields=fields)
         kind = LOADERS.get(self.type) if self.type is not None else None
         if not isinstance(parsed, list):
             self._options = self._sequence = parsed

@@ -10,6 +10,7 @@ and `DataloaderConfig` parses the options with that model once, when the config 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -49,16 +50,14 @@ def _owner(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel]:
     return model
 
 
-def _train_dataset_fields() -> set[str]:
-    from meshforge.data.config import TrainDatasetConfig
-
-    return set(TrainDatasetConfig.model_fields)
-
-
-def issues_from(error: ValidationError, model: type[BaseModel]) -> list[Issue]:
+def issues_from(
+    error: ValidationError, model: type[BaseModel], *, section_fields: Collection[str] = ()
+) -> list[Issue]:
     """(key relative to `train_dataset.dataloader`, reason) for every error of `model`'s validation.
 
     Unknown keys come first: a misspelt key is usually why a required one is reported missing.
+    `section_fields` are the `train_dataset` field names, so that a loader setting written under
+    `dataloader:` by mistake is pointed to its place.
     """
     issues = []
     errors = sorted(error.errors(), key=lambda err: err["type"] != "extra_forbidden")
@@ -75,7 +74,7 @@ def issues_from(error: ValidationError, model: type[BaseModel]) -> list[Issue]:
             else:
                 # SFTDataLoader reads its options from the train_dataset fields themselves.
                 reason = "this loader takes no options here; its settings are train_dataset fields"
-                if name in _train_dataset_fields():
+                if name in section_fields:
                     reason += f" (move it to train_dataset.{name})"
         elif err["type"] == "missing":
             field = owner.model_fields.get(name)

@@ -20,7 +20,7 @@ value is an error when the config loads.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -123,35 +123,43 @@ def _type_issue(type_name: str | None) -> Issue:
     return ("type", f"not supported yet: unknown loader {type_name!r}{hint}; built loaders: {built}")
 
 
-def _parse(kind: LoaderKind, options: Mapping[str, Any]) -> LoaderOptions | list[Issue]:
+def _parse(
+    kind: LoaderKind, options: Mapping[str, Any], section_fields: Collection[str]
+) -> LoaderOptions | list[Issue]:
     """The parsed options, or the (key, reason) problems that stop them parsing."""
     own = {k: v for k, v in options.items() if k not in DECLARED_DATALOADER_KEYS}
     try:
         return kind.options.model_validate(own)
     except ValidationError as exc:
-        return issues_from(exc, kind.options)
+        return issues_from(exc, kind.options, section_fields=section_fields)
 
 
-def check_dataloader_options(type_name: str | None, options: Mapping[str, Any]) -> list[Issue]:
+def check_dataloader_options(
+    type_name: str | None, options: Mapping[str, Any], *, section_fields: Collection[str] = ()
+) -> list[Issue]:
     """Check a loader's passthrough options without opening any file.
 
     Args:
         type_name: `train_dataset.dataloader.type`.
         options: the undeclared (passthrough) keys of `train_dataset.dataloader`.
+        section_fields: the `train_dataset` field names (a setting written under `dataloader:`
+            by mistake is pointed to its place).
 
     Returns:
         (key relative to `train_dataset.dataloader`, reason) for every problem; empty when valid.
     """
-    parsed = options_or_issues(type_name, options)
+    parsed = options_or_issues(type_name, options, section_fields=section_fields)
     return parsed if isinstance(parsed, list) else []
 
 
-def options_or_issues(type_name: str | None, options: Mapping[str, Any]) -> LoaderOptions | list[Issue]:
+def options_or_issues(
+    type_name: str | None, options: Mapping[str, Any], *, section_fields: Collection[str] = ()
+) -> LoaderOptions | list[Issue]:
     """The typed options of loader `type_name`, or every problem as (key, reason) pairs."""
     kind = LOADERS.get(type_name) if type_name is not None else None
     if kind is None:
         return [_type_issue(type_name)]
-    return _parse(kind, options)
+    return _parse(kind, options, section_fields)
 
 
 def sequence_or_issues(kind: LoaderKind, options: Mapping[str, Any]) -> LoaderOptions | list[Issue] | None:
