@@ -120,11 +120,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        if qk_norm:
-            self.q_norm = RMSNorm(head_dim, norm_eps)
-            self.k_norm = RMSNorm(head_dim, norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
         self.flash = False
         self.flash_strict = False
@@ -153,7 +150,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim)
         k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim)
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q = self.q_norm(q)
             k = self.k_norm(k)
         cos, sin = rope

@@ -15,23 +15,70 @@ take one mask (embedding, per-document mask and positions, RoPE, layers, norm).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
 from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
-from meshforge.models.common.moe import load_balancing_loss
+from meshforge.models.common.moe import ExpertsBase, RouterStats, load_balancing_loss
 
-ArgsT = TypeVar("ArgsT")
+
+class CausalLMArgs(Protocol):
+    """The fields of a family's ``*Args`` that ``CausalLM`` reads (read-only: the dataclasses are frozen)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def initializer_range(self) -> float: ...
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+
+class MoECausalLMArgs(CausalLMArgs, Protocol):
+    """The further fields ``MoECausalLM`` reads."""
+
+    @property
+    def output_router_logits(self) -> bool: ...
+    @property
+    def num_experts_per_tok(self) -> int: ...
+
+
+class RoutedBlock(Protocol):
+    """What ``MoECausalLM`` reads from a sparse block after a forward."""
+
+    @property
+    def experts(self) -> ExpertsBase: ...
+    @property
+    def last_tokens_per_expert(self) -> torch.Tensor | None: ...
+    @property
+    def last_aux_stats(self) -> RouterStats | None: ...
+
+
+ArgsT = TypeVar("ArgsT", bound=CausalLMArgs)
+MoEArgsT = TypeVar("MoEArgsT", bound=MoECausalLMArgs)
 InitKind = Literal["normal", "norm", "zero"]
 
 # Weights that are normal(0, initializer_range) in every family, whatever their suffix.
 _HEAD_AND_EMBEDDING = ("lm_head.weight", "model.embed_tokens.weight")
 
 
-class DecoderModel(nn.Module):
+class InnerModel(nn.Module):
+    """The attributes every family's inner ``model`` creates (the layout of transformers' ``*Model``)."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    rotary_emb: nn.Module
+
+
+class DecoderModel(InnerModel):
     """Forward of transformers' inner ``*Model``: embedding, decoder layers, final norm.
 
     A subclass creates ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb`` (in
@@ -98,12 +145,11 @@ class CausalLM(nn.Module, Generic[ArgsT]):
     init_norm_suffixes: ClassVar[tuple[str, ...]] = ("norm.weight",)
     init_zero_suffixes: ClassVar[tuple[str, ...]] = (".bias",)
 
-    def __init__(self, args: ArgsT, model: nn.Module) -> None:
+    def __init__(self, args: ArgsT, model: InnerModel) -> None:
         super().__init__()
         self.args = args
         self.model = model
-        a: Any = args
-        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 
     @property
@@ -215,14 +261,14 @@ class CausalLM(nn.Module, Generic[ArgsT]):
         return total
 
 
-class MoECausalLM(CausalLM[ArgsT]):
+class MoECausalLM(CausalLM[MoEArgsT]):
     """``CausalLM`` of a family with routed experts: routing statistics and active parameters.
 
     Subclasses implement ``moe_layers`` and ``num_routed_experts``; ``_expert_numel``
     says which expert parameters ``num_params(active=True)`` scales down.
     """
 
-    def moe_layers(self) -> dict[int, nn.Module]:
+    def moe_layers(self) -> Mapping[int, RoutedBlock]:
         """The sparse blocks by decoder-layer index."""
         raise NotImplementedError
 
@@ -231,7 +277,7 @@ class MoECausalLM(CausalLM[ArgsT]):
         """Routed experts per MoE layer (the family's own field name for it)."""
         raise NotImplementedError
 
-    def _expert_numel(self, block: nn.Module) -> int:
+    def _expert_numel(self, block: RoutedBlock) -> int:
         """Parameters of ``block``'s routed experts that a token uses only k of E of."""
         return block.experts.gate_up_proj.numel() + block.experts.down_proj.numel()
 
@@ -249,9 +295,10 @@ class MoECausalLM(CausalLM[ArgsT]):
         if not self.args.output_router_logits:
             return None
         stats = [block.last_aux_stats for block in self.moe_layers().values()]
-        if any(s is None for s in stats):
+        recorded = [s for s in stats if s is not None]
+        if len(recorded) != len(stats):
             return None
-        return load_balancing_loss(stats, self.num_routed_experts)
+        return load_balancing_loss(recorded, self.num_routed_experts)
 
     def tokens_per_expert(self) -> dict[int, torch.Tensor]:
         """Top-k assignments per expert in the last forward: layer index -> LongTensor ``[experts]``.
@@ -259,11 +306,8 @@ class MoECausalLM(CausalLM[ArgsT]):
         Every token is counted (padding too), so each layer's counts sum to
         ``tokens * num_experts_per_tok``. Layers that have not run are left out.
         """
-        return {
-            i: block.last_tokens_per_expert
-            for i, block in self.moe_layers().items()
-            if block.last_tokens_per_expert is not None
-        }
+        counts = {i: block.last_tokens_per_expert for i, block in self.moe_layers().items()}
+        return {i: c for i, c in counts.items() if c is not None}
 
     def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
         """Count of distinct parameters (a tied head counted once).
@@ -281,10 +325,10 @@ class MoECausalLM(CausalLM[ArgsT]):
         return total
 
 
-ModelT = TypeVar("ModelT", bound=CausalLM)
+ModelT = TypeVar("ModelT", bound=CausalLM[Any])
 
 
-def build_causal_lm(cls: type[ModelT], args: Any, device: str | torch.device = "meta") -> ModelT:
+def build_causal_lm(cls: Callable[[Any], ModelT], args: Any, device: str | torch.device = "meta") -> ModelT:
     """Construct ``cls(args)`` on ``device`` (meta: no memory, weights come later).
 
     On a real device the parameters are initialised right away, parameter ``i`` of
@@ -300,4 +344,13 @@ def build_causal_lm(cls: type[ModelT], args: Any, device: str | torch.device = "
     return model
 
 
-__all__ = ["CausalLM", "DecoderModel", "MoECausalLM", "build_causal_lm"]
+__all__ = [
+    "CausalLM",
+    "CausalLMArgs",
+    "DecoderModel",
+    "InnerModel",
+    "MoECausalLM",
+    "MoECausalLMArgs",
+    "RoutedBlock",
+    "build_causal_lm",
+]

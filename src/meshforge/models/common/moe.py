@@ -278,7 +278,7 @@ def dispatch_to_experts(
     return per_slot.sum(dim=1)
 
 
-def run_experts(experts: nn.Module, counts: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor | None]:
+def run_experts(experts: ExpertsBase, counts: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor | None]:
     """The ``compute`` argument of :func:`dispatch_to_experts` for an experts module.
 
     ``experts`` has ``compute(grouped, counts)`` and ``token_exchange``; without an exchange
@@ -301,6 +301,9 @@ class ExpertsBase(nn.Module):
 
     use_grouped_mm: bool
     token_exchange: TokenExchange | None
+    # The fused expert weights, experts on dim 0 (each subclass creates both).
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
 
     def forward(
         self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor

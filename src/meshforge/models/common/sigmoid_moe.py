@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshforge.models.common.mlp import GatedMLP
-from meshforge.models.common.moe import GroupedExperts
+from meshforge.models.common.moe import GroupedExperts, RouterStats
 
 
 class GroupLimitedSigmoidRouter(nn.Module):
@@ -132,7 +132,8 @@ class SharedExpertMoEBlock(nn.Module):
     """Routed experts plus always-on shared experts (transformers' ``DeepseekV3MoE``).
 
     After every forward ``last_tokens_per_expert`` holds the assignment counts (LongTensor
-    ``[num_experts]``, all tokens, summing to ``tokens * top_k``).
+    ``[num_experts]``, all tokens, summing to ``tokens * top_k``). It records no router
+    statistics (``last_aux_stats`` stays None): transformers computes no aux loss for it.
 
     Args:
         hidden_size: Model width.
@@ -175,6 +176,7 @@ class SharedExpertMoEBlock(nn.Module):
         )
         self.shared_experts = GatedMLP(hidden_size, intermediate_size * num_shared_experts, hidden_act)
         self.last_tokens_per_expert: torch.Tensor | None = None
+        self.last_aux_stats: RouterStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply routed plus shared experts to ``x`` ``[B, S, hidden]``; returns ``[B, S, hidden]``."""

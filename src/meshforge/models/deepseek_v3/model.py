@@ -17,6 +17,7 @@ correction bias).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import nn
@@ -54,6 +55,7 @@ class DeepseekV3DecoderLayer(nn.Module):
             dropout=float(args.attention_dropout),
         )
         self.is_moe = args.is_moe_layer(layer_idx)
+        self.mlp: SharedExpertMoEBlock | GatedMLP
         if self.is_moe:
             self.mlp = SharedExpertMoEBlock(
                 args.hidden_size,
@@ -121,7 +123,12 @@ class DeepseekV3ForCausalLM(MoECausalLM[DeepseekV3Args]):
 
     def moe_layers(self) -> dict[int, SharedExpertMoEBlock]:
         """The sparse blocks by decoder-layer index."""
-        return {i: layer.mlp for i, layer in enumerate(self.model.layers) if layer.is_moe}
+        # A layer with is_moe holds its SharedExpertMoEBlock as mlp.
+        return {
+            i: cast(SharedExpertMoEBlock, layer.mlp)
+            for i, layer in enumerate(self.model.layers)
+            if layer.is_moe
+        }
 
     def configure_kernels(self, options: KernelOptions) -> None:
         """Apply the kernel switches (``meshforge.models.common.kernels``) to the blocks.
@@ -138,8 +145,9 @@ class DeepseekV3ForCausalLM(MoECausalLM[DeepseekV3Args]):
             raise ValueError("kernels.fix_router: this deepseek_v3 model has no MoE layer; unset it")
         apply_kernel_options(self, replace(options, fix_router=False), family="deepseek_v3")
         for layer in self.model.layers:
-            layer.self_attn.flash = options.flash_attn
-            layer.self_attn.flash_strict = options.flash_attn_strict
+            attn = cast(MultiHeadLatentAttention, layer.self_attn)  # every layer's attention is MLA
+            attn.flash = options.flash_attn
+            attn.flash_strict = options.flash_attn_strict
         for block in blocks.values():
             block.gate.fixed = options.fix_router
 

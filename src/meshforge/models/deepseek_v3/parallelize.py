@@ -33,7 +33,7 @@ experts is `expert_parallel`'s job).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from meshforge.models.common.tp_plan import SplitHeads, attention_input, check_sizes, decoder_tp_plan
+
+if TYPE_CHECKING:
+    from meshforge.models.common.mla import MultiHeadLatentAttention
 
 
 def tp_sizes(args) -> dict[str, int]:
@@ -98,8 +101,9 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
         replicated_mlp_extra_inputs=0,  # DeepSeek's sparse block takes the hidden states only
     )
     seq = Shard(1)
-    for path, layer in model.model.layers.named_children():
-        attn = layer.self_attn
+    for path, layer in model.get_submodule("model.layers").named_children():
+        # Every DeepSeek-V3 decoder layer's self_attn is the latent attention.
+        attn = cast("MultiHeadLatentAttention", layer.self_attn)
         prefix = f"model.layers.{path}.self_attn"
         # The shared plan's q/k/v entries are those of a plain attention: replaced here.
         for key in [k for k in plan if k == prefix or k.startswith(prefix + ".")]:

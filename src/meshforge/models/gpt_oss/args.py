@@ -71,8 +71,8 @@ class GptOssArgs:
     attention_bias: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        kv_heads = self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
+        object.__setattr__(self, "num_key_value_heads", kv_heads)
         require_positive(
             self,
             (
@@ -91,7 +91,7 @@ class GptOssArgs:
             positive_int("head_dim", self.head_dim)
         if self.attn_head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.attn_head_dim}")
-        if self.num_attention_heads % self.num_key_value_heads:
+        if self.num_attention_heads % kv_heads:
             raise ValueError(
                 f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
                 f"got {self.num_key_value_heads}"

@@ -25,14 +25,14 @@ padding, ``segment_ids == 0``, excluded) and ``tokens_per_expert()``.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
-from meshforge.models.common.causal_lm import MoECausalLM, build_causal_lm
+from meshforge.models.common.causal_lm import InnerModel, MoECausalLM, RoutedBlock, build_causal_lm
 from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding
@@ -78,6 +78,7 @@ class GptOssDecoderLayer(nn.Module):
         super().__init__()
         self.attention_type = args.resolved_layer_types[layer_idx]
         sliding = self.attention_type == "sliding_attention"
+        assert args.num_key_value_heads is not None  # GptOssArgs.__post_init__ fills it
         self.self_attn = SinkAttention(
             args.hidden_size,
             args.num_attention_heads,
@@ -119,7 +120,7 @@ def build_rotary(args: GptOssArgs) -> RotaryEmbedding:
     return RotaryEmbedding(args.attn_head_dim, rope_parameters=rope)
 
 
-class GptOssModel(nn.Module):
+class GptOssModel(InnerModel):
     """Embedding, decoder layers and final norm (transformers' ``GptOssModel``)."""
 
     # Set by meshforge.parallel.context.apply_cp: builds the per-forward CP mask object
@@ -161,6 +162,7 @@ class GptOssModel(nn.Module):
             full = causal_mask(seq_len, h.device)
         masks = {"full_attention": full}
         if any(layer.attention_type == "sliding_attention" for layer in self.layers):
+            assert self.sliding_window is not None  # GptOssArgs requires it when a layer slides
             masks["sliding_attention"] = sliding_window_mask(full, self.sliding_window)
         return self._layers(h, position_ids, masks, token_mask, seq_len)
 
@@ -176,7 +178,8 @@ class GptOssModel(nn.Module):
         # `h` holds only this rank's slice of the sequence.
         rope = self.rotary_emb(position_ids, seq_len=seq_len, device=h.device, dtype=h.dtype)
         for layer in self.layers:
-            h = layer(h, rope, masks[layer.attention_type], token_mask)
+            # Each layer is a GptOssDecoderLayer, whose attention_type names its mask.
+            h = layer(h, rope, masks[cast(str, layer.attention_type)], token_mask)
         return self.norm(h)
 
 
@@ -215,9 +218,9 @@ class GptOssForCausalLM(MoECausalLM[GptOssArgs]):
 
     def moe_layers(self) -> dict[int, GptOssMLP]:
         """The sparse blocks by decoder-layer index (every gpt-oss layer is sparse)."""
-        return {i: layer.mlp for i, layer in enumerate(self.model.layers)}
+        return {i: cast(GptOssMLP, layer.mlp) for i, layer in enumerate(self.model.layers)}
 
-    def _expert_numel(self, block: nn.Module) -> int:
+    def _expert_numel(self, block: RoutedBlock) -> int:
         # gpt-oss experts carry biases too; a token uses k of E of those as well.
         return sum(p.numel() for p in block.experts.parameters())
 
@@ -256,7 +259,7 @@ class GptOssForCausalLM(MoECausalLM[GptOssArgs]):
             seq_len: Sequence length of the batch.
         """
         a = self.args
-        matmul = 0
+        matmul: float = 0
         for name, p in self.named_parameters():
             if name.endswith(
                 ("_proj.weight", ".router.weight", ".experts.gate_up_proj", ".experts.down_proj")
@@ -268,10 +271,9 @@ class GptOssForCausalLM(MoECausalLM[GptOssArgs]):
         )
         matmul -= experts * (1 - per_expert_share)
         matmul += a.vocab_size * a.hidden_size  # the LM head, tied or not
-        spans = [
-            min(seq_len, a.sliding_window) if kind == "sliding_attention" else seq_len
-            for kind in a.resolved_layer_types
-        ]
+        # sliding_window is None only when no layer slides (GptOssArgs checks it).
+        window = seq_len if a.sliding_window is None else min(seq_len, a.sliding_window)
+        spans = [window if kind == "sliding_attention" else seq_len for kind in a.resolved_layer_types]
         attention = 12 * a.num_attention_heads * a.attn_head_dim * sum(spans)
         return 6.0 * matmul + attention
 

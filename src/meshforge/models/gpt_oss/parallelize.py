@@ -47,7 +47,7 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
         loss_parallel=loss_parallel,
         replicated_mlp=lambda _layer: True,
     )
-    for path, _layer in model.model.layers.named_children():
+    for path, _layer in model.get_submodule("model.layers").named_children():
         # Replaces the shared plan's input preparation of `self_attn` (the q/k/v/o entries stay).
         plan[f"model.layers.{path}.self_attn"] = SplitHeads(
             head_attrs=("num_heads", "num_kv_heads"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
 from meshforge.models.common.stage import LayerRunner, StageBatch
@@ -36,4 +36,5 @@ def gpt_oss_stage(b: StageBatch) -> LayerRunner:
     if any(layer.attention_type == "sliding_attention" for layer in b.layers):
         masks["sliding_attention"] = sliding_window_mask(full, inner.sliding_window)
     rope = inner.rotary_emb(position_ids, seq_len=b.seq_len, device=b.h.device, dtype=b.h.dtype)
-    return lambda layer, x: layer(x, rope, masks[layer.attention_type], token_mask)
+    # Each layer is a GptOssDecoderLayer, whose attention_type names its mask.
+    return lambda layer, x: layer(x, rope, masks[cast(str, layer.attention_type)], token_mask)

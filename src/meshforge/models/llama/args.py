@@ -70,10 +70,10 @@ class LlamaArgs:
 
     def __post_init__(self) -> None:
         require_positive(self, ("hidden_size", "num_attention_heads"))
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        head_dim = self.hidden_size // self.num_attention_heads if self.head_dim is None else self.head_dim
+        object.__setattr__(self, "head_dim", head_dim)
+        kv_heads = self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
+        object.__setattr__(self, "num_key_value_heads", kv_heads)
         require_positive(
             self,
             (
@@ -92,13 +92,13 @@ class LlamaArgs:
                 f"hidden_size: must be a multiple of num_attention_heads ({self.num_attention_heads}), "
                 f"got {self.hidden_size} (transformers' LlamaConfig requires it)"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
+        if self.num_attention_heads % kv_heads:
             raise ValueError(
                 f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
                 f"got {self.num_key_value_heads}"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
+        if head_dim % 2:
+            raise ValueError(f"head_dim: must be even for rotary embeddings, got {head_dim}")
         if not 0.0 <= float(self.attention_dropout) < 1.0:
             raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:

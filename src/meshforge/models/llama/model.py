@@ -29,6 +29,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
+        # LlamaArgs.__post_init__ replaces a None of either by its derived value.
+        assert args.num_key_value_heads is not None and args.head_dim is not None
         self.self_attn = Attention(
             args.hidden_size,
             args.num_attention_heads,
@@ -57,6 +59,7 @@ class LlamaModel(DecoderModel):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, args.pad_token_id)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        assert args.head_dim is not None  # LlamaArgs.__post_init__ derives it
         self.rotary_emb = RotaryEmbedding(args.head_dim, rope_parameters=args.rope)
 
 
@@ -102,6 +105,7 @@ class LlamaForCausalLM(CausalLM[LlamaArgs]):
         if a.tie_word_embeddings:
             # named_parameters lists the shared tensor once, under the embedding's name.
             matmul_params += a.vocab_size * a.hidden_size
+        assert a.head_dim is not None  # LlamaArgs.__post_init__ derives it
         attention = 12 * a.num_hidden_layers * a.num_attention_heads * a.head_dim * seq_len
         return 6.0 * matmul_params + attention
 

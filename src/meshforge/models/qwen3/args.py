@@ -66,10 +66,10 @@ class Qwen3Args:
     eos_token_id: int | list[int] | None = field(default=None)
 
     def __post_init__(self) -> None:
-        if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        kv_heads = self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
+        object.__setattr__(self, "num_key_value_heads", kv_heads)
         require_positive(self, POSITIVE_FIELDS)
-        if self.num_attention_heads % self.num_key_value_heads:
+        if self.num_attention_heads % kv_heads:
             raise ValueError(
                 f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
                 f"got {self.num_key_value_heads}"

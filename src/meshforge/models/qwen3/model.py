@@ -27,6 +27,7 @@ class Qwen3DecoderLayer(nn.Module):
 
     def __init__(self, args: Qwen3Args) -> None:
         super().__init__()
+        assert args.num_key_value_heads is not None  # Qwen3Args.__post_init__ fills it
         self.self_attn = Attention(
             args.hidden_size,
             args.num_attention_heads,

@@ -56,8 +56,8 @@ class Qwen3MoeArgs:
     eos_token_id: int | list[int] | None = field(default=None)
 
     def __post_init__(self) -> None:
-        if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        kv_heads = self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
+        object.__setattr__(self, "num_key_value_heads", kv_heads)
         if self.mlp_only_layers is None:
             object.__setattr__(self, "mlp_only_layers", [])
         if not self.use_sliding_window:
@@ -79,7 +79,7 @@ class Qwen3MoeArgs:
                 "num_experts",
             ),
         )
-        if self.num_attention_heads % self.num_key_value_heads:
+        if self.num_attention_heads % kv_heads:
             raise ValueError(
                 f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
                 f"got {self.num_key_value_heads}"
@@ -137,6 +137,7 @@ class Qwen3MoeArgs:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has the sparse MoE block, by transformers' rule."""
+        assert self.mlp_only_layers is not None  # __post_init__ replaces None by []
         return (
             layer not in self.mlp_only_layers
             and self.num_experts > 0
@@ -148,6 +149,7 @@ class Qwen3MoeArgs:
         out = asdict(self)
         out.pop("rope_theta")
         out["head_dim"] = self.attn_head_dim
+        assert self.mlp_only_layers is not None  # __post_init__ replaces None by []
         out["mlp_only_layers"] = list(self.mlp_only_layers)
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.theta}
         return out

@@ -14,6 +14,8 @@ transformers excludes them through its attention mask) and ``tokens_per_expert()
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -36,6 +38,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
     def __init__(self, args: Qwen3MoeArgs, layer_idx: int) -> None:
         super().__init__()
+        assert args.num_key_value_heads is not None  # Qwen3MoeArgs.__post_init__ fills it
         self.self_attn = Attention(
             args.hidden_size,
             args.num_attention_heads,
@@ -47,6 +50,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
             dropout=float(args.attention_dropout),
         )
         self.is_moe = args.is_moe_layer(layer_idx)
+        self.mlp: MoEBlock | GatedMLP
         if self.is_moe:
             self.mlp = MoEBlock(
                 args.hidden_size,
@@ -113,7 +117,8 @@ class Qwen3MoeForCausalLM(MoECausalLM[Qwen3MoeArgs]):
 
     def moe_layers(self) -> dict[int, MoEBlock]:
         """The sparse blocks by decoder-layer index."""
-        return {i: layer.mlp for i, layer in enumerate(self.model.layers) if layer.is_moe}
+        # A layer with is_moe holds its MoEBlock as mlp.
+        return {i: cast(MoEBlock, layer.mlp) for i, layer in enumerate(self.model.layers) if layer.is_moe}
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token over the active parameters: ``6 * N_active + 12 * L * H * D * S``.

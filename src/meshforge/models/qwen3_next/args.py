@@ -195,6 +195,7 @@ class Qwen3NextArgs:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has the sparse MoE block, by transformers' rule."""
+        assert self.mlp_only_layers is not None  # __post_init__ replaces None by []
         return (
             layer not in self.mlp_only_layers
             and self.num_experts > 0
@@ -206,6 +207,7 @@ class Qwen3NextArgs:
         out = asdict(self)
         for key in ("rope_theta", "partial_rotary_factor", "full_attention_interval"):
             out.pop(key)
+        assert self.mlp_only_layers is not None  # __post_init__ replaces None by []
         out["mlp_only_layers"] = list(self.mlp_only_layers)
         out["layer_types"] = self.resolved_layer_types
         out["rope_parameters"] = {

@@ -23,7 +23,7 @@ trade sequence for key-head groups with their own all-to-alls (``gdn.py``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ from meshforge.models.common.attention import (
     positions_from_segments,
     segment_causal_mask,
 )
-from meshforge.models.common.causal_lm import InitKind, MoECausalLM, build_causal_lm
+from meshforge.models.common.causal_lm import InitKind, InnerModel, MoECausalLM, build_causal_lm
 from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.moe import MoEBlock
@@ -92,6 +92,9 @@ class GatedAttention(Attention):
     Args:
         args: Structural hyper-parameters.
     """
+
+    q_norm: ZeroCenteredRMSNorm
+    k_norm: ZeroCenteredRMSNorm
 
     def __init__(self, args: Qwen3NextArgs) -> None:
         super().__init__(
@@ -219,6 +222,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(args)
         self.is_moe = args.is_moe_layer(layer_idx)
+        self.mlp: Qwen3NextSparseMoeBlock | GatedMLP
         if self.is_moe:
             self.mlp = Qwen3NextSparseMoeBlock(args)
         else:
@@ -252,7 +256,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
-class Qwen3NextModel(nn.Module):
+class Qwen3NextModel(InnerModel):
     """Embedding, hybrid decoder layers and final norm (transformers' ``Qwen3NextModel``).
 
     Under context parallelism (``cp`` set by ``meshforge.parallel.context.apply_cp``,
@@ -326,7 +330,8 @@ class Qwen3NextForCausalLM(MoECausalLM[Qwen3NextArgs]):
 
     def moe_layers(self) -> dict[int, MoEBlock]:
         """The sparse blocks by decoder-layer index."""
-        return {i: layer.mlp for i, layer in enumerate(self.model.layers) if layer.is_moe}
+        # A layer with is_moe holds its Qwen3NextSparseMoeBlock as mlp.
+        return {i: cast(MoEBlock, layer.mlp) for i, layer in enumerate(self.model.layers) if layer.is_moe}
 
     def configure_kernels(self, options: KernelOptions) -> None:
         """The common switches, plus ``gdn_chunk_size`` on every Gated DeltaNet layer.

@@ -82,7 +82,7 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
         replicated_mlp=lambda layer: bool(getattr(layer, "is_moe", False)),
     )
     out = Shard(1) if sequence_parallel else Replicate()
-    for path, layer in model.model.layers.named_children():
+    for path, layer in model.get_submodule("model.layers").named_children():
         gdn = getattr(layer, "linear_attn", None)
         if gdn is None:
             continue  # gated attention: the shared plan's entries
