@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -81,7 +81,7 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from meshforge.models.common.moe import ExpertCompute
+from meshforge.models.common.moe import ExpertCompute, ExpertsBase
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -101,10 +101,11 @@ TOKEN_DISPATCHERS = ("alltoall", "alltoall_deredundancy")
 EP_DISPATCHERS = ("eager",)
 
 
-def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def expert_modules(model: nn.Module) -> list[tuple[str, ExpertsBase]]:
     """``(name, module)`` of every MoE experts container in ``model``, in module order."""
     types = expert_types()
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, types)]
+    # Every family's experts container (``FamilySpec.moe.expert_type``) subclasses ExpertsBase.
+    return [(name, cast(ExpertsBase, m)) for name, m in model.named_modules() if isinstance(m, types)]
 
 
 def is_expert_parallel(module: nn.Module) -> bool:
@@ -177,7 +178,8 @@ def apply_ep(
     exchange = DeduplicatedExchange(ep_mesh) if deduplicate else AllToAllExchange(ep_mesh)
     for name, module in experts:  # check them all before changing any
         _check_not_sharded(name, module)
-        num_experts = int(module.num_experts)
+        # Both experts containers (GroupedExperts, GptOssExperts) store their expert count as an int.
+        num_experts = cast(int, module.num_experts)
         if num_experts % ep:
             key = count_keys.get(family, "model.num_experts")
             raise ValueError(
@@ -190,12 +192,14 @@ def apply_ep(
         if deduplicate:
             # The de-duplicated exchange needs the tokens and routing weights, not the expert-sorted
             # copies of the seam: the module's forward becomes the exchange's dispatch.
-            module.forward = types.MethodType(_deduplicated_forward, module)
+            # Swapped per instance through nn.Module's own `forward: Callable[..., Any]` slot.
+            target: nn.Module = module
+            target.forward = types.MethodType(_deduplicated_forward, module)
 
 
 def _select_experts(
-    model: nn.Module, experts: list[tuple[str, nn.Module]], patterns: Sequence[str]
-) -> list[tuple[str, nn.Module]]:
+    model: nn.Module, experts: list[tuple[str, ExpertsBase]], patterns: Sequence[str]
+) -> list[tuple[str, ExpertsBase]]:
     """The experts containers matching ``parallelism.ep_modules``.
 
     Raises:
@@ -204,7 +208,7 @@ def _select_experts(
     """
     from meshforge.parallel.patterns import match_modules
 
-    containers = {id(m) for _, m in experts}
+    containers = {id(m): m for _, m in experts}
     chosen = []
     for name, module in match_modules(model, list(patterns), key_path="parallelism.ep_modules"):
         if id(module) not in containers:
@@ -212,7 +216,7 @@ def _select_experts(
                 f"parallelism.ep_modules: {name} ({type(module).__name__}) is not a MoE experts container; "
                 f"they are: {', '.join(n for n, _ in experts[:3])}{', ...' if len(experts) > 3 else ''}"
             )
-        chosen.append((name, module))
+        chosen.append((name, containers[id(module)]))
     return chosen
 
 
@@ -235,7 +239,8 @@ def _shard_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     for pname, param in list(module.named_parameters(recurse=False)):
         # A replicated DTensor (tensor parallelism's whole MoE block) holds the full tensor
         # locally; the experts then live on the ep mesh only, the same on every TP rank.
-        data = param.data.to_local() if isinstance(param, DTensor) else param.data
+        data = param.data  # a DTensor exactly when param is one
+        data = data.to_local() if isinstance(data, DTensor) else data
         # src_data_rank=None: every rank already holds the same full tensor (or meta), so each
         # keeps its slice without communication.
         sharded = distribute_tensor(data, ep_mesh, [Shard(0)], src_data_rank=None)
@@ -432,10 +437,12 @@ _EXACT_INTEGERS = {torch.float32: 2**24, torch.float64: 2**53, torch.float16: 2*
 
 
 def _deduplicated_forward(
-    module: nn.Module, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+    module: ExpertsBase, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
     """``ExpertsBase.forward`` under ``alltoall_deredundancy`` (bound to the module by `apply_ep`)."""
-    return module.token_exchange.dispatch(x, indices, weights, counts, module.compute)
+    # apply_ep binds this forward only together with a DeduplicatedExchange.
+    exchange = cast(DeduplicatedExchange, module.token_exchange)
+    return exchange.dispatch(x, indices, weights, counts, module.compute)
 
 
 def _wait(tensor: torch.Tensor) -> torch.Tensor:

@@ -163,8 +163,9 @@ def _retie(model: nn.Module, aliases: list[tuple[str, str]], tp: int) -> None:
 
 def _swap_in_local(module: nn.Module, _args: Any) -> None:
     """Forward pre-hook: the module computes with the local (full) tensors of its replicated weights."""
-    stash = {}
-    for name in module._meshforge_tp_local:
+    stash: dict[str, DTensor] = {}
+    names: tuple[str, ...] = module.__dict__["_meshforge_tp_local"]
+    for name in names:
         param = module._parameters.get(name)
         if isinstance(param, DTensor):
             stash[name] = param

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -84,22 +86,27 @@ def apply_cp(
         )
     u = _ulysses_size(cp_mesh, method, ulysses_degree)
     for attn in attentions:
-        if attn.num_heads % u:
+        # Every CP attention class (CPModules.attentions) keeps its head count in an int num_heads.
+        heads = cast(int, attn.num_heads)
+        if heads % u:
             raise ValueError(
-                f"parallelism.context_parallel: {method} splits the {attn.num_heads} attention heads over "
+                f"parallelism.context_parallel: {method} splits the {heads} attention heads over "
                 f"{u} ranks; num_attention_heads must divide by {u}"
             )
     for mixer in mixers:
         # Whole key-head groups per rank (value heads are a multiple of key heads, so they follow).
-        if mixer.num_k_heads % u:
+        # CPModules.mixers keep their key-head count in an int num_k_heads.
+        k_heads = cast(int, mixer.num_k_heads)
+        if k_heads % u:
             raise ValueError(
-                f"parallelism.context_parallel: ulysses splits the {mixer.num_k_heads} Gated DeltaNet key heads "
+                f"parallelism.context_parallel: ulysses splits the {k_heads} Gated DeltaNet key heads "
                 f"(per tensor-parallel rank) over {u} ranks; model.linear_num_key_heads must divide by {u} "
                 "(model.linear_num_value_heads, a multiple of it, then does too)"
             )
     plan = ContextParallel(cp_mesh, method, u)
     for module in (*decoders, *attentions, *mixers):
-        module.cp = plan
+        # torch types nn.Module.__setattr__'s value Tensor | Module; other values become plain attributes.
+        module.cp = plan  # type: ignore[assignment]
 
 
 __all__ = ["apply_cp"]

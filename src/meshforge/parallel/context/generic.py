@@ -35,13 +35,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from meshforge.parallel.context.layout import CPMask
 from meshforge.parallel.context.plan import ContextParallel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 #: The name :func:`cp_attention` is registered under in transformers' ``AttentionInterface``.
 ATTN_IMPLEMENTATION = "meshforge_cp"
@@ -196,17 +199,20 @@ def apply_generic_cp(model: nn.Module, plan: ContextParallel) -> None:
         NotImplementedError: For a model config CP cannot run exactly (see module doc).
         ValueError: When the heads do not divide over the ulysses ranks.
     """
-    config = model.config  # type: ignore[attr-defined]
+    # wrap_generic wraps transformers models only (pipeline stages keep their class in front).
+    hf_model = cast("PreTrainedModel", model)
+    config = hf_model.config
     _check_config(config, plan.ulysses_size, plan.method)
     register_attention()
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)  # type: ignore[attr-defined]
+    hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if config._attn_implementation != ATTN_IMPLEMENTATION:
         raise _refuse(
             type(model).__name__,
             "transformers cannot switch its attention implementation (it does not dispatch through "
             "AttentionInterface)",
         )
-    model.meshforge_cp = GenericCPForward(plan)
+    # torch types nn.Module.__setattr__'s value Tensor | Module; other values become plain attributes.
+    model.meshforge_cp = GenericCPForward(plan)  # type: ignore[assignment]
 
 
 class GenericCPForward:
@@ -279,15 +285,14 @@ def check_generic_cp(
             "its attention does not dispatch through transformers' AttentionInterface, so the CP "
             "attention never ran (each rank attended only to its own slice)",
         )
-    config = model.config  # type: ignore[attr-defined]
+    config = cast("PreTrainedModel", model).config  # a wrapped transformers model, as above
     if layer_types is None:
         layer_types = getattr(config, "layer_types", None)
-    window_expected = bool(getattr(config, "sliding_window", None)) and (
-        layer_types is None or "sliding_attention" in layer_types
-    )
+    window = getattr(config, "sliding_window", None)
+    window_expected = bool(window) and (layer_types is None or "sliding_attention" in layer_types)
     if window_expected and state.windowed == 0:
         raise _refuse(
-            f"config.sliding_window {config.sliding_window} ({type(model).__name__})",
+            f"config.sliding_window {window} ({type(model).__name__})",
             "its attention calls pass no sliding_window (the window would live only in the mask CP replaces)",
         )
 

@@ -255,6 +255,8 @@ class ContextParallel:
         n, r = self.ring_size, self.ring_rank
         send, recv = [0] * n, [0] * n
         send[(r + 1) % n] = recv[(r - 1) % n] = x.shape[0]
+        # Only the ring methods (colossal, hybrid) shift, and they set the ring group.
+        assert self.ring_group is not None
         return funcol.all_to_all_single_autograd(x, recv, send, self.ring_group)
 
     def _ring_plan(

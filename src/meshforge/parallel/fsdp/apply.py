@@ -172,7 +172,8 @@ def _prefetch_chain(
     key = "parallelism.hook_modules"
     if pipeline_parallel:
         _check_patterns_over_stages(model, list(hook_modules), key)
-    chain = []
+    chain: list[nn.Module] = []
+    module: nn.Module
     for name, module in match_modules(
         model, list(hook_modules), key_path=key, allow_unmatched=pipeline_parallel
     ):
@@ -197,7 +198,7 @@ def _set_prefetch(layers: list[nn.Module], forward: int, backward: int, explicit
     ):
         if depth < 0:
             raise ValueError(f"{key}: must be >= 0, got {depth}")
-    units = [layer for layer in layers if isinstance(layer, FSDPModule)]
+    units: list[FSDPModule] = [layer for layer in layers if isinstance(layer, FSDPModule)]
     for index, layer in enumerate(units):
         if forward != 1 or explicit:
             layer.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + forward])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -165,6 +165,12 @@ def sync_ignored_grads(model: nn.Module, group: dist.ProcessGroup | None = None)
     return synced
 
 
+@overload
+def _local(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _local(t: None) -> None: ...
+@overload
+def _local(t: torch.Tensor | None) -> torch.Tensor | None: ...
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 

@@ -61,13 +61,13 @@ def generic_layer_types(inner: nn.Module, indices: list[int]) -> list[str]:
     types = list(getattr(config, "layer_types", None) or [])
     out = []
     for i in indices:
-        kind = types[i] if i < len(types) else None
-        if kind not in _HF_MASK_FUNCTIONS:
+        layer_kind: str | None = types[i] if i < len(types) else None
+        if layer_kind is None or layer_kind not in _HF_MASK_FUNCTIONS:
             raise NotImplementedError(
                 f"not supported yet: parallelism.pipeline_parallel > 1 for {type(inner).__name__} layer {i} "
-                f"of type {kind!r} (config.layer_types); stages build full_attention and sliding_attention masks"
+                f"of type {layer_kind!r} (config.layer_types); stages build full_attention and sliding_attention masks"
             )
-        out.append(kind)
+        out.append(layer_kind)
     return out
 
 

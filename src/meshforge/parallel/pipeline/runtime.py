@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from meshforge.parallel.pipeline.layout import (
 )
 from meshforge.parallel.pipeline.stage import (
     StageModule,
+    _PipelinedCausalLM,
     router_aux_experts,
 )
 
@@ -126,10 +127,12 @@ class Pipeline:
         self.schedule_name = schedule_name
         self.aux_coef = float(aux_coef)
         self.aux_experts = router_aux_experts(model) if self.aux_coef != 0.0 else None
+        # split_model put _PipelinedCausalLM in front of the model's class.
+        pipelined = cast(_PipelinedCausalLM, model)
         # Every stage forward then returns (hidden, carry); see the module docstring.
-        model._pp_aux_experts = self.aux_experts
+        pipelined._pp_aux_experts = self.aux_experts
         self.chunk_loss_size = chunk_loss_size
-        model._pp_return_hidden = chunk_loss_size is not None
+        pipelined._pp_return_hidden = chunk_loss_size is not None
         self._aux: list[torch.Tensor] = []
         self.aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self.stages = [
@@ -147,23 +150,25 @@ class Pipeline:
         if self.chunk_loss_size is None:
             return cross_entropy_sum(output, labels)
         # Read after the forward: under FSDP the head is unsharded by then.
-        weight = self.model.lm_head.weight
+        weight = self.model.get_parameter("lm_head.weight")
         return chunked_cross_entropy_sum(output, weight, labels, chunk_size=self.chunk_loss_size)
 
     def _loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        global_tokens = self._global_tokens
+        assert global_tokens is not None, "_run sets the step's token count before the schedule runs"
         if self.aux_experts is None:
             ce = self._ce_sum(output, labels)
             self._ce.append(ce.detach())
-            return ce / self._global_tokens
+            return ce / global_tokens
         logits, carry = output
         ce = self._ce_sum(logits, labels)
         self._ce.append(ce.detach())
         aux = self._aux_from_carry(carry)
         # As Trainer.forward_backward: the micro-batch's aux loss weighted by its share of the
         # global valid tokens (on a CP rank: its own part of them; the shares add up).
-        weight = count_valid_tokens(labels).to(torch.float32) / self._global_tokens
+        weight = count_valid_tokens(labels).to(torch.float32) / global_tokens
         self._aux.append((aux.detach() * weight).float())
-        return ce / self._global_tokens + self.aux_coef * aux * weight
+        return ce / global_tokens + self.aux_coef * aux * weight
 
     def _aux_from_carry(self, carry: torch.Tensor) -> torch.Tensor:
         """The Switch aux loss of one micro-batch from the totals carried through the stages."""
@@ -297,7 +302,8 @@ class Pipeline:
 
         if not isinstance(self.model, FSDPModule):
             return
-        state = fully_shard.state(self.model)
+        # torch's @contract decorator attaches `state`, which fully_shard's typed overloads hide.
+        state = fully_shard.state(self.model)  # type: ignore[attr-defined]
         for module_state in state._state_ctx.all_states:
             for group in module_state._fsdp_param_groups:
                 group.post_backward()
@@ -324,7 +330,7 @@ class Pipeline:
         inner: Any = self.model.model
         if split.has_first:
             return inner.embed_tokens.weight, dist.get_global_rank(self.group, split.last_rank)
-        return self.model.lm_head.weight, dist.get_global_rank(self.group, split.first_rank)
+        return self.model.get_parameter("lm_head.weight"), dist.get_global_rank(self.group, split.first_rank)
 
     def _exchange(self, mine: torch.Tensor, peer: int) -> torch.Tensor:
         """Send ``mine`` to ``peer`` and receive the peer's tensor of the same shape."""

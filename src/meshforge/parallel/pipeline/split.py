@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -87,7 +87,7 @@ def split_model(
     num_layers = len(inner.layers)
     if is_generic_model(model):
         # transformers ties by sharing one Parameter (``tie_word_embeddings``; or its own rules).
-        tied_model = model.lm_head.weight is inner.embed_tokens.weight
+        tied_model = model.get_parameter("lm_head.weight") is inner.embed_tokens.weight
     else:
         tied_model = bool(getattr(model.args, "tie_word_embeddings", False))
     all_stages = assign_layers(
@@ -106,11 +106,13 @@ def split_model(
         inner.embed_tokens = None
     if pp_rank != last_rank:
         inner.norm = None
-        model.lm_head = None
+        # torch types nn.Module.__setattr__'s value Tensor | Module; None empties a submodule slot.
+        model.lm_head = None  # type: ignore[assignment]
     # With the embedding gone, a tied lm_head.weight is now a parameter of its own on this rank.
     tied = tied_model and first_rank != last_rank
     model.__class__ = pipelined_class(type(model))
-    model._pp_stages = {s.index: s for s in local}
+    # The class just swapped puts _PipelinedCausalLM in front.
+    cast(_PipelinedCausalLM, model)._pp_stages = {s.index: s for s in local}
     return PipelineSplit(
         model=model,
         stages=local,

@@ -19,7 +19,7 @@ MoE layers run so far for this micro-batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -29,15 +29,17 @@ from meshforge.models.spec import is_generic_class
 from meshforge.parallel.pipeline.generic_stage import generic_cp_stage, generic_stage
 
 if TYPE_CHECKING:
+    from meshforge.models.common.moe import RouterStats
     from meshforge.parallel.pipeline.layout import StageInfo
 
 
 def _stage_aux_totals(layers: list[nn.Module], num_experts: int, like: torch.Tensor) -> torch.Tensor | None:
     """``[prob_sum (E), assignments (E), rows]`` summed over the MoE layers just run, or None."""
-    stats = [
-        layer.mlp.last_aux_stats
+    stats: list[RouterStats] = [
+        found
         for layer in layers
-        if getattr(layer.mlp, "last_aux_stats", None) is not None and getattr(layer, "is_moe", True)
+        if (found := getattr(layer.mlp, "last_aux_stats", None)) is not None
+        and getattr(layer, "is_moe", True)
     ]
     if not stats:
         return None
@@ -95,7 +97,8 @@ class _PipelinedCausalLM:
         elif seq_len is None:
             from meshforge.parallel.tensor import sequence_shards
 
-            seq_len = h.shape[1] * sequence_shards(self)  # type: ignore[arg-type]
+            # The mixin always sits in front of an nn.Module class (see pipelined_class).
+            seq_len = h.shape[1] * sequence_shards(cast(nn.Module, self))
         layers = [inner.layers[key] for key in stage.layer_keys]
         ids = inputs if stage.is_first else h[..., 0]
         run = self._layer_runner(StageBatch(inner, ids, h, position_ids, segment_ids, seq_len, layers))
@@ -154,7 +157,8 @@ class _PipelinedGenericCausalLM(_PipelinedCausalLM):
     def _layer_runner(self, b: StageBatch) -> LayerRunner:
         """``generic_stage``, or under context parallelism (``meshforge_cp``) ``generic_cp_stage``."""
         hook = getattr(self, "meshforge_cp", None)
-        return generic_stage(b) if hook is None else generic_cp_stage(self, hook.plan, b)
+        # The mixin always sits in front of an nn.Module class (see pipelined_class).
+        return generic_stage(b) if hook is None else generic_cp_stage(cast(nn.Module, self), hook.plan, b)
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
         """transformers' tying, only where this rank holds both ends (see ``_PipelinedCausalLM``)."""
