@@ -23,9 +23,14 @@ float32 tensor, equal on every TP rank.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor, Shard
 
 IGNORE_INDEX = -100
 
@@ -36,7 +41,7 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return dtensor.full_tensor() if dtensor is not None else tensor
 
 
-def _as_dtensor(tensor: torch.Tensor):
+def _as_dtensor(tensor: torch.Tensor) -> DTensor | None:
     """`tensor` as a DTensor, or None for a plain tensor (and where torch has no distributed)."""
     if not dist.is_available():
         return None
@@ -59,8 +64,9 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """
     dlogits = _as_dtensor(logits)
     if dlogits is not None:
-        if _as_dtensor(labels) is not None:
-            labels = labels.full_tensor()
+        dlabels = _as_dtensor(labels)
+        if dlabels is not None:
+            labels = dlabels.full_tensor()
         vocab_dim = _vocab_shard_dim(dlogits)
         if vocab_dim is not None:
             return _vocab_parallel_cross_entropy_sum(dlogits, labels, vocab_dim)
@@ -74,7 +80,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     )
 
 
-def _vocab_shard_dim(logits) -> int | None:
+def _vocab_shard_dim(logits: DTensor) -> int | None:
     """The mesh dim that shards `logits` on the vocabulary (last) dim, or None if none does.
 
     Raises:
@@ -83,7 +89,8 @@ def _vocab_shard_dim(logits) -> int | None:
     last = logits.dim() - 1
     found = None
     for i, placement in enumerate(logits.placements):
-        if placement.is_shard() and placement.dim % logits.dim() == last:
+        # is_shard() holds for the shard placements only, and each of them has a `dim`.
+        if placement.is_shard() and cast("Shard", placement).dim % logits.dim() == last:
             found = i
         elif not placement.is_replicate():
             raise NotImplementedError(
@@ -130,7 +137,7 @@ class _VocabParallelCrossEntropySum(torch.autograd.Function):
         return grad.mul_(grad_loss), None, None, None
 
 
-def _vocab_parallel_cross_entropy_sum(logits, labels: torch.Tensor, mesh_dim: int) -> torch.Tensor:
+def _vocab_parallel_cross_entropy_sum(logits: DTensor, labels: torch.Tensor, mesh_dim: int) -> torch.Tensor:
     """`cross_entropy_sum` of logits sharded on the vocabulary over mesh dim `mesh_dim`."""
     mesh = logits.device_mesh
     size, rank = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -96,9 +96,9 @@ class Trainer(TrainerBuild):
         dist_utils.init_process_group(backend_for(self.device), self.dist)
         self.dims = ParallelDims.from_config(cfg.parallelism, self.dist.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
-        self.plan, note = plan_batches(cfg.training, self.dims.dp)
-        if note:
-            self.log(f"warning: {note}")
+        self.plan, batch_note = plan_batches(cfg.training, self.dims.dp)
+        if batch_note:
+            self.log(f"warning: {batch_note}")
 
         self.output_dir = resolve_path(cfg.training.output_dir)
         if self.dist.is_main:
@@ -151,9 +151,9 @@ class Trainer(TrainerBuild):
                 # Read lm_head.weight after the forward: under FSDP the root's parameters are
                 # unsharded by then (the root keeps them until backward).
                 hidden = self.model(batch["input_ids"], return_hidden=True, **inputs)
-                return chunked_cross_entropy_sum(
-                    hidden, self.model.lm_head.weight, batch["labels"], chunk_size=chunk
-                )
+                # Every family's output projection (transformers' too) is an nn.Linear `lm_head`.
+                head = cast(torch.nn.Linear, self.model.lm_head)
+                return chunked_cross_entropy_sum(hidden, head.weight, batch["labels"], chunk_size=chunk)
             logits = self.model(batch["input_ids"], **inputs)
         with self._loss_context():
             return cross_entropy_sum(logits, batch["labels"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from meshforge.config import TrainConfig
-    from meshforge.data.loader import StatefulLoader
+    from meshforge.data.loader import StatefulLoader, StreamLoader
+    from meshforge.models.materialize import InitFn
     from meshforge.models.registry import FamilySpec
     from meshforge.models.vocab import VocabPlan
     from meshforge.parallel.dims import ParallelDims, ParallelMesh
@@ -104,7 +105,7 @@ class TrainerBuild:
     fsdp: bool
     num_params: int
     model: nn.Module
-    loader: StatefulLoader
+    loader: StatefulLoader | StreamLoader
     total_steps: int
     eval_loader: Iterable[Batch] | None
     optimizer: torch.optim.Optimizer
@@ -193,7 +194,8 @@ class TrainerBuild:
         if self._ignored_params and not self.fsdp:
             self.log("parallelism.ignored_modules: no effect without FSDP (nothing is sharded)")
         # Loaded weights overwrite every parameter, so skip drawing random ones first.
-        init_fn = _no_init if load_hf else model.init_full_parameter_
+        # Every family's model class (and the generic path's) defines init_full_parameter_.
+        init_fn = _no_init if load_hf else cast("InitFn", model.init_full_parameter_)
         materialize_and_init(model, device=self.device, seed=seed, init_fn=init_fn)
         if load_hf and source.hf_dir is not None:
             load_hf_weights(
@@ -352,7 +354,7 @@ class TrainerBuild:
             chunk_loss_size=self.kernel_options.chunk_loss_size,
         )
 
-    def _build_data(self) -> StatefulLoader:
+    def _build_data(self) -> StatefulLoader | StreamLoader:
         """The train loader; `training.epochs`, when set, decides the run length (see `_resolve_total_steps`).
 
         The MindSpeed importer already applies HF's rule that a positive `max_steps` wins over

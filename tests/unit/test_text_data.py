@@ -258,6 +258,19 @@ def test_missing_paths_and_short_data(tok, tmp_path):
         TextDataset.from_options(_opts(str(ok), seq_length=4096), tok)
 
 
+def test_loader_without_tokenizer_is_refused(tmp_path):
+    from meshforge.data.build import LoaderContext, build_train_loader
+    from meshforge.data.config import TrainDatasetConfig
+
+    ok = _jsonl(tmp_path / "ok.jsonl", [{"text": d} for d in DOCS])
+    cfg = TrainDatasetConfig.model_validate(
+        {"dataloader": {"type": "TextDataLoader", "data_path": [str(ok)], "seq_length": 8}}
+    )
+    ctx = LoaderContext(tokenizer=None, local_batch_size=1, dp_rank=0, dp_size=1, seed=0)
+    with pytest.raises(ValueError, match="TextDataLoader: the run has no tokenizer"):
+        build_train_loader(cfg, ctx)
+
+
 def test_bundled_corpus_packs(tok):
     lines: list[str] = []
     opts = _opts("meshforge://assets/corpus/python_docstrings.jsonl", seq_length=256)

@@ -37,7 +37,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -48,7 +48,7 @@ from meshforge.checkpoint.readers import open_safetensors, read_json_object
 if TYPE_CHECKING:
     from meshforge.models.config import ModelConfig
     from meshforge.models.registry import FamilySpec
-    from meshforge.models.spec import HFStateDictAdapter
+    from meshforge.models.spec import FamilyArgs, HFStateDictAdapter
     from meshforge.models.vocab import VocabPlan
 
 SINGLE_FILE = "model.safetensors"
@@ -127,7 +127,7 @@ def find_hf_weights(path: str | Path) -> dict[str, Path]:
 
 
 # --------------------------------------------------------------------------------------- adapter
-def hf_adapter(family: FamilySpec, args: Any = None) -> HFStateDictAdapter:
+def hf_adapter(family: FamilySpec, args: FamilyArgs | None = None) -> HFStateDictAdapter:
     """The HF state-dict adapter of ``family`` (``FamilySpec.hf_adapter``), bound to ``args`` if given."""
     return family.hf_adapter(args)
 
@@ -400,7 +400,7 @@ def save_hf(
         out.mkdir(parents=True, exist_ok=True)
         for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
             old.unlink(missing_ok=True)
-    shards: list[dict[str, torch.Tensor]] = []
+    shards: list[list[str]] = []  # the keys of each written file
     current: dict[str, torch.Tensor] = {}
     current_bytes = 0
     total_bytes = 0
@@ -413,7 +413,7 @@ def save_hf(
             file = out / f"model-part-{len(written):05d}.safetensors"
             save_file(current, str(file), metadata={"format": "pt"})
             written.append(file)
-            shards.append(dict.fromkeys(current))
+            shards.append(list(current))
         current, current_bytes = {}, 0
 
     for name, full in _full_parameters(model):
@@ -432,7 +432,8 @@ def save_hf(
     if main:
         flush()
         _finish_files(out, written, shards, total_bytes)
-        config = adapter.to_hf_config(model.config)
+        # A family's model keeps the args it was built from as `config`.
+        config = adapter.to_hf_config(cast("FamilyArgs", model.config))
         sample = next(iter(model.parameters()), None)
         weights_dtype = dtype or (sample.dtype if sample is not None else torch.float32)
         config.setdefault("dtype", str(weights_dtype).removeprefix("torch."))
@@ -446,7 +447,7 @@ def save_hf(
     return out
 
 
-def _finish_files(out: Path, written: list[Path], shards: list[dict[str, Any]], total_bytes: int) -> None:
+def _finish_files(out: Path, written: list[Path], shards: list[list[str]], total_bytes: int) -> None:
     """Give the shard files their final names and write the index (none for a single file)."""
     if len(written) == 1:
         os.replace(written[0], out / SINGLE_FILE)

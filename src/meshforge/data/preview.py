@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterable
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -136,10 +136,14 @@ def masked_text(tokenizer: PreTrainedTokenizerBase, input_ids: Iterable[int], la
         return ""
     # Decode whole runs, not single tokens, so multi-token characters come out intact.
     cuts = np.flatnonzero(np.diff(masked.astype(np.int8))) + 1
-    parts = []
+    parts: list[str] = []
     for start, end in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(ids)]]), strict=True):
-        piece = tokenizer.decode(
-            ids[start:end].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        # One sequence of ids decodes to one string (a list only comes back for a batch).
+        piece = cast(
+            str,
+            tokenizer.decode(
+                ids[start:end].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
+            ),
         )
         parts.append(f"{MASK_OPEN}{piece}{MASK_CLOSE}" if masked[start] else piece)
     return "".join(parts)

@@ -277,6 +277,8 @@ def build_text_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> St
     from meshforge.data.loader import StatefulLoader
 
     options = dataset_cfg.dataloader.options_as(TextDataLoaderOptions)
+    if ctx.tokenizer is None:
+        raise ValueError("TextDataLoader: the run has no tokenizer; set model.tokenizer_name_or_path")
     dataset = TextDataset.from_options(options, ctx.tokenizer, log=ctx.log)
     return StatefulLoader(
         dataset,

@@ -27,16 +27,20 @@ exactly 1.0 leaves gradients bitwise unchanged), so CUDA steps do not stall on `
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
 _EPS = 1e-6
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     # Imported lazily: torch.distributed may be unavailable in minimal builds.
     try:
         from torch.distributed.tensor import DTensor
@@ -58,7 +62,7 @@ def total_grad_norm(grads: list[torch.Tensor], *, foreach: bool | None = None) -
     """
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    by_mesh: dict[object, list[torch.Tensor]] = {}
+    by_mesh: dict[object, list[DTensor]] = {}
     plain: list[torch.Tensor] = []
     for g in grads:
         if _is_dtensor(g):
@@ -67,8 +71,9 @@ def total_grad_norm(grads: list[torch.Tensor], *, foreach: bool | None = None) -
             plain.append(g)
     parts: list[torch.Tensor] = []
     for group in by_mesh.values():
-        # The DTensor norm is Partial over the sharded mesh axes; full_tensor() all-reduces it.
-        parts.append(_sum_of_norms(group).full_tensor())
+        # The norm of DTensors is a DTensor (torch's stubs say Tensor), Partial over the sharded
+        # mesh axes; full_tensor() all-reduces it.
+        parts.append(cast("DTensor", _sum_of_norms(group)).full_tensor())
     if plain:
         parts.append(_sum_of_norms(plain))
     device = parts[0].device
@@ -76,7 +81,7 @@ def total_grad_norm(grads: list[torch.Tensor], *, foreach: bool | None = None) -
     return total.to(torch.float32)
 
 
-def _sum_of_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+def _sum_of_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """L2 norm over a list of tensors on one mesh (or plain), accumulated precisely.
 
     torch's CPU norm kernels accumulate in float32 sequentially (about 6e-6 relative error on a

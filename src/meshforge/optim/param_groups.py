@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from meshforge.parallel.patterns import compile_pattern, is_pattern, suggest_names
+from meshforge.parallel.patterns import ModulePattern, compile_pattern, is_pattern, suggest_names
 
 if TYPE_CHECKING:
     from torch import nn
@@ -74,13 +74,12 @@ class _Rule:
             raise ValueError(f"{key}: expected a non-empty parameter-name rule, got {entry!r}")
         self.entry = entry
         self.key = key
+        self._pattern: ModulePattern | None = None
         if is_pattern(entry):
             try:
                 self._pattern = compile_pattern(entry)
             except ValueError as e:
                 raise ValueError(f"{key}: {e}") from None
-        else:
-            self._pattern = None
         self.hits = 0
 
     def matches(self, name: str) -> bool:

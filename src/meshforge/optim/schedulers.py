@@ -348,7 +348,7 @@ def _scheduler_class() -> type:
             self.peak_lr = float(peak_lr)
             super().__init__(optimizer, last_epoch=-1)
 
-        def get_lr(self) -> list[float]:
+        def get_lr(self) -> list[float | torch.Tensor]:
             value = self.lr_fn(self.last_epoch)
             return [value * (base / self.peak_lr if self.peak_lr > 0 else 1.0) for base in self.base_lrs]
 

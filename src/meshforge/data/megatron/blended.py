@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -80,12 +80,13 @@ def parse_blend(data_path: Sequence[Any], key: str = "data_path") -> Blend:
                 "not a number; give 'weight, prefix' pairs with numeric weights, or prefixes only"
             )
         return Blend([str(p).strip() for p in items], None)
-    for i, w in enumerate(weights):
+    numbers = [w for w in weights if w is not None]  # all of them: a None returned above
+    for i, w in enumerate(numbers):
         if not w > 0 or math.isinf(w):
             raise ValueError(
                 f"{key}[{2 * i}]: a blend weight must be a positive number, got {items[2 * i]!r}"
             )
-    return Blend([str(items[i]).strip() for i in range(1, len(items), 2)], [float(w) for w in weights])
+    return Blend([str(items[i]).strip() for i in range(1, len(items), 2)], numbers)
 
 
 def normalize(weights: Sequence[float]) -> list[float]:
@@ -197,7 +198,8 @@ class BlendedDataset:
         if self.size is not None:
             members, numbers = blending_indices(self.weights, self.size)
         else:
-            members, numbers = exhaustive_blending_indices(self.weights)
+            # Without a size the weights are the member lengths, kept as ints by __init__.
+            members, numbers = exhaustive_blending_indices(cast(list[int], self.weights))
         drawn = np.bincount(members, minlength=len(self.datasets))
         for k, (count, dataset) in enumerate(zip(drawn, self.datasets, strict=True)):
             if count > len(dataset):
@@ -315,6 +317,12 @@ def build_datasets(
             log=log,
         )
 
+    def blend_member(k: int, split_no: int, num_samples: int | None) -> GPTDataset:
+        dataset = member(k, split_no, num_samples)
+        # Only a split of weight 0 has no documents, and the loop below skips those.
+        assert dataset is not None
+        return dataset
+
     result: list[GPTDataset | BlendedDataset | None] = []
     if len(blend.prefixes) == 1 and blend.weights is None:
         return [member(0, i, sizes[i]) if i in only else None for i in range(3)]
@@ -323,18 +331,20 @@ def build_datasets(
         if i not in only or split_document_indices(1, split)[i] is None:
             result.append(None)
             continue
+        wanted = sizes[i]
         if weights is not None:
-            if sizes[i] is None:
+            if wanted is None:
                 raise ValueError(f"{key}: blend weights need a requested number of samples (sizes[{i}])")
             built = [
-                member(k, i, n) for k, n in enumerate(member_sizes(weights, sizes[i], MID_LEVEL_SURPLUS))
+                blend_member(k, i, n) for k, n in enumerate(member_sizes(weights, wanted, MID_LEVEL_SURPLUS))
             ]
-            size_i: int | None = sum(member_sizes(weights, sizes[i]))
-            blend_weights: list[float] = weights
+            size_i: int | None = sum(member_sizes(weights, wanted))
+            blend_weights: Sequence[float] = weights
         else:
-            built = [member(k, i, None) for k in range(len(indexed))]
-            blend_weights = [len(d) for d in built]
-            size_i = None if sizes[i] is None else min(sizes[i], sum(blend_weights))
+            built = [blend_member(k, i, None) for k in range(len(indexed))]
+            lengths = [len(d) for d in built]
+            blend_weights = lengths
+            size_i = None if wanted is None else min(wanted, sum(lengths))
         cache = config.path_to_cache or str(Path(blend.prefixes[0]).parent / "cache" / "GPTDataset_indices")
         result.append(
             BlendedDataset(

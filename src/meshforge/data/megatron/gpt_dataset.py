@@ -215,6 +215,7 @@ def build_indices(
     separate_final = False
     sans_final = 0
     if epochs > 1:
+        assert num_samples is not None  # num_epochs_needed gives 1 to an unsized split
         sans_final = ((epochs - 1) * tokens_per_epoch - extra) // seq
         per_epoch = (tokens_per_epoch - extra) // seq
         separate_final = (num_samples - sans_final) < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)

@@ -333,6 +333,7 @@ def preprocess(options: PreprocessOptions, out: TextIO | None = None) -> Preproc
     }
     chunks = _chunks(files, options.json_keys[0])
     pool = None
+    results: Iterator[EncodedChunk]
     try:
         if options.workers > 1:
             ctx = multiprocessing.get_context("spawn")

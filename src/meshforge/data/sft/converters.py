@@ -189,7 +189,7 @@ def convert_batch(
 
 def check_columns(column_names: list[str], formatting: str, columns: dict, where: str) -> None:
     """Raise ValueError when a configured column the converter needs is absent from the data."""
-    needed = ("prompt", "query", "response", "history", "system", "tools")
+    needed: tuple[str, ...] = ("prompt", "query", "response", "history", "system", "tools")
     if formatting != "alpaca":
         needed = ("messages", "system", "tools")
     missing = [

@@ -137,10 +137,14 @@ def _files(file_name: str, base: Path, where: str) -> tuple[list[Path], str]:
         raise FileNotFoundError(f"{where}.file_name: no such file or folder: {path}")
     if not files:
         raise FileNotFoundError(f"{where}.file_name: folder {path} holds no file")
-    types = {FILE_TYPES.get(p.suffix.lstrip(".").lower()) for p in files}
-    if None in types:
-        bad = next(p for p in files if FILE_TYPES.get(p.suffix.lstrip(".").lower()) is None)
-        raise ValueError(f"{where}.file_name: {bad} has an unsupported type (valid: {', '.join(FILE_TYPES)})")
+    types: set[str] = set()
+    for file in files:
+        kind = FILE_TYPES.get(file.suffix.lstrip(".").lower())
+        if kind is None:
+            raise ValueError(
+                f"{where}.file_name: {file} has an unsupported type (valid: {', '.join(FILE_TYPES)})"
+            )
+        types.add(kind)
     if len(types) > 1:
         raise ValueError(f"{where}.file_name: files in {path} must share one type, found {sorted(types)}")
     return files, types.pop()

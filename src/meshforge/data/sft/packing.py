@@ -44,7 +44,7 @@ def pack_examples(
     """Pack encoded (ids, labels) examples (each at most `cutoff_len - 1` long) into rows of `cutoff_len`."""
     capacity = cutoff_len - 1
     lengths, by_length = [], defaultdict(list)
-    kept = []
+    kept: list[tuple[list[int], list[int]]] = []
     for ids, labels in examples:
         if len(ids) > capacity:
             continue  # LLaMA-Factory drops these ("lengthy example")

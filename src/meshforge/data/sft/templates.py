@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from meshforge.data.sft.converters import ASSISTANT, FUNCTION, OBSERVATION, USER
 
@@ -105,7 +105,8 @@ class Template:
                 if value is not None:
                     ids.append(int(value))
             elif isinstance(slot, dict):
-                ids.append(int(tokenizer.convert_tokens_to_ids(slot["token"])))
+                # One token string converts to one id (a list only comes back for a list).
+                ids.append(int(cast(int, tokenizer.convert_tokens_to_ids(slot["token"]))))
         return ids
 
     def _tools_text(self, tools: str) -> str:
@@ -223,7 +224,8 @@ def _need(vocab: dict[str, int], token: str, name: str) -> None:
 _IM_USER = "<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n"
 _IM_ASSISTANT = "{{content}}<|im_end|>\n"
 _IM_SYSTEM = "<|im_start|>system\n{{content}}<|im_end|>\n"
-_QWEN3 = dict(
+_QWEN3 = Template(
+    "qwen3",
     format_user=[_IM_USER],
     format_assistant=[_IM_ASSISTANT],
     format_system=[_IM_SYSTEM],
@@ -234,11 +236,12 @@ _QWEN3 = dict(
     stop_words=["<|im_end|>"],
     replace_eos=True,
     tool_format="qwen",
+    reasoning=True,
 )
 _H = "<|start_header_id|>{}<|end_header_id|>\n\n"
 TEMPLATES: dict[str, Template] = {
-    "qwen3": Template("qwen3", reasoning=True, **_QWEN3),
-    "qwen3_nothink": Template("qwen3_nothink", **_QWEN3),
+    "qwen3": _QWEN3,
+    "qwen3_nothink": replace(_QWEN3, name="qwen3_nothink", reasoning=False),
     "chatml": Template(
         "chatml",
         format_user=[_IM_USER],
@@ -305,7 +308,8 @@ class HFChatTemplate(Template):
         def render(n: int, gen: bool) -> str:
             if n == 0:
                 return ""
-            return tokenizer.apply_chat_template(chat[:n], add_generation_prompt=gen, **kwargs)
+            # kwargs holds tokenize=False: the rendering is the text, not ids or an encoding.
+            return cast(str, tokenizer.apply_chat_template(chat[:n], add_generation_prompt=gen, **kwargs))
 
         pairs = []
         before = ""
