@@ -139,7 +139,7 @@ class GenericCausalLMMixin:
 
     family = GENERIC
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,

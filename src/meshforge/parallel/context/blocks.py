@@ -197,7 +197,7 @@ class FusedRing(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cp: Any, plan: list[list[Block]], scale: float):  # type: ignore[override]
+    def forward(ctx, q, k, v, sinks, cp: Any, plan: list[list[Block]], scale: float):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
@@ -238,7 +238,7 @@ class FusedRing(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         cp, plan = ctx.cp, ctx.plan
         grad_out = grad_out.contiguous()

@@ -195,7 +195,7 @@ def generic_cp_stage(model: nn.Module, plan: Any, b: StageBatch) -> LayerRunner:
 
     from meshforge.parallel.context.generic import CP_KWARG, check_generic_cp, prepare_generic_cp
 
-    inner: Any = model.model  # type: ignore[attr-defined]
+    inner: Any = model.model
     index_of = {id(layer): int(key) for key, layer in inner.layers.items()}
     kinds = generic_layer_types(inner, [index_of[id(layer)] for layer in b.layers])
     position_ids, state = prepare_generic_cp(plan, b.ids, b.position_ids, b.segment_ids)
