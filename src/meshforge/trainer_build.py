@@ -141,6 +141,7 @@ class TrainerBuild:
 
     def _build_model(self) -> nn.Module:
         from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
+        from meshforge.data.tokenizer import tokenizer_extension
         from meshforge.models.generic import GenericFamily
         from meshforge.models.materialize import materialize_and_init
         from meshforge.models.vocab import init_new_rows, vocab_plan
@@ -159,6 +160,7 @@ class TrainerBuild:
             self.tokenizer,
             _model_vocab_size(family, options),
             resize_vocab=model_cfg.resize_vocab,
+            added=tokenizer_extension(self.tokenizer),
             log=self.log,
         )
         options = self.vocab_plan.model_options(options)

@@ -14,7 +14,10 @@ from types import SimpleNamespace as NS
 from meshforge.parallel.dims import ParallelDims
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 before = len(c10d._world.pg_map)
-par = NS(tensor_parallel=1, context_parallel=1, pipeline_parallel=1, expert_parallel=1, data_parallel_shard=-1)
+par = NS(
+    tensor_parallel=1, context_parallel=1, pipeline_parallel=1, expert_parallel=1, data_parallel_shard=-1,
+    ep_fsdp_size=None, dense_fsdp_shard_size=None,
+)
 dims = ParallelDims.from_config(par, 1)
 mesh = dims.build_mesh("cpu")
 views = {p: mesh.view(p) for p in dims.PURPOSES}

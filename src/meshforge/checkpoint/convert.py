@@ -143,10 +143,13 @@ def _grown_options(
     """The model options with the vocabulary the run trained: tokens added by the config grow it."""
     if tokenizer is None:
         return dict(source.options)
+    from meshforge.data.tokenizer import tokenizer_extension
     from meshforge.models.vocab import vocab_plan
 
-    size = int(source.family.parse_options(source.options).vocab_size)
-    plan = vocab_plan(tokenizer, size, resize_vocab=model_cfg.resize_vocab, log=log)
+    size = source.family.parse_options(source.options).vocab_size
+    plan = vocab_plan(
+        tokenizer, size, resize_vocab=model_cfg.resize_vocab, added=tokenizer_extension(tokenizer), log=log
+    )
     return plan.model_options(dict(source.options))
 
 

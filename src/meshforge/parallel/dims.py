@@ -10,10 +10,12 @@ token-count reductions, `fsdp` for parameter sharding). Validation is pure Pytho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from meshforge.parallel.config import ParallelismConfig
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class ParallelDims:
     dense_shard: int = 0
 
     @classmethod
-    def from_config(cls, parallelism: Any, world_size: int) -> ParallelDims:
+    def from_config(cls, parallelism: ParallelismConfig, world_size: int) -> ParallelDims:
         """Derive the degrees from the `parallelism` section for `world_size` processes.
 
         Raises:
@@ -53,10 +55,10 @@ class ParallelDims:
         """
         if world_size < 1:
             raise ValueError(f"world size must be >= 1, got {world_size}")
-        tp = int(parallelism.tensor_parallel)
-        cp = int(parallelism.context_parallel)
-        pp = int(parallelism.pipeline_parallel)
-        ep = int(parallelism.expert_parallel)
+        tp = parallelism.tensor_parallel
+        cp = parallelism.context_parallel
+        pp = parallelism.pipeline_parallel
+        ep = parallelism.expert_parallel
         for name, value in (
             ("tensor_parallel", tp),
             ("context_parallel", cp),
@@ -72,7 +74,7 @@ class ParallelDims:
                 f"* context_parallel ({cp}) * pipeline_parallel ({pp}) = {non_data}"
             )
         dp = world_size // non_data
-        shard = int(parallelism.data_parallel_shard)
+        shard = parallelism.data_parallel_shard
         if shard == -1:
             dp_shard, dp_replicate = dp, 1
         elif shard >= 1:
@@ -98,7 +100,7 @@ class ParallelDims:
                     f"parallelism.expert_parallel: {ep} must be a multiple of context_parallel ({cp}): an "
                     "expert-parallel group spans whole context-parallel groups"
                 )
-        ep_fsdp = int(getattr(parallelism, "ep_fsdp_size", None) or 0)
+        ep_fsdp = parallelism.ep_fsdp_size or 0
         if ep == 1 and ep_fsdp == 1:
             ep_fsdp = 0  # MindSpeed's default: no expert parallelism, nothing to say
         if ep_fsdp:
@@ -116,7 +118,7 @@ class ParallelDims:
                 )
             if ep_fsdp == outside:
                 ep_fsdp = 0
-        dense = int(getattr(parallelism, "dense_fsdp_shard_size", None) or 0)
+        dense = parallelism.dense_fsdp_shard_size or 0
         if dense:
             if (dp_shard * cp) % dense:
                 raise ValueError(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from meshforge.parallel.config import MS_EP_MODULES, MS_LAYER_MODULES
+from meshforge.parallel.config import MS_EP_MODULES, MS_LAYER_MODULES, ParallelismConfig
 from meshforge.parallel.dims import ParallelDims, ParallelMesh
 
 # parallelism.reduce_dtype: the dtype gradients are reduced (summed) in across ranks.
@@ -39,7 +39,7 @@ def parallelize_model(
     family: str,
     dims: ParallelDims,
     mesh: ParallelMesh,
-    parallelism: Any,
+    parallelism: ParallelismConfig,
     param_dtype: torch.dtype,
     compute_dtype: torch.dtype,
     compile_blocks: bool,
@@ -63,8 +63,8 @@ def parallelize_model(
             pp_rank=mesh.view("pp").get_local_rank(),
             pp_size=dims.pp,
             layers_per_stage=par.pipeline_parallel_layers_per_stage,
-            interleave=int(par.pipeline_parallel_interleave_num),
-            schedule=str(par.pipeline_parallel_schedule),
+            interleave=par.pipeline_parallel_interleave_num,
+            schedule=par.pipeline_parallel_schedule,
         )
         model = split.model
     if dims.tp > 1:
@@ -76,7 +76,7 @@ def parallelize_model(
             family=family,
             # sequence_parallel follows TP (MindFormers document; see parallel/config.py).
             sequence_parallel=True,
-            loss_parallel=bool(par.enable_loss_parallel),
+            loss_parallel=par.enable_loss_parallel,
             colwise=list(par.tp_colwise),
             rowwise=list(par.tp_rowwise),
         )
@@ -95,8 +95,8 @@ def parallelize_model(
         apply_ep(
             model,
             mesh.view("ep"),
-            token_dispatcher=str(par.moe_token_dispatcher_type),
-            dispatcher=str(par.ep_dispatcher),
+            token_dispatcher=par.moe_token_dispatcher_type,
+            dispatcher=par.ep_dispatcher,
             modules=ep_modules,
         )
     if dims.cp > 1:
@@ -114,9 +114,9 @@ def parallelize_model(
 
         apply_chunk_batch(
             model,
-            chunks=int(par.chunk_mbs),
+            chunks=par.chunk_mbs,
             modules=list(par.chunk_mbs_modules),
-            batch_dim=int(par.chunk_mbs_batch_dim),
+            batch_dim=par.chunk_mbs_batch_dim,
             arg_indices=[int(i) for i in par.chunk_mbs_arg_indexs],
             kwarg_names=list(par.chunk_mbs_kwarg_names),
         )
@@ -129,15 +129,15 @@ def parallelize_model(
 
         kwargs: dict[str, Any] = {
             "param_dtype": compute_dtype if compute_dtype != param_dtype else None,
-            "reduce_dtype": _REDUCE_DTYPES[str(par.reduce_dtype)],
-            "reshard_policy": getattr(par, "reshard_after_forward_policy", "default"),
+            "reduce_dtype": _REDUCE_DTYPES[par.reduce_dtype],
+            "reshard_policy": par.reshard_after_forward_policy,
             "ignored_modules": list(par.ignored_modules) if par.ignored_modules else None,
             "shard_placement": par.shard_placement_fn,
             "hook_modules": None if list(par.hook_modules) == MS_LAYER_MODULES else list(par.hook_modules),
         }
         # Parameters of a CPU run already live in host memory; offloading is for accelerators
         # (CPUOffloadPolicy moves them to the device for compute, which a CPU run has not).
-        cpu_offload = bool(par.cpu_offload) and mesh.view("fsdp").device_type != "cpu"
+        cpu_offload = par.cpu_offload and mesh.view("fsdp").device_type != "cpu"
         if family == "generic" or _custom_units(par.fsdp_modules):
             # transformers' module trees vary, and a user may want other units than one per
             # decoder layer: place units by the parallelism.fsdp_modules patterns.
@@ -152,8 +152,8 @@ def parallelize_model(
                 fsdp_modules=list(par.fsdp_modules),
                 pipeline_parallel=dims.pp > 1,
                 cpu_offload=cpu_offload,
-                forward_prefetch=int(par.num_to_forward_prefetch),
-                backward_prefetch=int(par.num_to_backward_prefetch),
+                forward_prefetch=par.num_to_forward_prefetch,
+                backward_prefetch=par.num_to_backward_prefetch,
                 **kwargs,
             )
         else:
@@ -164,9 +164,9 @@ def parallelize_model(
                 mesh.view("fsdp"),
                 pipeline_parallel=dims.pp > 1,
                 cpu_offload=cpu_offload,
-                forward_prefetch=int(par.num_to_forward_prefetch),
-                backward_prefetch=int(par.num_to_backward_prefetch),
-                expert_placement=str(par.efsdp_shard_placement_fn),
+                forward_prefetch=par.num_to_forward_prefetch,
+                backward_prefetch=par.num_to_backward_prefetch,
+                expert_placement=par.efsdp_shard_placement_fn,
                 **kwargs,
             )
     return ParallelizedModel(model=model, pipeline_split=split, fsdp=fsdp)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshforge.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from meshforge.config.root import TrainConfig
 
 _GIB = 1024**3
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -45,7 +48,7 @@ class ParamCounts:
         )
 
 
-def count_parameters(cfg: Any, log: Callable[[str], None] | None = None) -> tuple[str, ParamCounts]:
+def count_parameters(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> tuple[str, ParamCounts]:
     """Build the configured model on the meta device and count its parameters by placement."""
     import torch
 
@@ -115,7 +118,7 @@ def _parse_stage(item: Any) -> list[int]:
     return out
 
 
-def plan_lines(cfg: Any, world_size: int, *, log: Callable[[str], None] | None = None) -> list[str]:
+def plan_lines(cfg: TrainConfig, world_size: int, *, log: Callable[[str], None] | None = None) -> list[str]:
     """Human-readable plan of `cfg` on `world_size` processes (raises ValueError when impossible)."""
     par = cfg.parallelism
     dims = ParallelDims.from_config(par, world_size)
@@ -160,10 +163,10 @@ def plan_lines(cfg: Any, world_size: int, *, log: Callable[[str], None] | None =
     return lines
 
 
-def memory_lines(cfg: Any, dims: ParallelDims, family: str, counts: ParamCounts) -> list[str]:
+def memory_lines(cfg: TrainConfig, dims: ParallelDims, family: str, counts: ParamCounts) -> list[str]:
     """Per-rank parameter/gradient/AdamW bytes of the most loaded pipeline rank."""
     par = cfg.parallelism
-    dtype = str(getattr(cfg.model, "params_dtype", None) or "float32").lower()
+    dtype = cfg.model.params_dtype.lower()
     pbytes = _DTYPE_BYTES.get(dtype, 4)
     ranks = stage_layers(
         len(counts.layers),

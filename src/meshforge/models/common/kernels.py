@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from meshforge.models.config import KernelsConfig
 
 _AUTO_HINT = "set it to auto to use it only where available"
 
@@ -104,7 +106,7 @@ def _flash_reason(device: torch.device, compute_dtype: torch.dtype) -> str | Non
 
 
 def resolve_kernel_options(
-    kernels: Any, *, device: torch.device, compute_dtype: torch.dtype
+    kernels: KernelsConfig, *, device: torch.device, compute_dtype: torch.dtype
 ) -> KernelOptions:
     """Turn the ``kernels`` config section into :class:`KernelOptions` for ``device``.
 
@@ -141,7 +143,7 @@ def resolve_kernel_options(
     norm = kernels.use_fused_rmsnorm
     fused_norm = None if "use_fused_rmsnorm" not in kernels.model_fields_set else norm is not False
 
-    grouped = bool(kernels.moe_grouped_gemm)
+    grouped = kernels.moe_grouped_gemm
     if grouped and not hasattr(F, "grouped_mm"):
         raise ValueError("kernels.moe_grouped_gemm: this torch has no torch.nn.functional.grouped_mm")
 
@@ -151,10 +153,10 @@ def resolve_kernel_options(
         fused_rmsnorm=fused_norm,
         fused_rope=False,
         grouped_mm=grouped,
-        fix_router=bool(kernels.fix_router),
-        compile=bool(kernels.compile),
+        fix_router=kernels.fix_router,
+        compile=kernels.compile,
         chunk_loss_size=kernels.chunk_loss_size,
-        gdn_chunk_size=int(kernels.gdn_chunk_size) if "gdn_chunk_size" in kernels.model_fields_set else None,
+        gdn_chunk_size=kernels.gdn_chunk_size if "gdn_chunk_size" in kernels.model_fields_set else None,
     )
 
 
