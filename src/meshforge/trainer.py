@@ -23,6 +23,7 @@ import torch
 from meshforge.config import TrainConfig, check_trainable, dump_config
 from meshforge.config.noops import noop_notes
 from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
+from meshforge.monitor.throughput import throughput_fields
 from meshforge.parallel.dims import ParallelDims
 from meshforge.resources import resolve_path
 from meshforge.trainer_build import BatchPlan, TrainerBuild, plan_batches
@@ -370,14 +371,12 @@ class Trainer(TrainerBuild):
             "memory_bytes": peak_memory_bytes(self.device),
         }
         if self.flops_per_token is not None:
-            from meshforge.monitor.throughput import peak_flops, throughput_fields
-
             record.update(
                 throughput_fields(
                     record["tokens_per_s"],
                     flops_per_token=self.flops_per_token,
                     world_size=self.dist.world_size,
-                    peak=peak_flops(self.device, self.compute_dtype),
+                    peak=self.peak_flops,
                 )
             )
         losses.append(metrics["loss"])

@@ -99,6 +99,7 @@ class TrainerBuild:
     vocab_plan: VocabPlan
     compute_dtype: torch.dtype
     flops_per_token: float | None
+    peak_flops: float | None
     kernel_options: KernelOptions
     aux_coef: float
     pipeline_split: PipelineSplit | None
@@ -145,6 +146,7 @@ class TrainerBuild:
         from meshforge.models.generic import GenericFamily
         from meshforge.models.materialize import materialize_and_init
         from meshforge.models.vocab import init_new_rows, vocab_plan
+        from meshforge.monitor.throughput import peak_flops
         from meshforge.parallel.parallelize import parallelize_model
 
         model_cfg = self.cfg.model
@@ -175,6 +177,7 @@ class TrainerBuild:
         model_config = getattr(model, "config", None)
         self._check_model_fits_data(model_config)
         self.flops_per_token = self._flops_per_token(model)
+        self.peak_flops = peak_flops(self.device, compute_dtype) if self.flops_per_token is not None else None
         self.aux_coef = self._router_aux_coef(model_config)
         self._aux_loss_enabled = self.aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
         self._check_parallel_support()

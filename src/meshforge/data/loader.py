@@ -38,10 +38,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from meshforge.data.config import TrainDatasetConfig
+    from meshforge.data.context import LoaderContext
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 IGNORE_INDEX = -100
@@ -100,6 +104,20 @@ class StatefulLoader:
             down to a multiple of it (when dropping the remainder) so steps never straddle epochs.
             Must be a multiple of `dp_size * local_batch_size`. None means one round.
     """
+
+    @classmethod
+    def for_run(cls, dataset: SampleSource, ctx: LoaderContext, data: TrainDatasetConfig) -> StatefulLoader:
+        """This rank's loader over `dataset`, laid out by the run's context and `train_dataset` section."""
+        return cls(
+            dataset,
+            local_batch_size=ctx.local_batch_size,
+            dp_rank=ctx.dp_rank,
+            dp_size=ctx.dp_size,
+            seed=ctx.seed,
+            shuffle=data.dataloader.shuffle,
+            drop_remainder=data.drop_remainder,
+            global_batch_size=ctx.global_batch_size,
+        )
 
     def __init__(
         self,

@@ -280,13 +280,4 @@ def build_text_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> St
     if ctx.tokenizer is None:
         raise ValueError("TextDataLoader: the run has no tokenizer; set model.tokenizer_name_or_path")
     dataset = TextDataset.from_options(options, ctx.tokenizer, log=ctx.log)
-    return StatefulLoader(
-        dataset,
-        local_batch_size=ctx.local_batch_size,
-        dp_rank=ctx.dp_rank,
-        dp_size=ctx.dp_size,
-        seed=ctx.seed,
-        shuffle=dataset_cfg.dataloader.shuffle,
-        drop_remainder=dataset_cfg.drop_remainder,
-        global_batch_size=ctx.global_batch_size,
-    )
+    return StatefulLoader.for_run(dataset, ctx, dataset_cfg)

@@ -221,16 +221,7 @@ def build_megatron_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -
         log=ctx.log,
     )
     assert train is not None  # build_megatron_dataset raises when the split gives train nothing
-    loader = StatefulLoader(
-        train,
-        local_batch_size=ctx.local_batch_size,
-        dp_rank=ctx.dp_rank,
-        dp_size=ctx.dp_size,
-        seed=ctx.seed,
-        shuffle=dataset_cfg.dataloader.shuffle,
-        drop_remainder=dataset_cfg.drop_remainder,
-        global_batch_size=ctx.global_batch_size,
-    )
+    loader = StatefulLoader.for_run(train, ctx, dataset_cfg)
     loader.total_steps = planned
     return loader
 

@@ -153,16 +153,7 @@ def build_sft_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> Sta
             drop_remainder=dataset_cfg.drop_remainder,
             global_batch_size=ctx.global_batch_size,
         )
-    return StatefulLoader(
-        train,
-        local_batch_size=ctx.local_batch_size,
-        dp_rank=ctx.dp_rank,
-        dp_size=ctx.dp_size,
-        seed=ctx.seed,
-        shuffle=dataset_cfg.dataloader.shuffle,
-        drop_remainder=dataset_cfg.drop_remainder,
-        global_batch_size=ctx.global_batch_size,
-    )
+    return StatefulLoader.for_run(train, ctx, dataset_cfg)
 
 
 def build_sft_eval_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> EvalLoader | None:
