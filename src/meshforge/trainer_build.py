@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from meshforge.checkpoint.manager import CheckpointManager
+from meshforge.memory.apply import ActivationMemory, ActivationSettings
 from meshforge.models.common.kernels import (
     KernelOptions,
     apply_compile,
@@ -104,6 +105,7 @@ class TrainerBuild:
     aux_coef: float
     pipeline_split: PipelineSplit | None
     fsdp: bool
+    activation_memory: ActivationMemory | None
     num_params: int
     model: nn.Module
     loader: StatefulLoader | StreamLoader
@@ -191,8 +193,12 @@ class TrainerBuild:
             compute_dtype=compute_dtype,
             compile_blocks=self.kernel_options.compile,
             apply_compile=apply_compile,
+            activation=ActivationSettings(self.cfg.recompute, self.cfg.recompute_comm, self.cfg.swap),
         )
         model = parallel.model
+        self.activation_memory = parallel.activation
+        if parallel.activation is not None:
+            self.log(parallel.activation.summary())
         self.pipeline_split = parallel.pipeline_split
         self.fsdp = parallel.fsdp
         self._ignored_params = bool(self.cfg.parallelism.ignored_modules)

@@ -1,6 +1,6 @@
 """Apply every parallel dimension to a meta-device model, in the one fixed order.
 
-DESIGN.md fixes the order: PP split -> TP/SP -> EP -> CP -> (recompute/swap) -> chunked
+DESIGN.md fixes the order: PP split -> TP/SP -> EP -> CP -> recompute/swap (`memory.apply`) -> chunked
 micro-batches -> compile -> FSDP.
 Each step is a function of its own module (`pipeline.split_model`, `tensor.apply_tp`,
 `expert.apply_ep`, `context.apply_cp`, `fsdp.apply_fsdp`) that takes its mesh view and
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from meshforge.memory.apply import ActivationMemory, ActivationSettings
 from meshforge.parallel.config import MS_EP_MODULES, MS_LAYER_MODULES, ParallelismConfig
 from meshforge.parallel.dims import ParallelDims, ParallelMesh
 
@@ -31,6 +32,7 @@ class ParallelizedModel:
     model: nn.Module
     pipeline_split: Any = None
     fsdp: bool = False
+    activation: ActivationMemory | None = None
 
 
 def parallelize_model(
@@ -44,6 +46,7 @@ def parallelize_model(
     compute_dtype: torch.dtype,
     compile_blocks: bool,
     apply_compile: Callable[[nn.Module], Any] | None = None,
+    activation: ActivationSettings | None = None,
 ) -> ParallelizedModel:
     """Split, shard and wrap `model` (on the meta device) for this rank.
 
@@ -52,9 +55,16 @@ def parallelize_model(
         parallelism: the `parallelism` config section.
         param_dtype: dtype the parameters are stored in; `compute_dtype` the forward's dtype.
         compile_blocks: `kernels.compile`; `apply_compile` does it (before FSDP).
+        activation: the `recompute`, `recompute_comm` and `swap` sections (None: all off).
     """
     par = parallelism
     split = None
+    activation_applied = None
+    num_layers = 0
+    if activation is not None and activation.active:
+        from meshforge.memory.names import decoder_layers
+
+        num_layers = len(decoder_layers(model))
     if dims.pp > 1:
         from meshforge.parallel.pipeline import split_model
 
@@ -109,6 +119,12 @@ def parallelize_model(
         if spec is not None and spec.moe is not None and spec.moe.aux_reduce is not None:
             # The router aux loss is a product of sums over the whole sequence: sum over the CP ranks.
             spec.moe.aux_reduce(model, mesh.view("cp"))
+    if activation is not None and activation.active:
+        from meshforge.memory.apply import apply_activation_memory
+
+        activation_applied = apply_activation_memory(
+            model, activation, num_layers=num_layers, tp_mesh=mesh.view("tp") if dims.tp > 1 else None
+        )
     if par.enable_chunk_batch:
         from meshforge.parallel.chunk_batch import apply_chunk_batch
 
@@ -169,7 +185,7 @@ def parallelize_model(
                 expert_placement=par.efsdp_shard_placement_fn,
                 **kwargs,
             )
-    return ParallelizedModel(model=model, pipeline_split=split, fsdp=fsdp)
+    return ParallelizedModel(model=model, pipeline_split=split, fsdp=fsdp, activation=activation_applied)
 
 
 def _custom_units(patterns: list[str]) -> bool:
