@@ -8,7 +8,7 @@ the result. Here an entry of `train_dataset.dataloader.config.data_path` may lik
 - rank 0 converts it with `meshforge preprocess`'s code (the `text` field of each record, the run's
   tokenizer, `append_eod`, `preprocessing_num_workers` processes), showing its progress; the other
   ranks wait for the result (a broadcast of the prefixes, which is also the barrier);
-- the output goes next to the data (for a folder: inside it) or under `tokenized_path`, named
+- the output goes next to the data (beside the file or the folder) or under `tokenized_path`, named
   `{name}-{key}_text_document.bin/.idx`, where `key` hashes the files' bytes and every setting that
   changes the tokens (tokenizer, EOD, format version). A later run with the same data and settings
   finds it and reuses it; `overwrite_cache: true` converts again. A different tokenizer or
@@ -56,7 +56,11 @@ def raw_files(path: Path) -> list[Path] | None:
     if path.is_file():
         return [path] if path.suffix in SUFFIXES else None
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUFFIXES)
+        files = sorted(
+            p
+            for p in path.iterdir()
+            if p.is_file() and p.suffix in SUFFIXES and not p.name.endswith(f"_{JSON_KEY}_document.json")
+        )
         return files or None
     return None
 
@@ -91,7 +95,7 @@ def cache_key(files: list[Path], tokenizer_hash: str, eod: int | None) -> str:
 def _target(path: Path, files: list[Path], key: str, tokenized_path: str | None) -> Path:
     """The base prefix the conversion of `path` writes (without `_text_document`)."""
     name = path.name if path.is_dir() else path.stem
-    folder = resolve_path(tokenized_path) if tokenized_path else (path if path.is_dir() else path.parent)
+    folder = resolve_path(tokenized_path) if tokenized_path else path.parent
     return Path(folder) / f"{name}-{key}"
 
 
