@@ -1,7 +1,8 @@
 """What the MindSpeed importer checks against MindSpeed-LLM's own argument list (`mindspeed_args`).
 
 - Booleans are read as MindSpeed's parser reads them (`1`/`0`, `yes`/`no`, ...), and each such
-  reading is logged; the native format keeps strict `true`/`false`.
+  reading is logged; the native format keeps strict `true`/`false`. `auto`, meshforge's value of
+  the kernel switches that take it, is passed on to the `kernels` section.
 - An argument MindSpeed defines that meshforge does not map is accepted at MindSpeed's default (it
   changes nothing, and is logged) and answers `not supported yet: <name>` with any other value.
 - A `model_id` without a built family answers `not supported yet: model family <id>` naming the
@@ -29,6 +30,8 @@ def coerce_booleans(flat: dict[str, Any], say: Say, issues: list[Issue]) -> None
         arg = BY_NAME.get(key)
         if arg is None or arg.kind != "bool" or isinstance(value, bool) or value is None:
             continue
+        if arg.group == "optimization" and value == "auto":
+            continue  # meshforge's own value of some kernel switches (on where available)
         read = as_bool(value)
         if read is None:
             issues.append(
