@@ -88,8 +88,18 @@ def test_megatron_data_is_never_reshuffled_by_the_loader(tmp_path):
     assert _load(tmp_path, log=lines.append).train_dataset.dataloader.shuffle is False
     cfg = _load(tmp_path, "disable_shuffling: false\n", log=lines.append)
     assert cfg.train_dataset.dataloader.shuffle is False
-    assert any(line.startswith("disable_shuffling -> unused") for line in lines)
-    assert _load(tmp_path, "disable_shuffling: true\n").train_dataset.dataloader.shuffle is False
+    assert any(
+        line.startswith("disable_shuffling = False -> no effect with data_manager_type 'mg'")
+        for line in lines
+    )
+    lines.clear()
+    assert (
+        _load(tmp_path, "disable_shuffling: true\n", log=lines.append).train_dataset.dataloader.shuffle
+        is False
+    )
+    assert any(
+        line.startswith("disable_shuffling = True -> no effect with data_manager_type 'mg'") for line in lines
+    )
 
 
 def test_lf_keeps_sft_fields_and_shuffles(tmp_path):

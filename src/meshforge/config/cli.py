@@ -145,13 +145,13 @@ def run_config_command(args: argparse.Namespace) -> int:
             notes: list[str] = []
             origins: dict[str, tuple[str, object]] = {}
             overrides = _overrides(args)
-            data, _, kind = load_native_dict(
-                args.file, overrides, fmt="mindspeed", log=notes.append, origins=origins
-            )
             # Validate the result so `import` never prints a config that `train` would reject on load.
             from meshforge.config.loader import dump_yaml, validate_imported
 
             try:
+                data, _, kind = load_native_dict(
+                    args.file, overrides, fmt="mindspeed", log=notes.append, origins=origins
+                )
                 validate_imported(data, dict(origins), source=args.file)
             except ConfigError:
                 if not args.quiet:

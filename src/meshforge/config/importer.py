@@ -432,12 +432,16 @@ def _megatron_flags(flat: Flat, given: Flat, to: To, say: Say, issues: list[Issu
             )
         )
     if "disable_shuffling" in flat:
+        flat_shuffle = flat["disable_shuffling"]
         # MindSpeed's mg path reads with MegatronPretrainingSampler, which never shuffles (the
         # GPTDataset's own shuffle index orders the samples); disable_shuffling only affects lf.
         flat.pop("disable_shuffling")
         to("train_dataset.dataloader.shuffle", False, "data_manager_type")
-        if "disable_shuffling" in given and given["disable_shuffling"] is not True:
-            say("disable_shuffling -> unused with data_manager_type 'mg': Megatron data is read in order")
+        if "disable_shuffling" in given:
+            say(
+                f"disable_shuffling = {flat_shuffle!r} -> no effect with data_manager_type 'mg': Megatron data "
+                "is read in the GPTDataset's own shuffled order"
+            )
 
 
 def _parallel(flat: Flat, given: Flat, to: To, choice: Choice, say: Say) -> None:
