@@ -227,3 +227,11 @@ def test_every_argument_with_a_non_default_value_is_logged_or_an_error(tmp_path,
         return
     mentioned = [line for line in lines if arg.name in line.split(" -> ")[0].split(" = ")[0].split(":")[0]]
     assert mentioned, f"{arg.name}={value!r} is in no import line:\n" + "\n".join(lines)
+
+
+def test_a_flat_file_with_an_unbuilt_argument_is_read_as_mindspeed(tmp_path):
+    path = tmp_path / "flat.yaml"
+    path.write_text("use_sparse_flash_attn: true\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "use_sparse_flash_attn: not supported yet: use_sparse_flash_attn=True" in str(err.value)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from meshforge.config import importer
 from meshforge.config.base import ConfigError, Issue, format_validation_error, unknown_keys_message
+from meshforge.config.mindspeed_args import BY_NAME as MINDSPEED_ARGUMENTS
 from meshforge.config.root import SECTIONS, TrainConfig
 from meshforge.config.rules import cross_section_issues
 from meshforge.trainer_config import TrainingConfig
@@ -159,7 +160,7 @@ def _ms_key(key: str, value: Any) -> bool:
         return isinstance(value, bool)
     if key == "optimizer":
         return isinstance(value, str)
-    return key in importer.ALL_KEYS and key not in SECTIONS
+    return (key in importer.ALL_KEYS or key in MINDSPEED_ARGUMENTS) and key not in SECTIONS
 
 
 def detect_format(data: dict[str, Any]) -> str:
