@@ -218,3 +218,13 @@ def test_mindspeed_dataset_file_name_forms_import_to_the_blend(tmp_path):
     )
     with pytest.raises(Exception, match="file_name"):
         load_config(path)
+
+
+@pytest.mark.slow  # spawns tokenizer worker processes
+def test_worker_processes_write_the_same_files(tmp_path, tokenizer, texts):
+    raw = _write(tmp_path / "train.jsonl", texts * 3)
+    [one] = _convert([str(raw)], tokenizer, tokenized_path=str(tmp_path / "w1"))
+    [two] = _convert([str(raw)], tokenizer, tokenized_path=str(tmp_path / "w2"), workers=2)
+    assert Path(one).name == Path(two).name  # the worker count is not part of the key
+    assert Path(f"{one}.bin").read_bytes() == Path(f"{two}.bin").read_bytes()
+    assert Path(f"{one}.idx").read_bytes() == Path(f"{two}.idx").read_bytes()

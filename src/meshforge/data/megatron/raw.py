@@ -254,8 +254,11 @@ def prepare_data_path(
                 log=say,
             )
             result = ("ok", paths)
-        except (ValueError, OSError) as exc:
+        except ValueError as exc:
             result = ("error", str(exc))
+        except OSError as exc:
+            hint = "" if cfg.tokenized_path else " (set tokenized_path to a writable folder)"
+            result = ("error", f"{KEY}: converting raw data failed: {exc}{hint}")
     if distributed:
         box: list[object] = [result]
         dist.broadcast_object_list(box, src=0)
