@@ -1,6 +1,8 @@
 """The `meshforge` command.
 
-    meshforge train [--config FILE] [--section.key=value ...]   (torchrun -m meshforge train ... for N processes)
+    meshforge train [FILE | --config FILE] [--section.key=value | --section.key value ...]
+        (torchrun -m meshforge train ... for N processes; MindSpeed-LLM's `train_fsdp2.py FILE --a.b v`
+        launch lines work with `-m meshforge train` in place of the script)
     meshforge convert --to {hf,dcp} SOURCE OUT [--config run/config.yaml]
     meshforge preprocess --input FILE --output-prefix P --tokenizer DIR   (Megatron .bin/.idx)
     meshforge data preview [--config FILE] [--num-samples N] [--output FILE.jsonl] [--section.key=value ...]
@@ -20,30 +22,34 @@ from collections.abc import Sequence
 
 
 def split_overrides(extra: Sequence[str]) -> list[str]:
-    """Turn `--a.b=1`, `--a.b 1` and `a.b=1` tokens into `a.b=1` strings.
+    """Turn `--a.b=1`, `--a.b 1` (several values: a list) and `a.b=1` tokens into `a.b=1` strings.
 
     Raises:
         SystemExit: for a token that is not an override, naming it.
     """
-    out: list[str] = []
-    tokens = list(extra)
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        body = token[2:] if token.startswith("--") else token
-        if "=" in body:
-            out.append(body)
-            i += 1
-            continue
-        if token.startswith("--") and "." in body and i + 1 < len(tokens):
-            out.append(f"{body}={tokens[i + 1]}")
-            i += 2
-            continue
+    from meshforge.config.base import ConfigError
+    from meshforge.config.loader import split_cli_overrides
+
+    try:
+        return split_cli_overrides(extra)
+    except ConfigError as err:
+        token = err.issues[0][0]
         raise SystemExit(
-            f"error: unrecognised argument {token!r}: overrides look like --section.key=value "
-            "(e.g. --training.steps=100)"
-        )
-    return out
+            f"error: unrecognised argument {token!r}: overrides look like --section.key=value or "
+            "--section.key value (e.g. --training.steps 100)"
+        ) from None
+
+
+def _positional_config(argv: list[str]) -> tuple[list[str], str | None]:
+    """Take the config file given as the first argument after `train` / `data preview`.
+
+    MindSpeed-LLM's launch scripts pass the YAML first and then the overrides; argparse cannot tell
+    such a file from an override's value, so it is taken out here.
+    """
+    at = 1 if argv[:1] == ["train"] else 2 if argv[:2] == ["data", "preview"] else 0
+    if at and len(argv) > at and not argv[at].startswith("-") and "=" not in argv[at]:
+        return argv[:at] + argv[at + 1 :], argv[at]
+    return argv, None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,8 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train",
-        help="train from a YAML config (no --config: the built-in demo)",
-        description="Train from a YAML config. Extra --section.key=value arguments override the file.",
+        help="train from a YAML config (none given: the built-in demo)",
+        description=(
+            "Train from a YAML config, given first (`train CONFIG.yaml`) or with --config. Extra "
+            "--section.key=value or --section.key value arguments override the file (JSON for dicts "
+            "and lists, several values for a list)."
+        ),
     )
     train.add_argument("--config", "-c", default=None, help="native or MindSpeed-format YAML (default: demo)")
     train.add_argument(
@@ -208,7 +218,12 @@ def run_convert(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    argv, positional = _positional_config(argv)
     args, extra = parser.parse_known_args(argv)
+    if positional is not None:
+        if args.config is not None:
+            parser.error(f"the config is given twice: {positional} and --config {args.config}")
+        args.config = positional
     if args.command == "train":
         return run_train(args, split_overrides(extra))
     if args.command == "data":

@@ -36,6 +36,7 @@ def test_reset_attention_mask_goes_to_the_megatron_config(tmp_path):
         "data_path": "/data/a_text_document",
         "seq_length": 64,
         "reset_attention_mask": True,
+        "append_eod": True,
     }
     # not in the SFT-only fields, so nothing is refused as "read only by SFTDataLoader"
     assert data.reset_attention_mask is False and data.append_eod is False
@@ -45,7 +46,8 @@ def test_reset_attention_mask_goes_to_the_megatron_config(tmp_path):
         line.startswith("reset_attention_mask -> train_dataset.dataloader.config.reset_attention_mask = True")
         for line in lines
     )
-    assert any(line.startswith("append_eod -> not a loader option") for line in lines)
+    # append_eod steers the conversion of raw files (data/megatron/raw.py)
+    assert "append_eod -> train_dataset.dataloader.config.append_eod = True" in lines
 
 
 def test_reset_attention_mask_needs_append_eod(tmp_path):
@@ -64,12 +66,12 @@ def test_reset_attention_mask_any_batch_size(tmp_path):
     assert not [e for e in report.errors if "reset_attention_mask" in str(e)], report.errors
 
 
-def test_append_eod_alone_is_reported_not_placed(tmp_path):
+def test_append_eod_alone_goes_to_the_raw_data_conversion(tmp_path):
     lines: list[str] = []
     cfg = _load(tmp_path, "append_eod: true\n", log=lines.append)
-    assert "append_eod" not in cfg.train_dataset.dataloader.model_extra["config"]
+    assert cfg.train_dataset.dataloader.model_extra["config"]["append_eod"] is True
     assert cfg.train_dataset.append_eod is False
-    assert any("meshforge preprocess --append-eod" in line for line in lines)
+    assert "append_eod -> train_dataset.dataloader.config.append_eod = True" in lines
 
 
 def test_create_attention_mask_and_split(tmp_path):
@@ -86,8 +88,18 @@ def test_megatron_data_is_never_reshuffled_by_the_loader(tmp_path):
     assert _load(tmp_path, log=lines.append).train_dataset.dataloader.shuffle is False
     cfg = _load(tmp_path, "disable_shuffling: false\n", log=lines.append)
     assert cfg.train_dataset.dataloader.shuffle is False
-    assert any(line.startswith("disable_shuffling -> unused") for line in lines)
-    assert _load(tmp_path, "disable_shuffling: true\n").train_dataset.dataloader.shuffle is False
+    assert any(
+        line.startswith("disable_shuffling = False -> no effect with data_manager_type 'mg'")
+        for line in lines
+    )
+    lines.clear()
+    assert (
+        _load(tmp_path, "disable_shuffling: true\n", log=lines.append).train_dataset.dataloader.shuffle
+        is False
+    )
+    assert any(
+        line.startswith("disable_shuffling = True -> no effect with data_manager_type 'mg'") for line in lines
+    )
 
 
 def test_lf_keeps_sft_fields_and_shuffles(tmp_path):

@@ -17,7 +17,9 @@ class CheckpointConfig(StrictSection):
     save_max: AtLeastOne | None = describe(
         5, "Keep at most this many complete checkpoints (oldest pruned); null keeps all."
     )
-    save_interleaved_steps: AtLeastOne = describe(1000, "Save every this many optimizer steps.")
+    save_interleaved_steps: AtLeastOne | None = describe(
+        1000, "Save every this many optimizer steps; null: no interval saves (the final step is still saved)."
+    )
     no_save_optim: Bool = describe(
         False, "Save model weights only, without optimizer state (no exact resume)."
     )

@@ -107,7 +107,7 @@ class CheckpointManager:
     Args:
         save_dir: folder that receives the step folders.
         prefix: step folder prefix (`checkpoint.prefix`).
-        interval: save every this many steps (`checkpoint.save_interleaved_steps`).
+        interval: save every this many steps (`checkpoint.save_interleaved_steps`); None: only the last.
         keep: how many complete step folders to keep (`checkpoint.save_max`); None keeps all.
         enabled: `checkpoint.enable_save`.
         save_optimizer: False for `checkpoint.no_save_optim` (weights only, no exact resume).
@@ -120,7 +120,7 @@ class CheckpointManager:
         *,
         save_dir: Path,
         prefix: str,
-        interval: int,
+        interval: int | None,
         keep: int | None,
         enabled: bool,
         save_optimizer: bool,
@@ -142,10 +142,10 @@ class CheckpointManager:
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
     def should_save(self, step: int, last_step: int) -> bool:
-        """Save on every `interval`-th step and always at the last step."""
+        """Save on every `interval`-th step (when there is an interval) and always at the last step."""
         if not self.enabled or step == self.last_saved_step:
             return False
-        return step % self.interval == 0 or step == last_step
+        return (self.interval is not None and step % self.interval == 0) or step == last_step
 
     def save(
         self,

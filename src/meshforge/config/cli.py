@@ -33,7 +33,10 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
         "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
     )
     validate.add_argument(
-        "overrides", nargs=argparse.REMAINDER, default=[], help="--section.key=value overrides"
+        "overrides",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="--section.key=value (or --section.key value) overrides",
     )
 
     show = sub.add_parser("show", help="print the resolved config (defaults filled) as YAML")
@@ -41,7 +44,12 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument(
         "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
     )
-    show.add_argument("overrides", nargs=argparse.REMAINDER, default=[], help="--section.key=value overrides")
+    show.add_argument(
+        "overrides",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="--section.key=value (or --section.key value) overrides",
+    )
 
     schema = sub.add_parser("schema", help="write the JSON schema of the config (for editors)")
     schema.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
@@ -50,25 +58,36 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     imp.add_argument("file", help="MindSpeed-format YAML")
     imp.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     imp.add_argument("-q", "--quiet", action="store_true", help="do not report what each key became")
+    imp.add_argument(
+        "overrides",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="overrides of MindSpeed keys (--parallel.fsdp_size 16) or native ones, as for train",
+    )
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
-    """The `--section.key=value` overrides; options given after them are parsed here.
+    """The overrides (`--a.b=v`, `--a.b v`, `a.b=v`); options given after them are parsed here.
 
     Overrides are collected with argparse.REMAINDER (argparse has no way to accept arbitrary
-    `--a.b=c` options), so `--world-size`/`--format` written after the file land there too.
+    `--a.b` options), so the command's own options written after the file land there too.
     """
+    from meshforge.config.loader import split_cli_overrides
+
     rest = argparse.ArgumentParser(add_help=False)
-    rest.add_argument("--world-size", type=int, default=None)
-    rest.add_argument("--format", choices=["native", "mindspeed"], default=None)
+    own = {"world_size": ("--world-size",), "format": ("--format",), "output": ("-o", "--output")}
+    for name, flags in own.items():
+        if hasattr(args, name):
+            rest.add_argument(*flags, dest=name, default=None)
+    if hasattr(args, "quiet"):
+        rest.add_argument("-q", "--quiet", dest="quiet", action="store_true", default=None)
     known, remaining = rest.parse_known_args(list(getattr(args, "overrides", None) or []))
-    for name in ("world_size", "format"):
-        if getattr(known, name) is not None and hasattr(args, name):
-            setattr(args, name, getattr(known, name))
-    bad = [r for r in remaining if "=" not in r]
-    if bad:
-        raise ConfigError([(b, "expected a --section.key=value override") for b in bad])
-    return [o if o.startswith("--") else f"--{o}" for o in remaining]
+    for name, value in vars(known).items():
+        if value is not None:
+            setattr(args, name, int(value) if name == "world_size" else value)
+    if getattr(args, "format", None) not in (None, "native", "mindspeed"):
+        raise ConfigError([("--format", f"must be native or mindspeed, got {args.format!r}")])
+    return [f"--{o}" for o in split_cli_overrides(remaining)]
 
 
 def _write(text: str, output: str | None) -> None:
@@ -124,11 +143,21 @@ def run_config_command(args: argparse.Namespace) -> int:
             return 0
         if args.config_command == "import":
             notes: list[str] = []
-            data, _, kind = load_native_dict(args.file, fmt="mindspeed", log=notes.append)
+            origins: dict[str, tuple[str, object]] = {}
+            overrides = _overrides(args)
             # Validate the result so `import` never prints a config that `train` would reject on load.
-            from meshforge.config.loader import config_from_dict, dump_yaml
+            from meshforge.config.loader import dump_yaml, validate_imported
 
-            config_from_dict(data, source=args.file)
+            try:
+                data, _, kind = load_native_dict(
+                    args.file, overrides, fmt="mindspeed", log=notes.append, origins=origins
+                )
+                validate_imported(data, dict(origins), source=args.file)
+            except ConfigError:
+                if not args.quiet:
+                    for line in notes:
+                        print(f"import: {line}", file=sys.stderr)
+                raise
             if not args.quiet:
                 for line in notes:
                     print(f"import: {line}", file=sys.stderr)

@@ -2,9 +2,12 @@
 
 MindSpeed YAML groups keys under `model:/data:/parallel:/training:/optimization:` (`inference:`
 for generation) or writes them flat. Each key is mapped to its native path, and a line per key
-reports what it became. Unknown keys are errors with a suggestion (MindSpeed itself only logs
-them). MindSpeed defaults that differ from meshforge's are written into the result when they
-change what a run does, so a migrated file means what it meant.
+reports what it became. A MindSpeed argument that meshforge does not build (`mindspeed_args` has
+the full list) answers `not supported yet` unless it is at MindSpeed's default; only a name outside
+that list is an unknown key, with a suggestion (MindSpeed itself only logs them). Booleans are read
+as MindSpeed reads them (1/0 too; `mindspeed_checks`). MindSpeed defaults that differ from
+meshforge's are written into the result when they change what a run does, so a migrated file means
+what it meant.
 """
 
 from __future__ import annotations
@@ -12,7 +15,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from meshforge.config import mindspeed_checks
 from meshforge.config.base import ConfigError, Issue, suggest
+from meshforge.config.importer_training import (
+    Choice,
+    Flat,
+    Say,
+    To,
+    training,
+)
+from meshforge.config.mindspeed_args import BY_NAME
+from meshforge.config.mindspeed_checks import Origins
 from meshforge.data.config import SFT_FIELDS
 
 GROUPS = ("model", "data", "parallel", "training", "optimization", "inference")
@@ -158,17 +171,26 @@ KEYS_BY_GROUP: dict[str, tuple[str, ...]] = {
 }
 ALL_KEYS: dict[str, str] = {key: group for group, keys in KEYS_BY_GROUP.items() for key in keys}
 
-SCHEDULERS = {"cosine": "CosineWithWarmUpLR", "linear": "LinearWithWarmUpLR", "constant": "ConstantWarmUpLR"}
-OPTIMIZERS = {"adamw": "AdamW", "muon": "Muon", "fused_adamw": "FusedAdamW"}
 LOADERS = {"mg": "BlendedMegatronDatasetDataLoader", "lf": "SFTDataLoader"}
 # The stage each data manager serves; MindSpeed's data factory refuses any other pair.
 DATA_MANAGER_STAGE = {"lf": "sft", "mg": "pt"}
-# MindSpeed data keys that the Megatron loader reads under its own config with data_manager_type mg.
+# MindSpeed data keys that the Megatron loader reads under its own config with data_manager_type mg
+# (the first six are what MindSpeed's mg manager reads; tokenized_path and preprocessing_num_workers
+# also steer meshforge's conversion of raw files). Other data keys have no effect with mg, in
+# MindSpeed as here, and are reported as such.
 MEGATRON_DATA_KEYS = frozenset(
-    {"dataset", "cutoff_len", "create_attention_mask_in_dataloader", "reset_attention_mask", "append_eod"}
+    {
+        "dataset",
+        "cutoff_len",
+        "create_attention_mask_in_dataloader",
+        "reset_attention_mask",
+        "append_eod",
+        "overwrite_cache",
+        "tokenized_path",
+        "preprocessing_num_workers",
+    }
 )
 CP_METHODS = {"ulysses": "ulysses", "ring": "colossal", "kvallgather": "kvallgather"}
-PROFILE_LEVELS = {"level_none": 0, "level0": 0, "level1": 1, "level2": 2}
 
 # MindSpeed defaults that change what a run does relative to meshforge's: applied when absent.
 MS_DEFAULTS: dict[str, Any] = {
@@ -193,21 +215,25 @@ MS_DEFAULTS: dict[str, Any] = {
 }
 
 
-Flat = dict[str, Any]
-To = Callable[[str, Any, str], None]  # (native path, value, MindSpeed key)
-Choice = Callable[[str, dict[str, Any]], Any]  # (MindSpeed key, table) -> mapped value or None
-Say = Callable[[str], None]
+def flatten(raw: dict[str, Any], say: Say | None = None) -> tuple[dict[str, Any], list[Issue]]:
+    """Flatten grouped MindSpeed YAML into {key: value}.
 
-
-def flatten(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Issue]]:
-    """Flatten grouped MindSpeed YAML into {key: value}; unknown keys become issues."""
+    Names outside MindSpeed's argument list become issues with a suggestion; MindSpeed arguments
+    that meshforge does not map are logged at their default and issues otherwise.
+    """
     flat: dict[str, Any] = {}
     issues: list[Issue] = []
     where: dict[str, str] = {}
+    tell = say or (lambda _line: None)
 
     def put(key: str, value: Any, path: str) -> None:
         if key not in ALL_KEYS:
-            guess = suggest(key, list(ALL_KEYS) + list(GROUPS))
+            if key in BY_NAME:
+                issue = mindspeed_checks.unbuilt_argument(path, key, value, tell)
+                if issue is not None:
+                    issues.append(issue)
+                return
+            guess = suggest(key, list(BY_NAME) + list(GROUPS))
             hint = f"; did you mean {guess!r}?" if guess else ""
             issues.append((path, f"unknown MindSpeed argument {key!r}{hint}"))
             return
@@ -222,7 +248,7 @@ def flatten(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Issue]]:
         if key in GROUPS and isinstance(value, dict):
             for sub, sub_value in value.items():
                 sub = str(sub)
-                expected = ALL_KEYS.get(sub)
+                expected = BY_NAME[sub].group if sub in BY_NAME else ALL_KEYS.get(sub)
                 if expected is not None and expected != key:
                     issues.append(
                         (
@@ -253,26 +279,41 @@ def _comma_list(value: Any) -> Any:
     return value
 
 
-def import_mindspeed(raw: dict[str, Any], log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def import_mindspeed(
+    raw: dict[str, Any],
+    log: Callable[[str], None] | None = None,
+    origins: Origins | None = None,
+) -> dict[str, Any]:
     """Map a MindSpeed-format config to a native config dict.
 
     Args:
         raw: the parsed YAML (flat keys, groups, or both).
-        log: receives one line per key: `<MindSpeed key> -> <native path> = <value>`.
+        log: receives one line per key: `<MindSpeed key> -> <native path> = <value>`, or why the
+            key needs no native value.
+        origins: filled with native path -> (MindSpeed key, value), so that validation errors can
+            name the MindSpeed key (`mindspeed_checks.explain_choices`).
 
     Raises:
-        ConfigError: unknown keys (with a suggestion), keys in the wrong group, bad enum values.
+        ConfigError: unknown keys (with a suggestion), keys in the wrong group, bad enum values,
+            arguments or model families that are not built (`not supported yet`).
     """
-    flat, issues = flatten(raw)
     say = log or (lambda _line: None)
+    flat, issues = flatten(raw, say)
+    mindspeed_checks.coerce_booleans(flat, say, issues)
+    if "model_id" in flat:
+        family = mindspeed_checks.model_family_issue(flat["model_id"], bool(flat.get("model_name_or_path")))
+        if family is not None:
+            issues.append(family)
     native: dict[str, Any] = {}
     given = dict(flat)
+    where = origins if origins is not None else {}
     for key, value in MS_DEFAULTS.items():
         if key not in flat:
             flat[key] = value
 
     def to(path: str, value: Any, key: str) -> None:
         _set(native, path, value)
+        where[path] = (key, flat.get(key, value))
         origin = "" if key in given else " (MindSpeed default)"
         say(f"{key} -> {path} = {value!r}{origin}")
 
@@ -309,6 +350,11 @@ def import_mindspeed(raw: dict[str, Any], log: Callable[[str], None] | None = No
         value = flat[key]
         if megatron and key in MEGATRON_DATA_KEYS:
             continue  # placed by _megatron_flags
+        if megatron and key != "split":
+            say(
+                f"{key} = {value!r} -> no effect with data_manager_type 'mg' (MindSpeed's mg manager does not read it)"
+            )
+            continue
         if key == "split":
             if megatron:
                 to("train_dataset.dataloader.config.split", value, key)
@@ -318,7 +364,7 @@ def import_mindspeed(raw: dict[str, Any], log: Callable[[str], None] | None = No
             to(f"train_dataset.{key}", value, key)
 
     _parallel(flat, given, to, choice, say)
-    _training(flat, given, to, choice, say, issues)
+    training(flat, given, to, choice, say, issues)
 
     for key in OPTIMIZATION_KEYS:
         if key in flat:
@@ -331,17 +377,37 @@ def import_mindspeed(raw: dict[str, Any], log: Callable[[str], None] | None = No
     return native
 
 
+def _megatron_dataset(value: Any, issues: list[Issue]) -> Any:
+    """MindSpeed's mg `dataset`: a path string (comma list) or `{file_name: <path, comma list or list>}`."""
+    if isinstance(value, dict):
+        extra = sorted(str(k) for k in value if k != "file_name")
+        if extra or "file_name" not in value:
+            issues.append(
+                (
+                    "dataset",
+                    "with data_manager_type 'mg' the dataset is {file_name: <raw file, folder, .bin/.idx "
+                    f"prefix, or a comma list of them>}}; got the keys {sorted(map(str, value))}",
+                )
+            )
+            return value
+        value = value["file_name"]
+    return _comma_list(value)
+
+
 def _megatron_flags(flat: Flat, given: Flat, to: To, say: Say, issues: list[Issue]) -> None:
     """`data_manager_type: mg`: the data keys the Megatron GPTDataset reads go to its own config.
 
     The native Megatron loader reads `train_dataset.dataloader.config.*` (data/megatron/specs.py);
     the `train_dataset.*` fields of the same names belong to the SFT loader and would be refused
-    there. `append_eod` is a preprocessing switch in MindSpeed (its mg manager tokenizes raw data
-    itself); meshforge reads data already preprocessed, so it is checked and reported, not placed.
+    there. Raw files in `dataset` are converted to .bin/.idx by the loader (`data/megatron/raw.py`)
+    with `append_eod`, `overwrite_cache`, `tokenized_path` and `preprocessing_num_workers`.
     """
     data = "train_dataset.dataloader.config"
     if "dataset" in flat:
-        to(f"{data}.data_path", _comma_list(flat["dataset"]), "dataset")
+        to(f"{data}.data_path", _megatron_dataset(flat["dataset"], issues), "dataset")
+    for key in ("append_eod", "overwrite_cache", "tokenized_path", "preprocessing_num_workers"):
+        if key in given and flat[key] is not None:
+            to(f"{data}.{key}", flat[key], key)
     if "cutoff_len" in flat:
         to(f"{data}.seq_length", flat["cutoff_len"], "cutoff_len")
     if "create_attention_mask_in_dataloader" in flat:
@@ -365,18 +431,17 @@ def _megatron_flags(flat: Flat, given: Flat, to: To, say: Say, issues: list[Issu
                 "that preprocessing appends)",
             )
         )
-    if "append_eod" in given:
-        say(
-            f"append_eod -> not a loader option (= {append!r}): the .bin/.idx data must already end each "
-            "document with EOD; preprocess raw text with `meshforge preprocess --append-eod`"
-        )
     if "disable_shuffling" in flat:
+        flat_shuffle = flat["disable_shuffling"]
         # MindSpeed's mg path reads with MegatronPretrainingSampler, which never shuffles (the
         # GPTDataset's own shuffle index orders the samples); disable_shuffling only affects lf.
         flat.pop("disable_shuffling")
         to("train_dataset.dataloader.shuffle", False, "data_manager_type")
-        if "disable_shuffling" in given and given["disable_shuffling"] is not True:
-            say("disable_shuffling -> unused with data_manager_type 'mg': Megatron data is read in order")
+        if "disable_shuffling" in given:
+            say(
+                f"disable_shuffling = {flat_shuffle!r} -> no effect with data_manager_type 'mg': Megatron data "
+                "is read in the GPTDataset's own shuffled order"
+            )
 
 
 def _parallel(flat: Flat, given: Flat, to: To, choice: Choice, say: Say) -> None:
@@ -434,131 +499,8 @@ def _parallel(flat: Flat, given: Flat, to: To, choice: Choice, say: Say) -> None
     if flat.get("recompute") is True:
         to("recompute.mode", "full", "recompute")
         to("recompute.modules", flat.get("recompute_modules", ["model.layers.{*}"]), "recompute_modules")
-    elif "recompute" in flat:
-        to("recompute.mode", "None", "recompute")
+    else:
+        if "recompute" in flat:
+            to("recompute.mode", "None", "recompute")
         if "recompute_modules" in given:
             say("recompute_modules -> unused: recompute is false")
-
-
-def _training(flat: Flat, given: Flat, to: To, choice: Choice, say: Say, issues: list[Issue]) -> None:
-    """TrainingArguments, including the profiling keys."""
-    simple = {
-        "output_dir": "training.output_dir",
-        "deterministic": "training.deterministic",
-        "seed": "training.seed",
-        "weight_decay": "optimizer.weight_decay",
-        "adam_epsilon": "optimizer.eps",
-        "max_grad_norm": "training.max_norm",
-        "lr": "lr_scheduler.learning_rate",
-        "warmup_ratio": "lr_scheduler.warmup_ratio",
-        "gradient_accumulation_steps": "training.gradient_accumulation_steps",
-        "indexer_loss_coeff": "training.indexer_loss_coeff",
-        "router_aux_loss_coef": "training.router_aux_loss_coef",
-        "save_steps": "checkpoint.save_interleaved_steps",
-        "save_total_limit": "checkpoint.save_max",
-        "logging_steps": "training.log_interval",
-        "log_throughput": "training.log_throughput",
-        "log_cpu_memory": "training.log_cpu_memory",
-        "mtp_loss_scaling_factor": "training.mtp_loss_scaling_factor",
-        "stage": "training.stage",
-        "calculate_per_token_loss": "training.calculate_per_token_loss",
-        "dataloader_num_workers": "train_dataset.num_parallel_workers",
-        "dataloader_pin_memory": "train_dataset.pin_memory",
-        "dataloader_persistent_workers": "train_dataset.persistent_workers",
-        "dataloader_drop_last": "train_dataset.drop_remainder",
-        "per_device_train_batch_size": "training.local_batch_size",
-        "save_only_model": "checkpoint.no_save_optim",
-        "save_async": "checkpoint.async_save",
-        "save_epochs": "checkpoint.save_epochs",
-        "save_hf_weights": "checkpoint.save_hf_weights",
-        "profile": "profiler.enable_profiling",
-        "profile_export_type": "profiler.export_type",
-        "profile_data_simplification": "profiler.data_simplification",
-        "profile_with_cpu": "profiler.profile_cpu",
-        "profile_with_stack": "profiler.with_stack",
-        "profile_with_memory": "profiler.profile_memory",
-        "profile_record_shapes": "profiler.record_shapes",
-        "profile_save_path": "profiler.output_path",
-    }
-    for key, target in simple.items():
-        if key in flat:
-            to(target, flat[key], key)
-    if "save_hf_weights" not in given:
-        say(
-            "save_hf_weights: MindSpeed exports HF weights at the end by default; not applied (set checkpoint.save_hf_weights)"
-        )
-    if "optimizer" in flat:
-        name = choice("optimizer", OPTIMIZERS)
-        if name:
-            to("optimizer.type", name, "optimizer")
-    if "adam_beta1" in flat or "adam_beta2" in flat:
-        betas = [flat.get("adam_beta1", 0.9), flat.get("adam_beta2", 0.95)]
-        to("optimizer.betas", betas, "adam_beta1/adam_beta2")
-    scheduler = choice("lr_scheduler_type", SCHEDULERS)
-    if scheduler:
-        to("lr_scheduler.type", scheduler, "lr_scheduler_type")
-        if scheduler == "CosineWithWarmUpLR":
-            to("lr_scheduler.min_lr", flat["min_lr"], "min_lr")
-        elif "min_lr" in given:
-            say(
-                f"min_lr -> unused: only the cosine schedule uses it (lr_scheduler_type {flat['lr_scheduler_type']!r})"
-            )
-    max_steps = flat["max_steps"]
-    if isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps > 0:
-        to("training.steps", max_steps, "max_steps")
-        if "num_train_epochs" in given:
-            say("num_train_epochs -> unused: max_steps > 0 overrides it")
-    else:
-        to("training.epochs", flat["num_train_epochs"], "num_train_epochs")
-    if "disable_shuffling" in flat:
-        value = flat["disable_shuffling"]
-        to(
-            "train_dataset.dataloader.shuffle",
-            (not value) if isinstance(value, bool) else value,
-            "disable_shuffling",
-        )
-    if "resume_from_checkpoint" in flat and flat["resume_from_checkpoint"] is not None:
-        to("checkpoint.load_path", flat["resume_from_checkpoint"], "resume_from_checkpoint")
-    if "dataloader_prefetch_factor" in flat and flat["dataloader_prefetch_factor"] is not None:
-        to("train_dataset.prefetch_size", flat["dataloader_prefetch_factor"], "dataloader_prefetch_factor")
-    if "profile_level" in flat:
-        level = choice("profile_level", PROFILE_LEVELS)
-        if level is not None:
-            to("profiler.profiler_level", level, "profile_level")
-    if "profile_ranks" in flat:
-        ranks = flat["profile_ranks"]
-        ranks = ranks if isinstance(ranks, list) else [ranks]
-        to("profiler.profiler_rank", None if -1 in ranks else ranks, "profile_ranks")
-    _profile_window(flat, to, issues)
-
-
-def _profile_window(flat: Flat, to: To, issues: list[Issue]) -> None:
-    """MindSpeed: start (inclusive, >= 0) .. end (exclusive, -1 = to the end); native: 1-based inclusive."""
-    if "profile_step_start" not in flat and "profile_step_end" not in flat:
-        return
-    start = flat.get("profile_step_start", 0)
-    end = flat.get("profile_step_end", -1)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end)):
-        issues.append(
-            (
-                "profile_step_start",
-                f"profile_step_start/profile_step_end must be integers, got {start!r}, {end!r}",
-            )
-        )
-        return
-    if start < 0 or (end != -1 and end <= start):
-        issues.append(
-            (
-                "profile_step_end",
-                f"needs profile_step_start >= 0 and profile_step_end == -1 or > start, got {start}, {end}",
-            )
-        )
-        return
-    native_start = max(start, 1)
-    if end == -1:
-        steps = flat.get("max_steps", -1)
-        native_end = steps if isinstance(steps, int) and steps >= native_start else native_start
-    else:
-        native_end = max(end - 1, native_start)
-    to("profiler.start_step", native_start, "profile_step_start")
-    to("profiler.end_step", native_end, "profile_step_end")

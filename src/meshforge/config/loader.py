@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from meshforge.config import importer
 from meshforge.config.base import ConfigError, Issue, format_validation_error, unknown_keys_message
+from meshforge.config.mindspeed_args import BY_NAME as MINDSPEED_ARGUMENTS
 from meshforge.config.root import SECTIONS, TrainConfig
 from meshforge.config.rules import cross_section_issues
 from meshforge.trainer_config import TrainingConfig
@@ -159,7 +160,7 @@ def _ms_key(key: str, value: Any) -> bool:
         return isinstance(value, bool)
     if key == "optimizer":
         return isinstance(value, str)
-    return key in importer.ALL_KEYS and key not in SECTIONS
+    return (key in importer.ALL_KEYS or key in MINDSPEED_ARGUMENTS) and key not in SECTIONS
 
 
 def detect_format(data: dict[str, Any]) -> str:
@@ -196,6 +197,69 @@ def parse_override(text: str) -> tuple[list[str], str]:
     if not key.strip() or any(not p for p in parts):
         raise ConfigError([(text, "an override must look like --section.key=value")])
     return parts, value
+
+
+_BARE_OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(?:\.[\w-]+)+=")
+
+
+def _list_value(items: list[str]) -> str:
+    """Several values after one `--a.b` (MindSpeed's list arguments) as one YAML flow list."""
+    import json
+
+    values: list[Any] = []
+    for item in items:
+        try:
+            value = yaml.load(item, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+        except yaml.YAMLError:
+            value = item
+        values.append(value if isinstance(value, str | int | float | bool) or value is None else item)
+    return json.dumps(values)
+
+
+def split_cli_overrides(tokens: Sequence[str]) -> list[str]:
+    """Command-line override tokens -> `a.b=value` strings.
+
+    Accepts `--a.b=value`, `a.b=value`, and MindSpeed's argument-parser form `--a.b value` (several
+    values give a list, as its list arguments take them; `--a.b` with no value is `true`, as its
+    boolean arguments read it). Values are YAML, so JSON dicts and lists (`'{"file_name": ...}'`)
+    and `True`/`False` read as MindSpeed reads them.
+
+    Raises:
+        ConfigError: a token that is neither an override nor a value of one.
+    """
+    out: list[str] = []
+    i = 0
+    items = list(tokens)
+    while i < len(items):
+        token = items[i]
+        body = token[2:] if token.startswith("--") else token
+        if "=" in body and (token.startswith("--") or _BARE_OVERRIDE.match(token)):
+            key = body.split("=", 1)[0]
+            if key.strip() and all(part for part in key.split(".")):
+                out.append(body)
+                i += 1
+                continue
+        if not token.startswith("--") or "." not in body or not all(body.split(".")):
+            raise ConfigError(
+                [
+                    (
+                        token,
+                        "expected an override: --section.key=value or --section.key value (e.g. --training.steps 100)",
+                    )
+                ]
+            )
+        values: list[str] = []
+        i += 1
+        while i < len(items) and not items[i].startswith("--") and not _BARE_OVERRIDE.match(items[i]):
+            values.append(items[i])
+            i += 1
+        if not values:
+            out.append(f"{body}=true")
+        elif len(values) == 1:
+            out.append(f"{body}={values[0]}")
+        else:
+            out.append(f"{body}={_list_value(values)}")
+    return out
 
 
 def _field_wants_string(parts: list[str]) -> bool:
@@ -292,8 +356,13 @@ def load_native_dict(
     *,
     fmt: str | None = None,
     log: Callable[[str], None] | None = None,
+    origins: dict[str, tuple[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, int], str]:
-    """Read, detect the format, import if MindSpeed, apply overrides: (native dict, line map, format)."""
+    """Read, detect the format, import if MindSpeed, apply overrides: (native dict, line map, format).
+
+    `origins` (MindSpeed files) receives native path -> (MindSpeed key, value) for the error
+    messages of `validate_imported`.
+    """
     if fmt not in (None, "native", "mindspeed"):
         raise ConfigError([("--format", f"must be native or mindspeed, got {fmt!r}")])
     data, lines = read_config_file(path) if path is not None else ({}, {})
@@ -304,10 +373,23 @@ def load_native_dict(
         data = apply_overrides(data, ms_over)
         if log:
             log(f"{source}: MindSpeed-LLM format; importing")
-        data = importer.import_mindspeed(data, log)
+        data = importer.import_mindspeed(data, log, origins)
         lines = {}
         overrides = native_over
     return apply_overrides(data, overrides), lines, kind
+
+
+def validate_imported(
+    data: dict[str, Any], origins: dict[str, tuple[str, Any]], *, source: str = "<dict>"
+) -> TrainConfig:
+    """`config_from_dict` for an imported MindSpeed file: errors name the MindSpeed key they came
+    from, and a value MindSpeed accepts that is not built here is `not supported yet: <key>=<value>`."""
+    from meshforge.config.mindspeed_checks import explain_choices
+
+    try:
+        return config_from_dict(data, source=source)
+    except ConfigError as err:
+        raise explain_choices(err, origins) from None
 
 
 def _with_lines(err: ConfigError, lines: dict[str, int], source: str) -> ConfigError:
@@ -340,8 +422,9 @@ def load_config(
     Raises:
         ConfigError: every problem found, each with its key path.
     """
-    data, lines, _ = load_native_dict(path, overrides, fmt=fmt, log=log)
+    origins: dict[str, tuple[str, Any]] = {}
+    data, lines, _ = load_native_dict(path, overrides, fmt=fmt, log=log, origins=origins)
     try:
-        return config_from_dict(data, source=str(path))
+        return validate_imported(data, origins, source=str(path))
     except ConfigError as err:
         raise _with_lines(err, lines, str(path)) from None

@@ -13,7 +13,7 @@ import sys
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "PretrainedFromHF")
 
 DESCRIPTION = (
-    "Tokenize jsonl/json/txt/parquet documents into Megatron indexed files "
+    "Tokenize jsonl/json/txt/csv/parquet/arrow documents into Megatron indexed files "
     "{output_prefix}_{key}_document.bin/.idx (same flags as Megatron-LM's tools/preprocess_data.py)."
 )
 
@@ -23,7 +23,9 @@ def add_preprocess_command(subparsers: argparse._SubParsersAction) -> argparse.A
     p = subparsers.add_parser(
         "preprocess", help="Tokenize raw documents into Megatron .bin/.idx files.", description=DESCRIPTION
     )
-    p.add_argument("--input", required=True, help="A .jsonl/.json/.txt/.parquet file, or a folder of them.")
+    p.add_argument(
+        "--input", required=True, help="A .jsonl/.json/.txt/.csv/.parquet/.arrow file, or a folder of them."
+    )
     p.add_argument(
         "--output-prefix", required=True, help="Output path prefix; _{key}_document.bin/.idx is added."
     )

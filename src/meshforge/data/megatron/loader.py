@@ -13,6 +13,9 @@ member, its train documents' tokens cut into seq_length samples, summed over the
 and the run's steps follow from it; the data is then built for `steps * global_batch_size`
 samples, Megatron's way of asking for several epochs (its document index repeats the documents).
 
+Raw files in `data_path` (parquet, arrow, csv, json, jsonl, txt, or a folder of them) are converted
+to `.bin/.idx` first, once per run (`raw.py`), and then read as any prefix.
+
 Validation (`build_megatron_eval_loader`): the split's second part (`split: '98,2,0'`), built with
 Megatron's algorithm for the `valid` split (same cache names, seed, and sample order as
 megatron-core). Its size is `sizes[1]` when given and positive; otherwise one pass over the
@@ -184,6 +187,20 @@ def _eod_from_tokenizer(tokenizer: PreTrainedTokenizerBase | None) -> int:
         ) from None
 
 
+def prepared_options(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> MegatronDataLoaderOptions:
+    """The loader's options with raw files in `data_path` converted to prefixes (`raw.py`), once per run."""
+    from meshforge.data.megatron.raw import prepare_data_path
+
+    cached = ctx.shared.get("megatron_options")
+    if isinstance(cached, MegatronDataLoaderOptions):
+        return cached
+    options = prepare_data_path(
+        dataset_cfg.dataloader.options_as(MegatronDataLoaderOptions), ctx.tokenizer, log=ctx.log
+    )
+    ctx.shared["megatron_options"] = options
+    return options
+
+
 def build_megatron_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> StatefulLoader:
     """The train builder of `BlendedMegatronDatasetDataLoader` (registered in `meshforge.data.specs`).
 
@@ -192,7 +209,7 @@ def build_megatron_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -
     """
     from meshforge.data.loader import StatefulLoader
 
-    options = dataset_cfg.dataloader.options_as(MegatronDataLoaderOptions)
+    options = prepared_options(dataset_cfg, ctx)
     check_columns(dataset_cfg.dataloader.column_names)
     global_batch = ctx.global_batch
     total_steps = ctx.total_steps
@@ -233,7 +250,7 @@ def build_megatron_eval_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderConte
     from meshforge.data.megatron.blended import parse_blend
     from meshforge.data.megatron.gpt_dataset import parse_split
 
-    options = dataset_cfg.dataloader.options_as(MegatronDataLoaderOptions)
+    options = prepared_options(dataset_cfg, ctx)
     check_columns(dataset_cfg.dataloader.column_names)
     if parse_split(options.config.split)[1] == 0:
         return None

@@ -11,8 +11,9 @@ scripts port by changing the command name and the files match what Megatron writ
 - the token dtype is uint16 below 65,500 ids, else int32.
 
 Inputs: `.jsonl` (one object per line), `.json` (an array of objects, or JSON lines), `.txt` (one
-document per non-empty line, under the first json key) and `.parquet` (needs pyarrow); a folder
-means all such files in it, in sorted order. A malformed record (bad JSON, missing key, non-text
+document per non-empty line, under the first json key), `.csv` (a header row, then one record per
+row), `.parquet` and `.arrow` (Arrow IPC stream or file, as `datasets` writes; both need pyarrow);
+a folder means all such files in it, in sorted order. A malformed record (bad JSON, missing key, non-text
 value) stops the run with `file:line` unless `--skip-invalid`, which skips and counts it by reason.
 
 Worker processes (`--workers`) parse and tokenize chunks of records; the main process writes them in
@@ -40,7 +41,7 @@ from meshforge.data.megatron.indexed import IndexedDatasetWriter, optimal_dtype
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
+SUFFIXES = (".jsonl", ".json", ".txt", ".parquet", ".arrow", ".csv")
 CHUNK_RECORDS = 2048  # records per task: the tokenizer's Rust batch path needs big batches to use every core
 
 
@@ -123,6 +124,12 @@ def _raw_records(path: Path, first_key: str) -> Iterator[Raw]:
     if path.suffix == ".parquet":
         yield from _parquet_records(path)
         return
+    if path.suffix == ".arrow":
+        yield from _arrow_records(path)
+        return
+    if path.suffix == ".csv":
+        yield from _csv_records(path)
+        return
     with path.open(encoding="utf-8", errors="strict", newline="") as f:
         if path.suffix == ".json":
             head = f.read(1)
@@ -160,6 +167,39 @@ def _parquet_records(path: Path) -> Iterator[Raw]:
         for record in batch.to_pylist():
             yield f"{path}: row {row}", "obj", record
             row += 1
+
+
+def _arrow_records(path: Path) -> Iterator[Raw]:
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise PreprocessError(
+            f"{path}: reading .arrow needs pyarrow, which is not installed (pip install pyarrow)"
+        ) from None
+    row = 0
+    with pa.memory_map(str(path)) as source:
+        try:
+            reader: Any = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            try:
+                file_reader = pa.ipc.open_file(source)
+            except pa.ArrowInvalid as exc:
+                raise PreprocessError(f"{path}: not an Arrow IPC stream or file ({exc})") from None
+            reader = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
+        for batch in reader:
+            for record in batch.to_pylist():
+                yield f"{path}: row {row}", "obj", record
+                row += 1
+
+
+def _csv_records(path: Path) -> Iterator[Raw]:
+    import csv
+
+    with path.open(encoding="utf-8", errors="strict", newline="") as f:
+        reader = csv.DictReader(f)
+        for record in reader:
+            yield f"{path}:{reader.line_num}", "obj", record
 
 
 def _chunks(files: list[Path], first_key: str) -> Iterator[list[Raw]]:
@@ -303,8 +343,15 @@ def output_prefix(prefix: str, key: str) -> str:
     return f"{prefix}_{key}_document"
 
 
-def preprocess(options: PreprocessOptions, out: TextIO | None = None) -> PreprocessSummary:
+def preprocess(
+    options: PreprocessOptions,
+    out: TextIO | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> PreprocessSummary:
     """Run the conversion (see the module docstring); progress and the EOD id go to `out`.
+
+    `tokenizer`, when given, is used instead of loading `options.tokenizer` (worker processes
+    still load `options.tokenizer`, which must then be a folder of the same tokenizer).
 
     Raises:
         PreprocessError: bad input (file:line) or options.
@@ -317,9 +364,10 @@ def preprocess(options: PreprocessOptions, out: TextIO | None = None) -> Preproc
     if options.workers < 1:
         raise PreprocessError(f"--workers: must be at least 1, got {options.workers}")
     files = list_input_files(options.input)
-    from meshforge.data.tokenizer import build_tokenizer
+    if tokenizer is None:
+        from meshforge.data.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer(options.tokenizer)
+        tokenizer = build_tokenizer(options.tokenizer)
     summary = PreprocessSummary(files=len(files), tokens={k: 0 for k in options.json_keys})
     eod = None
     if options.append_eod:

@@ -63,7 +63,21 @@ class MegatronDatasetOptions(MegatronSequenceSettings):
 
     data_path: list[str] = Field(
         description="Megatron blend list: dataset prefixes (without .bin/.idx), optionally as "
-        "'weight, prefix' pairs, e.g. ['0.3', 'data/a_text_document', '0.7', 'data/b_text_document']."
+        "'weight, prefix' pairs, e.g. ['0.3', 'data/a_text_document', '0.7', 'data/b_text_document']. "
+        "An entry may also be a raw file or folder (parquet, arrow, csv, json, jsonl, txt), converted "
+        "to .bin/.idx once before training (data/megatron/raw.py)."
+    )
+    append_eod: StrictBool = Field(
+        default=False, description="Raw files: end each document with the EOD id when converting them."
+    )
+    overwrite_cache: StrictBool = Field(
+        default=False, description="Raw files: convert again even when a matching .bin/.idx exists."
+    )
+    tokenized_path: str | None = Field(
+        default=None, description="Raw files: folder of the converted .bin/.idx; default next to the data."
+    )
+    preprocessing_num_workers: StrictInt | None = Field(
+        default=None, ge=1, description="Raw files: tokenizer processes of the conversion (default 1)."
     )
     split: str = Field(default="1,0,0", description="Train, valid, test proportions of each dataset.")
     eod: StrictInt | None = Field(
