@@ -234,7 +234,9 @@ class TrainerBuild:
 
     def _configure_kernels(self, model: nn.Module, family: str, compute_dtype: torch.dtype) -> KernelOptions:
         """Resolve the `kernels` section for this device and hand it to the model (errors name the key)."""
-        options = resolve_kernel_options(self.cfg.kernels, device=self.device, compute_dtype=compute_dtype)
+        options = resolve_kernel_options(
+            self.cfg.kernels, device=self.device, compute_dtype=compute_dtype, warn=self.log
+        )
         configure_model_kernels(model, options, family=family)
         on = [
             *(key for key, value in options.model_switches().items() if value),

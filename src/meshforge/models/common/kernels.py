@@ -1,9 +1,11 @@
 """Kernel switches: from the ``kernels:`` config section to flags on a built model.
 
 The trainer turns the section into a :class:`KernelOptions` once, for the device the run
-uses (:func:`resolve_kernel_options`): a switch set to ``true`` that cannot run there is an
-error at start (``kernels.<key>: <why>; set it to auto to use it only where available``),
-never a silent fallback; ``auto`` turns it on only where it runs. The options then reach the
+uses (:func:`resolve_kernel_options`): a switch set to ``true`` that cannot run there is a
+no-op on that device, warned at start (``warning: kernels.<key>: true has no effect here:
+<why>; ...``), never a silent fallback, so one launch line (MindSpeed's sets these switches
+true) runs on an accelerator and on a CPU test machine alike; ``auto`` turns it on only where
+it runs, without the warning. The options then reach the
 model through one small, opt-in interface:
 
 * a family that supports switches defines ``configure_kernels(self, options) -> None`` on its
@@ -20,12 +22,12 @@ model through one small, opt-in interface:
 What each switch does, and which path is the default:
 
 * ``use_flash_attn``: SDPA restricted to the flash backend (CUDA, fp16/bf16 only). Default
-  off: SDPA picks its own backend. ``true`` on CPU is an error.
+  off: SDPA picks its own backend. ``true`` on the CPU is a warned no-op.
 * ``use_fused_rmsnorm``: ``torch.nn.functional.rms_norm`` (also the default when the key is
   not written); ``false`` written out selects the reference formulation as transformers
   writes it (``x.float() * rsqrt(mean(x^2) + eps)``, scaled in the input dtype).
-* ``use_fused_rotary_pos_emb``: torch ships no fused rotary kernel, so ``true`` is refused on
-  every device and ``auto`` keeps the plain ``rotate_half`` formulation.
+* ``use_fused_rotary_pos_emb``: torch ships no fused rotary kernel, so ``true`` is a warned
+  no-op on every device and ``auto`` keeps the plain ``rotate_half`` formulation.
 * ``moe_grouped_gemm``: MoE experts as one ``F.grouped_mm`` per projection (same numbers).
 * ``fix_router``: fixed, balanced routing for performance tuning: token ``i`` (flattened over
   batch and sequence) goes to experts ``(i * k + j) mod E`` for ``j < k``; the routing weights
@@ -44,12 +46,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from torch import nn
 
     from meshforge.models.config import KernelsConfig
 
-_AUTO_HINT = "set it to auto to use it only where available"
+_AUTO_HINT = "set it to auto to use it only where available, without this warning"
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,11 @@ def _flash_reason(device: torch.device, compute_dtype: torch.dtype) -> str | Non
 
 
 def resolve_kernel_options(
-    kernels: KernelsConfig, *, device: torch.device, compute_dtype: torch.dtype
+    kernels: KernelsConfig,
+    *,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    warn: Callable[[str], None] = print,
 ) -> KernelOptions:
     """Turn the ``kernels`` config section into :class:`KernelOptions` for ``device``.
 
@@ -114,13 +122,14 @@ def resolve_kernel_options(
         kernels: The validated ``KernelsConfig`` (``true``/``false``/``"auto"`` values).
         device: The device this process trains on.
         compute_dtype: The model's compute dtype (flash attention needs fp16/bf16).
+        warn: Receives one ``warning: kernels.<key>: ...`` line for each switch set to true
+            that cannot run on ``device`` (it is then off).
 
     Returns:
         The options with every ``auto`` decided.
 
     Raises:
-        ValueError: ``kernels.<key>: <why>; set it to auto ...`` for a switch set to true
-            that cannot run on ``device``.
+        ValueError: ``kernels.moe_grouped_gemm`` on a torch without ``grouped_mm``.
     """
     import torch.nn.functional as F
 
@@ -129,14 +138,16 @@ def resolve_kernel_options(
     if flash is not False:
         reason = _flash_reason(device, compute_dtype)
         if reason is not None and flash is True:
-            raise ValueError(f"kernels.use_flash_attn: {reason}; {_AUTO_HINT}")
+            warn(
+                f"warning: kernels.use_flash_attn: true has no effect here: {reason}; SDPA picks its backend ({_AUTO_HINT})"
+            )
         flash_on = reason is None
 
     rope = kernels.use_fused_rotary_pos_emb
     if rope is True:
-        raise ValueError(
-            f"kernels.use_fused_rotary_pos_emb: torch has no fused rotary-embedding kernel on "
-            f"{device.type}; {_AUTO_HINT} (auto keeps the plain formulation)"
+        warn(
+            "warning: kernels.use_fused_rotary_pos_emb: true has no effect here: torch has no fused "
+            f"rotary-embedding kernel on {device.type}; the plain formulation runs ({_AUTO_HINT})"
         )
 
     # Not written: the family's default (F.rms_norm). Written false: the reference formulation.
@@ -149,7 +160,7 @@ def resolve_kernel_options(
 
     return KernelOptions(
         flash_attn=flash_on,
-        flash_attn_strict=flash is True,
+        flash_attn_strict=flash is True and flash_on,
         fused_rmsnorm=fused_norm,
         fused_rope=False,
         grouped_mm=grouped,
