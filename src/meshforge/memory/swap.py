@@ -73,6 +73,10 @@ class _Saved:
         self.uses = 0
         self.device_copy: torch.Tensor | None = None
         self.event: Any = None
+        if storage.device.type == "meta":
+            # Meta or fake tensors (the planner's trace): only the size matters.
+            self.host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="meta")
+            return
         data = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
         if _accelerated(device):
             mod = torch.get_device_module(device)
