@@ -82,7 +82,7 @@ class _Saved:
             mod = torch.get_device_module(device)
             stream = _side_stream(device)
             stream.wait_stream(mod.current_stream(device))
-            self.host = torch.empty_like(data, device="cpu", pin_memory=True)
+            self.host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
             with mod.stream(stream):
                 self.host.copy_(data, non_blocking=True)
                 self.event = mod.Event()
