@@ -1,8 +1,9 @@
-"""Activation swap under dp2 and pp2 (1f1b and zero-bubble zbv) trains bitwise like no swap.
+"""Activation swap under dp2, tp2 and pp2 (1f1b and zero-bubble zbv) trains bitwise like no swap.
 
 Each layout runs the tiny qwen3 (4 layers) for three steps with and without swap; the host copies
 are exact, so losses and gradient norms must be equal to the last bit (deterministic mode), and
-every step reports the bytes it moved. The pipeline runs hold two micro-batches in flight per
+every step reports the bytes it moved. Under TP+SP the saved tensors are DTensors (their local
+shards are swapped and rebuilt with the same placements). The pipeline runs hold two micro-batches in flight per
 rank, the zero-bubble schedule splits backward into input and weight passes that unpack the
 same saved tensors twice.
 """
@@ -39,10 +40,11 @@ def _bitwise(ref: list[dict], got: list[dict]) -> None:
     assert all(r["swap_bytes"] > 0 for r in got)
 
 
-def test_swap_is_bitwise_in_dp2_and_pp2(tiny_config: Path, tmp_path: Path) -> None:
+def test_swap_is_bitwise_in_dp2_tp2_and_pp2(tiny_config: Path, tmp_path: Path) -> None:
     layouts = {
         "one": ([], 1),
         "dp2": (["--parallelism.data_parallel_shard=2"], 2),
+        "tp2": (["--parallelism.tensor_parallel=2"], 2),
         "pp2_1f1b": (
             ["--parallelism.pipeline_parallel=2", "--parallelism.pipeline_parallel_schedule=1f1b"],
             2,

@@ -18,6 +18,7 @@ from meshforge.loss import cross_entropy_sum
 from meshforge.memory.config import SwapConfig
 from meshforge.memory.ledger import SavedTensorLedger
 from meshforge.memory.swap import MIN_SWAP_BYTES, apply_swap, build_swap
+from tests._compare import rel_error
 
 VOCAB, ROWS, SEQ = 64, 2, 16
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, max_position_embeddings=64)
@@ -351,3 +352,21 @@ def test_a_layer_both_swapped_and_fully_recomputed_is_refused_at_load() -> None:
         load({"op_swap": [{"op_name": "mlp", "layers": ["1"]}]}, ["0-1"])
     assert [path for path, _ in info.value.issues] == ["swap.op_swap[0].layers"]
     load({"layer_swap": [{"layers": ["2-3"]}]}, ["0-1"])  # disjoint layers compose
+
+
+@pytest.mark.slow
+def test_swap_composes_with_compiled_layers() -> None:
+    """``kernels.compile`` compiles each layer after swap wrapped it: same numbers, bytes still moved."""
+    from meshforge.models.common.kernels import apply_compile
+
+    eager = _model("qwen3")
+    ref = _step(eager)
+    model = _model("qwen3")
+    _, runtime = build_swap(model, SwapConfig(enable=True, layer_swap=[{"layers": ["0-2"]}]), num_layers=4)
+    apply_compile(model)
+    got = _step(model)
+    assert runtime.moved > 0
+    # Compiled kernels round differently from eager ones: compared norm-relative, not bitwise.
+    assert rel_error(got[0], ref[0]) <= 1e-5
+    for a, b in zip(ref[1], got[1], strict=True):
+        assert rel_error(b, a) <= 1e-5
