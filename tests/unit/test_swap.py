@@ -352,6 +352,14 @@ def test_a_layer_both_swapped_and_fully_recomputed_is_refused_at_load() -> None:
         load({"op_swap": [{"op_name": "mlp", "layers": ["1"]}]}, ["0-1"])
     assert [path for path, _ in info.value.issues] == ["swap.op_swap[0].layers"]
     load({"layer_swap": [{"layers": ["2-3"]}]}, ["0-1"])  # disjoint layers compose
+    select = {"mode": "select", "select_module": {"mlp": ["0-1"]}}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(
+            {"recompute": select, "swap": {"enable": True, "op_swap": [{"op_name": "mlp", "layers": ["1"]}]}}
+        )
+    assert [path for path, _ in info.value.issues] == ["swap.op_swap[0].op_name"]
+    # A recomputed submodule inside a swapped layer composes (tested above with checkpoint).
+    config_from_dict({"recompute": select, "swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}})
 
 
 @pytest.mark.slow
