@@ -185,3 +185,28 @@ def test_plan_lines_give_the_peak_and_the_device_memory_verdict() -> None:
     assert activation_lines(cfg, dims, counts)[1].endswith("; does NOT fit context.max_device_memory 0.001GB")
     # Without max_device_memory set there is no verdict (its default is an Ascend setting).
     assert "max_device_memory" not in activation_lines(_config(QWEN3, {}), dims, counts)[1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next", "generic"])
+def test_every_family_traces_within_20_percent(family: str) -> None:
+    """MoE (formula), MLA, Gated DeltaNet and the generic transformers path."""
+    from meshforge.memory.estimate import measure_activations
+    from tests.unit.test_swap import FAMILIES
+
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    ids = torch.randint(0, 64, (MICRO, 32), generator=torch.Generator().manual_seed(1))
+    ledger = SavedTensorLedger()
+    ledger.exclude(model.parameters())
+    with ledger.recording():
+        out = model(input_ids=ids)
+        cross_entropy_sum(out if isinstance(out, torch.Tensor) else out.logits, ids)
+    estimate = measure_activations(
+        FAMILIES[family],
+        ActivationSettings(),
+        micro_batch=MICRO,
+        seq=32,
+        dtype=torch.float32,
+        chunk_loss_size=None,
+    )
+    _within(estimate.device_bytes, ledger.device_bytes)
