@@ -256,6 +256,7 @@ class Trainer(TrainerBuild):
             "grad_norm": float(grad_norm),
             "tokens": step_tokens,
             "valid_tokens": int(global_tokens.item()),
+            **({"swap_bytes": am.swap_bytes()} if (am := self.activation_memory) and am.swapped else {}),
             **extra,
         }
 

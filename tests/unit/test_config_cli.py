@@ -36,10 +36,10 @@ def test_validate_error_exit_2_without_traceback(tmp_path, capsys):
 
 
 def test_validate_warnings_exit_0(tmp_path, capsys):
-    path = _write(tmp_path, GOOD + "swap:\n  enable: true\n")
+    path = _write(tmp_path, GOOD + "callbacks:\n  - {type: mine}\n")
     assert main(["validate", path]) == 0
     err = capsys.readouterr().err
-    assert "warning: swap.enable: not supported yet: swap.enable" in err
+    assert "warning: callbacks: not supported yet: callbacks" in err
 
 
 def test_validate_world_size(tmp_path, capsys):

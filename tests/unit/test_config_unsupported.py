@@ -27,10 +27,6 @@ TRIGGERS: dict[str, dict] = {
     "recompute.modules": {"recompute": {"mode": "full", "modules": ["model.layers.{*}"]}},
     "recompute_comm.enable": {"recompute_comm": {"enable": True, "select_module": {"attn": ["0"]}}},
     "recompute_comm.select_module": {"recompute_comm": {"select_module": {"attn": ["0"]}}},
-    "swap.enable": {"swap": {"enable": True}},
-    "swap.default_prefetch": {"swap": {"default_prefetch": 2}},
-    "swap.layer_swap": {"swap": {"layer_swap": [{"layers": ["0"]}]}},
-    "swap.op_swap": {"swap": {"op_swap": [{"op_name": "matmul", "layers": ["0"]}]}},
     "profiler.enable_profiling": {"profiler": {"enable_profiling": True}},
     "profiler.start_step": {"profiler": {"start_step": 2, "end_step": 3}},
     "profiler.end_step": {"profiler": {"end_step": 3}},
@@ -169,14 +165,14 @@ def test_check_trainable_refuses_with_key_path():
                 "dataloader": {"type": "TextDataLoader", "data_path": "x.txt", "seq_length": 8}
             },
             "parallelism": {"enable_mc2": True},
-            "swap": {"enable": True},
+            "callbacks": [{"type": "mine"}],
         }
     )
     with pytest.raises(ConfigError) as info:
         check_trainable(cfg)
     text = str(info.value)
     assert "error: parallelism.enable_mc2: not supported yet: parallelism.enable_mc2" in text
-    assert "error: swap.enable: not supported yet: swap.enable" in text
+    assert "error: callbacks: not supported yet: callbacks" in text
 
 
 def test_check_trainable_needs_a_model_and_a_loader():

@@ -99,6 +99,12 @@ READERS: dict[str, tuple[str, ...]] = {
         "parallelism.expert_parallel",
         "parallelism.ep_fsdp_size",
     ),
+    "meshforge.memory.apply": ("swap.enable",),
+    "meshforge.memory.swap": (
+        "swap.default_prefetch",
+        "swap.layer_swap",
+        "swap.op_swap",
+    ),
     "meshforge.parallel.parallelize": (
         "parallelism.reshard_after_forward_policy",
         "parallelism.cpu_offload",

@@ -135,6 +135,8 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
             )
         )
 
+    issues += _swap_recompute_issues(cfg)
+
     family = _family(cfg)
     if family == "qwen3_next" and par.context_parallel > 1 and par.cp_method() != "ulysses":
         issues.append(
@@ -248,6 +250,46 @@ def _stage_layer_issues(spec: list[str], num_layers: int) -> list[Issue]:
     if expected != num_layers:
         return [(path, f"stages cover layers 0..{expected - 1}; the model has {num_layers} layers")]
     return []
+
+
+def _swap_recompute_issues(cfg: TrainConfig) -> list[Issue]:
+    """A layer cannot be both swapped and recomputed whole (see `meshforge.memory.swap`)."""
+    swap, rec = cfg.swap, cfg.recompute
+    if not swap.enable or rec.mode == "None":
+        return []
+    issues: list[Issue] = []
+    if rec.mode == "select":
+        # The same module both recomputed and swapped: the swap hooks would hide its tensors
+        # from the checkpoint around it (modules nested under each other are not resolvable here).
+        for i, op in enumerate(swap.op_swap or []):
+            selected = (rec.select_module or {}).get(op.op_name)
+            both = sorted(set(expand_layers(selected)) & set(expand_layers(op.layers)))
+            if both:
+                issues.append(
+                    (
+                        f"swap.op_swap[{i}].op_name",
+                        f"{op.op_name!r} in layer {both[0]} is also in recompute.select_module: a module "
+                        "is either recomputed or swapped; choose one of the two for each layer",
+                    )
+                )
+        return issues
+    full = set(expand_layers(rec.full_recompute_layer))
+    entries: list[tuple[str, LayerSwapItem | OpSwapItem]] = [
+        *((f"swap.layer_swap[{i}].layers", item) for i, item in enumerate(swap.layer_swap or [])),
+        *((f"swap.op_swap[{i}].layers", item) for i, item in enumerate(swap.op_swap or [])),
+    ]
+    for path, item in entries:
+        both = sorted(full & set(expand_layers(item.layers)))
+        if both:
+            issues.append(
+                (
+                    path,
+                    f"layer {both[0]} is also in recompute.full_recompute_layer: a fully recomputed layer "
+                    "keeps only its inputs, so its activations cannot also be swapped; "
+                    "choose one of the two for each layer",
+                )
+            )
+    return issues
 
 
 def layer_issues(cfg: TrainConfig, num_layers: int) -> list[Issue]:

@@ -57,12 +57,14 @@ class SavedTensorLedger:
         if id(base) in self._params or id(tensor) in self._params or isinstance(base, nn.Parameter):
             return None
         local = _local(tensor)
-        if local.device.type == "meta":
-            # Meta storages have no address: tell them apart by the tensor object, kept alive
-            # so that its id is not reused while the ledger records.
+        storage = local.untyped_storage()
+        if storage.device.type == "meta":
+            # Meta storages (and those of fake tensors, whose device says cpu) have no address:
+            # tell them apart by the storage object itself, kept alive with its tensor so that
+            # the address is not reused while the ledger records.
             self._keep.append(local)
-            return id(local._base if local._base is not None else local)
-        return local.untyped_storage().data_ptr()
+            return int(storage._cdata)
+        return storage.data_ptr()
 
     def add(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage as held for backward (once)."""

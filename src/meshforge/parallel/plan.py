@@ -4,8 +4,12 @@
 trainer uses), the batch plan (accumulation steps, pipeline micro-batches), and an estimate
 of each rank's parameter, gradient and optimizer-state memory. The model is built on the meta
 device (no weights, no memory), so a 1024-rank layout of a large model is planned in seconds
-on a laptop. Activations are not estimated: they depend on the sequence, recomputation and
-the schedule, and are best measured (`memory_bytes` in metrics.jsonl).
+on a laptop. Activations are measured, not guessed: one forward and loss of the model at the
+rank's shapes (micro-batch x sequence / cp) with the run's recompute and swap settings, traced on
+fake tensors under the saved-tensor ledger (`memory.estimate`), then scaled to the rank: / tp
+(sequence parallel), x the layers of its pipeline stage, x the micro-batches its schedule holds
+in flight. The predicted peak is training state + activations (allocator caches, temporaries of
+one op and communication buffers come on top).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from meshforge.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
+    from meshforge.memory.estimate import ActivationEstimate
 
 _GIB = 1024**3
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -160,33 +165,15 @@ def plan_lines(cfg: TrainConfig, world_size: int, *, log: Callable[[str], None] 
         lines.append(f"memory: not estimated ({exc})")
         return lines
     lines += memory_lines(cfg, dims, family, counts)
+    lines += activation_lines(cfg, dims, counts, log=log)
     return lines
 
 
 def memory_lines(cfg: TrainConfig, dims: ParallelDims, family: str, counts: ParamCounts) -> list[str]:
     """Per-rank parameter/gradient/AdamW bytes of the most loaded pipeline rank."""
-    par = cfg.parallelism
     dtype = cfg.model.params_dtype.lower()
     pbytes = _DTYPE_BYTES.get(dtype, 4)
-    ranks = stage_layers(
-        len(counts.layers),
-        dims.pp,
-        int(par.pipeline_parallel_interleave_num),
-        par.pipeline_parallel_layers_per_stage,
-    )
-    worst = 0.0
-    for rank, layers in enumerate(ranks):
-        dense = sum(counts.layers[i] for i in layers if i < len(counts.layers))
-        experts = sum(counts.experts[i] for i in layers if i < len(counts.experts))
-        if rank == 0:
-            dense += counts.embedding
-        if rank == dims.pp - 1:
-            dense += counts.other
-            # A tied head is the embedding itself on one rank, a copy on a separate last stage.
-            if not counts.tied or dims.pp > 1:
-                dense += counts.head
-        per_rank = dense / (dims.tp * dims.dense_shard_size) + experts / (dims.ep * dims.expert_shard)
-        worst = max(worst, per_rank)
+    worst = max(rank_parameters(cfg, dims, counts))
     weights = worst * pbytes
     grads = worst * pbytes
     adam = worst * 8  # two fp32 moments
@@ -197,5 +184,155 @@ def memory_lines(cfg: TrainConfig, dims: ParallelDims, family: str, counts: Para
         + (f" ({expert_total / 1e9:.3f}B in routed experts)" if expert_total else ""),
         f"memory per rank (most loaded pipeline rank, {dtype} weights): {worst / 1e6:.1f}M parameters -> "
         f"weights {weights / _GIB:.2f} GiB + gradients {grads / _GIB:.2f} GiB + AdamW {adam / _GIB:.2f} GiB "
-        f"= {total / _GIB:.2f} GiB (activations not included)",
+        f"= {total / _GIB:.2f} GiB (training state; activations below)",
     ]
+
+
+def _rank_layers(cfg: TrainConfig, dims: ParallelDims, num_layers: int) -> list[list[int]]:
+    par = cfg.parallelism
+    return stage_layers(
+        num_layers, dims.pp, int(par.pipeline_parallel_interleave_num), par.pipeline_parallel_layers_per_stage
+    )
+
+
+def rank_parameters(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -> list[float]:
+    """Parameters held by one rank of each pipeline stage (after TP, FSDP and EP sharding)."""
+    out = []
+    for rank, layers in enumerate(_rank_layers(cfg, dims, len(counts.layers))):
+        dense = sum(counts.layers[i] for i in layers if i < len(counts.layers))
+        experts = sum(counts.experts[i] for i in layers if i < len(counts.experts))
+        if rank == 0:
+            dense += counts.embedding
+        if rank == dims.pp - 1:
+            dense += counts.other
+            # A tied head is the embedding itself on one rank, a copy on a separate last stage.
+            if not counts.tied or dims.pp > 1:
+                dense += counts.head
+        out.append(dense / (dims.tp * dims.dense_shard_size) + experts / (dims.ep * dims.expert_shard))
+    return out
+
+
+def in_flight(schedule: str, *, pp: int, rank: int, micro_batches: int, interleave: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak (in whole-stage units).
+
+    No pipeline: one (each micro-batch's backward runs before the next forward). GPipe: all of
+    them. 1F1B: ``pp - rank`` (rank 0 warms up with the most). Interleaved and zero-bubble
+    schedules count chunk forwards: torch's warm-up of ``(chunks - 1) * pp + 2 * (pp - 1 - rank)``
+    plus the first steady forward, each one chunk of the rank's layers.
+    """
+    if pp == 1:
+        return 1.0
+    from meshforge.parallel.pipeline.layout import canonical_schedule
+
+    name = canonical_schedule(schedule)
+    if name == "gpipe":
+        return float(micro_batches)
+    if name == "1f1b":
+        return float(min(micro_batches, pp - rank))
+    ops = min(micro_batches * interleave, (interleave - 1) * pp + 2 * (pp - 1 - rank) + 1)
+    return ops / interleave
+
+
+@dataclass(frozen=True)
+class RankActivations:
+    """One pipeline rank's predicted activation bytes and training state at its peak."""
+
+    rank: int
+    num_layers: int
+    in_flight: float
+    device_bytes: float
+    host_bytes: float
+    state_bytes: float
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.state_bytes + self.device_bytes
+
+
+def activation_plan(
+    cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts, estimate: ActivationEstimate
+) -> list[RankActivations]:
+    """Scale one micro-batch's measured activations to each pipeline rank of the layout."""
+    par = cfg.parallelism
+    state_bytes = _DTYPE_BYTES.get(cfg.model.params_dtype.lower(), 4) * 2 + 8  # weights, grads, AdamW
+    accum = cfg.training.accumulation_steps(dims.dp)
+    interleave = int(par.pipeline_parallel_interleave_num)
+    # The head's logits are vocabulary-sharded only under loss parallelism.
+    outside = estimate.outside / (dims.tp if dims.tp > 1 and par.enable_loss_parallel else 1)
+    rows = []
+    ranks = zip(_rank_layers(cfg, dims, len(counts.layers)), rank_parameters(cfg, dims, counts), strict=True)
+    for rank, (layers, params) in enumerate(ranks):
+        flight = in_flight(
+            par.pipeline_parallel_schedule, pp=dims.pp, rank=rank, micro_batches=accum, interleave=interleave
+        )
+        device = sum(estimate.layers[i].device for i in layers if i in estimate.layers) / dims.tp
+        host = sum(estimate.layers[i].host for i in layers if i in estimate.layers) / dims.tp
+        if rank == dims.pp - 1:
+            device += outside
+        rows.append(
+            RankActivations(rank, len(layers), flight, device * flight, host * flight, params * state_bytes)
+        )
+    return rows
+
+
+def activation_lines(
+    cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts, *, log: Callable[[str], None] | None = None
+) -> list[str]:
+    """Measured activation bytes of the most loaded rank and its predicted peak."""
+    seq = cfg.train_dataset.seq_length()
+    if not seq:
+        return ["activations: not estimated (no sequence length: set the loader's seq_length)"]
+    micro = int(cfg.training.local_batch_size)
+    tokens = int(seq) // dims.cp
+    try:
+        estimate = measure_plan_activations(cfg, micro, tokens, log=log)
+    except NotImplementedError as exc:
+        return [f"activations: not estimated ({exc})"]
+    except Exception as exc:  # noqa: BLE001 - the plan stays useful without the activation estimate
+        return [f"activations: not estimated ({type(exc).__name__}: {exc})"]
+    top = max(activation_plan(cfg, dims, counts, estimate), key=lambda r: r.peak_bytes)
+    modes = f"recompute {cfg.recompute.mode}, swap {'on' if cfg.swap.enable else 'off'}"
+    chunk = cfg.kernels.chunk_loss_size
+    loss = f"chunked loss {chunk}" if chunk else "full-logits loss"
+    notes = "".join(f"; {note}" for note in estimate.notes)
+    where = f"pipeline rank {top.rank}" if dims.pp > 1 else "every rank"
+    line = (
+        f"activations per rank (micro-batch {micro} x {tokens} tokens, {modes}, {loss}; measured on fake "
+        f"tensors{notes}): {where}: {top.num_layers} layers"
+        + (f" / tp {dims.tp}" if dims.tp > 1 else "")
+        + (f" x {top.in_flight:g} micro-batches in flight" if dims.pp > 1 else "")
+        + f" = {top.device_bytes / _GIB:.2f} GiB"
+        + (f" (+ {top.host_bytes / _GIB:.2f} GiB swapped to host)" if top.host_bytes else "")
+    )
+    verdict = ""
+    if "max_device_memory" in cfg.context.model_fields_set:
+        limit = cfg.context.max_device_memory
+        fits = top.peak_bytes <= float(limit.strip().upper()[:-2]) * 1e9
+        verdict = f"; {'fits' if fits else 'does NOT fit'} context.max_device_memory {limit}"
+    peak = (
+        f"predicted peak per rank ({where}): state {top.state_bytes / _GIB:.2f} GiB + activations "
+        f"{top.device_bytes / _GIB:.2f} GiB = {top.peak_bytes / _GIB:.2f} GiB{verdict}"
+    )
+    return [line, peak]
+
+
+def measure_plan_activations(
+    cfg: TrainConfig, micro: int, tokens: int, *, log: Callable[[str], None] | None = None
+) -> ActivationEstimate:
+    """One micro-batch ``[micro, tokens]`` of the configured model traced with its memory settings."""
+    from meshforge.checkpoint.hf import resolve_model_source
+    from meshforge.memory.apply import ActivationSettings
+    from meshforge.memory.estimate import measure_activations
+    from meshforge.utils.dtype import parse_dtype
+
+    source = resolve_model_source(cfg.model, log=log)
+    params_dtype = parse_dtype(cfg.model.params_dtype, key="model.params_dtype")
+    dtype = parse_dtype(cfg.model.compute_dtype, key="model.compute_dtype", default=params_dtype)
+    return measure_activations(
+        lambda: source.family.build(source.options),
+        ActivationSettings(cfg.recompute, cfg.recompute_comm, cfg.swap),
+        micro_batch=micro,
+        seq=tokens,
+        dtype=dtype,
+        chunk_loss_size=cfg.kernels.chunk_loss_size,
+    )

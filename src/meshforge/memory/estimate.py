@@ -1,0 +1,284 @@
+"""Activation memory of one micro-batch, measured on fake tensors, for the layout planner.
+
+The planner does not guess a formula per family: it builds the configured model under
+``FakeTensorMode`` (tensors with shapes, dtypes and a CPU device but no memory, so a 70B model
+costs nothing), applies the run's recompute and swap settings with the same code the trainer
+runs (``memory.apply``), and runs one forward (and the loss, chunked or not) at the rank's
+shapes under a :class:`~meshforge.memory.ledger.SavedTensorLedger` per decoder layer. Fake
+tensors take the CPU's kernel choices, so what attention saves is what a real CPU forward saves
+(the ledger of a real one-process forward equals it byte for byte on dense models); flash
+attention on CUDA saves the same output and log-sum-exp.
+
+Where a layer cannot run without data (MoE routing counts tokens per expert, then splits by
+those counts), its feed-forward is replaced by a pass-through for the trace and the experts
+are added by formula, for N tokens, k experts per token, expert width I, model width h and
+element size d: routed experts ``N*(h + k*(3h + 4I))*d`` (the block's input; per assignment the
+gathered input, gate, up, activation, product, output and its weighted copy) plus the router's
+``N*E*8`` (fp32 logits and probabilities); any other parameterised child of the feed-forward
+(shared experts) is a gated MLP ``N*(2h + 4I_s)*d``. On qwen3_moe this is within 1% of a real
+forward's ledger.
+That part is dropped when the layer or its feed-forward is recomputed, and moved to host when
+swapped. ``recompute_comm`` is not traced (it needs a TP mesh): its saving is not included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from meshforge.memory.ledger import SavedTensorLedger
+
+if TYPE_CHECKING:
+    from meshforge.memory.apply import ActivationSettings
+
+
+@dataclass
+class LayerBytes:
+    """Saved-for-backward bytes of one decoder layer for one micro-batch."""
+
+    device: int = 0
+    host: int = 0
+    formula: bool = False  # part of it comes from the MoE formula
+
+
+@dataclass
+class ActivationEstimate:
+    """One micro-batch's activations on one rank, before any tp division or PP scaling.
+
+    Attributes:
+        layers: Global layer index -> its bytes.
+        outside: Bytes saved outside the layers (embedding, final norm, head and loss).
+        notes: How parts were estimated (formula layers), for the plan's memory line.
+    """
+
+    layers: dict[int, LayerBytes] = field(default_factory=dict)
+    outside: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.outside + sum(b.device for b in self.layers.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b.host for b in self.layers.values())
+
+
+class _PassThrough(nn.Module):
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return x
+
+
+def _ffn_path(layer: nn.Module) -> str | None:
+    from meshforge.memory.names import match_submodules
+
+    found = match_submodules(layer, "mlp", key="mlp")
+    return found[0][0] if found else None
+
+
+def _set_child(layer: nn.Module, path: str, module: nn.Module) -> nn.Module:
+    parent_path, _, name = path.rpartition(".")
+    parent = layer.get_submodule(parent_path) if parent_path else layer
+    old = getattr(parent, name)
+    setattr(parent, name, module)
+    return old
+
+
+def _moe_formula(ffn: nn.Module, tokens: int, hidden: int, elem: int) -> int:
+    """Bytes an MoE feed-forward saves for ``tokens`` tokens (the module docstring's formula)."""
+    from meshforge.models.common.moe import ExpertsBase, TopKRouter
+
+    total = 0
+    handled: set[int] = set()
+    top_k = 1
+    for module in ffn.modules():
+        if isinstance(module, TopKRouter):
+            top_k = module.top_k
+            total += tokens * module.num_experts * 8
+            handled.update(id(m) for m in module.modules())
+    for module in ffn.modules():
+        if isinstance(module, ExpertsBase):
+            width = int(
+                module.down_proj.shape[-1]
+                if module.down_proj.shape[-1] != hidden
+                else module.down_proj.shape[-2]
+            )
+            total += tokens * (hidden + top_k * (3 * hidden + 4 * width)) * elem
+            handled.update(id(m) for m in module.modules())
+    for _, child in ffn.named_children():
+        if id(child) in handled:
+            continue
+        params = sum(p.numel() for p in child.parameters())
+        if params:
+            width = params // (3 * hidden)
+            total += tokens * (2 * hidden + 4 * width) * elem
+    return total
+
+
+def _covered(table: dict[int, list[str]], index: int, path: str) -> bool:
+    return any(p == "" or path == p or path.startswith(p + ".") for p in table.get(index, []))
+
+
+def measure_activations(
+    build: Callable[[], nn.Module],
+    settings: ActivationSettings,
+    *,
+    micro_batch: int,
+    seq: int,
+    dtype: torch.dtype,
+    chunk_loss_size: int | None,
+) -> ActivationEstimate:
+    """Trace one forward and loss of ``build()`` on fake tensors at ``[micro_batch, seq]``.
+
+    Args:
+        build: Builds the model (called under the meta device: no memory is allocated).
+        settings: The recompute and swap sections (``recompute_comm`` is ignored here).
+        dtype: The compute dtype (the model is cast to it).
+        chunk_loss_size: ``kernels.chunk_loss_size`` (None: the full-logits loss).
+
+    Raises:
+        NotImplementedError: A memory feature the settings ask for is not built.
+        ValueError: The settings name layers or modules the model does not have.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from meshforge.memory.apply import ActivationSettings, apply_activation_memory
+    from meshforge.memory.config import RecomputeCommConfig
+    from meshforge.memory.names import decoder_layers
+
+    estimate = ActivationEstimate()
+    with torch.device("meta"):
+        model = build().to(dtype)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        # Fake CPU tensors (meta ones would take the math attention path, not the CPU's).
+        model.to_empty(device="cpu")
+        layers = decoder_layers(model)
+        applied = apply_activation_memory(
+            model,
+            ActivationSettings(settings.recompute, RecomputeCommConfig(), settings.swap),
+            num_layers=len(layers),
+            tp_mesh=None,
+        )
+        embedding = model.get_submodule("model.embed_tokens")
+        assert isinstance(embedding, nn.Embedding)
+        hidden = int(embedding.weight.shape[-1])
+        elem = torch.empty((), dtype=dtype).element_size()
+        replaced = _trace(model, layers, estimate, micro_batch, seq, chunk_loss_size)
+        tokens = micro_batch * seq
+        for index, (path, ffn) in replaced.items():
+            part = _moe_formula(ffn, tokens, hidden, elem)
+            entry = estimate.layers[index]
+            entry.formula = True
+            if _covered(applied.recomputed, index, path):
+                continue
+            if _covered(applied.swapped, index, path):
+                entry.host += part
+            else:
+                entry.device += part
+        if replaced:
+            estimate.notes.append(
+                f"MoE feed-forward of {len(replaced)} layer(s) by formula (routing needs data)"
+            )
+    return estimate
+
+
+def _trace(
+    model: nn.Module,
+    layers: list[tuple[int, nn.Module]],
+    estimate: ActivationEstimate,
+    micro_batch: int,
+    seq: int,
+    chunk_loss_size: int | None,
+) -> dict[int, tuple[str, nn.Module]]:
+    """Run the traced forward; ``layer -> (path, module)`` of feed-forwards replaced for it.
+
+    A layer that fails (data-dependent routing) has its feed-forward swapped for a
+    pass-through, with every layer whose feed-forward is of the same class, and the forward
+    runs again.
+    """
+    from meshforge.loss import chunked_cross_entropy_sum, cross_entropy_sum
+
+    replaced: dict[int, tuple[str, nn.Module]] = {}
+    by_index = dict(layers)
+    for _attempt in range(len(layers) + 1):
+        estimate.layers = {index: LayerBytes() for index, _ in layers}
+        open_: list[tuple[int, _Recording]] = []
+        handles = []
+        for index, layer in layers:
+            handles.append(layer.register_forward_pre_hook(_enter(open_, estimate, index)))
+            handles.append(layer.register_forward_hook(_leave(open_)))
+        outer = SavedTensorLedger()
+        outer.exclude(model.parameters())
+        try:
+            with outer.recording():
+                ids = torch.zeros((micro_batch, seq), dtype=torch.long)
+                if chunk_loss_size:
+                    hidden = model(ids, return_hidden=True)
+                    head = model.get_submodule("lm_head")
+                    assert isinstance(head, nn.Linear)
+                    chunked_cross_entropy_sum(hidden, head.weight, ids, chunk_size=chunk_loss_size)
+                else:
+                    out = model(ids)
+                    cross_entropy_sum(out if isinstance(out, torch.Tensor) else out.logits, ids)
+            estimate.outside = outer.device_bytes
+            return replaced
+        except (RuntimeError, NotImplementedError) as err:
+            if "not supported yet" in str(err) or not open_:
+                raise
+            failed = open_[-1][0]
+            path = _ffn_path(by_index[failed])
+            if path is None or failed in replaced:
+                raise
+            kind = type(by_index[failed].get_submodule(path))
+            for index, layer in layers:
+                ffn_path = _ffn_path(layer)
+                if ffn_path is not None and type(layer.get_submodule(ffn_path)) is kind:
+                    replaced[index] = (ffn_path, _set_child(layer, ffn_path, _PassThrough()))
+        finally:
+            while open_:
+                open_.pop()[1].close()
+            for handle in handles:
+                handle.remove()
+    raise RuntimeError("the traced forward failed in every layer")
+
+
+def _enter(
+    open_: list[tuple[int, _Recording]], estimate: ActivationEstimate, index: int
+) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        open_.append((index, _Recording(module, estimate.layers[index])))
+
+    return hook
+
+
+def _leave(open_: list[tuple[int, _Recording]]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        open_.pop()[1].close()
+
+    return hook
+
+
+class _Recording:
+    """One layer forward's ledger, open from the layer's pre-hook to its post-hook.
+
+    ``close`` adds its totals to the layer's entry.
+    """
+
+    def __init__(self, layer: nn.Module, into: LayerBytes) -> None:
+        self.ledger = SavedTensorLedger()
+        self.ledger.exclude(layer.parameters())
+        self.into = into
+        self.ctx = self.ledger.recording()
+        self.ctx.__enter__()
+
+    def close(self) -> None:
+        self.ctx.__exit__(None, None, None)
+        self.into.device += self.ledger.device_bytes
+        self.into.host += self.ledger.host_bytes
+
+
+__all__ = ["ActivationEstimate", "LayerBytes", "measure_activations"]
