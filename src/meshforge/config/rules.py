@@ -127,13 +127,7 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
             )
         )
 
-    if cfg.recompute.modules and cfg.recompute.mode != "full":
-        issues.append(
-            (
-                "recompute.modules",
-                f"module patterns are recomputed whole: needs recompute.mode 'full', got '{cfg.recompute.mode}'",
-            )
-        )
+    issues += recompute_issues(cfg)
 
     family = _family(cfg)
     if family == "qwen3_next" and par.context_parallel > 1 and par.cp_method() != "ulysses":
@@ -248,6 +242,50 @@ def _stage_layer_issues(spec: list[str], num_layers: int) -> list[Issue]:
     if expected != num_layers:
         return [(path, f"stages cover layers 0..{expected - 1}; the model has {num_layers} layers")]
     return []
+
+
+def recompute_issues(cfg: TrainConfig) -> list[Issue]:
+    """`recompute` / `recompute_comm` keys that would change nothing, overlap, or name no operator."""
+    from meshforge.memory.ops import OP_ALIASES, is_operator_name
+
+    issues: list[Issue] = []
+    rec, comm = cfg.recompute, cfg.recompute_comm
+    if rec.modules and rec.mode != "full":
+        issues.append(
+            (
+                "recompute.modules",
+                f"module patterns are recomputed whole: needs recompute.mode 'full', got '{rec.mode}'",
+            )
+        )
+    if rec.mode == "None":
+        for key in ("full_recompute_layer", "select_module", "exclude_op"):
+            if getattr(rec, key):
+                issues.append(
+                    (f"recompute.{key}", "has no effect with recompute.mode 'None'; set mode 'full' or 'select'")
+                )
+    for i, op in enumerate(rec.exclude_op or []):
+        if not is_operator_name(op):
+            issues.append(
+                (
+                    f"recompute.exclude_op[{i}]",
+                    f"{op!r} is not an operator name: write 'aten.mm', 'mm', 'aten.mm.default' or one of "
+                    f"{', '.join(sorted(OP_ALIASES))}",
+                )
+            )
+    full = set(expand_layers(rec.full_recompute_layer or []))
+    for key, specs in (rec.select_module or {}).items():
+        both = sorted(full & set(expand_layers(specs)))
+        if both:
+            issues.append(
+                (
+                    f"recompute.select_module.{key}",
+                    f"layer {both[0]} is also in recompute.full_recompute_layer; a layer is recomputed "
+                    "whole or by module, not both",
+                )
+            )
+    if comm.select_module and not comm.enable:
+        issues.append(("recompute_comm.select_module", "has no effect without recompute_comm.enable: true"))
+    return issues
 
 
 def layer_issues(cfg: TrainConfig, num_layers: int) -> list[Issue]:
