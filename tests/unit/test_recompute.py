@@ -1,0 +1,324 @@
+"""Activation recompute in one process: same numbers, fewer saved bytes, clear errors.
+
+Each mode (full layers, MindSpeed module patterns, selected submodules with the reference's
+words and with transformers' names, kept operators) trains two real steps through the
+`Trainer` with losses and gradient norms bitwise equal to the run without it (deterministic
+mode; the recomputation runs the same kernels on the same inputs), on qwen3, qwen3_moe,
+deepseek_v3, qwen3_next and the generic transformers path. The saving is measured as the bytes
+autograd holds for backward (`SavedTensorLedger`): full recompute of every layer keeps a small
+fraction, attention-only and MLP-only sit in between. Bad keys fail before the model is built
+where the config alone tells, otherwise when the model is wrapped, each naming its key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshforge.config import ConfigError, load_config
+from meshforge.memory.config import RecomputeConfig
+from meshforge.memory.ledger import SavedTensorLedger
+from meshforge.memory.recompute import apply_recompute, resolve_ops
+from meshforge.trainer import Trainer
+from tests.conftest import REPO, write_corpus
+
+FAMILY_CONFIGS = {
+    name: REPO / "configs" / name / "tiny.yaml" for name in ("qwen3_moe", "deepseek_v3", "qwen3_next")
+}
+# Small enough for a few steps on one CPU core; the same micro-batches in every layout.
+SMALL = [
+    "--train_dataset.dataloader.seq_length=32",
+    "--training.local_batch_size=2",
+    "--training.global_batch_size=4",
+    "--model.num_hidden_layers=4",
+    "--model.hidden_size=64",
+    "--model.intermediate_size=128",
+    "--model.moe_intermediate_size=32",
+]
+SMALL_BY_FAMILY = {
+    "qwen3_moe": ["--model.head_dim=16"],
+    "deepseek_v3": [
+        "--model.q_lora_rank=32",
+        "--model.kv_lora_rank=16",
+        "--model.qk_nope_head_dim=16",
+        "--model.qk_rope_head_dim=8",
+        "--model.v_head_dim=16",
+    ],
+    "qwen3_next": [
+        "--model.head_dim=16",
+        "--model.linear_key_head_dim=16",
+        "--model.linear_value_head_dim=16",
+        "--model.shared_expert_intermediate_size=64",
+    ],
+}
+
+
+def family_overrides(family: str) -> list[str]:
+    """A 4-layer model of ``family`` with small widths (layers keep the family's kinds)."""
+    return [*SMALL, *SMALL_BY_FAMILY[family]]
+
+
+# (name, overrides) of each mode, for a 4-layer model.
+MODES: list[tuple[str, list[str]]] = [
+    ("full", ["--recompute.mode=full", "--recompute.full_recompute_layer=['0-3']"]),
+    ("modules", ["--recompute.mode=full", "--recompute.modules=['model.layers.{1-2}']"]),
+    (
+        "select",
+        ["--recompute.mode=select", "--recompute.select_module={'attention': ['0-1'], 'mlp': ['2-3']}"],
+    ),
+    (
+        "full+exclude_op",
+        [
+            "--recompute.mode=full",
+            "--recompute.full_recompute_layer=['0','2-3']",
+            "--recompute.exclude_op=['matmul', 'aten._softmax.default']",
+        ],
+    ),
+]
+
+
+def train_records(
+    config: Path, overrides: list[str], out: Path, *, steps: int = 2, log: Callable[[str], None] | None = None
+) -> list[tuple[float, float]]:
+    """`(loss, grad_norm)` of each step of a real training (no checkpoints), in this process."""
+    cfg = load_config(
+        str(config),
+        [
+            f"--training.steps={steps}",
+            "--training.deterministic=true",
+            "--checkpoint.enable_save=false",
+            f"--training.output_dir={out}",
+            *overrides,
+        ],
+    )
+    trainer = Trainer(cfg, log=log or (lambda _line: None))
+    trainer.setup()
+    try:
+        records = [trainer.train_step() for _ in range(steps)]
+    finally:
+        trainer.close()
+    return [(r["loss"], r["grad_norm"]) for r in records]
+
+
+def assert_same_runs(
+    config: Path, base: list[str], modes: list[tuple[str, list[str]]], out: Path, *, what: str
+) -> None:
+    """Each mode's steps equal the run without recompute, bitwise; the summary line says what ran."""
+    want = train_records(config, base, out / "none")
+    for name, extra in modes:
+        logs: list[str] = []
+        got = train_records(config, [*base, *extra], out / name.replace("+", "_"), log=logs.append)
+        assert got == want, (what, name, got, want)
+        summary = [line for line in logs if line.startswith("activation memory:")]
+        assert summary and "nothing applied" not in summary[0], (what, name, logs)
+
+
+def test_every_mode_trains_bitwise_like_no_recompute_on_qwen3(tiny_config: Path, tmp_path: Path) -> None:
+    words = (
+        "select transformers names",
+        [
+            "--recompute.mode=select",
+            "--recompute.select_module={'self_attn': ['0'], 'mlp\\.(gate|up)_proj': ['1']}",
+        ],
+    )
+    assert_same_runs(
+        tiny_config,
+        ["--model.num_hidden_layers=4"],
+        [*MODES, words],
+        tmp_path,
+        what="qwen3",
+    )
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_every_mode_trains_bitwise_like_no_recompute(family: str, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=60)
+    base = [*family_overrides(family), f"--train_dataset.dataloader.data_path={corpus}"]
+    modes = list(MODES)
+    modes.append(
+        ("select experts", ["--recompute.mode=select", "--recompute.select_module={'mlp.experts': ['1-3']}"])
+    )
+    assert_same_runs(FAMILY_CONFIGS[family], base, modes, tmp_path, what=family)
+
+
+def test_generic_path_trains_bitwise_like_no_recompute(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from meshforge.data.tokenizer import build_tokenizer
+    from tests.unit.test_generic_hf import MISTRAL, _config
+
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(transformers.MistralConfig(**MISTRAL)).save_pretrained(hf_dir)
+    build_tokenizer("meshforge://assets/tokenizer").save_pretrained(hf_dir)
+    modes = [
+        ("full", ["--recompute.mode=full", "--recompute.full_recompute_layer=['0-1']"]),
+        ("modules", ["--recompute.mode=full", "--recompute.modules=['model.layers.{*}']"]),
+        (
+            "select",
+            ["--recompute.mode=select", "--recompute.select_module={'attention': ['0'], 'mlp': ['1']}"],
+        ),
+    ]
+    assert_same_runs(_config(tmp_path, hf_dir), [], modes, tmp_path, what="generic")
+
+
+# --------------------------------------------------------------------------- saved bytes
+
+
+def _saved_bytes(cfg: RecomputeConfig | None) -> int:
+    """Bytes autograd holds after one forward of a 4-layer qwen3 whose activations dominate."""
+    from meshforge.models.qwen3.args import Qwen3Args
+    from meshforge.models.qwen3.model import build_qwen3
+
+    args = Qwen3Args(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    model = build_qwen3(args, device="cpu")
+    if cfg is not None:
+        apply_recompute(model, cfg, num_layers=4)
+    ids = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(0))
+    ledger = SavedTensorLedger()
+    ledger.exclude(model.parameters())
+    with ledger.recording():
+        logits = model(ids)
+    del logits
+    return ledger.device_bytes
+
+
+def test_saved_bytes_fall_with_full_and_select_recompute() -> None:
+    none = _saved_bytes(None)
+    full = _saved_bytes(RecomputeConfig(mode="full", full_recompute_layer=["0-3"]))
+    attention = _saved_bytes(RecomputeConfig(mode="select", select_module={"attention": ["0-3"]}))
+    mlp = _saved_bytes(RecomputeConfig(mode="select", select_module={"mlp": ["0-3"]}))
+    kept = _saved_bytes(RecomputeConfig(mode="full", full_recompute_layer=["0-3"], exclude_op=["matmul"]))
+    half = _saved_bytes(RecomputeConfig(mode="full", full_recompute_layer=["0-1"]))
+    assert full <= 0.15 * none, (full, none)
+    assert full < attention < none and full < mlp < none, (full, attention, mlp, none)
+    # Keeping the matmul outputs keeps part of each layer; half the layers save about half.
+    assert full < kept < none, (full, kept, none)
+    assert full < half < none and half == pytest.approx((none + full) / 2, rel=0.1), (full, half, none)
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+BASE_YAML = """
+model: {{model_type: qwen3, num_hidden_layers: 4}}
+train_dataset: {{dataloader: {{type: TextDataLoader, data_path: x.txt, seq_length: 8}}}}
+recompute: {recompute}
+"""
+
+
+def _load(tmp_path: Path, recompute: str, section: str = "recompute") -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(BASE_YAML.format(recompute=recompute).replace("recompute:", f"{section}:", 1))
+    load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    ("recompute", "key", "words"),
+    [
+        ("{mode: full, full_recompute_layer: ['0-4']}", "recompute.full_recompute_layer", "out of range"),
+        ("{mode: select, select_module: {mlp: ['4']}}", "recompute.select_module.mlp", "out of range"),
+        (
+            "{mode: full, full_recompute_layer: ['0-1'], select_module: {attention: ['1-2']}}",
+            "recompute.select_module.attention",
+            "layer 1 is also in recompute.full_recompute_layer",
+        ),
+        (
+            "{mode: select, select_module: {mlp: ['0']}, full_recompute_layer: ['1-0']}",
+            "full_recompute_layer",
+            "",
+        ),
+        ("{select_module: {mlp: ['0']}}", "recompute.select_module", "no effect"),
+        (
+            "{mode: full, full_recompute_layer: ['0'], exclude_op: ['mat mul']}",
+            "recompute.exclude_op[0]",
+            "not an operator",
+        ),
+        (
+            "{mode: select, modules: ['model.layers.{*}'], select_module: {mlp: ['0']}}",
+            "recompute.modules",
+            "needs recompute.mode 'full'",
+        ),
+    ],
+)
+def test_bad_recompute_keys_fail_at_load(tmp_path: Path, recompute: str, key: str, words: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, recompute)
+    assert key in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_recompute_comm_select_module_without_enable_fails_at_load(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="recompute_comm.select_module.*no effect"):
+        _load(tmp_path, "{select_module: {attention.qkv: ['0']}}", section="recompute_comm")
+
+
+def _tiny_meta_qwen3() -> torch.nn.Module:
+    from meshforge.models.qwen3.args import Qwen3Args
+    from meshforge.models.qwen3.model import build_qwen3
+
+    return build_qwen3(
+        Qwen3Args(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("cfg", "key", "words"),
+    [
+        (
+            RecomputeConfig(mode="select", select_module={"attn_typo": ["0"]}),
+            "recompute.select_module.attn_typo",
+            "matches no submodule of decoder layer(s) 0",
+        ),
+        (
+            RecomputeConfig(mode="full", modules=["model.layer.{*}"]),
+            "recompute.modules[0]",
+            "matches no module",
+        ),
+        (
+            RecomputeConfig(mode="full", full_recompute_layer=["0"], exclude_op=["aten.no_such_op"]),
+            "recompute.exclude_op[0]",
+            "not an aten operator",
+        ),
+        (
+            RecomputeConfig(mode="full", full_recompute_layer=["0-5"]),
+            "recompute.full_recompute_layer",
+            "out of range [0, 3]",
+        ),
+        (
+            RecomputeConfig(mode="full", modules=["model.layers.{0-1}"], select_module={"mlp": ["1"]}),
+            "recompute.select_module.mlp",
+            "also recomputed whole",
+        ),
+    ],
+)
+def test_bad_recompute_keys_fail_when_the_model_is_wrapped(
+    cfg: RecomputeConfig, key: str, words: str
+) -> None:
+    with pytest.raises(ValueError) as err:
+        apply_recompute(_tiny_meta_qwen3(), cfg, num_layers=4)
+    assert key in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_exclude_op_names_resolve_to_aten_operators() -> None:
+    aten = torch.ops.aten
+    assert resolve_ops(["aten.mm.default"]) == [aten.mm.default]
+    assert resolve_ops(["mm"]) == [aten.mm] == resolve_ops(["aten.mm"])
+    assert set(resolve_ops(["MatMul"])) == {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+    assert aten._scaled_dot_product_flash_attention_for_cpu in resolve_ops(["flash_attention"])
