@@ -256,6 +256,15 @@ def test_bad_recompute_keys_fail_at_load(tmp_path: Path, recompute: str, key: st
     assert key in str(err.value) and words in str(err.value), str(err.value)
 
 
+def test_exclude_op_with_a_split_backward_schedule_fails_at_load(tmp_path: Path) -> None:
+    path = tmp_path / "zbv.yaml"
+    recompute = "{mode: full, full_recompute_layer: ['0'], exclude_op: [matmul]}"
+    pp = "parallelism: {pipeline_parallel: 2, pipeline_parallel_schedule: ZBV, pipeline_parallel_interleave_num: 2}"
+    path.write_text(BASE_YAML.format(recompute=recompute) + pp + "\n")
+    with pytest.raises(ConfigError, match=r"recompute.exclude_op: .*one backward per region"):
+        load_config(str(path))
+
+
 def test_recompute_comm_select_module_without_enable_fails_at_load(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="recompute_comm.select_module.*no effect"):
         _load(tmp_path, "{select_module: {attention.qkv: ['0']}}", section="recompute_comm")
@@ -322,3 +331,43 @@ def test_exclude_op_names_resolve_to_aten_operators() -> None:
     assert resolve_ops(["mm"]) == [aten.mm] == resolve_ops(["aten.mm"])
     assert set(resolve_ops(["MatMul"])) == {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
     assert aten._scaled_dot_product_flash_attention_for_cpu in resolve_ops(["flash_attention"])
+
+
+class _Swapping(torch.nn.Module):
+    """A module whose pre-hook swaps its parameter for a derived tensor and whose hook swaps it
+    back (as TP's handling of a replicated expert block and a token mixer's local heads do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(-1, 1, 16).reshape(4, 4))
+        self.calls = 0
+        self.register_forward_pre_hook(self._swap_in)
+        self.register_forward_hook(self._swap_back)
+
+    @staticmethod
+    def _swap_in(module: torch.nn.Module, _args: object) -> None:
+        module.__dict__["stash"] = module._parameters["weight"]
+        module._parameters["weight"] = module.__dict__["stash"] * 2  # type: ignore[assignment]
+
+    @staticmethod
+    def _swap_back(module: torch.nn.Module, _args: object, _out: object) -> None:
+        module._parameters["weight"] = module.__dict__.pop("stash")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(x @ self.weight) @ self.weight
+
+
+def test_the_recomputation_reruns_the_module_hooks_to_the_end() -> None:
+    from meshforge.memory.recompute import checkpoint_module
+
+    x = torch.linspace(-2, 2, 12).reshape(3, 4)
+    plain, wrapped = _Swapping(), _Swapping()
+    checkpoint_module(wrapped)
+    assert isinstance(wrapped, _Swapping) and [n for n, _ in wrapped.named_parameters()] == ["weight"]
+    for module in (plain, wrapped):
+        module(x).sum().backward()
+    # The hooks ran around the recomputation too: the parameter is a leaf again, with the
+    # same gradient; the forward ran twice.
+    assert wrapped.weight.is_leaf and wrapped.calls == 2 and plain.calls == 1
+    assert torch.equal(wrapped.weight.grad, plain.weight.grad)

@@ -244,6 +244,10 @@ def _stage_layer_issues(spec: list[str], num_layers: int) -> list[Issue]:
     return []
 
 
+# Pipeline schedules (as written, case/`_`/`-` ignored) that split backward into input and weights.
+_SPLIT_BACKWARD_SCHEDULES = frozenset({"interleavedzerobubble", "zerobubble", "zb", "zbv", "zbvzerobubble"})
+
+
 def recompute_issues(cfg: TrainConfig) -> list[Issue]:
     """`recompute` / `recompute_comm` keys that would change nothing, overlap, or name no operator."""
     from meshforge.memory.ops import OP_ALIASES, is_operator_name
@@ -261,7 +265,10 @@ def recompute_issues(cfg: TrainConfig) -> list[Issue]:
         for key in ("full_recompute_layer", "select_module", "exclude_op"):
             if getattr(rec, key):
                 issues.append(
-                    (f"recompute.{key}", "has no effect with recompute.mode 'None'; set mode 'full' or 'select'")
+                    (
+                        f"recompute.{key}",
+                        "has no effect with recompute.mode 'None'; set mode 'full' or 'select'",
+                    )
                 )
     for i, op in enumerate(rec.exclude_op or []):
         if not is_operator_name(op):
@@ -272,6 +279,18 @@ def recompute_issues(cfg: TrainConfig) -> list[Issue]:
                     f"{', '.join(sorted(OP_ALIASES))}",
                 )
             )
+    par = cfg.parallelism
+    schedule = str(par.pipeline_parallel_schedule).lower().replace("_", "").replace("-", "")
+    split = schedule in _SPLIT_BACKWARD_SCHEDULES or par.pipeline_parallel_enable_dxdw_split
+    if rec.exclude_op and rec.mode != "None" and par.pipeline_parallel > 1 and split:
+        issues.append(
+            (
+                "recompute.exclude_op",
+                "kept operators use PyTorch's selective checkpoint, which allows one backward per "
+                "region; the zero-bubble split backward (input, then weights) runs two: recompute "
+                "without exclude_op, or use a 1f1b/interleaved schedule",
+            )
+        )
     full = set(expand_layers(rec.full_recompute_layer or []))
     for key, specs in (rec.select_module or {}).items():
         both = sorted(full & set(expand_layers(specs)))

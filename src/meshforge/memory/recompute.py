@@ -1,11 +1,12 @@
 """Activation recomputation: full layers, selected submodules, kept operators.
 
-A selected module's ``forward`` is replaced in place by one that runs the original inside a
-non-reentrant ``torch.utils.checkpoint``: autograd keeps only the region's inputs, and the
-region runs again in backward when its first saved tensor is needed. Nothing is added to the
-module tree, so parameter names, module patterns (TP, FSDP units), hooks registered on the
-module and checkpoints all stay as they were; hooks outside the region (FSDP's unshard, TP's
-input preparation of the module itself) run once, those inside run again with the region.
+Each call of a selected module runs inside a non-reentrant ``torch.utils.checkpoint``: autograd
+keeps only the call's inputs, and the call runs again in backward when its first saved tensor
+is needed. The region is the module's whole call, hooks included (TP's input preparation, a
+token mixer's parameter swap, FSDP's unshard, which stands aside in backward), so the
+recomputation sees what the first run saw; the module's class is swapped for a subclass that
+does this (as FSDP2 does), and nothing is added to the module tree: parameter names, module
+patterns (TP, FSDP units) and checkpoints stay as they were.
 
 ``recompute.exclude_op`` keeps the outputs of the named operators inside every recomputed
 region (``create_selective_checkpoint_contexts`` with a policy, as torchtitan's selective-op
@@ -14,7 +15,6 @@ AC does); the rest of the region is recomputed.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -35,7 +35,6 @@ from meshforge.memory.ledger import SavedTensorLedger, active_ledger
 from meshforge.memory.names import decoder_layers, layer_indices, match_submodules, no_match_error
 from meshforge.memory.ops import OP_ALIASES
 
-_MARK = "_meshforge_recompute"
 # How many recomputed regions the current forward (or its recomputation) runs inside.
 _DEPTH = [0]
 
@@ -151,40 +150,70 @@ def _context_fn(
     return context
 
 
+_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+_OPS = "_meshforge_recompute_ops"
+
+
+def _recomputed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` with a ``__call__`` that runs the whole module call as one checkpointed region.
+
+    The region is the call, not only ``forward``: the module's own hooks (TP's input
+    preparation, a token mixer's parameter swap, FSDP's unshard, which stands aside in
+    backward) run again with the recomputation, so it sees exactly what the first run saw.
+    """
+    made = _CLASSES.get(cls)
+    if made is None:
+        base_call = cls.__call__
+
+        def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _checkpointed_call(self, base_call, args, kwargs)
+
+        made = type(f"Recomputed{cls.__name__}", (cls,), {"__call__": __call__, "__module__": cls.__module__})
+        _CLASSES[cls] = made
+    return made
+
+
+def _checkpointed_call(
+    module: nn.Module, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    if not torch.is_grad_enabled() or in_recomputed_region():
+        # Evaluation saves nothing; inside another region (or its recomputation) the outer
+        # checkpoint already recomputes this module.
+        return call(module, *args, **kwargs)
+    if kwargs.get("past_key_values") is not None:
+        # A cache updated by the forward would be updated again by the recomputation.
+        kwargs = {**kwargs, "past_key_values": None}
+    ledger = active_ledger()
+    if ledger is not None:
+        # The checkpoint holds the region's inputs (the rest is recomputed).
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                ledger.add(leaf)
+
+    def run(*inputs: Any) -> Any:
+        with _region():
+            return call(module, *inputs, **kwargs)
+
+    # Keyword arguments go through the closure: none can clash with checkpoint's own. The
+    # recomputation runs to the end (no early stop): hooks that undo what a pre-hook did (a
+    # parameter swapped for its local shard, then back) must run in it as they did in forward.
+    return checkpoint(run, *args, use_reentrant=False, context_fn=module.__dict__[_OPS], early_stop=False)
+
+
 def checkpoint_module(module: nn.Module, *, ops: Sequence[Any] = ()) -> None:
-    """Make ``module.forward`` a non-reentrant checkpointed region, in place (idempotent).
+    """Make every call of ``module`` a non-reentrant checkpointed region, in place (idempotent).
+
+    The module's class becomes a subclass of its class (as FSDP2's ``fully_shard`` does): the
+    module tree, parameter names and ``isinstance`` checks are unchanged.
 
     Args:
         ops: operators whose outputs are kept inside the region (a selective policy); empty:
             everything but the inputs is recomputed.
     """
-    if getattr(module, _MARK, False):
+    if _OPS in module.__dict__:
         return
-    original = module.forward
-    context_fn = _context_fn(ops) if ops else noop_context_fn
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with _region():
-            return original(*args, **kwargs)
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return original(*args, **kwargs)  # evaluation: nothing is saved for backward
-        if kwargs.get("past_key_values") is not None:
-            # A cache updated by the forward would be updated again by the recomputation.
-            kwargs["past_key_values"] = None
-        ledger = active_ledger()
-        if ledger is not None and not in_recomputed_region():
-            # The checkpoint holds the region's inputs (the rest is recomputed).
-            for leaf in tree_leaves((args, kwargs)):
-                if isinstance(leaf, torch.Tensor):
-                    ledger.add(leaf)
-        # Keyword arguments go through the closure: none can clash with checkpoint's own.
-        return checkpoint(functools.partial(run, **kwargs), *args, use_reentrant=False, context_fn=context_fn)
-
-    module.forward = forward
-    setattr(module, _MARK, True)
+    module.__dict__[_OPS] = _context_fn(ops) if ops else noop_context_fn
+    module.__class__ = _recomputed_class(type(module))
 
 
 def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

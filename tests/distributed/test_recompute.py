@@ -1,0 +1,194 @@
+"""Recompute and communication recompute in every 2-rank layout: the same numbers, less held.
+
+One spawn of 2 gloo processes runs each case as real trainings through the `Trainer` (two
+steps, deterministic mode): without recompute, then with each mode; the losses and gradient
+norms must be bitwise equal (a recomputed region runs the same kernels and collectives on the
+same inputs). Layouts: FSDP dp2, tp2 with `recompute_comm` (alone, with full and with select
+recompute on the same layers), cp2, pp2 with 1f1b and with the zero-bubble ZBV schedule (split
+input/weight backward), ep2; families qwen3, qwen3_moe, deepseek_v3 (MLA), qwen3_next (Gated
+DeltaNet) and the generic transformers path.
+
+Under tp2 the bytes autograd holds for backward (`SavedTensorLedger`) show the communication
+recompute's saving: the all-gathered inputs of q/k/v and of the MLP projections are held as
+their sequence shards, so less is held than without it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, TINY_CONFIG, write_corpus
+from tests.distributed._spawn import run_workers
+from tests.unit.test_recompute import family_overrides, train_records
+
+pytestmark = pytest.mark.slow
+
+FULL = ["--recompute.mode=full", "--recompute.full_recompute_layer=['0-3']"]
+SELECT = ["--recompute.mode=select", "--recompute.select_module={'attention': ['0-1'], 'mlp': ['2-3']}"]
+KEEP_MM = [
+    "--recompute.mode=full",
+    "--recompute.full_recompute_layer=['1-2']",
+    "--recompute.exclude_op=['matmul']",
+]
+COMM = [
+    "--recompute_comm.enable=true",
+    "--recompute_comm.select_module={'attention.qkv': ['0-3'], 'mlp': ['0-2']}",
+]
+TP2 = ["--parallelism.tensor_parallel=2"]
+PP2 = ["--parallelism.pipeline_parallel=2"]
+
+
+def _cases(root: Path) -> list[tuple[str, Path, list[str], list[tuple[str, list[str]]]]]:
+    """(name, config, layout overrides, [(mode name, overrides)])."""
+    qwen3 = root / "tiny.yaml"
+    corpus = f"--train_dataset.dataloader.data_path={root / 'corpus.jsonl'}"
+    family = {
+        name: (REPO / "configs" / name / "tiny.yaml", [*family_overrides(name), corpus])
+        for name in ("qwen3_moe", "deepseek_v3", "qwen3_next")
+    }
+    layers4 = ["--model.num_hidden_layers=4"]
+    moe, moe_small = family["qwen3_moe"]
+    ds, ds_small = family["deepseek_v3"]
+    nxt, nxt_small = family["qwen3_next"]
+    experts = ["--recompute.mode=select", "--recompute.select_module={'mlp.experts': ['0-3']}"]
+    return [
+        ("qwen3 dp2", qwen3, layers4, [("full", FULL), ("select", SELECT), ("keep mm", KEEP_MM)]),
+        (
+            "qwen3 tp2",
+            qwen3,
+            [*layers4, *TP2],
+            [("comm", COMM), ("comm+full", [*COMM, *FULL]), ("comm+select", [*COMM, *SELECT])],
+        ),
+        (
+            "qwen3 cp2",
+            qwen3,
+            [*layers4, "--parallelism.context_parallel=2"],
+            [("full", FULL), ("select", SELECT)],
+        ),
+        ("qwen3 pp2 1f1b", qwen3, [*layers4, *PP2], [("full", FULL), ("select", SELECT)]),
+        (
+            "qwen3 pp2 zbv",
+            qwen3,
+            [
+                *layers4,
+                *PP2,
+                "--parallelism.pipeline_parallel_schedule=zbv",
+                "--parallelism.pipeline_parallel_interleave_num=2",
+            ],
+            [("full", FULL), ("select", SELECT)],
+        ),
+        (
+            "qwen3_moe ep2",
+            moe,
+            [*moe_small, "--parallelism.expert_parallel=2"],
+            [("full", FULL), ("experts", experts)],
+        ),
+        (
+            "deepseek_v3 ep2",
+            ds,
+            [*ds_small, "--parallelism.expert_parallel=2"],
+            [("full", FULL), ("select", SELECT)],
+        ),
+        ("deepseek_v3 tp2", ds, [*ds_small, *TP2], [("comm", COMM), ("comm+select", [*COMM, *SELECT])]),
+        ("qwen3_next tp2", nxt, [*nxt_small, *TP2], [("comm", COMM), ("comm+full", [*COMM, *FULL])]),
+        ("qwen3_next pp2 1f1b", nxt, [*nxt_small, *PP2], [("full", FULL), ("select", SELECT)]),
+        (
+            "qwen3_moe pp2 zbv",
+            moe,
+            [
+                *moe_small,
+                *PP2,
+                "--parallelism.pipeline_parallel_schedule=zbv",
+                "--parallelism.pipeline_parallel_interleave_num=2",
+            ],
+            [("full", FULL)],
+        ),
+        (
+            "generic dp2",
+            root / "generic.yaml",
+            ["--training.local_batch_size=1"],
+            [
+                ("full", ["--recompute.mode=full", "--recompute.modules=['model.layers.{*}']"]),
+                (
+                    "select",
+                    [
+                        "--recompute.mode=select",
+                        "--recompute.select_module={'attention': ['0'], 'mlp': ['1']}",
+                    ],
+                ),
+            ],
+        ),
+    ]
+
+
+def _held_bytes_under_tp2(root: Path, comm: bool) -> int:
+    """Bytes held for backward by one qwen3 forward on this TP rank (parameters excluded)."""
+    from meshforge.config import load_config
+    from meshforge.memory.ledger import SavedTensorLedger
+    from meshforge.trainer import Trainer
+
+    extra = COMM if comm else []
+    cfg = load_config(
+        str(root / "tiny.yaml"),
+        [
+            "--model.num_hidden_layers=4",
+            *TP2,
+            *extra,
+            "--checkpoint.enable_save=false",
+            f"--training.output_dir={root / 'ledger'}",
+        ],
+    )
+    trainer = Trainer(cfg, log=lambda _line: None)
+    trainer.setup()
+    try:
+        batch = trainer._to_device(next(trainer.data_iter))
+        ledger = SavedTensorLedger()
+        ledger.exclude(trainer.model.parameters())
+        with ledger.recording():
+            loss = trainer._loss_sum(batch)
+        loss.backward()  # the re-gathers run here, in the same order on both ranks
+    finally:
+        trainer.close()
+    return ledger.device_bytes
+
+
+def _worker(rank: int, world: int, root: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    folder = Path(root)
+    failures: list[str] = []
+    for name, config, layout, modes in _cases(folder):
+        out = folder / name.replace(" ", "_")
+        want = train_records(config, layout, out / "none")
+        for mode, extra in modes:
+            logs: list[str] = []
+            got = train_records(config, [*layout, *extra], out / mode.replace(" ", "_"), log=logs.append)
+            if got != want:
+                failures.append(f"{name} {mode}: {got} != {want}")
+            applied = [line for line in logs if line.startswith("activation memory:")]
+            if not applied or "nothing applied" in applied[0]:
+                failures.append(f"{name} {mode}: nothing applied ({applied})")
+            elif "recompute_comm" in " ".join(extra) and "recompute_comm" not in applied[0]:
+                failures.append(f"{name} {mode}: no communication recompute in {applied[0]}")
+    plain, comm = _held_bytes_under_tp2(folder, comm=False), _held_bytes_under_tp2(folder, comm=True)
+    if not comm < plain:
+        failures.append(f"tp2: recompute_comm holds {comm} bytes, without it {plain}")
+    assert not failures, "\n".join(failures)
+
+
+def test_recompute_in_every_layout_equals_no_recompute(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from meshforge.data.tokenizer import build_tokenizer
+    from tests.unit.test_generic_hf import MISTRAL, TRAIN_YAML
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.format(data=corpus))
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(transformers.MistralConfig(**MISTRAL)).save_pretrained(hf_dir)
+    build_tokenizer("meshforge://assets/tokenizer").save_pretrained(hf_dir)
+    (tmp_path / "generic.yaml").write_text(TRAIN_YAML.format(data=corpus, model=hf_dir, extra=""))
+    run_workers(_worker, 2, str(tmp_path), timeout=1500)
