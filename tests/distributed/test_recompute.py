@@ -9,8 +9,9 @@ input/weight backward), ep2; families qwen3, qwen3_moe, deepseek_v3 (MLA), qwen3
 DeltaNet) and the generic transformers path.
 
 Under tp2 the bytes autograd holds for backward (`SavedTensorLedger`) show the communication
-recompute's saving: the all-gathered inputs of q/k/v and of the MLP projections are held as
-their sequence shards, so less is held than without it.
+recompute's saving on qwen3, deepseek_v3 (MLA's first projections) and qwen3_next (Gated
+DeltaNet's input projections, gated attention, MoE blocks): each selected all-gathered input is
+held as its sequence shard, exactly half its bytes on 2 ranks.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshforge.memory.ledger import SavedTensorLedger
 from tests.conftest import REPO, TINY_CONFIG, write_corpus
 from tests.distributed._spawn import run_workers
 from tests.unit.test_recompute import family_overrides, train_records
@@ -125,28 +127,32 @@ def _cases(root: Path) -> list[tuple[str, Path, list[str], list[tuple[str, list[
     ]
 
 
-def _held_bytes_under_tp2(root: Path, comm: bool) -> int:
-    """Bytes held for backward by one qwen3 forward on this TP rank (parameters excluded)."""
+class _KeepingLedger(SavedTensorLedger):
+    """A ledger that keeps what it counted alive while it records.
+
+    The ledger tells storages apart by address; a tensor saved by a part of the graph that the
+    forward drops again (statistics computed with grad, then discarded) is freed, and a later
+    tensor at the same address would go uncounted. Kept alive, no two storages share one.
+    """
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self._keep.append(tensor)
+        super().add(tensor)
+
+
+def _held_bytes_under_tp2(config: Path, overrides: list[str], out: Path) -> int:
+    """Bytes held for backward by one forward on this TP rank (parameters excluded)."""
     from meshforge.config import load_config
-    from meshforge.memory.ledger import SavedTensorLedger
     from meshforge.trainer import Trainer
 
-    extra = COMM if comm else []
     cfg = load_config(
-        str(root / "tiny.yaml"),
-        [
-            "--model.num_hidden_layers=4",
-            *TP2,
-            *extra,
-            "--checkpoint.enable_save=false",
-            f"--training.output_dir={root / 'ledger'}",
-        ],
+        str(config), [*overrides, *TP2, "--checkpoint.enable_save=false", f"--training.output_dir={out}"]
     )
     trainer = Trainer(cfg, log=lambda _line: None)
     trainer.setup()
     try:
         batch = trainer._to_device(next(trainer.data_iter))
-        ledger = SavedTensorLedger()
+        ledger = _KeepingLedger()
         ledger.exclude(trainer.model.parameters())
         with ledger.recording():
             loss = trainer._loss_sum(batch)
@@ -173,9 +179,33 @@ def _worker(rank: int, world: int, root: str) -> None:
                 failures.append(f"{name} {mode}: nothing applied ({applied})")
             elif "recompute_comm" in " ".join(extra) and "recompute_comm" not in applied[0]:
                 failures.append(f"{name} {mode}: no communication recompute in {applied[0]}")
-    plain, comm = _held_bytes_under_tp2(folder, comm=False), _held_bytes_under_tp2(folder, comm=True)
-    if not comm < plain:
-        failures.append(f"tp2: recompute_comm holds {comm} bytes, without it {plain}")
+    corpus = f"--train_dataset.dataloader.data_path={folder / 'corpus.jsonl'}"
+    for family, config, overrides in (
+        ("qwen3", folder / "tiny.yaml", ["--model.num_hidden_layers=4"]),
+        (
+            "deepseek_v3",
+            REPO / "configs" / "deepseek_v3" / "tiny.yaml",
+            [*family_overrides("deepseek_v3"), corpus],
+        ),
+        (
+            "qwen3_next",
+            REPO / "configs" / "qwen3_next" / "tiny.yaml",
+            [*family_overrides("qwen3_next"), corpus],
+        ),
+    ):
+        out = folder / f"ledger_{family}"
+        plain = _held_bytes_under_tp2(config, overrides, out)
+        comm = _held_bytes_under_tp2(config, [*overrides, *COMM], out)
+        if rank == 0:
+            print(f"tp2 {family}: held for backward {plain} bytes, with recompute_comm {comm}", flush=True)
+        # Each of the 7 gathered inputs COMM names (q/k/v of 4 layers, MLP of 3) is held as its
+        # half instead of whole: micro-batch 2 x sequence 32 x hidden 64 float32 values.
+        gathered = 2 * 32 * 64 * 4
+        if plain - comm != 7 * gathered // 2:
+            failures.append(
+                f"tp2 {family}: recompute_comm holds {comm} bytes, without it {plain}; expected "
+                f"{7 * gathered // 2} less"
+            )
     assert not failures, "\n".join(failures)
 
 
