@@ -179,6 +179,14 @@ def _worker(rank: int, world: int, root: str) -> None:
                 failures.append(f"{name} {mode}: nothing applied ({applied})")
             elif "recompute_comm" in " ".join(extra) and "recompute_comm" not in applied[0]:
                 failures.append(f"{name} {mode}: no communication recompute in {applied[0]}")
+    # A module whose input is not the gathered sequence (o_proj reads the attention's output).
+    wrong = ["--recompute_comm.enable=true", "--recompute_comm.select_module={'self_attn.o_proj': ['0']}"]
+    try:
+        train_records(folder / "tiny.yaml", ["--model.num_hidden_layers=4", *TP2, *wrong], folder / "wrong")
+        failures.append("tp2: recompute_comm on o_proj was accepted")
+    except ValueError as err:
+        if "recompute_comm.select_module.self_attn.o_proj" not in str(err):
+            failures.append(f"tp2: recompute_comm on o_proj: {err}")
     corpus = f"--train_dataset.dataloader.data_path={folder / 'corpus.jsonl'}"
     for family, config, overrides in (
         ("qwen3", folder / "tiny.yaml", ["--model.num_hidden_layers=4"]),

@@ -371,3 +371,27 @@ def test_the_recomputation_reruns_the_module_hooks_to_the_end() -> None:
     # same gradient; the forward ran twice.
     assert wrapped.weight.is_leaf and wrapped.calls == 2 and plain.calls == 1
     assert torch.equal(wrapped.weight.grad, plain.weight.grad)
+
+
+def test_recompute_comm_without_tp_is_a_warned_no_op_whose_keys_are_still_checked(tmp_path: Path) -> None:
+    from meshforge.config.noops import noop_notes
+    from meshforge.memory.comm import apply_comm_recompute
+    from meshforge.memory.config import RecomputeCommConfig
+
+    path = tmp_path / "comm.yaml"
+    path.write_text(
+        BASE_YAML.format(recompute="{}")
+        + "recompute_comm: {enable: true, select_module: {attention.qkv: ['0']}}\n"
+    )
+    notes = dict(noop_notes(load_config(str(path)), "cpu"))
+    assert "nothing is all-gathered" in notes["recompute_comm.enable"]
+    tp2 = load_config(str(path), ["--parallelism.tensor_parallel=2"])
+    assert "recompute_comm.enable" not in dict(noop_notes(tp2, "cpu"))
+    model = _tiny_meta_qwen3()
+    cfg = RecomputeCommConfig(enable=True, select_module={"attention.qkv": ["0-3"]})
+    assert apply_comm_recompute(model, cfg, num_layers=4, tp_mesh=None) == {}
+    bad = RecomputeCommConfig(enable=True, select_module={"attention.qvk": ["1"]})
+    with pytest.raises(
+        ValueError, match=r"recompute_comm.select_module.attention.qvk: .* decoder layer\(s\) 1"
+    ):
+        apply_comm_recompute(model, bad, num_layers=4, tp_mesh=None)

@@ -169,7 +169,11 @@ def _wrap(module: nn.Module, chain: list[nn.Module], key: str) -> None:
             return original(*args, **kwargs)
         regather = _regather_for(chain, args[0], key, verified)
         if regather is None:
-            return original(*args, **kwargs)
+            raise ValueError(
+                f"{key}: the input of {type(module).__name__} is not an all-gathered sequence, so "
+                "there is nothing to gather again; name the module that reads the gathered input "
+                "(attention.qkv, attention, mlp)"
+            )
         with torch.autograd.graph.saved_tensors_hooks(_pack_hook(regather), _unpack):
             return original(*args, **kwargs)
 
@@ -187,9 +191,14 @@ def apply_comm_recompute(
 
     Raises:
         ValueError: a layer beyond ``num_layers`` or a module key that matches nothing in a
-            listed layer (naming ``recompute_comm.select_module.<key>``).
+            listed layer (naming ``recompute_comm.select_module.<key>``); on a module's first
+            forward, when its input is not the all-gathered sequence.
     """
+    from meshforge.parallel.tensor import sequence_shards
+
     layers = dict(decoder_layers(model))
+    # TP without sequence parallelism (the generic path) gathers nothing: only check the keys.
+    gathered = tp_mesh is not None and sequence_shards(model) > 1
     applied: dict[int, list[str]] = {}
     recorders: set[int] = set()
     for key, specs in (cfg.select_module or {}).items():
@@ -203,7 +212,7 @@ def apply_comm_recompute(
             found = match_submodules(layer, key, key=path_key)
             if not found:
                 raise no_match_error(path_key, key, layer, [index])
-            if tp_mesh is None:
+            if not gathered:
                 continue
             for sub, module in found:
                 if module.__dict__.get(_MARK):
