@@ -133,6 +133,30 @@ def test_every_mode_trains_bitwise_like_no_recompute_on_qwen3(tiny_config: Path,
     )
 
 
+def test_recompute_composes_with_chunked_micro_batches_and_the_chunked_loss(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    modes = [MODES[0], MODES[2]]
+    chunks = ["--parallelism.enable_chunk_batch=true", "--parallelism.chunk_mbs=2"]
+    assert_same_runs(
+        tiny_config, ["--model.num_hidden_layers=4", *chunks], modes, tmp_path / "c", what="chunks"
+    )
+    loss = ["--kernels.chunk_loss_size=16"]
+    assert_same_runs(tiny_config, ["--model.num_hidden_layers=4", *loss], modes, tmp_path / "l", what="loss")
+
+
+@pytest.mark.slow
+def test_recompute_composes_with_compile(tiny_config: Path, tmp_path: Path) -> None:
+    # A cold torch.compile of the blocks takes most of a minute here: one mode.
+    assert_same_runs(
+        tiny_config,
+        ["--model.num_hidden_layers=4", "--kernels.compile=true"],
+        [MODES[0]],
+        tmp_path,
+        what="compile",
+    )
+
+
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
 def test_every_mode_trains_bitwise_like_no_recompute(family: str, tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=60)
