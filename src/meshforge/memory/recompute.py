@@ -15,6 +15,7 @@ AC does); the rest of the region is recomputed.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -35,22 +36,29 @@ from meshforge.memory.ledger import SavedTensorLedger, active_ledger
 from meshforge.memory.names import decoder_layers, layer_indices, match_submodules, no_match_error
 from meshforge.memory.ops import OP_ALIASES
 
-# How many recomputed regions the current forward (or its recomputation) runs inside.
-_DEPTH = [0]
+
+class _Depth(threading.local):
+    """How many recomputed regions this thread runs inside (a recomputation runs on the thread
+    autograd runs backward on, an accelerator's own thread)."""
+
+    value = 0
+
+
+_DEPTH = _Depth()
 
 
 def in_recomputed_region() -> bool:
     """Whether a recomputed region is running now (its saved tensors are the checkpoint's)."""
-    return _DEPTH[0] > 0
+    return _DEPTH.value > 0
 
 
 @contextmanager
 def _region() -> Iterator[None]:
-    _DEPTH[0] += 1
+    _DEPTH.value += 1
     try:
         yield
     finally:
-        _DEPTH[0] -= 1
+        _DEPTH.value -= 1
 
 
 def resolve_ops(names: Sequence[str] | None) -> list[Any]:
