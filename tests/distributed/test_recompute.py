@@ -3,10 +3,12 @@
 One spawn of 2 gloo processes runs each case as real trainings through the `Trainer` (two
 steps, deterministic mode): without recompute, then with each mode; the losses and gradient
 norms must be bitwise equal (a recomputed region runs the same kernels and collectives on the
-same inputs). Layouts: FSDP dp2, tp2 with `recompute_comm` (alone, with full and with select
-recompute on the same layers), cp2, pp2 with 1f1b and with the zero-bubble ZBV schedule (split
-input/weight backward), ep2; families qwen3, qwen3_moe, deepseek_v3 (MLA), qwen3_next (Gated
-DeltaNet) and the generic transformers path.
+same inputs). Every family (qwen3, qwen3_moe, deepseek_v3 with MLA, qwen3_next with Gated
+DeltaNet) runs in every layout: FSDP dp2 (with kept matmuls too), tp2 with `recompute_comm`
+(alone, with full and with select recompute on the same layers), cp2 (Ulysses), pp2 with 1f1b
+and with the zero-bubble ZBV schedule (split input/weight backward), ep2 (routed experts
+selected too); the generic transformers path with dp2, tp2 and pp2. A module that does not read
+a gathered input is refused for communication recompute, naming the key.
 
 Under tp2 the bytes autograd holds for backward (`SavedTensorLedger`) show the communication
 recompute's saving on qwen3, deepseek_v3 (MLA's first projections) and qwen3_next (Gated
@@ -44,87 +46,62 @@ TP2 = ["--parallelism.tensor_parallel=2"]
 PP2 = ["--parallelism.pipeline_parallel=2"]
 
 
+ZBV = [
+    *PP2,
+    "--parallelism.pipeline_parallel_schedule=zbv",
+    "--parallelism.pipeline_parallel_interleave_num=2",
+]
+# Layout -> overrides; every family runs in every layout it supports.
+LAYOUTS: dict[str, list[str]] = {
+    "dp2": [],
+    "tp2": TP2,
+    "cp2": ["--parallelism.context_parallel=2", "--parallelism.context_parallel_method=ulysses"],
+    "pp2 1f1b": PP2,
+    "pp2 zbv": ZBV,
+    "ep2": ["--parallelism.expert_parallel=2"],
+}
+EXPERTS = ["--recompute.mode=select", "--recompute.select_module={'mlp.experts': ['1-3']}"]
+
+
+def _modes(family: str, layout: str) -> list[tuple[str, list[str]]]:
+    if layout == "tp2":
+        return [("comm", COMM), ("comm+full", [*COMM, *FULL]), ("comm+select", [*COMM, *SELECT])]
+    modes = [("full", FULL), ("select", SELECT)]
+    if layout == "dp2":
+        modes.append(("keep mm", KEEP_MM))
+    if layout == "ep2":
+        modes.append(("experts", EXPERTS))
+    return modes
+
+
 def _cases(root: Path) -> list[tuple[str, Path, list[str], list[tuple[str, list[str]]]]]:
     """(name, config, layout overrides, [(mode name, overrides)])."""
-    qwen3 = root / "tiny.yaml"
     corpus = f"--train_dataset.dataloader.data_path={root / 'corpus.jsonl'}"
-    family = {
-        name: (REPO / "configs" / name / "tiny.yaml", [*family_overrides(name), corpus])
-        for name in ("qwen3_moe", "deepseek_v3", "qwen3_next")
+    families: dict[str, tuple[Path, list[str]]] = {
+        "qwen3": (root / "tiny.yaml", ["--model.num_hidden_layers=4"])
     }
-    layers4 = ["--model.num_hidden_layers=4"]
-    moe, moe_small = family["qwen3_moe"]
-    ds, ds_small = family["deepseek_v3"]
-    nxt, nxt_small = family["qwen3_next"]
-    experts = ["--recompute.mode=select", "--recompute.select_module={'mlp.experts': ['0-3']}"]
-    return [
-        ("qwen3 dp2", qwen3, layers4, [("full", FULL), ("select", SELECT), ("keep mm", KEEP_MM)]),
+    for name in ("qwen3_moe", "deepseek_v3", "qwen3_next"):
+        families[name] = (REPO / "configs" / name / "tiny.yaml", [*family_overrides(name), corpus])
+    cases = []
+    for family, (config, small) in families.items():
+        for layout, extra in LAYOUTS.items():
+            if layout == "ep2" and family == "qwen3":
+                continue  # no experts
+            cases.append((f"{family} {layout}", config, [*small, *extra], _modes(family, layout)))
+    # The generic path (2 layers; its TP has no sequence parallelism, so no communication recompute).
+    generic = root / "generic.yaml"
+    whole = [("full", ["--recompute.mode=full", "--recompute.modules=['model.layers.{*}']"])]
+    select = [
         (
-            "qwen3 tp2",
-            qwen3,
-            [*layers4, *TP2],
-            [("comm", COMM), ("comm+full", [*COMM, *FULL]), ("comm+select", [*COMM, *SELECT])],
-        ),
-        (
-            "qwen3 cp2",
-            qwen3,
-            [*layers4, "--parallelism.context_parallel=2"],
-            [("full", FULL), ("select", SELECT)],
-        ),
-        ("qwen3 pp2 1f1b", qwen3, [*layers4, *PP2], [("full", FULL), ("select", SELECT)]),
-        (
-            "qwen3 pp2 zbv",
-            qwen3,
-            [
-                *layers4,
-                *PP2,
-                "--parallelism.pipeline_parallel_schedule=zbv",
-                "--parallelism.pipeline_parallel_interleave_num=2",
-            ],
-            [("full", FULL), ("select", SELECT)],
-        ),
-        (
-            "qwen3_moe ep2",
-            moe,
-            [*moe_small, "--parallelism.expert_parallel=2"],
-            [("full", FULL), ("experts", experts)],
-        ),
-        (
-            "deepseek_v3 ep2",
-            ds,
-            [*ds_small, "--parallelism.expert_parallel=2"],
-            [("full", FULL), ("select", SELECT)],
-        ),
-        ("deepseek_v3 tp2", ds, [*ds_small, *TP2], [("comm", COMM), ("comm+select", [*COMM, *SELECT])]),
-        ("qwen3_next tp2", nxt, [*nxt_small, *TP2], [("comm", COMM), ("comm+full", [*COMM, *FULL])]),
-        ("qwen3_next pp2 1f1b", nxt, [*nxt_small, *PP2], [("full", FULL), ("select", SELECT)]),
-        (
-            "qwen3_moe pp2 zbv",
-            moe,
-            [
-                *moe_small,
-                *PP2,
-                "--parallelism.pipeline_parallel_schedule=zbv",
-                "--parallelism.pipeline_parallel_interleave_num=2",
-            ],
-            [("full", FULL)],
-        ),
-        (
-            "generic dp2",
-            root / "generic.yaml",
-            ["--training.local_batch_size=1"],
-            [
-                ("full", ["--recompute.mode=full", "--recompute.modules=['model.layers.{*}']"]),
-                (
-                    "select",
-                    [
-                        "--recompute.mode=select",
-                        "--recompute.select_module={'attention': ['0'], 'mlp': ['1']}",
-                    ],
-                ),
-            ],
-        ),
+            "select",
+            ["--recompute.mode=select", "--recompute.select_module={'attention': ['0'], 'mlp': ['1']}"],
+        )
     ]
+    one_row = ["--training.local_batch_size=1"]
+    cases.append(("generic dp2", generic, one_row, [*whole, *select]))
+    cases.append(("generic tp2", generic, [*one_row, *TP2], whole))
+    cases.append(("generic pp2 1f1b", generic, [*one_row, *PP2], [*whole, *select]))
+    return cases
 
 
 class _KeepingLedger(SavedTensorLedger):
