@@ -419,3 +419,89 @@ def test_recompute_comm_without_tp_is_a_warned_no_op_whose_keys_are_still_checke
         ValueError, match=r"recompute_comm.select_module.attention.qvk: .* decoder layer\(s\) 1"
     ):
         apply_comm_recompute(model, bad, num_layers=4, tp_mesh=None)
+
+
+def _meta_models() -> dict[str, torch.nn.Module]:
+    from meshforge.models.deepseek_v3.args import DeepseekV3Args
+    from meshforge.models.deepseek_v3.model import build_deepseek_v3
+    from meshforge.models.gpt_oss.args import GptOssArgs
+    from meshforge.models.gpt_oss.model import build_gpt_oss
+    from meshforge.models.qwen3_moe.args import Qwen3MoeArgs
+    from meshforge.models.qwen3_moe.model import build_qwen3_moe
+    from meshforge.models.qwen3_next.args import Qwen3NextArgs
+    from meshforge.models.qwen3_next.model import build_qwen3_next
+
+    small = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    moe = {"moe_intermediate_size": 16, "num_experts_per_tok": 2, "intermediate_size": 64}
+    heads = {"num_key_value_heads": 2, "head_dim": 8}
+    return {
+        "qwen3": _tiny_meta_qwen3(),
+        "qwen3_moe": build_qwen3_moe(Qwen3MoeArgs(**small, **moe, **heads, num_experts=4)),
+        "gpt_oss": build_gpt_oss(
+            GptOssArgs(**small, **heads, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)
+        ),
+        "deepseek_v3": build_deepseek_v3(
+            DeepseekV3Args(
+                **small,
+                **moe,
+                num_key_value_heads=4,
+                first_k_dense_replace=1,
+                q_lora_rank=16,
+                kv_lora_rank=16,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=4,
+                v_head_dim=8,
+                n_routed_experts=4,
+                n_group=2,
+                topk_group=1,
+            )
+        ),
+        "qwen3_next": build_qwen3_next(
+            Qwen3NextArgs(
+                **small,
+                **moe,
+                **heads,
+                layer_types=["linear_attention", "full_attention"],
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                shared_expert_intermediate_size=16,
+                num_experts=4,
+            )
+        ),
+    }
+
+
+# What docs/memory.md's table says each reference word is, per layer of a 2-layer model.
+NAMES = {
+    "qwen3": {
+        "attention.qkv": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]] * 2,
+        "experts": [[], []],
+    },
+    "qwen3_moe": {"experts": [["mlp.experts"]] * 2},
+    "gpt_oss": {"attention": [["self_attn"]] * 2, "experts": [["mlp.experts"]] * 2},
+    "deepseek_v3": {
+        "attention.qkv": [["self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"]] * 2,
+        "experts": [[], ["mlp.experts"]],
+    },
+    "qwen3_next": {
+        "attention": [["linear_attn"], ["self_attn"]],
+        "attention.qkv": [
+            ["linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"],
+            ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        ],
+        "mlp": [["mlp"], ["mlp"]],
+        "experts": [["mlp.experts"]] * 2,
+    },
+}
+
+
+def test_reference_words_resolve_to_each_familys_modules() -> None:
+    from meshforge.memory.names import decoder_layers, match_submodules
+
+    for family, model in _meta_models().items():
+        layers = [layer for _, layer in decoder_layers(model)][:2]
+        for word, want in NAMES[family].items():
+            got = [[path for path, _ in match_submodules(layer, word, key=word)] for layer in layers]
+            assert got == want, (family, word, got)
