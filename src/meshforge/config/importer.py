@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshforge.config.base import ConfigError, Issue, suggest
+from meshforge.config.recompute_import import megatron_recompute
 from meshforge.data.config import SFT_FIELDS
 
 GROUPS = ("model", "data", "parallel", "training", "optimization", "inference")
@@ -436,7 +437,7 @@ def _parallel(flat: Flat, given: Flat, to: To, choice: Choice, say: Say, issues:
         if dtype:
             to("model.compute_dtype", dtype, "param_dtype")
     if "recompute_granularity" in flat or "recompute_method" in flat or "recompute_num_layers" in flat:
-        _megatron_recompute(flat, to, say, issues)
+        megatron_recompute(flat, to, say, issues)
     elif flat.get("recompute") is True:
         to("recompute.mode", "full", "recompute")
         to("recompute.modules", flat.get("recompute_modules", ["model.layers.{*}"]), "recompute_modules")
@@ -444,59 +445,6 @@ def _parallel(flat: Flat, given: Flat, to: To, choice: Choice, say: Say, issues:
         to("recompute.mode", "None", "recompute")
         if "recompute_modules" in given:
             say("recompute_modules -> unused: recompute is false")
-
-
-def _megatron_recompute(flat: Flat, to: To, say: Say, issues: list[Issue]) -> None:
-    """Megatron-LM's recompute flags, with Megatron's rules and meaning.
-
-    ``full`` recomputes whole layers: ``block`` the first ``recompute_num_layers`` layers of the
-    (only) pipeline stage, ``uniform`` every layer (Megatron checkpoints groups of that many
-    layers as one region; here each layer is its own region, which recomputes the same and
-    keeps each layer's input). ``selective`` recomputes the core attention: the attention
-    modules are recomputed with the projections' matmul outputs kept (``exclude_op``), so the
-    attention kernel runs again and q/k/v/o are not.
-    """
-    granularity, method = flat.get("recompute_granularity"), flat.get("recompute_method")
-    layers = flat.get("recompute_num_layers")
-    if flat.get("recompute") is True:
-        issues.append(("recompute", "give recompute or recompute_granularity (Megatron's flag), not both"))
-        return
-    if granularity not in ("full", "selective"):
-        issues.append(("recompute_granularity", f"must be 'full' or 'selective', got {granularity!r}"))
-        return
-    if granularity == "selective":
-        if method is not None or layers is not None:
-            # Megatron: "recompute method is not yet supported for selective recomputing granularity".
-            issues.append(("recompute_method", "only with recompute_granularity 'full' (as in Megatron)"))
-            return
-        to("recompute.mode", "full", "recompute_granularity")
-        to("recompute.modules", ["model.layers.{*}.self_attn"], "recompute_granularity")
-        to("recompute.exclude_op", ["matmul"], "recompute_granularity")
-        return
-    if method not in ("uniform", "block"):
-        issues.append(
-            ("recompute_method", f"recompute_granularity 'full' needs 'uniform' or 'block', got {method!r}")
-        )
-        return
-    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-        issues.append(
-            ("recompute_num_layers", f"recompute_granularity 'full' needs a positive integer, got {layers!r}")
-        )
-        return
-    to("recompute.mode", "full", "recompute_granularity")
-    if method == "block":
-        to(
-            "recompute.full_recompute_layer",
-            [f"0-{layers - 1}" if layers > 1 else "0"],
-            "recompute_num_layers",
-        )
-    else:
-        to("recompute.modules", ["model.layers.{*}"], "recompute_method")
-        if layers > 1:
-            say(
-                f"recompute_num_layers -> each layer is its own recomputed region (Megatron: groups of {layers}); "
-                "the same layers are recomputed, and each layer's input is kept"
-            )
 
 
 def _training(flat: Flat, given: Flat, to: To, choice: Choice, say: Say, issues: list[Issue]) -> None:
