@@ -4,7 +4,7 @@ One spawn of 2 gloo processes runs each case as real trainings through the `Trai
 steps, deterministic mode): without recompute, then with each mode; the losses and gradient
 norms must be bitwise equal (a recomputed region runs the same kernels and collectives on the
 same inputs). Every family (qwen3, qwen3_moe, deepseek_v3 with MLA, qwen3_next with Gated
-DeltaNet) runs in every layout: FSDP dp2 (with kept matmuls too), tp2 with `recompute_comm`
+DeltaNet) runs in every layout (with kept matmuls too, but under ZBV): FSDP dp2, tp2 with `recompute_comm`
 (alone, with full and with select recompute on the same layers), cp2 (Ulysses), pp2 with 1f1b
 and with the zero-bubble ZBV schedule (split input/weight backward), ep2 (routed experts
 selected too); the generic transformers path with dp2, tp2 and pp2. A module that does not read
@@ -65,9 +65,14 @@ EXPERTS = ["--recompute.mode=select", "--recompute.select_module={'mlp.experts':
 
 def _modes(family: str, layout: str) -> list[tuple[str, list[str]]]:
     if layout == "tp2":
-        return [("comm", COMM), ("comm+full", [*COMM, *FULL]), ("comm+select", [*COMM, *SELECT])]
+        return [
+            ("comm", COMM),
+            ("comm+full", [*COMM, *FULL]),
+            ("comm+select", [*COMM, *SELECT]),
+            ("comm+keep mm", [*COMM, *KEEP_MM]),
+        ]
     modes = [("full", FULL), ("select", SELECT)]
-    if layout == "dp2":
+    if layout != "pp2 zbv":  # one backward per selective-checkpoint region (refused there)
         modes.append(("keep mm", KEEP_MM))
     if layout == "ep2":
         modes.append(("experts", EXPERTS))
