@@ -140,11 +140,13 @@ VALUES: dict[str, dict[str, Any]] = {
     "profiler.profiler_rank": {"profiler": {"profiler_rank": [0]}},
     "recompute.mode": {"recompute": {"mode": "full", "full_recompute_layer": ["0"]}},
     "recompute_comm.enable": {"recompute_comm": {"enable": True, "select_module": {"attn": ["0"]}}},
-    "recompute.full_recompute_layer": {"recompute": {"full_recompute_layer": ["0-1"]}},
-    "recompute.select_module": {"recompute": {"select_module": {"mlp": ["0"]}}},
-    "recompute.exclude_op": {"recompute": {"exclude_op": ["matmul"]}},
+    "recompute.full_recompute_layer": {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"]}},
+    "recompute.select_module": {"recompute": {"mode": "select", "select_module": {"mlp": ["0"]}}},
+    "recompute.exclude_op": {
+        "recompute": {"mode": "full", "full_recompute_layer": ["0"], "exclude_op": ["matmul"]}
+    },
     "recompute.modules": {"recompute": {"mode": "full", "modules": ["model.layers.{*}"]}},
-    "recompute_comm.select_module": {"recompute_comm": {"select_module": {"attn": ["0"]}}},
+    "recompute_comm.select_module": {"recompute_comm": {"enable": True, "select_module": {"attn": ["0"]}}},
     "swap.layer_swap": {"swap": {"layer_swap": [{"layers": ["0"]}]}},
     "swap.op_swap": {"swap": {"op_swap": [{"op_name": "matmul", "layers": ["0"]}]}},
     "callbacks": {"callbacks": [{"type": "Printer"}]},

@@ -424,3 +424,20 @@ def test_why_a_fully_recomputed_layer_cannot_also_be_swapped() -> None:
         _checkpointed(layer, calls)
     _bitwise(ref, _step(model))
     assert len(calls) == 4  # forward only: the layers were swapped, never recomputed
+
+
+def test_swap_nested_inside_a_recomputed_module_leaves_it_to_the_checkpoint() -> None:
+    """op_swap of a projection inside a select-recomputed attention: the checkpoint keeps only
+    the attention's inputs, so nothing of it moves, and the numbers stay exact."""
+    from meshforge.memory.config import RecomputeConfig
+    from meshforge.memory.recompute import apply_recompute
+
+    model = _model("qwen3")
+    ref = _step(model)
+    cfg = SwapConfig(enable=True, op_swap=[{"op_name": "self_attn.q_proj", "layers": ["0-3"]}])
+    _, runtime = build_swap(model, cfg, num_layers=4)
+    apply_recompute(model, RecomputeConfig(mode="select", select_module={"attention": ["0-3"]}), num_layers=4)
+    got = _step(model)
+    _bitwise(ref, got)
+    assert runtime.take_moved() == 0
+    assert got[2].host_bytes == 0

@@ -63,8 +63,7 @@ def test_unsupported_feature_is_refused_at_start(tiny_config: Path, tmp_path: Pa
             "train",
             "--config",
             str(tiny_config),
-            "--recompute.mode=full",
-            "--recompute.full_recompute_layer=['0-1']",
+            "--parallelism.enable_mc2=true",
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -72,7 +71,7 @@ def test_unsupported_feature_is_refused_at_start(tiny_config: Path, tmp_path: Pa
         timeout=120,
     )
     assert proc.returncode == 2
-    assert "not supported yet: recompute.mode" in proc.stderr
+    assert "not supported yet: parallelism.enable_mc2" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -26,6 +26,7 @@ from meshforge.config.importer_training import (
 )
 from meshforge.config.mindspeed_args import BY_NAME
 from meshforge.config.mindspeed_checks import Origins
+from meshforge.config.recompute_import import megatron_recompute
 from meshforge.data.config import SFT_FIELDS
 
 GROUPS = ("model", "data", "parallel", "training", "optimization", "inference")
@@ -80,6 +81,10 @@ PARALLEL_KEYS = (
     "ep_fsdp_modules",
     "ep_dispatcher",
     "recompute_modules",
+    # Megatron-LM's flags (--recompute-granularity ...), by their argument names.
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
     "param_dtype",
     "reduce_dtype",
     "num_to_forward_prefetch",
@@ -363,7 +368,7 @@ def import_mindspeed(
         else:
             to(f"train_dataset.{key}", value, key)
 
-    _parallel(flat, given, to, choice, say)
+    _parallel(flat, given, to, choice, say, issues)
     training(flat, given, to, choice, say, issues)
 
     for key in OPTIMIZATION_KEYS:
@@ -444,7 +449,7 @@ def _megatron_flags(flat: Flat, given: Flat, to: To, say: Say, issues: list[Issu
             )
 
 
-def _parallel(flat: Flat, given: Flat, to: To, choice: Choice, say: Say) -> None:
+def _parallel(flat: Flat, given: Flat, to: To, choice: Choice, say: Say, issues: list[Issue]) -> None:
     """ParallelArguments (and `param_dtype` -> model.compute_dtype, `recompute` -> recompute)."""
     simple = {
         "tp_size": "tensor_parallel",
@@ -496,7 +501,9 @@ def _parallel(flat: Flat, given: Flat, to: To, choice: Choice, say: Say) -> None
         dtype = choice("param_dtype", {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"})
         if dtype:
             to("model.compute_dtype", dtype, "param_dtype")
-    if flat.get("recompute") is True:
+    if "recompute_granularity" in flat or "recompute_method" in flat or "recompute_num_layers" in flat:
+        megatron_recompute(flat, to, say, issues)
+    elif flat.get("recompute") is True:
         to("recompute.mode", "full", "recompute")
         to("recompute.modules", flat.get("recompute_modules", ["model.layers.{*}"]), "recompute_modules")
     else:

@@ -86,11 +86,24 @@ ENTRIES: list[NoOp] = [
         "parallelism.disable_gradient_division for the per-rank mean)",
     ),
     NoOp(
+        "recompute_comm.enable",
+        lambda c, d: c.recompute_comm.enable and not _gathers_sequence(c),
+        "nothing is all-gathered to recompute: communication recompute needs "
+        "parallelism.tensor_parallel > 1 on a built-in family (sequence parallelism)",
+    ),
+    NoOp(
         "parallelism.expert_parallel_use_safe_tokens",
         lambda c, d: not c.parallelism.expert_parallel_use_safe_tokens,
         "meshforge's expert dispatch always handles experts that receive no tokens",
     ),
 ]
+
+
+def _gathers_sequence(cfg: TrainConfig) -> bool:
+    """Whether TP all-gathers sequence-split activations (SP; the generic path has none)."""
+    from meshforge.config.unsupported import is_generic_model
+
+    return cfg.parallelism.tensor_parallel > 1 and not is_generic_model(cfg)
 
 
 def noop_entries(cfg: TrainConfig, device: str) -> list[NoOp]:

@@ -73,6 +73,14 @@ READERS: dict[str, tuple[str, ...]] = {
         "model.add_special_tokens",
         "model.new_special_tokens_config",
     ),
+    "meshforge.memory.apply": ("recompute.mode", "recompute_comm.enable", "swap.enable"),
+    "meshforge.memory.recompute": (
+        "recompute.full_recompute_layer",
+        "recompute.select_module",
+        "recompute.exclude_op",
+        "recompute.modules",
+    ),
+    "meshforge.memory.comm": ("recompute_comm.select_module",),
     "meshforge.models.common.kernels": (
         "kernels.use_flash_attn",
         "kernels.use_fused_rmsnorm",
@@ -99,7 +107,6 @@ READERS: dict[str, tuple[str, ...]] = {
         "parallelism.expert_parallel",
         "parallelism.ep_fsdp_size",
     ),
-    "meshforge.memory.apply": ("swap.enable",),
     "meshforge.memory.swap": (
         "swap.default_prefetch",
         "swap.layer_swap",

@@ -127,13 +127,7 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
             )
         )
 
-    if cfg.recompute.modules and cfg.recompute.mode != "full":
-        issues.append(
-            (
-                "recompute.modules",
-                f"module patterns are recomputed whole: needs recompute.mode 'full', got '{cfg.recompute.mode}'",
-            )
-        )
+    issues += recompute_issues(cfg)
 
     issues += _swap_recompute_issues(cfg)
 
@@ -289,6 +283,69 @@ def _swap_recompute_issues(cfg: TrainConfig) -> list[Issue]:
                     "choose one of the two for each layer",
                 )
             )
+    return issues
+
+
+# Pipeline schedules (as written, case/`_`/`-` ignored) that split backward into input and weights.
+_SPLIT_BACKWARD_SCHEDULES = frozenset({"interleavedzerobubble", "zerobubble", "zb", "zbv", "zbvzerobubble"})
+
+
+def recompute_issues(cfg: TrainConfig) -> list[Issue]:
+    """`recompute` / `recompute_comm` keys that would change nothing, overlap, or name no operator."""
+    from meshforge.memory.ops import OP_ALIASES, is_operator_name
+
+    issues: list[Issue] = []
+    rec, comm = cfg.recompute, cfg.recompute_comm
+    if rec.modules and rec.mode != "full":
+        issues.append(
+            (
+                "recompute.modules",
+                f"module patterns are recomputed whole: needs recompute.mode 'full', got '{rec.mode}'",
+            )
+        )
+    if rec.mode == "None":
+        for key in ("full_recompute_layer", "select_module", "exclude_op"):
+            if getattr(rec, key):
+                issues.append(
+                    (
+                        f"recompute.{key}",
+                        "has no effect with recompute.mode 'None'; set mode 'full' or 'select'",
+                    )
+                )
+    for i, op in enumerate(rec.exclude_op or []):
+        if not is_operator_name(op):
+            issues.append(
+                (
+                    f"recompute.exclude_op[{i}]",
+                    f"{op!r} is not an operator name: write 'aten.mm', 'mm', 'aten.mm.default' or one of "
+                    f"{', '.join(sorted(OP_ALIASES))}",
+                )
+            )
+    par = cfg.parallelism
+    schedule = str(par.pipeline_parallel_schedule).lower().replace("_", "").replace("-", "")
+    split = schedule in _SPLIT_BACKWARD_SCHEDULES or par.pipeline_parallel_enable_dxdw_split
+    if rec.exclude_op and rec.mode != "None" and par.pipeline_parallel > 1 and split:
+        issues.append(
+            (
+                "recompute.exclude_op",
+                "kept operators use PyTorch's selective checkpoint, which allows one backward per "
+                "region; the zero-bubble split backward (input, then weights) runs two: recompute "
+                "without exclude_op, or use a 1f1b/interleaved schedule",
+            )
+        )
+    full = set(expand_layers(rec.full_recompute_layer or []))
+    for key, specs in (rec.select_module or {}).items():
+        both = sorted(full & set(expand_layers(specs)))
+        if both:
+            issues.append(
+                (
+                    f"recompute.select_module.{key}",
+                    f"layer {both[0]} is also in recompute.full_recompute_layer; a layer is recomputed "
+                    "whole or by module, not both",
+                )
+            )
+    if comm.select_module and not comm.enable:
+        issues.append(("recompute_comm.select_module", "has no effect without recompute_comm.enable: true"))
     return issues
 
 

@@ -14,7 +14,6 @@ from pydantic import BaseModel
 
 from meshforge.data.config import SFT_FIELDS, SFT_LOADER, TrainDatasetConfig
 from meshforge.infer.config import InferenceConfig
-from meshforge.memory.config import RecomputeCommConfig, RecomputeConfig
 from meshforge.models.config import KernelsConfig, ModelConfig
 from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
 from meshforge.optim.specs import optimizer_not_built
@@ -190,8 +189,6 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         f"{_P}.ep_dispatcher", lambda c: c.parallelism.ep_dispatcher != "eager", "fused/mc2 EP dispatch"
     ),
-    *_unbuilt_fields("recompute", RecomputeConfig, "activation recomputation"),
-    *_unbuilt_fields("recompute_comm", RecomputeCommConfig, "communication recomputation"),
     *_unbuilt_fields("profiler", ProfilerConfig, "profiling", skip=("mstx",)),
     Unsupported("monitor.moe_monitor", lambda c: c.monitor.moe_monitor.is_set(), "MoE monitor"),
     Unsupported(

@@ -5,9 +5,9 @@ micro-batches, compile and FSDP (the order DESIGN.md fixes): the layers are alre
 for the pipeline stage and sharded for TP/EP/CP, so what is recomputed or offloaded is what
 this rank really computes, and FSDP's hooks stay outside the wrapped forwards.
 
-Each feature wraps ``forward`` of the modules it selects in place (the module tree and the
-parameter names do not change, so checkpoints, module patterns and the TP/FSDP plans are
-untouched).
+Each feature changes the modules it selects in place (their calls or forwards are wrapped; the
+module tree and the parameter names do not change, so checkpoints, module patterns and the
+TP/FSDP plans are untouched).
 """
 
 from __future__ import annotations

@@ -207,10 +207,7 @@ def _trace(
     for _attempt in range(len(layers) + 1):
         estimate.layers = {index: LayerBytes() for index, _ in layers}
         open_: list[tuple[int, _Recording]] = []
-        handles = []
-        for index, layer in layers:
-            handles.append(layer.register_forward_pre_hook(_enter(open_, estimate, index)))
-            handles.append(layer.register_forward_hook(_leave(open_)))
+        classes = [_measure_calls(layer, open_, estimate, index) for index, layer in layers]
         outer = SavedTensorLedger()
         outer.exclude(model.parameters())
         try:
@@ -241,25 +238,31 @@ def _trace(
         finally:
             while open_:
                 open_.pop()[1].close()
-            for handle in handles:
-                handle.remove()
+            for (_, layer), cls in zip(layers, classes, strict=True):
+                layer.__class__ = cls
     raise RuntimeError("the traced forward failed in every layer")
 
 
-def _enter(
-    open_: list[tuple[int, _Recording]], estimate: ActivationEstimate, index: int
-) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any) -> None:
-        open_.append((index, _Recording(module, estimate.layers[index])))
+def _measure_calls(
+    layer: nn.Module, open_: list[tuple[int, _Recording]], estimate: ActivationEstimate, index: int
+) -> type[nn.Module]:
+    """Record each call of ``layer`` in its own ledger; returns the class to restore.
 
-    return hook
+    The ledger opens around the whole call, outside a recomputed region (recompute wraps
+    the layer's call, hooks included), so the checkpoint's own hooks stay innermost and the
+    region's inputs are counted to this layer.
+    """
+    cls = type(layer)
 
-
-def _leave(open_: list[tuple[int, _Recording]]) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        open_.append((index, _Recording(self, estimate.layers[index])))
+        out = super(measured, self).__call__(*args, **kwargs)
         open_.pop()[1].close()
+        return out
 
-    return hook
+    measured = type(f"Measured{cls.__name__}", (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    layer.__class__ = measured
+    return cls
 
 
 class _Recording:

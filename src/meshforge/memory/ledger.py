@@ -17,6 +17,7 @@ too, so the planner can trace a layer without memory.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ class SavedTensorLedger:
 
     device_bytes: int = 0
     host_bytes: int = 0
-    _seen: set[int] = field(default_factory=set)
+    _seen: dict[int, list[weakref.ref[torch.Tensor]]] = field(default_factory=dict)
     _keep: list[torch.Tensor] = field(default_factory=list)
     _params: set[int] = field(default_factory=set)
 
@@ -69,10 +70,15 @@ class SavedTensorLedger:
     def add(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage as held for backward (once)."""
         key = self._key(tensor)
-        if key is None or key in self._seen:
+        if key is None:
             return
-        self._seen.add(key)
-        self.device_bytes += _local(tensor).untyped_storage().nbytes()
+        holders = self._seen.setdefault(key, [])
+        # An address seen before counts again once no tensor counted there is alive: the
+        # allocator reused the memory of a tensor the forward freed.
+        counted = any(ref() is not None for ref in holders)
+        holders.append(weakref.ref(tensor))
+        if not counted:
+            self.device_bytes += _local(tensor).untyped_storage().nbytes()
 
     def add_host(self, nbytes: int) -> None:
         """Count bytes an offload moved to host memory."""

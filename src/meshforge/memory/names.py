@@ -5,7 +5,8 @@ The reference configs name submodules with MindFormers' words (``attention``, ``
 ``linear_attn``, ``mlp``, ``self_attn.q_proj``. A key is a regex ``fullmatch``ed against the
 module paths inside one decoder layer. When it matches nothing as written, each of its dotted
 parts that is a reference word is replaced by the alternatives in ``ALIASES`` and the key is
-tried again, so both vocabularies work on every family without a per-family table. A key that
+tried again, so both vocabularies work on every family without a per-family table; last, a
+key may name the end of a path (``experts`` is ``mlp.experts``). A key that
 still matches nothing is an error naming the config key (the reference only logs a warning,
 and a typo then silently trains without the memory saving).
 """
@@ -83,21 +84,26 @@ def _aliased(pattern: str) -> str | None:
 def match_submodules(layer: nn.Module, pattern: str, *, key: str) -> list[tuple[str, nn.Module]]:
     """``(path, module)`` of the submodules of ``layer`` whose path ``fullmatch``es ``pattern``.
 
-    The pattern is tried as written, then with reference words replaced by ``ALIASES``.
-    Returns an empty list when neither matches (the caller names what was looked for).
+    The pattern is tried as written, then with reference words replaced by ``ALIASES``, then
+    both as the end of a dotted path (``experts`` finds ``mlp.experts``); the first that
+    matches wins. Returns an empty list when none matches (the caller names what was looked for).
 
     Raises:
         ValueError: ``pattern`` is not a valid regex (``key`` names the config key).
     """
     named = [(path, module) for path, module in layer.named_modules() if path]
-    found = [(p, m) for p, m in named if _compile(pattern, key).fullmatch(p)]
-    if found:
-        return found
+    tries = [pattern]
     aliased = _aliased(pattern)
-    if aliased is None:
-        return []
-    regex = _compile(aliased, key)
-    return [(p, m) for p, m in named if regex.fullmatch(p)]
+    if aliased is not None:
+        tries.append(aliased)
+    # Last, as the end of a path: `experts` names `mlp.experts`, `qkv` the q/k/v projections.
+    tries += [rf"(?:.+\.)?(?:{t})" for t in list(tries)]
+    for attempt in tries:
+        regex = _compile(attempt, key)
+        found = [(p, m) for p, m in named if regex.fullmatch(p)]
+        if found:
+            return found
+    return []
 
 
 def no_match_error(key: str, pattern: str, layer: nn.Module, where: Iterable[int]) -> ValueError:

@@ -48,6 +48,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from meshforge.memory.config import SwapConfig
 from meshforge.memory.ledger import active_ledger
 from meshforge.memory.names import decoder_layers, layer_indices, match_submodules, no_match_error
+from meshforge.memory.recompute import in_recomputed_region
 
 #: Saved tensors smaller than this stay on the device.
 MIN_SWAP_BYTES = 1024
@@ -299,7 +300,9 @@ def _wrap(module: nn.Module, runtime: SwapRuntime, layer: int, path: str) -> Non
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or in_recomputed_region():
+            # Inside a recomputed region the checkpoint owns the saved tensors (it keeps only
+            # the region's inputs, and its recomputation must see its own hooks).
             return inner(*args, **kwargs)
         with runtime.region(layer, path):
             return inner(*args, **kwargs)
