@@ -256,7 +256,7 @@ def _measure_calls(
 
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         open_.append((index, _Recording(self, estimate.layers[index])))
-        out = super(measured, self).__call__(*args, **kwargs)
+        out = cls.__call__(self, *args, **kwargs)
         open_.pop()[1].close()
         return out
 
