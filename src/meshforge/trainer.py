@@ -11,7 +11,6 @@ copying `train_step`.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import torch
 
 from meshforge.config import TrainConfig, check_trainable, dump_config
 from meshforge.config.noops import noop_notes
+from meshforge.health import HealthStopError, StepHealth, StepVerdict, TrainingDivergedError, finite_or_none
 from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
 from meshforge.monitor.throughput import throughput_fields
 from meshforge.parallel.dims import ParallelDims
@@ -35,15 +35,7 @@ from meshforge.utils.device import backend_for, peak_memory_bytes, resolve_devic
 from meshforge.utils.log import get_logger
 from meshforge.utils.seed import rng_state, set_deterministic, set_seed
 
-__all__ = ["BatchPlan", "TrainSummary", "Trainer", "TrainingDivergedError", "plan_batches"]
-
-
-class TrainingDivergedError(FloatingPointError):
-    """A step's loss or gradient norm is not finite; raised before its optimizer update.
-
-    Every rank raises it at the same step (the decision is reduced over the world), so the run
-    can end cleanly with the message alone.
-    """
+__all__ = ["BatchPlan", "HealthStopError", "TrainSummary", "Trainer", "TrainingDivergedError", "plan_batches"]
 
 
 @dataclass
@@ -122,6 +114,12 @@ class Trainer(TrainerBuild):
         self.checkpointer = self._build_checkpointer()
         self._maybe_resume()
         self._build_metric_sinks()
+        self.health = StepHealth.from_monitor(
+            cfg.monitor.health_checkpoint,
+            written="health_checkpoint" in cfg.monitor.model_fields_set,
+            device=self.device,
+        )
+        self._verdict = StepVerdict(skip=False)
 
     # ----------------------------------------------------------------------------- hooks
     def forward_backward(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> torch.Tensor:
@@ -243,21 +241,28 @@ class Trainer(TrainerBuild):
         extra: dict[str, float] = {}
         if self._aux_loss_enabled:
             extra["aux_loss"] = float(dist_utils.all_reduce_sum(self._aux_sum, loss_group))
+        embedding_norm = self.health.embedding_local_norm(self.model)  # before clipping
         grad_norm = self.clip_grads()
-        # Checked before the update: a non-finite step must not reach the weights.
-        self._stop_if_not_finite(float(loss), float(grad_norm))
+        loss_value, norm_value = float(loss), float(grad_norm)
+        # Decided over the world before the update: a skipped step (non-finite, or above
+        # monitor.health_checkpoint's threshold) changes neither the weights nor the schedule.
+        self._verdict = verdict = self.health.decide(loss_value, norm_value, embedding_norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
-        self.scheduler.step()
+        if not verdict.skip:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {
-            "loss": float(loss),
+        record: dict[str, Any] = {
+            "loss": finite_or_none(loss_value),
             "lr": lr,
-            "grad_norm": float(grad_norm),
+            "grad_norm": finite_or_none(norm_value),
             "tokens": step_tokens,
             "valid_tokens": int(global_tokens.item()),
             **extra,
         }
+        if verdict.skip:
+            record.update(skipped=True, skip_reason=verdict.reason)
+        return record
 
     def _loss_normalizer(self, local_tokens: torch.Tensor | int, global_tokens: torch.Tensor) -> torch.Tensor:
         """The divisor of this rank's loss sum for one optimizer step.
@@ -275,25 +280,6 @@ class Trainer(TrainerBuild):
         if self.dims.cp > 1:
             own = dist_utils.all_reduce_sum(own, self.mesh.view("cp").get_group())
         return own.clamp(min=1).to(torch.float32) * float(self.dims.dp)
-
-    def _stop_if_not_finite(self, loss: float, grad_norm: float) -> None:
-        """Raise `TrainingDivergedError` when this step's loss or gradient norm is NaN or infinite.
-
-        Both values are already reduced, but the decision is summed over the world once more so
-        that no rank can step while another stops (a rank left waiting in the next collective
-        would hang the run).
-        """
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        bad = torch.tensor(0.0 if finite else 1.0, device=self.device)
-        if float(dist_utils.all_reduce_sum(bad)) == 0.0:
-            return
-        what = "loss" if not math.isfinite(loss) else "gradient norm"
-        raise TrainingDivergedError(
-            f"step {self.step + 1}: the {what} is not finite (loss {loss}, gradient norm {grad_norm}); "
-            "the run stopped before applying this step. Lower lr_scheduler.learning_rate (now "
-            f"{self.cfg.lr_scheduler.learning_rate:g}) or clip the gradients with training.max_norm "
-            f"(now {self.cfg.training.max_norm:g}), or check the data"
-        )
 
     def train(self) -> TrainSummary:
         """Run from the current step to the last one, saving, evaluating and logging as configured."""
@@ -379,7 +365,15 @@ class Trainer(TrainerBuild):
                     peak=self.peak_flops,
                 )
             )
-        losses.append(metrics["loss"])
+        verdict = self._verdict
+        warning = self.health.embedding_warning(verdict, self.step)
+        if warning is not None:
+            self.log(warning)
+        if self.health.record(verdict, self.step):
+            self.log_step(record)
+            self._stop_unhealthy()
+        if not verdict.skip:
+            losses.append(metrics["loss"])
         if self._eval_due(total):
             record.update(self.evaluate())
             self.log(
@@ -389,6 +383,12 @@ class Trainer(TrainerBuild):
         if self.checkpointer.should_save(self.step, total):
             self._save()
         return int(metrics["tokens"])
+
+    def _stop_unhealthy(self) -> None:
+        """Save the last good state (skipped steps left the weights alone) and stop every rank."""
+        self._save()
+        self.checkpointer.finalize()
+        raise HealthStopError(self.health.stop_message(str(self._last_checkpoint)))
 
     def _eval_due(self, total: int) -> bool:
         if self.eval_loader is None:

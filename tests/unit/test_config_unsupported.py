@@ -45,7 +45,6 @@ TRIGGERS: dict[str, dict] = {
     "profiler.data_simplification": {"profiler": {"data_simplification": True}},
     "monitor.moe_monitor": {"monitor": {"moe_monitor": {"target_layers": [0]}}},
     "monitor.train_state": {"monitor": {"train_state": {"local_loss": True}}},
-    "monitor.health_checkpoint": {"monitor": {"health_checkpoint": {"global_norm_skip_time": 3}}},
     "lora_config": {"lora_config": {}},
     "callbacks": {"callbacks": [{"type": "Printer"}]},
     "optimizer.type": {"optimizer": {"type": "Muon"}},

@@ -16,7 +16,7 @@ from meshforge.data.config import SFT_FIELDS, SFT_LOADER, TrainDatasetConfig
 from meshforge.infer.config import InferenceConfig
 from meshforge.memory.config import RecomputeCommConfig, RecomputeConfig, SwapConfig
 from meshforge.models.config import KernelsConfig, ModelConfig
-from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
+from meshforge.monitor.config import TrainStateConfig
 from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
     MS_TP_COLWISE,
@@ -197,11 +197,6 @@ ENTRIES: list[Unsupported] = [
     Unsupported("monitor.moe_monitor", lambda c: c.monitor.moe_monitor.is_set(), "MoE monitor"),
     Unsupported(
         "monitor.train_state", lambda c: c.monitor.train_state != TrainStateConfig(), "train-state monitor"
-    ),
-    Unsupported(
-        "monitor.health_checkpoint",
-        lambda c: c.monitor.health_checkpoint != HealthCheckpointConfig(),
-        "health checks",
     ),
     Unsupported("lora_config", lambda c: c.lora_config is not None, "LoRA"),
     Unsupported("callbacks", lambda c: bool(c.callbacks), "user callbacks"),
