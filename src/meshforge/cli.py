@@ -167,7 +167,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         destroy_process_group(synchronize=False)
         raise
     destroy_process_group()
-    if rank == 0:
+    if rank == 0 and not summary.preempted:  # a preempted run said where its checkpoint is
         where = f"checkpoint {summary.last_checkpoint}" if summary.last_checkpoint else "no checkpoint saved"
         tail = summary.losses[-10:]
         smoothed = sum(tail) / len(tail) if tail else float("nan")

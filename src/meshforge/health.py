@@ -8,7 +8,8 @@ warning). After `global_norm_skip_time` consecutive skips (0: the first) the run
 weights, which are those of the last applied update, and stops with `HealthStopError`.
 
 The decision is one all-reduce (max) over the world of this rank's flags, so every rank of every
-layout (data, pipeline, tensor parallel) skips or stops at the same step.
+layout (data, pipeline, tensor parallel) skips or stops at the same step; a preemption request
+(`meshforge.preemption`) travels in the same all-reduce.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class StepVerdict:
     embedding_norm: float | None = None
     loss: float = math.nan
     grad_norm: float = math.nan
+    preempted: bool = False
 
 
 @dataclass
@@ -94,27 +96,39 @@ class StepHealth:
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         return float(torch.linalg.vector_norm(local.detach().to(torch.float64)))
 
-    def decide(self, loss: float, grad_norm: float, embedding_norm: float | None) -> StepVerdict:
-        """Reduce this rank's view of the step over the world (one all-reduce) and decide."""
+    def decide(
+        self, loss: float, grad_norm: float, embedding_norm: float | None, *, stop_requested: bool = False
+    ) -> StepVerdict:
+        """Reduce this rank's view of the step over the world (one all-reduce) and decide.
+
+        `stop_requested` is this rank's preemption request (`meshforge.preemption`); it rides
+        on the same all-reduce, so agreeing on it costs nothing.
+        """
         non_finite = not (math.isfinite(loss) and math.isfinite(grad_norm))
         limit = self.config.global_norm_skip_threshold
         too_large = self.thresholds and not non_finite and grad_norm > limit
         emb = -1.0 if embedding_norm is None else embedding_norm
         if not math.isfinite(emb):
             emb = math.inf
-        flags = torch.tensor([float(non_finite), float(too_large), emb], dtype=torch.float64)
-        flags = flags.to(self.device)
+        local = [float(non_finite), float(too_large), emb, float(stop_requested)]
+        flags = torch.tensor(local, dtype=torch.float64).to(self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        any_non_finite, any_too_large, max_emb = (float(v) for v in flags.cpu())
+        any_non_finite, any_too_large, max_emb, any_stop = (float(v) for v in flags.cpu())
         seen_emb = None if max_emb < 0 else max_emb
+        reason = ""
         if any_non_finite:
-            what = "loss" if not math.isfinite(loss) else "gradient norm"
-            return StepVerdict(True, f"non-finite {what}", seen_emb, loss, grad_norm)
-        if any_too_large:
+            reason = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'}"
+        elif any_too_large:
             reason = f"gradient norm {grad_norm:.4g} > global_norm_skip_threshold {limit:g}"
-            return StepVerdict(True, reason, seen_emb, loss, grad_norm)
-        return StepVerdict(False, "", seen_emb, loss, grad_norm)
+        return StepVerdict(
+            skip=bool(reason),
+            reason=reason,
+            embedding_norm=seen_emb,
+            loss=loss,
+            grad_norm=grad_norm,
+            preempted=any_stop > 0,
+        )
 
     def embedding_warning(self, verdict: StepVerdict, step: int) -> str | None:
         """The warning line when the embedding's local norm exceeds its threshold, else None."""

@@ -25,6 +25,7 @@ from meshforge.health import HealthStopError, StepHealth, StepVerdict, TrainingD
 from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
 from meshforge.monitor.throughput import throughput_fields
 from meshforge.parallel.dims import ParallelDims
+from meshforge.preemption import PreemptionGuard
 from meshforge.resources import resolve_path
 from meshforge.trainer_build import BatchPlan, TrainerBuild, plan_batches
 from meshforge.trainer_eval import evaluate_pipeline, reshard_fsdp
@@ -49,6 +50,7 @@ class TrainSummary:
     last_checkpoint: Path | None
     losses: list[float] = field(default_factory=list)
     hf_export: Path | None = None
+    preempted: bool = False
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -120,6 +122,7 @@ class Trainer(TrainerBuild):
             device=self.device,
         )
         self._verdict = StepVerdict(skip=False)
+        self.preemption = PreemptionGuard()
 
     # ----------------------------------------------------------------------------- hooks
     def forward_backward(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> torch.Tensor:
@@ -246,7 +249,9 @@ class Trainer(TrainerBuild):
         loss_value, norm_value = float(loss), float(grad_norm)
         # Decided over the world before the update: a skipped step (non-finite, or above
         # monitor.health_checkpoint's threshold) changes neither the weights nor the schedule.
-        self._verdict = verdict = self.health.decide(loss_value, norm_value, embedding_norm)
+        self._verdict = verdict = self.health.decide(
+            loss_value, norm_value, embedding_norm, stop_requested=self.preemption.requested
+        )
         lr = float(self.optimizer.param_groups[0]["lr"])
         if not verdict.skip:
             self.optimizer.step()
@@ -291,15 +296,19 @@ class Trainer(TrainerBuild):
         losses: list[float] = []
         run_tokens = 0
         self.model.train()
+        self.preemption.install()
         try:
-            while self.step < total:
+            while self.step < total and not self._verdict.preempted:
                 run_tokens += self._run_one_step(total, start_time, losses)
             # A background save must be on disk (and marked complete) before the run ends. Not
             # on error paths: a failed peer would never reach the barrier inside.
             self.checkpointer.finalize()
-            if self.cfg.checkpoint.save_hf_weights:
+            if self._verdict.preempted:
+                self.log(f"preempted at step {self.step}: checkpoint {self._last_checkpoint}")
+            elif self.cfg.checkpoint.save_hf_weights:
                 self._hf_export = self.export_hf(self.output_dir / "hf")
         finally:
+            self.preemption.uninstall()
             self.close()
         wall = time.perf_counter() - start_time
         return TrainSummary(
@@ -310,6 +319,7 @@ class Trainer(TrainerBuild):
             last_checkpoint=self._last_checkpoint,
             losses=losses,
             hf_export=self._hf_export,
+            preempted=self._verdict.preempted,
         )
 
     def export_hf(self, out_dir: Path) -> Path:
@@ -380,7 +390,10 @@ class Trainer(TrainerBuild):
                 f"eval step {self.step}: eval_loss {record['eval_loss']:.4f} over {int(record['eval_tokens']):,} tokens"
             )
         self.log_step(record)
-        if self.checkpointer.should_save(self.step, total):
+        if self.checkpointer.should_save(self.step, total) or (
+            verdict.preempted and self.checkpointer.last_saved_step != self.step
+        ):
+            # A preempted run saves whatever checkpoint.enable_save says: it is the way back.
             self._save()
         return int(metrics["tokens"])
 
