@@ -23,7 +23,10 @@ from meshforge.config import TrainConfig, check_trainable, dump_config
 from meshforge.config.noops import noop_notes
 from meshforge.health import HealthStopError, StepHealth, StepVerdict, TrainingDivergedError, finite_or_none
 from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
+from meshforge.monitor.memory import memory_fields
+from meshforge.monitor.moe import MoeMonitor
 from meshforge.monitor.throughput import throughput_fields
+from meshforge.monitor.train_state import TrainStateMonitor, is_log_step
 from meshforge.parallel.dims import ParallelDims
 from meshforge.preemption import PreemptionGuard
 from meshforge.resources import resolve_path
@@ -32,7 +35,7 @@ from meshforge.trainer_eval import evaluate_pipeline, reshard_fsdp
 from meshforge.trainer_export import export_hf_from_checkpoint, export_hf_from_memory
 from meshforge.utils import distributed as dist_utils
 from meshforge.utils.comms import comm_stats_enabled
-from meshforge.utils.device import backend_for, peak_memory_bytes, resolve_device
+from meshforge.utils.device import backend_for, resolve_device
 from meshforge.utils.log import get_logger
 from meshforge.utils.seed import rng_state, set_deterministic, set_seed
 
@@ -116,13 +119,38 @@ class Trainer(TrainerBuild):
         self.checkpointer = self._build_checkpointer()
         self._maybe_resume()
         self._build_metric_sinks()
+        self._build_monitors()
+
+    def _build_monitors(self) -> None:
+        """Run health, preemption, and the opt-in monitors (each None when off)."""
+        monitor = self.cfg.monitor
         self.health = StepHealth.from_monitor(
-            cfg.monitor.health_checkpoint,
-            written="health_checkpoint" in cfg.monitor.model_fields_set,
+            monitor.health_checkpoint,
+            written="health_checkpoint" in monitor.model_fields_set,
             device=self.device,
         )
         self._verdict = StepVerdict(skip=False)
+        self._moe_lines: list[dict[str, Any]] = []
         self.preemption = PreemptionGuard()
+        self.train_state = TrainStateMonitor.build(
+            monitor.train_state,
+            self.model,
+            rank=self.dist.rank,
+            world=self.dist.world_size,
+            pp=self.dims.pp,
+            device=self.device,
+            skip=self.pipeline_split.tied_copies if self.pipeline_split is not None else (),
+        )
+        self.moe_monitor = MoeMonitor.build(
+            monitor.moe_monitor,
+            self.model,
+            log_interval=self.cfg.training.log_interval,
+            world=self.dist.world_size,
+            tp=self.dims.tp,
+            device=self.device,
+            output_dir=self.output_dir if self.dist.is_main else None,
+            resume_step=self.step,
+        )
 
     # ----------------------------------------------------------------------------- hooks
     def forward_backward(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> torch.Tensor:
@@ -205,6 +233,8 @@ class Trainer(TrainerBuild):
             self.jsonl.write(record)
         if self.tensorboard is not None:
             self.tensorboard.write(record)
+            self.tensorboard.write_expert_counts(self._moe_lines)
+        self._moe_lines = []
         if self.console is not None:
             self.console.update(record)
 
@@ -225,6 +255,8 @@ class Trainer(TrainerBuild):
         # the global token mean, or of the mean of per-rank means (disable_gradient_division off).
         normalizer = self._loss_normalizer(local_tokens, global_tokens)
         self._aux_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        if self.moe_monitor is not None:
+            self.moe_monitor.begin(self.step + 1)
         if self.pipeline is not None:
             # The schedule runs forward and backward of every micro-batch over the stages and
             # returns the CE sum on every pipeline rank.
@@ -244,6 +276,17 @@ class Trainer(TrainerBuild):
         extra: dict[str, float] = {}
         if self._aux_loss_enabled:
             extra["aux_loss"] = float(dist_utils.all_reduce_sum(self._aux_sum, loss_group))
+        if self.train_state is not None and is_log_step(
+            self.step + 1, self.cfg.training.log_interval, self.total_steps
+        ):
+            extra.update(
+                self.train_state.collect(
+                    self.model,
+                    loss_sum=float(_plain(loss_sum)),
+                    local_tokens=int(local_tokens),
+                    normalizer=float(normalizer),
+                )
+            )
         embedding_norm = self.health.embedding_local_norm(self.model)  # before clipping
         grad_norm = self.clip_grads()
         loss_value, norm_value = float(loss), float(grad_norm)
@@ -257,6 +300,9 @@ class Trainer(TrainerBuild):
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.moe_monitor is not None:
+            moe_fields, self._moe_lines = self.moe_monitor.end(self.step + 1)
+            extra.update(moe_fields)
         record: dict[str, Any] = {
             "loss": finite_or_none(loss_value),
             "lr": lr,
@@ -364,7 +410,7 @@ class Trainer(TrainerBuild):
             "tokens_per_s": metrics["tokens"] / max(elapsed, 1e-9),
             "tokens_seen": self.tokens_seen,
             "elapsed_s": time.perf_counter() - start_time,
-            "memory_bytes": peak_memory_bytes(self.device),
+            **memory_fields(self.device, host=self.cfg.training.log_cpu_memory),
         }
         if self.flops_per_token is not None:
             record.update(
@@ -498,3 +544,6 @@ class Trainer(TrainerBuild):
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
+        if self.moe_monitor is not None:
+            self.moe_monitor.close()
+            self.moe_monitor = None

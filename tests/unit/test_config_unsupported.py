@@ -43,8 +43,6 @@ TRIGGERS: dict[str, dict] = {
     "profiler.record_shapes": {"profiler": {"record_shapes": True}},
     "profiler.export_type": {"profiler": {"export_type": "db"}},
     "profiler.data_simplification": {"profiler": {"data_simplification": True}},
-    "monitor.moe_monitor": {"monitor": {"moe_monitor": {"target_layers": [0]}}},
-    "monitor.train_state": {"monitor": {"train_state": {"local_loss": True}}},
     "lora_config": {"lora_config": {}},
     "callbacks": {"callbacks": [{"type": "Printer"}]},
     "optimizer.type": {"optimizer": {"type": "Muon"}},
@@ -87,7 +85,6 @@ TRIGGERS: dict[str, dict] = {
     "checkpoint.save_epochs": {"checkpoint": {"save_epochs": 1}},
     "training.rampup_batch_size": {"training": {"rampup_batch_size": [1, 1, 100]}},
     "inference": {"inference": {"max_new_tokens": 16}},
-    "training.log_cpu_memory": {"training": {"log_cpu_memory": True}},
     "checkpoint.load_worker_number": {"checkpoint": {"load_worker_number": 4}},
     "checkpoint.reshard_worker_num": {"checkpoint": {"reshard_worker_num": 2}},
     # SFT data fields under train_dataset.

@@ -137,6 +137,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "training.eval_interval",
         "training.eval_iters",
         "parallelism.disable_gradient_division",
+        "training.log_cpu_memory",
         "train_dataset.pin_memory",
         "model.compute_dtype",
         "monitor.tensorboard.output_dir",
@@ -147,6 +148,16 @@ READERS: dict[str, tuple[str, ...]] = {
         "monitor.health_checkpoint.embedding_local_norm_threshold",
         "monitor.health_checkpoint.global_norm_skip_threshold",
         "monitor.health_checkpoint.global_norm_skip_time",
+    ),
+    "meshforge.monitor.train_state": (
+        "monitor.train_state.local_norm",
+        "monitor.train_state.local_loss",
+        "monitor.train_state.device_norm",
+        "monitor.train_state.device_loss",
+    ),
+    "meshforge.monitor.moe": (
+        "monitor.moe_monitor.save_tokens_per_expert_interval",
+        "monitor.moe_monitor.target_layers",
     ),
     "meshforge.trainer_build": (
         "checkpoint.enable_save",

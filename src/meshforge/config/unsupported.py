@@ -16,7 +16,6 @@ from meshforge.data.config import SFT_FIELDS, SFT_LOADER, TrainDatasetConfig
 from meshforge.infer.config import InferenceConfig
 from meshforge.memory.config import RecomputeCommConfig, RecomputeConfig, SwapConfig
 from meshforge.models.config import KernelsConfig, ModelConfig
-from meshforge.monitor.config import TrainStateConfig
 from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
     MS_TP_COLWISE,
@@ -194,10 +193,6 @@ ENTRIES: list[Unsupported] = [
     *_unbuilt_fields("recompute_comm", RecomputeCommConfig, "communication recomputation"),
     *_unbuilt_fields("swap", SwapConfig, "activation offload"),
     *_unbuilt_fields("profiler", ProfilerConfig, "profiling", skip=("mstx",)),
-    Unsupported("monitor.moe_monitor", lambda c: c.monitor.moe_monitor.is_set(), "MoE monitor"),
-    Unsupported(
-        "monitor.train_state", lambda c: c.monitor.train_state != TrainStateConfig(), "train-state monitor"
-    ),
     Unsupported("lora_config", lambda c: c.lora_config is not None, "LoRA"),
     Unsupported("callbacks", lambda c: bool(c.callbacks), "user callbacks"),
     Unsupported(
@@ -264,7 +259,6 @@ ENTRIES: list[Unsupported] = [
         lambda c: not c.checkpoint.save_global_layout_cache,
         "saving without the cached save plan",
     ),
-    Unsupported("training.log_cpu_memory", lambda c: c.training.log_cpu_memory, "host-memory logging"),
     Unsupported(
         "checkpoint.load_worker_number", lambda c: c.checkpoint.load_worker_number != 1, "parallel loading"
     ),

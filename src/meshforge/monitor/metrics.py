@@ -60,6 +60,12 @@ class TensorBoardMetrics:
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                 self.writer.add_scalar(f"train/{key}", value, step)
 
+    def write_expert_counts(self, lines: list[dict[str, Any]]) -> None:
+        """`monitor.moe_monitor` lines as `moe/layer<l>/expert<e>` scalars (every monitored step)."""
+        for line in lines:
+            for expert, count in enumerate(line["counts"]):
+                self.writer.add_scalar(f"moe/layer{line['layer']}/expert{expert}", count, int(line["step"]))
+
     def close(self) -> None:
         self.writer.flush()
         self.writer.close()
