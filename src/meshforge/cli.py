@@ -135,6 +135,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
 
+    from meshforge.callbacks import CallbackError, CallbackHookError, PeerCallbackError
     from meshforge.trainer import Trainer, TrainingDivergedError
     from meshforge.utils.distributed import destroy_process_group
     from meshforge.utils.log import get_logger
@@ -157,6 +158,14 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         destroy_process_group(synchronize=False)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except CallbackError as err:
+        # A hook failure is agreed by every rank (the trainer reduces it); a build error comes
+        # before any collective, the same on every rank.
+        hook = isinstance(err, CallbackHookError | PeerCallbackError)
+        destroy_process_group(synchronize=hook)
+        if rank == 0 or isinstance(err, CallbackHookError):
+            print(f"error: {err}", file=sys.stderr)
+        return 1 if hook else 2
     except TrainingDivergedError as err:
         # Every rank stops at the same step (the trainer reduces the decision): leave together.
         destroy_process_group()

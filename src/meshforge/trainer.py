@@ -19,6 +19,8 @@ from typing import Any, cast
 
 import torch
 
+from meshforge.callback_runner import CallbackRunner
+from meshforge.callbacks import TrainInfo, build_callbacks
 from meshforge.config import TrainConfig, check_trainable, dump_config
 from meshforge.config.noops import noop_notes
 from meshforge.health import HealthStopError, StepHealth, StepVerdict, TrainingDivergedError, finite_or_none
@@ -102,6 +104,10 @@ class Trainer(TrainerBuild):
         if self.dist.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
+        # User callbacks resolve (and fail, naming the item) before anything heavy is built.
+        self.callbacks = CallbackRunner(
+            build_callbacks(cfg.callbacks), rank=self.dist.rank, device=self.device
+        )
         self.log(
             f"meshforge: {self.dims.describe()} on {self.device.type} | global batch "
             f"{self.plan.global_batch_size} = dp {self.plan.data_parallel} x local {self.plan.local_batch_size} "
@@ -343,8 +349,14 @@ class Trainer(TrainerBuild):
         run_tokens = 0
         self.model.train()
         self.preemption.install()
+        self._callback_stop = False
         try:
-            while self.step < total and not self._verdict.preempted:
+            info = TrainInfo(
+                self.dist.rank, self.dist.world_size, self.dist.is_main, self.output_dir, self.step, total
+            )
+            self.callbacks.call("on_train_start", info)
+            self.callbacks.agree()
+            while self.step < total and not (self._verdict.preempted or self._callback_stop):
                 run_tokens += self._run_one_step(total, start_time, losses)
             # A background save must be on disk (and marked complete) before the run ends. Not
             # on error paths: a failed peer would never reach the barrier inside.
@@ -357,7 +369,7 @@ class Trainer(TrainerBuild):
             self.preemption.uninstall()
             self.close()
         wall = time.perf_counter() - start_time
-        return TrainSummary(
+        summary = TrainSummary(
             steps=self.step - start_step,
             final_loss=losses[-1] if losses else float("nan"),
             tokens_per_s=run_tokens / wall if wall > 0 else 0.0,
@@ -367,6 +379,9 @@ class Trainer(TrainerBuild):
             hf_export=self._hf_export,
             preempted=self._verdict.preempted,
         )
+        self.callbacks.call("on_train_end", summary)
+        self.callbacks.agree()
+        return summary
 
     def export_hf(self, out_dir: Path) -> Path:
         """Write the current weights, config and tokenizer as a HF folder (collective).
@@ -431,15 +446,25 @@ class Trainer(TrainerBuild):
         if not verdict.skip:
             losses.append(metrics["loss"])
         if self._eval_due(total):
-            record.update(self.evaluate())
+            eval_metrics = self.evaluate()
+            record.update(eval_metrics)
             self.log(
                 f"eval step {self.step}: eval_loss {record['eval_loss']:.4f} over {int(record['eval_tokens']):,} tokens"
             )
+            self.callbacks.call("on_eval_end", eval_metrics)
         self.log_step(record)
+        self.callbacks.call("on_step_end", record)
         if self.checkpointer.should_save(self.step, total) or (
             verdict.preempted and self.checkpointer.last_saved_step != self.step
         ):
             # A preempted run saves whatever checkpoint.enable_save says: it is the way back.
+            self._save()
+        # Callbacks' requests (one all-reduce, only with callbacks): a stop ends the run as a last
+        # step would, with its checkpoint when saving is on.
+        save, self._callback_stop = self.callbacks.agree()
+        if (save or (self._callback_stop and self.checkpointer.enabled)) and (
+            self.checkpointer.last_saved_step != self.step
+        ):
             self._save()
         return int(metrics["tokens"])
 
@@ -508,6 +533,7 @@ class Trainer(TrainerBuild):
         )
         how = "started saving" if self.checkpointer.async_save else "saved"
         self.log(f"checkpoint: {how} step {self.step} to {self._last_checkpoint}")
+        self.callbacks.call("on_save", self._last_checkpoint)
 
     @property
     def _cp_model_kwargs(self) -> tuple[str, ...]:

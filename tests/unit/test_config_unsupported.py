@@ -44,7 +44,6 @@ TRIGGERS: dict[str, dict] = {
     "profiler.export_type": {"profiler": {"export_type": "db"}},
     "profiler.data_simplification": {"profiler": {"data_simplification": True}},
     "lora_config": {"lora_config": {}},
-    "callbacks": {"callbacks": [{"type": "Printer"}]},
     "optimizer.type": {"optimizer": {"type": "Muon"}},
     "optimizer.accumulate_allreduce_grads_in_fp32": {
         "optimizer": {"accumulate_allreduce_grads_in_fp32": False}

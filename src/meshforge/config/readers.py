@@ -138,6 +138,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "training.eval_iters",
         "parallelism.disable_gradient_division",
         "training.log_cpu_memory",
+        "callbacks",
         "train_dataset.pin_memory",
         "model.compute_dtype",
         "monitor.tensorboard.output_dir",

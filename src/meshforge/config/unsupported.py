@@ -194,7 +194,6 @@ ENTRIES: list[Unsupported] = [
     *_unbuilt_fields("swap", SwapConfig, "activation offload"),
     *_unbuilt_fields("profiler", ProfilerConfig, "profiling", skip=("mstx",)),
     Unsupported("lora_config", lambda c: c.lora_config is not None, "LoRA"),
-    Unsupported("callbacks", lambda c: bool(c.callbacks), "user callbacks"),
     Unsupported(
         "optimizer.type",
         lambda c: optimizer_not_built(c.optimizer.type) is not None,
