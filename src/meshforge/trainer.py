@@ -23,18 +23,17 @@ from meshforge.callback_runner import CallbackRunner
 from meshforge.callbacks import TrainInfo, build_callbacks
 from meshforge.config import TrainConfig, check_trainable, dump_config
 from meshforge.config.noops import noop_notes
-from meshforge.health import HealthStopError, StepHealth, StepVerdict, TrainingDivergedError, finite_or_none
+from meshforge.health import HealthStopError, TrainingDivergedError, finite_or_none
 from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
 from meshforge.monitor.memory import memory_fields
-from meshforge.monitor.moe import MoeMonitor
 from meshforge.monitor.throughput import throughput_fields
-from meshforge.monitor.train_state import TrainStateMonitor, is_log_step
+from meshforge.monitor.train_state import is_log_step
 from meshforge.parallel.dims import ParallelDims
-from meshforge.preemption import PreemptionGuard
 from meshforge.resources import resolve_path
-from meshforge.trainer_build import BatchPlan, TrainerBuild, plan_batches
+from meshforge.trainer_build import BatchPlan, plan_batches
 from meshforge.trainer_eval import evaluate_pipeline, reshard_fsdp
 from meshforge.trainer_export import export_hf_from_checkpoint, export_hf_from_memory
+from meshforge.trainer_monitors import TrainerMonitors
 from meshforge.utils import distributed as dist_utils
 from meshforge.utils.comms import comm_stats_enabled
 from meshforge.utils.device import backend_for, resolve_device
@@ -64,7 +63,7 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else tensor
 
 
-class Trainer(TrainerBuild):
+class Trainer(TrainerMonitors):
     """Runs one training job described by a validated `TrainConfig`."""
 
     def __init__(self, cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> None:
@@ -126,37 +125,6 @@ class Trainer(TrainerBuild):
         self._maybe_resume()
         self._build_metric_sinks()
         self._build_monitors()
-
-    def _build_monitors(self) -> None:
-        """Run health, preemption, and the opt-in monitors (each None when off)."""
-        monitor = self.cfg.monitor
-        self.health = StepHealth.from_monitor(
-            monitor.health_checkpoint,
-            written="health_checkpoint" in monitor.model_fields_set,
-            device=self.device,
-        )
-        self._verdict = StepVerdict(skip=False)
-        self._moe_lines: list[dict[str, Any]] = []
-        self.preemption = PreemptionGuard()
-        self.train_state = TrainStateMonitor.build(
-            monitor.train_state,
-            self.model,
-            rank=self.dist.rank,
-            world=self.dist.world_size,
-            pp=self.dims.pp,
-            device=self.device,
-            skip=self.pipeline_split.tied_copies if self.pipeline_split is not None else (),
-        )
-        self.moe_monitor = MoeMonitor.build(
-            monitor.moe_monitor,
-            self.model,
-            log_interval=self.cfg.training.log_interval,
-            world=self.dist.world_size,
-            tp=self.dims.tp,
-            device=self.device,
-            output_dir=self.output_dir if self.dist.is_main else None,
-            resume_step=self.step,
-        )
 
     # ----------------------------------------------------------------------------- hooks
     def forward_backward(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> torch.Tensor:
@@ -263,16 +231,19 @@ class Trainer(TrainerBuild):
         self._aux_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         if self.moe_monitor is not None:
             self.moe_monitor.begin(self.step + 1)
+        phase = self._phase("forward_backward")
         if self.pipeline is not None:
             # The schedule runs forward and backward of every micro-batch over the stages and
             # returns the CE sum on every pipeline rank.
-            loss_sum = self.pipeline.step(micro, normalizer)
+            with phase:
+                loss_sum = self.pipeline.step(micro, normalizer)
             if self._aux_loss_enabled:
                 self._aux_sum = self._aux_sum + self.pipeline.aux_sum
         else:
             loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-            for mb in micro:
-                loss_sum += self.forward_backward(mb, normalizer)
+            with phase:
+                for mb in micro:
+                    loss_sum += self.forward_backward(mb, normalizer)
         if self.fsdp and self._ignored_params:
             from meshforge.parallel.fsdp import sync_ignored_grads
 
@@ -294,7 +265,8 @@ class Trainer(TrainerBuild):
                 )
             )
         embedding_norm = self.health.embedding_local_norm(self.model)  # before clipping
-        grad_norm = self.clip_grads()
+        with self._phase("clip_grads"):
+            grad_norm = self.clip_grads()
         loss_value, norm_value = float(loss), float(grad_norm)
         # Decided over the world before the update: a skipped step (non-finite, or above
         # monitor.health_checkpoint's threshold) changes neither the weights nor the schedule.
@@ -303,7 +275,8 @@ class Trainer(TrainerBuild):
         )
         lr = float(self.optimizer.param_groups[0]["lr"])
         if not verdict.skip:
-            self.optimizer.step()
+            with self._phase("optimizer"):
+                self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.moe_monitor is not None:
@@ -404,8 +377,14 @@ class Trainer(TrainerBuild):
             log=self.log,
         )
 
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[object]:
+        """A named range in the profiler's trace inside its window; nothing otherwise."""
+        return self.profiler.phase(name) if self.profiler is not None else contextlib.nullcontext()
+
     def _run_one_step(self, total: int, start_time: float, losses: list[float]) -> int:
         """Train, record, log and maybe save one step; return the tokens it processed."""
+        if self.profiler is not None:
+            self.profiler.step_begin(self.step + 1)
         t0 = time.perf_counter()
         if self._count_comms:
             from meshforge.utils.comms import CommCounter
@@ -466,6 +445,8 @@ class Trainer(TrainerBuild):
             self.checkpointer.last_saved_step != self.step
         ):
             self._save()
+        if self.profiler is not None:
+            self.profiler.step_end(self.step)
         return int(metrics["tokens"])
 
     def _stop_unhealthy(self) -> None:
@@ -573,3 +554,6 @@ class Trainer(TrainerBuild):
         if self.moe_monitor is not None:
             self.moe_monitor.close()
             self.moe_monitor = None
+        if self.profiler is not None:
+            self.profiler.close()
+            self.profiler = None

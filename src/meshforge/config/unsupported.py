@@ -21,7 +21,6 @@ from meshforge.parallel.config import (
     MS_TP_COLWISE,
     MS_TP_ROWWISE,
 )
-from meshforge.profiling import ProfilerConfig
 from meshforge.trainer_config import TrainingConfig
 
 if TYPE_CHECKING:
@@ -192,7 +191,11 @@ ENTRIES: list[Unsupported] = [
     *_unbuilt_fields("recompute", RecomputeConfig, "activation recomputation"),
     *_unbuilt_fields("recompute_comm", RecomputeCommConfig, "communication recomputation"),
     *_unbuilt_fields("swap", SwapConfig, "activation offload"),
-    *_unbuilt_fields("profiler", ProfilerConfig, "profiling", skip=("mstx",)),
+    Unsupported(
+        "profiler.export_type",
+        lambda c: c.profiler.export_type == "db",
+        "database (db) profile export: meshforge writes Chrome traces (export_type: text)",
+    ),
     Unsupported("lora_config", lambda c: c.lora_config is not None, "LoRA"),
     Unsupported(
         "optimizer.type",
