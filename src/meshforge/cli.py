@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     preview.add_argument(
         "--output", "-o", default=None, help="write JSON lines here (default: print; JSON lines when piped)"
     )
+    plot = sub.add_parser("plot", help="draw loss, learning rate, grad norm and tokens/s of runs into a PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's training.output_dir")
+    plot.add_argument(
+        "--output",
+        "-o",
+        default=None,
+        help="PNG file (default: RUN_DIR/metrics.png, ./metrics.png for several)",
+    )
     from meshforge.config.cli import add_config_commands
     from meshforge.data.megatron.cli import add_preprocess_command
 
@@ -234,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognised arguments: {' '.join(extra)}")
     if args.command == "convert":
         return run_convert(args)
+    if args.command == "plot":
+        from meshforge.monitor.plot import run_plot_command
+
+        return run_plot_command(args.run_dirs, args.output)
     if args.command == "preprocess":
         from meshforge.data.megatron.cli import run_preprocess_command
 
