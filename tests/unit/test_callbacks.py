@@ -19,6 +19,7 @@ from meshforge.callbacks import (
     register_callback,
     registered_callbacks,
 )
+from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
 from tests.conftest import REPO, read_metrics
 
 RECORDER = textwrap.dedent(
@@ -128,6 +129,7 @@ def test_import_paths_resolve_from_the_working_directory(
         build_callback(_item(type="wd_callbacks:Recorder", path="x", oops=1), 0)
 
 
+@pytest.mark.usefixtures("leave_no_process_group")
 def test_a_bad_callback_fails_before_the_model_is_built(
     tiny_config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,6 +14,7 @@ from meshforge.monitor.config import MoeMonitorConfig, TrainStateConfig
 from meshforge.monitor.memory import memory_fields
 from meshforge.monitor.moe import MoeMonitor
 from meshforge.monitor.train_state import TrainStateMonitor, is_log_step
+from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")
 
@@ -152,6 +153,7 @@ def test_log_steps_and_memory_fields() -> None:
     assert set(memory_fields(CPU, host=False)) == {"memory_bytes"}
 
 
+@pytest.mark.usefixtures("leave_no_process_group")
 def test_a_monitor_error_comes_before_the_first_step(tiny_config: Path) -> None:
     from meshforge.config import load_config
     from meshforge.trainer import Trainer

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from meshforge.preemption import PreemptionGuard
+from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
 
 SCRIPT = textwrap.dedent(
     """
@@ -61,6 +62,7 @@ def test_install_and_uninstall_restore_the_previous_handlers() -> None:
     assert not guard.requested
 
 
+@pytest.mark.usefixtures("leave_no_process_group")
 def test_a_signal_during_a_run_stops_after_that_step_with_a_checkpoint(tiny_config: Path) -> None:
     from meshforge.config import load_config
     from meshforge.trainer import Trainer

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshforge.profiling import ProfilerConfig, StepProfiler
+from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
 
 
 def _build(tmp_path: Path, **fields: object) -> StepProfiler | None:
@@ -54,6 +55,7 @@ def test_window_and_rank_errors_name_the_key(tmp_path: Path) -> None:
     )  # off: nothing checked
 
 
+@pytest.mark.usefixtures("leave_no_process_group")
 def test_a_profiled_run_writes_one_trace_of_its_window(tiny_config: Path) -> None:
     from meshforge.config import load_config
     from meshforge.trainer import Trainer
@@ -86,6 +88,7 @@ def test_a_profiled_run_writes_one_trace_of_its_window(tiny_config: Path) -> Non
     assert len(summary) == 1 and "top operators by self time: aten::" in summary[0]
 
 
+@pytest.mark.usefixtures("leave_no_process_group")
 def test_a_window_past_the_run_fails_before_the_first_step(tiny_config: Path) -> None:
     from meshforge.config import load_config
     from meshforge.trainer import Trainer

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
 from tests.conftest import read_metrics, run_train
 
 pytestmark = pytest.mark.slow
@@ -96,6 +97,7 @@ def test_exploding_run_skips_then_stops_with_one_line_and_the_last_good_state(
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+@pytest.mark.usefixtures("leave_no_process_group")
 def test_a_non_finite_step_is_not_applied(tiny_config: Path) -> None:
     from meshforge.config import load_config
     from meshforge.trainer import HealthStopError, Trainer, TrainingDivergedError
@@ -132,6 +134,7 @@ def test_a_non_finite_step_is_not_applied(tiny_config: Path) -> None:
         assert torch.isfinite(param).all(), name
 
 
+@pytest.mark.usefixtures("leave_no_process_group")
 def test_a_threshold_skip_leaves_the_weights_and_warns_about_the_embedding(tiny_config: Path) -> None:
     from meshforge.config import load_config
     from meshforge.trainer import HealthStopError, Trainer
