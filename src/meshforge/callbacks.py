@@ -130,6 +130,33 @@ def registered_callbacks() -> dict[str, type[Callback]]:
     return dict(_REGISTRY)
 
 
+@register_callback("PlotCurves")
+class PlotCurves(Callback):
+    """Built in: the run's curves (`meshforge plot`) as `{output_dir}/metrics.png` (or `output`)
+    when the run ends, on rank 0. Needs matplotlib, checked when the callback is built."""
+
+    def __init__(self, output: str | None = None) -> None:
+        super().__init__()
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CallbackError("PlotCurves needs matplotlib: pip install matplotlib")
+        self.output = output
+        self.info: TrainInfo | None = None
+
+    def on_train_start(self, info: TrainInfo) -> None:
+        self.info = info
+
+    def on_train_end(self, summary: Any) -> None:
+        if self.info is None or not self.info.is_main:
+            return
+        from meshforge.monitor.plot import plot_runs
+
+        out = Path(self.output) if self.output else self.info.output_dir / "metrics.png"
+        plot_runs([self.info.output_dir], out)
+        print(f"plot: {out}", flush=True)
+
+
 def resolve_callback_type(type_name: str, where: str) -> type[Callback]:
     """The class a `type` names: a registered name, or `package.module:ClassName`.
 

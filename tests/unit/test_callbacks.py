@@ -176,3 +176,40 @@ def test_a_callback_from_the_working_directory_sees_every_hook_and_can_save_and_
         ["on_train_end", 4],
     ]
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+def test_plot_curves_needs_matplotlib_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
+    with pytest.raises(
+        CallbackError,
+        match=r"^callbacks\[0\] \(PlotCurves\): .*PlotCurves needs matplotlib: pip install matplotlib",
+    ):
+        build_callback(_item(type="PlotCurves"), 0)
+
+
+@pytest.mark.slow  # matplotlib may start a process (its font cache)
+@pytest.mark.usefixtures("leave_no_process_group")
+def test_the_built_in_plot_callback_draws_the_run_at_its_end(tiny_config: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from meshforge.config import load_config
+    from meshforge.trainer import Trainer
+
+    out = tiny_config.parent / "plotted"
+    cfg = load_config(
+        str(tiny_config),
+        [
+            "training.steps=3",
+            f"training.output_dir={out}",
+            "checkpoint.enable_save=false",
+            "callbacks=[{type: PlotCurves}]",
+        ],
+    )
+    trainer = Trainer(cfg, log=lambda _msg: None)
+    trainer.setup()
+    trainer.train()
+    assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
