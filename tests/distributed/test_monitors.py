@@ -89,3 +89,25 @@ def test_moe_counts_and_train_state_agree_between_one_process_and_ep2(tmp_path: 
         squares = b["device_norm/rank0"] ** 2 + b["device_norm/rank1"] ** 2
         assert math.sqrt(squares) == pytest.approx(b["grad_norm"], rel=1e-5)
         assert b["local_loss/rank0"] != b["local_loss/rank1"]  # each rank's own rows
+
+
+def test_local_norms_of_a_pipeline_run_equal_one_process(tiny_config: Path, tmp_path: Path) -> None:
+    """pp2: each stage holds some parameters; the names are gathered once and every norm is there."""
+    common = [
+        "--training.steps=2",
+        "--checkpoint.enable_save=false",
+        "--monitor.train_state.local_norm=true",
+    ]
+    one, pp2 = tmp_path / "one", tmp_path / "pp2"
+    run_train(tiny_config, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
+    run_train(
+        tiny_config,
+        [*common, "--parallelism.pipeline_parallel=2", f"--training.output_dir={pp2}"],
+        nproc=2,
+        cwd=tmp_path,
+    )
+    for a, b in zip(read_metrics(one), read_metrics(pp2), strict=True):
+        keys = sorted(k for k in a if k.startswith("local_norm/"))
+        assert len(keys) == 24 and keys == sorted(k for k in b if k.startswith("local_norm/"))
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
