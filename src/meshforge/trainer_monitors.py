@@ -63,6 +63,9 @@ class TrainerMonitors(TrainerBuild):
             output_dir=self.output_dir if self.dist.is_main else None,
             resume_step=self.step,
         )
+        if self.moe_monitor is not None and self.pipeline is not None:
+            for stage in self.pipeline.stages:
+                self.moe_monitor.ignore_inside(stage, "_forward_metadata_inference")
         self.profiler = StepProfiler.build(
             self.cfg.profiler,
             rank=self.dist.rank,

@@ -1,4 +1,4 @@
-"""`monitor.moe_monitor` and `monitor.train_state` in 1 process and in dp2 + ep2: the same numbers.
+"""`monitor.moe_monitor` and `monitor.train_state` in 1 process, dp2 + ep2 and pp2: the same numbers.
 
 Expert counts are integers summed over the data and expert ranks: they must be equal, and each
 layer's counts sum to tokens x num_experts_per_tok. Train-state values: the per-parameter norms
@@ -49,7 +49,7 @@ def _counts(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "moe" / "tokens_per_expert.jsonl").read_text().splitlines()]
 
 
-def test_moe_counts_and_train_state_agree_between_one_process_and_ep2(tmp_path: Path) -> None:
+def test_moe_counts_and_train_state_agree_between_one_process_ep2_and_pp2(tmp_path: Path) -> None:
     config = REPO / "configs" / "qwen3_moe" / "tiny.yaml"
     one, ep2 = tmp_path / "one", tmp_path / "ep2"
     run_train(config, [*TRAIN, f"--training.output_dir={one}"], cwd=tmp_path)
@@ -59,9 +59,23 @@ def test_moe_counts_and_train_state_agree_between_one_process_and_ep2(tmp_path: 
         nproc=2,
         cwd=tmp_path,
     )
+    # pp2: the stages' first-step shape inference runs the MoE layers too and must not count.
+    pp2 = tmp_path / "pp2"
+    run_train(
+        config,
+        [
+            *TRAIN,
+            "--parallelism.pipeline_parallel=2",
+            '--parallelism.pipeline_parallel_layers_per_stage=["0-1","2"]',
+            f"--training.output_dir={pp2}",
+        ],
+        nproc=2,
+        cwd=tmp_path,
+    )
     counts_one, counts_ep2 = _counts(one), _counts(ep2)
     assert [(c["step"], c["layer"]) for c in counts_one] == [(2, 0), (2, 2), (4, 0), (4, 2)]
     assert counts_ep2 == counts_one
+    assert _counts(pp2) == counts_one
     records_one, records_ep2 = read_metrics(one), read_metrics(ep2)
     for line in counts_one:
         record = records_one[line["step"] - 1]

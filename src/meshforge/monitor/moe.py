@@ -68,6 +68,7 @@ class MoeMonitor:
         self.device = device
         self.out_file = out_file
         self._active = False
+        self._paused = 0
         self._counts: dict[int, torch.Tensor] = {}
         self._hooks: list[RemovableHandle] = [
             block.register_forward_hook(self._hook_for(layer))
@@ -138,10 +139,30 @@ class MoeMonitor:
             out_file=out_file,
         )
 
+    def ignore_inside(self, owner: object, method: str) -> None:
+        """Count nothing while `owner.method` runs (a forward that is not a training forward).
+
+        torch's pipeline stages run their module once on the first step to learn the shapes
+        they exchange (`PipelineStage._forward_metadata_inference`): real routing on a first
+        stage, routing of uninitialised inputs on the others, neither of them a micro-batch.
+        """
+        original = getattr(owner, method, None)
+        if original is None:
+            return
+
+        def paused(*args: Any, **kwargs: Any) -> Any:
+            self._paused += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._paused -= 1
+
+        setattr(owner, method, paused)
+
     def _hook_for(self, layer: int) -> Any:
         def hook(module: nn.Module, _args: object, _output: object) -> None:
             counts = getattr(module, "last_tokens_per_expert", None)
-            if not self._active or counts is None:
+            if not self._active or self._paused or counts is None:
                 return
             counts = counts.detach().to(torch.int64)
             previous = self._counts.get(layer)
