@@ -119,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     preview.add_argument(
         "--output", "-o", default=None, help="write JSON lines here (default: print; JSON lines when piped)"
     )
+    plot = sub.add_parser("plot", help="draw loss, learning rate, grad norm and tokens/s of runs into a PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's training.output_dir")
+    plot.add_argument(
+        "--output",
+        "-o",
+        default=None,
+        help="PNG file (default: RUN_DIR/metrics.png, ./metrics.png for several)",
+    )
     from meshforge.config.cli import add_config_commands
     from meshforge.data.megatron.cli import add_preprocess_command
 
@@ -145,6 +153,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
 
+    from meshforge.callbacks import CallbackError, CallbackHookError, PeerCallbackError
     from meshforge.trainer import Trainer, TrainingDivergedError
     from meshforge.utils.distributed import destroy_process_group
     from meshforge.utils.log import get_logger
@@ -167,6 +176,14 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         destroy_process_group(synchronize=False)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except CallbackError as err:
+        # A hook failure is agreed by every rank (the trainer reduces it); a build error comes
+        # before any collective, the same on every rank.
+        hook = isinstance(err, CallbackHookError | PeerCallbackError)
+        destroy_process_group(synchronize=hook)
+        if rank == 0 or isinstance(err, CallbackHookError):
+            print(f"error: {err}", file=sys.stderr)
+        return 1 if hook else 2
     except TrainingDivergedError as err:
         # Every rank stops at the same step (the trainer reduces the decision): leave together.
         destroy_process_group()
@@ -177,7 +194,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         destroy_process_group(synchronize=False)
         raise
     destroy_process_group()
-    if rank == 0:
+    if rank == 0 and not summary.preempted:  # a preempted run said where its checkpoint is
         where = f"checkpoint {summary.last_checkpoint}" if summary.last_checkpoint else "no checkpoint saved"
         tail = summary.losses[-10:]
         smoothed = sum(tail) / len(tail) if tail else float("nan")
@@ -240,6 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognised arguments: {' '.join(extra)}")
     if args.command == "convert":
         return run_convert(args)
+    if args.command == "plot":
+        from meshforge.monitor.plot import run_plot_command
+
+        return run_plot_command(args.run_dirs, args.output)
     if args.command == "preprocess":
         from meshforge.data.megatron.cli import run_preprocess_command
 

@@ -1,4 +1,6 @@
-"""Profiling: the `profiler:` section (light at import; torch.profiler code imports torch lazily).
+"""Profiling: the `profiler:` section and the torch.profiler window it describes.
+
+Light at import (the config imports this module): torch is imported when a window starts.
 
 Fields follow the MindFormers ProfilerConfig (step window `start_step..end_step`, inclusive, both
 positive) plus homes for the MindSpeed `profile_*` switches (`record_shapes`, `export_type`,
@@ -7,6 +9,10 @@ positive) plus homes for the MindSpeed `profile_*` switches (`record_shapes`, `e
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, model_validator
@@ -51,3 +57,198 @@ class ProfilerConfig(StrictSection):
                 "end_step", f"must be >= profiler.start_step ({self.start_step}), got {self.end_step}"
             )
         return self
+
+
+# --- the profiler over a step window (torch imported when a window is built) ------------------
+
+LEVELS = {
+    0: "CPU (and device) operator activity",
+    1: "level 0 + operator input shapes and tensor memory",
+    2: "level 1 + Python stacks and FLOPs estimates",
+}
+
+
+#: The ranges the trainer marks inside a step (`StepProfiler.phase`).
+PHASES = ("forward_backward", "clip_grads", "optimizer")
+
+
+class StepProfiler:
+    """A torch.profiler window over steps `start_step..end_step` (inclusive) on this rank.
+
+    Writes `{output}/rank{r}_step{a}-{b}.pt.trace.json.gz` (a Chrome trace that Perfetto and
+    TensorBoard's profiler plugin open) and logs one line with the top operators by self time.
+    `profile_memory` on CUDA also dumps the allocator's memory snapshot
+    (`rank{r}_step{a}-{b}.memory.pickle`, for pytorch.org/memory_viz). `mstx` on CUDA wraps each
+    step and phase in an NVTX range (for Nsight Systems).
+    """
+
+    def __init__(
+        self,
+        cfg: ProfilerConfig,
+        *,
+        rank: int,
+        output_dir: Path,
+        device_type: str,
+        log: Callable[[str], None],
+    ) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.device_type = device_type
+        self.log = log
+        self.first, self.last = cfg.start_step, cfg.end_step
+        self.trace = output_dir / f"rank{rank}_step{self.first}-{self.last}.pt.trace.json.gz"
+        self._prof: Any = None
+        self._nvtx = cfg.mstx and device_type == "cuda"
+        self._memory = cfg.profile_memory and device_type == "cuda"
+
+    @classmethod
+    def build(
+        cls,
+        cfg: ProfilerConfig,
+        *,
+        rank: int,
+        world_size: int,
+        start_step: int,
+        total_steps: int,
+        output_dir: Path,
+        device_type: str,
+        log: Callable[[str], None],
+    ) -> StepProfiler | None:
+        """None when profiling is off or this rank is not listed; ValueError for a window or rank
+        that the run does not have (every rank checks, before the first step)."""
+        if not cfg.enable_profiling:
+            return None
+        if cfg.end_step > total_steps:
+            raise ValueError(
+                f"profiler.end_step: {cfg.end_step} is past the run's last step ({total_steps}); "
+                f"the window must lie in 1..{total_steps}"
+            )
+        if cfg.start_step <= start_step:
+            raise ValueError(
+                f"profiler.start_step: {cfg.start_step} is not after the resumed step {start_step}; "
+                f"this run trains steps {start_step + 1}..{total_steps}"
+            )
+        ranks = cfg.profiler_rank
+        if ranks is not None:
+            missing = [r for r in ranks if not 0 <= r < world_size]
+            if missing:
+                raise ValueError(
+                    f"profiler.profiler_rank: rank(s) {missing} do not exist (world size {world_size}: "
+                    f"ranks 0..{world_size - 1}; null = all)"
+                )
+            if rank not in ranks:
+                return None
+        folder = Path(cfg.output_path) if cfg.output_path else output_dir / "profile"
+        folder.mkdir(parents=True, exist_ok=True)
+        return cls(cfg, rank=rank, output_dir=folder, device_type=device_type, log=log)
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def step_begin(self, step: int) -> None:
+        """Called before step `step` (1-based) runs."""
+        if step == self.first:
+            self._start()
+        if self._prof is not None and self._nvtx:
+            import torch
+
+            torch.cuda.nvtx.range_push(f"step {step}")
+
+    def step_end(self, step: int) -> None:
+        """Called after step `step` finished."""
+        if self._prof is None:
+            return
+        if self._nvtx:
+            import torch
+
+            torch.cuda.nvtx.range_pop()
+        self._prof.step()  # after the window's last step the schedule hands the trace to _export
+        if step == self.last:
+            prof, self._prof = self._prof, None
+            prof.stop()
+
+    def phase(self, name: str) -> AbstractContextManager[Any]:
+        """A named range inside the window (`record_function`, plus NVTX with mstx); else nothing."""
+        if self._prof is None:
+            return contextlib.nullcontext()
+        import torch
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.profiler.record_function(name))
+        if self._nvtx:
+            stack.enter_context(torch.cuda.nvtx.range(name))
+        return stack
+
+    def _start(self) -> None:
+        import warnings
+
+        import torch
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        cfg, level = self.cfg, self.cfg.profiler_level
+        activities = []
+        if cfg.profile_cpu or self.device_type == "cpu":
+            activities.append(ProfilerActivity.CPU)
+        if self.device_type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        if self._memory:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        with warnings.catch_warnings():
+            # No warm-up step: the window starts recording at its first step, as configured.
+            warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+            steps = schedule(wait=0, warmup=0, active=self.last - self.first + 1, repeat=1)
+        self._prof = profile(
+            activities=activities,
+            schedule=steps,
+            on_trace_ready=self._export,
+            record_shapes=cfg.record_shapes or level >= 1,
+            profile_memory=cfg.profile_memory or level >= 1,
+            with_stack=cfg.with_stack or level >= 2,
+            with_flops=level >= 2,
+        )
+        self._prof.start()
+
+    def _export(self, prof: Any) -> None:
+        prof.export_chrome_trace(str(self.trace))
+        extra = ""
+        if self._memory:
+            import torch
+
+            snapshot = self.trace.with_name(self.trace.name.replace(".pt.trace.json.gz", ".memory.pickle"))
+            torch.cuda.memory._dump_snapshot(str(snapshot))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            extra = f", memory snapshot {snapshot}"
+        self.log(
+            f"profiler: steps {self.first}-{self.last} on rank {self.rank} -> {self.trace}{extra}; "
+            f"top operators by self time: {top_operators(prof, self.device_type)}"
+        )
+
+    def close(self) -> None:
+        """End a window the run left early (it stopped inside it): the steps so far are written."""
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            prof.stop()
+
+
+def top_operators(prof: Any, device_type: str, count: int = 5) -> str:
+    """`aten::mm 12.3 ms (41%), ...`: the operators with the most self time in the window.
+
+    On the CPU only operators (`namespace::name`) count, not the step and phase ranges or the
+    Python frames `with_stack` records; on CUDA the kernels' device time.
+    """
+    attr = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+    events = [
+        e
+        for e in prof.key_averages()
+        if getattr(e, attr, 0) > 0 and (device_type == "cuda" or "::" in e.key) and e.key not in PHASES
+    ]
+    total = sum(getattr(e, attr) for e in events) or 1
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return (
+        ", ".join(
+            f"{e.key} {getattr(e, attr) / 1000:.1f} ms ({100 * getattr(e, attr) / total:.0f}%)"
+            for e in events[:count]
+        )
+        or "none recorded"
+    )

@@ -11,7 +11,6 @@ copying `train_step`.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,30 +19,28 @@ from typing import Any, cast
 
 import torch
 
+from meshforge.callback_runner import CallbackRunner
+from meshforge.callbacks import TrainInfo, build_callbacks
 from meshforge.config import TrainConfig, check_trainable, dump_config
 from meshforge.config.noops import noop_notes
+from meshforge.health import HealthStopError, TrainingDivergedError, finite_or_none
 from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
+from meshforge.monitor.memory import memory_fields
 from meshforge.monitor.throughput import throughput_fields
+from meshforge.monitor.train_state import is_log_step
 from meshforge.parallel.dims import ParallelDims
 from meshforge.resources import resolve_path
-from meshforge.trainer_build import BatchPlan, TrainerBuild, plan_batches
+from meshforge.trainer_build import BatchPlan, plan_batches
 from meshforge.trainer_eval import evaluate_pipeline, reshard_fsdp
 from meshforge.trainer_export import export_hf_from_checkpoint, export_hf_from_memory
+from meshforge.trainer_monitors import TrainerMonitors
 from meshforge.utils import distributed as dist_utils
 from meshforge.utils.comms import comm_stats_enabled
-from meshforge.utils.device import backend_for, peak_memory_bytes, resolve_device
+from meshforge.utils.device import backend_for, resolve_device
 from meshforge.utils.log import get_logger
 from meshforge.utils.seed import rng_state, set_deterministic, set_seed
 
-__all__ = ["BatchPlan", "TrainSummary", "Trainer", "TrainingDivergedError", "plan_batches"]
-
-
-class TrainingDivergedError(FloatingPointError):
-    """A step's loss or gradient norm is not finite; raised before its optimizer update.
-
-    Every rank raises it at the same step (the decision is reduced over the world), so the run
-    can end cleanly with the message alone.
-    """
+__all__ = ["BatchPlan", "HealthStopError", "TrainSummary", "Trainer", "TrainingDivergedError", "plan_batches"]
 
 
 @dataclass
@@ -57,6 +54,7 @@ class TrainSummary:
     last_checkpoint: Path | None
     losses: list[float] = field(default_factory=list)
     hf_export: Path | None = None
+    preempted: bool = False
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -65,7 +63,7 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else tensor
 
 
-class Trainer(TrainerBuild):
+class Trainer(TrainerMonitors):
     """Runs one training job described by a validated `TrainConfig`."""
 
     def __init__(self, cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> None:
@@ -105,6 +103,10 @@ class Trainer(TrainerBuild):
         if self.dist.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
+        # User callbacks resolve (and fail, naming the item) before anything heavy is built.
+        self.callbacks = CallbackRunner(
+            build_callbacks(cfg.callbacks), rank=self.dist.rank, device=self.device
+        )
         self.log(
             f"meshforge: {self.dims.describe()} on {self.device.type} | global batch "
             f"{self.plan.global_batch_size} = dp {self.plan.data_parallel} x local {self.plan.local_batch_size} "
@@ -122,6 +124,7 @@ class Trainer(TrainerBuild):
         self.checkpointer = self._build_checkpointer()
         self._maybe_resume()
         self._build_metric_sinks()
+        self._build_monitors()
 
     # ----------------------------------------------------------------------------- hooks
     def forward_backward(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> torch.Tensor:
@@ -204,6 +207,8 @@ class Trainer(TrainerBuild):
             self.jsonl.write(record)
         if self.tensorboard is not None:
             self.tensorboard.write(record)
+            self.tensorboard.write_expert_counts(self._moe_lines)
+        self._moe_lines = []
         if self.console is not None:
             self.console.update(record)
 
@@ -224,16 +229,21 @@ class Trainer(TrainerBuild):
         # the global token mean, or of the mean of per-rank means (disable_gradient_division off).
         normalizer = self._loss_normalizer(local_tokens, global_tokens)
         self._aux_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        if self.moe_monitor is not None:
+            self.moe_monitor.begin(self.step + 1)
+        phase = self._phase("forward_backward")
         if self.pipeline is not None:
             # The schedule runs forward and backward of every micro-batch over the stages and
             # returns the CE sum on every pipeline rank.
-            loss_sum = self.pipeline.step(micro, normalizer)
+            with phase:
+                loss_sum = self.pipeline.step(micro, normalizer)
             if self._aux_loss_enabled:
                 self._aux_sum = self._aux_sum + self.pipeline.aux_sum
         else:
             loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-            for mb in micro:
-                loss_sum += self.forward_backward(mb, normalizer)
+            with phase:
+                for mb in micro:
+                    loss_sum += self.forward_backward(mb, normalizer)
         if self.fsdp and self._ignored_params:
             from meshforge.parallel.fsdp import sync_ignored_grads
 
@@ -243,22 +253,47 @@ class Trainer(TrainerBuild):
         extra: dict[str, float] = {}
         if self._aux_loss_enabled:
             extra["aux_loss"] = float(dist_utils.all_reduce_sum(self._aux_sum, loss_group))
-        grad_norm = self.clip_grads()
-        # Checked before the update: a non-finite step must not reach the weights.
-        self._stop_if_not_finite(float(loss), float(grad_norm))
+        if self.train_state is not None and is_log_step(
+            self.step + 1, self.cfg.training.log_interval, self.total_steps
+        ):
+            extra.update(
+                self.train_state.collect(
+                    self.model,
+                    loss_sum=float(_plain(loss_sum)),
+                    local_tokens=int(local_tokens),
+                    normalizer=float(normalizer),
+                )
+            )
+        embedding_norm = self.health.embedding_local_norm(self.model)  # before clipping
+        with self._phase("clip_grads"):
+            grad_norm = self.clip_grads()
+        loss_value, norm_value = float(loss), float(grad_norm)
+        # Decided over the world before the update: a skipped step (non-finite, or above
+        # monitor.health_checkpoint's threshold) changes neither the weights nor the schedule.
+        self._verdict = verdict = self.health.decide(
+            loss_value, norm_value, embedding_norm, stop_requested=self.preemption.requested
+        )
         lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
-        self.scheduler.step()
+        if not verdict.skip:
+            with self._phase("optimizer"):
+                self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {
-            "loss": float(loss),
+        if self.moe_monitor is not None:
+            moe_fields, self._moe_lines = self.moe_monitor.end(self.step + 1)
+            extra.update(moe_fields)
+        record: dict[str, Any] = {
+            "loss": finite_or_none(loss_value),
             "lr": lr,
-            "grad_norm": float(grad_norm),
+            "grad_norm": finite_or_none(norm_value),
             "tokens": step_tokens,
             "valid_tokens": int(global_tokens.item()),
             **({"swap_bytes": am.swap_bytes()} if (am := self.activation_memory) and am.swapped else {}),
             **extra,
         }
+        if verdict.skip:
+            record.update(skipped=True, skip_reason=verdict.reason)
+        return record
 
     def _loss_normalizer(self, local_tokens: torch.Tensor | int, global_tokens: torch.Tensor) -> torch.Tensor:
         """The divisor of this rank's loss sum for one optimizer step.
@@ -277,25 +312,6 @@ class Trainer(TrainerBuild):
             own = dist_utils.all_reduce_sum(own, self.mesh.view("cp").get_group())
         return own.clamp(min=1).to(torch.float32) * float(self.dims.dp)
 
-    def _stop_if_not_finite(self, loss: float, grad_norm: float) -> None:
-        """Raise `TrainingDivergedError` when this step's loss or gradient norm is NaN or infinite.
-
-        Both values are already reduced, but the decision is summed over the world once more so
-        that no rank can step while another stops (a rank left waiting in the next collective
-        would hang the run).
-        """
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        bad = torch.tensor(0.0 if finite else 1.0, device=self.device)
-        if float(dist_utils.all_reduce_sum(bad)) == 0.0:
-            return
-        what = "loss" if not math.isfinite(loss) else "gradient norm"
-        raise TrainingDivergedError(
-            f"step {self.step + 1}: the {what} is not finite (loss {loss}, gradient norm {grad_norm}); "
-            "the run stopped before applying this step. Lower lr_scheduler.learning_rate (now "
-            f"{self.cfg.lr_scheduler.learning_rate:g}) or clip the gradients with training.max_norm "
-            f"(now {self.cfg.training.max_norm:g}), or check the data"
-        )
-
     def train(self) -> TrainSummary:
         """Run from the current step to the last one, saving, evaluating and logging as configured."""
         total = self.total_steps
@@ -306,18 +322,28 @@ class Trainer(TrainerBuild):
         losses: list[float] = []
         run_tokens = 0
         self.model.train()
+        self.preemption.install()
+        self._callback_stop = False
         try:
-            while self.step < total:
+            info = TrainInfo(
+                self.dist.rank, self.dist.world_size, self.dist.is_main, self.output_dir, self.step, total
+            )
+            self.callbacks.call("on_train_start", info)
+            self.callbacks.agree()
+            while self.step < total and not (self._verdict.preempted or self._callback_stop):
                 run_tokens += self._run_one_step(total, start_time, losses)
             # A background save must be on disk (and marked complete) before the run ends. Not
             # on error paths: a failed peer would never reach the barrier inside.
             self.checkpointer.finalize()
-            if self.cfg.checkpoint.save_hf_weights:
+            if self._verdict.preempted:
+                self.log(f"preempted at step {self.step}: checkpoint {self._last_checkpoint}")
+            elif self.cfg.checkpoint.save_hf_weights:
                 self._hf_export = self.export_hf(self.output_dir / "hf")
         finally:
+            self.preemption.uninstall()
             self.close()
         wall = time.perf_counter() - start_time
-        return TrainSummary(
+        summary = TrainSummary(
             steps=self.step - start_step,
             final_loss=losses[-1] if losses else float("nan"),
             tokens_per_s=run_tokens / wall if wall > 0 else 0.0,
@@ -325,7 +351,11 @@ class Trainer(TrainerBuild):
             last_checkpoint=self._last_checkpoint,
             losses=losses,
             hf_export=self._hf_export,
+            preempted=self._verdict.preempted,
         )
+        self.callbacks.call("on_train_end", summary)
+        self.callbacks.agree()
+        return summary
 
     def export_hf(self, out_dir: Path) -> Path:
         """Write the current weights, config and tokenizer as a HF folder (collective).
@@ -348,8 +378,14 @@ class Trainer(TrainerBuild):
             log=self.log,
         )
 
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[object]:
+        """A named range in the profiler's trace inside its window; nothing otherwise."""
+        return self.profiler.phase(name) if self.profiler is not None else contextlib.nullcontext()
+
     def _run_one_step(self, total: int, start_time: float, losses: list[float]) -> int:
         """Train, record, log and maybe save one step; return the tokens it processed."""
+        if self.profiler is not None:
+            self.profiler.step_begin(self.step + 1)
         t0 = time.perf_counter()
         if self._count_comms:
             from meshforge.utils.comms import CommCounter
@@ -369,7 +405,7 @@ class Trainer(TrainerBuild):
             "tokens_per_s": metrics["tokens"] / max(elapsed, 1e-9),
             "tokens_seen": self.tokens_seen,
             "elapsed_s": time.perf_counter() - start_time,
-            "memory_bytes": peak_memory_bytes(self.device),
+            **memory_fields(self.device, host=self.cfg.training.log_cpu_memory),
         }
         if self.flops_per_token is not None:
             record.update(
@@ -380,16 +416,45 @@ class Trainer(TrainerBuild):
                     peak=self.peak_flops,
                 )
             )
-        losses.append(metrics["loss"])
+        verdict = self._verdict
+        warning = self.health.embedding_warning(verdict, self.step)
+        if warning is not None:
+            self.log(warning)
+        if self.health.record(verdict, self.step):
+            self.log_step(record)
+            self._stop_unhealthy()
+        if not verdict.skip:
+            losses.append(metrics["loss"])
         if self._eval_due(total):
-            record.update(self.evaluate())
+            eval_metrics = self.evaluate()
+            record.update(eval_metrics)
             self.log(
                 f"eval step {self.step}: eval_loss {record['eval_loss']:.4f} over {int(record['eval_tokens']):,} tokens"
             )
+            self.callbacks.call("on_eval_end", eval_metrics)
         self.log_step(record)
-        if self.checkpointer.should_save(self.step, total):
+        self.callbacks.call("on_step_end", record)
+        if self.checkpointer.should_save(self.step, total) or (
+            verdict.preempted and self.checkpointer.last_saved_step != self.step
+        ):
+            # A preempted run saves whatever checkpoint.enable_save says: it is the way back.
             self._save()
+        # Callbacks' requests (one all-reduce, only with callbacks): a stop ends the run as a last
+        # step would, with its checkpoint when saving is on.
+        save, self._callback_stop = self.callbacks.agree()
+        if (save or (self._callback_stop and self.checkpointer.enabled)) and (
+            self.checkpointer.last_saved_step != self.step
+        ):
+            self._save()
+        if self.profiler is not None:
+            self.profiler.step_end(self.step)
         return int(metrics["tokens"])
+
+    def _stop_unhealthy(self) -> None:
+        """Save the last good state (skipped steps left the weights alone) and stop every rank."""
+        self._save()
+        self.checkpointer.finalize()
+        raise HealthStopError(self.health.stop_message(str(self._last_checkpoint)))
 
     def _eval_due(self, total: int) -> bool:
         if self.eval_loader is None:
@@ -450,6 +515,7 @@ class Trainer(TrainerBuild):
         )
         how = "started saving" if self.checkpointer.async_save else "saved"
         self.log(f"checkpoint: {how} step {self.step} to {self._last_checkpoint}")
+        self.callbacks.call("on_save", self._last_checkpoint)
 
     @property
     def _cp_model_kwargs(self) -> tuple[str, ...]:
@@ -486,3 +552,9 @@ class Trainer(TrainerBuild):
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
+        if self.moe_monitor is not None:
+            self.moe_monitor.close()
+            self.moe_monitor = None
+        if self.profiler is not None:
+            self.profiler.close()
+            self.profiler = None

@@ -20,23 +20,8 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.tp_colwise": {"parallelism": {"tp_colwise": ["*.q_proj"]}},
     "parallelism.tp_rowwise": {"parallelism": {"tp_rowwise": ["*.o_proj"]}},
     "parallelism.ep_dispatcher": {"parallelism": {"ep_dispatcher": "fused"}},
-    "profiler.enable_profiling": {"profiler": {"enable_profiling": True}},
-    "profiler.start_step": {"profiler": {"start_step": 2, "end_step": 3}},
-    "profiler.end_step": {"profiler": {"end_step": 3}},
-    "profiler.output_path": {"profiler": {"output_path": "./prof"}},
-    "profiler.profiler_rank": {"profiler": {"profiler_rank": [0]}},
-    "profiler.profiler_level": {"profiler": {"profiler_level": 1}},
-    "profiler.profile_memory": {"profiler": {"profile_memory": True}},
-    "profiler.profile_cpu": {"profiler": {"profile_cpu": False}},
-    "profiler.with_stack": {"profiler": {"with_stack": False}},
-    "profiler.record_shapes": {"profiler": {"record_shapes": True}},
     "profiler.export_type": {"profiler": {"export_type": "db"}},
-    "profiler.data_simplification": {"profiler": {"data_simplification": True}},
-    "monitor.moe_monitor": {"monitor": {"moe_monitor": {"target_layers": [0]}}},
-    "monitor.train_state": {"monitor": {"train_state": {"local_loss": True}}},
-    "monitor.health_checkpoint": {"monitor": {"health_checkpoint": {"global_norm_skip_time": 3}}},
     "lora_config": {"lora_config": {}},
-    "callbacks": {"callbacks": [{"type": "Printer"}]},
     "optimizer.type": {"optimizer": {"type": "Muon"}},
     "optimizer.accumulate_allreduce_grads_in_fp32": {
         "optimizer": {"accumulate_allreduce_grads_in_fp32": False}
@@ -77,7 +62,6 @@ TRIGGERS: dict[str, dict] = {
     "checkpoint.save_epochs": {"checkpoint": {"save_epochs": 1}},
     "training.rampup_batch_size": {"training": {"rampup_batch_size": [1, 1, 100]}},
     "inference": {"inference": {"max_new_tokens": 16}},
-    "training.log_cpu_memory": {"training": {"log_cpu_memory": True}},
     "checkpoint.load_worker_number": {"checkpoint": {"load_worker_number": 4}},
     "checkpoint.reshard_worker_num": {"checkpoint": {"reshard_worker_num": 2}},
     # SFT data fields under train_dataset.
@@ -158,14 +142,14 @@ def test_check_trainable_refuses_with_key_path():
                 "dataloader": {"type": "TextDataLoader", "data_path": "x.txt", "seq_length": 8}
             },
             "parallelism": {"enable_mc2": True},
-            "callbacks": [{"type": "mine"}],
+            "lora_config": {"target_modules": ".*q_proj"},
         }
     )
     with pytest.raises(ConfigError) as info:
         check_trainable(cfg)
     text = str(info.value)
     assert "error: parallelism.enable_mc2: not supported yet: parallelism.enable_mc2" in text
-    assert "error: callbacks: not supported yet: callbacks" in text
+    assert "error: lora_config: not supported yet: lora_config" in text
 
 
 def test_check_trainable_needs_a_model_and_a_loader():

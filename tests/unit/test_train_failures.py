@@ -6,6 +6,7 @@ through `meshforge train` as a user types them.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
 from tests.conftest import read_metrics, run_train
 
 pytestmark = pytest.mark.slow
@@ -39,7 +41,9 @@ def test_save_max_null_keeps_every_checkpoint(tiny_config: Path, tmp_path: Path)
     assert all((out / "checkpoints" / name / "COMPLETE").is_file() for name in saved)
 
 
-def test_exploding_run_stops_with_one_line_and_a_nonzero_exit(tiny_config: Path, tmp_path: Path) -> None:
+def test_exploding_run_skips_then_stops_with_one_line_and_the_last_good_state(
+    tiny_config: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
         [
@@ -53,6 +57,8 @@ def test_exploding_run_stops_with_one_line_and_a_nonzero_exit(tiny_config: Path,
             f"--training.output_dir={out}",
             "--checkpoint.save_interleaved_steps=1",
             "--checkpoint.save_max=null",
+            "--monitor.health_checkpoint.global_norm_skip_time=3",
+            "--monitor.health_checkpoint.global_norm_skip_threshold=1e12",
             *EXPLODE,
         ],
         cwd=tmp_path,
@@ -65,21 +71,36 @@ def test_exploding_run_stops_with_one_line_and_a_nonzero_exit(tiny_config: Path,
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr
     message = errors[0]
-    assert "not finite" in message
-    assert "lr_scheduler.learning_rate" in message and "training.max_norm" in message
+    assert message.startswith("error: monitor.health_checkpoint: 3 consecutive steps skipped"), message
+    assert "gradient norms [" in message
     records = read_metrics(out)
-    stopped_at = len(records) + 1
-    assert 1 < stopped_at <= 12
-    assert f"error: step {stopped_at}:" in message
-    # Every logged step was finite, and no checkpoint holds the step that stopped the run.
-    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
-    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert saved[-1] == f"checkpoint-{stopped_at - 1:08d}"
+    assert len(records) < 12
+    # Every logged loss and norm is finite or null, and only skipped steps hold a null.
+    for r in records:
+        for key in ("loss", "grad_norm"):
+            assert r[key] is None or math.isfinite(r[key]), r
+            if r[key] is None:
+                assert r["skipped"] is True, r
+    skipped = [r["step"] for r in records if r.get("skipped")]
+    last = records[-1]["step"]
+    assert skipped[-3:] == [last - 2, last - 1, last]
+    applied = [r["step"] for r in records if not r.get("skipped")]
+    assert f"weights after step {last - 3}" in message
+    # The stop saved a complete checkpoint at the step it stopped, holding the last applied update.
+    saved = out / "checkpoints" / f"checkpoint-{last:08d}"
+    assert (saved / "COMPLETE").is_file()
+    assert str(saved) in message
+    state = json.loads((saved / "trainer_state.json").read_text())
+    assert state["step"] == last
+    # The schedule stepped once per applied update (ConstantWarmUpLR counts its own steps).
+    assert state["scheduler"]["last_epoch"] == len(applied)
 
 
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+@pytest.mark.usefixtures("leave_no_process_group")
 def test_a_non_finite_step_is_not_applied(tiny_config: Path) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer, TrainingDivergedError
+    from meshforge.trainer import HealthStopError, Trainer, TrainingDivergedError
 
     overrides = [
         "training.steps=12",
@@ -90,11 +111,56 @@ def test_a_non_finite_step_is_not_applied(tiny_config: Path) -> None:
     ]
     trainer = Trainer(load_config(str(tiny_config), overrides), log=lambda _msg: None)
     trainer.setup()
-    with pytest.raises(TrainingDivergedError, match=r"^step \d+: the (loss|gradient norm) is not finite"):
+    applied: list[int] = []
+    original = trainer.optimizer.step
+
+    def counting_step(*args: object, **kwargs: object) -> object:
+        applied.append(trainer.step + 1)
+        return original(*args, **kwargs)
+
+    trainer.optimizer.step = counting_step  # type: ignore[method-assign]
+    with pytest.raises(HealthStopError, match=r"^monitor\.health_checkpoint: 10 consecutive steps skipped"):
         trainer.train()
-    assert trainer.step >= 1
-    # The optimizer applied exactly the completed steps, and the weights they left are finite.
+    assert issubclass(HealthStopError, TrainingDivergedError)
+    assert 10 <= trainer.step <= 12
+    records = read_metrics(tiny_config.parent / "inproc")
+    skipped = [r["step"] for r in records if r.get("skipped")]
+    assert len(skipped) >= 10
+    assert sorted(applied + skipped) == list(range(1, trainer.step + 1))
+    # The optimizer applied exactly the steps that were not skipped, and the weights are finite.
     counts = {int(state["step"]) for state in trainer.optimizer.state.values()}
-    assert counts == {trainer.step}
+    assert counts == {len(applied)}
     for name, param in trainer.model.named_parameters():
         assert torch.isfinite(param).all(), name
+
+
+@pytest.mark.usefixtures("leave_no_process_group")
+def test_a_threshold_skip_leaves_the_weights_and_warns_about_the_embedding(tiny_config: Path) -> None:
+    from meshforge.config import load_config
+    from meshforge.trainer import HealthStopError, Trainer
+
+    overrides = [
+        "training.steps=6",
+        f"training.output_dir={tiny_config.parent / 'threshold'}",
+        "checkpoint.enable_save=false",
+        "monitor.health_checkpoint.global_norm_skip_threshold=1e-6",
+        "monitor.health_checkpoint.global_norm_skip_time=4",
+        "monitor.health_checkpoint.embedding_local_norm_threshold=0",
+    ]
+    lines: list[str] = []
+    trainer = Trainer(load_config(str(tiny_config), overrides), log=lines.append)
+    trainer.setup()
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with pytest.raises(HealthStopError, match=r"global_norm_skip_threshold 1e-06"):
+        trainer.train()
+    assert trainer.step == 4
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, before[name]), name
+    assert trainer.scheduler.last_epoch == 0
+    records = read_metrics(tiny_config.parent / "threshold")
+    assert [(r["step"], r["skipped"]) for r in records] == [(s, True) for s in range(1, 5)]
+    assert all(r["skip_reason"].startswith("gradient norm ") for r in records)
+    warnings = [line for line in lines if "embedding local gradient norm" in line]
+    assert [w.split(": ")[:2] for w in warnings] == [["warning", f"step {s}"] for s in range(1, 5)]
+    saved = tiny_config.parent / "threshold" / "checkpoints" / "checkpoint-00000004"
+    assert (saved / "COMPLETE").is_file()

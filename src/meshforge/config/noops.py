@@ -45,6 +45,11 @@ def _entry(path: str, note: str, *, devices: tuple[str, ...] | None = None) -> N
     return NoOp(path, is_set, note)
 
 
+def _without_profiling(name: str) -> Callable[[TrainConfig, str], bool]:
+    """A profiler field written while the profiler is off."""
+    return lambda cfg, _device: not cfg.profiler.enable_profiling and _written(cfg, f"profiler.{name}")
+
+
 _NOT_NPU = ("cpu", "cuda")
 _ASCEND = "Ascend-only setting, no effect on device {device!r}"
 _NO_WORKERS = (
@@ -55,7 +60,31 @@ _NO_WORKERS = (
 ENTRIES: list[NoOp] = [
     _entry("context.max_device_memory", _ASCEND, devices=_NOT_NPU),
     _entry("parallelism.npu_nums_per_device", _ASCEND, devices=_NOT_NPU),
-    _entry("profiler.mstx", _ASCEND, devices=_NOT_NPU),
+    _entry(
+        "profiler.mstx",
+        "step and phase markers are NVTX ranges on CUDA; no effect on device {device!r}",
+        devices=("cpu", "npu"),
+    ),
+    _entry(
+        "profiler.data_simplification",
+        "an Ascend msprof export option: meshforge writes torch.profiler Chrome traces, which have no such mode",
+    ),
+    *[
+        NoOp(
+            f"profiler.{name}", _without_profiling(name), "no effect without profiler.enable_profiling: true"
+        )
+        for name in (
+            "start_step",
+            "end_step",
+            "output_path",
+            "profiler_rank",
+            "profiler_level",
+            "profile_memory",
+            "profile_cpu",
+            "with_stack",
+            "record_shapes",
+        )
+    ],
     NoOp(
         "parallelism.cpu_offload",
         lambda c, d: d == "cpu" and c.parallelism.cpu_offload,

@@ -15,13 +15,11 @@ from pydantic import BaseModel
 from meshforge.data.config import SFT_FIELDS, SFT_LOADER, TrainDatasetConfig
 from meshforge.infer.config import InferenceConfig
 from meshforge.models.config import KernelsConfig, ModelConfig
-from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
 from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
     MS_TP_COLWISE,
     MS_TP_ROWWISE,
 )
-from meshforge.profiling import ProfilerConfig
 from meshforge.trainer_config import TrainingConfig
 
 if TYPE_CHECKING:
@@ -189,18 +187,12 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         f"{_P}.ep_dispatcher", lambda c: c.parallelism.ep_dispatcher != "eager", "fused/mc2 EP dispatch"
     ),
-    *_unbuilt_fields("profiler", ProfilerConfig, "profiling", skip=("mstx",)),
-    Unsupported("monitor.moe_monitor", lambda c: c.monitor.moe_monitor.is_set(), "MoE monitor"),
     Unsupported(
-        "monitor.train_state", lambda c: c.monitor.train_state != TrainStateConfig(), "train-state monitor"
-    ),
-    Unsupported(
-        "monitor.health_checkpoint",
-        lambda c: c.monitor.health_checkpoint != HealthCheckpointConfig(),
-        "health checks",
+        "profiler.export_type",
+        lambda c: c.profiler.export_type == "db",
+        "database (db) profile export: meshforge writes Chrome traces (export_type: text)",
     ),
     Unsupported("lora_config", lambda c: c.lora_config is not None, "LoRA"),
-    Unsupported("callbacks", lambda c: bool(c.callbacks), "user callbacks"),
     Unsupported(
         "optimizer.type",
         lambda c: optimizer_not_built(c.optimizer.type) is not None,
@@ -265,7 +257,6 @@ ENTRIES: list[Unsupported] = [
         lambda c: not c.checkpoint.save_global_layout_cache,
         "saving without the cached save plan",
     ),
-    Unsupported("training.log_cpu_memory", lambda c: c.training.log_cpu_memory, "host-memory logging"),
     Unsupported(
         "checkpoint.load_worker_number", lambda c: c.checkpoint.load_worker_number != 1, "parallel loading"
     ),

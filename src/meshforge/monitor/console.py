@@ -54,7 +54,10 @@ class ConsoleProgress:
             else:
                 self.emit(line)
         if self._progress is not None:
-            stats = f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s"
+            loss = record["loss"]
+            stats = (
+                f"loss {'nan' if loss is None else format(loss, '.4f')} | {record['tokens_per_s']:,.0f} tok/s"
+            )
             self._progress.update(self._task, completed=step, stats=stats)
 
     def close(self) -> None:

@@ -2,7 +2,8 @@
 
 `metrics.jsonl` holds one JSON object per optimizer step (1-based `step`, `loss`, `lr`,
 `grad_norm`, `tokens`, `tokens_per_s`, `elapsed_s`, `memory_bytes`, plus any extra keys such as
-auxiliary losses). On resume the file is kept and continues after the resumed step: records past
+auxiliary losses). A skipped step (`meshforge.health`) has `skipped: true` and `skip_reason`,
+and a non-finite loss or norm is written as null. On resume the file is kept and continues after the resumed step: records past
 it are dropped, so the file always describes one consistent training history.
 """
 
@@ -59,6 +60,12 @@ class TensorBoardMetrics:
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                 self.writer.add_scalar(f"train/{key}", value, step)
 
+    def write_expert_counts(self, lines: list[dict[str, Any]]) -> None:
+        """`monitor.moe_monitor` lines as `moe/layer<l>/expert<e>` scalars (every monitored step)."""
+        for line in lines:
+            for expert, count in enumerate(line["counts"]):
+                self.writer.add_scalar(f"moe/layer{line['layer']}/expert{expert}", count, int(line["step"]))
+
     def close(self) -> None:
         self.writer.flush()
         self.writer.close()
@@ -69,11 +76,13 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
     width = len(str(total_steps))
     parts = [
         f"step {record['step']:>{width}}/{total_steps}",
-        f"loss {record['loss']:.4f}",
+        f"loss {_number(record['loss'], '.4f')}",
         f"lr {record['lr']:.3e}",
-        f"grad_norm {record['grad_norm']:.3f}",
+        f"grad_norm {_number(record['grad_norm'], '.3f')}",
         f"{record['tokens_per_s']:,.0f} tok/s",
     ]
+    if record.get("skipped"):
+        parts.insert(1, f"SKIPPED ({record.get('skip_reason', '')})")
     if "tflops_per_rank" in record:
         parts.append(f"{record['tflops_per_rank']:.3g} TFLOP/s/rank")
     if "mfu" in record:
@@ -81,6 +90,11 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
     if "memory_bytes" in record:
         parts.append(f"mem {record['memory_bytes'] / 2**30:.2f} GiB")
     return " | ".join(parts)
+
+
+def _number(value: float | None, spec: str) -> str:
+    """A metric for the console; a skipped step's non-finite value is logged as null (`nan` here)."""
+    return "nan" if value is None else format(value, spec)
 
 
 def _clean(value: Any) -> Any:

@@ -1,0 +1,110 @@
+"""`meshforge plot RUN_DIR [RUN_DIR ...] [-o FILE]`: the curves of one or more runs in one PNG.
+
+Four panels against the step: loss (eval loss dashed), learning rate, gradient norm and tokens/s,
+one colour per run. Read from each run's `metrics.jsonl`; a skipped step's null values leave a
+gap. Drawn with matplotlib's headless Agg backend, so it works on a machine without a display.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+PANELS = (
+    ("loss", "loss"),
+    ("lr", "learning rate"),
+    ("grad_norm", "gradient norm"),
+    ("tokens_per_s", "tokens/s"),
+)
+
+
+class PlotError(ValueError):
+    """A run folder without readable metrics, or matplotlib missing: one line for the user."""
+
+
+def read_run(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of `run_dir/metrics.jsonl` (PlotError naming the file when it cannot be used)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise PlotError(f"{run_dir}: no metrics.jsonl (give a run's training.output_dir)")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise PlotError(f"{path}:{number}: not a JSON object ({err.msg})") from err
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    if not records:
+        raise PlotError(f"{path}: no step records yet")
+    return records
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for record in records:
+        if key not in record:
+            continue
+        value = record[key]
+        steps.append(int(record["step"]))
+        values.append(float(value) if isinstance(value, int | float) and math.isfinite(value) else math.nan)
+    return steps, values
+
+
+def plot_runs(run_dirs: list[Path], out: Path) -> Path:
+    """Draw `run_dirs` into `out` (PNG); returns `out`."""
+    runs = [read_run(run_dir) for run_dir in run_dirs]
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise PlotError("meshforge plot needs matplotlib: pip install matplotlib") from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    labels = _labels(run_dirs)
+    for records, label, colour in zip(runs, labels, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 9):
+        for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
+            steps, values = _series(records, key)
+            ax.plot(steps, values, color=colour, label=label, linewidth=1.2)
+            if key == "loss":
+                eval_steps, eval_values = _series(records, "eval_loss")
+                if eval_steps:
+                    ax.plot(
+                        eval_steps, eval_values, "--o", color=colour, markersize=3, label=f"{label} (eval)"
+                    )
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize="small")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _labels(run_dirs: list[Path]) -> list[str]:
+    """Each run's folder name, with its parent's when two names collide."""
+    names = [p.resolve().name for p in run_dirs]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{p.resolve().parent.name}/{p.resolve().name}" for p in run_dirs]
+
+
+def run_plot_command(run_dirs: list[str], output: str | None) -> int:
+    """The `meshforge plot` command: default output `RUN_DIR/metrics.png` for one run, else `./metrics.png`."""
+    import sys
+
+    dirs = [Path(d) for d in run_dirs]
+    out = Path(output) if output else (dirs[0] / "metrics.png" if len(dirs) == 1 else Path("metrics.png"))
+    try:
+        written = plot_runs(dirs, out)
+    except PlotError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {written}")
+    return 0

@@ -1,0 +1,79 @@
+"""The trainer's watchers: run health, preemption, the opt-in monitors and the profiler window.
+
+Built after the rest of the run (they need the model, the mesh and the resumed step); each is None
+when switched off, so a run without them pays nothing per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from meshforge.health import StepHealth, StepVerdict
+from meshforge.monitor.moe import MoeMonitor
+from meshforge.monitor.train_state import TrainStateMonitor
+from meshforge.preemption import PreemptionGuard
+from meshforge.profiling import StepProfiler
+from meshforge.trainer_build import TrainerBuild
+
+if TYPE_CHECKING:
+    from meshforge.callback_runner import CallbackRunner
+
+
+class TrainerMonitors(TrainerBuild):
+    """Builds the watchers; the loop (`Trainer`) consults them."""
+
+    logger: logging.Logger
+    health: StepHealth
+    preemption: PreemptionGuard
+    train_state: TrainStateMonitor | None
+    moe_monitor: MoeMonitor | None
+    profiler: StepProfiler | None
+    callbacks: CallbackRunner
+    _verdict: StepVerdict
+    _moe_lines: list[dict[str, Any]]
+
+    def _build_monitors(self) -> None:
+        """Run health, preemption, the opt-in monitors and the profiler (collective: gathers names)."""
+        monitor = self.cfg.monitor
+        self.health = StepHealth.from_monitor(
+            monitor.health_checkpoint,
+            written="health_checkpoint" in monitor.model_fields_set,
+            device=self.device,
+        )
+        self._verdict = StepVerdict(skip=False)
+        self._moe_lines = []
+        self.preemption = PreemptionGuard()
+        self.train_state = TrainStateMonitor.build(
+            monitor.train_state,
+            self.model,
+            rank=self.dist.rank,
+            world=self.dist.world_size,
+            pp=self.dims.pp,
+            device=self.device,
+            skip=self.pipeline_split.tied_copies if self.pipeline_split is not None else (),
+        )
+        self.moe_monitor = MoeMonitor.build(
+            monitor.moe_monitor,
+            self.model,
+            log_interval=self.cfg.training.log_interval,
+            world=self.dist.world_size,
+            tp=self.dims.tp,
+            device=self.device,
+            output_dir=self.output_dir if self.dist.is_main else None,
+            resume_step=self.step,
+        )
+        if self.moe_monitor is not None and self.pipeline is not None:
+            for stage in self.pipeline.stages:
+                self.moe_monitor.ignore_inside(stage, "_forward_metadata_inference")
+        self.profiler = StepProfiler.build(
+            self.cfg.profiler,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            start_step=self.step,
+            total_steps=self.total_steps,
+            output_dir=self.output_dir,
+            device_type=self.device.type,
+            # Other ranks' info lines are muted: a profiled rank's summary is worth a line anyway.
+            log=self.log if self.dist.is_main else self.logger.warning,
+        )
