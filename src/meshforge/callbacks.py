@@ -140,7 +140,7 @@ class PlotCurves(Callback):
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
-            raise CallbackError("PlotCurves needs matplotlib: pip install matplotlib")
+            raise CallbackError("PlotCurves needs matplotlib: pip install 'meshforge[plot]' (or matplotlib)")
         self.output = output
         self.info: TrainInfo | None = None
 

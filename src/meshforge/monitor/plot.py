@@ -61,7 +61,9 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     try:
         import matplotlib
     except ImportError as err:
-        raise PlotError("meshforge plot needs matplotlib: pip install matplotlib") from err
+        raise PlotError(
+            "meshforge plot needs matplotlib: pip install 'meshforge[plot]' (or matplotlib)"
+        ) from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
