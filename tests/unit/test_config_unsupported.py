@@ -37,7 +37,6 @@ TRIGGERS: dict[str, dict] = {
     "monitor.health_checkpoint": {"monitor": {"health_checkpoint": {"global_norm_skip_time": 3}}},
     "lora_config": {"lora_config": {}},
     "callbacks": {"callbacks": [{"type": "Printer"}]},
-    "optimizer.type": {"optimizer": {"type": "Muon"}},
     "optimizer.accumulate_allreduce_grads_in_fp32": {
         "optimizer": {"accumulate_allreduce_grads_in_fp32": False}
     },

@@ -16,7 +16,6 @@ from meshforge.data.config import SFT_FIELDS, SFT_LOADER, TrainDatasetConfig
 from meshforge.infer.config import InferenceConfig
 from meshforge.models.config import KernelsConfig, ModelConfig
 from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
-from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
     MS_TP_COLWISE,
     MS_TP_ROWWISE,
@@ -201,11 +200,6 @@ ENTRIES: list[Unsupported] = [
     ),
     Unsupported("lora_config", lambda c: c.lora_config is not None, "LoRA"),
     Unsupported("callbacks", lambda c: bool(c.callbacks), "user callbacks"),
-    Unsupported(
-        "optimizer.type",
-        lambda c: optimizer_not_built(c.optimizer.type) is not None,
-        "optimizers not built yet",
-    ),
     Unsupported(
         "optimizer.accumulate_allreduce_grads_in_fp32",
         lambda c: not c.optimizer.accumulate_allreduce_grads_in_fp32,
