@@ -39,7 +39,12 @@ from torch import Tensor
 
 from meshforge.optim.muon_dist import MatrixOrthogonalizer, local
 
-__all__ = ["MeshMuon", "newton_schulz", "update_scale"]
+__all__ = ["MeshMuon", "newton_schulz", "optimizer_family", "update_scale"]
+
+
+def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
+    """`Muon` or `AdamW` (also FusedAdamW): whose state a checkpoint of `optimizer` holds."""
+    return "Muon" if isinstance(optimizer, MeshMuon) else "AdamW"
 
 
 def newton_schulz(
@@ -133,8 +138,16 @@ class MeshMuon(torch.optim.Optimizer):
         self._adamw.state = self.state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load, then point the AdamW part at the loaded group dicts and state again."""
+        """Load, then point the AdamW part at the loaded group dicts and state again.
+
+        A group without parameters (Muon's no-decay group, usually) has no entry in a DCP
+        checkpoint, which stores hyperparameters per parameter: it keeps its current ones.
+        """
+        before = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, old in zip(self.param_groups, before, strict=True):
+            for key, value in old.items():
+                group.setdefault(key, value)
         self._rebind()
 
     @property

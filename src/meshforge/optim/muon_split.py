@@ -34,7 +34,7 @@ def takes_muon(name: str, ndim: int) -> bool:
     """True when the parameter `name` (normalised) with `ndim` dimensions is a Muon matrix."""
     parts = normalize_param_name(name).split(".")
     modules = parts[:-1]
-    if ndim < 2 or any("embed" in p for p in parts):
+    if ndim < 2 or any("embed" in p or p == "wte" for p in parts):
         return False
     if any(seg in _ADAMW_SEGMENTS for seg in modules):
         return False
