@@ -90,7 +90,11 @@ def test_muon_layouts_equal_one_process_and_resume(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="holds Muon optimizer state, but optimizer.type is AdamW"):
         run_train(
             CONFIG,
-            [*TRAIN, "--optimizer.type=AdamW", f"--training.output_dir={tmp_path / 'adamw'}",
-             f"--checkpoint.load_path={step2}"],
+            [
+                *TRAIN,
+                "--optimizer.type=AdamW",
+                f"--training.output_dir={tmp_path / 'adamw'}",
+                f"--checkpoint.load_path={step2}",
+            ],
             cwd=tmp_path,
         )

@@ -123,7 +123,10 @@ def test_one_process_update_is_torch_optim_muon(match: bool) -> None:
     ref_muon = torch.optim.Muon(two_d, lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn=fn)
     decay = [p for p in others if p.dim() >= 2]
     ref_adam = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": [p for p in others if p.dim() < 2], "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": 0.1},
+            {"params": [p for p in others if p.dim() < 2], "weight_decay": 0.0},
+        ],
         lr=0.02,
         betas=(0.9, 0.95),
         eps=1e-8,
@@ -131,7 +134,13 @@ def test_one_process_update_is_torch_optim_muon(match: bool) -> None:
     )
     experts = ref.model.layers[0].mlp.experts.gate_up_proj
     expert_opts = [
-        torch.optim.Muon([nn.Parameter(experts.detach()[e].clone())], lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn=fn)
+        torch.optim.Muon(
+            [nn.Parameter(experts.detach()[e].clone())],
+            lr=0.02,
+            weight_decay=0.1,
+            momentum=0.9,
+            adjust_lr_fn=fn,
+        )
         for e in range(3)
     ]
     for step in range(3):
@@ -172,7 +181,13 @@ def test_resume_is_bitwise() -> None:
 
 def _manager(folder: Path) -> CheckpointManager:
     return CheckpointManager(
-        save_dir=folder, prefix="checkpoint", interval=None, keep=None, enabled=True, save_optimizer=True, rank=0
+        save_dir=folder,
+        prefix="checkpoint",
+        interval=None,
+        keep=None,
+        enabled=True,
+        save_optimizer=True,
+        rank=0,
     )
 
 
@@ -220,12 +235,28 @@ class NoMatrices(nn.Module):
     ("model", "options", "fragment"),
     [
         (NoMatrices(), {}, "optimizer.type: Muon needs 2-D hidden weight matrices"),
-        (TinyLM(), {"ns_coefficients": [3.4, -4.7]}, "optimizer.ns_coefficients: expected a list of three numbers"),
-        (TinyLM(), {"ns_coefficients": [3.4, "x", 2.0]}, "optimizer.ns_coefficients: item [1]: expected a number"),
-        (TinyLM(), {"ns_coefficients": [-3.4, 4.7, 2.0]}, "optimizer.ns_coefficients: expected three finite numbers"),
+        (
+            TinyLM(),
+            {"ns_coefficients": [3.4, -4.7]},
+            "optimizer.ns_coefficients: expected a list of three numbers",
+        ),
+        (
+            TinyLM(),
+            {"ns_coefficients": [3.4, "x", 2.0]},
+            "optimizer.ns_coefficients: item [1]: expected a number",
+        ),
+        (
+            TinyLM(),
+            {"ns_coefficients": [-3.4, 4.7, 2.0]},
+            "optimizer.ns_coefficients: expected three finite numbers",
+        ),
         (TinyLM(), {"ns_steps": 0}, "optimizer.ns_steps: must be in [1, 100)"),
         (TinyLM(), {"momentum": 1.0}, "optimizer.momentum: must be in [0, 1)"),
-        (TinyLM(), {"ns_stpes": 5}, "optimizer.ns_stpes: unknown key for optimizer type Muon; did you mean 'ns_steps'?"),
+        (
+            TinyLM(),
+            {"ns_stpes": 5},
+            "optimizer.ns_stpes: unknown key for optimizer type Muon; did you mean 'ns_steps'?",
+        ),
     ],
 )
 def test_bad_inputs_name_the_key(model: nn.Module, options: dict, fragment: str) -> None:

@@ -121,7 +121,12 @@ def build_optimizer(
         raise ValueError("optimizer: the model has no trainable parameters (all have requires_grad=False)")
     if isinstance(opts, MuonOptions):
         return _build_muon(
-            groups, opts, learning_rate=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay
+            groups,
+            opts,
+            learning_rate=learning_rate,
+            betas=(beta1, beta2),
+            eps=eps,
+            weight_decay=weight_decay,
         )
     if isinstance(opts, AdamWOptions):
         impl = _implementation(decay + no_decay, opts.fused, opts.foreach)
@@ -182,9 +187,13 @@ def _build_muon(
         (split_by_tensor_kind([p for p in params if id(p) not in muon_ids]), wd)
         for params, wd in ((decay, float(weight_decay)), (no_decay, 0.0))
     ]
-    adamw_groups = [{"params": split_[0], "weight_decay": wd} for split_, wd in adamw_parts]
-    adamw_groups += [{"params": rest, "weight_decay": wd} for split_, wd in adamw_parts for rest in split_[1:]]
-    adamw_params = [p for g in adamw_groups for p in g["params"]]
+    adamw_groups: list[dict[str, Any]] = [
+        {"params": split_[0], "weight_decay": wd} for split_, wd in adamw_parts
+    ]
+    adamw_groups += [
+        {"params": rest, "weight_decay": wd} for split_, wd in adamw_parts for rest in split_[1:]
+    ]
+    adamw_params = [p for split_, _ in adamw_parts for part in split_ for p in part]
     impl = _implementation(adamw_params, opts.fused, opts.foreach) if adamw_params else {}
     optimizer = MeshMuon(
         muon_groups,
@@ -200,7 +209,11 @@ def _build_muon(
         matched_adamw_rms=opts.matched_adamw_rms,
         ns_dtype=torch.bfloat16 if opts.ns_bfloat16 else None,
     )
-    scale = f"{opts.matched_adamw_rms:g}*sqrt(max(rows, cols))" if opts.match_rms_adamw else "sqrt(max(1, rows/cols))"
+    scale = (
+        f"{opts.matched_adamw_rms:g}*sqrt(max(rows, cols))"
+        if opts.match_rms_adamw
+        else "sqrt(max(1, rows/cols))"
+    )
     log.info(
         "optimizer Muon (momentum %g%s, %d Newton-Schulz steps, lr x %s; AdamW part %s): %s; %s",
         opts.momentum,

@@ -106,7 +106,9 @@ class MatrixOrthogonalizer:
         if not dims:
             return None
         group = self._group(param, dims)
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
         mine = torch.tensor([*shape, *offset], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(group.size())]
         dist.all_gather(everyone, mine, group=group)
@@ -118,10 +120,13 @@ class MatrixOrthogonalizer:
         for row in everyone:
             s, o = row[:ndim].tolist(), row[ndim:].tolist()
             if tuple(o[: ndim - 2]) != lead_offset or tuple(s[: ndim - 2]) != lead:
-                raise RuntimeError(f"Muon: a group of shards of a {tuple(param.shape)} weight holds different experts")
+                raise RuntimeError(
+                    f"Muon: a group of shards of a {tuple(param.shape)} weight holds different experts"
+                )
             shapes.append(tuple(s))
             slices.append(
-                tuple(slice(None) for _ in lead) + tuple(slice(o[d], o[d] + s[d]) for d in (ndim - 2, ndim - 1))
+                tuple(slice(None) for _ in lead)
+                + tuple(slice(o[d], o[d] + s[d]) for d in (ndim - 2, ndim - 1))
             )
         members = [dist.get_global_rank(group, i) for i in range(group.size())]
         block = (*lead, param.shape[-2], param.shape[-1])
