@@ -1,8 +1,8 @@
-"""`optimizer.type: Muon` under dp2 (FSDP), tp2, pp2 and ep2 equals one process.
+"""`optimizer.type: Muon` under dp2 (FSDP), tp2, pp2, ep2 and dp2 x tp2 equals one process.
 
 Trainer level, qwen3_moe tiny (2-D projections, `[E, out, in]` experts and a router): the loss of
 every step and every parameter after the last step (read back from the final DCP checkpoint) of
-each 2-rank layout match the single-process run within 1e-5 relative. Sharded matrices are
+each layout match the single-process run within 1e-5 relative. Sharded matrices are
 orthogonalised by one owner rank each (`optim/muon_dist.py`), so equality also proves that the
 gather / scatter puts every piece back where it came from. The dp2 checkpoint then resumes in
 one process with the same losses as the uninterrupted run, and an AdamW resume of it is refused.
@@ -42,10 +42,12 @@ TRAIN = [
 ]
 
 LAYOUTS = {
-    "dp2": [],
-    "tp2": ["--parallelism.tensor_parallel=2"],
-    "pp2": ["--parallelism.pipeline_parallel=2"],
-    "ep2": ["--parallelism.expert_parallel=2"],
+    "dp2": (2, []),
+    "tp2": (2, ["--parallelism.tensor_parallel=2"]),
+    "pp2": (2, ["--parallelism.pipeline_parallel=2"]),
+    "ep2": (2, ["--parallelism.expert_parallel=2"]),
+    # FSDP over TP shards: the matrices are split over both mesh dims (FSDP's strided shards).
+    "dp2_tp2": (4, ["--parallelism.tensor_parallel=2"]),
 }
 
 
@@ -65,9 +67,9 @@ def test_muon_layouts_equal_one_process_and_resume(tmp_path: Path) -> None:
     want_loss = read_metrics(one)
     assert len(want_loss) == STEPS
     want = _weights(one)
-    for name, extra in LAYOUTS.items():
+    for name, (nproc, extra) in LAYOUTS.items():
         run = tmp_path / name
-        run_train(CONFIG, [*TRAIN, *extra, f"--training.output_dir={run}"], nproc=2, cwd=tmp_path)
+        run_train(CONFIG, [*TRAIN, *extra, f"--training.output_dir={run}"], nproc=nproc, cwd=tmp_path)
         got_loss = read_metrics(run)
         for a, b in zip(want_loss, got_loss, strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (name, a["step"])

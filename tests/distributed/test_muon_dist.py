@@ -94,6 +94,38 @@ def _worker(rank: int, world: int) -> None:
     assert not errors, "\n".join(errors)
 
 
+def _check_fsdp_over_tp(errors: list[str]) -> None:
+    """FSDP2 over TP shards: colwise rows become `_StridedShard` (not a `Shard`) on the dp dim."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    params = list(model.parameters())
+    orth = MatrixOrthogonalizer(params)
+    pieces = orth.orthogonalize(params, [local for local in (p.to_local() for p in params)], _ns)
+    for name, param, piece in zip(("colwise", "rowwise"), params, pieces, strict=True):
+        assert isinstance(param, DTensor)
+        want = DTensor.from_local(
+            piece, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+        if rel_error(want, _ns(param.full_tensor())) > 1e-5:
+            errors.append(f"rank {dist.get_rank()}: FSDP over TP {name} ({param.placements}) differs")
+
+
+def _worker_fsdp_tp(rank: int, world: int) -> None:
+    errors: list[str] = []
+    _check_fsdp_over_tp(errors)
+    assert not errors, "\n".join(errors)
+
+
+def test_orthogonalizer_fsdp_over_tp() -> None:
+    run_workers(_worker_fsdp_tp, 4)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_orthogonalizer_layouts(world: int) -> None:
     run_workers(_worker, world)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = ["MatrixOrthogonalizer", "local"]
 
@@ -58,12 +59,13 @@ class _Owned:
 
 
 def _matrix_mesh_dims(param: DTensor) -> list[int]:
+    # FSDP2 over TP-sharded rows uses `_StridedShard`, which is not a `Shard` subclass.
     ndim = param.dim()
     mesh = param.device_mesh
     return [
         i
         for i, pl in enumerate(param.placements)
-        if isinstance(pl, Shard) and pl.dim >= ndim - 2 and mesh.size(i) > 1
+        if isinstance(pl, Shard | _StridedShard) and pl.dim >= ndim - 2 and mesh.size(i) > 1
     ]
 
 
@@ -130,9 +132,13 @@ class MatrixOrthogonalizer:
             )
         members = [dist.get_global_rank(group, i) for i in range(group.size())]
         block = (*lead, param.shape[-2], param.shape[-1])
-        work = 1
-        for n in block:
-            work *= n
+        work = _numel(block)
+        if sum(_numel(s) for s in shapes) != work:
+            # The pieces must tile the block exactly (a placement read wrongly would leave holes).
+            raise RuntimeError(
+                f"Muon: the shards of a {tuple(param.shape)} weight ({param.placements}) over ranks "
+                f"{members} do not tile its matrices"
+            )
         return _Owned(group, members, members.index(dist.get_rank()), 0, shapes, slices, block, work)
 
     def _plan(self) -> dict[int, _Owned | None]:
