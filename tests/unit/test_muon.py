@@ -273,3 +273,37 @@ def test_group_layout_and_log(caplog: pytest.LogCaptureFixture) -> None:
     text = caplog.text
     assert "Muon on 3 tensors" in text and "model.layers.{*}.mlp.experts.gate_up_proj" in text
     assert "AdamW on 6 tensors" in text and "model.layers.{*}.mlp.gate.weight" in text
+
+
+def test_mindspeed_optimizer_muon_imports_and_is_trainable(tmp_path: Path) -> None:
+    from meshforge.config import ConfigError, check_trainable, config_from_dict
+    from meshforge.config.loader import dump_yaml, load_native_dict, validate_imported
+
+    flat = {
+        "model": {"model_name_or_path": "/models/tiny", "model_id": "qwen3"},
+        "training": {"output_dir": "./out", "max_steps": 3, "optimizer": "muon"},
+    }
+    path = tmp_path / "ms.yaml"
+    path.write_text(dump_yaml(flat), encoding="utf-8")
+    origins: dict[str, tuple[str, object]] = {}
+    data, _, _ = load_native_dict(path, (), fmt="mindspeed", log=lambda _: None, origins=origins)
+    validate_imported(data, origins, source=str(path))
+    assert data["optimizer"]["type"] == "Muon"
+    loader = {"type": "TextDataLoader", "data_path": "x.txt", "seq_length": 8}
+    section = {"type": "Muon", "momentum": 0.9, "ns_coefficients": [3, -4, 2]}
+    check_trainable(
+        config_from_dict(
+            {"model": {"model_type": "qwen3"}, "train_dataset": {"dataloader": loader}, "optimizer": section}
+        )
+    )
+    with pytest.raises(ConfigError) as err:  # a bad passthrough key is reported at load time
+        check_trainable(
+            config_from_dict(
+                {
+                    "model": {"model_type": "qwen3"},
+                    "train_dataset": {"dataloader": loader},
+                    "optimizer": {"type": "muon", "ns_coefficients": [3, -4]},
+                }
+            )
+        )
+    assert "optimizer.ns_coefficients" in [p for p, _ in err.value.issues]
