@@ -5,7 +5,8 @@ every step and every parameter after the last step (read back from the final DCP
 each layout match the single-process run within 1e-5 relative. Sharded matrices are
 orthogonalised by one owner rank each (`optim/muon_dist.py`), so equality also proves that the
 gather / scatter puts every piece back where it came from. The dp2 checkpoint then resumes in
-one process with the same losses as the uninterrupted run, and an AdamW resume of it is refused.
+dp2 bitwise and in one process with the same losses as the uninterrupted runs, and an AdamW
+resume of it is refused.
 """
 
 from __future__ import annotations
@@ -78,8 +79,21 @@ def test_muon_layouts_equal_one_process_and_resume(tmp_path: Path) -> None:
         for key, value in want.items():
             assert rel_error(got[key], value) < 1e-5, (name, key)
 
-    # dp2's step-2 checkpoint continues in one process exactly like the uninterrupted run.
+    # dp2's step-2 checkpoint: on dp2 again, step 3 and the weights after it are bitwise those of
+    # the uninterrupted dp2 run (both optimizer parts restored exactly) ...
     step2 = tmp_path / "dp2" / "checkpoints" / f"checkpoint-{STEPS - 1:08d}"
+    again = tmp_path / "dp2_resumed"
+    run_train(
+        CONFIG,
+        [*TRAIN, f"--training.output_dir={again}", f"--checkpoint.load_path={step2}"],
+        nproc=2,
+        cwd=tmp_path,
+    )
+    assert read_metrics(again)[-1]["loss"] == read_metrics(tmp_path / "dp2")[-1]["loss"]
+    uninterrupted = _weights(tmp_path / "dp2")
+    for key, value in _weights(again).items():
+        assert torch.equal(value, uninterrupted[key]), key
+    # ... and in one process it continues like the uninterrupted one-process run.
     resumed = tmp_path / "resumed"
     run_train(
         CONFIG,
