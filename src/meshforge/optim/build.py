@@ -224,6 +224,8 @@ def _build_muon(
         describe_muon_split(split),
         describe_param_groups(groups, weight_decay=weight_decay),
     )
+    log.debug("Muon parameters: %s", ", ".join(n for n, _ in split.muon))
+    log.debug("AdamW parameters (Muon optimizer): %s", ", ".join(n for n, _ in split.adamw))
     return optimizer
 
 
