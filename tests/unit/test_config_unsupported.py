@@ -22,7 +22,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.ep_dispatcher": {"parallelism": {"ep_dispatcher": "fused"}},
     "profiler.export_type": {"profiler": {"export_type": "db"}},
     "lora_config": {"lora_config": {}},
-    "optimizer.type": {"optimizer": {"type": "Muon"}},
     "optimizer.accumulate_allreduce_grads_in_fp32": {
         "optimizer": {"accumulate_allreduce_grads_in_fp32": False}
     },

@@ -212,10 +212,9 @@ def test_empty_group_still_present() -> None:
 @pytest.mark.parametrize(
     ("kw", "fragment"),
     [
-        ({"type": "Muon"}, "not supported yet: optimizer.type=Muon; built: AdamW, FusedAdamW"),
         (
             {"type": "Adam"},
-            "optimizer.type: unknown optimizer type 'Adam'; built: AdamW, FusedAdamW; did you mean 'AdamW'?",
+            "optimizer.type: unknown optimizer type 'Adam'; built: AdamW, FusedAdamW, Muon; did you mean 'AdamW'?",
         ),
         ({"betas": [0.9]}, "optimizer.betas: expected two numbers in [0, 1)"),
         ({"betas": [0.9, 1.0]}, "optimizer.betas"),
@@ -250,8 +249,9 @@ def test_check_optimizer_options() -> None:
     problems = check_optimizer_options("AdamW", {"amsgrad": 1, "lr": 0.1})
     assert problems[0] == ("amsgrad", "expected true or false, got 1")
     assert problems[1][0] == "lr" and "unknown key for optimizer type AdamW" in problems[1][1]
-    assert check_optimizer_options("Muon", {"anything": 1}) == []  # recognised, not built: refused by train
-    assert optimizer_not_built("muon") == "not supported yet: optimizer.type=Muon; built: AdamW, FusedAdamW"
+    assert check_optimizer_options("Muon", {"momentum": 0.9, "ns_coefficients": [3, -4, 2]}) == []
+    assert check_optimizer_options("muon", {"anything": 1})[0][0] == "anything"
+    assert optimizer_not_built("muon") is None  # built
     assert optimizer_not_built("AdamW") is None
     assert check_optimizer_options("SGD", {})[0][0] == "type"
 

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshforge.checkpoint.readers import read_dcp_metadata, read_json_object
+from meshforge.optim.muon import optimizer_family
 from meshforge.utils.distributed import barrier
 
 if TYPE_CHECKING:
@@ -176,6 +177,8 @@ class CheckpointManager:
         torch.save(rng_state, target / "rng" / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             payload = dict(trainer_state, has_optimizer=self.save_optimizer)
+            if self.save_optimizer:
+                payload["optimizer_type"] = optimizer_family(optimizer)
             (target / TRAINER_STATE_FILE).write_text(json.dumps(payload, indent=2, default=_json_default))
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(target), process_group=self._group)
@@ -243,6 +246,14 @@ class CheckpointManager:
             raise ValueError(
                 f"checkpoint.load_path: {path} was saved without optimizer state "
                 "(checkpoint.no_save_optim); set checkpoint.no_load_optim: true to load its weights only"
+            )
+        # Checkpoints written before the field existed hold AdamW state.
+        saved_type = meta.get("optimizer_type", "AdamW")
+        if load_optimizer and saved_type != optimizer_family(optimizer):
+            raise ValueError(
+                f"checkpoint.load_path: {path} holds {saved_type} optimizer state, but optimizer.type is "
+                f"{optimizer_family(optimizer)}; set optimizer.type: {saved_type} to resume, or "
+                "checkpoint.no_load_optim: true to load the weights only and start a fresh optimizer"
             )
         if load_optimizer:
             model_sd, optim_state = get_state_dict(model, optimizer)

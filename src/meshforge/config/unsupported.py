@@ -15,7 +15,6 @@ from pydantic import BaseModel
 from meshforge.data.config import SFT_FIELDS, SFT_LOADER, TrainDatasetConfig
 from meshforge.infer.config import InferenceConfig
 from meshforge.models.config import KernelsConfig, ModelConfig
-from meshforge.optim.specs import optimizer_not_built
 from meshforge.parallel.config import (
     MS_TP_COLWISE,
     MS_TP_ROWWISE,
@@ -193,11 +192,6 @@ ENTRIES: list[Unsupported] = [
         "database (db) profile export: meshforge writes Chrome traces (export_type: text)",
     ),
     Unsupported("lora_config", lambda c: c.lora_config is not None, "LoRA"),
-    Unsupported(
-        "optimizer.type",
-        lambda c: optimizer_not_built(c.optimizer.type) is not None,
-        "optimizers not built yet",
-    ),
     Unsupported(
         "optimizer.accumulate_allreduce_grads_in_fp32",
         lambda c: not c.optimizer.accumulate_allreduce_grads_in_fp32,

@@ -1,8 +1,8 @@
 """Build the optimizer for `optimizer:` from named parameters.
 
-Built: `AdamW` (`torch.optim.AdamW`, decoupled weight decay) and `FusedAdamW` (MindSpeed's
-`fused_adamw`: the same with the fused kernel forced). Other recognised types (`Muon`) fail with
-`not supported yet: optimizer.type=...`.
+Built: `AdamW` (`torch.optim.AdamW`, decoupled weight decay), `FusedAdamW` (MindSpeed's
+`fused_adamw`: the same with the fused kernel forced) and `Muon` (`optim/muon.py`: Muon for the
+hidden matrices, AdamW for the rest, split by `optim/muon_split.py`).
 
 Implementation choice (`optimizer.fused` / `optimizer.foreach`, both optional): by default
 the fused kernel is used when every parameter is on a CPU or CUDA device. Measured on the
@@ -23,14 +23,20 @@ of the DTensors), because the fused and foreach kernels refuse such a mix.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from meshforge.optim.options import AdamWOptions
-from meshforge.optim.param_groups import describe_param_groups, split_by_tensor_kind, split_weight_decay
+from meshforge.optim.options import AdamWOptions, MuonOptions
+from meshforge.optim.param_groups import (
+    ParamGroups,
+    describe_param_groups,
+    split_by_tensor_kind,
+    split_weight_decay,
+)
 from meshforge.optim.specs import resolve_optimizer_options
 
 __all__ = ["build_optimizer"]
@@ -113,6 +119,15 @@ def build_optimizer(
     no_decay = [p for _, p in groups.no_decay]
     if not decay and not no_decay:
         raise ValueError("optimizer: the model has no trainable parameters (all have requires_grad=False)")
+    if isinstance(opts, MuonOptions):
+        return _build_muon(
+            groups,
+            opts,
+            learning_rate=learning_rate,
+            betas=(beta1, beta2),
+            eps=eps,
+            weight_decay=weight_decay,
+        )
     if isinstance(opts, AdamWOptions):
         impl = _implementation(decay + no_decay, opts.fused, opts.foreach)
     else:  # FusedAdamW
@@ -139,6 +154,78 @@ def build_optimizer(
         _impl_name(impl),
         describe_param_groups(groups, weight_decay=weight_decay),
     )
+    return optimizer
+
+
+def _build_muon(
+    groups: ParamGroups,
+    opts: MuonOptions,
+    *,
+    learning_rate: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> torch.optim.Optimizer:
+    from meshforge.optim.muon import MeshMuon
+    from meshforge.optim.muon_split import describe_muon_split, split_muon
+
+    a, b, c = opts.ns_coefficients
+    if not all(math.isfinite(x) for x in (a, b, c)) or a <= 0:
+        raise ValueError(
+            f"optimizer.ns_coefficients: expected three finite numbers [a, b, c] with a > 0 (the slope "
+            f"of the iteration at zero), got {list(opts.ns_coefficients)}"
+        )
+    split = split_muon([*groups.decay, *groups.no_decay])
+    muon_ids = {id(p) for _, p in split.muon}
+    decay = [p for _, p in groups.decay]
+    no_decay = [p for _, p in groups.no_decay]
+    muon_groups = [
+        {"params": [p for p in params if id(p) in muon_ids], "weight_decay": wd}
+        for params, wd in ((decay, float(weight_decay)), (no_decay, 0.0))
+    ]
+    adamw_parts = [
+        (split_by_tensor_kind([p for p in params if id(p) not in muon_ids]), wd)
+        for params, wd in ((decay, float(weight_decay)), (no_decay, 0.0))
+    ]
+    adamw_groups: list[dict[str, Any]] = [
+        {"params": split_[0], "weight_decay": wd} for split_, wd in adamw_parts
+    ]
+    adamw_groups += [
+        {"params": rest, "weight_decay": wd} for split_, wd in adamw_parts for rest in split_[1:]
+    ]
+    adamw_params = [p for split_, _ in adamw_parts for part in split_ for p in part]
+    impl = _implementation(adamw_params, opts.fused, opts.foreach) if adamw_params else {}
+    optimizer = MeshMuon(
+        muon_groups,
+        adamw_groups,
+        lr=float(learning_rate),
+        adamw={"betas": betas, "eps": float(eps), "amsgrad": opts.amsgrad, **impl},
+        momentum=opts.momentum,
+        nesterov=opts.nesterov,
+        ns_coefficients=opts.ns_coefficients,
+        ns_steps=opts.ns_steps,
+        ns_eps=opts.ns_eps,
+        match_rms_adamw=opts.match_rms_adamw,
+        matched_adamw_rms=opts.matched_adamw_rms,
+        ns_dtype=torch.bfloat16 if opts.ns_bfloat16 else None,
+    )
+    scale = (
+        f"{opts.matched_adamw_rms:g}*sqrt(max(rows, cols))"
+        if opts.match_rms_adamw
+        else "sqrt(max(1, rows/cols))"
+    )
+    log.info(
+        "optimizer Muon (momentum %g%s, %d Newton-Schulz steps, lr x %s; AdamW part %s): %s; %s",
+        opts.momentum,
+        ", nesterov" if opts.nesterov else "",
+        opts.ns_steps,
+        scale,
+        _impl_name(impl),
+        describe_muon_split(split),
+        describe_param_groups(groups, weight_decay=weight_decay),
+    )
+    log.debug("Muon parameters: %s", ", ".join(n for n, _ in split.muon))
+    log.debug("AdamW parameters (Muon optimizer): %s", ", ".join(n for n, _ in split.adamw))
     return optimizer
 
 

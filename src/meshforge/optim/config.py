@@ -15,7 +15,9 @@ from meshforge.config.base import Bool, Float, NonNegFloat, PassthroughSection, 
 class OptimizerConfig(PassthroughSection):
     """Optimizer type and the hyper-parameters shared by AdamW-style optimizers."""
 
-    type: str = describe("AdamW", "Optimizer type (AdamW is built; others such as Muon are not yet).")
+    type: str = describe(
+        "AdamW", "Optimizer type: AdamW, FusedAdamW or Muon (Muon for hidden matrices, AdamW for the rest)."
+    )
     betas: list[Float] = describe([0.9, 0.95], "Adam moment coefficients [beta1, beta2], each in [0, 1).")
     eps: PosFloat = describe(1e-8, "Adam denominator epsilon.")
     weight_decay: NonNegFloat = describe(0.01, "Decoupled weight decay.")

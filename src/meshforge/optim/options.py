@@ -27,6 +27,7 @@ __all__ = [
     "CosineWithWarmUpLROptions",
     "DecayToEndOptions",
     "FusedAdamWOptions",
+    "MuonOptions",
     "PolynomialWithWarmUpLROptions",
     "SchedulerOptions",
     "WarmUpStableDecayLROptions",
@@ -89,7 +90,51 @@ class AdamWOptions(FusedAdamWOptions):
     )
 
 
-OPTIMIZER_OPTIONS: dict[str, type] = {"AdamW": AdamWOptions, "FusedAdamW": FusedAdamWOptions}
+# Keller Jordan's quintic Newton-Schulz coefficients (also torch.optim.Muon's defaults).
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
+
+
+@dataclass(frozen=True)
+class MuonOptions(AdamWOptions):
+    """`Muon`: Newton-Schulz-orthogonalised momentum for hidden matrices, AdamW for the rest.
+
+    `amsgrad`, `fused` and `foreach` configure the AdamW part (embeddings, LM head, norms,
+    biases, router), which also uses `optimizer.betas`, `eps` and the weight-decay rules.
+    """
+
+    momentum: float = option("Muon momentum coefficient.", default=0.95, lo=0.0, hi=1.0, hi_open=True)
+    nesterov: bool = option("Nesterov momentum for the Muon update.", default=True)
+    ns_steps: int = option("Newton-Schulz iterations per update.", default=5, lo=1, hi=100, hi_open=True)
+    ns_coefficients: tuple[float, float, float] = option(
+        "Newton-Schulz quintic coefficients [a, b, c].", default=NS_COEFFICIENTS
+    )
+    ns_eps: float = option(
+        "Floor of the Frobenius norm the update is divided by before Newton-Schulz.",
+        default=1e-7,
+        lo=0.0,
+        lo_open=True,
+    )
+    match_rms_adamw: bool = option(
+        "Scale each matrix's lr by matched_adamw_rms * sqrt(max(rows, cols)) so that the update RMS "
+        "matches AdamW's and AdamW's lr and weight decay carry over (Moonlight); false: "
+        "sqrt(max(1, rows/cols)) (Keller Jordan's original).",
+        default=True,
+    )
+    matched_adamw_rms: float = option(
+        "Target update RMS of match_rms_adamw (Moonlight: 0.2).", default=0.2, lo=0.0, lo_open=True
+    )
+    ns_bfloat16: bool = option(
+        "Run Newton-Schulz in bfloat16 as torch.optim.Muon does (fast on GPUs); false: in the "
+        "parameter's dtype (float32 on the CPU).",
+        default=False,
+    )
+
+
+OPTIMIZER_OPTIONS: dict[str, type] = {
+    "AdamW": AdamWOptions,
+    "FusedAdamW": FusedAdamWOptions,
+    "Muon": MuonOptions,
+}
 
 # ----------------------------------------------------------------------------- schedules
 

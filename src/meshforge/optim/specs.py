@@ -32,6 +32,7 @@ from meshforge.optim.options import (
     SCHEDULER_OPTIONS,
     AdamWOptions,
     FusedAdamWOptions,
+    MuonOptions,
     SchedulerOptions,
 )
 
@@ -53,7 +54,7 @@ __all__ = [
     "scheduler_not_built",
 ]
 
-Kind = Literal["int", "float", "bool", "optional_bool"]
+Kind = Literal["int", "float", "bool", "optional_bool", "float_triple"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ class OptionSpec:
 
     Attributes:
         name: the key as written in YAML.
-        kind: `int`, `float`, `bool`, or `optional_bool` (true/false/null).
+        kind: `int`, `float`, `bool`, `optional_bool` (true/false/null), or `float_triple`
+            (a list of three numbers, e.g. Muon's `ns_coefficients`).
         description: one line, shown by `config schema` and in docs.
         default: value used when the key is absent (None means "not set").
         lo, hi: inclusive bounds (None = unbounded); `lo_open`/`hi_open` make them exclusive.
@@ -93,9 +95,9 @@ class OptionSpec:
 
 # `FusedAdamW` is MindSpeed's `optimizer: fused_adamw`: AdamW with the fused kernel forced.
 OPTIMIZERS_BUILT: tuple[str, ...] = tuple(OPTIMIZER_OPTIONS)
-# Declared by the references (MindFormers `optimizer.type`, MindSpeed `optimizer: muon`) but not
-# built yet: `config validate` accepts them, `train` refuses them (see `optimizer_not_built`).
-OPTIMIZERS_PLANNED: tuple[str, ...] = ("Muon",)
+# Declared by the references but not built yet: `config validate` accepts them, `train` refuses
+# them (see `optimizer_not_built`). Empty: every referenced optimizer is built.
+OPTIMIZERS_PLANNED: tuple[str, ...] = ()
 
 SCHEDULERS_BUILT: tuple[str, ...] = tuple(SCHEDULER_OPTIONS)
 # Other MindFormers schedule names: recognised, refused by `train` until built.
@@ -103,6 +105,8 @@ SCHEDULERS_PLANNED: tuple[str, ...] = ("ConstantWithCoolDownLR",)
 
 
 def _kind(hint: Any) -> Kind:
+    if typing.get_origin(hint) is tuple and typing.get_args(hint) == (float, float, float):
+        return "float_triple"
     members = [m for m in typing.get_args(hint) if m is not type(None)] or [hint]
     optional = type(None) in typing.get_args(hint)
     if members == [bool]:
@@ -196,6 +200,8 @@ def _unknown_type(kind: str, type_name: Any, built: tuple[str, ...], planned: tu
 
 def _coerce(spec: OptionSpec, value: Any) -> tuple[Any, str | None]:
     """Convert `value` to the spec's kind and check its range: (converted, error or None)."""
+    if spec.kind == "float_triple":
+        return _coerce_triple(value)
     if spec.kind in ("bool", "optional_bool"):
         if value is None and spec.kind == "optional_bool":
             return None, None
@@ -235,6 +241,21 @@ def _coerce(spec: OptionSpec, value: Any) -> tuple[Any, str | None]:
     if too_low or too_high:
         return None, f"must be in {spec.range_text()}, got {value!r}"
     return num, None
+
+
+def _coerce_triple(value: Any) -> tuple[Any, str | None]:
+    if value is None:
+        return None, None
+    if isinstance(value, str) or not isinstance(value, list | tuple) or len(value) != 3:
+        return None, f"expected a list of three numbers [a, b, c], got {value!r}"
+    element = OptionSpec("", "float", "")
+    out: list[float] = []
+    for i, item in enumerate(value):
+        num, err = _coerce(element, item)
+        if err or num is None:
+            return None, f"item [{i}]: {err or 'expected a number, got null'}"
+        out.append(num)
+    return tuple(out), None
 
 
 def _unknown_key(key: str, allowed: list[str], owner: str) -> str:
@@ -325,7 +346,7 @@ def _raise_first(section: str, problems: list[tuple[str, str]]) -> None:
 
 def resolve_optimizer_options(
     type_name: str, options: Mapping[str, Any]
-) -> tuple[str, AdamWOptions | FusedAdamWOptions]:
+) -> tuple[str, AdamWOptions | FusedAdamWOptions | MuonOptions]:
     """Validate and convert `optimizer:` passthrough keys for a built optimizer.
 
     Returns:
