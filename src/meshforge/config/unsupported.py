@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, NamedTuple
 from pydantic import BaseModel
 
 from meshforge.data.config import SFT_FIELDS, SFT_LOADER, TrainDatasetConfig
-from meshforge.infer.config import InferenceConfig
 from meshforge.models.config import KernelsConfig, ModelConfig
 from meshforge.monitor.config import HealthCheckpointConfig, TrainStateConfig
 from meshforge.optim.specs import optimizer_not_built
@@ -300,7 +299,6 @@ ENTRIES: list[Unsupported] = [
         "training.rampup_batch_size", lambda c: c.training.rampup_batch_size is not None, "batch-size ramp-up"
     ),
     *_sft_entries(),
-    Unsupported("inference", lambda c: c.inference != InferenceConfig(), "generation (`meshforge generate`)"),
 ]
 
 
