@@ -71,13 +71,21 @@ def generate(config: Path, out: Path, *, stdin: str | None = None, **kwargs) -> 
     from meshforge.infer.run import GenerateArgs, run_generate
 
     printed = io.StringIO()
-    args = GenerateArgs(config=str(config), overrides=kwargs.pop("overrides", []), prompts=kwargs.pop("prompts", []), output=str(out), **kwargs)
+    args = GenerateArgs(
+        config=str(config),
+        overrides=kwargs.pop("overrides", []),
+        prompts=kwargs.pop("prompts", []),
+        output=str(out),
+        **kwargs,
+    )
     rc = run_generate(args, stdin=io.StringIO(stdin or ""), stdout=printed)
     rows = [json.loads(line) for line in out.read_text().splitlines()] if rc == 0 and out.exists() else []
     return rc, printed.getvalue(), rows
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, *, use_cache: bool = True) -> list[list[int]]:
+def hf_greedy(
+    folder: Path, prompts: list[list[int]], max_new_tokens: int, *, use_cache: bool = True
+) -> list[list[int]]:
     """transformers' generate on the folder, left-padded batch, greedy; tokens up to and including eos."""
     import transformers
 

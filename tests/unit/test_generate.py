@@ -43,14 +43,18 @@ def test_greedy_tokens_equal_transformers_generate(
     folder = folders[family]
     reference = hf_greedy(folder, _encode(folder, PROMPTS), 10, use_cache=cache)
     config = write_config(
-        tmp_path / "gen.yaml", f"  model_name_or_path: {folder}", {"infer_backend": backend, "max_new_tokens": 10}
+        tmp_path / "gen.yaml",
+        f"  model_name_or_path: {folder}",
+        {"infer_backend": backend, "max_new_tokens": 10},
     )
     rc, printed, rows = generate(config, tmp_path / "out.jsonl", prompts=PROMPTS, no_kv_cache=not cache)
     assert rc == 0
     assert [r["token_ids"] for r in rows] == reference
     assert [r["prompt"] for r in rows] == PROMPTS
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    assert [r["completion"] for r in rows] == [tokenizer.decode(t, skip_special_tokens=True) for t in reference]
+    assert [r["completion"] for r in rows] == [
+        tokenizer.decode(t, skip_special_tokens=True) for t in reference
+    ]
     assert rows[0]["completion"] in printed
 
 
@@ -90,7 +94,10 @@ def test_seeded_sampling_is_repeatable_and_the_seed_matters(folders: dict[str, P
     folder = folders["llama"]
     sample = {"infer_backend": "meshforge", "max_new_tokens": 12, "do_sample": True, "temperature": 1.5}
     config = write_config(tmp_path / "gen.yaml", f"  model_name_or_path: {folder}", sample)
-    runs = [generate(config, tmp_path / f"out{i}.jsonl", prompts=PROMPTS, seed=seed)[2] for i, seed in enumerate([3, 3, 4])]
+    runs = [
+        generate(config, tmp_path / f"out{i}.jsonl", prompts=PROMPTS, seed=seed)[2]
+        for i, seed in enumerate([3, 3, 4])
+    ]
     tokens = [[r["token_ids"] for r in rows] for rows in runs]
     assert tokens[0] == tokens[1]
     assert tokens[0] != tokens[2]
@@ -126,30 +133,48 @@ def test_conversations_use_the_chat_template(folders: dict[str, Path], tmp_path:
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     messages = [{"role": "user", "content": "the model reads a file"}]
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"prompt": "and returns"}) + "\n")
-    config = write_config(tmp_path / "gen.yaml", f"  model_name_or_path: {folder}", {"infer_backend": "meshforge"})
+    prompts.write_text(
+        json.dumps({"messages": messages}) + "\n" + json.dumps({"prompt": "and returns"}) + "\n"
+    )
+    config = write_config(
+        tmp_path / "gen.yaml", f"  model_name_or_path: {folder}", {"infer_backend": "meshforge"}
+    )
     rc, _, rows = generate(config, tmp_path / "out.jsonl", prompts_file=str(prompts), max_new_tokens=6)
     assert rc == 0
     chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     expected = hf_greedy(folder, [tokenizer(chat, add_special_tokens=False)["input_ids"]], 6)
     assert rows[0]["token_ids"] == expected[0] and rows[0]["prompt"] == messages
     # --chat renders plain text as one user turn: the same tokens as the conversation.
-    rc, _, chat_rows = generate(config, tmp_path / "c.jsonl", prompts=["the model reads a file"], chat=True, max_new_tokens=6)
+    rc, _, chat_rows = generate(
+        config, tmp_path / "c.jsonl", prompts=["the model reads a file"], chat=True, max_new_tokens=6
+    )
     assert chat_rows[0]["token_ids"] == expected[0]
 
 
 def test_interactive_keeps_history_and_resets(folders: dict[str, Path], tmp_path: Path) -> None:
     folder = folders["qwen3"]
     config = write_config(
-        tmp_path / "gen.yaml", f"  model_name_or_path: {folder}", {"infer_backend": "meshforge", "max_new_tokens": 5}
+        tmp_path / "gen.yaml",
+        f"  model_name_or_path: {folder}",
+        {"infer_backend": "meshforge", "max_new_tokens": 5},
     )
-    rc, printed, _ = generate(config, tmp_path / "x.jsonl", interactive=True, stdin="hello\nhi\n/reset\nhi\n/exit\n")
+    rc, printed, _ = generate(
+        config, tmp_path / "x.jsonl", interactive=True, stdin="hello\nhi\n/reset\nhi\n/exit\n"
+    )
     assert rc == 0
-    replies = [line.removeprefix("> ") for line in printed.splitlines()[1:] if line.removeprefix("> ") and "history cleared" not in line]
+    replies = [
+        line.removeprefix("> ")
+        for line in printed.splitlines()[1:]
+        if line.removeprefix("> ") and "history cleared" not in line
+    ]
     assert len(replies) == 3, printed
     _, _, fresh = generate(config, tmp_path / "f.jsonl", prompts=["hi"], chat=True)
     assert replies[2] == fresh[0]["completion"]  # after /reset: no history
-    convo = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": replies[0]}, {"role": "user", "content": "hi"}]
+    convo = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": replies[0]},
+        {"role": "user", "content": "hi"},
+    ]
     file = tmp_path / "h.jsonl"
     file.write_text(json.dumps({"messages": convo}) + "\n")
     _, _, second = generate(config, tmp_path / "s.jsonl", prompts_file=str(file))
@@ -164,19 +189,27 @@ def test_dcp_step_generates_the_hf_folders_tokens(folders: dict[str, Path], tmp_
     folder = folders["llama"]
     step = hf_to_dcp(folder, tmp_path / "step", log=lambda _m: None)
     model = yaml.safe_load((step / "model.yaml").read_text())["model"]
-    lines = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in model.items()) + f"  tokenizer_name_or_path: {folder}"
+    lines = (
+        "".join(f"  {k}: {json.dumps(v)}\n" for k, v in model.items()) + f"  tokenizer_name_or_path: {folder}"
+    )
     config = write_config(tmp_path / "gen.yaml", lines)
-    (tmp_path / "gen.yaml").write_text((tmp_path / "gen.yaml").read_text() + f"checkpoint:\n  load_path: {step}\n")
+    (tmp_path / "gen.yaml").write_text(
+        (tmp_path / "gen.yaml").read_text() + f"checkpoint:\n  load_path: {step}\n"
+    )
     reference = hf_greedy(folder, _encode(folder, PROMPTS), 8)
     for backend in ("meshforge", "huggingface"):
-        rc, _, rows = generate(config, tmp_path / "out.jsonl", prompts=PROMPTS, backend=backend, max_new_tokens=8)
+        rc, _, rows = generate(
+            config, tmp_path / "out.jsonl", prompts=PROMPTS, backend=backend, max_new_tokens=8
+        )
         assert rc == 0
         assert [r["token_ids"] for r in rows] == reference, backend
 
 
 def test_stop_strings_end_and_cut_the_completion(folders: dict[str, Path], tmp_path: Path) -> None:
     folder = folders["qwen3"]
-    config = write_config(tmp_path / "gen.yaml", f"  model_name_or_path: {folder}", {"infer_backend": "meshforge"})
+    config = write_config(
+        tmp_path / "gen.yaml", f"  model_name_or_path: {folder}", {"infer_backend": "meshforge"}
+    )
     _, _, free = generate(config, tmp_path / "a.jsonl", prompts=PROMPTS[:1], max_new_tokens=10)
     text = free[0]["completion"]
     stop = text[len(text) // 2 : len(text) // 2 + 2]
@@ -185,7 +218,9 @@ def test_stop_strings_end_and_cut_the_completion(folders: dict[str, Path], tmp_p
     assert len(cut[0]["token_ids"]) < len(free[0]["token_ids"])
 
 
-def test_bad_inputs_name_the_key_flag_or_file(folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_inputs_name_the_key_flag_or_file(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = folders["qwen3"]
     config = write_config(tmp_path / "gen.yaml", f"  model_name_or_path: {folder}")
     out = tmp_path / "o.jsonl"

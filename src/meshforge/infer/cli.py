@@ -21,7 +21,7 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--format", choices=["native", "mindspeed"], default=None, help="config format")
     gen.add_argument("--prompt", "-p", action="append", default=[], help="a prompt text (repeatable)")
     gen.add_argument(
-        "--prompts", default=None, help="JSON lines: {\"prompt\": text} or {\"messages\": [{role, content}, ...]}"
+        "--prompts", default=None, help='JSON lines: {"prompt": text} or {"messages": [{role, content}, ...]}'
     )
     gen.add_argument("--output", "-o", default=None, help="write {prompt, completion, token_ids} lines here")
     gen.add_argument("--chat", action="store_true", help="apply the chat template to plain-text prompts too")

@@ -41,7 +41,9 @@ class DecodeRequest:
     use_kv_cache: bool = True
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask)`` ``[B, S]`` with every prompt right-aligned."""
     length = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)

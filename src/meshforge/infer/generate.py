@@ -138,21 +138,29 @@ class Generator:
         return lambda ids: any(s in self.tokenizer.decode(ids) for s in strings)
 
     def complete(
-        self, prompts: Sequence[Sequence[int]], sources: Sequence[str], on_token: Callable[[int], None] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        sources: Sequence[str],
+        on_token: Callable[[int], None] | None = None,
     ) -> list[Completion]:
         """Completions of one batch of tokenised prompts."""
         max_new = self.check_lengths(prompts, sources)
         if self.backend == "meshforge":
             request = DecodeRequest(prompts, max_new, self.pad, self.eos, self.options.use_kv_cache)
             rows = decode(
-                self.model, request, self.sampling, generator=self.generator, stop=self._stop(), on_token=on_token
+                self.model,
+                request,
+                self.sampling,
+                generator=self.generator,
+                stop=self._stop(),
+                on_token=on_token,
             )
         else:
             rows = self._hf_generate(prompts, max_new)
         return [self._completion(ids) for ids in rows]
 
     def _completion(self, ids: list[int]) -> Completion:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
         for stop in self.options.stop_strings:
             at = text.find(stop)
             if at >= 0:

@@ -33,9 +33,7 @@ def cache_support(model: nn.Module) -> str | None:
     """None when meshforge's cached decoder can run ``model``, else the reason it cannot."""
     family = getattr(type(model), "family", None)
     if family not in CACHED_FAMILIES:
-        return (
-            f"{family or type(model).__name__} has no meshforge KV cache (built for {', '.join(CACHED_FAMILIES)})"
-        )
+        return f"{family or type(model).__name__} has no meshforge KV cache (built for {', '.join(CACHED_FAMILIES)})"
     inner = getattr(model, "model", None)
     if not isinstance(inner, DecoderModel):
         return f"{type(model).__name__}: the inner model is not a DecoderModel"
@@ -79,7 +77,9 @@ class KVCache:
     def __init__(self, attention_mask: torch.Tensor, capacity: int) -> None:
         self.capacity = capacity
         self.length = 0  # slots already written (before the current forward)
-        self.valid = torch.zeros(attention_mask.shape[0], capacity, dtype=torch.bool, device=attention_mask.device)
+        self.valid = torch.zeros(
+            attention_mask.shape[0], capacity, dtype=torch.bool, device=attention_mask.device
+        )
         self.valid[:, : attention_mask.shape[1]] = attention_mask
         self.layers: list[_LayerCache] = []
 

@@ -65,7 +65,11 @@ def load_generation_model(cfg: TrainConfig, device: torch.device, log: Log) -> G
         FileNotFoundError: For a missing folder, naming the key.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     from meshforge.checkpoint.convert import _grown_options
     from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
@@ -145,4 +149,5 @@ def as_transformers(loaded: GenerationModel, log: Log) -> nn.Module:
             save_hf(loaded.model, loaded.family, tmp, tokenizer=None, collective=False)
             hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=loaded.dtype)
         log("generate: exported the checkpoint to transformers for infer_backend: huggingface")
-    return hf.to(device).eval()
+    model: nn.Module = hf
+    return model.to(device).eval()

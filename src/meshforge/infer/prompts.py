@@ -35,8 +35,10 @@ def _messages(value: Any, where: str) -> tuple[Message, ...]:
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
     for turn in value:
-        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(
-            turn.get("content"), str
+        if (
+            not isinstance(turn, dict)
+            or not isinstance(turn.get("role"), str)
+            or not isinstance(turn.get("content"), str)
         ):
             raise ValueError(f"{where}: every message needs a string 'role' and 'content', got {turn!r}")
     return tuple({"role": t["role"], "content": t["content"]} for t in value)

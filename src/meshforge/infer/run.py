@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, TextIO
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
     from meshforge.infer.config import InferenceConfig
-    from meshforge.infer.generate import Generator
+    from meshforge.infer.generate import Completion, Generator
+    from meshforge.infer.prompts import Prompt
 
 Log = Callable[[str], None]
 
@@ -141,7 +142,14 @@ def run_generate(args: GenerateArgs, *, stdin: TextIO | None = None, stdout: Tex
     return _run_loaded(cfg, options, args, prompts, stdin or sys.stdin, out)
 
 
-def _run_loaded(cfg: TrainConfig, options: InferenceConfig, args: GenerateArgs, prompts: list, stdin: TextIO, out: TextIO) -> int:
+def _run_loaded(
+    cfg: TrainConfig,
+    options: InferenceConfig,
+    args: GenerateArgs,
+    prompts: list[Prompt],
+    stdin: TextIO,
+    out: TextIO,
+) -> int:
     from meshforge.infer.generate import Generator
     from meshforge.infer.load import load_generation_model
     from meshforge.infer.prompts import encode_prompt
@@ -174,9 +182,17 @@ def _run_loaded(cfg: TrainConfig, options: InferenceConfig, args: GenerateArgs, 
     return 0
 
 
-def _run_batches(gen: Generator, prompts: list, encoded: list[list[int]], output: str | None, out: TextIO, log: Log, main: bool) -> None:
+def _run_batches(
+    gen: Generator,
+    prompts: list[Prompt],
+    encoded: list[list[int]],
+    output: str | None,
+    out: TextIO,
+    log: Log,
+    main: bool,
+) -> None:
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
-    results: dict[int, object] = {}
+    results: dict[int, Completion] = {}
     batches = list(_batches(order, gen.options.batch_size))
     start = time.perf_counter()
     tokens = 0
@@ -196,8 +212,10 @@ def _run_batches(gen: Generator, prompts: list, encoded: list[list[int]], output
     rows = []
     for i, prompt in enumerate(prompts):
         completion = results[i]
-        rows.append({"prompt": prompt.as_record(), "completion": completion.text, "token_ids": completion.token_ids})  # type: ignore[attr-defined]
-        print(f"### {prompt.source}\n{completion.text}", file=out)  # type: ignore[attr-defined]
+        rows.append(
+            {"prompt": prompt.as_record(), "completion": completion.text, "token_ids": completion.token_ids}
+        )
+        print(f"### {prompt.source}\n{completion.text}", file=out)
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         with open(output, "w", encoding="utf-8") as f:
