@@ -94,7 +94,7 @@ class Generator:
                 self.backend = "huggingface"
         self.model = loaded.model if self.backend == "meshforge" else as_transformers(loaded, log)
         self.context = context_length(loaded.model)
-        shard_for_generation(self.model)
+        shard_for_generation(self.model, log)
         self.device = next(self.model.parameters()).device
         self.sampling = SamplingOptions(
             do_sample=options.do_sample,

@@ -109,7 +109,7 @@ def load_generation_model(cfg: TrainConfig, device: torch.device, log: Log) -> G
     return GenerationModel(model, source.family, tokenizer, source.hf_dir, step, dtype)
 
 
-def shard_for_generation(model: nn.Module) -> None:
+def shard_for_generation(model: nn.Module, log: Log) -> None:
     """``fully_shard`` every decoder layer and the root over all ranks (no-op with one process)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
@@ -124,6 +124,7 @@ def shard_for_generation(model: nn.Module) -> None:
         for layer in layers:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    log(f"generate: weights sharded over {dist.get_world_size()} ranks (FSDP)")
 
 
 def as_transformers(loaded: GenerationModel, log: Log) -> nn.Module:
