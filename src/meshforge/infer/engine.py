@@ -95,11 +95,15 @@ def decode(
     for step in range(request.max_new_tokens):
         if cache is not None:
             with cache.attached(model):
-                logits = model(feed, feed_pos)
+                hidden = model(feed, feed_pos, return_hidden=True)
             cache.advance(feed.shape[1])
         else:
-            logits = model(sequences, _positions(full_mask), full_mask.long())
-        token = next_tokens(logits[:, -1], sequences, options, generator)
+            hidden = model(sequences, _positions(full_mask), full_mask.long(), return_hidden=True)
+        # The head on the last position only (as transformers' logits_to_keep=1): a prompt's other
+        # positions would cost a [S, vocab] matmul for nothing. Under FSDP the root's parameters
+        # (the head among them) stay unsharded after the forward.
+        logits = model.lm_head(hidden[:, -1])
+        token = next_tokens(logits, sequences, options, generator)
         token = torch.where(done, torch.full_like(token, request.pad_token_id), token)
         for row in (~done).nonzero().flatten().tolist():
             generated[row].append(int(token[row]))
