@@ -265,3 +265,18 @@ def test_mindspeed_inference_arguments_import_into_the_section(tmp_path: Path) -
     cfg = load_config(str(path), [], fmt="mindspeed")
     assert cfg.inference.max_new_tokens == 17 and cfg.inference.do_sample is True
     assert cfg.inference.infer_backend == "huggingface"
+
+
+def test_eval_num_beams_is_refused_with_the_reason() -> None:
+    from meshforge.config import ConfigError, check_trainable, config_from_dict
+
+    cfg = config_from_dict(
+        {
+            "model": {"model_type": "qwen3"},
+            "train_dataset": {"dataloader": {"type": "SFTDataLoader"}, "eval_num_beams": 4},
+        }
+    )
+    with pytest.raises(ConfigError) as err:
+        check_trainable(cfg)
+    text = str(err.value)
+    assert "not supported yet: train_dataset.eval_num_beams" in text and "beam search" in text

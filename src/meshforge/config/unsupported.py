@@ -126,6 +126,15 @@ SFT_NOT_BUILT = (
 )
 
 
+SFT_NOT_BUILT_NOTES = {
+    "eval_num_beams": (
+        "generation-based evaluation: evaluation measures loss on the eval set; beam search through "
+        "transformers during training is not built (greedy or sampled completions of the eval prompts: "
+        "`meshforge generate --prompts FILE.jsonl`)"
+    ),
+}
+
+
 def _sft_set(name: str, *, any_loader: bool) -> Callable[[TrainConfig], bool]:
     def is_set(cfg: TrainConfig) -> bool:
         if not any_loader and cfg.train_dataset.dataloader.type == SFT_LOADER:
@@ -142,7 +151,7 @@ def _sft_entries() -> list[Unsupported]:
             continue
         if name in SFT_NOT_BUILT:
             is_set = _sft_set(name, any_loader=True)
-            note = "SFT data pipeline: not built yet"
+            note = SFT_NOT_BUILT_NOTES.get(name, "SFT data pipeline: not built yet")
         else:
             # Built, but only the SFT loader reads it: set with another loader it would be ignored.
             is_set = _sft_set(name, any_loader=False)
