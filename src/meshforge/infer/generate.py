@@ -93,7 +93,9 @@ class Generator:
                 log(f"generate: infer_backend meshforge: {reason}; using transformers' generate instead")
                 self.backend = "huggingface"
         self.model = loaded.model if self.backend == "meshforge" else as_transformers(loaded, log)
-        self.context = context_length(loaded.model)
+        # Only the model that generates stays alive (the built-in one was the export's source).
+        loaded.model = self.model
+        self.context = context_length(self.model)
         shard_for_generation(self.model, log)
         self.device = next(self.model.parameters()).device
         self.sampling = SamplingOptions(
