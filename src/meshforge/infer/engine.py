@@ -91,6 +91,8 @@ def decode(
     generated: list[list[int]] = [[] for _ in range(batch)]
     cache = KVCache(mask, prompt_len + request.max_new_tokens) if request.use_kv_cache else None
     sequences, full_mask = ids, mask
+    head = model.lm_head
+    assert isinstance(head, nn.Module)
     feed, feed_pos = ids, _positions(mask)
     for step in range(request.max_new_tokens):
         if cache is not None:
@@ -102,7 +104,7 @@ def decode(
         # The head on the last position only (as transformers' logits_to_keep=1): a prompt's other
         # positions would cost a [S, vocab] matmul for nothing. Under FSDP the root's parameters
         # (the head among them) stay unsharded after the forward.
-        logits = model.lm_head(hidden[:, -1])
+        logits = head(hidden[:, -1])
         token = next_tokens(logits, sequences, options, generator)
         token = torch.where(done, torch.full_like(token, request.pad_token_id), token)
         for row in (~done).nonzero().flatten().tolist():

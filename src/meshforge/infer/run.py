@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from meshforge.infer.prompts import Prompt
 
 Log = Callable[[str], None]
+PROGRESS_EVERY = 64  # tokens between two progress lines inside one batch
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,15 @@ def _run_batches(
     start = time.perf_counter()
     tokens = 0
     for number, batch in enumerate(batches, start=1):
-        done = gen.complete([encoded[i] for i in batch], [prompts[i].source for i in batch])
+
+        def every_64(step: int, number: int = number) -> None:
+            # A long completion (meshforge backend) reports within the batch too.
+            if (step + 1) % PROGRESS_EVERY == 0:
+                log(f"generate: batch {number}/{len(batches)}: {step + 1} new tokens per row")
+
+        done = gen.complete(
+            [encoded[i] for i in batch], [prompts[i].source for i in batch], on_token=every_64
+        )
         for i, completion in zip(batch, done, strict=True):
             results[i] = completion
             tokens += len(completion.token_ids)
