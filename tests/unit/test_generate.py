@@ -280,3 +280,23 @@ def test_eval_num_beams_is_refused_with_the_reason() -> None:
         check_trainable(cfg)
     text = str(err.value)
     assert "not supported yet: train_dataset.eval_num_beams" in text and "beam search" in text
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+def test_unpadded_batches_take_the_mask_free_path_with_the_same_tokens(
+    folders: dict[str, Path], tmp_path: Path, family: str
+) -> None:
+    from meshforge.infer.kv_cache import KVCache
+
+    folder = folders[family]
+    same_length = [PROMPTS[0], PROMPTS[0].replace("file", "line")]
+    encoded = _encode(folder, same_length)
+    assert len(encoded[0]) == len(encoded[1])
+    assert KVCache(torch.ones(2, 3, dtype=torch.bool), 8).mask(torch.zeros(2, 1, dtype=torch.long)) is None
+    config = write_config(
+        tmp_path / "gen.yaml", f"  model_name_or_path: {folder}", {"infer_backend": "meshforge"}
+    )
+    for prompts in (same_length[:1], same_length):
+        rc, _, rows = generate(config, tmp_path / "out.jsonl", prompts=prompts, max_new_tokens=10)
+        assert rc == 0
+        assert [r["token_ids"] for r in rows] == hf_greedy(folder, _encode(folder, prompts), 10)

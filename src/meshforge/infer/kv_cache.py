@@ -81,12 +81,19 @@ class KVCache:
             attention_mask.shape[0], capacity, dtype=torch.bool, device=attention_mask.device
         )
         self.valid[:, : attention_mask.shape[1]] = attention_mask
+        self.no_padding = bool(attention_mask.all())
         self.layers: list[_LayerCache] = []
 
-    def mask(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``DecoderModel.decode_mask`` hook: ``[B, 1, S_new, length + S_new]`` for this forward."""
+    def mask(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """``DecoderModel.decode_mask`` hook: ``[B, 1, S_new, length + S_new]`` for this forward.
+
+        None when no row has padding and the forward is the prompt (plain causal) or one new token
+        (every key allowed): SDPA then takes its mask-free kernels (flash on CUDA).
+        """
         new = input_ids.shape[1]
         total = self.length + new
+        if (self.length == 0 or new == 1) and self.no_padding:
+            return None
         query = torch.arange(self.length, total, device=input_ids.device)[:, None]
         key = torch.arange(total, device=input_ids.device)[None, :]
         allowed = (key <= query)[None] & self.valid[:, None, :total]

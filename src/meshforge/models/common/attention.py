@@ -181,7 +181,9 @@ class Attention(nn.Module):
                 v,
                 attn_mask=mask,
                 dropout_p=self.dropout if self.training else 0.0,
-                is_causal=mask is None,
+                # Equal lengths in training; a cached decode step (one query, every earlier key
+                # allowed) has no mask and must not be causal-aligned to the first key.
+                is_causal=mask is None and q.shape[2] == k.shape[2],
                 scale=self.scaling,
                 enable_gqa=q.shape[1] != k.shape[1],
             )

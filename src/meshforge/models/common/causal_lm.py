@@ -94,8 +94,9 @@ class DecoderModel(InnerModel):
     # (and global positions) instead of the local [S, S] mask; None without CP.
     cp: Any = None
     # Set by meshforge.infer.kv_cache during cached generation: a callable giving the boolean
-    # mask [B, 1, S_new, S_total] of this forward's queries over every cached key; None in training.
-    decode_mask: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # mask [B, 1, S_new, S_total] of this forward's queries over every cached key (or None: no
+    # padding, nothing to mask); the hook itself is None in training.
+    decode_mask: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def forward(
         self,
