@@ -300,3 +300,20 @@ def test_unpadded_batches_take_the_mask_free_path_with_the_same_tokens(
         rc, _, rows = generate(config, tmp_path / "out.jsonl", prompts=prompts, max_new_tokens=10)
         assert rc == 0
         assert [r["token_ids"] for r in rows] == hf_greedy(folder, _encode(folder, prompts), 10)
+
+
+@pytest.mark.slow
+def test_interactive_command_reads_stdin(folders: dict[str, Path], tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    config = write_config(tmp_path / "gen.yaml", f"  model_name_or_path: {folders['qwen3']}")
+    cmd = [sys.executable, "-m", "meshforge", "generate", "-c", str(config), "--interactive"]
+    cmd += ["--backend", "meshforge", "--max-new-tokens", "4"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        cmd, input="hello\n/reset\n/exit\n", env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "/reset clears the history" in proc.stdout and "(history cleared)" in proc.stdout
