@@ -317,3 +317,20 @@ def test_interactive_command_reads_stdin(folders: dict[str, Path], tmp_path: Pat
     )
     assert proc.returncode == 0, proc.stderr
     assert "/reset clears the history" in proc.stdout and "(history cleared)" in proc.stdout
+
+
+def test_missing_chat_template_is_named_before_the_model_loads(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    folder = shutil.copytree(folders["qwen3"], tmp_path / "no_template")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (folder / "model.safetensors").unlink()  # would fail the load: the prompt error must come first
+    config = write_config(tmp_path / "gen.yaml", f"  model_name_or_path: {folder}")
+    assert generate(config, tmp_path / "o.jsonl", prompts=["hi"], chat=True)[0] == 2
+    err = capsys.readouterr().err
+    assert "--prompt #1" in err and "chat template" in err

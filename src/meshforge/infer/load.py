@@ -56,7 +56,9 @@ def load_tokenizer(cfg: TrainConfig, log: Log) -> PreTrainedTokenizerBase:
     )
 
 
-def load_generation_model(cfg: TrainConfig, device: torch.device, log: Log) -> GenerationModel:
+def load_generation_model(
+    cfg: TrainConfig, device: torch.device, log: Log, tokenizer: PreTrainedTokenizerBase | None = None
+) -> GenerationModel:
     """Build the config's model on ``device`` with its trained weights.
 
     Raises:
@@ -79,7 +81,7 @@ def load_generation_model(cfg: TrainConfig, device: torch.device, log: Log) -> G
 
     dtype = parse_dtype(cfg.model.compute_dtype, key="model.compute_dtype")
     source = resolve_model_source(cfg.model, log=log)
-    tokenizer = load_tokenizer(cfg, log)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg, log)
     step = resolve_load_path(cfg.checkpoint.load_path) if cfg.checkpoint.load_path else None
     if step is None and source.hf_dir is None:
         raise ValueError(

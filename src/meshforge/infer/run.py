@@ -152,7 +152,7 @@ def _run_loaded(
     out: TextIO,
 ) -> int:
     from meshforge.infer.generate import Generator
-    from meshforge.infer.load import load_generation_model
+    from meshforge.infer.load import load_generation_model, load_tokenizer
     from meshforge.infer.prompts import encode_prompt
     from meshforge.utils.device import backend_for, resolve_device
     from meshforge.utils.distributed import destroy_process_group, env_dist_info, init_process_group
@@ -164,8 +164,10 @@ def _run_loaded(
     try:
         device = resolve_device(cfg.context.device_target, local_rank=info.local_rank)
         init_process_group(backend_for(device), info)
-        loaded = load_generation_model(cfg, device, log)
-        encoded = [encode_prompt(p, loaded.tokenizer, chat=args.chat) for p in prompts]
+        # Prompts first: a missing chat template is an error before any weight is read.
+        tokenizer = load_tokenizer(cfg, log)
+        encoded = [encode_prompt(p, tokenizer, chat=args.chat) for p in prompts]
+        loaded = load_generation_model(cfg, device, log, tokenizer)
         seed = options.seed if options.seed is not None else cfg.training.seed
         gen = Generator(loaded, options, seed=seed, log=log)
         if args.interactive:
