@@ -26,6 +26,8 @@ CASES = {
         {"infer_backend": "meshforge", "do_sample": True, "temperature": 1.2, "top_k": 50, "seed": 7},
     ),
     "mistral-huggingface-greedy": ("mistral", {"infer_backend": "huggingface"}),
+    # Weights from a DCP step folder (checkpoint.load_path), read by both ranks before sharding.
+    "qwen3-dcp-meshforge-greedy": ("qwen3", {"infer_backend": "meshforge"}),
 }
 
 
