@@ -28,6 +28,26 @@ FAMILY_CONFIGS = {
         "Qwen3MoeForCausalLM",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 1},
     ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "num_key_value_heads": 4,
+            "head_dim": None,
+            "kv_lora_rank": 16,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 12,
+            "moe_intermediate_size": 16,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+        },
+    ),
     # Not a built-in family: the generic transformers path.
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
 }
@@ -43,8 +63,9 @@ def save_family(folder: Path, family: str, seed: int = 0) -> Path:
     config_cls, model_cls, extra = FAMILY_CONFIGS[family]
     tokenizer = build_tokenizer("meshforge://assets/tokenizer")
     torch.manual_seed(seed)
+    options = {k: v for k, v in {**COMMON, **extra}.items() if v is not None}
     config = getattr(transformers, config_cls)(
-        **COMMON, **extra, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        **options, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():

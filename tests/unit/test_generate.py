@@ -18,7 +18,7 @@ from tests.unit._generate_fixtures import PROMPTS, generate, hf_greedy, save_fam
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["qwen3", "llama", "qwen3_moe", "mistral"]
+FAMILIES = ["qwen3", "llama", "qwen3_moe", "deepseek_v3", "mistral"]
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +58,20 @@ def test_greedy_tokens_equal_transformers_generate(
     assert rows[0]["completion"] in printed
 
 
-def test_own_path_refuses_other_families_by_name() -> None:
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next"])
+def test_own_path_refuses_other_families_by_name(family: str) -> None:
     from meshforge.infer.kv_cache import cache_support
-    from meshforge.models.deepseek_v3.model import DeepseekV3ForCausalLM
-    from tests.unit.test_deepseek_v3 import CONFIGS
 
+    if family == "gpt_oss":
+        from meshforge.models.gpt_oss.model import GptOssForCausalLM as cls
+        from tests.unit.test_gpt_oss import CONFIGS
+    else:
+        from meshforge.models.qwen3_next.model import Qwen3NextForCausalLM as cls  # type: ignore[assignment]
+        from tests.unit.test_qwen3_next import CONFIGS  # type: ignore[no-redef]
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(CONFIGS["plain_q_tied_halfrope"])  # MLA: no cache here
+        model = cls(next(iter(CONFIGS.values())))  # sink attention / Gated DeltaNet: no cache here
     reason = cache_support(model)
-    assert reason is not None and "deepseek_v3" in reason
+    assert reason is not None and family in reason
 
 
 def test_eos_ends_one_row_and_the_others_continue(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -282,7 +287,7 @@ def test_eval_num_beams_is_refused_with_the_reason() -> None:
     assert "not supported yet: train_dataset.eval_num_beams" in text and "beam search" in text
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "deepseek_v3"])
 def test_unpadded_batches_take_the_mask_free_path_with_the_same_tokens(
     folders: dict[str, Path], tmp_path: Path, family: str
 ) -> None:

@@ -9,8 +9,9 @@ the cache for one boolean mask per forward: query ``i`` (absolute slot ``t``) se
 itself as well, so no softmax row is empty (an empty row gives NaN, and a NaN key or value would
 reach real tokens through ``0 * NaN``).
 
-Families whose attention is not the plain :class:`Attention` (MLA, sink attention, gated attention
-with Gated DeltaNet layers) have no cache here: :func:`cache_support` names the reason and the
+Multi-head latent attention (deepseek_v3) caches its full per-head keys and values the same way (not
+the compressed latent: simpler, more memory). Families with sink attention and sliding windows
+(gpt_oss) or Gated DeltaNet layers (qwen3_next) have no cache here: :func:`cache_support` names the reason and the
 command falls back to transformers.
 """
 
@@ -24,9 +25,11 @@ from torch import nn
 
 from meshforge.models.common.attention import Attention
 from meshforge.models.common.causal_lm import DecoderModel
+from meshforge.models.common.mla import MultiHeadLatentAttention
 
-#: Families whose decoder layers all use the shared ``Attention`` block.
-CACHED_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe")
+#: Families whose decoder layers all use the shared ``Attention`` block or multi-head latent attention.
+CACHED_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe", "deepseek_v3")
+_CACHED_BLOCKS = (Attention, MultiHeadLatentAttention)
 
 
 def cache_support(model: nn.Module) -> str | None:
@@ -37,8 +40,8 @@ def cache_support(model: nn.Module) -> str | None:
     inner = getattr(model, "model", None)
     if not isinstance(inner, DecoderModel):
         return f"{type(model).__name__}: the inner model is not a DecoderModel"
-    if any(type(m) is not Attention for m in _attention_layers(model)):
-        return f"{type(model).__name__}: an attention layer is not the shared Attention block"
+    if any(type(m) not in _CACHED_BLOCKS for m in _attention_layers(model)):
+        return f"{type(model).__name__}: an attention layer is neither the shared Attention block nor MLA"
     return None
 
 
@@ -57,10 +60,10 @@ class _LayerCache:
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start, new = self.owner.length, k.shape[2]
         if self.k is None or self.v is None:
-            batch, heads, _, dim = k.shape
-            shape = (batch, heads, self.owner.capacity, dim)
-            self.k = k.new_empty(shape)
-            self.v = v.new_empty(shape)
+            # Keys and values may differ in width (MLA: qk_head_dim vs v_head_dim).
+            capacity = self.owner.capacity
+            self.k = k.new_empty((*k.shape[:2], capacity, k.shape[3]))
+            self.v = v.new_empty((*v.shape[:2], capacity, v.shape[3]))
         self.k[:, :, start : start + new] = k
         self.v[:, :, start : start + new] = v
         return self.k[:, :, : start + new], self.v[:, :, : start + new]
