@@ -5,6 +5,9 @@
         launch lines work with `-m meshforge train` in place of the script)
     meshforge convert --to {hf,dcp} SOURCE OUT [--config run/config.yaml]
     meshforge preprocess --input FILE --output-prefix P --tokenizer DIR   (Megatron .bin/.idx)
+    meshforge generate --config FILE [--prompt TEXT ...] [--prompts FILE.jsonl] [--output OUT.jsonl]
+        [--chat] [--interactive] [--max-new-tokens N] [--do-sample] ... [--section.key=value ...]
+        (torchrun --nproc-per-node N -m meshforge generate ... shards the model with FSDP)
     meshforge data preview [--config FILE] [--num-samples N] [--output FILE.jsonl] [--section.key=value ...]
     meshforge config {validate,show,schema,import} ...
 
@@ -129,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from meshforge.config.cli import add_config_commands
     from meshforge.data.megatron.cli import add_preprocess_command
+    from meshforge.infer.cli import add_generate_command
+
+    add_generate_command(sub)
 
     add_preprocess_command(sub)
     add_config_commands(sub)
@@ -243,6 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.config = positional
     if args.command == "train":
         return run_train(args, split_overrides(extra))
+    if args.command == "generate":
+        from meshforge.infer.cli import run_generate_command
+
+        return run_generate_command(args, split_overrides(extra))
     if args.command == "data":
         from meshforge.data.preview import run_preview
 

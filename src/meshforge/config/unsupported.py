@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, NamedTuple
 from pydantic import BaseModel
 
 from meshforge.data.config import SFT_FIELDS, SFT_LOADER, TrainDatasetConfig
-from meshforge.infer.config import InferenceConfig
 from meshforge.models.config import KernelsConfig, ModelConfig
 from meshforge.parallel.config import (
     MS_TP_COLWISE,
@@ -124,6 +123,15 @@ SFT_NOT_BUILT = (
 )
 
 
+SFT_NOT_BUILT_NOTES = {
+    "eval_num_beams": (
+        "generation-based evaluation: evaluation measures loss on the eval set; beam search through "
+        "transformers during training is not built (greedy or sampled completions of the eval prompts: "
+        "`meshforge generate --prompts FILE.jsonl`)"
+    ),
+}
+
+
 def _sft_set(name: str, *, any_loader: bool) -> Callable[[TrainConfig], bool]:
     def is_set(cfg: TrainConfig) -> bool:
         if not any_loader and cfg.train_dataset.dataloader.type == SFT_LOADER:
@@ -140,7 +148,7 @@ def _sft_entries() -> list[Unsupported]:
             continue
         if name in SFT_NOT_BUILT:
             is_set = _sft_set(name, any_loader=True)
-            note = "SFT data pipeline: not built yet"
+            note = SFT_NOT_BUILT_NOTES.get(name, "SFT data pipeline: not built yet")
         else:
             # Built, but only the SFT loader reads it: set with another loader it would be ignored.
             is_set = _sft_set(name, any_loader=False)
@@ -285,7 +293,6 @@ ENTRIES: list[Unsupported] = [
         "training.rampup_batch_size", lambda c: c.training.rampup_batch_size is not None, "batch-size ramp-up"
     ),
     *_sft_entries(),
-    Unsupported("inference", lambda c: c.inference != InferenceConfig(), "generation (`meshforge generate`)"),
 ]
 
 

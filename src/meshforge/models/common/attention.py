@@ -127,6 +127,9 @@ class Attention(nn.Module):
         self.flash_strict = False
         # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale) -> output.
         self.cp: Callable[..., torch.Tensor] | None = None
+        # Set by meshforge.infer.kv_cache during generation: (k, v) of the new tokens ->
+        # (k, v) of every token so far; None (training) leaves the forward as it is.
+        self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(
         self,
@@ -157,6 +160,8 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin).transpose(1, 2)
         k = apply_rotary(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache(k, v)
         if self.cp is not None:
             if self.dropout and self.training:
                 raise ValueError(
@@ -176,7 +181,9 @@ class Attention(nn.Module):
                 v,
                 attn_mask=mask,
                 dropout_p=self.dropout if self.training else 0.0,
-                is_causal=mask is None,
+                # Equal lengths in training; a cached decode step (one query, every earlier key
+                # allowed) has no mask and must not be causal-aligned to the first key.
+                is_causal=mask is None and q.shape[2] == k.shape[2],
                 scale=self.scaling,
                 enable_gqa=q.shape[1] != k.shape[1],
             )

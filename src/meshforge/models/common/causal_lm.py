@@ -93,6 +93,10 @@ class DecoderModel(InnerModel):
     # Set by meshforge.parallel.context.apply_cp: builds the per-forward CP mask object
     # (and global positions) instead of the local [S, S] mask; None without CP.
     cp: Any = None
+    # Set by meshforge.infer.kv_cache during cached generation: a callable giving the boolean
+    # mask [B, 1, S_new, S_total] of this forward's queries over every cached key (or None: no
+    # padding, nothing to mask); the hook itself is None in training.
+    decode_mask: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def forward(
         self,
@@ -102,7 +106,9 @@ class DecoderModel(InnerModel):
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         mask = token_mask = None
-        if self.cp is not None:
+        if self.decode_mask is not None:
+            mask = self.decode_mask(input_ids)
+        elif self.cp is not None:
             # Context parallel: this rank holds a slice of each row. The CP plan gathers
             # what it needs about the full row once per forward (document ids, global
             # positions) and every layer's attention reads it from the mask object.

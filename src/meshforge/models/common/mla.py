@@ -121,6 +121,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.flash_strict = False
         # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale) -> output.
         self.cp: Callable[..., torch.Tensor] | None = None
+        # Set by meshforge.infer.kv_cache during generation (as on ``Attention``); None in training.
+        self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(
         self,
@@ -161,6 +163,8 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat((q_pass, q_rot), dim=-1).transpose(1, 2)
         k = torch.cat((k_pass, k_rot), dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache(k, v)
         if self.cp is not None:
             if self.dropout and self.training:
                 raise ValueError(
@@ -185,7 +189,8 @@ class MultiHeadLatentAttention(nn.Module):
                 v,
                 attn_mask=mask,
                 dropout_p=self.dropout if self.training else 0.0,
-                is_causal=mask is None,
+                # Equal lengths in training; an unmasked cached decode step attends every key.
+                is_causal=mask is None and q.shape[2] == k.shape[2],
                 scale=self.scaling,
             )
         if pad > 0:

@@ -1,0 +1,126 @@
+"""meshforge's own decoder loop for the built-in families: left-padded batches, KV cache, greedy or sampled.
+
+The loop reproduces what transformers' ``generate`` does for a left-padded batch, so greedy tokens
+are the same on the same weights: positions count real tokens only (``cumsum(mask) - 1``, padding
+never attended), a finished row (an eos token) keeps receiving the pad token until every row is done,
+and the eos token itself is part of the completion. With the cache (``KVCache``) the prompt is run
+once and each step feeds one token per row; without it every step runs the whole sequence through
+the training forward (packed-document mask: padding is segment 0, real tokens segment 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshforge.infer.kv_cache import KVCache
+from meshforge.infer.sampling import SamplingOptions, next_tokens
+
+StopCheck = Callable[[list[int]], bool]
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """One batch to complete.
+
+    Attributes:
+        prompts: Token ids of each prompt (unpadded).
+        max_new_tokens: Most tokens generated per row.
+        pad_token_id: Fills the left padding and the rows that finished.
+        eos_token_ids: Tokens that end a row (kept in its completion).
+        use_kv_cache: Cache keys and values (false: recompute the sequence every step).
+    """
+
+    prompts: Sequence[Sequence[int]]
+    max_new_tokens: int
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    use_kv_cache: bool = True
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` ``[B, S]`` with every prompt right-aligned."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), length, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, length - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[row, length - len(prompt) :] = True
+    return ids.to(device), mask.to(device)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    # As transformers: count real tokens; padding gets position 1 (never attended anyway).
+    return (mask.long().cumsum(-1) - 1).masked_fill(~mask, 1)
+
+
+@torch.no_grad()
+def decode(
+    model: nn.Module,
+    request: DecodeRequest,
+    options: SamplingOptions,
+    *,
+    generator: torch.Generator | None = None,
+    stop: StopCheck | None = None,
+    on_token: Callable[[int], None] | None = None,
+) -> list[list[int]]:
+    """Generate completions for one batch on a built-in model (``cache_support(model)`` is None).
+
+    Args:
+        model: The causal LM, in eval mode, on its device (FSDP-sharded or not).
+        request: Prompts and limits.
+        options: Greedy or sampling settings.
+        generator: Sampling generator (seeded by the caller).
+        stop: Called with a row's generated tokens after each step; True ends the row (stop strings).
+        on_token: Called with the step index after each step (progress).
+
+    Returns:
+        The generated token ids of each row, up to and including its eos token.
+    """
+    device = next(model.parameters()).device
+    ids, mask = left_pad(request.prompts, request.pad_token_id, device)
+    batch, prompt_len = ids.shape
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    eos = torch.tensor(request.eos_token_ids or (-1,), device=device)
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    cache = KVCache(mask, prompt_len + request.max_new_tokens) if request.use_kv_cache else None
+    sequences, full_mask = ids, mask
+    head = model.lm_head
+    assert isinstance(head, nn.Module)
+    feed, feed_pos = ids, _positions(mask)
+    for step in range(request.max_new_tokens):
+        if cache is not None:
+            with cache.attached(model):
+                hidden = model(feed, feed_pos, return_hidden=True)
+            cache.advance(feed.shape[1])
+        else:
+            hidden = model(sequences, _positions(full_mask), full_mask.long(), return_hidden=True)
+        # The head on the last position only (as transformers' logits_to_keep=1): a prompt's other
+        # positions would cost a [S, vocab] matmul for nothing. Under FSDP the root's parameters
+        # (the head among them) stay unsharded after the forward.
+        logits = head(hidden[:, -1])
+        token = next_tokens(logits, sequences, options, generator)
+        token = torch.where(done, torch.full_like(token, request.pad_token_id), token)
+        for row in (~done).nonzero().flatten().tolist():
+            generated[row].append(int(token[row]))
+        done |= torch.isin(token, eos)
+        if stop is not None:
+            for row in (~done).nonzero().flatten().tolist():
+                if stop(generated[row]):
+                    done[row] = True
+        sequences = torch.cat([sequences, token[:, None]], dim=1)
+        full_mask = torch.cat([full_mask, torch.ones_like(done)[:, None]], dim=1)
+        if cache is not None:
+            cache.valid[:, cache.length] = True
+        feed, feed_pos = token[:, None], _positions(full_mask)[:, -1:]
+        if on_token is not None:
+            on_token(step)
+        if bool(done.all()):
+            break
+    return generated
