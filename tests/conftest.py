@@ -97,28 +97,25 @@ def tiny_config(tmp_path: Path) -> Path:
     return cfg
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of a meshforge subprocess: one thread per process, unbuffered output."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def meshforge_cmd(*args: str, nproc: int = 1) -> list[str]:
+    """`python -m meshforge ARGS`, under torchrun (standalone, `nproc` processes) when nproc > 1."""
+    if nproc == 1:
+        return [sys.executable, "-m", "meshforge", *args]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [sys.executable, *launcher, "-m", "meshforge", *args]
+
+
 def run_train(
     config: Path, overrides: list[str], *, nproc: int = 1, cwd: Path, timeout: int = 300
 ) -> subprocess.CompletedProcess[str]:
     """Run `meshforge train` in fresh processes (torchrun when nproc > 1); fail with its output."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "meshforge", "train", "--config", str(config), *overrides]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "meshforge",
-            "train",
-            "--config",
-            str(config),
-            *overrides,
-        ]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = meshforge_cmd("train", "--config", str(config), *overrides, nproc=nproc)
+    proc = subprocess.run(cmd, cwd=cwd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -3,15 +3,13 @@ callback and the error, rank 0 says which rank failed; no hang, no traceback of 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics
+from tests.conftest import meshforge_cmd, read_metrics, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +34,7 @@ def test_a_failing_callback_on_one_rank_stops_both_with_its_name(tiny_config: Pa
     out = tmp_path / "run"
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "meshforge",
+            *meshforge_cmd(nproc=2),
             "train",
             "--config",
             str(tiny_config),
@@ -51,7 +43,7 @@ def test_a_failing_callback_on_one_rank_stops_both_with_its_name(tiny_config: Pa
             "--callbacks=[{type: 'failing_cb:FailOnRank1'}]",
         ],  # fmt: skip
         cwd=tmp_path,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+        env=worker_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -7,14 +7,12 @@ the checkpoint of the last good state is complete.
 from __future__ import annotations
 
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics
+from tests.conftest import meshforge_cmd, read_metrics, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +34,7 @@ def test_two_ranks_skip_and_stop_at_the_same_step(
     out = tmp_path / "run"
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "meshforge",
+            *meshforge_cmd(nproc=2),
             "train",
             "--config",
             str(tiny_config),
@@ -51,7 +43,7 @@ def test_two_ranks_skip_and_stop_at_the_same_step(
             *layout,
         ],
         cwd=tmp_path,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+        env=worker_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -8,13 +8,12 @@ generic path (``synced_gpus`` keeps the ranks' forwards matched).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import meshforge_cmd, worker_env
 from tests.unit._generate_fixtures import PROMPTS, generate, save_family, write_config
 
 pytest.importorskip("transformers")
@@ -44,19 +43,10 @@ def test_two_process_sharded_generation_equals_one_process(case: str, tmp_path: 
     rc, _, single = generate(config, tmp_path / "one.jsonl", prompts=PROMPTS)
     assert rc == 0
     out = tmp_path / "two.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "meshforge",
-    ]
-    cmd += ["generate", "--config", str(config), "--output", str(out)]
+    cmd = meshforge_cmd("generate", "--config", str(config), "--output", str(out), nproc=2)
     for prompt in PROMPTS:
         cmd += ["--prompt", prompt]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = worker_env()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     sharded = [json.loads(line) for line in out.read_text().splitlines()]

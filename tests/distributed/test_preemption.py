@@ -9,13 +9,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics, run_train
+from tests.conftest import meshforge_cmd, read_metrics, run_train, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -57,20 +56,14 @@ def test_sigterm_to_one_rank_saves_and_resume_is_bitwise(tiny_config: Path, tmp_
 
     out = tmp_path / "preempted"
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "meshforge",
+        *meshforge_cmd(nproc=2),
         "train",
         "--config",
         str(tiny_config),
         *common,
         f"--training.output_dir={out}",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = worker_env()
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

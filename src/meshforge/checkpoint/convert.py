@@ -115,7 +115,7 @@ def dcp_to_hf(
     source = resolve_model_source(cfg.model, log=log)
     params_dtype = parse_dtype(cfg.model.params_dtype, key="model.params_dtype")
     tokenizer = _maybe_tokenizer(cfg.model, log)
-    options = _grown_options(cfg.model, source, tokenizer, log)
+    options = grown_options(cfg.model, source, tokenizer, log)
     with _one_rank_group():
         model = _build_on_cpu(source.family, options, params_dtype)
         state = {"model": get_model_state_dict(model)}
@@ -137,7 +137,7 @@ def dcp_to_hf(
     return out
 
 
-def _grown_options(
+def grown_options(
     model_cfg: ModelConfig, source: ModelSource, tokenizer: PreTrainedTokenizerBase | None, log: Log
 ) -> dict[str, Any]:
     """The model options with the vocabulary the run trained: tokens added by the config grow it."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
+from meshforge.models.config import MS_MODEL_IDS
+
 SOURCE = "MindSpeed-LLM c77308a14bfc (2026-08-21), mindspeed_llm/fsdp2/utils/arguments.py"
 
 Kind = Literal["bool", "int", "float", "str", "list", "dict_or_str", "choice"]
@@ -53,18 +55,7 @@ ARGUMENTS: tuple[MsArg, ...] = (
         "model_id",
         "choice",
         None,
-        (
-            "gpt_oss",
-            "qwen3",
-            "qwen3_moe",
-            "qwen3_next",
-            "step35",
-            "mamba3",
-            "minimax_m27",
-            "longcat_flash_ngram",
-            "glm52",
-            "deepseek_v4",
-        ),
+        MS_MODEL_IDS,
     ),
     _arg("model", "init_model_with_meta_device", "bool", False),
     _arg("model", "trust_remote_code", "bool", False),

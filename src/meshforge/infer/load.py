@@ -73,7 +73,7 @@ def load_generation_model(
         set_model_state_dict,
     )
 
-    from meshforge.checkpoint.convert import _grown_options
+    from meshforge.checkpoint.convert import grown_options
     from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
     from meshforge.checkpoint.manager import resolve_load_path
     from meshforge.models.materialize import to_empty_keeping_ties
@@ -88,7 +88,7 @@ def load_generation_model(
             "checkpoint.load_path: generation needs trained weights; set it (a DCP step or run folder) "
             "or model.model_name_or_path (a Hugging Face folder)"
         )
-    options = _grown_options(cfg.model, source, tokenizer, log) if step is not None else dict(source.options)
+    options = grown_options(cfg.model, source, tokenizer, log) if step is not None else dict(source.options)
     with torch.device("meta"):
         model = source.family.build(options)
     model.to(dtype=dtype)
