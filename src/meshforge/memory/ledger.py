@@ -25,13 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from meshforge.utils.distributed import local_tensor
+
 _ACTIVE: list[SavedTensorLedger] = []
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @dataclass
@@ -57,7 +53,7 @@ class SavedTensorLedger:
         base = tensor._base if tensor._base is not None else tensor
         if id(base) in self._params or id(tensor) in self._params or isinstance(base, nn.Parameter):
             return None
-        local = _local(tensor)
+        local = local_tensor(tensor)
         storage = local.untyped_storage()
         if storage.device.type == "meta":
             # Meta storages (and those of fake tensors, whose device says cpu) have no address:
@@ -78,7 +74,7 @@ class SavedTensorLedger:
         counted = any(ref() is not None for ref in holders)
         holders.append(weakref.ref(tensor))
         if not counted:
-            self.device_bytes += _local(tensor).untyped_storage().nbytes()
+            self.device_bytes += local_tensor(tensor).untyped_storage().nbytes()
 
     def add_host(self, nbytes: int) -> None:
         """Count bytes an offload moved to host memory."""

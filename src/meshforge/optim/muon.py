@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from meshforge.optim.muon_dist import MatrixOrthogonalizer, local
+from meshforge.optim.muon_dist import MatrixOrthogonalizer
+from meshforge.utils.distributed import local_tensor
 
 __all__ = ["MeshMuon", "newton_schulz", "optimizer_family", "update_scale"]
 
@@ -179,7 +180,7 @@ class MeshMuon(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
             # Element-wise on the local shards: DTensor dispatch would add nothing but overhead.
-            buf, g = local(state["momentum_buffer"]), local(grad)
+            buf, g = local_tensor(state["momentum_buffer"]), local_tensor(grad)
             buf.lerp_(g, 1 - group["momentum"])
             updates.append(g.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
         ortho = self._orth.orthogonalize(
@@ -202,6 +203,6 @@ class MeshMuon(torch.optim.Optimizer):
                 match_rms_adamw=group["match_rms_adamw"],
                 matched_adamw_rms=group["matched_adamw_rms"],
             )
-            w = local(p)
+            w = local_tensor(p)
             w.mul_(1 - lr * group["weight_decay"])
             w.add_(o.to(w.dtype), alpha=-lr * scale)

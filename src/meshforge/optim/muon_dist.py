@@ -36,12 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["MatrixOrthogonalizer", "local"]
-
-
-def local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (a view: in-place changes reach the DTensor), else `t`."""
-    return t.to_local() if isinstance(t, DTensor) else t
+__all__ = ["MatrixOrthogonalizer"]
 
 
 @dataclass

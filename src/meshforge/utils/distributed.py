@@ -76,3 +76,11 @@ def all_reduce_sum(value: torch.Tensor, group: dist.ProcessGroup | None = None) 
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (a view that autograd and in-place
+    changes flow through), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

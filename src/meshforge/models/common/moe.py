@@ -71,9 +71,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshforge.models.common.mlp import activation
+from meshforge.utils.distributed import local_tensor
 
 
 @dataclass
@@ -236,13 +236,6 @@ class TokenExchange(Protocol):
     def __call__(
         self, grouped: torch.Tensor, counts: torch.Tensor, compute: ExpertCompute
     ) -> torch.Tensor: ...
-
-
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The rank's own part of a parameter: the local shard of a DTensor (experts sharded over
-    EP hold ``num_experts / ep`` experts on dim 0), else the tensor itself. Autograd flows back
-    into the DTensor."""
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def dispatch_to_experts(

@@ -23,6 +23,7 @@ from meshforge.parallel.pipeline.stage import (
     _PipelinedCausalLM,
     router_aux_experts,
 )
+from meshforge.utils.distributed import local_tensor
 
 # Action types a forward-only pass keeps: the forwards, their transfers, FSDP's (un)shards.
 _FORWARD_ACTIONS = ("FORWARD", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
@@ -60,17 +61,11 @@ def _forward_only(schedule: Any, enabled: bool) -> Iterator[None]:
         schedule.pipeline_order_with_comms = full
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _describe(t: torch.Tensor) -> tuple[tuple[int, ...], str]:
     from torch.distributed.tensor import DTensor
 
     placements = str(tuple(t.placements)) if isinstance(t, DTensor) else "plain"
-    return tuple(_local(t).shape), placements
+    return tuple(local_tensor(t).shape), placements
 
 
 def check_microbatches(schedule: str, n_microbatches: int, pp_size: int) -> None:
@@ -348,7 +343,7 @@ class Pipeline:
             return
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        local = _local(param.grad)
+        local = local_tensor(param.grad)
         local.add_(self._exchange(local, peer))
 
     @torch.no_grad()
@@ -374,9 +369,9 @@ class Pipeline:
         if param is None:
             return
         if split.has_first:
-            dist.send(_local(param).contiguous(), peer, group=self.group)
+            dist.send(local_tensor(param).contiguous(), peer, group=self.group)
         else:
-            local = _local(param)
+            local = local_tensor(param)
             buf = torch.empty_like(local)
             dist.recv(buf, peer, group=self.group)
             local.copy_(buf)
