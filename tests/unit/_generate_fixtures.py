@@ -48,6 +48,32 @@ FAMILY_CONFIGS = {
             "first_k_dense_replace": 1,
         },
     ),
+    # Window 3 is shorter than the prompts: the sliding layer's cache keeps only its window.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 3,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+        },
+    ),
     # Not a built-in family: the generic transformers path.
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
 }

@@ -18,7 +18,7 @@ from tests.unit._generate_fixtures import PROMPTS, generate, hf_greedy, save_fam
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["qwen3", "llama", "qwen3_moe", "deepseek_v3", "mistral"]
+FAMILIES = ["qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "mistral"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_greedy_tokens_equal_transformers_generate(
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next"])
-def test_own_path_refuses_other_families_by_name(family: str) -> None:
+def test_sink_and_deltanet_families_have_a_cache(family: str) -> None:
     from meshforge.infer.kv_cache import cache_support
 
     if family == "gpt_oss":
@@ -68,10 +68,18 @@ def test_own_path_refuses_other_families_by_name(family: str) -> None:
     else:
         from meshforge.models.qwen3_next.model import Qwen3NextForCausalLM as cls  # type: ignore[assignment]
         from tests.unit.test_qwen3_next import CONFIGS  # type: ignore[no-redef]
-    with torch.device("meta"):
-        model = cls(next(iter(CONFIGS.values())))  # sink attention / Gated DeltaNet: no cache here
+    for args in CONFIGS.values():
+        with torch.device("meta"):
+            model = cls(args)
+        assert cache_support(model) is None
+
+
+def test_generic_path_model_has_no_own_cache(folders: dict[str, Path]) -> None:
+    from meshforge.infer.kv_cache import cache_support
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders["mistral"])
     reason = cache_support(model)
-    assert reason is not None and family in reason
+    assert reason is not None and "MistralForCausalLM" in reason
 
 
 def test_eos_ends_one_row_and_the_others_continue(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -272,8 +280,10 @@ def test_mindspeed_inference_arguments_import_into_the_section(tmp_path: Path) -
     assert cfg.inference.infer_backend == "huggingface"
 
 
-def test_eval_num_beams_is_refused_with_the_reason() -> None:
-    from meshforge.config import ConfigError, check_trainable, config_from_dict
+def test_eval_num_beams_sets_the_beams_of_generate_and_warns_in_training() -> None:
+    from meshforge.config import config_from_dict
+    from meshforge.config.noops import noop_notes
+    from meshforge.infer.run import GenerateArgs, resolve_options
 
     cfg = config_from_dict(
         {
@@ -281,10 +291,15 @@ def test_eval_num_beams_is_refused_with_the_reason() -> None:
             "train_dataset": {"dataloader": {"type": "SFTDataLoader"}, "eval_num_beams": 4},
         }
     )
-    with pytest.raises(ConfigError) as err:
-        check_trainable(cfg)
-    text = str(err.value)
-    assert "not supported yet: train_dataset.eval_num_beams" in text and "beam search" in text
+    notes = dict(noop_notes(cfg, "cpu"))
+    assert "meshforge generate" in notes["train_dataset.eval_num_beams"]
+    args = GenerateArgs(config="x.yaml", overrides=[], prompts=[])
+    assert resolve_options(cfg, args).num_beams == 4
+    # inference.num_beams (or --num-beams) wins over it.
+    assert (
+        resolve_options(cfg, GenerateArgs(config="x.yaml", overrides=[], prompts=[], num_beams=2)).num_beams
+        == 2
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "deepseek_v3"])

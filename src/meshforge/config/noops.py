@@ -120,6 +120,11 @@ ENTRIES: list[NoOp] = [
         "nothing is all-gathered to recompute: communication recompute needs "
         "parallelism.tensor_parallel > 1 on a built-in family (sequence parallelism)",
     ),
+    _entry(
+        "train_dataset.eval_num_beams",
+        "evaluation during training measures the loss; the beams are those of `meshforge generate` "
+        "(beam search on the eval prompts: `meshforge generate --prompts FILE.jsonl`)",
+    ),
     NoOp(
         "parallelism.expert_parallel_use_safe_tokens",
         lambda c, d: not c.parallelism.expert_parallel_use_safe_tokens,

@@ -49,8 +49,15 @@ READERS: dict[str, tuple[str, ...]] = {
         "inference.stop_strings",
         "inference.eos_token_id",
         "inference.use_kv_cache",
+        "inference.length_penalty",
+        "inference.early_stopping",
     ),
-    "meshforge.infer.run": ("inference.seed", "inference.batch_size"),
+    "meshforge.infer.run": (
+        "inference.seed",
+        "inference.batch_size",
+        "inference.num_beams",
+        "train_dataset.eval_num_beams",
+    ),
     "meshforge.data.megatron.loader": (
         "train_dataset.dataloader.column_names",
         "train_dataset.reset_attention_mask",

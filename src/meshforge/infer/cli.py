@@ -42,6 +42,7 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("--batch-size", type=int, default=None, help="inference.batch_size")
     gen.add_argument("--no-kv-cache", action="store_true", help="inference.use_kv_cache: false")
+    gen.add_argument("--num-beams", type=int, default=None, help="beam search (inference.num_beams)")
 
 
 def run_generate_command(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -69,5 +70,6 @@ def run_generate_command(args: argparse.Namespace, overrides: list[str]) -> int:
             batch_size=args.batch_size,
             no_kv_cache=args.no_kv_cache,
             format=args.format,
+            num_beams=args.num_beams,
         )
     )

@@ -3,16 +3,26 @@
 The native home of MindSpeed-LLM's InferenceArguments (`infer_backend`, `max_new_tokens`,
 `do_sample`); the other fields are named as transformers' `GenerationConfig` names them, so a
 value means the same under both backends. Command-line flags of `meshforge generate` override
-them.
+them. Beam search (``num_beams > 1``) is greedy: with ``do_sample`` or stop strings it is refused.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, model_validator
 
-from meshforge.config.base import Bool, Float, Int, NonNegInt, PosFloat, PosInt, StrictSection, describe
+from meshforge.config.base import (
+    Bool,
+    Float,
+    Int,
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    StrictSection,
+    describe,
+    rule_error,
+)
 
 
 def _unit_interval(value: float) -> float:
@@ -49,3 +59,27 @@ class InferenceConfig(StrictSection):
     use_kv_cache: Bool = describe(
         True, "Keep keys and values of earlier tokens (false: recompute the whole sequence every token)."
     )
+    num_beams: PosInt | None = describe(
+        None,
+        "Beam search with this many beams (1: greedy or sampled decoding); null = `train_dataset.eval_num_beams` "
+        "when set, else 1.",
+    )
+    length_penalty: Float = describe(
+        1.0, "Beam search: a finished hypothesis scores sum(log-probs) / generated_length ** length_penalty."
+    )
+    early_stopping: Bool | Literal["never"] = describe(
+        False,
+        "Beam search stop rule (transformers' meaning): false = when no running beam can beat the finished "
+        "ones, true = once num_beams hypotheses are finished, never = only at max_new_tokens' heuristic.",
+    )
+
+    @model_validator(mode="after")
+    def _beams_are_greedy(self) -> Self:
+        if self.num_beams is not None and self.num_beams > 1:
+            if self.do_sample:
+                raise rule_error(
+                    "do_sample", "not supported yet: do_sample with num_beams > 1 (beam sampling)"
+                )
+            if self.stop_strings:
+                raise rule_error("stop_strings", "not supported yet: stop_strings with num_beams > 1")
+        return self

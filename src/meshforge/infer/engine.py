@@ -32,6 +32,7 @@ class DecodeRequest:
         pad_token_id: Fills the left padding and the rows that finished.
         eos_token_ids: Tokens that end a row (kept in its completion).
         use_kv_cache: Cache keys and values (false: recompute the sequence every step).
+        compressed_mla: Cache MLA's latent instead of per-head keys/values (deepseek_v3).
     """
 
     prompts: Sequence[Sequence[int]]
@@ -39,6 +40,7 @@ class DecodeRequest:
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
     use_kv_cache: bool = True
+    compressed_mla: bool = True
 
 
 def left_pad(
@@ -58,6 +60,62 @@ def left_pad(
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     # As transformers: count real tokens; padding gets position 1 (never attended anyway).
     return (mask.long().cumsum(-1) - 1).masked_fill(~mask, 1)
+
+
+class Stepper:
+    """The forwards of one batch: the prompt, then one token per row, with or without the cache.
+
+    Args:
+        model: The causal LM (eval mode, on its device).
+        ids: ``[B, S]`` left-padded prompts.
+        mask: ``[B, S]`` bool, False on padding.
+        request: Limits and the cache choice.
+    """
+
+    def __init__(
+        self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, request: DecodeRequest
+    ) -> None:
+        self.model = model
+        head = model.lm_head
+        assert isinstance(head, nn.Module)
+        self.head = head
+        self.sequences, self.full_mask = ids, mask
+        self.cache = (
+            KVCache(mask, ids.shape[1] + request.max_new_tokens, compressed_mla=request.compressed_mla)
+            if request.use_kv_cache
+            else None
+        )
+        self._feed, self._feed_pos = ids, _positions(mask)
+
+    def logits(self) -> torch.Tensor:
+        """Next-token logits ``[B, vocab]`` of every row (the pending tokens are run first)."""
+        if self.cache is not None:
+            with self.cache.attached(self.model):
+                hidden = self.model(self._feed, self._feed_pos, return_hidden=True)
+            self.cache.advance(self._feed.shape[1])
+        else:
+            hidden = self.model(
+                self.sequences, _positions(self.full_mask), self.full_mask.long(), return_hidden=True
+            )
+        # The head on the last position only (as transformers' logits_to_keep=1): a prompt's other
+        # positions would cost a [S, vocab] matmul for nothing. Under FSDP the root's parameters
+        # (the head among them) stay unsharded after the forward.
+        return self.head(hidden[:, -1])
+
+    def append(self, token: torch.Tensor) -> None:
+        """Add one token per row ``[B]`` (run by the next :meth:`logits`)."""
+        self.sequences = torch.cat([self.sequences, token[:, None]], dim=1)
+        self.full_mask = torch.cat([self.full_mask, torch.ones_like(self.full_mask[:, :1])], dim=1)
+        if self.cache is not None:
+            self.cache.valid[:, self.cache.length] = True
+        self._feed, self._feed_pos = token[:, None], _positions(self.full_mask)[:, -1:]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Rows continue the rows ``index`` names (beam search), cache included."""
+        self.sequences = self.sequences.index_select(0, index)
+        self.full_mask = self.full_mask.index_select(0, index)
+        if self.cache is not None:
+            self.cache.reorder(index)
 
 
 @torch.no_grad()
@@ -85,27 +143,14 @@ def decode(
     """
     device = next(model.parameters()).device
     ids, mask = left_pad(request.prompts, request.pad_token_id, device)
-    batch, prompt_len = ids.shape
+    batch = ids.shape[0]
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     eos = torch.tensor(request.eos_token_ids or (-1,), device=device)
     generated: list[list[int]] = [[] for _ in range(batch)]
-    cache = KVCache(mask, prompt_len + request.max_new_tokens) if request.use_kv_cache else None
-    sequences, full_mask = ids, mask
-    head = model.lm_head
-    assert isinstance(head, nn.Module)
-    feed, feed_pos = ids, _positions(mask)
+    stepper = Stepper(model, ids, mask, request)
     for step in range(request.max_new_tokens):
-        if cache is not None:
-            with cache.attached(model):
-                hidden = model(feed, feed_pos, return_hidden=True)
-            cache.advance(feed.shape[1])
-        else:
-            hidden = model(sequences, _positions(full_mask), full_mask.long(), return_hidden=True)
-        # The head on the last position only (as transformers' logits_to_keep=1): a prompt's other
-        # positions would cost a [S, vocab] matmul for nothing. Under FSDP the root's parameters
-        # (the head among them) stay unsharded after the forward.
-        logits = head(hidden[:, -1])
-        token = next_tokens(logits, sequences, options, generator)
+        logits = stepper.logits()
+        token = next_tokens(logits, stepper.sequences, options, generator)
         token = torch.where(done, torch.full_like(token, request.pad_token_id), token)
         for row in (~done).nonzero().flatten().tolist():
             generated[row].append(int(token[row]))
@@ -114,11 +159,7 @@ def decode(
             for row in (~done).nonzero().flatten().tolist():
                 if stop(generated[row]):
                     done[row] = True
-        sequences = torch.cat([sequences, token[:, None]], dim=1)
-        full_mask = torch.cat([full_mask, torch.ones_like(done)[:, None]], dim=1)
-        if cache is not None:
-            cache.valid[:, cache.length] = True
-        feed, feed_pos = token[:, None], _positions(full_mask)[:, -1:]
+        stepper.append(token)
         if on_token is not None:
             on_token(step)
         if bool(done.all()):

@@ -2,7 +2,7 @@
 
 ``Generator`` holds the loaded model and the resolved ``inference:`` options (the section with the
 command-line flags applied). ``infer_backend: meshforge`` runs the built-in families' cached decoder
-(``engine.decode``); a family without one is named in a log line and goes through transformers, as
+(``engine.decode``, or ``beam.beam_search`` with ``num_beams > 1``); a family without one is named in a log line and goes through transformers, as
 does ``infer_backend: huggingface``. Both backends get the same eos / pad ids, the same sampling
 filters and a generator seeded with ``inference.seed`` (default ``training.seed``).
 """
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshforge.infer.beam import BeamOptions, beam_search
 from meshforge.infer.engine import DecodeRequest, decode
 from meshforge.infer.kv_cache import cache_support
 from meshforge.infer.sampling import SamplingOptions
@@ -105,6 +106,7 @@ class Generator:
             top_p=options.top_p,
             repetition_penalty=options.repetition_penalty,
         )
+        self.beams = options.num_beams or 1
         self.seed = seed
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -149,6 +151,14 @@ class Generator:
         max_new = self.check_lengths(prompts, sources)
         if self.backend == "meshforge":
             request = DecodeRequest(prompts, max_new, self.pad, self.eos, self.options.use_kv_cache)
+            if self.beams > 1:
+                beam = BeamOptions(
+                    self.beams,
+                    self.options.length_penalty,
+                    self.options.early_stopping,
+                    self.options.repetition_penalty,
+                )
+                return [self._completion(ids) for ids in beam_search(self.model, request, beam)]
             rows = decode(
                 self.model,
                 request,
@@ -186,6 +196,12 @@ class Generator:
             }
             torch.manual_seed(self.seed)
             self.seed += 1  # the next batch draws new numbers, as the own path's generator does
+        if self.beams > 1:
+            kwargs |= {
+                "num_beams": self.beams,
+                "length_penalty": self.options.length_penalty,
+                "early_stopping": self.options.early_stopping,
+            }
         if self.options.stop_strings:
             kwargs |= {"stop_strings": list(self.options.stop_strings), "tokenizer": self.tokenizer}
         world = dist.get_world_size() if dist.is_initialized() else 1

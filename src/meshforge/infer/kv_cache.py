@@ -1,18 +1,24 @@
-"""A key/value cache for the built-in families' shared attention block, attached only while generating.
+"""The generation cache of every built-in family, attached only while generating.
 
-``Attention.kv_cache`` and ``DecoderModel.decode_mask`` are hooks that are None in training, so the
-training forward (and its numerics) is untouched. While a :class:`KVCache` is attached, each
-attention layer writes the keys and values of the new tokens into a preallocated buffer
-``[B, kv_heads, capacity, head_dim]`` and attends over every slot written so far; the decoder asks
-the cache for one boolean mask per forward: query ``i`` (absolute slot ``t``) sees slot ``j`` when
-``j <= t`` and slot ``j`` holds a real token (left padding is never attended). A padding query sees
-itself as well, so no softmax row is empty (an empty row gives NaN, and a NaN key or value would
-reach real tokens through ``0 * NaN``).
+The hooks it fills are None in training, so the training forward (and its numerics) is untouched:
+``kv_cache`` on the attention blocks (shared ``Attention``, Qwen3-Next's gated attention, gpt-oss'
+sink attention, MLA's full mode), ``latent_cache`` on MLA, ``state_cache`` on Gated DeltaNet, and
+``decode_mask`` on the inner model. Per layer kind:
 
-Multi-head latent attention (deepseek_v3) caches its full per-head keys and values the same way (not
-the compressed latent: simpler, more memory). Families with sink attention and sliding windows
-(gpt_oss) or Gated DeltaNet layers (qwen3_next) have no cache here: :func:`cache_support` names the reason and the
-command falls back to transformers.
+* full attention: keys and values of every slot in a preallocated ``[B, kv_heads, capacity, D]``;
+* sliding-window attention (gpt-oss ``sliding_attention``): only the last ``sliding_window`` slots
+  (a query at slot ``t`` sees keys ``t - window < j <= t``), so the layer's cache stops growing;
+* multi-head latent attention (deepseek_v3), ``compressed`` (default): the normed ``kv_latent``
+  (``kv_lora_rank``) and the rotated key part shared by the heads (``qk_rope_head_dim``) per
+  token, re-expanded through ``kv_b_proj`` at every forward; else the full per-head keys/values;
+* Gated DeltaNet (qwen3_next ``linear_attention``): the conv's last ``K - 1`` inputs and the
+  delta rule's ``[Hv, Dk, Dv]`` state (:class:`~meshforge.models.qwen3_next.gdn.DeltaNetState`).
+
+The decoder asks the cache for the mask of each forward: query ``i`` (absolute slot ``t``) sees slot
+``j`` when ``j <= t`` (and ``j > t - window`` on a sliding layer) and slot ``j`` holds a real token
+(left padding is never attended). A padding query sees itself as well, so no softmax row is empty (an
+empty row gives NaN, and a NaN key or value would reach real tokens through ``0 * NaN``).
+:meth:`KVCache.reorder` keeps the rows a beam search continues.
 """
 
 from __future__ import annotations
@@ -26,10 +32,15 @@ from torch import nn
 from meshforge.models.common.attention import Attention
 from meshforge.models.common.causal_lm import DecoderModel
 from meshforge.models.common.mla import MultiHeadLatentAttention
+from meshforge.models.common.sink_attention import SinkAttention
+from meshforge.models.gpt_oss.model import GptOssModel
+from meshforge.models.qwen3_next.gdn import DeltaNetState, GatedDeltaNet
+from meshforge.models.qwen3_next.model import Qwen3NextModel
 
-#: Families whose decoder layers all use the shared ``Attention`` block or multi-head latent attention.
-CACHED_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe", "deepseek_v3")
-_CACHED_BLOCKS = (Attention, MultiHeadLatentAttention)
+#: The built-in families meshforge's own decoder runs.
+CACHED_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
+_INNER = (DecoderModel, GptOssModel, Qwen3NextModel)
+_MIXERS = (Attention, MultiHeadLatentAttention, SinkAttention, GatedDeltaNet)
 
 
 def cache_support(model: nn.Module) -> str | None:
@@ -38,19 +49,20 @@ def cache_support(model: nn.Module) -> str | None:
     if family not in CACHED_FAMILIES:
         return f"{family or type(model).__name__} has no meshforge KV cache (built for {', '.join(CACHED_FAMILIES)})"
     inner = getattr(model, "model", None)
-    if not isinstance(inner, DecoderModel):
-        return f"{type(model).__name__}: the inner model is not a DecoderModel"
-    if any(type(m) not in _CACHED_BLOCKS for m in _attention_layers(model)):
-        return f"{type(model).__name__}: an attention layer is neither the shared Attention block nor MLA"
+    if not isinstance(inner, _INNER):
+        return f"{type(model).__name__}: the inner model is not one the cache knows"
+    if any(not isinstance(m, _MIXERS) for m in _mixers(model)):
+        return f"{type(model).__name__}: a layer's token mixer has no cache"
     return None
 
 
-def _attention_layers(model: nn.Module) -> list[nn.Module]:
-    return [layer.self_attn for layer in model.model.layers]  # type: ignore[union-attr]
+def _mixers(model: nn.Module) -> list[nn.Module]:
+    layers = model.model.layers  # type: ignore[union-attr]
+    return [getattr(layer, "linear_attn", None) or layer.self_attn for layer in layers]  # type: ignore[union-attr]
 
 
-class _LayerCache:
-    """One layer's buffers; ``__call__`` is the ``Attention.kv_cache`` hook."""
+class _FullCache:
+    """Every slot's keys and values; ``__call__`` is the ``kv_cache`` hook."""
 
     def __init__(self, owner: KVCache) -> None:
         self.owner = owner
@@ -68,59 +80,165 @@ class _LayerCache:
         self.v[:, :, start : start + new] = v
         return self.k[:, :, : start + new], self.v[:, :, : start + new]
 
+    def reorder(self, index: torch.Tensor) -> None:
+        if self.k is not None and self.v is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+
+
+class _WindowCache(_FullCache):
+    """A sliding layer's last ``window`` slots (the keys its next queries can still see)."""
+
+    def __init__(self, owner: KVCache, window: int) -> None:
+        super().__init__(owner)
+        self.window = window
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is not None and self.v is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        keep = min(self.window, k.shape[2])
+        self.k, self.v = k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :]
+        return k, v
+
+
+class _LatentCache(_FullCache):
+    """MLA's compressed cache: normed latent ``[B, capacity, rank]`` and rotated key ``[B, capacity, 1, rope]``."""
+
+    def __call__(self, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, new = self.owner.length, latent.shape[1]
+        if self.k is None or self.v is None:
+            capacity = self.owner.capacity
+            self.k = latent.new_empty((latent.shape[0], capacity, latent.shape[2]))
+            self.v = k_rot.new_empty((k_rot.shape[0], capacity, *k_rot.shape[2:]))
+        self.k[:, start : start + new] = latent
+        self.v[:, start : start + new] = k_rot
+        return self.k[:, : start + new], self.v[:, : start + new]
+
 
 class KVCache:
-    """Keys, values and the padding mask of one batch of sequences being generated.
+    """Cached keys/values (or latents, or recurrent states) and the padding mask of one batch.
 
     Args:
         attention_mask: ``[B, S_prompt]`` bool, False on left padding.
         capacity: Most tokens a row will hold (prompt plus new tokens).
+        compressed_mla: Cache MLA's latent and rotated key instead of the per-head keys/values.
     """
 
-    def __init__(self, attention_mask: torch.Tensor, capacity: int) -> None:
+    def __init__(self, attention_mask: torch.Tensor, capacity: int, *, compressed_mla: bool = True) -> None:
         self.capacity = capacity
+        self.compressed_mla = compressed_mla
         self.length = 0  # slots already written (before the current forward)
         self.valid = torch.zeros(
             attention_mask.shape[0], capacity, dtype=torch.bool, device=attention_mask.device
         )
         self.valid[:, : attention_mask.shape[1]] = attention_mask
         self.no_padding = bool(attention_mask.all())
-        self.layers: list[_LayerCache] = []
+        self.layers: list[_FullCache] = []
+        self.states: list[DeltaNetState] = []
+        self.windows: set[int] = set()
+
+    def _mask(self, new: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+        """``[B, 1, new, keys]`` over the slots a layer attends (the last ``window`` held ones when given)."""
+        total = self.length + new
+        first = 0 if window is None else max(0, self.length - window)
+        query = torch.arange(self.length, total, device=device)[:, None]
+        key = torch.arange(first, total, device=device)[None, :]
+        allowed = key <= query
+        if window is not None:
+            allowed &= key > query - window
+        allowed = allowed[None] & self.valid[:, None, first:total]
+        allowed |= (key == query)[None]
+        return allowed[:, None]
 
     def mask(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """``DecoderModel.decode_mask`` hook: ``[B, 1, S_new, length + S_new]`` for this forward.
+        """The ``decode_mask`` hook of ``DecoderModel`` / ``Qwen3NextModel``: ``[B, 1, S_new, length + S_new]``.
 
         None when no row has padding and the forward is the prompt (plain causal) or one new token
         (every key allowed): SDPA then takes its mask-free kernels (flash on CUDA).
         """
         new = input_ids.shape[1]
-        total = self.length + new
+        self._state_masks(new)
         if (self.length == 0 or new == 1) and self.no_padding:
             return None
-        query = torch.arange(self.length, total, device=input_ids.device)[:, None]
-        key = torch.arange(total, device=input_ids.device)[None, :]
-        allowed = (key <= query)[None] & self.valid[:, None, :total]
-        allowed |= (key == query)[None]
-        return allowed[:, None]
+        return self._mask(new, input_ids.device)
+
+    def masks(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The ``decode_mask`` hook of ``GptOssModel``: one mask per kind of layer."""
+        new = input_ids.shape[1]
+        out = {"full_attention": self._mask(new, input_ids.device)}
+        for window in self.windows:
+            out["sliding_attention"] = self._mask(new, input_ids.device, window)
+        return out
+
+    def _state_masks(self, new: int) -> None:
+        if not self.states:
+            return
+        real = self.valid[:, self.length : self.length + new]
+        token_mask = None if bool(real.all()) else real
+        for state in self.states:
+            state.token_mask = token_mask
 
     def advance(self, new: int) -> None:
         """Count ``new`` slots as written (after a forward)."""
         self.length += new
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` ``[B]`` (each row continues the row it names; beam search)."""
+        self.valid = self.valid.index_select(0, index)
+        for layer in self.layers:
+            layer.reorder(index)
+        for state in self.states:
+            state.reorder(index)
+
+    def nbytes(self) -> int:
+        """Bytes the cached tensors hold (the padding mask and recurrent conv windows included)."""
+        total = sum(layer.nbytes() for layer in self.layers)
+        for state in self.states:
+            total += sum(t.numel() * t.element_size() for t in (state.conv, state.recurrent) if t is not None)
+        return total
+
+    def _build(self, mixers: list[nn.Module]) -> None:
+        for mixer in mixers:
+            if isinstance(mixer, GatedDeltaNet):
+                self.states.append(DeltaNetState())
+            elif isinstance(mixer, SinkAttention) and mixer.sliding_window is not None:
+                self.windows.add(mixer.sliding_window)
+                self.layers.append(_WindowCache(self, mixer.sliding_window))
+            elif isinstance(mixer, MultiHeadLatentAttention) and self.compressed_mla:
+                self.layers.append(_LatentCache(self))
+            else:
+                self.layers.append(_FullCache(self))
+        if len(self.windows) > 1:
+            raise ValueError(f"sliding_window: the layers use several windows {sorted(self.windows)}")
+
     @contextmanager
     def attached(self, model: nn.Module) -> Iterator[None]:
-        """Hook this cache into ``model``'s attention layers and decoder for the duration."""
+        """Hook this cache into ``model``'s token mixers and decoder for the duration."""
         inner = model.model
-        assert isinstance(inner, DecoderModel)
-        layers = _attention_layers(model)
-        if not self.layers:
-            self.layers = [_LayerCache(self) for _ in layers]
-        for attn, cache in zip(layers, self.layers, strict=True):
-            attn.kv_cache = cache  # type: ignore[assignment]
-        inner.decode_mask = self.mask
+        assert isinstance(inner, _INNER)
+        mixers = _mixers(model)
+        if not self.layers and not self.states:
+            self._build(mixers)
+        layers, states = iter(self.layers), iter(self.states)
+        for mixer in mixers:
+            if isinstance(mixer, GatedDeltaNet):
+                mixer.state_cache = next(states)
+            elif isinstance(mixer, MultiHeadLatentAttention) and self.compressed_mla:
+                mixer.latent_cache = next(layers)
+            else:
+                mixer.kv_cache = next(layers)  # type: ignore[assignment]
+        inner.decode_mask = self.masks if isinstance(inner, GptOssModel) else self.mask
         try:
             yield
         finally:
             inner.decode_mask = None
-            for attn in layers:
-                attn.kv_cache = None  # type: ignore[assignment]
+            for mixer in mixers:
+                if isinstance(mixer, GatedDeltaNet):
+                    mixer.state_cache = None
+                elif isinstance(mixer, MultiHeadLatentAttention):
+                    mixer.latent_cache = None
+                    mixer.kv_cache = None
+                else:
+                    mixer.kv_cache = None  # type: ignore[assignment]

@@ -48,6 +48,7 @@ class GenerateArgs:
     batch_size: int | None = None
     no_kv_cache: bool = False
     format: str | None = None
+    num_beams: int | None = None
 
 
 FLAG_OF = {
@@ -62,6 +63,7 @@ FLAG_OF = {
     "infer_backend": "--backend",
     "batch_size": "--batch-size",
     "use_kv_cache": "--no-kv-cache",
+    "num_beams": "--num-beams",
 }
 
 
@@ -88,10 +90,15 @@ def resolve_options(cfg: TrainConfig, args: GenerateArgs) -> InferenceConfig:
         "infer_backend": args.backend,
         "batch_size": args.batch_size,
         "use_kv_cache": False if args.no_kv_cache else None,
+        "num_beams": args.num_beams,
     }
     given = {k: v for k, v in flags.items() if v is not None}
+    values = {**cfg.inference.model_dump(exclude_unset=True), **given}
+    if values.get("num_beams") is None and cfg.train_dataset.eval_num_beams is not None:
+        # MindSpeed's generation-evaluation beams: the beams of `meshforge generate` unless set here.
+        values["num_beams"] = cfg.train_dataset.eval_num_beams
     try:
-        return InferenceConfig.model_validate({**cfg.inference.model_dump(exclude_unset=True), **given})
+        return InferenceConfig.model_validate(values)
     except ValidationError as err:
         issues = format_validation_error(err, "inference")
         named = [

@@ -123,6 +123,11 @@ class MultiHeadLatentAttention(nn.Module):
         self.cp: Callable[..., torch.Tensor] | None = None
         # Set by meshforge.infer.kv_cache during generation (as on ``Attention``); None in training.
         self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Set by meshforge.infer.kv_cache for the compressed cache: (normed latent ``[B, S_new, rank]``,
+        # rotated key part ``[B, S_new, 1, rope]``) of the new tokens -> the same of every token so far.
+        self.latent_cache: (
+            Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None
+        ) = None
 
     def forward(
         self,
@@ -155,8 +160,13 @@ class MultiHeadLatentAttention(nn.Module):
         rotate = apply_rotary_interleaved if self.rope_interleave else apply_rotary
         q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot, cos, sin)
 
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
-        kv = kv.view(batch, seq_len, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        latent = self.kv_a_layernorm(latent)
+        if self.latent_cache is not None:
+            # Compressed cache: the normed latent and the shared rotated key part of every token so
+            # far; keys and values are re-expanded from them (the same arithmetic as without cache).
+            latent, k_rot = self.latent_cache(latent, k_rot)
+        kv = self.kv_b_proj(latent)
+        kv = kv.view(batch, latent.shape[1], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_pass, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         # The rotated key part is one head shared by all: broadcast it, no copy until the cat.
         k_rot = k_rot.expand(-1, -1, self.num_heads, -1)

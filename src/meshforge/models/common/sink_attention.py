@@ -76,10 +76,11 @@ def sink_attention(
 
     Args:
         q: Queries ``[B, KV, G, S, D]`` (query head ``kv * G + g``).
-        k: Keys ``[B, KV, 1, S, D]``.
-        v: Values ``[B, KV, 1, S, D]``.
+        k: Keys ``[B, KV, 1, S_k, D]``.
+        v: Values ``[B, KV, 1, S_k, D]``.
         sinks: Sink logits ``[KV * G]``.
-        mask: Boolean ``[B or 1, 1, S, S]``, True where the query may attend the key.
+        mask: Boolean ``[B or 1, 1, S, S_k]``, True where the query may attend the key (``S_k = S``
+            in training; the cached keys while generating).
         scaling: Multiplier of ``q k^T``.
         dropout: Dropout on the attention probabilities (training only).
         training: Whether dropout applies.
@@ -145,6 +146,10 @@ class SinkAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(num_heads))
         # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale, sinks, window) -> output.
         self.cp: Callable[..., torch.Tensor] | None = None
+        # Set by meshforge.infer.kv_cache during generation: (k, v) ``[B, KV, S_new, D]`` of the new
+        # tokens -> (k, v) of every key this layer attends (a sliding layer's cache keeps its window);
+        # None in training.
+        self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | Any
@@ -171,8 +176,11 @@ class SinkAttention(nn.Module):
             # -1: under tensor parallelism the rank holds a slice of the heads.
             return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
         q = q.view(batch, seq_len, self.num_kv_heads, groups, self.head_dim).permute(0, 2, 3, 1, 4)
-        k = k.transpose(1, 2).unsqueeze(2)
-        v = v.transpose(1, 2).unsqueeze(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if self.kv_cache is not None:
+            # The mask the decoder got from the cache covers exactly the keys returned here.
+            k, v = self.kv_cache(k, v)
+        k, v = k.unsqueeze(2), v.unsqueeze(2)
         out = sink_attention(
             q, k, v, sinks, mask, scaling=self.scaling, dropout=self.dropout, training=self.training
         )

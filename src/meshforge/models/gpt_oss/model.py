@@ -24,6 +24,7 @@ padding, ``segment_ids == 0``, excluded) and ``tokens_per_expert()``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -126,6 +127,10 @@ class GptOssModel(InnerModel):
     # Set by meshforge.parallel.context.apply_cp: builds the per-forward CP mask object
     # (and global positions) instead of the local [S, S] masks; None without CP.
     cp: Any = None
+    # Set by meshforge.infer.kv_cache during cached generation: the boolean masks of this
+    # forward's queries over the keys each kind of layer attends (``full_attention``: every
+    # cached slot; ``sliding_attention``: the slots its window cache holds); None in training.
+    decode_mask: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
 
     def __init__(self, args: GptOssArgs) -> None:
         super().__init__()
@@ -145,6 +150,8 @@ class GptOssModel(InnerModel):
         token_mask = None
         seq_len = input_ids.shape[-1]
         masks: dict[str, Any]
+        if self.decode_mask is not None:
+            return self._layers(h, position_ids, self.decode_mask(input_ids), None, seq_len)
         if self.cp is not None:
             # Context parallel: one mask object for both kinds of layer; each attention
             # applies its own window in global positions.

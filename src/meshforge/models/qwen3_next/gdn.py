@@ -46,6 +46,7 @@ value head, so it stays local with the output gate ``z``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -100,10 +101,24 @@ def recurrent_gated_delta_rule(
     Returns:
         Outputs ``[B, S, Hv, Dv]`` in ``v``'s dtype.
     """
+    return _recurrent_rule(q, k, v, g, beta, segment_ids=segment_ids)[0]
+
+
+def _recurrent_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    segment_ids: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`recurrent_gated_delta_rule` entered with ``initial_state``; also returns the final state."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     batch, heads, seq_len, dk = k.shape
-    state = v.new_zeros(batch, heads, dk, v.shape[-1])
+    state = v.new_zeros(batch, heads, dk, v.shape[-1]) if initial_state is None else initial_state
     outputs = []
     for t in range(seq_len):
         decay = g[:, :, t].exp()[..., None, None]
@@ -115,7 +130,7 @@ def recurrent_gated_delta_rule(
         write = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", state, k_t))
         state = state + k_t[..., :, None] * write[..., None, :]
         outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]))
-    return torch.stack(outputs, dim=2).transpose(1, 2).to(dtype)
+    return torch.stack(outputs, dim=2).transpose(1, 2).to(dtype), state
 
 
 def chunk_gated_delta_rule(
@@ -143,6 +158,22 @@ def chunk_gated_delta_rule(
     Returns:
         Outputs ``[B, S, Hv, Dv]`` in ``v``'s dtype.
     """
+    return _chunk_rule(q, k, v, g, beta, chunk_size=chunk_size, segment_ids=segment_ids)[0]
+
+
+def _chunk_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    segment_ids: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_gated_delta_rule` entered with ``initial_state`` ``[B, Hv, Dk, Dv]`` (float32, None:
+    zero); also returns the state after the last token (padded tail tokens change nothing)."""
     if chunk_size <= 0:
         raise ValueError(f"kernels.gdn_chunk_size: must be a positive integer, got {chunk_size}")
     dtype = v.dtype
@@ -195,14 +226,14 @@ def chunk_gated_delta_rule(
     q_in = q * from_start[..., None]
     k_out = k * to_end[..., None]
 
-    state = v.new_zeros(batch, heads, dk, dv)
+    state = v.new_zeros(batch, heads, dk, dv) if initial_state is None else initial_state
     outputs = []
     for c in range(num_chunks):
         u = u_values[:, :, c] - w[:, :, c] @ state
         outputs.append(q_in[:, :, c] @ state + scores[:, :, c] @ u)
         state = state * whole[:, :, c, None, None] + k_out[:, :, c].transpose(-1, -2) @ u
     out = torch.stack(outputs, dim=2).reshape(batch, heads, -1, dv)[:, :, :seq_len]
-    return out.transpose(1, 2).to(dtype)
+    return out.transpose(1, 2).to(dtype), state
 
 
 def causal_conv1d(
@@ -230,6 +261,28 @@ def causal_conv1d(
         shifted = F.pad(x[..., :-shift] * same, (shift, 0))
         out = out + shifted * w[:, width - 1 - shift, None]
     return out
+
+
+@dataclass
+class DeltaNetState:
+    """One Gated DeltaNet layer's state between generation forwards (``GatedDeltaNet.state_cache``).
+
+    Attributes:
+        conv: ``[B, C, K - 1]`` the conv's last inputs (None before the prompt).
+        recurrent: ``[B, Hv, Dk, Dv]`` float32 state of the delta rule (None before the prompt).
+        token_mask: ``[B, S_new]`` bool for the coming forward, False on left padding (whose
+            inputs are zeroed, so they write nothing); None when every token is real.
+    """
+
+    conv: torch.Tensor | None = None
+    recurrent: torch.Tensor | None = None
+    token_mask: torch.Tensor | None = None
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (beam search)."""
+        if self.conv is not None and self.recurrent is not None:
+            self.conv = self.conv.index_select(0, index)
+            self.recurrent = self.recurrent.index_select(0, index)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -310,6 +363,9 @@ class GatedDeltaNet(nn.Module):
         # Set by meshforge.parallel.context.apply_cp (ulysses only): the CP plan whose group
         # exchanges heads for sequence (see _mix_ulysses); None without CP.
         self.cp: Any = None
+        # Set by meshforge.infer.kv_cache during generation: the conv and recurrent state carried
+        # from one forward to the next (see _forward_cached); None in training.
+        self.state_cache: DeltaNetState | None = None
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Unpack the two projections into q, k ``[B,S,Hk,Dk]``, v, z ``[B,S,Hv,Dv]``, b, a ``[B,S,Hv]``."""
@@ -339,6 +395,8 @@ class GatedDeltaNet(nn.Module):
             cp_mask: Under context parallelism (``cp`` set), the decoder's per-forward
                 :class:`~meshforge.parallel.context.CPMask` (full-row document ids, length).
         """
+        if self.state_cache is not None:
+            return self._forward_cached(x, self.state_cache)
         batch, seq_len, _ = x.shape
         if segment_ids is not None:
             x = x * (segment_ids != 0)[..., None].to(x.dtype)
@@ -380,6 +438,40 @@ class GatedDeltaNet(nn.Module):
         # float32 decay: exp(A_log) of a low-precision A_log can overflow.
         g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
         return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, segment_ids=segment_ids)
+
+    def _forward_cached(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
+        """The new tokens ``x`` ``[B, S_new, hidden]`` continuing ``state`` (updated in place).
+
+        The conv runs over the cached last ``K - 1`` inputs followed by the new ones (zeros
+        before the prompt, as the training forward's left zero padding); the rule is entered
+        with the cached state: chunked for a prompt, token by token for one new token (as
+        transformers decodes). Left padding is zeroed first and so leaves the state at zero.
+        """
+        batch, seq_len, _ = x.shape
+        if state.token_mask is not None:
+            x = x * state.token_mask[..., None].to(x.dtype)
+        q, k, v, z, b, a = self._split(x)
+        mixed = torch.cat([t.reshape(batch, seq_len, -1) for t in (q, k, v)], dim=-1).transpose(1, 2)
+        weight = self.conv1d.weight
+        width = weight.shape[-1]
+        before = state.conv if state.conv is not None else mixed.new_zeros(*mixed.shape[:2], width - 1)
+        window = torch.cat([before, mixed], dim=-1)
+        state.conv = window[..., window.shape[-1] - (width - 1) :]
+        mixed = self.act_fn(F.conv1d(window, weight, groups=weight.shape[0])).transpose(1, 2)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if seq_len == 1:
+            out, state.recurrent = _recurrent_rule(q, k, v, g, beta, initial_state=state.recurrent)
+        else:
+            out, state.recurrent = _chunk_rule(
+                q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=state.recurrent
+            )
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(batch, seq_len, -1))
 
     def _mix_ulysses(
         self,

@@ -23,6 +23,7 @@ trade sequence for key-head groups with their own all-to-alls (``gdn.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -140,6 +141,8 @@ class GatedAttention(Attention):
         q = self._rotate(q, cos, sin).transpose(1, 2)
         k = self._rotate(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache(k, v)
         if self.cp is not None:
             # Context parallel (set by apply_cp): the plan's attention over the CPMask; the
             # output gate is per token and head, applied locally as on one process.
@@ -162,7 +165,9 @@ class GatedAttention(Attention):
                 v,
                 attn_mask=mask,
                 dropout_p=self.dropout if self.training else 0.0,
-                is_causal=mask is None,
+                # A cached decode step (one query, every earlier key allowed) has no mask and must
+                # not be causal-aligned to the first key.
+                is_causal=mask is None and q.shape[2] == k.shape[2],
                 scale=self.scaling,
                 enable_gqa=q.shape[1] != k.shape[1],
             )
@@ -266,6 +271,10 @@ class Qwen3NextModel(InnerModel):
 
     # Set by meshforge.parallel.context.apply_cp; None without CP.
     cp: Any = None
+    # Set by meshforge.infer.kv_cache during cached generation: the attention layers' boolean mask
+    # over every cached key (or None); the Gated DeltaNet layers read their padding from their own
+    # state cache. None in training.
+    decode_mask: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def __init__(self, args: Qwen3NextArgs) -> None:
         super().__init__()
@@ -283,7 +292,9 @@ class Qwen3NextModel(InnerModel):
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         mask = None
-        if self.cp is not None:
+        if self.decode_mask is not None:
+            mask = self.decode_mask(input_ids)
+        elif self.cp is not None:
             mask, position_ids = self.cp.prepare(input_ids, position_ids, segment_ids)
         elif segment_ids is not None:
             # Attention gets one block-diagonal mask; the DeltaNet layers read segment_ids directly.
