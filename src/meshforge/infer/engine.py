@@ -6,6 +6,8 @@ never attended), a finished row (an eos token) keeps receiving the pad token unt
 and the eos token itself is part of the completion. With the cache (``KVCache``) the prompt is run
 once and each step feeds one token per row; without it every step runs the whole sequence through
 the training forward (packed-document mask: padding is segment 0, real tokens segment 1).
+:class:`Stepper` holds those forwards for one batch, so beam search (``beam.py``) runs on the same
+ones and only adds the reordering of rows.
 """
 
 from __future__ import annotations
