@@ -10,7 +10,11 @@ sink attention, MLA's full mode), ``latent_cache`` on MLA, ``state_cache`` on Ga
   (a query at slot ``t`` sees keys ``t - window < j <= t``), so the layer's cache stops growing;
 * multi-head latent attention (deepseek_v3), ``compressed`` (default): the normed ``kv_latent``
   (``kv_lora_rank``) and the rotated key part shared by the heads (``qk_rope_head_dim``) per
-  token, re-expanded through ``kv_b_proj`` at every forward; else the full per-head keys/values;
+  token, re-expanded through ``kv_b_proj`` at every forward; else the full per-head keys/values.
+  Re-expansion (rather than absorbing ``kv_b_proj`` into the query and output) keeps the
+  arithmetic of the uncached forward, so tokens equal transformers'; its price is one
+  ``[T, rank] x [rank, heads * (nope + v)]`` matmul per layer and step over the ``T`` cached
+  tokens, which the absorbed form would avoid for long contexts;
 * Gated DeltaNet (qwen3_next ``linear_attention``): the conv's last ``K - 1`` inputs and the
   delta rule's ``[Hv, Dk, Dv]`` state (:class:`~meshforge.models.qwen3_next.gdn.DeltaNetState`).
 
@@ -57,8 +61,12 @@ def cache_support(model: nn.Module) -> str | None:
 
 
 def _mixers(model: nn.Module) -> list[nn.Module]:
-    layers = model.model.layers  # type: ignore[union-attr]
-    return [getattr(layer, "linear_attn", None) or layer.self_attn for layer in layers]  # type: ignore[union-attr]
+    """Each decoder layer's token mixer (qwen3_next's linear layers hold ``linear_attn``)."""
+    mixers = []
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        mixer = getattr(layer, "linear_attn", None)
+        mixers.append(mixer if isinstance(mixer, nn.Module) else layer.self_attn)
+    return mixers
 
 
 class _FullCache:
@@ -193,7 +201,7 @@ class KVCache:
             state.reorder(index)
 
     def nbytes(self) -> int:
-        """Bytes the cached tensors hold (the padding mask and recurrent conv windows included)."""
+        """Bytes the layers' caches hold (DeltaNet conv windows and states included, the padding mask not)."""
         total = sum(layer.nbytes() for layer in self.layers)
         for state in self.states:
             total += sum(t.numel() * t.element_size() for t in (state.conv, state.recurrent) if t is not None)
