@@ -2,7 +2,7 @@
 
 Both backends: meshforge's cached decoder on a built-in family (greedy, and seeded sampling, where
 rank 0's choice is broadcast so the ranks cannot diverge), and transformers' generate on the
-generic path (``synced_gpus`` keeps the ranks' forwards matched).
+generic path (``synced_gpus`` keeps the ranks' forwards matched); beam search on qwen3_next.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ CASES = {
         {"infer_backend": "meshforge", "do_sample": True, "temperature": 1.2, "top_k": 50, "seed": 7},
     ),
     "mistral-huggingface-greedy": ("mistral", {"infer_backend": "huggingface"}),
+    # Beam search over Gated DeltaNet states and KV: the reordered caches agree across ranks.
+    "qwen3_next-meshforge-beams": ("qwen3_next", {"infer_backend": "meshforge", "num_beams": 3}),
     # Weights from a DCP step folder (checkpoint.load_path), read by both ranks before sharding.
     "qwen3-dcp-meshforge-greedy": ("qwen3", {"infer_backend": "meshforge"}),
 }
