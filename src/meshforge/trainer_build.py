@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from meshforge.config import TrainConfig
     from meshforge.data.loader import StatefulLoader, StreamLoader
+    from meshforge.lora.apply import LoraApplied
     from meshforge.models.materialize import InitFn
     from meshforge.models.registry import FamilySpec
     from meshforge.models.vocab import VocabPlan
@@ -106,6 +107,7 @@ class TrainerBuild:
     pipeline_split: PipelineSplit | None
     fsdp: bool
     activation_memory: ActivationMemory | None
+    lora: LoraApplied | None
     num_params: int
     model: nn.Module
     loader: StatefulLoader | StreamLoader
@@ -145,6 +147,9 @@ class TrainerBuild:
     def _build_model(self) -> nn.Module:
         from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
         from meshforge.data.tokenizer import tokenizer_extension
+        from meshforge.lora.apply import with_adapter_init
+        from meshforge.lora.layer import adapters_detached
+        from meshforge.lora.settings import lora_settings
         from meshforge.models.generic import GenericFamily
         from meshforge.models.materialize import materialize_and_init
         from meshforge.models.vocab import init_new_rows, vocab_plan
@@ -183,6 +188,7 @@ class TrainerBuild:
         self.aux_coef = self._router_aux_coef(model_config)
         self._aux_loss_enabled = self.aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
         self._check_parallel_support()
+        lora = lora_settings(self.cfg.lora_config) if self.cfg.lora_config is not None else None
         parallel = parallelize_model(
             model,
             family="generic" if isinstance(family, GenericFamily) else family.name,
@@ -194,8 +200,12 @@ class TrainerBuild:
             compile_blocks=self.kernel_options.compile,
             apply_compile=apply_compile,
             activation=ActivationSettings(self.cfg.recompute, self.cfg.recompute_comm, self.cfg.swap),
+            lora=lora,
         )
         model = parallel.model
+        self.lora = parallel.lora
+        if parallel.lora is not None:
+            self.log(parallel.lora.summary())
         self.activation_memory = parallel.activation
         if parallel.activation is not None:
             self.log(parallel.activation.summary())
@@ -207,17 +217,21 @@ class TrainerBuild:
         # Loaded weights overwrite every parameter, so skip drawing random ones first.
         # Every family's model class (and the generic path's) defines init_full_parameter_.
         init_fn = _no_init if load_hf else cast("InitFn", model.init_full_parameter_)
+        if lora is not None:
+            init_fn = with_adapter_init(init_fn, lora)
         materialize_and_init(model, device=self.device, seed=seed, init_fn=init_fn)
         if load_hf and source.hf_dir is not None:
-            load_hf_weights(
-                model,
-                family,
-                source.hf_dir,
-                log=self.log,
-                vocab_plan=self.vocab_plan,
-                partial=self.pipeline_split is not None,
-                aliases=self._tied_aliases(),
-            )
+            # The Hugging Face folder holds the base model: the adapters stay out of its key check.
+            with adapters_detached(model):
+                load_hf_weights(
+                    model,
+                    family,
+                    source.hf_dir,
+                    log=self.log,
+                    vocab_plan=self.vocab_plan,
+                    partial=self.pipeline_split is not None,
+                    aliases=self._tied_aliases(),
+                )
         elif source.hf_dir is not None:
             self.log(f"model: random init (model.train_from_scratch); config from {source.hf_dir}")
         if self.vocab_plan.resized:
