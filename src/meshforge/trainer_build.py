@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from meshforge.config import TrainConfig
     from meshforge.data.loader import StatefulLoader, StreamLoader
-    from meshforge.lora.apply import LoraApplied
+    from meshforge.lora.apply import LoraApplied, LoraSettings
     from meshforge.models.materialize import InitFn
     from meshforge.models.registry import FamilySpec
     from meshforge.models.vocab import VocabPlan
@@ -234,6 +234,10 @@ class TrainerBuild:
                 )
         elif source.hf_dir is not None:
             self.log(f"model: random init (model.train_from_scratch); config from {source.hf_dir}")
+        self._lora_base: tuple[str, Path | None] | None = None
+        if lora is not None and self.cfg.lora_config is not None:
+            self._lora_base = ("hf", source.hf_dir) if load_hf and source.hf_dir is not None else ("init", None)
+            self._load_adapter(model, lora, self.cfg.lora_config.adapter_path)
         if self.vocab_plan.resized:
             init_new_rows(
                 model, self.vocab_plan, self.tokenizer, model_cfg.init_special_tokens, seed, log=self.log
@@ -449,6 +453,22 @@ class TrainerBuild:
             rank=self.dist.rank,
             async_save=ckpt.async_save,
             log=self.log,
+            lora_base=self._lora_base,
+        )
+
+    def _load_adapter(self, model: nn.Module, lora: LoraSettings, adapter_path: str) -> None:
+        """Start the adapters from a PEFT adapter folder (`lora_config.adapter_path`), if one is named."""
+        if not adapter_path:
+            return
+        from meshforge.lora.peft_io import load_peft_adapter
+
+        load_peft_adapter(
+            model,
+            self.family,
+            resolve_path(adapter_path),
+            settings=lora,
+            partial=self.pipeline_split is not None,
+            log=self.log,
         )
 
     def _maybe_resume(self) -> None:
@@ -464,15 +484,20 @@ class TrainerBuild:
                     f"checkpoint.load_path: {load_path} is a Hugging Face checkpoint; resuming optimizer "
                     "state from it is not possible: set checkpoint.no_load_optim: true to load its weights"
                 )
-            load_hf_weights(
-                self.model,
-                self.family,
-                load_path,
-                log=self.log,
-                vocab_plan=self.vocab_plan,
-                partial=self.pipeline_split is not None,
-                aliases=self._tied_aliases(),
-            )
+            from meshforge.lora.layer import adapters_detached
+
+            with adapters_detached(self.model):
+                load_hf_weights(
+                    self.model,
+                    self.family,
+                    load_path,
+                    log=self.log,
+                    vocab_plan=self.vocab_plan,
+                    partial=self.pipeline_split is not None,
+                    aliases=self._tied_aliases(),
+                )
+            if self.checkpointer.lora_base is not None:
+                self.checkpointer.lora_base = ("hf", load_path)
             self.log("checkpoint: starting at step 0 with the Hugging Face weights (no_load_optim)")
             return
         loaded = self.checkpointer.load(
