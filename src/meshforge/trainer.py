@@ -391,7 +391,9 @@ class Trainer(TrainerMonitors):
             self.family,
             self.output_dir,
             settings=lora_settings(self.cfg.lora_config),
-            base_model=str(base[1]) if base is not None and base[1] is not None else self.cfg.model.model_name_or_path,
+            base_model=str(base[1])
+            if base is not None and base[1] is not None
+            else (self.cfg.model.model_name_or_path or ""),
             merged=merged,
             tokenizer=self.tokenizer if self.dist.is_main else None,
             log=self.log,

@@ -236,7 +236,9 @@ class TrainerBuild:
             self.log(f"model: random init (model.train_from_scratch); config from {source.hf_dir}")
         self._lora_base: tuple[str, Path | None] | None = None
         if lora is not None and self.cfg.lora_config is not None:
-            self._lora_base = ("hf", source.hf_dir) if load_hf and source.hf_dir is not None else ("init", None)
+            self._lora_base = (
+                ("hf", source.hf_dir) if load_hf and source.hf_dir is not None else ("init", None)
+            )
             self._load_adapter(model, lora, self.cfg.lora_config.adapter_path)
         if self.vocab_plan.resized:
             init_new_rows(

@@ -72,10 +72,14 @@ def export_lora_from_memory(
     `checkpoint.save_hf_weights` the merged Hugging Face folder `{output_dir}/hf`."""
     from meshforge.lora.peft_io import save_merged_hf, save_peft_adapter
 
-    adapter = save_peft_adapter(model, family, output_dir / "adapter", settings=settings, base_model=base_model)
+    adapter = save_peft_adapter(
+        model, family, output_dir / "adapter", settings=settings, base_model=base_model
+    )
     log(f"lora: wrote the PEFT adapter folder {adapter}")
     if merged:
         out = save_merged_hf(model, family, output_dir / "hf", tokenizer=tokenizer)
-        log(f"checkpoint: exported Hugging Face weights with the adapters merged to {out} (checkpoint.save_hf_weights)")
+        log(
+            f"checkpoint: exported Hugging Face weights with the adapters merged to {out} (checkpoint.save_hf_weights)"
+        )
         return out
     return adapter

@@ -62,12 +62,18 @@ def adapter_placements(base: DTensor) -> tuple[list[Placement], list[Placement]]
     return a, b
 
 
+def adapter_part(linear: nn.Module, part: str) -> nn.Linear:
+    """`lora_A` or `lora_B` of an adapted linear."""
+    sub = linear.get_submodule(part)
+    assert isinstance(sub, nn.Linear)
+    return sub
+
+
 def _adapter_forward_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
     x = args[0]
-    lora_a = module.lora_A
-    lora_b = module.lora_B
-    assert isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)
-    h = module.lora_dropout(x)
+    lora_a = adapter_part(module, "lora_A")
+    lora_b = adapter_part(module, "lora_B")
+    h = module.get_submodule("lora_dropout")(x)
     if h.dtype != lora_a.weight.dtype:
         h = h.to(lora_a.weight.dtype)
     delta = lora_b(lora_a(h)) * getattr(module, _SCALING)
@@ -106,7 +112,29 @@ def add_adapters(linear: nn.Linear, *, rank: int, alpha: int, dropout: float, dt
     linear.lora_B = lora_b
     linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     setattr(linear, _SCALING, alpha / rank)
-    linear.register_forward_hook(_adapter_forward_hook, prepend=True)
+    # A plain attribute (not a module or tensor): kept in the instance dict for `merge_adapters_`.
+    linear.__dict__["_lora_hook"] = linear.register_forward_hook(_adapter_forward_hook, prepend=True)
+
+
+@torch.no_grad()
+def merge_adapters_(model: nn.Module) -> int:
+    """Fold every adapter into its base weight (`W += alpha / r * B @ A`) and remove it, in place.
+
+    For inference on a plain (unsharded) model: the result is an ordinary model of the base
+    architecture. Returns the number of merged layers.
+    """
+    merged = 0
+    for _, linear in lora_linears(model):
+        weight = linear.weight
+        if isinstance(weight, DTensor):
+            raise ValueError("merge_adapters_: merge before sharding (the weights are DTensors)")
+        weight.copy_((weight.float() + full_delta(linear).to(weight.device)).to(weight.dtype))
+        for name in ADAPTER_CHILDREN:
+            linear._modules.pop(name, None)
+        linear.__dict__.pop("_lora_hook").remove()
+        delattr(linear, _SCALING)
+        merged += 1
+    return merged
 
 
 def init_adapter_(
@@ -133,24 +161,23 @@ def adapters_detached(model: nn.Module) -> Iterator[None]:
     loader and exporter); the same module objects are put back, so FSDP and optimizer
     references stay valid. No forward may run inside.
     """
-    taken: list[tuple[nn.Module, dict[str, nn.Module]]] = []
+    taken: list[tuple[nn.Module, dict[str, nn.Module | None]]] = []
     for _, linear in lora_linears(model):
         children = {name: linear._modules.pop(name) for name in ADAPTER_CHILDREN if name in linear._modules}
-        taken.append((linear, {k: v for k, v in children.items() if v is not None}))
+        taken.append((linear, children))
     try:
         yield
     finally:
-        for linear, children in taken:
+        for owner, children in taken:
             for name, child in children.items():
-                linear._modules[name] = child
+                owner._modules[name] = child
 
 
 @torch.no_grad()
 def full_delta(linear: nn.Linear) -> torch.Tensor:
     """`alpha / r * B @ A` in full on the CPU, in float32 (a collective for sharded adapters)."""
-    a = linear.lora_A.weight.detach()
-    b = linear.lora_B.weight.detach()
-    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    a = adapter_part(linear, "lora_A").weight.detach()
+    b = adapter_part(linear, "lora_B").weight.detach()
     if isinstance(a, DTensor):
         a = a.full_tensor()
     if isinstance(b, DTensor):

@@ -143,7 +143,10 @@ def check_adapter_config(folder: Path, settings: LoraSettings) -> dict[str, Any]
             raise ValueError(f"{file}: {flag} is true; only plain LoRA (alpha / r scaling) adapters load")
     if body.get("fan_in_fan_out"):
         raise ValueError(f"{file}: fan_in_fan_out is true (Conv1D layers); meshforge adapts nn.Linear only")
-    for theirs, ours, value in (("r", "lora_rank", settings.rank), ("lora_alpha", "lora_alpha", settings.alpha)):
+    for theirs, ours, value in (
+        ("r", "lora_rank", settings.rank),
+        ("lora_alpha", "lora_alpha", settings.alpha),
+    ):
         if body.get(theirs) != value:
             raise ValueError(
                 f"{file}: {theirs} is {body.get(theirs)!r} but lora_config.{ours} is {value}; set "
@@ -259,7 +262,12 @@ def merged_weights(model: nn.Module) -> Iterator[None]:
 
 
 def save_merged_hf(
-    model: nn.Module, family: FamilySpec, out_dir: str | Path, *, tokenizer: Any = None, collective: bool = True
+    model: nn.Module,
+    family: FamilySpec,
+    out_dir: str | Path,
+    *,
+    tokenizer: Any = None,
+    collective: bool = True,
 ) -> Path:
     """A Hugging Face folder of the base model with the adapters merged in (transformers loads it alone)."""
     from meshforge.checkpoint.hf import save_hf
