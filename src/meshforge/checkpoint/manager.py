@@ -316,8 +316,11 @@ class CheckpointManager:
         )
 
     def _options(self) -> StateDictOptions:
-        # A LoRA run's frozen base is not saved (it is referenced): its state is what trains.
-        return StateDictOptions(strict=True, ignore_frozen_params=self.lora_base is not None)
+        # A LoRA run's frozen base is not saved (it is referenced): its state is what trains. The
+        # frozen weights are then "missing" to a strict load; DCP itself still fails on a key
+        # the checkpoint lacks, so every adapter is loaded.
+        lora = self.lora_base is not None
+        return StateDictOptions(strict=not lora, ignore_frozen_params=lora)
 
     def _base_reference(self) -> dict[str, Any]:
         from meshforge.lora.base_ref import base_reference
