@@ -221,3 +221,53 @@ def test_full_run_step_is_the_base_of_new_adapters(setup: dict[str, Any]) -> Non
     with torch.no_grad():
         hf = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
         assert rel_error(trainer.model.eval()(ids), hf(ids).logits) <= 1e-5
+
+
+def test_generate_uses_the_adapters(tmp_path: Path) -> None:
+    from tests.unit._generate_fixtures import PROMPTS, generate, hf_greedy, save_family, write_config
+
+    hf = save_family(tmp_path / "hf", "qwen3")
+    train = tmp_path / "lora.yaml"
+    train.write_text(YAML.format(data=write_corpus(tmp_path / "corpus.jsonl", num_docs=20), hf=hf))
+    run = tmp_path / "run"
+    _train(train, [f"training.output_dir={run}", "training.steps=2", "checkpoint.save_hf_weights=true"])
+    config = write_config(tmp_path / "gen.yaml", f"  model_name_or_path: {hf}\n")
+    lora = "lora_config:\n  target_modules: '.*(q_proj|v_proj|down_proj)'\n  lora_rank: 4\n  lora_alpha: 8\n"
+    config.write_text(config.read_text() + lora + f"checkpoint:\n  load_path: {_step(run, 2)}\n")
+    tok = transformers.AutoTokenizer.from_pretrained(hf)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    reference = hf_greedy(run / "hf", prompts, 6)
+    assert reference != hf_greedy(hf, prompts, 6)  # the adapters change the tokens
+    rc, _, rows = generate(config, tmp_path / "out.jsonl", prompts=PROMPTS, max_new_tokens=6)
+    assert rc == 0 and [r["token_ids"] for r in rows] == reference
+
+
+@pytest.mark.parametrize(
+    ("family", "target"),
+    [("llama", ".*(q_proj|o_proj|up_proj)"), ("mistral", ".*(k_proj|gate_proj)"), ("qwen3_moe", "all")],
+)
+def test_families_and_generic_path_export_to_peft(family: str, target: str, tmp_path: Path) -> None:
+    from tests.unit._generate_fixtures import save_family
+
+    hf = save_family(tmp_path / "hf", family)
+    config = tmp_path / "lora.yaml"
+    text = YAML.format(data=write_corpus(tmp_path / "corpus.jsonl", num_docs=20), hf=hf)
+    config.write_text(text.replace("'.*(q_proj|v_proj|down_proj)'", f"'{target}'"))
+    run = tmp_path / "run"
+    trainer = _train(
+        config, [f"training.output_dir={run}", "training.steps=2", "checkpoint.enable_save=false"]
+    )
+    adapted = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert adapted and all(is_adapter_parameter(n) for n in adapted)
+    if family == "qwen3_moe":
+        # `all`: the attention projections; the router and the fused experts are no nn.Linear.
+        assert len(adapted) == 2 * 2 * 4 and not any(".mlp." in n for n in adapted)
+    ids = _ids()
+    with torch.no_grad():
+        ours = trainer.model.eval()(ids)
+        ours = ours.logits if hasattr(ours, "logits") else ours
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+        plain = base(ids).logits
+        with_peft = peft.PeftModel.from_pretrained(base, run / "adapter").eval()
+        assert rel_error(ours, with_peft(ids).logits) <= 1e-5
+        assert rel_error(ours, plain) > 1e-4

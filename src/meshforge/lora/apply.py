@@ -6,8 +6,8 @@ Targets are chosen by module path, as PEFT chooses them:
 - a list names modules: a path matches an entry equal to it or ending in `.<entry>`
   (`[q_proj, v_proj]`);
 - `all` (LLaMA-Factory's `lora_target: all`) is every `nn.Linear` inside the decoder layers
-  (`model.layers.*`): attention and MLP projections and MoE router gates; never the embedding
-  or the LM head.
+  (`model.layers.*`): the attention and dense/shared MLP projections; never the embedding or
+  the LM head. MoE routers and fused experts are not `nn.Linear` modules and stay frozen.
 
 `exclude_layers` removes the decoder layers it names (layer specs over global layer indices, so a
 pipeline stage excludes the same layers as one process). Only `nn.Linear` modules take adapters:
