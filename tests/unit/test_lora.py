@@ -156,6 +156,8 @@ def test_all_targets_every_decoder_linear_and_exclude_layers() -> None:
         "mlp.down_proj",
     }
     assert not any("lm_head" in name or "embed" in name for name, _ in everything)
+    pairs = [name for name, _ in select_targets(ours, "q_proj, v_proj")]  # LLaMA-Factory's spelling
+    assert pairs == [name for name, _ in select_targets(ours, ["q_proj", "v_proj"])] and len(pairs) == 4
     kept = select_targets(ours, "all", frozenset({0}))
     assert kept and all(name.startswith("model.layers.1.") for name, _ in kept)
 

@@ -4,7 +4,7 @@ Targets are chosen by module path, as PEFT chooses them:
 - a string is a regular expression `re.fullmatch`ed against each module's dotted path
   (`'.*(q_proj|k_proj|v_proj|o_proj)'`);
 - a list names modules: a path matches an entry equal to it or ending in `.<entry>`
-  (`[q_proj, v_proj]`);
+  (`[q_proj, v_proj]`, or LLaMA-Factory's comma-separated `q_proj,v_proj`);
 - `all` (LLaMA-Factory's `lora_target: all`) is every `nn.Linear` inside the decoder layers
   (`model.layers.*`): the attention and dense/shared MLP projections; never the embedding or
   the LM head. MoE routers and fused experts are not `nn.Linear` modules and stay frozen.
@@ -83,6 +83,9 @@ def _layer_index(path: str) -> int | None:
 def _matcher(target: str | Sequence[str]) -> tuple[str, object]:
     if _is_all(target):
         return "all", None
+    if isinstance(target, str) and "," in target and re.fullmatch(r"[\w.,\s]+", target):
+        # LLaMA-Factory's `lora_target: q_proj,v_proj`: a comma-separated list of names.
+        return "names", [name.strip() for name in target.split(",") if name.strip()]
     if isinstance(target, str):
         if not target.strip():
             raise ValueError(
