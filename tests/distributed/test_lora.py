@@ -1,4 +1,4 @@
-"""LoRA in 2-rank layouts equals one process: FSDP dp2, tp2 (SP) and pp2, three steps each.
+"""LoRA in 2-rank layouts equals one process: FSDP dp2, tp2 (SP), pp2 and cp2, three steps each.
 
 One spawn of 2 gloo processes trains the same adapters on the same HF base (tiny qwen3 folder)
 under each layout; the per-step losses and gradient norms must match the single-process run
@@ -25,6 +25,7 @@ LAYOUTS = {
     "dp2": ["--training.local_batch_size=1"],
     "tp2": ["--parallelism.tensor_parallel=2"],
     "pp2": ["--parallelism.pipeline_parallel=2", "--training.local_batch_size=1"],
+    "cp2": ["--parallelism.context_parallel=2", "--parallelism.context_parallel_method=ulysses"],
 }
 
 
