@@ -213,6 +213,18 @@ def test_full_run_step_is_the_base_of_new_adapters(setup: dict[str, Any]) -> Non
     stored = load_file(str(setup["hf"] / "model.safetensors"))
     frozen = {n: p for n, p in trainer.model.named_parameters() if not p.requires_grad}
     assert any(not torch.equal(p.detach(), stored[n]) for n, p in frozen.items())
+    # Resuming those adapters loads their base from the full run's step again (recorded, hashed).
+    resumed = _train(
+        setup["config"],
+        [
+            f"training.output_dir={root / 'on_full_resumed'}",
+            "training.steps=3",
+            f"checkpoint.load_path={_step(out, 2)}",
+        ],
+    )
+    assert resumed.step == 3
+    again = dict(resumed.model.named_parameters())
+    assert all(torch.equal(again[n].detach(), p.detach()) for n, p in frozen.items())
     from meshforge.cli import main
 
     merged = root / "on_full_hf"
