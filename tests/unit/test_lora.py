@@ -196,3 +196,18 @@ def test_detached_adapters_show_the_base_names() -> None:
     with adapters_detached(ours):
         assert [n for n, _ in ours.named_parameters()] == base_names
     assert len(lora_linears(ours)) == 2 and len(list(ours.parameters())) == len(base_names) + 4
+
+
+def test_frozen_base_is_kept_in_the_compute_dtype() -> None:
+    _, ours = _qwen3_pair()
+    settings = LoraSettings(target_modules=".*v_proj", rank=2, alpha=2, b_std=0.02)
+    apply_lora(ours, settings, adapter_dtype=torch.float32, frozen_dtype=torch.bfloat16)
+    _init_adapters(ours, settings)
+    for name, param in ours.named_parameters():
+        assert param.dtype == (torch.float32 if param.requires_grad else torch.bfloat16), name
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 8))
+    loss = _loss(ours(ids).float(), ids)
+    loss.backward()
+    assert all(
+        p.grad is not None and p.grad.dtype == torch.float32 for p in ours.parameters() if p.requires_grad
+    )
