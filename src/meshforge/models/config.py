@@ -196,7 +196,8 @@ class LoraConfig(StrictSection):
     lora_a_std: NonNegFloat = describe(0.01, "Init std of the A matrices.")
     lora_b_std: NonNegFloat = describe(0.0, "Init std of the B matrices.")
     adapter_path: str = describe(
-        "", "A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from."
+        "",
+        "A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from.",
     )
 
     @field_validator("target_modules")
