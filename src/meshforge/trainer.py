@@ -32,7 +32,7 @@ from meshforge.parallel.dims import ParallelDims
 from meshforge.resources import resolve_path
 from meshforge.trainer_build import BatchPlan, plan_batches
 from meshforge.trainer_eval import evaluate_pipeline, reshard_fsdp
-from meshforge.trainer_export import export_hf_from_checkpoint, export_hf_from_memory
+from meshforge.trainer_export import export_hf_from_checkpoint, export_hf_from_memory, export_lora_from_memory
 from meshforge.trainer_monitors import TrainerMonitors
 from meshforge.utils import distributed as dist_utils
 from meshforge.utils.comms import comm_stats_enabled
@@ -337,6 +337,8 @@ class Trainer(TrainerMonitors):
             self.checkpointer.finalize()
             if self._verdict.preempted:
                 self.log(f"preempted at step {self.step}: checkpoint {self._last_checkpoint}")
+            elif self.lora is not None and self.pipeline_split is None:
+                self._hf_export = self._export_lora(merged=self.cfg.checkpoint.save_hf_weights)
             elif self.cfg.checkpoint.save_hf_weights:
                 self._hf_export = self.export_hf(self.output_dir / "hf")
         finally:
@@ -377,6 +379,26 @@ class Trainer(TrainerMonitors):
             tokenizer=self.tokenizer if self.dist.is_main else None,
             log=self.log,
         )
+
+    def _export_lora(self, *, merged: bool) -> Path | None:
+        """The PEFT adapter folder, and with `merged` the merged HF folder (returned; else None)."""
+        assert self.cfg.lora_config is not None
+        from meshforge.lora.settings import lora_settings
+
+        base = self.checkpointer.lora_base
+        out = export_lora_from_memory(
+            self.model,
+            self.family,
+            self.output_dir,
+            settings=lora_settings(self.cfg.lora_config),
+            base_model=str(base[1])
+            if base is not None and base[1] is not None
+            else (self.cfg.model.model_name_or_path or ""),
+            merged=merged,
+            tokenizer=self.tokenizer if self.dist.is_main else None,
+            log=self.log,
+        )
+        return out if merged else None
 
     def _phase(self, name: str) -> contextlib.AbstractContextManager[object]:
         """A named range in the profiler's trace inside its window; nothing otherwise."""

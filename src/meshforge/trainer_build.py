@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from meshforge.config import TrainConfig
     from meshforge.data.loader import StatefulLoader, StreamLoader
+    from meshforge.lora.apply import LoraApplied, LoraSettings
     from meshforge.models.materialize import InitFn
     from meshforge.models.registry import FamilySpec
     from meshforge.models.vocab import VocabPlan
@@ -106,6 +107,7 @@ class TrainerBuild:
     pipeline_split: PipelineSplit | None
     fsdp: bool
     activation_memory: ActivationMemory | None
+    lora: LoraApplied | None
     num_params: int
     model: nn.Module
     loader: StatefulLoader | StreamLoader
@@ -145,6 +147,9 @@ class TrainerBuild:
     def _build_model(self) -> nn.Module:
         from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
         from meshforge.data.tokenizer import tokenizer_extension
+        from meshforge.lora.apply import with_adapter_init
+        from meshforge.lora.layer import adapters_detached
+        from meshforge.lora.settings import lora_settings
         from meshforge.models.generic import GenericFamily
         from meshforge.models.materialize import materialize_and_init
         from meshforge.models.vocab import init_new_rows, vocab_plan
@@ -183,6 +188,7 @@ class TrainerBuild:
         self.aux_coef = self._router_aux_coef(model_config)
         self._aux_loss_enabled = self.aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
         self._check_parallel_support()
+        lora = lora_settings(self.cfg.lora_config) if self.cfg.lora_config is not None else None
         parallel = parallelize_model(
             model,
             family="generic" if isinstance(family, GenericFamily) else family.name,
@@ -194,8 +200,12 @@ class TrainerBuild:
             compile_blocks=self.kernel_options.compile,
             apply_compile=apply_compile,
             activation=ActivationSettings(self.cfg.recompute, self.cfg.recompute_comm, self.cfg.swap),
+            lora=lora,
         )
         model = parallel.model
+        self.lora = parallel.lora
+        if parallel.lora is not None:
+            self.log(parallel.lora.summary())
         self.activation_memory = parallel.activation
         if parallel.activation is not None:
             self.log(parallel.activation.summary())
@@ -207,19 +217,29 @@ class TrainerBuild:
         # Loaded weights overwrite every parameter, so skip drawing random ones first.
         # Every family's model class (and the generic path's) defines init_full_parameter_.
         init_fn = _no_init if load_hf else cast("InitFn", model.init_full_parameter_)
+        if lora is not None:
+            init_fn = with_adapter_init(init_fn, lora)
         materialize_and_init(model, device=self.device, seed=seed, init_fn=init_fn)
         if load_hf and source.hf_dir is not None:
-            load_hf_weights(
-                model,
-                family,
-                source.hf_dir,
-                log=self.log,
-                vocab_plan=self.vocab_plan,
-                partial=self.pipeline_split is not None,
-                aliases=self._tied_aliases(),
-            )
+            # The Hugging Face folder holds the base model: the adapters stay out of its key check.
+            with adapters_detached(model):
+                load_hf_weights(
+                    model,
+                    family,
+                    source.hf_dir,
+                    log=self.log,
+                    vocab_plan=self.vocab_plan,
+                    partial=self.pipeline_split is not None,
+                    aliases=self._tied_aliases(),
+                )
         elif source.hf_dir is not None:
             self.log(f"model: random init (model.train_from_scratch); config from {source.hf_dir}")
+        self._lora_base: tuple[str, Path | None] | None = None
+        if lora is not None and self.cfg.lora_config is not None:
+            self._lora_base = (
+                ("hf", source.hf_dir) if load_hf and source.hf_dir is not None else ("init", None)
+            )
+            self._load_adapter(model, lora, self.cfg.lora_config.adapter_path)
         if self.vocab_plan.resized:
             init_new_rows(
                 model, self.vocab_plan, self.tokenizer, model_cfg.init_special_tokens, seed, log=self.log
@@ -435,6 +455,22 @@ class TrainerBuild:
             rank=self.dist.rank,
             async_save=ckpt.async_save,
             log=self.log,
+            lora_base=self._lora_base,
+        )
+
+    def _load_adapter(self, model: nn.Module, lora: LoraSettings, adapter_path: str) -> None:
+        """Start the adapters from a PEFT adapter folder (`lora_config.adapter_path`), if one is named."""
+        if not adapter_path:
+            return
+        from meshforge.lora.peft_io import load_peft_adapter
+
+        load_peft_adapter(
+            model,
+            self.family,
+            resolve_path(adapter_path),
+            settings=lora,
+            partial=self.pipeline_split is not None,
+            log=self.log,
         )
 
     def _maybe_resume(self) -> None:
@@ -450,15 +486,20 @@ class TrainerBuild:
                     f"checkpoint.load_path: {load_path} is a Hugging Face checkpoint; resuming optimizer "
                     "state from it is not possible: set checkpoint.no_load_optim: true to load its weights"
                 )
-            load_hf_weights(
-                self.model,
-                self.family,
-                load_path,
-                log=self.log,
-                vocab_plan=self.vocab_plan,
-                partial=self.pipeline_split is not None,
-                aliases=self._tied_aliases(),
-            )
+            from meshforge.lora.layer import adapters_detached
+
+            with adapters_detached(self.model):
+                load_hf_weights(
+                    self.model,
+                    self.family,
+                    load_path,
+                    log=self.log,
+                    vocab_plan=self.vocab_plan,
+                    partial=self.pipeline_split is not None,
+                    aliases=self._tied_aliases(),
+                )
+            if self.checkpointer.lora_base is not None:
+                self.checkpointer.lora_base = ("hf", load_path)
             self.log("checkpoint: starting at step 0 with the Hugging Face weights (no_load_optim)")
             return
         loaded = self.checkpointer.load(

@@ -13,6 +13,7 @@ from meshforge.utils import distributed as dist_utils
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from meshforge.lora.apply import LoraSettings
     from meshforge.models.registry import FamilySpec
 
 
@@ -54,3 +55,31 @@ def export_hf_from_checkpoint(
     dist_utils.barrier()
     log(f"checkpoint: exported Hugging Face weights to {out_dir} (checkpoint.save_hf_weights)")
     return out_dir
+
+
+def export_lora_from_memory(
+    model: nn.Module,
+    family: FamilySpec,
+    output_dir: Path,
+    *,
+    settings: LoraSettings,
+    base_model: str,
+    merged: bool,
+    tokenizer: PreTrainedTokenizerBase | None,
+    log: Callable[[str], None],
+) -> Path:
+    """A LoRA run's exports (collective): the PEFT adapter folder `{output_dir}/adapter`, and with
+    `checkpoint.save_hf_weights` the merged Hugging Face folder `{output_dir}/hf`."""
+    from meshforge.lora.peft_io import save_merged_hf, save_peft_adapter
+
+    adapter = save_peft_adapter(
+        model, family, output_dir / "adapter", settings=settings, base_model=base_model
+    )
+    log(f"lora: wrote the PEFT adapter folder {adapter}")
+    if merged:
+        out = save_merged_hf(model, family, output_dir / "hf", tokenizer=tokenizer)
+        log(
+            f"checkpoint: exported Hugging Face weights with the adapters merged to {out} (checkpoint.save_hf_weights)"
+        )
+        return out
+    return adapter

@@ -36,10 +36,10 @@ def test_validate_error_exit_2_without_traceback(tmp_path, capsys):
 
 
 def test_validate_warnings_exit_0(tmp_path, capsys):
-    path = _write(tmp_path, GOOD + "lora_config:\n  target_modules: '.*q_proj'\n")
+    path = _write(tmp_path, GOOD + "parallelism:\n  enable_mc2: true\n")
     assert main(["validate", path]) == 0
     err = capsys.readouterr().err
-    assert "warning: lora_config: not supported yet: lora_config" in err
+    assert "warning: parallelism.enable_mc2: not supported yet: parallelism.enable_mc2" in err
 
 
 def test_validate_world_size(tmp_path, capsys):

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from meshforge.checkpoint.hf import ModelSource
+    from meshforge.config.root import TrainConfig
     from meshforge.models.config import ModelConfig
     from meshforge.models.registry import FamilySpec
 
@@ -116,6 +117,8 @@ def dcp_to_hf(
     params_dtype = parse_dtype(cfg.model.params_dtype, key="model.params_dtype")
     tokenizer = _maybe_tokenizer(cfg.model, log)
     options = grown_options(cfg.model, source, tokenizer, log)
+    if cfg.lora_config is not None:
+        return _lora_step_to_hf(cfg, source, options, step, Path(out_dir), tokenizer, params_dtype, log)
     with _one_rank_group():
         model = _build_on_cpu(source.family, options, params_dtype)
         state = {"model": get_model_state_dict(model)}
@@ -134,6 +137,45 @@ def dcp_to_hf(
             collective=False,
         )
     log(f"convert: wrote {out} (Hugging Face {source.family.name}) from {step}")
+    return out
+
+
+def _lora_step_to_hf(
+    cfg: TrainConfig,
+    source: ModelSource,
+    options: dict[str, Any],
+    step: Path,
+    out: Path,
+    tokenizer: PreTrainedTokenizerBase | None,
+    dtype: torch.dtype,
+    log: Log,
+) -> Path:
+    """A LoRA run's step: the merged HF folder in `out` and the PEFT adapter in `out/adapter`."""
+    from meshforge.checkpoint.manager import read_trainer_state
+    from meshforge.lora.offline import build_adapted, load_lora_step, lora_record
+    from meshforge.lora.peft_io import save_merged_hf, save_peft_adapter
+    from meshforge.lora.settings import lora_settings
+
+    assert cfg.lora_config is not None
+    record = lora_record(read_trainer_state(step))
+    if record is None:
+        raise ValueError(
+            f"convert: {step} holds a full model but its config has lora_config; remove it from --config"
+        )
+    settings = lora_settings(cfg.lora_config)
+    cpu = torch.device("cpu")
+    with _one_rank_group():
+        model = build_adapted(source.family, options, settings, dtype=dtype, device=cpu)
+        load_lora_step(
+            model, source.family, step, record, settings=settings, seed=cfg.training.seed, device=cpu, log=log
+        )
+        base = record.get("base", {})
+        base_name = str(base.get("path", "")) if isinstance(base, dict) else ""
+        save_peft_adapter(model, source.family, out / "adapter", settings=settings, base_model=base_name)
+        save_merged_hf(model, source.family, out, tokenizer=tokenizer, collective=False)
+    log(
+        f"convert: wrote {out} (Hugging Face {source.family.name}, adapters merged) and the PEFT adapter {out / 'adapter'} from {step}"
+    )
     return out
 
 

@@ -6,6 +6,11 @@ model (and optimizer), `trainer_state.json` (step, tokens seen, data position, L
 without the marker (a crash mid-save) is never loaded and is replaced by the next save of that
 step. DCP stores global tensor shapes, so a checkpoint saved with N ranks loads with M.
 
+A LoRA run (`lora_base` given) saves only what trains: the adapters, their optimizer state and
+the trainer state, plus `lora.base` in `trainer_state.json` (the base folder and a hash of its
+weights, `meshforge.lora.base_ref`). Loading a full run's step into a LoRA run takes its weights
+as the frozen base and starts fresh adapters at step 0.
+
 With `checkpoint.async_save`, DCP copies the state to CPU memory and writes it from a background
 thread while training goes on; the marker is written once every rank's write has finished (at
 the next save, or when the run ends). The writes use a process group of their own: gloo
@@ -114,6 +119,8 @@ class CheckpointManager:
         save_optimizer: False for `checkpoint.no_save_optim` (weights only, no exact resume).
         rank: this process's global rank; rank 0 writes the shared files.
         async_save: `checkpoint.async_save`: write in the background (see the module docstring).
+        lora_base: for a LoRA run, where its frozen base weights come from: `("hf", folder)`,
+            `("dcp", step folder)` or `("init", None)` (seeded random init); None otherwise.
     """
 
     def __init__(
@@ -128,6 +135,7 @@ class CheckpointManager:
         rank: int,
         async_save: bool = False,
         log: Callable[[str], None] = print,
+        lora_base: tuple[str, Path | None] | None = None,
     ) -> None:
         self.save_dir = save_dir
         self.prefix = prefix
@@ -141,6 +149,8 @@ class CheckpointManager:
         self.async_save = async_save
         self._pending: tuple[Future, Path, int] | None = None
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self.lora_base = lora_base
+        self._lora_ref: dict[str, Any] | None = None
 
     def should_save(self, step: int, last_step: int) -> bool:
         """Save on every `interval`-th step (when there is an interval) and always at the last step."""
@@ -168,17 +178,20 @@ class CheckpointManager:
                 shutil.rmtree(target)
             target.mkdir(parents=True)
         barrier()
+        options = self._options()
         if self.save_optimizer:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
         else:
-            state = {"model": get_model_state_dict(model)}
+            state = {"model": get_model_state_dict(model, options=options)}
         (target / "rng").mkdir(exist_ok=True)
         torch.save(rng_state, target / "rng" / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             payload = dict(trainer_state, has_optimizer=self.save_optimizer)
             if self.save_optimizer:
                 payload["optimizer_type"] = optimizer_family(optimizer)
+            if self.lora_base is not None:
+                payload["lora"] = {"base": self._base_reference()}
             (target / TRAINER_STATE_FILE).write_text(json.dumps(payload, indent=2, default=_json_default))
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(target), process_group=self._group)
@@ -242,6 +255,16 @@ class CheckpointManager:
         meta = read_trainer_state(path)
         # Read up front so that a damaged checkpoint is reported by name before DCP touches it.
         saved = read_dcp_metadata(path)
+        lora_saved = isinstance(meta.get("lora"), dict)
+        if lora_saved and self.lora_base is None:
+            raise ValueError(
+                f"checkpoint.load_path: {path} holds LoRA adapters only; set the run's lora_config "
+                "(and its base model) to load it"
+            )
+        if self.lora_base is not None and not lora_saved:
+            return self._load_as_base(path, model)
+        if lora_saved:
+            self._load_recorded_base(meta["lora"], path, model)
         if load_optimizer and not meta.get("has_optimizer", True):
             raise ValueError(
                 f"checkpoint.load_path: {path} was saved without optimizer state "
@@ -255,8 +278,9 @@ class CheckpointManager:
                 f"{optimizer_family(optimizer)}; set optimizer.type: {saved_type} to resume, or "
                 "checkpoint.no_load_optim: true to load the weights only and start a fresh optimizer"
             )
+        options = self._options()
         if load_optimizer:
-            model_sd, optim_state = get_state_dict(model, optimizer)
+            model_sd, optim_state = get_state_dict(model, optimizer, options=options)
             # Read and rewritten as plain nested dicts below (param-group lists, renamed states).
             optim_sd: dict[str, Any] = dict(optim_state)
             # DCP keeps one rank's copy of the param-group name lists, and pipeline ranks list
@@ -276,19 +300,68 @@ class CheckpointManager:
                 optimizer,
                 model_state_dict=state["model"],
                 optim_state_dict=state["optimizer"],
+                options=options,
             )
             rng = _read_rng_state(path / "rng" / f"rank_{self.rank:05d}.pt")
             trainer_state = meta
         else:
-            state = {"model": get_model_state_dict(model)}
+            state = {"model": get_model_state_dict(model, options=options)}
             dcp.load(state, checkpoint_id=str(path))
-            set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+            set_model_state_dict(model, state["model"], options=options)
             rng, trainer_state = None, {}
         if dist.is_initialized():
             barrier()
         return LoadedState(
             path=path, trainer_state=trainer_state, rng_state=rng, optimizer_loaded=load_optimizer
         )
+
+    def _options(self) -> StateDictOptions:
+        # A LoRA run's frozen base is not saved (it is referenced): its state is what trains. The
+        # frozen weights are then "missing" to a strict load; DCP itself still fails on a key
+        # the checkpoint lacks, so every adapter is loaded.
+        lora = self.lora_base is not None
+        return StateDictOptions(strict=not lora, ignore_frozen_params=lora)
+
+    def _base_reference(self) -> dict[str, Any]:
+        from meshforge.lora.base_ref import base_reference
+
+        if self._lora_ref is None:
+            assert self.lora_base is not None
+            kind, folder = self.lora_base
+            self._lora_ref = {"kind": kind} if folder is None else base_reference(folder, kind)
+        return self._lora_ref
+
+    def _load_as_base(self, path: Path, model: nn.Module) -> LoadedState:
+        """A full run's weights as the frozen base of this LoRA run; the adapters keep their init."""
+        _load_base_weights(model, path)
+        self.lora_base = ("dcp", path)
+        self._lora_ref = None
+        self.log(f"checkpoint: base weights from {path} (a full run) with fresh LoRA adapters")
+        if dist.is_initialized():
+            barrier()
+        return LoadedState(path=path, trainer_state={}, rng_state=None, optimizer_loaded=False)
+
+    def _load_recorded_base(self, lora: dict[str, Any], path: Path, model: nn.Module) -> None:
+        """Check (and for a DCP base, load) the base a LoRA step was trained on."""
+        from meshforge.lora.base_ref import check_base
+
+        recorded = lora.get("base")
+        if not isinstance(recorded, dict) or recorded.get("kind") == "init":
+            return
+        folder = check_base(recorded, path / TRAINER_STATE_FILE)
+        if recorded.get("kind") == "dcp":
+            _load_base_weights(model, folder)
+        self.lora_base = (str(recorded["kind"]), folder)
+        self._lora_ref = dict(recorded)
+
+
+def _load_base_weights(model: nn.Module, path: Path) -> None:
+    """Load every base (non-adapter) weight of `model` from a full DCP step folder, in place."""
+    from meshforge.lora.base_ref import base_state_dict
+
+    state = {"model": base_state_dict(get_model_state_dict(model))}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
 
 
 def read_trainer_state(step_dir: Path) -> dict[str, Any]:

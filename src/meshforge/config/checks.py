@@ -84,6 +84,14 @@ def _essentials(cfg: TrainConfig) -> list[Issue]:
         issues.append(
             ("model", "no model given: set model.model_type (e.g. qwen3) or model.model_name_or_path")
         )
+    lora = cfg.lora_config
+    if lora is not None and isinstance(lora.target_modules, str) and not lora.target_modules.strip():
+        issues.append(
+            (
+                "lora_config.target_modules",
+                "empty: give a regex over module paths (e.g. '.*(q_proj|v_proj)'), a list of module names, or all",
+            )
+        )
     if not cfg.train_dataset.dataloader.type:
         issues.append(
             (

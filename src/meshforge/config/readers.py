@@ -206,7 +206,17 @@ READERS: dict[str, tuple[str, ...]] = {
         "profiler.with_stack",
         "profiler.record_shapes",
     ),
+    "meshforge.lora.settings": (
+        "lora_config.target_modules",
+        "lora_config.exclude_layers",
+        "lora_config.lora_rank",
+        "lora_config.lora_alpha",
+        "lora_config.lora_dropout",
+        "lora_config.lora_a_std",
+        "lora_config.lora_b_std",
+    ),
     "meshforge.trainer_build": (
+        "lora_config.adapter_path",
         "checkpoint.enable_save",
         "checkpoint.save_path",
         "checkpoint.save_max",

@@ -1,5 +1,7 @@
 """The model and tokenizer `meshforge generate` runs: from a HF folder or a DCP step, optionally FSDP-sharded.
 
+With ``lora_config`` the adapters (a LoRA step's, or a PEFT folder's from
+``lora_config.adapter_path``) are merged into the base weights, so generation runs a plain model.
 Weights come as in training: ``checkpoint.load_path`` (a DCP step folder, or a run folder's latest
 step) when set, else ``model.model_name_or_path``'s safetensors, through the same resolver, builder
 and loaders as the trainer and ``meshforge convert``. Weights are held in ``model.compute_dtype``
@@ -89,6 +91,13 @@ def load_generation_model(
             "or model.model_name_or_path (a Hugging Face folder)"
         )
     options = grown_options(cfg.model, source, tokenizer, log) if step is not None else dict(source.options)
+    if cfg.lora_config is not None:
+        from meshforge.lora.offline import load_for_generation
+
+        model = load_for_generation(cfg, source, options, step, dtype=dtype, device=device, log=log)
+        return GenerationModel(
+            model.eval(), source.family, tokenizer, source.hf_dir, step or source.hf_dir, dtype
+        )
     with torch.device("meta"):
         model = source.family.build(options)
     model.to(dtype=dtype)

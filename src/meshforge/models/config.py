@@ -10,6 +10,7 @@ MindSpeed OptimizationArguments; `model.use_flash_attention` is an alias of
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
@@ -194,6 +195,22 @@ class LoraConfig(StrictSection):
     lora_dropout: NonNegFloat = describe(0.0, "Dropout on the adapter input.")
     lora_a_std: NonNegFloat = describe(0.01, "Init std of the A matrices.")
     lora_b_std: NonNegFloat = describe(0.0, "Init std of the B matrices.")
+    adapter_path: str = describe(
+        "",
+        "A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str) and value.strip() and value != "all":
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ValueError(f"{value!r} is not a valid regular expression ({err})") from None
+        if isinstance(value, list) and (not value or any(not v.strip() for v in value)):
+            raise ValueError("a list of module names must be non-empty and have no blank entries")
+        return value
 
     @field_validator("lora_dropout")
     @classmethod

@@ -1,7 +1,9 @@
 """Apply every parallel dimension to a meta-device model, in the one fixed order.
 
-DESIGN.md fixes the order: PP split -> TP/SP -> EP -> CP -> recompute/swap (`memory.apply`) -> chunked
-micro-batches -> compile -> FSDP.
+DESIGN.md fixes the order: PP split -> TP/SP -> EP -> CP -> LoRA adapters -> recompute/swap
+(`memory.apply`) -> chunked micro-batches -> compile -> FSDP. The adapters come after TP because
+each one reads its base weight's TP placement to shard like it, and before FSDP so that each
+lands in its decoder layer's unit next to its frozen base.
 Each step is a function of its own module (`pipeline.split_model`, `tensor.apply_tp`,
 `expert.apply_ep`, `context.apply_cp`, `fsdp.apply_fsdp`) that takes its mesh view and
 explicit options; this module only decides which run and in what order, so the trainer
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -20,6 +22,9 @@ import torch.nn as nn
 from meshforge.memory.apply import ActivationMemory, ActivationSettings
 from meshforge.parallel.config import MS_EP_MODULES, MS_LAYER_MODULES, ParallelismConfig
 from meshforge.parallel.dims import ParallelDims, ParallelMesh
+
+if TYPE_CHECKING:
+    from meshforge.lora.apply import LoraApplied, LoraSettings
 
 # parallelism.reduce_dtype: the dtype gradients are reduced (summed) in across ranks.
 _REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -33,6 +38,7 @@ class ParallelizedModel:
     pipeline_split: Any = None
     fsdp: bool = False
     activation: ActivationMemory | None = None
+    lora: LoraApplied | None = None
 
 
 def parallelize_model(
@@ -47,6 +53,7 @@ def parallelize_model(
     compile_blocks: bool,
     apply_compile: Callable[[nn.Module], Any] | None = None,
     activation: ActivationSettings | None = None,
+    lora: LoraSettings | None = None,
 ) -> ParallelizedModel:
     """Split, shard and wrap `model` (on the meta device) for this rank.
 
@@ -56,6 +63,7 @@ def parallelize_model(
         param_dtype: dtype the parameters are stored in; `compute_dtype` the forward's dtype.
         compile_blocks: `kernels.compile`; `apply_compile` does it (before FSDP).
         activation: the `recompute`, `recompute_comm` and `swap` sections (None: all off).
+        lora: the adapter settings (`lora_config`); None = full fine-tuning.
     """
     par = parallelism
     split = None
@@ -119,6 +127,16 @@ def parallelize_model(
         if spec is not None and spec.moe is not None and spec.moe.aux_reduce is not None:
             # The router aux loss is a product of sums over the whole sequence: sum over the CP ranks.
             spec.moe.aux_reduce(model, mesh.view("cp"))
+    lora_applied = None
+    if lora is not None:
+        from meshforge.lora.apply import apply_lora
+
+        lora_applied = apply_lora(
+            model,
+            lora,
+            adapter_dtype=param_dtype,
+            frozen_dtype=compute_dtype if compute_dtype != param_dtype else None,
+        )
     if activation is not None and activation.active:
         from meshforge.memory.apply import apply_activation_memory
 
@@ -185,7 +203,9 @@ def parallelize_model(
                 expert_placement=par.efsdp_shard_placement_fn,
                 **kwargs,
             )
-    return ParallelizedModel(model=model, pipeline_split=split, fsdp=fsdp, activation=activation_applied)
+    return ParallelizedModel(
+        model=model, pipeline_split=split, fsdp=fsdp, activation=activation_applied, lora=lora_applied
+    )
 
 
 def _custom_units(patterns: list[str]) -> bool:

@@ -1,0 +1,3 @@
+"""Low-rank adapters (`lora_config:`): selection and attachment (`apply.py`), the adapted linear
+(`layer.py`), PEFT adapter folders and merged exports (`peft_io.py`), the checkpoint's base
+reference (`base_ref.py`). Light: submodules import torch when imported."""
