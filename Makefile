@@ -49,7 +49,7 @@ $(LF_STAMP): $(STAMP)
 	touch $(LF_STAMP)
 
 test: $(STAMP) lint $(LF_STAMP)
-	$(test_env) $(VENV)/bin/pytest -q tests --ignore=tests/unit/test_sft_llamafactory.py --ignore=tests/unit/test_sft_llamafactory_eval.py
+	$(test_env) $(VENV)/bin/pytest -q --durations=25 tests --ignore=tests/unit/test_sft_llamafactory.py --ignore=tests/unit/test_sft_llamafactory_eval.py
 	$(test_env) PYTHONPATH=$(LF_REF) $(VENV)/bin/pytest -q tests/unit/test_sft_llamafactory.py tests/unit/test_sft_llamafactory_eval.py \
 	  "tests/unit/test_tokenizer_extension.py::test_desc_init_cross_check_with_llamafactory"
 

@@ -15,6 +15,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.queues import SimpleQueue
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -83,3 +84,12 @@ def run_workers(worker: Callable[..., None], world: int, *extra: object, timeout
                     f"rank {rank}: exit code {p.exitcode} (crashed, or killed after {timeout} s or once another rank failed)"
                 )
         assert not messages, "\n".join(messages)
+
+
+def train_runs(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> None:
+    """A worker: each `(config, overrides)` trained in turn as a whole run on these ranks."""
+    from tests.conftest import train_here
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    for config, overrides in runs:
+        train_here(Path(config), overrides)

@@ -3,7 +3,8 @@
 Expert counts are integers summed over the data and expert ranks: they must be equal, and each
 layer's counts sum to tokens x num_experts_per_tok. Train-state values: the per-parameter norms
 equal the 1-process ones; the ranks' loss shares add up to the loss and their squared gradient
-norms to the squared global norm.
+norms to the squared global norm. The 2-rank runs share one spawn of gloo processes; the
+single-process runs run in the test's process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics, train_here
+from tests.distributed._spawn import run_workers, train_runs
 
 pytestmark = pytest.mark.slow
 
@@ -52,26 +54,22 @@ def _counts(out: Path) -> list[dict]:
 def test_moe_counts_and_train_state_agree_between_one_process_ep2_and_pp2(tmp_path: Path) -> None:
     config = REPO / "configs" / "qwen3_moe" / "tiny.yaml"
     one, ep2 = tmp_path / "one", tmp_path / "ep2"
-    run_train(config, [*TRAIN, f"--training.output_dir={one}"], cwd=tmp_path)
-    run_train(
-        config,
-        [*TRAIN, "--parallelism.expert_parallel=2", f"--training.output_dir={ep2}"],
-        nproc=2,
-        cwd=tmp_path,
-    )
+    train_here(config, [*TRAIN, f"--training.output_dir={one}"])
     # pp2: the stages' first-step shape inference runs the MoE layers too and must not count.
     pp2 = tmp_path / "pp2"
-    run_train(
-        config,
-        [
-            *TRAIN,
-            "--parallelism.pipeline_parallel=2",
-            '--parallelism.pipeline_parallel_layers_per_stage=["0-1","2"]',
-            f"--training.output_dir={pp2}",
-        ],
-        nproc=2,
-        cwd=tmp_path,
-    )
+    runs = [
+        (str(config), [*TRAIN, "--parallelism.expert_parallel=2", f"--training.output_dir={ep2}"]),
+        (
+            str(config),
+            [
+                *TRAIN,
+                "--parallelism.pipeline_parallel=2",
+                '--parallelism.pipeline_parallel_layers_per_stage=["0-1","2"]',
+                f"--training.output_dir={pp2}",
+            ],
+        ),
+    ]
+    run_workers(train_runs, 2, runs, timeout=600)
     counts_one, counts_ep2 = _counts(one), _counts(ep2)
     assert [(c["step"], c["layer"]) for c in counts_one] == [(2, 0), (2, 2), (4, 0), (4, 2)]
     assert counts_ep2 == counts_one
@@ -113,13 +111,9 @@ def test_local_norms_of_a_pipeline_run_equal_one_process(tiny_config: Path, tmp_
         "--monitor.train_state.local_norm=true",
     ]
     one, pp2 = tmp_path / "one", tmp_path / "pp2"
-    run_train(tiny_config, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
-    run_train(
-        tiny_config,
-        [*common, "--parallelism.pipeline_parallel=2", f"--training.output_dir={pp2}"],
-        nproc=2,
-        cwd=tmp_path,
-    )
+    train_here(tiny_config, [*common, f"--training.output_dir={one}"])
+    pp2_run = [*common, "--parallelism.pipeline_parallel=2", f"--training.output_dir={pp2}"]
+    run_workers(train_runs, 2, [(str(tiny_config), pp2_run)], timeout=300)
     for a, b in zip(read_metrics(one), read_metrics(pp2), strict=True):
         keys = sorted(k for k in a if k.startswith("local_norm/"))
         assert len(keys) == 24 and keys == sorted(k for k in b if k.startswith("local_norm/"))

@@ -3,11 +3,13 @@
 One spawn of 2 gloo processes runs each case as real trainings through the `Trainer` (two
 steps, deterministic mode): without recompute, then with each mode; the losses and gradient
 norms must be bitwise equal (a recomputed region runs the same kernels and collectives on the
-same inputs). Every family (qwen3, qwen3_moe, deepseek_v3 with MLA, qwen3_next with Gated
-DeltaNet) runs in every layout (with kept matmuls too, but under ZBV): FSDP dp2, tp2 with `recompute_comm`
-(alone, with full and with select recompute on the same layers), cp2 (Ulysses), pp2 with 1f1b
-and with the zero-bubble ZBV schedule (split input/weight backward), ep2 (routed experts
-selected too); the generic transformers path with dp2, tp2 and pp2. A module that does not read
+same inputs). qwen3 runs in every dense layout (with kept matmuls too, but under ZBV): FSDP dp2,
+tp2 with `recompute_comm` (alone, with full and with select recompute on the same layers), cp2
+(Ulysses), pp2 with 1f1b and with the zero-bubble ZBV schedule (split input/weight backward). The
+other families run in the layouts where their own modules meet the wrapping: qwen3_moe under ep2
+(routed experts selected too) and ZBV, deepseek_v3's MLA under tp2, cp2 and ep2, qwen3_next's Gated
+DeltaNet under tp2, dp2 and 1f1b (every family is checked in every mode on one process in
+`tests/unit/test_recompute.py`); the generic transformers path with dp2, tp2 and pp2. A module that does not read
 a gathered input is refused for communication recompute, naming the key.
 
 Under tp2 the bytes autograd holds for backward (`SavedTensorLedger`) show the communication
@@ -60,6 +62,13 @@ LAYOUTS: dict[str, list[str]] = {
     "pp2 zbv": ZBV,
     "ep2": ["--parallelism.expert_parallel=2"],
 }
+# The layouts each family runs in: where its own modules (experts, MLA, Gated DeltaNet) meet them.
+FAMILY_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "qwen3": ("dp2", "tp2", "cp2", "pp2 1f1b", "pp2 zbv"),
+    "qwen3_moe": ("ep2", "pp2 zbv"),
+    "deepseek_v3": ("tp2", "cp2", "ep2"),
+    "qwen3_next": ("tp2", "dp2", "pp2 1f1b"),
+}
 EXPERTS = ["--recompute.mode=select", "--recompute.select_module={'mlp.experts': ['1-3']}"]
 
 
@@ -89,10 +98,8 @@ def _cases(root: Path) -> list[tuple[str, Path, list[str], list[tuple[str, list[
         families[name] = (REPO / "configs" / name / "tiny.yaml", [*family_overrides(name), corpus])
     cases = []
     for family, (config, small) in families.items():
-        for layout, extra in LAYOUTS.items():
-            if layout == "ep2" and family == "qwen3":
-                continue  # no experts
-            cases.append((f"{family} {layout}", config, [*small, *extra], _modes(family, layout)))
+        for layout in FAMILY_LAYOUTS[family]:
+            cases.append((f"{family} {layout}", config, [*small, *LAYOUTS[layout]], _modes(family, layout)))
     # The generic path (2 layers; its TP has no sequence parallelism, so no communication recompute).
     generic = root / "generic.yaml"
     whole = [("full", ["--recompute.mode=full", "--recompute.modules=['model.layers.{*}']"])]
