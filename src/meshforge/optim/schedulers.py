@@ -54,7 +54,16 @@ Types:
 * `CosineAnnealingWarmRestarts` (SGDR): the same over periods `t_0`, `t_0 * t_mult`, ...,
   restarting at `learning_rate`; `t_0` is required. Never reads total_steps.
 
-`ConstantWithCoolDownLR` is recognised but not built (`not supported yet`).
+* `ConstantWithCoolDownLR` (MindFormers, after DeepSeek-V3's schedule): warm-up over W steps,
+  `learning_rate` for `keep_steps` (K), then over D steps
+  `lr_end1 + (lr - lr_end1) * max(0, 0.5 * (1 + cos(2 pi num_cycles (t - W - K) / D)))` for
+  W + K <= t < W + K + D, `lr_end1` for the next `final_steps` (F) steps and `lr_end2` from
+  t = W + K + D + F on. D = `decay_steps`, else `int(total_steps * decay_ratio)`, else
+  total_steps (MindFormers' default: the cool-down is as long as the run, not what is left of
+  it). Differences, kept consistent with the other types: `decay_steps` wins over `decay_ratio`
+  and `warmup_steps` over `warmup_ratio` (MindFormers lets the ratios win); `lr_end2: 0` means 0
+  (MindFormers' `lr_end2 or lr_end1` turns an explicit 0 into `lr_end1`; only null does here);
+  an `lr_end1` above `learning_rate` is an error.
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshforge.optim.options import (
+    ConstantWithCoolDownLROptions,
     CosineAnnealingLROptions,
     CosineAnnealingWarmRestartsOptions,
     CosineWithRestartsAndWarmUpLROptions,
@@ -152,6 +162,40 @@ class _Ctx:
 
 def _constant(c: _Ctx) -> Callable[[int], float]:
     return lambda t: c.ramp(t) if t < c.warmup else c.lr
+
+
+def _cooldown(c: _Ctx) -> Callable[[int], float]:
+    o = c.opts
+    assert isinstance(o, ConstantWithCoolDownLROptions)
+    lr, warmup, keep, final = c.lr, c.warmup, o.keep_steps, o.final_steps
+    if o.decay_steps is not None:
+        decay = o.decay_steps
+    elif o.decay_ratio is not None:
+        decay = max(1, int(c.total.get("decay_ratio") * o.decay_ratio))
+    else:
+        decay = c.total.get(c.canon)
+    if o.lr_end1 > lr:
+        raise ValueError(
+            f"{_S}.lr_end1: the learning rate after the cool-down ({o.lr_end1:g}) is above "
+            f"{_S}.learning_rate ({lr:g}); the cool-down would increase it"
+        )
+    end1 = o.lr_end1
+    end2 = end1 if o.lr_end2 is None else o.lr_end2
+    hold_end, decay_end = warmup + keep, warmup + keep + decay
+    final_end = decay_end + final
+
+    def at(t: int) -> float:
+        if t < warmup:
+            return c.ramp(t)
+        if t < hold_end:
+            return lr
+        if t < decay_end:
+            progress = (t - hold_end) / decay
+            factor = 0.5 * (1.0 + math.cos(math.pi * 2.0 * o.num_cycles * progress))
+            return end1 + (lr - end1) * max(0.0, factor)
+        return end1 if t < final_end else end2
+
+    return at
 
 
 def _linear(c: _Ctx) -> Callable[[int], float]:
@@ -283,6 +327,7 @@ def _cosine_warm_restarts(c: _Ctx) -> Callable[[int], float]:
 
 _BUILDERS: dict[str, Callable[[_Ctx], Callable[[int], float]]] = {
     "ConstantWarmUpLR": _constant,
+    "ConstantWithCoolDownLR": _cooldown,
     "LinearWithWarmUpLR": _linear,
     "CosineWithWarmUpLR": _cosine,
     "WarmUpStableDecayLR": _wsd,
