@@ -119,6 +119,7 @@ class Trainer(TrainerMonitors):
         self.total_steps = self._resolve_total_steps()
         self.eval_loader = self._build_eval_data()
         self.optimizer, self.scheduler = self._build_optimizer()
+        self.grad_accum = self._build_grad_accumulation()
         self.pipeline = self._build_pipeline()
         self.data_iter = iter(self.loader)
         self.checkpointer = self._build_checkpointer()
@@ -244,6 +245,8 @@ class Trainer(TrainerMonitors):
             with phase:
                 for mb in micro:
                     loss_sum += self.forward_backward(mb, normalizer)
+                    self.grad_accum.after_micro_batch()
+                self.grad_accum.finish()
         if self.fsdp and self._ignored_params:
             from meshforge.parallel.fsdp import sync_ignored_grads
 

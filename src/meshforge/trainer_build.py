@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from meshforge.models.materialize import InitFn
     from meshforge.models.registry import FamilySpec
     from meshforge.models.vocab import VocabPlan
+    from meshforge.optim.grad_accum import GradAccumulation
     from meshforge.parallel.dims import ParallelDims, ParallelMesh
     from meshforge.parallel.pipeline import Pipeline, PipelineSplit
     from meshforge.trainer_config import TrainingConfig
@@ -99,6 +100,7 @@ class TrainerBuild:
     family: FamilySpec
     vocab_plan: VocabPlan
     compute_dtype: torch.dtype
+    params_dtype: torch.dtype
     flops_per_token: float | None
     peak_flops: float | None
     kernel_options: KernelOptions
@@ -172,6 +174,7 @@ class TrainerBuild:
         params_dtype = parse_dtype(model_cfg.params_dtype, key="model.params_dtype")
         compute_dtype = parse_dtype(model_cfg.compute_dtype, key="model.compute_dtype", default=params_dtype)
         self.compute_dtype = compute_dtype
+        self.params_dtype = params_dtype
         with torch.device("meta"):
             model = family.build(options)
         model.to(dtype=params_dtype)
@@ -194,6 +197,7 @@ class TrainerBuild:
             compile_blocks=self.kernel_options.compile,
             apply_compile=apply_compile,
             activation=ActivationSettings(self.cfg.recompute, self.cfg.recompute_comm, self.cfg.swap),
+            reduce_dtype=self._reduce_dtype(params_dtype, compute_dtype),
         )
         model = parallel.model
         self.activation_memory = parallel.activation
@@ -231,6 +235,32 @@ class TrainerBuild:
         )
         self.num_params = num_params
         return model
+
+    def _reduce_dtype(self, params_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+        """FSDP's reduce dtype: `parallelism.reduce_dtype`, or the low-precision dtype with
+        `optimizer.accumulate_allreduce_grads_in_fp32: false` (optim/grad_accum.py)."""
+        from meshforge.optim.grad_accum import reduce_dtype_for
+
+        configured = parse_dtype(self.cfg.parallelism.reduce_dtype, key="parallelism.reduce_dtype")
+        return reduce_dtype_for(
+            configured,
+            fp32=self.cfg.optimizer.accumulate_allreduce_grads_in_fp32,
+            params_dtype=params_dtype,
+            compute_dtype=compute_dtype,
+        )
+
+    def _build_grad_accumulation(self) -> GradAccumulation:
+        from meshforge.optim.grad_accum import GradAccumulation
+
+        accum = GradAccumulation(
+            self.model.parameters(),
+            fp32=self.cfg.optimizer.accumulate_allreduce_grads_in_fp32,
+            params_dtype=self.params_dtype,
+            compute_dtype=self.compute_dtype,
+        )
+        if accum.active:
+            self.log(f"optimizer: {accum.describe()}")
+        return accum
 
     def _configure_kernels(self, model: nn.Module, family: str, compute_dtype: torch.dtype) -> KernelOptions:
         """Resolve the `kernels` section for this device and hand it to the model (errors name the key)."""

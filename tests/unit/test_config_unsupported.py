@@ -22,9 +22,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.ep_dispatcher": {"parallelism": {"ep_dispatcher": "fused"}},
     "profiler.export_type": {"profiler": {"export_type": "db"}},
     "lora_config": {"lora_config": {}},
-    "optimizer.accumulate_allreduce_grads_in_fp32": {
-        "optimizer": {"accumulate_allreduce_grads_in_fp32": False}
-    },
     "model.quant_recipe_name": {"model": {"quant_recipe_name": "mxfp8"}},
     "model.quant_apply_modules": {"model": {"quant_apply_modules": ["model.layers.0"]}},
     "model.quant_ignored_modules": {"model": {"quant_ignored_modules": ["*lm_head"]}},

@@ -220,6 +220,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "optimizer.eps",
         "optimizer.weight_decay_include",
         "optimizer.weight_decay_exclude",
+        "optimizer.accumulate_allreduce_grads_in_fp32",
         "model.model_name_or_path",
         "model.tokenizer_name_or_path",
         "model.params_dtype",

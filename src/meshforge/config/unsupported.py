@@ -200,11 +200,6 @@ ENTRIES: list[Unsupported] = [
         "database (db) profile export: meshforge writes Chrome traces (export_type: text)",
     ),
     Unsupported("lora_config", lambda c: c.lora_config is not None, "LoRA"),
-    Unsupported(
-        "optimizer.accumulate_allreduce_grads_in_fp32",
-        lambda c: not c.optimizer.accumulate_allreduce_grads_in_fp32,
-        "low-precision gradient accumulation",
-    ),
     *[
         Unsupported(
             f"model.{name}",

@@ -47,6 +47,7 @@ def parallelize_model(
     compile_blocks: bool,
     apply_compile: Callable[[nn.Module], Any] | None = None,
     activation: ActivationSettings | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> ParallelizedModel:
     """Split, shard and wrap `model` (on the meta device) for this rank.
 
@@ -56,6 +57,9 @@ def parallelize_model(
         param_dtype: dtype the parameters are stored in; `compute_dtype` the forward's dtype.
         compile_blocks: `kernels.compile`; `apply_compile` does it (before FSDP).
         activation: the `recompute`, `recompute_comm` and `swap` sections (None: all off).
+        reduce_dtype: FSDP's gradient reduce dtype when it is not `parallelism.reduce_dtype`
+            (`optimizer.accumulate_allreduce_grads_in_fp32: false` reduces in the low-precision
+            dtype: `optim.grad_accum.reduce_dtype_for`).
     """
     par = parallelism
     split = None
@@ -145,7 +149,7 @@ def parallelize_model(
 
         kwargs: dict[str, Any] = {
             "param_dtype": compute_dtype if compute_dtype != param_dtype else None,
-            "reduce_dtype": _REDUCE_DTYPES[par.reduce_dtype],
+            "reduce_dtype": reduce_dtype if reduce_dtype is not None else _REDUCE_DTYPES[par.reduce_dtype],
             "reshard_policy": par.reshard_after_forward_policy,
             "ignored_modules": list(par.ignored_modules) if par.ignored_modules else None,
             "shard_placement": par.shard_placement_fn,
