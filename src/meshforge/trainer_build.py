@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from meshforge.models.vocab import VocabPlan
     from meshforge.optim.grad_accum import GradAccumulation
     from meshforge.parallel.dims import ParallelDims, ParallelMesh
+    from meshforge.parallel.float8 import QuantPlan
     from meshforge.parallel.pipeline import Pipeline, PipelineSplit
     from meshforge.trainer_config import TrainingConfig
     from meshforge.utils.distributed import DistInfo
@@ -101,6 +102,7 @@ class TrainerBuild:
     vocab_plan: VocabPlan
     compute_dtype: torch.dtype
     params_dtype: torch.dtype
+    quant: QuantPlan | None
     flops_per_token: float | None
     peak_flops: float | None
     kernel_options: KernelOptions
@@ -151,6 +153,7 @@ class TrainerBuild:
         from meshforge.models.materialize import materialize_and_init
         from meshforge.models.vocab import init_new_rows, vocab_plan
         from meshforge.monitor.throughput import peak_flops
+        from meshforge.parallel.float8 import quant_settings
         from meshforge.parallel.parallelize import parallelize_model
 
         model_cfg = self.cfg.model
@@ -198,9 +201,16 @@ class TrainerBuild:
             apply_compile=apply_compile,
             activation=ActivationSettings(self.cfg.recompute, self.cfg.recompute_comm, self.cfg.swap),
             reduce_dtype=self._reduce_dtype(params_dtype, compute_dtype),
+            quant=quant_settings(model_cfg),
+            device=self.device,
         )
         model = parallel.model
         self.activation_memory = parallel.activation
+        self.quant = parallel.quant
+        if parallel.quant is not None:
+            self.log(parallel.quant.summary())
+            for note in parallel.quant.notes:
+                self.log(f"warning: {note}")
         if parallel.activation is not None:
             self.log(parallel.activation.summary())
         self.pipeline_split = parallel.pipeline_split
@@ -368,6 +378,11 @@ class TrainerBuild:
             weight_decay_exclude=opt.weight_decay_exclude,
             options=dict(opt.model_extra or {}),
         )
+        hook = self.quant.after_optimizer_step if self.quant is not None else None
+        if hook is not None:
+            # model.fsdp_low_precision_all_gather_mode: all: every weight's float8 scale at once.
+            model = self.model
+            optimizer.register_step_post_hook(lambda *_args: hook(model))
         scheduler = build_lr_scheduler(
             optimizer,
             type=sched.type,

@@ -125,6 +125,14 @@ READERS: dict[str, tuple[str, ...]] = {
         "swap.layer_swap",
         "swap.op_swap",
     ),
+    "meshforge.parallel.float8": (
+        "model.quant_recipe_name",
+        "model.quant_apply_modules",
+        "model.quant_ignored_modules",
+        "model.quant_converters",
+        "model.enable_fsdp_low_precision_all_gather",
+        "model.fsdp_low_precision_all_gather_mode",
+    ),
     "meshforge.parallel.parallelize": (
         "parallelism.reshard_after_forward_policy",
         "parallelism.cpu_offload",

@@ -204,21 +204,6 @@ ENTRIES: list[Unsupported] = [
         Unsupported(
             f"model.{name}",
             _model_differs(name),
-            "low-precision (mxfp8) training",
-        )
-        for name in (
-            "quant_recipe_name",
-            "quant_apply_modules",
-            "quant_ignored_modules",
-            "quant_converters",
-            "enable_fsdp_low_precision_all_gather",
-            "fsdp_low_precision_all_gather_mode",
-        )
-    ],
-    *[
-        Unsupported(
-            f"model.{name}",
-            _model_differs(name),
             "model hubs: models and tokenizers load from a local folder only",
         )
         for name in ("model_revision", "cache_dir", "hf_hub_token", "ms_hub_token", "om_hub_token")

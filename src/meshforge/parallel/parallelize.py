@@ -1,6 +1,6 @@
 """Apply every parallel dimension to a meta-device model, in the one fixed order.
 
-DESIGN.md fixes the order: PP split -> TP/SP -> EP -> CP -> recompute/swap (`memory.apply`) -> chunked
+DESIGN.md fixes the order: low-precision conversion (`float8.apply_quantization`) -> PP split -> TP/SP -> EP -> CP -> recompute/swap (`memory.apply`) -> chunked
 micro-batches -> compile -> FSDP.
 Each step is a function of its own module (`pipeline.split_model`, `tensor.apply_tp`,
 `expert.apply_ep`, `context.apply_cp`, `fsdp.apply_fsdp`) that takes its mesh view and
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,9 @@ import torch.nn as nn
 from meshforge.memory.apply import ActivationMemory, ActivationSettings
 from meshforge.parallel.config import MS_EP_MODULES, MS_LAYER_MODULES, ParallelismConfig
 from meshforge.parallel.dims import ParallelDims, ParallelMesh
+
+if TYPE_CHECKING:
+    from meshforge.parallel.float8 import QuantPlan, QuantSettings
 
 # parallelism.reduce_dtype: the dtype gradients are reduced (summed) in across ranks.
 _REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -33,6 +36,7 @@ class ParallelizedModel:
     pipeline_split: Any = None
     fsdp: bool = False
     activation: ActivationMemory | None = None
+    quant: QuantPlan | None = None
 
 
 def parallelize_model(
@@ -48,6 +52,8 @@ def parallelize_model(
     apply_compile: Callable[[nn.Module], Any] | None = None,
     activation: ActivationSettings | None = None,
     reduce_dtype: torch.dtype | None = None,
+    quant: QuantSettings | None = None,
+    device: torch.device | None = None,
 ) -> ParallelizedModel:
     """Split, shard and wrap `model` (on the meta device) for this rank.
 
@@ -60,9 +66,29 @@ def parallelize_model(
         reduce_dtype: FSDP's gradient reduce dtype when it is not `parallelism.reduce_dtype`
             (`optimizer.accumulate_allreduce_grads_in_fp32: false` reduces in the low-precision
             dtype: `optim.grad_accum.reduce_dtype_for`).
+        quant: the checked `model.quant_*` keys (`parallel.float8`); linear layers are converted
+            first, before the pipeline split, TP and FSDP. `device`: where the run computes.
     """
     par = parallelism
     split = None
+    quant_plan = None
+    if quant is not None:
+        from meshforge.parallel.float8 import apply_quantization
+
+        if dims.tp > 1:
+            raise NotImplementedError(
+                f"not supported yet: model.quant_recipe_name={quant.recipe} with "
+                f"parallelism.tensor_parallel={dims.tp} (float8 tensor-parallel styles)"
+            )
+        quant_plan = apply_quantization(
+            model,
+            quant,
+            device=device if device is not None else torch.device("cpu"),
+            fsdp=dims.needs_fsdp,
+            fsdp_backend=(
+                str(torch.distributed.get_backend(mesh.view("fsdp").get_group())) if dims.needs_fsdp else None
+            ),
+        )
     activation_applied = None
     num_layers = 0
     if activation is not None and activation.active:
@@ -189,7 +215,9 @@ def parallelize_model(
                 expert_placement=par.efsdp_shard_placement_fn,
                 **kwargs,
             )
-    return ParallelizedModel(model=model, pipeline_split=split, fsdp=fsdp, activation=activation_applied)
+    return ParallelizedModel(
+        model=model, pipeline_split=split, fsdp=fsdp, activation=activation_applied, quant=quant_plan
+    )
 
 
 def _custom_units(patterns: list[str]) -> bool:
