@@ -27,6 +27,8 @@ VARIANTS: dict[str, list[str]] = {
     ],
     "m_fp32acc": ["model.compute_dtype=bfloat16"],
     "m_bf16acc": ["model.compute_dtype=bfloat16", "optimizer.accumulate_allreduce_grads_in_fp32=false"],
+    # Low-precision linear layers (parallel/float8.py) on top of bf16 compute.
+    "mxfp8": ["model.compute_dtype=bfloat16", "model.quant_recipe_name=mxfp8"],
 }
 
 
@@ -67,6 +69,7 @@ def run(config: Path, out: Path, name: str, *, global_batch: int = 8, steps: int
     trainer.train()
     trainer.close()
     return {
+        "model": trainer.model,
         "losses": [r["loss"] for r in records],
         "grads": trainer.first_grads,
         "reduce_dtypes": reduce_dtypes,

@@ -1,5 +1,6 @@
 """bf16 training on 2 FSDP2 ranks: `accumulate_allreduce_grads_in_fp32` picks the reduce dtype of
-`MixedPrecisionPolicy` and the accumulation dtype, and the losses stay close to fp32's."""
+`MixedPrecisionPolicy` and the accumulation dtype, and the losses stay close to fp32's; float8
+and MXFP8 linear layers (emulated) compose with FSDP2 and stay close to the bf16 run."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def _worker(rank: int, world: int, root: str) -> None:
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     config, out = Path(root) / "tiny.yaml", Path(root) / f"rank{rank}"
-    runs = {name: run(config, out, name, steps=2) for name in ("fp32", "m_fp32acc", "m_bf16acc")}
+    names = ("fp32", "m_fp32acc", "m_bf16acc", "mxfp8")
+    runs = {name: run(config, out, name, steps=2, global_batch=4) for name in names}
     ref = runs["fp32"]
     # Reduce-scatter dtype: fp32 by default, bf16 with the flag off (fp32 parameters, bf16 compute).
     assert ref["reduce_dtypes"] == ["torch.float32"]
@@ -32,6 +34,13 @@ def _worker(rank: int, world: int, root: str) -> None:
         assert r["losses"] == pytest.approx(ref["losses"], rel=2e-3), name
     close, far = grad_error(runs["m_fp32acc"], ref), grad_error(runs["m_bf16acc"], ref)
     assert close < far < 5e-2, (close, far)
+    # MXFP8 (emulated): converted before FSDP, inside the layer units, close to the bf16 run
+    # (tolerance as in tests/unit/test_float8.py).
+    from torch.distributed.fsdp import FSDPModule
+
+    layer = runs["mxfp8"]["model"].model.layers[0]
+    assert isinstance(layer, FSDPModule) and type(layer.mlp.up_proj).__name__ == "AutocastMXFP8Linear"
+    assert runs["mxfp8"]["losses"] == pytest.approx(runs["m_fp32acc"]["losses"], rel=2e-3)
 
 
 def test_bf16_dp2_reduce_and_accumulation_dtypes(tmp_path: Path) -> None:
