@@ -113,6 +113,7 @@ class Trainer(TrainerMonitors):
             f"x accumulation {self.plan.grad_accum_steps} | output {self.output_dir}"
         )
 
+        self.rampup = self._build_rampup()
         self.tokenizer = self._build_tokenizer()
         self.model = self._build_model()
         self.loader = self._build_data()
@@ -215,8 +216,10 @@ class Trainer(TrainerMonitors):
 
     # ----------------------------------------------------------------------------- loop
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step over `grad_accum_steps` micro-batches."""
-        micro = [self._to_device(next(self.data_iter)) for _ in range(self.plan.grad_accum_steps)]
+        """One optimizer step over `grad_accum_steps` micro-batches (the ramp's count while it lasts)."""
+        ramp = self.rampup
+        count = ramp.accumulation_at(self.step + 1) if ramp is not None else self.plan.grad_accum_steps
+        micro = [self._to_device(next(self.data_iter)) for _ in range(count)]
         step_tokens = sum(int(mb["input_ids"].numel()) for mb in micro) * self.dims.dp
         if self.dims.cp > 1:
             micro = [self._shard_for_cp(mb) for mb in micro]
@@ -294,6 +297,11 @@ class Trainer(TrainerMonitors):
             **({"swap_bytes": am.swap_bytes()} if (am := self.activation_memory) and am.swapped else {}),
             **extra,
         }
+        if ramp is not None:
+            record.update(
+                global_batch_size=ramp.batch_at(self.step + 1),
+                consumed_samples=ramp.consumed_after(self.step + 1),
+            )
         if verdict.skip:
             record.update(skipped=True, skip_reason=verdict.reason)
         return record

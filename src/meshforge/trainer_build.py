@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from meshforge.config import TrainConfig
     from meshforge.data.loader import StatefulLoader, StreamLoader
+    from meshforge.data.rampup import BatchRampUp
     from meshforge.models.materialize import InitFn
     from meshforge.models.registry import FamilySpec
     from meshforge.models.vocab import VocabPlan
@@ -103,6 +104,7 @@ class TrainerBuild:
     compute_dtype: torch.dtype
     params_dtype: torch.dtype
     quant: QuantPlan | None
+    rampup: BatchRampUp | None
     flops_per_token: float | None
     peak_flops: float | None
     kernel_options: KernelOptions
@@ -259,6 +261,30 @@ class TrainerBuild:
             compute_dtype=compute_dtype,
         )
 
+    def _build_rampup(self) -> BatchRampUp | None:
+        """`training.rampup_batch_size` over this run's data-parallel ranks (None: no ramp)."""
+        training = self.cfg.training
+        ramp = training.rampup_batch_size
+        if ramp is None:
+            return None
+        from meshforge.data.rampup import BatchRampUp
+
+        for on, what in (
+            (self.dims.pp > 1, "parallelism.pipeline_parallel > 1"),
+            (training.epochs is not None, "training.epochs"),
+        ):
+            if on:
+                raise NotImplementedError(f"not supported yet: training.rampup_batch_size with {what}")
+        rampup = BatchRampUp(
+            start=int(ramp[0]),
+            increment=int(ramp[1]),
+            ramp_samples=int(ramp[2]),
+            global_batch_size=training.global_batch_size,
+            micro_samples=self.plan.data_parallel * self.plan.local_batch_size,
+        )
+        self.log(rampup.describe())
+        return rampup
+
     def _build_grad_accumulation(self) -> GradAccumulation:
         from meshforge.optim.grad_accum import GradAccumulation
 
@@ -389,6 +415,7 @@ class TrainerBuild:
             learning_rate=sched.learning_rate,
             total_steps=self.total_steps,
             options=dict(sched.model_extra or {}),
+            position=self.rampup.schedule_position if self.rampup is not None else None,
         )
         return optimizer, scheduler
 

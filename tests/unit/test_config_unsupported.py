@@ -50,7 +50,6 @@ TRIGGERS: dict[str, dict] = {
     "checkpoint.load_balanced": {"checkpoint": {"load_balanced": True}},
     "checkpoint.remove_redundancy": {"checkpoint": {"remove_redundancy": True}},
     "checkpoint.save_epochs": {"checkpoint": {"save_epochs": 1}},
-    "training.rampup_batch_size": {"training": {"rampup_batch_size": [1, 1, 100]}},
     "checkpoint.load_worker_number": {"checkpoint": {"load_worker_number": 4}},
     "checkpoint.reshard_worker_num": {"checkpoint": {"reshard_worker_num": 2}},
     # SFT data fields under train_dataset.

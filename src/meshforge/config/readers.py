@@ -218,6 +218,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "checkpoint.no_load_optim",
         "training.steps",
         "training.gradient_accumulation_steps",
+        "training.rampup_batch_size",
         "training.epochs",
         "training.log_interval",
         "training.router_aux_loss_coef",

@@ -269,9 +269,6 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         "checkpoint.save_epochs", lambda c: c.checkpoint.save_epochs is not None, "epoch-based saving"
     ),
-    Unsupported(
-        "training.rampup_batch_size", lambda c: c.training.rampup_batch_size is not None, "batch-size ramp-up"
-    ),
     *_sft_entries(),
 ]
 

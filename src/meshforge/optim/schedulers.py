@@ -9,6 +9,9 @@ Conventions (shared by all types):
 * Optimizer step k (1-based, as logged in `metrics.jsonl`) uses `lr_at(k - 1)`. The scheduler
   is built before the first step (its `last_epoch` becomes 0) and stepped after each optimizer
   step, so `scheduler.last_epoch` always equals the number of optimizer steps done.
+  With `training.rampup_batch_size` the schedule is read at `samples consumed /
+  training.global_batch_size` instead (a fraction while the batch ramps), as Megatron counts its
+  schedule in samples (`data/rampup.py`).
 * Warm-up is linear from `warmup_lr_init` (default 0) at t = 0 to `learning_rate` at
   t = warmup_steps: `lr_at(t) = init + (lr - init) * t / warmup_steps`. As in MindFormers (and
   Hugging Face's schedules) the first step therefore runs at `warmup_lr_init`.
@@ -387,25 +390,33 @@ def _scheduler_class() -> type:
         relative to the peak (1.0 for the groups `build_optimizer` makes)."""
 
         def __init__(
-            self, optimizer: torch.optim.Optimizer, lr_fn: Callable[[int], float], peak_lr: float
+            self,
+            optimizer: torch.optim.Optimizer,
+            lr_fn: Callable[[int], float],
+            peak_lr: float,
+            position: Callable[[int], float] | None = None,
         ) -> None:
             self.lr_fn = lr_fn
             self.peak_lr = float(peak_lr)
+            self.position = position
             super().__init__(optimizer, last_epoch=-1)
 
         def get_lr(self) -> list[float | torch.Tensor]:
-            value = self.lr_fn(self.last_epoch)
+            t = self.last_epoch if self.position is None else self.position(self.last_epoch)
+            value = self.lr_fn(t)  # type: ignore[arg-type]
             return [value * (base / self.peak_lr if self.peak_lr > 0 else 1.0) for base in self.base_lrs]
 
         def state_dict(self) -> dict[str, Any]:
             # The schedule itself is rebuilt from the config; only the position is state.
             state = super().state_dict()
             state.pop("lr_fn", None)
+            state.pop("position", None)
             return state
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             state = dict(state_dict)
             state.pop("lr_fn", None)
+            state.pop("position", None)
             if len(state.get("base_lrs", self.base_lrs)) != len(self.base_lrs):
                 # Another number of param groups than the saving run (e.g. the unsharded groups
                 # of parallelism.ignored_modules): keep this optimizer's own base lrs.
@@ -429,6 +440,7 @@ def build_lr_scheduler(
     learning_rate: float,
     total_steps: int | None,
     options: Mapping[str, Any],
+    position: Callable[[int], float] | None = None,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """Build the torch scheduler for `lr_scheduler:`.
 
@@ -440,9 +452,11 @@ def build_lr_scheduler(
         optimizer: the optimizer, whose groups' `lr` is `learning_rate` (as `build_optimizer`
             makes them).
         type, learning_rate, total_steps, options: as for `lr_schedule`.
+        position: maps the optimizer steps done to the schedule's position (None: the same
+            number). A batch-size ramp (`data/rampup.py`) counts full-batch steps of samples.
 
     Returns:
         A `torch.optim.lr_scheduler.LRScheduler`.
     """
     lr_fn = lr_schedule(type, learning_rate, total_steps, options)
-    return _scheduler_class()(optimizer, lr_fn, learning_rate)
+    return _scheduler_class()(optimizer, lr_fn, learning_rate, position)
