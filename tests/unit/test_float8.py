@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from meshforge.config import config_from_dict
+from meshforge.config import ConfigError, config_from_dict
 from meshforge.config.checks import validate_config
 from meshforge.parallel.float8 import (
     FLOAT8_CONVERTER,
@@ -28,7 +28,10 @@ BASE = {
 
 
 def _settings(**model: object):
-    return quant_settings(config_from_dict({**BASE, "model": {"model_type": "qwen3", **model}}).model)
+    # The section alone: a whole config with bad keys already fails to load (the last test).
+    from meshforge.models.config import ModelConfig
+
+    return quant_settings(ModelConfig.model_validate({"model_type": "qwen3", **model}))
 
 
 def test_the_converter_follows_the_recipe_unless_written() -> None:
@@ -210,3 +213,19 @@ def test_emulated_recipes_train_close_to_bf16(tiny_config: Path, tmp_path: Path)
     for recipe, values in losses.items():
         assert values == pytest.approx(ref, rel=2e-3), recipe
         assert values[-1] < values[0], recipe  # it trains
+
+
+def test_bad_keys_fail_at_load_time() -> None:
+    with pytest.raises(
+        ConfigError, match=r"model\.quant_converters: \['quantize\.linear\.mx'\] does not fit"
+    ):
+        config_from_dict(
+            {
+                **BASE,
+                "model": {
+                    "model_type": "qwen3",
+                    "quant_recipe_name": "rowwise",
+                    "quant_converters": ["quantize.linear.mx"],
+                },
+            }
+        )
