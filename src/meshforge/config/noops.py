@@ -147,7 +147,6 @@ ENTRIES: list[NoOp] = [
 ]
 
 
-
 def _gathers_sequence(cfg: TrainConfig) -> bool:
     """Whether TP all-gathers sequence-split activations (SP; the generic path has none)."""
     from meshforge.config.unsupported import is_generic_model
