@@ -75,7 +75,7 @@ def test_config_errors_name_the_key(training: dict, fragment: str) -> None:
     assert "training.rampup_batch_size" in str(err.value) and fragment in str(err.value)
 
 
-def _run(config: Path, out: Path, *extra: str, steps: int = 5) -> tuple[list[dict[str, Any]], list[Any]]:
+def _run(config: Path, out: Path, *extra: str, steps: int = 5) -> tuple[list[dict[str, Any]], list[Any], Any]:
     from meshforge.config import load_config
     from meshforge.trainer import Trainer
 
@@ -91,7 +91,7 @@ def _run(config: Path, out: Path, *extra: str, steps: int = 5) -> tuple[list[dic
     trainer.setup()
     trainer.train()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return records, seen
+    return records, seen, trainer
 
 
 RAMP = ["training.rampup_batch_size=[2, 2, 8]", "training.global_batch_size=8", "training.local_batch_size=2"]
@@ -101,7 +101,7 @@ RAMP = ["training.rampup_batch_size=[2, 2, 8]", "training.global_batch_size=8", 
 def test_trainer_ramp_counts_samples_and_resumes_bitwise(tiny_config: Path, tmp_path: Path) -> None:
     import torch
 
-    full, seen = _run(tiny_config, tmp_path / "full", *RAMP)
+    full, seen, trainer = _run(tiny_config, tmp_path / "full", *RAMP)
     # [2, 2, 8] to 8 with 2-row micro-batches: 0 -> 2, 2 -> 2, 4 -> 4, 8 -> 8 (8 is not > 8).
     assert [r["global_batch_size"] for r in full] == [2, 2, 4, 8, 8]
     assert [r["consumed_samples"] for r in full] == [2, 4, 8, 16, 24]
@@ -110,18 +110,13 @@ def test_trainer_ramp_counts_samples_and_resumes_bitwise(tiny_config: Path, tmp_
     # The schedule (ConstantWarmUpLR, 2 warm-up steps of the full batch) reads samples / 8.
     lr = 3e-3
     assert [r["lr"] for r in full] == pytest.approx([0.0, lr * 0.125, lr * 0.25, lr * 0.5, lr])
-    # Data order: the micro-batches, in order, of the loader of a run without the ramp.
-    from meshforge.config import load_config
-    from meshforge.trainer import Trainer
-
-    overrides = [f"training.output_dir={tmp_path / 'flat'}", "training.global_batch_size=2"]
-    flat = Trainer(load_config(str(tiny_config), overrides), log=lambda _m: None)
-    flat.setup()
-    stream = iter(flat.loader)
+    # Data order: exactly the micro-batch stream of a fresh loader, nothing skipped or repeated
+    # while the accumulation changes.
+    stream = iter(trainer._build_data())
     assert all(torch.equal(a, next(stream)["input_ids"]) for a in seen)
     # Resume from the step-2 checkpoint, in the middle of the ramp: bitwise the same steps 3-5.
     step2 = tmp_path / "full" / "checkpoints" / "checkpoint-00000002"
-    resumed, _ = _run(tiny_config, tmp_path / "resumed", *RAMP, f"checkpoint.load_path={step2}")
+    resumed, _, _ = _run(tiny_config, tmp_path / "resumed", *RAMP, f"checkpoint.load_path={step2}")
     assert [r["step"] for r in resumed] == [3, 4, 5]
     for a, b in zip(full[2:], resumed, strict=True):
         assert (a["loss"], a["lr"], a["grad_norm"], a["global_batch_size"]) == (
