@@ -30,7 +30,7 @@ from meshforge.monitor.throughput import throughput_fields
 from meshforge.monitor.train_state import is_log_step
 from meshforge.parallel.dims import ParallelDims
 from meshforge.resources import resolve_path
-from meshforge.trainer_build import BatchPlan, plan_batches
+from meshforge.trainer_batches import BatchPlan, plan_batches
 from meshforge.trainer_eval import evaluate_pipeline, reshard_fsdp
 from meshforge.trainer_export import export_hf_from_checkpoint, export_hf_from_memory, export_lora_from_memory
 from meshforge.trainer_monitors import TrainerMonitors
@@ -113,12 +113,14 @@ class Trainer(TrainerMonitors):
             f"x accumulation {self.plan.grad_accum_steps} | output {self.output_dir}"
         )
 
+        self.rampup = self._build_rampup()
         self.tokenizer = self._build_tokenizer()
         self.model = self._build_model()
         self.loader = self._build_data()
         self.total_steps = self._resolve_total_steps()
         self.eval_loader = self._build_eval_data()
         self.optimizer, self.scheduler = self._build_optimizer()
+        self.grad_accum = self._build_grad_accumulation()
         self.pipeline = self._build_pipeline()
         self.data_iter = iter(self.loader)
         self.checkpointer = self._build_checkpointer()
@@ -214,8 +216,10 @@ class Trainer(TrainerMonitors):
 
     # ----------------------------------------------------------------------------- loop
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step over `grad_accum_steps` micro-batches."""
-        micro = [self._to_device(next(self.data_iter)) for _ in range(self.plan.grad_accum_steps)]
+        """One optimizer step over `grad_accum_steps` micro-batches (the ramp's count while it lasts)."""
+        ramp = self.rampup
+        count = ramp.accumulation_at(self.step + 1) if ramp is not None else self.plan.grad_accum_steps
+        micro = [self._to_device(next(self.data_iter)) for _ in range(count)]
         step_tokens = sum(int(mb["input_ids"].numel()) for mb in micro) * self.dims.dp
         if self.dims.cp > 1:
             micro = [self._shard_for_cp(mb) for mb in micro]
@@ -244,6 +248,8 @@ class Trainer(TrainerMonitors):
             with phase:
                 for mb in micro:
                     loss_sum += self.forward_backward(mb, normalizer)
+                    self.grad_accum.after_micro_batch()
+                self.grad_accum.finish()
         if self.fsdp and self._ignored_params:
             from meshforge.parallel.fsdp import sync_ignored_grads
 
@@ -291,6 +297,11 @@ class Trainer(TrainerMonitors):
             **({"swap_bytes": am.swap_bytes()} if (am := self.activation_memory) and am.swapped else {}),
             **extra,
         }
+        if ramp is not None:
+            record.update(
+                global_batch_size=ramp.batch_at(self.step + 1),
+                consumed_samples=ramp.consumed_after(self.step + 1),
+            )
         if verdict.skip:
             record.update(skipped=True, skip_reason=verdict.reason)
         return record

@@ -8,7 +8,6 @@ a change of a factory's signature touches one call here. The order is `Trainer.s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -34,46 +33,19 @@ if TYPE_CHECKING:
 
     from meshforge.config import TrainConfig
     from meshforge.data.loader import StatefulLoader, StreamLoader
+    from meshforge.data.rampup import BatchRampUp
     from meshforge.lora.apply import LoraApplied, LoraSettings
     from meshforge.models.materialize import InitFn
     from meshforge.models.registry import FamilySpec
     from meshforge.models.vocab import VocabPlan
+    from meshforge.optim.grad_accum import GradAccumulation
     from meshforge.parallel.dims import ParallelDims, ParallelMesh
+    from meshforge.parallel.float8 import QuantPlan
     from meshforge.parallel.pipeline import Pipeline, PipelineSplit
-    from meshforge.trainer_config import TrainingConfig
+    from meshforge.trainer_batches import BatchPlan
     from meshforge.utils.distributed import DistInfo
 
 Batch = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How one optimizer step's global batch is split (DESIGN.md: GA = gbs // (dp * lbs))."""
-
-    local_batch_size: int
-    data_parallel: int
-    grad_accum_steps: int
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.local_batch_size * self.data_parallel * self.grad_accum_steps
-
-
-def plan_batches(training: TrainingConfig, data_parallel: int) -> tuple[BatchPlan, str | None]:
-    """The batch plan from `TrainingConfig.accumulation_steps`, and a note when samples are dropped.
-
-    Raises:
-        ValueError: when `data_parallel * local_batch_size > global_batch_size`.
-    """
-    plan = BatchPlan(training.local_batch_size, data_parallel, training.accumulation_steps(data_parallel))
-    note = None
-    if training.gradient_accumulation_steps is None and training.global_batch_size != plan.global_batch_size:
-        note = (
-            f"training.global_batch_size {training.global_batch_size} is not a multiple of data-parallel "
-            f"ranks ({data_parallel}) x local_batch_size ({training.local_batch_size}); using "
-            f"{plan.global_batch_size} (as the reference does)"
-        )
-    return plan, note
 
 
 def _model_vocab_size(family: FamilySpec, options: dict[str, object]) -> int:
@@ -100,6 +72,9 @@ class TrainerBuild:
     family: FamilySpec
     vocab_plan: VocabPlan
     compute_dtype: torch.dtype
+    params_dtype: torch.dtype
+    quant: QuantPlan | None
+    rampup: BatchRampUp | None
     flops_per_token: float | None
     peak_flops: float | None
     kernel_options: KernelOptions
@@ -154,6 +129,7 @@ class TrainerBuild:
         from meshforge.models.materialize import materialize_and_init
         from meshforge.models.vocab import init_new_rows, vocab_plan
         from meshforge.monitor.throughput import peak_flops
+        from meshforge.parallel.float8 import quant_settings
         from meshforge.parallel.parallelize import parallelize_model
 
         model_cfg = self.cfg.model
@@ -177,6 +153,7 @@ class TrainerBuild:
         params_dtype = parse_dtype(model_cfg.params_dtype, key="model.params_dtype")
         compute_dtype = parse_dtype(model_cfg.compute_dtype, key="model.compute_dtype", default=params_dtype)
         self.compute_dtype = compute_dtype
+        self.params_dtype = params_dtype
         with torch.device("meta"):
             model = family.build(options)
         model.to(dtype=params_dtype)
@@ -201,12 +178,20 @@ class TrainerBuild:
             apply_compile=apply_compile,
             activation=ActivationSettings(self.cfg.recompute, self.cfg.recompute_comm, self.cfg.swap),
             lora=lora,
+            reduce_dtype=self._reduce_dtype(params_dtype, compute_dtype),
+            quant=quant_settings(model_cfg),
+            device=self.device,
         )
         model = parallel.model
         self.lora = parallel.lora
         if parallel.lora is not None:
             self.log(parallel.lora.summary())
         self.activation_memory = parallel.activation
+        self.quant = parallel.quant
+        if parallel.quant is not None:
+            self.log(parallel.quant.summary())
+            for note in parallel.quant.notes:
+                self.log(f"warning: {note}")
         if parallel.activation is not None:
             self.log(parallel.activation.summary())
         self.pipeline_split = parallel.pipeline_split
@@ -251,6 +236,56 @@ class TrainerBuild:
         )
         self.num_params = num_params
         return model
+
+    def _reduce_dtype(self, params_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+        """FSDP's reduce dtype: `parallelism.reduce_dtype`, or the low-precision dtype with
+        `optimizer.accumulate_allreduce_grads_in_fp32: false` (optim/grad_accum.py)."""
+        from meshforge.optim.grad_accum import reduce_dtype_for
+
+        configured = parse_dtype(self.cfg.parallelism.reduce_dtype, key="parallelism.reduce_dtype")
+        return reduce_dtype_for(
+            configured,
+            fp32=self.cfg.optimizer.accumulate_allreduce_grads_in_fp32,
+            params_dtype=params_dtype,
+            compute_dtype=compute_dtype,
+        )
+
+    def _build_rampup(self) -> BatchRampUp | None:
+        """`training.rampup_batch_size` over this run's data-parallel ranks (None: no ramp)."""
+        training = self.cfg.training
+        ramp = training.rampup_batch_size
+        if ramp is None:
+            return None
+        from meshforge.data.rampup import BatchRampUp
+
+        for on, what in (
+            (self.dims.pp > 1, "parallelism.pipeline_parallel > 1"),
+            (training.epochs is not None, "training.epochs"),
+        ):
+            if on:
+                raise NotImplementedError(f"not supported yet: training.rampup_batch_size with {what}")
+        rampup = BatchRampUp(
+            start=int(ramp[0]),
+            increment=int(ramp[1]),
+            ramp_samples=int(ramp[2]),
+            global_batch_size=training.global_batch_size,
+            micro_samples=self.plan.data_parallel * self.plan.local_batch_size,
+        )
+        self.log(rampup.describe())
+        return rampup
+
+    def _build_grad_accumulation(self) -> GradAccumulation:
+        from meshforge.optim.grad_accum import GradAccumulation
+
+        accum = GradAccumulation(
+            self.model.parameters(),
+            fp32=self.cfg.optimizer.accumulate_allreduce_grads_in_fp32,
+            params_dtype=self.params_dtype,
+            compute_dtype=self.compute_dtype,
+        )
+        if accum.active:
+            self.log(f"optimizer: {accum.describe()}")
+        return accum
 
     def _configure_kernels(self, model: nn.Module, family: str, compute_dtype: torch.dtype) -> KernelOptions:
         """Resolve the `kernels` section for this device and hand it to the model (errors name the key)."""
@@ -358,12 +393,18 @@ class TrainerBuild:
             weight_decay_exclude=opt.weight_decay_exclude,
             options=dict(opt.model_extra or {}),
         )
+        hook = self.quant.after_optimizer_step if self.quant is not None else None
+        if hook is not None:
+            # model.fsdp_low_precision_all_gather_mode: all: every weight's float8 scale at once.
+            model = self.model
+            optimizer.register_step_post_hook(lambda *_args: hook(model))
         scheduler = build_lr_scheduler(
             optimizer,
             type=sched.type,
             learning_rate=sched.learning_rate,
             total_steps=self.total_steps,
             options=dict(sched.model_extra or {}),
+            position=self.rampup.schedule_position if self.rampup is not None else None,
         )
         return optimizer, scheduler
 

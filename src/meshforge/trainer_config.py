@@ -37,7 +37,7 @@ class TrainingConfig(StrictSection):
     seed: Int = describe(42, "Random seed for initialisation, data order and dropout.")
     deterministic: Bool = describe(False, "Use deterministic algorithms (bitwise-reproducible, slower).")
     rampup_batch_size: list[Any] | None = describe(
-        None, "Batch-size ramp-up [start > 0, increment > 0, ramp samples >= 0]; not built yet."
+        None, "Batch-size ramp-up [start > 0, increment > 0, ramp samples >= 0] (Megatron); data/rampup.py."
     )
     output_dir: str = describe(
         "./output", "Run folder: resolved config, metrics.jsonl, default checkpoint folder."
@@ -77,6 +77,18 @@ class TrainingConfig(StrictSection):
                     "rampup_batch_size",
                     f"must be three integers [start > 0, increment > 0, samples >= 0], got {ramp}",
                 )
+            if self.gradient_accumulation_steps is not None:
+                raise rule_error(
+                    "rampup_batch_size",
+                    "the ramp sets the accumulation steps of each step; it needs training.global_batch_size, "
+                    "not training.gradient_accumulation_steps",
+                )
+            from meshforge.data.rampup import check_ramp
+
+            try:
+                check_ramp(ramp[0], ramp[1], self.global_batch_size)
+            except ValueError as err:
+                raise rule_error("rampup_batch_size", str(err).split(": ", 1)[1]) from None
         if self.gradient_accumulation_steps is not None and "global_batch_size" in self.model_fields_set:
             raise rule_error(
                 "gradient_accumulation_steps",

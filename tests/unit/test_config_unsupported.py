@@ -21,15 +21,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.tp_rowwise": {"parallelism": {"tp_rowwise": ["*.o_proj"]}},
     "parallelism.ep_dispatcher": {"parallelism": {"ep_dispatcher": "fused"}},
     "profiler.export_type": {"profiler": {"export_type": "db"}},
-    "optimizer.accumulate_allreduce_grads_in_fp32": {
-        "optimizer": {"accumulate_allreduce_grads_in_fp32": False}
-    },
-    "model.quant_recipe_name": {"model": {"quant_recipe_name": "mxfp8"}},
-    "model.quant_apply_modules": {"model": {"quant_apply_modules": ["model.layers.0"]}},
-    "model.quant_ignored_modules": {"model": {"quant_ignored_modules": ["*lm_head"]}},
-    "model.quant_converters": {"model": {"quant_converters": ["quantize.linear.float8"]}},
-    "model.enable_fsdp_low_precision_all_gather": {"model": {"enable_fsdp_low_precision_all_gather": False}},
-    "model.fsdp_low_precision_all_gather_mode": {"model": {"fsdp_low_precision_all_gather_mode": "all"}},
     "model.model_revision": {"model": {"model_revision": "v1.0"}},
     "model.cache_dir": {"model": {"cache_dir": "./hub"}},
     "model.hf_hub_token": {"model": {"hf_hub_token": "hf_x"}},
@@ -58,7 +49,6 @@ TRIGGERS: dict[str, dict] = {
     "checkpoint.load_balanced": {"checkpoint": {"load_balanced": True}},
     "checkpoint.remove_redundancy": {"checkpoint": {"remove_redundancy": True}},
     "checkpoint.save_epochs": {"checkpoint": {"save_epochs": 1}},
-    "training.rampup_batch_size": {"training": {"rampup_batch_size": [1, 1, 100]}},
     "checkpoint.load_worker_number": {"checkpoint": {"load_worker_number": 4}},
     "checkpoint.reshard_worker_num": {"checkpoint": {"reshard_worker_num": 2}},
     # SFT data fields under train_dataset.

@@ -191,7 +191,7 @@ def test_total_steps_option_overrides_training_steps() -> None:
         ("CosineWithWarmUpLR", 100, {"warmup_steps": 2.5}, "expected an integer"),
         ("CosineWithWarmUpLR", 100, {"num_cycles": 0}, "lr_scheduler.num_cycles: must be in (0, inf]"),
         ("CosineLR", 100, {}, "lr_scheduler.type: unknown lr_scheduler type 'CosineLR'"),
-        ("ConstantWithCoolDownLR", 100, {}, "not supported yet: lr_scheduler.type=ConstantWithCoolDownLR"),
+        ("ConstantWithCoolDownLR", None, {}, "lr_scheduler: ConstantWithCoolDownLR needs the total number"),
         (
             "CosineAnnealingLR",
             100,
@@ -224,10 +224,11 @@ def test_check_scheduler_options() -> None:
         "did you mean 'CosineWithWarmUpLR'?"
     )
     assert check_scheduler_options(None, {}) == []
-    assert (
-        check_scheduler_options("ConstantWithCoolDownLR", {"keep_steps": 3}) == []
-    )  # planned: train refuses
-    assert scheduler_not_built("ConstantWithCoolDownLR").startswith("not supported yet: lr_scheduler.type=")
+    assert check_scheduler_options("ConstantWithCoolDownLR", {"keep_steps": 3}) == []
+    assert check_scheduler_options("ConstantWithCoolDownLR", {"keep_step": 3})[0][1].startswith(
+        "unknown key for lr_scheduler type ConstantWithCoolDownLR; did you mean 'keep_steps'?"
+    )
+    assert scheduler_not_built("ConstantWithCoolDownLR") is None
     assert scheduler_not_built("WarmUpStableDecayLR") is None and scheduler_not_built(None) is None
 
 

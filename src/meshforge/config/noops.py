@@ -50,6 +50,11 @@ def _without_profiling(name: str) -> Callable[[TrainConfig, str], bool]:
     return lambda cfg, _device: not cfg.profiler.enable_profiling and _written(cfg, f"profiler.{name}")
 
 
+def _without_quant(name: str) -> Callable[[TrainConfig, str], bool]:
+    """A `model.quant_*` companion written while no recipe is set."""
+    return lambda cfg, _device: cfg.model.quant_recipe_name is None and _written(cfg, f"model.{name}")
+
+
 _NOT_NPU = ("cpu", "cuda")
 _ASCEND = "Ascend-only setting, no effect on device {device!r}"
 _NO_WORKERS = (
@@ -130,6 +135,20 @@ ENTRIES: list[NoOp] = [
         lambda c, d: not c.parallelism.expert_parallel_use_safe_tokens,
         "meshforge's expert dispatch always handles experts that receive no tokens",
     ),
+    *[
+        NoOp(
+            f"model.{name}",
+            _without_quant(name),
+            "no effect without model.quant_recipe_name (low-precision training is off)",
+        )
+        for name in (
+            "quant_apply_modules",
+            "quant_ignored_modules",
+            "quant_converters",
+            "enable_fsdp_low_precision_all_gather",
+            "fsdp_low_precision_all_gather_mode",
+        )
+    ],
 ]
 
 

@@ -179,10 +179,26 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
                 )
             )
 
+    issues.extend(_quant_issues(cfg))
     num_layers = cfg.model.num_hidden_layers()
     if num_layers is not None:
         issues.extend(layer_issues(cfg, num_layers))
     return issues
+
+
+def _quant_issues(cfg: TrainConfig) -> list[Issue]:
+    """`model.quant_*` keys that cannot work together (`parallel/float8.py`), before any model."""
+    from meshforge.parallel.float8 import quant_settings
+
+    try:
+        quant_settings(cfg.model)
+    except ValueError as err:
+        text = str(err)
+        if text.startswith("not supported yet: "):
+            return [("model.quant_converters", text)]
+        path, _, reason = text.partition(": ")
+        return [(path, reason)]
+    return []
 
 
 def _stage_strings(spec: object) -> list[str] | None:

@@ -194,26 +194,6 @@ ENTRIES: list[Unsupported] = [
         lambda c: c.profiler.export_type == "db",
         "database (db) profile export: meshforge writes Chrome traces (export_type: text)",
     ),
-    Unsupported(
-        "optimizer.accumulate_allreduce_grads_in_fp32",
-        lambda c: not c.optimizer.accumulate_allreduce_grads_in_fp32,
-        "low-precision gradient accumulation",
-    ),
-    *[
-        Unsupported(
-            f"model.{name}",
-            _model_differs(name),
-            "low-precision (mxfp8) training",
-        )
-        for name in (
-            "quant_recipe_name",
-            "quant_apply_modules",
-            "quant_ignored_modules",
-            "quant_converters",
-            "enable_fsdp_low_precision_all_gather",
-            "fsdp_low_precision_all_gather_mode",
-        )
-    ],
     *[
         Unsupported(
             f"model.{name}",
@@ -282,9 +262,6 @@ ENTRIES: list[Unsupported] = [
     ),
     Unsupported(
         "checkpoint.save_epochs", lambda c: c.checkpoint.save_epochs is not None, "epoch-based saving"
-    ),
-    Unsupported(
-        "training.rampup_batch_size", lambda c: c.training.rampup_batch_size is not None, "batch-size ramp-up"
     ),
     *_sft_entries(),
 ]

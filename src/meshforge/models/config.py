@@ -103,7 +103,9 @@ class ModelConfig(PassthroughSection):
     hf_hub_token: str | None = describe(None, "Hugging Face Hub token.")
     ms_hub_token: str | None = describe(None, "ModelScope Hub token.")
     om_hub_token: str | None = describe(None, "Modelers Hub token.")
-    quant_recipe_name: Literal["mxfp8"] | None = describe(None, "Low-precision training recipe.")
+    quant_recipe_name: Literal["mxfp8", "tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = describe(
+        None, "Low-precision training recipe: mxfp8 (MindSpeed), or torchao's float8 recipe names."
+    )
     quant_apply_modules: list[str] = describe(
         ["model.layers.{*}"], "Module patterns quantised by the recipe."
     )

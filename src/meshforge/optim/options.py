@@ -24,6 +24,7 @@ __all__ = [
     "CosineAnnealingLROptions",
     "CosineAnnealingWarmRestartsOptions",
     "CosineWithRestartsAndWarmUpLROptions",
+    "ConstantWithCoolDownLROptions",
     "CosineWithWarmUpLROptions",
     "DecayToEndOptions",
     "FusedAdamWOptions",
@@ -232,6 +233,34 @@ class CosineWithRestartsAndWarmUpLROptions(DecayToEndOptions):
     )
 
 
+@dataclass(frozen=True)
+class ConstantWithCoolDownLROptions(WarmupOptions):
+    """MindFormers' piecewise schedule (DeepSeek-V3): warm-up, hold, cosine cool-down, two floors.
+
+    Names and defaults are MindFormers'; `decay_steps` defaults to total_steps, as there.
+    """
+
+    keep_steps: int = option("Steps held at learning_rate after the warm-up.", default=0, lo=0)
+    decay_steps: int | None = option(
+        "Length of the cosine cool-down after the hold (default: total_steps); wins over decay_ratio.",
+        lo=1,
+    )
+    decay_ratio: float | None = option(
+        "decay_steps as a fraction of total_steps (int(total*ratio)); ignored when decay_steps is set.",
+        lo=0.0,
+        hi=1.0,
+    )
+    num_cycles: float = option(
+        "Number of cosine waves over the cool-down (0.5 = one half-cosine from the peak to lr_end1).",
+        default=0.5,
+        lo=0.0,
+        lo_open=True,
+    )
+    lr_end1: float = option("Learning rate at the end of the cool-down.", default=0.0, lo=0.0)
+    final_steps: int = option("Steps held at lr_end1 after the cool-down.", default=0, lo=0)
+    lr_end2: float | None = option("Learning rate after the final_steps (null: lr_end1).", lo=0.0)
+
+
 _ETA_MIN = "Lowest learning rate of each cosine."
 
 
@@ -250,6 +279,7 @@ class CosineAnnealingWarmRestartsOptions(SchedulerOptions):
 
 SCHEDULER_OPTIONS: dict[str, type[SchedulerOptions]] = {
     "ConstantWarmUpLR": WarmupOptions,
+    "ConstantWithCoolDownLR": ConstantWithCoolDownLROptions,
     "LinearWithWarmUpLR": DecayToEndOptions,
     "CosineWithWarmUpLR": CosineWithWarmUpLROptions,
     "WarmUpStableDecayLR": WarmUpStableDecayLROptions,

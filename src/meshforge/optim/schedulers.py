@@ -9,6 +9,9 @@ Conventions (shared by all types):
 * Optimizer step k (1-based, as logged in `metrics.jsonl`) uses `lr_at(k - 1)`. The scheduler
   is built before the first step (its `last_epoch` becomes 0) and stepped after each optimizer
   step, so `scheduler.last_epoch` always equals the number of optimizer steps done.
+  With `training.rampup_batch_size` the schedule is read at `samples consumed /
+  training.global_batch_size` instead (a fraction while the batch ramps), as Megatron counts its
+  schedule in samples (`data/rampup.py`).
 * Warm-up is linear from `warmup_lr_init` (default 0) at t = 0 to `learning_rate` at
   t = warmup_steps: `lr_at(t) = init + (lr - init) * t / warmup_steps`. As in MindFormers (and
   Hugging Face's schedules) the first step therefore runs at `warmup_lr_init`.
@@ -54,7 +57,16 @@ Types:
 * `CosineAnnealingWarmRestarts` (SGDR): the same over periods `t_0`, `t_0 * t_mult`, ...,
   restarting at `learning_rate`; `t_0` is required. Never reads total_steps.
 
-`ConstantWithCoolDownLR` is recognised but not built (`not supported yet`).
+* `ConstantWithCoolDownLR` (MindFormers, after DeepSeek-V3's schedule): warm-up over W steps,
+  `learning_rate` for `keep_steps` (K), then over D steps
+  `lr_end1 + (lr - lr_end1) * max(0, 0.5 * (1 + cos(2 pi num_cycles (t - W - K) / D)))` for
+  W + K <= t < W + K + D, `lr_end1` for the next `final_steps` (F) steps and `lr_end2` from
+  t = W + K + D + F on. D = `decay_steps`, else `int(total_steps * decay_ratio)`, else
+  total_steps (MindFormers' default: the cool-down is as long as the run, not what is left of
+  it). Differences, kept consistent with the other types: `decay_steps` wins over `decay_ratio`
+  and `warmup_steps` over `warmup_ratio` (MindFormers lets the ratios win); `lr_end2: 0` means 0
+  (MindFormers' `lr_end2 or lr_end1` turns an explicit 0 into `lr_end1`; only null does here);
+  an `lr_end1` above `learning_rate` is an error.
 """
 
 from __future__ import annotations
@@ -66,6 +78,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshforge.optim.options import (
+    ConstantWithCoolDownLROptions,
     CosineAnnealingLROptions,
     CosineAnnealingWarmRestartsOptions,
     CosineWithRestartsAndWarmUpLROptions,
@@ -152,6 +165,40 @@ class _Ctx:
 
 def _constant(c: _Ctx) -> Callable[[int], float]:
     return lambda t: c.ramp(t) if t < c.warmup else c.lr
+
+
+def _cooldown(c: _Ctx) -> Callable[[int], float]:
+    o = c.opts
+    assert isinstance(o, ConstantWithCoolDownLROptions)
+    lr, warmup, keep, final = c.lr, c.warmup, o.keep_steps, o.final_steps
+    if o.decay_steps is not None:
+        decay = o.decay_steps
+    elif o.decay_ratio is not None:
+        decay = max(1, int(c.total.get("decay_ratio") * o.decay_ratio))
+    else:
+        decay = c.total.get(c.canon)
+    if o.lr_end1 > lr:
+        raise ValueError(
+            f"{_S}.lr_end1: the learning rate after the cool-down ({o.lr_end1:g}) is above "
+            f"{_S}.learning_rate ({lr:g}); the cool-down would increase it"
+        )
+    end1 = o.lr_end1
+    end2 = end1 if o.lr_end2 is None else o.lr_end2
+    hold_end, decay_end = warmup + keep, warmup + keep + decay
+    final_end = decay_end + final
+
+    def at(t: int) -> float:
+        if t < warmup:
+            return c.ramp(t)
+        if t < hold_end:
+            return lr
+        if t < decay_end:
+            progress = (t - hold_end) / decay
+            factor = 0.5 * (1.0 + math.cos(math.pi * 2.0 * o.num_cycles * progress))
+            return end1 + (lr - end1) * max(0.0, factor)
+        return end1 if t < final_end else end2
+
+    return at
 
 
 def _linear(c: _Ctx) -> Callable[[int], float]:
@@ -283,6 +330,7 @@ def _cosine_warm_restarts(c: _Ctx) -> Callable[[int], float]:
 
 _BUILDERS: dict[str, Callable[[_Ctx], Callable[[int], float]]] = {
     "ConstantWarmUpLR": _constant,
+    "ConstantWithCoolDownLR": _cooldown,
     "LinearWithWarmUpLR": _linear,
     "CosineWithWarmUpLR": _cosine,
     "WarmUpStableDecayLR": _wsd,
@@ -342,25 +390,33 @@ def _scheduler_class() -> type:
         relative to the peak (1.0 for the groups `build_optimizer` makes)."""
 
         def __init__(
-            self, optimizer: torch.optim.Optimizer, lr_fn: Callable[[int], float], peak_lr: float
+            self,
+            optimizer: torch.optim.Optimizer,
+            lr_fn: Callable[[int], float],
+            peak_lr: float,
+            position: Callable[[int], float] | None = None,
         ) -> None:
             self.lr_fn = lr_fn
             self.peak_lr = float(peak_lr)
+            self.position = position
             super().__init__(optimizer, last_epoch=-1)
 
         def get_lr(self) -> list[float | torch.Tensor]:
-            value = self.lr_fn(self.last_epoch)
+            t = self.last_epoch if self.position is None else self.position(self.last_epoch)
+            value = self.lr_fn(t)  # type: ignore[arg-type]
             return [value * (base / self.peak_lr if self.peak_lr > 0 else 1.0) for base in self.base_lrs]
 
         def state_dict(self) -> dict[str, Any]:
             # The schedule itself is rebuilt from the config; only the position is state.
             state = super().state_dict()
             state.pop("lr_fn", None)
+            state.pop("position", None)
             return state
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             state = dict(state_dict)
             state.pop("lr_fn", None)
+            state.pop("position", None)
             if len(state.get("base_lrs", self.base_lrs)) != len(self.base_lrs):
                 # Another number of param groups than the saving run (e.g. the unsharded groups
                 # of parallelism.ignored_modules): keep this optimizer's own base lrs.
@@ -384,6 +440,7 @@ def build_lr_scheduler(
     learning_rate: float,
     total_steps: int | None,
     options: Mapping[str, Any],
+    position: Callable[[int], float] | None = None,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """Build the torch scheduler for `lr_scheduler:`.
 
@@ -395,9 +452,11 @@ def build_lr_scheduler(
         optimizer: the optimizer, whose groups' `lr` is `learning_rate` (as `build_optimizer`
             makes them).
         type, learning_rate, total_steps, options: as for `lr_schedule`.
+        position: maps the optimizer steps done to the schedule's position (None: the same
+            number). A batch-size ramp (`data/rampup.py`) counts full-batch steps of samples.
 
     Returns:
         A `torch.optim.lr_scheduler.LRScheduler`.
     """
     lr_fn = lr_schedule(type, learning_rate, total_steps, options)
-    return _scheduler_class()(optimizer, lr_fn, learning_rate)
+    return _scheduler_class()(optimizer, lr_fn, learning_rate, position)

@@ -100,8 +100,9 @@ OPTIMIZERS_BUILT: tuple[str, ...] = tuple(OPTIMIZER_OPTIONS)
 OPTIMIZERS_PLANNED: tuple[str, ...] = ()
 
 SCHEDULERS_BUILT: tuple[str, ...] = tuple(SCHEDULER_OPTIONS)
-# Other MindFormers schedule names: recognised, refused by `train` until built.
-SCHEDULERS_PLANNED: tuple[str, ...] = ("ConstantWithCoolDownLR",)
+# Other MindFormers schedule names: recognised, refused by `train` until built. Empty: every
+# referenced schedule is built.
+SCHEDULERS_PLANNED: tuple[str, ...] = ()
 
 
 def _kind(hint: Any) -> Kind:

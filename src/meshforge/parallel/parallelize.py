@@ -1,7 +1,8 @@
 """Apply every parallel dimension to a meta-device model, in the one fixed order.
 
-DESIGN.md fixes the order: PP split -> TP/SP -> EP -> CP -> LoRA adapters -> recompute/swap
-(`memory.apply`) -> chunked micro-batches -> compile -> FSDP. The adapters come after TP because
+DESIGN.md fixes the order: low-precision conversion (`float8.apply_quantization`) -> PP split ->
+TP/SP -> EP -> CP -> LoRA adapters -> recompute/swap (`memory.apply`) -> chunked micro-batches ->
+compile -> FSDP. The adapters come after TP because
 each one reads its base weight's TP placement to shard like it, and before FSDP so that each
 lands in its decoder layer's unit next to its frozen base.
 Each step is a function of its own module (`pipeline.split_model`, `tensor.apply_tp`,
@@ -25,6 +26,7 @@ from meshforge.parallel.dims import ParallelDims, ParallelMesh
 
 if TYPE_CHECKING:
     from meshforge.lora.apply import LoraApplied, LoraSettings
+    from meshforge.parallel.float8 import QuantPlan, QuantSettings
 
 # parallelism.reduce_dtype: the dtype gradients are reduced (summed) in across ranks.
 _REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,6 +41,7 @@ class ParallelizedModel:
     fsdp: bool = False
     activation: ActivationMemory | None = None
     lora: LoraApplied | None = None
+    quant: QuantPlan | None = None
 
 
 def parallelize_model(
@@ -54,6 +57,9 @@ def parallelize_model(
     apply_compile: Callable[[nn.Module], Any] | None = None,
     activation: ActivationSettings | None = None,
     lora: LoraSettings | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    quant: QuantSettings | None = None,
+    device: torch.device | None = None,
 ) -> ParallelizedModel:
     """Split, shard and wrap `model` (on the meta device) for this rank.
 
@@ -64,9 +70,32 @@ def parallelize_model(
         compile_blocks: `kernels.compile`; `apply_compile` does it (before FSDP).
         activation: the `recompute`, `recompute_comm` and `swap` sections (None: all off).
         lora: the adapter settings (`lora_config`); None = full fine-tuning.
+        reduce_dtype: FSDP's gradient reduce dtype when it is not `parallelism.reduce_dtype`
+            (`optimizer.accumulate_allreduce_grads_in_fp32: false` reduces in the low-precision
+            dtype: `optim.grad_accum.reduce_dtype_for`).
+        quant: the checked `model.quant_*` keys (`parallel.float8`); linear layers are converted
+            first, before the pipeline split, TP and FSDP. `device`: where the run computes.
     """
     par = parallelism
     split = None
+    quant_plan = None
+    if quant is not None:
+        from meshforge.parallel.float8 import apply_quantization
+
+        if dims.tp > 1:
+            raise NotImplementedError(
+                f"not supported yet: model.quant_recipe_name={quant.recipe} with "
+                f"parallelism.tensor_parallel={dims.tp} (float8 tensor-parallel styles)"
+            )
+        quant_plan = apply_quantization(
+            model,
+            quant,
+            device=device if device is not None else torch.device("cpu"),
+            fsdp=dims.needs_fsdp,
+            fsdp_backend=(
+                str(torch.distributed.get_backend(mesh.view("fsdp").get_group())) if dims.needs_fsdp else None
+            ),
+        )
     activation_applied = None
     num_layers = 0
     if activation is not None and activation.active:
@@ -163,7 +192,7 @@ def parallelize_model(
 
         kwargs: dict[str, Any] = {
             "param_dtype": compute_dtype if compute_dtype != param_dtype else None,
-            "reduce_dtype": _REDUCE_DTYPES[par.reduce_dtype],
+            "reduce_dtype": reduce_dtype if reduce_dtype is not None else _REDUCE_DTYPES[par.reduce_dtype],
             "reshard_policy": par.reshard_after_forward_policy,
             "ignored_modules": list(par.ignored_modules) if par.ignored_modules else None,
             "shard_placement": par.shard_placement_fn,
@@ -204,7 +233,12 @@ def parallelize_model(
                 **kwargs,
             )
     return ParallelizedModel(
-        model=model, pipeline_split=split, fsdp=fsdp, activation=activation_applied, lora=lora_applied
+        model=model,
+        pipeline_split=split,
+        fsdp=fsdp,
+        activation=activation_applied,
+        lora=lora_applied,
+        quant=quant_plan,
     )
 
 
