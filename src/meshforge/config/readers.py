@@ -223,6 +223,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "lora_config.lora_a_std",
         "lora_config.lora_b_std",
     ),
+    "meshforge.trainer_batches": ("training.gradient_accumulation_steps",),
     "meshforge.trainer_build": (
         "lora_config.adapter_path",
         "checkpoint.enable_save",
@@ -234,7 +235,6 @@ READERS: dict[str, tuple[str, ...]] = {
         "checkpoint.load_path",
         "checkpoint.no_load_optim",
         "training.steps",
-        "training.gradient_accumulation_steps",
         "training.rampup_batch_size",
         "training.epochs",
         "training.log_interval",
