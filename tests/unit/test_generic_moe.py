@@ -136,3 +136,19 @@ def test_export_reloads_in_transformers_with_equal_logits(hf_moe: Path, tmp_path
     ids = _ids()
     with torch.no_grad():
         assert_close(reloaded(ids).logits, ours(ids), what=f"{hf_moe.name} export")
+
+
+def test_ep_takes_the_fused_layout_and_refuses_others_by_class(hf_moe: Path) -> None:
+    from meshforge.parallel.expert_generic import generic_experts
+
+    model = _load_ours(hf_moe)
+    chosen = generic_experts(model, ["model.layers.{*}.mlp.experts"])
+    assert [name for name, _ in chosen] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    experts = chosen[1][1]
+    experts.has_bias = True  # a layout the EP forward does not compute (GPT-OSS-style biases)
+    with pytest.raises(
+        NotImplementedError, match=rf"{type(experts).__name__} \(model\.layers\.1\.mlp\.experts.*has_bias"
+    ):
+        generic_experts(model, ["model.layers.{*}.mlp.experts"])
+    with pytest.raises(NotImplementedError, match=r"MixtralSparseMoeBlock|MiniMaxM2SparseMoeBlock"):
+        generic_experts(model, ["model.layers.0.mlp"])
