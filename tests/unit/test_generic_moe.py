@@ -152,3 +152,43 @@ def test_ep_takes_the_fused_layout_and_refuses_others_by_class(hf_moe: Path) -> 
         generic_experts(model, ["model.layers.{*}.mlp.experts"])
     with pytest.raises(NotImplementedError, match=r"MixtralSparseMoeBlock|MiniMaxM2SparseMoeBlock"):
         generic_experts(model, ["model.layers.0.mlp"])
+
+
+def test_qwen3_moe_experts_of_transformers_have_the_known_layout() -> None:
+    from meshforge.parallel.expert_generic import layout_problem
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    with torch.device("meta"):
+        experts = transformers.Qwen3MoeForCausalLM(config).model.layers[0].mlp.experts
+    assert layout_problem(experts) is None
+    with torch.device("meta"):
+        gpt_oss = (
+            transformers.GptOssForCausalLM(
+                transformers.GptOssConfig(
+                    vocab_size=64,
+                    hidden_size=16,
+                    intermediate_size=8,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    num_key_value_heads=1,
+                    head_dim=8,
+                    num_local_experts=4,
+                    num_experts_per_tok=2,
+                )
+            )
+            .model.layers[0]
+            .mlp.experts
+        )
+    # GPT-OSS' experts carry biases (and interleave gate/up): refused with the reason.
+    assert layout_problem(gpt_oss) == "has_bias is True, EP needs False"
