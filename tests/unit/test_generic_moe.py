@@ -192,3 +192,21 @@ def test_qwen3_moe_experts_of_transformers_have_the_known_layout() -> None:
         )
     # GPT-OSS' experts carry biases (and interleave gate/up): refused with the reason.
     assert layout_problem(gpt_oss) == "has_bias is True, EP needs False"
+
+
+def test_a_missing_expert_key_is_an_error_naming_the_file(hf_moe: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_moe, broken)
+    tensors = load_file(broken / "model.safetensors")
+    (dropped,) = [key for key in tensors if key.endswith("layers.1.block_sparse_moe.experts.2.w3.weight")]
+    del tensors[dropped]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors: .*experts\.gate_up_proj: .*4 x \.experts\.\*\.w1\.weight, 3 x \.experts\.\*\.w3\.weight found",
+    ):
+        _load_ours(broken)

@@ -226,7 +226,7 @@ def load_hf_weights(
     key_files = find_hf_weights(folder)
     adapter = hf_adapter(family, getattr(model, "config", None))
     params: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
-    if bind_generic(adapter, model, list(key_files)):
+    if bind_generic(adapter, model, key_files):
         # transformers' conversions map the keys; persistent buffers the checkpoint holds load too.
         params += [
             (name, buffer)

@@ -28,7 +28,7 @@ transformers saves and loads; ``state_tensors`` lists them with the parameters.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -90,10 +90,10 @@ class CheckpointConversion:
 
     Args:
         model: The generic (transformers) model, possibly parallelised.
-        keys: Every key of the checkpoint folder.
+        keys: Every key of the checkpoint folder, with the file that holds it (for messages).
     """
 
-    def __init__(self, model: nn.Module, keys: list[str]) -> None:
+    def __init__(self, model: nn.Module, keys: Mapping[str, object]) -> None:
         from transformers.core_model_loading import (
             WeightConverter,
             WeightRenaming,
@@ -102,6 +102,7 @@ class CheckpointConversion:
         )
 
         self.model = model
+        self.files = keys
         transforms = _conversions(model, saving=False)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -159,9 +160,14 @@ class CheckpointConversion:
                 group.first, model=self.model, config=getattr(self.model, "config", None)
             )
         except (RuntimeError, ValueError, IndexError) as err:
+            counts: dict[str, int] = {}
+            for _, pattern in group.sources:
+                counts[pattern] = counts.get(pattern, 0) + 1
+            found = ", ".join(f"{n} x {pattern}" for pattern, n in counts.items())
             raise ValueError(
-                f"{name}: transformers' conversion {transform!r} failed on {group.sources[0][0]} "
-                f"and {len(group.sources) - 1} more keys ({type(err).__name__}: {err})"
+                f"{self.files.get(group.sources[0][0], '?')}: {name}: transformers' {type(transform).__name__} "
+                f"from {group.sources[0][0]} and {len(group.sources) - 1} more keys failed ({found} found; "
+                f"{type(err).__name__}: {str(err).strip().splitlines()[0]})"
             ) from None
         value = result.get(name)
         if value is None:
@@ -220,7 +226,7 @@ class GenericHFAdapter(HFAdapterBase):
         # A converted tensor is read whole (a converter's source is not the parameter's layout).
         return self._load is None or not self._load.converted
 
-    def bind_checkpoint(self, model: nn.Module, keys: list[str]) -> None:
+    def bind_checkpoint(self, model: nn.Module, keys: Mapping[str, object]) -> None:
         self._load = CheckpointConversion(model, keys)
 
     def bind_model(self, model: nn.Module) -> None:
@@ -251,8 +257,8 @@ def to_hf_config(config: Any) -> dict[str, Any]:
     return body
 
 
-def bind_generic(adapter: object, model: nn.Module, keys: list[str] | None = None) -> bool:
-    """Bind ``adapter`` when it is the generic path's: to ``keys`` for loading, else for export.
+def bind_generic(adapter: object, model: nn.Module, keys: Mapping[str, object] | None = None) -> bool:
+    """Bind ``adapter`` when it is the generic path's: to ``keys`` (key -> file) to load, else to export.
 
     Returns:
         Whether it was (then the model's persistent buffers travel with its parameters).
