@@ -11,7 +11,9 @@ Each family's spec gives its adapter (``FamilySpec.hf_adapter(args)``, the
 ``meshforge.models.spec.HFStateDictAdapter`` protocol: ``hf_sources``, ``from_hf``, ``to_hf``,
 ``to_hf_config``, ``from_hf_config``, ``architecture``, ``ignored_keys``, ``renames_only``).
 ``meshforge.models.common.hf_adapter.HFAdapterBase`` is the identity mapping (parameter names
-are the HF safetensors keys, as for qwen3); families with fused experts subclass it.
+are the HF safetensors keys, as for qwen3); families with fused experts subclass it. The generic
+path's adapter is bound to the model and the folder's keys first (``models/generic_hf.py``:
+transformers' own conversion mapping), and its persistent buffers load and export too.
 
 Families whose adapter only renames (``renames_only``) get a cheaper sharded load: each FSDP rank
 reads only its own slice of a tensor from disk (``safe_open(...).get_slice``); otherwise every
