@@ -11,7 +11,9 @@ Each family's spec gives its adapter (``FamilySpec.hf_adapter(args)``, the
 ``meshforge.models.spec.HFStateDictAdapter`` protocol: ``hf_sources``, ``from_hf``, ``to_hf``,
 ``to_hf_config``, ``from_hf_config``, ``architecture``, ``ignored_keys``, ``renames_only``).
 ``meshforge.models.common.hf_adapter.HFAdapterBase`` is the identity mapping (parameter names
-are the HF safetensors keys, as for qwen3); families with fused experts subclass it.
+are the HF safetensors keys, as for qwen3); families with fused experts subclass it. The generic
+path's adapter is bound to the model and the folder's keys first (``models/generic_hf.py``:
+transformers' own conversion mapping), and its persistent buffers load and export too.
 
 Families whose adapter only renames (``renames_only``) get a cheaper sharded load: each FSDP rank
 reads only its own slice of a tensor from disk (``safe_open(...).get_slice``); otherwise every
@@ -44,6 +46,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshforge.checkpoint.readers import open_safetensors, read_json_object
+from meshforge.models.generic_hf import bind_generic, persistent_buffers, state_tensors
 
 if TYPE_CHECKING:
     from meshforge.models.config import ModelConfig
@@ -224,7 +227,14 @@ def load_hf_weights(
     folder = Path(path)
     key_files = find_hf_weights(folder)
     adapter = hf_adapter(family, getattr(model, "config", None))
-    params = list(model.named_parameters())
+    params: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
+    if bind_generic(adapter, model, key_files):
+        # transformers' conversions map the keys; persistent buffers the checkpoint holds load too.
+        params += [
+            (name, buffer)
+            for name, buffer in persistent_buffers(model)
+            if set(adapter.hf_sources(name)) <= set(key_files)
+        ]
     sources = {name: adapter.hf_sources(name) for name, _ in params}
     # The name the adapter converts each parameter as: an aliased copy reads its source's keys.
     converted_as = {name: name for name, _ in params}
@@ -344,9 +354,10 @@ def parse_size(value: int | str) -> int:
     return size
 
 
-def _full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each parameter in full on the CPU; a collective for DTensors (every rank must iterate)."""
-    for name, param in model.named_parameters():
+def _full_parameters(model: nn.Module, *, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each parameter (and persistent buffer) in full on the CPU; a collective for DTensors."""
+    tensors = state_tensors(model) if buffers else model.named_parameters()
+    for name, param in tensors:
         tensor = param.detach()
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
@@ -395,6 +406,7 @@ def save_hf(
     out = Path(out_dir)
     limit = parse_size(shard_size)
     adapter = hf_adapter(family, getattr(model, "config", None))
+    generic = bind_generic(adapter, model)
     main = _is_main() or not collective
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -416,7 +428,7 @@ def save_hf(
             shards.append(list(current))
         current, current_bytes = {}, 0
 
-    for name, full in _full_parameters(model):
+    for name, full in _full_parameters(model, buffers=generic):
         if not main:
             continue
         for key, tensor in adapter.to_hf(name, full).items():

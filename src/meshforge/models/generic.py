@@ -6,10 +6,11 @@ trainer's contract holds: ``forward(input_ids, position_ids=None, segment_ids=No
 ``init_full_parameter_`` (per-parameter, seeded) and ``reset_buffers`` after materialisation.
 
 The wrapper is the transformers model itself with a mixin placed in front of its class (the
-instance's class is swapped for a subclass), not a module that holds it: parameter names stay the
-safetensors keys transformers writes, so ``load_hf_weights`` / ``save_hf`` work with identity
-names, FSDP module patterns such as ``model.layers.{*}`` name the real tree, and transformers'
-own ``_init_weights`` and ``save_pretrained`` stay available.
+instance's class is swapped for a subclass), not a module that holds it: parameter names stay
+transformers' in-memory names, so FSDP module patterns such as ``model.layers.{*}`` name the real
+tree, ``load_hf_weights`` / ``save_hf`` convert between them and the checkpoint keys with
+transformers' own conversion mapping (``models/generic_hf.py``: fused MoE experts), and
+transformers' own ``_init_weights`` and ``save_pretrained`` stay available.
 
 ``GenericFamily`` is the path's ``FamilySpec`` (name, ``build``, the HF adapter), so the trainer
 and the checkpoint code treat it like a built-in family. Its parallel pieces are driven by module
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshforge.models.common.hf_adapter import HFAdapterBase
+from meshforge.models.generic_hf import GenericHFAdapter
 from meshforge.models.spec import GENERIC, CPForward, FamilyArgs, FamilySpec, HFStateDictAdapter
 
 # transformers' normalisation modules have family-specific class names (MistralRMSNorm, ...).
@@ -100,16 +101,6 @@ def _refuse_options(options: dict[str, object]) -> FamilyArgs:
 
 def _refuse_build(args: FamilyArgs, device: str | torch.device) -> nn.Module:
     raise TypeError("GenericFamily.build builds from the folder; call it on the family")
-
-
-class GenericHFAdapter(HFAdapterBase):
-    """The generic path's ``HFStateDictAdapter``: transformers' names, its own config.json body."""
-
-    def to_hf_config(self, args: FamilyArgs) -> dict[str, object]:
-        body = to_hf_config(args)
-        body.setdefault("model_type", self.spec.name)
-        body.setdefault("architectures", [self.architecture])
-        return body
 
 
 def _generic_adapter(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
@@ -258,11 +249,3 @@ def wrap_generic(model: nn.Module) -> nn.Module:
         _WRAPPED[cls] = type(cls.__name__, (GenericCausalLMMixin, cls), {"__module__": cls.__module__})
     model.__class__ = _WRAPPED[cls]
     return model
-
-
-# ------------------------------------------------------------------ HF adapter
-def to_hf_config(config: Any) -> dict[str, Any]:
-    """config.json body of a generic model: transformers' own config, as ``save_pretrained`` writes it."""
-    body = config.to_dict()
-    body.pop("_name_or_path", None)
-    return body

@@ -82,6 +82,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from meshforge.models.common.moe import ExpertCompute, ExpertsBase
+from meshforge.models.spec import is_generic_model
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -109,8 +110,13 @@ def expert_modules(model: nn.Module) -> list[tuple[str, ExpertsBase]]:
 
 
 def is_expert_parallel(module: nn.Module) -> bool:
-    """Whether ``module`` is an experts container whose weights are sharded over an ep mesh."""
-    return isinstance(module, expert_types()) and isinstance(module.token_exchange, AllToAllExchange)
+    """Whether ``module`` is an experts container whose weights are sharded over an ep mesh.
+
+    The built-in families' containers and, on the generic path, transformers' experts modules that
+    `apply_ep` gave an exchange (``meshforge.parallel.expert_generic``).
+    """
+    # A plain attribute (nn.Module keeps it in __dict__); unset on other modules.
+    return isinstance(module.__dict__.get("token_exchange"), AllToAllExchange)
 
 
 def apply_ep(
@@ -127,7 +133,9 @@ def apply_ep(
     sliced locally (every rank holds the same full tensor), meta ones just get DTensor metadata.
 
     Args:
-        model: A built-in MoE family model (qwen3_moe, qwen3_next, deepseek_v3, gpt_oss).
+        model: A built-in MoE family model (qwen3_moe, qwen3_next, deepseek_v3, gpt_oss), or a
+            transformers model of the generic path whose experts modules have the fused
+            Mixtral / Qwen3-MoE layout (``meshforge.parallel.expert_generic``).
         ep_mesh: 1-D mesh of the ranks that share one copy of the experts.
         token_dispatcher: ``parallelism.moe_token_dispatcher_type``: ``alltoall`` (one row per
             (token, expert)) or ``alltoall_deredundancy`` (one row per (token, rank), see
@@ -158,7 +166,20 @@ def apply_ep(
 
     count_keys = expert_count_keys()
     family = str(getattr(model, "family", type(model).__name__))
-    experts = expert_modules(model)
+    experts: Sequence[tuple[str, nn.Module]] = expert_modules(model)
+    generic = not experts and is_generic_model(model)
+    if generic:
+        # transformers' own experts modules, chosen by parallelism.ep_modules (layout checked).
+        from meshforge.parallel.config import MS_EP_MODULES
+        from meshforge.parallel.expert_generic import generic_experts
+
+        if token_dispatcher != "alltoall":
+            raise NotImplementedError(
+                f"not supported yet: parallelism.moe_token_dispatcher_type={token_dispatcher!r} on the generic "
+                "transformers path (its experts take the expert-sorted tokens only); use alltoall"
+            )
+        experts = generic_experts(model, modules if modules is not None else MS_EP_MODULES)
+        modules = None
     if not experts:
         if not type(model).__module__.startswith("meshforge."):
             raise NotImplementedError(
@@ -172,7 +193,7 @@ def apply_ep(
             f"{family} has no routed experts; set it to 1"
         )
     if modules is not None:
-        experts = _select_experts(model, experts, modules)
+        experts = _select_experts(model, expert_modules(model), modules)
     ep = ep_mesh.size()
     deduplicate = token_dispatcher == "alltoall_deredundancy"
     exchange = DeduplicatedExchange(ep_mesh) if deduplicate else AllToAllExchange(ep_mesh)
@@ -188,7 +209,12 @@ def apply_ep(
             )
     for _, module in experts:
         _shard_experts(module, ep_mesh)
-        module.token_exchange = exchange
+        if generic:
+            from meshforge.parallel.expert_generic import use_ep_forward
+
+            use_ep_forward(module, exchange)
+            continue
+        cast(ExpertsBase, module).token_exchange = exchange
         if deduplicate:
             # The de-duplicated exchange needs the tokens and routing weights, not the expert-sorted
             # copies of the seam: the module's forward becomes the exchange's dispatch.

@@ -201,7 +201,10 @@ def parallelize_model(
         # Parameters of a CPU run already live in host memory; offloading is for accelerators
         # (CPUOffloadPolicy moves them to the device for compute, which a CPU run has not).
         cpu_offload = par.cpu_offload and mesh.view("fsdp").device_type != "cpu"
-        if family == "generic" or _custom_units(par.fsdp_modules):
+        # The generic path with expert parallelism takes the decoder-layer units below, which
+        # give the sharded experts their own units on the expert mesh.
+        generic_units = family == "generic" and dims.ep == 1
+        if generic_units or _custom_units(par.fsdp_modules):
             # transformers' module trees vary, and a user may want other units than one per
             # decoder layer: place units by the parallelism.fsdp_modules patterns.
             if dims.ep > 1:
