@@ -100,7 +100,7 @@ def resolve_family(
         )
     hint = ""
     if model_id and not model_type and not architectures:
-        # MindSpeed model_ids without a built-in family (step35, mamba3, minimax_m27, ...) train
+        # MindSpeed model_ids without a built-in family (step35, minimax_m27, ...) train
         # through the generic transformers path, which needs the model's own folder.
         hint = (
             "; to train it through the generic transformers path, set model.model_name_or_path to a local "

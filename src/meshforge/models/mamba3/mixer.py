@@ -5,8 +5,8 @@ order, so its ``in_proj.weight`` loads as it is). Then:
 
 * ``dt = softplus(dd_dt + dt_bias)``; the data-dependent ``A = -max(heavy_tail(dd_A), A_floor)``;
   ``lambda = sigmoid(trap)`` weighs the trapezoid's two ends;
-* B and C are RMS-normed over the state (``B_norm``, ``C_norm``, shared by the heads of a
-  group), get a per-head bias (``B_bias``, ``C_bias``, ones at init) and are rotated by the
+* B and C are RMS-normed over the state in float32 (``B_norm``, ``C_norm`` hold the weights,
+  shared by the heads of a group), get a per-head bias (``B_bias``, ``C_bias``, ones at init) and are rotated by the
   cumulative data-dependent angles ``theta_t = sum pi tanh(angles) dt`` (the complex-valued
   state written as real rotations, on ``rope_fraction`` of the state);
 * MIMO (``is_mimo``): ``x`` and ``z`` are spread over ``mimo_rank`` channels per head by
@@ -111,12 +111,13 @@ class Mamba3Mixer(nn.Module):
     ) -> torch.Tensor:
         """B or C ``[B, S, R * G * N]`` -> normed, per-head biased and rotated ``[B, S, R, H, N]``."""
         batch, seq, _ = t.shape
-        h, g = self.num_heads, self.n_groups
-        t = norm(t.reshape(batch, seq, self.rank, g, self.state_size))
+        h, g, work = self.num_heads, self.n_groups, cos.dtype
+        # RMS-normed in the scan's precision (float32, or float64 for a float64 model).
+        t = t.reshape(batch, seq, self.rank, g, self.state_size).to(work)
+        t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + self.eps) * norm.weight.to(work)
         if g != h:
             t = t.repeat_interleave(h // g, dim=3)
-        t = t.to(cos.dtype) + bias.transpose(0, 1).to(cos.dtype)
-        return rotate_pairs(t, cos, sin)
+        return rotate_pairs(t + bias.transpose(0, 1).to(work), cos, sin)
 
     def extra_repr(self) -> str:
         return (
