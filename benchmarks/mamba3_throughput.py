@@ -20,12 +20,14 @@ import torch
 from meshforge.models.mamba3.args import Mamba3Args
 from meshforge.models.mamba3.model import build_mamba3
 
-_TRUNK = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, state_size=64, head_dim=64)
+_TRUNK = dict(vocab_size=8192, hidden_size=128, num_hidden_layers=2, state_size=32, head_dim=32)
+# The step recurrence keeps every token's state for the backward (batch x heads x head_dim x
+# state floats per token and layer), so the shapes stay small.
 SHAPES = {
-    # 8 SISO heads of 64, state 64, chunks of 64; batch 8 x seq 256 (the dense `small` trunk).
-    "small": dict(args=Mamba3Args(**_TRUNK, chunk_size=64), batch=8, seq=256),
-    # The same with MIMO rank 4 (chunks of 16, as the reference recommends 64 / rank).
-    "mimo": dict(args=Mamba3Args(**_TRUNK, is_mimo=True, mimo_rank=4, chunk_size=16), batch=8, seq=256),
+    # 8 SISO heads of 32, state 32, chunks of 32; batch 4 x seq 128.
+    "small": dict(args=Mamba3Args(**_TRUNK, chunk_size=32), batch=4, seq=128),
+    # The same with MIMO rank 4 (chunks of 8: the reference recommends chunk 64 / rank in bf16).
+    "mimo": dict(args=Mamba3Args(**_TRUNK, is_mimo=True, mimo_rank=4, chunk_size=8), batch=4, seq=128),
 }
 
 
