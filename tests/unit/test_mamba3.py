@@ -245,6 +245,7 @@ def test_safetensors_folder_round_trip(tmp_path, tied):
 def test_options_and_sizes_are_checked_by_key():
     assert from_options({"flavor": "tiny"}) == FLAVORS["tiny"]
     assert from_options({"flavor": "debug", "num_heads": 4}).num_heads == 4
+    assert from_options({"layer_norm_epsilon": 1e-6}).norm_eps == 1e-6  # MindSpeed's spelling
     bad = {
         "head_dim": (dict(hidden_size=16, head_dim=5), "head_dim: must divide"),
         "n_groups": (dict(hidden_size=16, head_dim=8, n_groups=3), "n_groups: must divide"),

@@ -110,7 +110,10 @@ class Mamba3Args:
         return body
 
 
-OPTION_KEYS = frozenset(f.name for f in fields(Mamba3Args)) | {"flavor", "num_heads"}
+# MindSpeed-LLM's Mamba3Config (a Mamba2Config) spells the norm epsilon layer_norm_epsilon.
+ALIASES = {"layer_norm_epsilon": "norm_eps"}
+
+OPTION_KEYS = frozenset(f.name for f in fields(Mamba3Args)) | {"flavor", "num_heads"} | set(ALIASES)
 
 FLAVORS: dict[str, Mamba3Args] = {
     # The demo: 4 SISO layers of 8 heads; trains on 2 CPU cores.
@@ -143,8 +146,8 @@ def from_options(options: dict[str, Any]) -> Mamba3Args:
     """Build ``Mamba3Args`` from the ``model:`` passthrough keys.
 
     ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys override
-    its fields. ``num_heads`` (written to ``config.json``) must agree with the sizes it
-    follows from.
+    its fields (``layer_norm_epsilon`` is read as ``norm_eps``). ``num_heads`` (written to
+    ``config.json``) must agree with the sizes it follows from.
 
     Raises:
         ValueError: For an unknown key (named, with a suggestion), an unknown flavor, or an
@@ -159,6 +162,7 @@ def from_options(options: dict[str, Any]) -> Mamba3Args:
         flavors=FLAVORS,
         default=Mamba3Args,
         coerce=_by_field,
+        aliases=ALIASES,
     )
     args = replace(parsed.base, **parsed.overrides)
     if heads is not None and heads != args.num_heads:
@@ -169,4 +173,4 @@ def from_options(options: dict[str, Any]) -> Mamba3Args:
     return args
 
 
-__all__ = ["FLAVORS", "OPTION_KEYS", "Mamba3Args", "from_options"]
+__all__ = ["ALIASES", "FLAVORS", "OPTION_KEYS", "Mamba3Args", "from_options"]
