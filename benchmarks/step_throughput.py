@@ -461,11 +461,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     parser.add_argument(
         "--family",
-        choices=[*FAMILIES, "all"],
+        choices=[*FAMILIES, "mamba3", "all"],
         default="qwen3",
-        help="model family (qwen3 is dense; qwen3_moe and deepseek_v3 have one MoE shape, small)",
+        help="model family (qwen3 is dense; qwen3_moe and deepseek_v3 have one MoE shape, small; "
+        "mamba3: chunked scan vs step recurrence, mamba3_throughput.py)",
     )
-    parser.add_argument("--shape", choices=["small", "large", "all"], default="all")
+    parser.add_argument("--shape", choices=["small", "large", "mimo", "all"], default="all")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per model")
     parser.add_argument("--steps", type=int, default=None, help="steps per timed block")
@@ -490,6 +491,21 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(opts.threads)
     if opts.rss_child:
         rss_child(opts.rss_child, opts.family, opts.shape, opts.adamw)
+        return
+    if opts.family == "mamba3":
+        # No transformers class exists: the chunked scan against the step recurrence.
+        from mamba3_throughput import main as mamba3_main
+
+        if opts.shape not in ("all", "small", "mimo"):
+            parser.error(f"--shape {opts.shape}: not defined for --family mamba3 (small, mimo)")
+        mamba3_main(
+            shape=opts.shape,
+            quick=opts.quick,
+            warmup=opts.warmup,
+            steps=opts.steps,
+            repeats=opts.repeats,
+            adamw=opts.adamw,
+        )
         return
     warmup = opts.warmup if opts.warmup is not None else (1 if opts.quick else 3)
     # One step per block: alternating every step keeps both models under the same load.

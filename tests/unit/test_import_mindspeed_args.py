@@ -172,7 +172,7 @@ def test_model_ids_without_a_family(tmp_path, model_id):
     assert "generic transformers path" in text
 
 
-@pytest.mark.parametrize("model_id", ["qwen3", "qwen3_moe", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("model_id", ["qwen3", "qwen3_moe", "gpt_oss", "qwen3_next", "mamba3"])
 def test_model_ids_with_a_family_import(tmp_path, model_id):
     data, _ = _import(_write(tmp_path, {"model": {"model_id": model_id}}))
     assert data["model"]["model_id"] == model_id

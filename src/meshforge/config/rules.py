@@ -136,6 +136,14 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
         issues.append(
             ("parallelism.context_parallel_method", "qwen3_next with context_parallel > 1 requires 'ulysses'")
         )
+    if family == "mamba3" and par.context_parallel > 1:
+        issues.append(
+            (
+                "parallelism.context_parallel",
+                f"{par.context_parallel}: not supported yet for mamba3 (a state-space recurrence: each "
+                "sequence slice needs the state the slices before it end with); set it to 1",
+            )
+        )
     for switch in ("use_ascend_mhc", "use_triton_swiglu_limit"):
         if getattr(cfg.kernels, switch) and family != "deepseek_v4":
             issues.append(

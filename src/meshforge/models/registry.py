@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from meshforge.models.deepseek_v3.spec import FAMILY as DEEPSEEK_V3
 from meshforge.models.gpt_oss.spec import FAMILY as GPT_OSS
 from meshforge.models.llama.spec import FAMILY as LLAMA
+from meshforge.models.mamba3.spec import FAMILY as MAMBA3
 from meshforge.models.qwen3.spec import FAMILY as QWEN3
 from meshforge.models.qwen3_moe.spec import FAMILY as QWEN3_MOE
 from meshforge.models.qwen3_next.spec import FAMILY as QWEN3_NEXT
@@ -35,6 +36,7 @@ SPECS: tuple[FamilySpec, ...] = (
     DEEPSEEK_V3,
     GPT_OSS,
     QWEN3_NEXT,
+    MAMBA3,
 )
 _FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in SPECS}
 
@@ -98,7 +100,7 @@ def resolve_family(
         )
     hint = ""
     if model_id and not model_type and not architectures:
-        # MindSpeed model_ids without a built-in family (step35, mamba3, minimax_m27, ...) train
+        # MindSpeed model_ids without a built-in family (step35, minimax_m27, ...) train
         # through the generic transformers path, which needs the model's own folder.
         hint = (
             "; to train it through the generic transformers path, set model.model_name_or_path to a local "
