@@ -275,6 +275,8 @@ class Trainer(TrainerMonitors):
         )
         lr = float(self.optimizer.param_groups[0]["lr"])
         if not verdict.skip:
+            # A background save may still be copying the weights this step updates in place.
+            self.checkpointer.wait_staging()
             with self._phase("optimizer"):
                 self.optimizer.step()
             self.scheduler.step()
@@ -543,6 +545,7 @@ class Trainer(TrainerMonitors):
         return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=pin) for k, v in batch.items()}
 
     def close(self) -> None:
+        self.checkpointer.close()
         if self.console is not None:
             self.console.close()
             self.console = None
