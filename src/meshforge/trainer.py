@@ -27,6 +27,7 @@ from meshforge.health import HealthStopError, TrainingDivergedError, finite_or_n
 from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
 from meshforge.monitor.memory import memory_fields
 from meshforge.monitor.throughput import throughput_fields
+from meshforge.monitor.trackers import check_trackers
 from meshforge.monitor.train_state import is_log_step
 from meshforge.parallel.dims import ParallelDims
 from meshforge.resources import resolve_path
@@ -103,7 +104,9 @@ class Trainer(TrainerMonitors):
         if self.dist.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
-        # User callbacks resolve (and fail, naming the item) before anything heavy is built.
+        # User callbacks and tracker packages resolve (and fail, naming the item) before anything
+        # heavy is built.
+        check_trackers(cfg.monitor)
         self.callbacks = CallbackRunner(
             build_callbacks(cfg.callbacks), rank=self.dist.rank, device=self.device
         )
@@ -124,6 +127,7 @@ class Trainer(TrainerMonitors):
         self.checkpointer = self._build_checkpointer()
         self._maybe_resume()
         self._build_metric_sinks()
+        self._build_trackers()
         self._build_monitors()
 
     # ----------------------------------------------------------------------------- hooks
@@ -209,6 +213,8 @@ class Trainer(TrainerMonitors):
             self.tensorboard.write(record)
             self.tensorboard.write_expert_counts(self._moe_lines)
         self._moe_lines = []
+        for tracker in self.trackers:
+            tracker.write(record)
         if self.console is not None:
             self.console.update(record)
 
@@ -546,6 +552,9 @@ class Trainer(TrainerMonitors):
 
     def close(self) -> None:
         self.checkpointer.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         if self.console is not None:
             self.console.close()
             self.console = None

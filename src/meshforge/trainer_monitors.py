@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshforge.health import StepHealth, StepVerdict
 from meshforge.monitor.moe import MoeMonitor
+from meshforge.monitor.trackers import TrackerSink, build_trackers
 from meshforge.monitor.train_state import TrainStateMonitor
 from meshforge.preemption import PreemptionGuard
 from meshforge.profiling import StepProfiler
@@ -29,9 +30,17 @@ class TrainerMonitors(TrainerBuild):
     train_state: TrainStateMonitor | None
     moe_monitor: MoeMonitor | None
     profiler: StepProfiler | None
+    trackers: list[TrackerSink]
     callbacks: CallbackRunner
     _verdict: StepVerdict
     _moe_lines: list[dict[str, Any]]
+
+    def _build_trackers(self) -> None:
+        """W&B / SwanLab runs on rank 0, given the resolved config (packages checked in setup)."""
+        self.trackers = []
+        if self.dist.is_main:
+            config = self.cfg.model_dump(mode="json")
+            self.trackers = build_trackers(self.cfg.monitor, output_dir=self.output_dir, config=config)
 
     def _build_monitors(self) -> None:
         """Run health, preemption, the opt-in monitors and the profiler (collective: gathers names)."""
