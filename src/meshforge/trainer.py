@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 
 from meshforge.callback_runner import CallbackRunner
-from meshforge.callbacks import TrainInfo, build_callbacks
+from meshforge.callbacks import TrainInfo, build_callbacks, builtin_callbacks
 from meshforge.config import TrainConfig, check_trainable, dump_config
 from meshforge.config.noops import noop_notes
 from meshforge.health import HealthStopError, TrainingDivergedError, finite_or_none
@@ -110,6 +110,7 @@ class Trainer(TrainerMonitors):
         self.callbacks = CallbackRunner(
             build_callbacks(cfg.callbacks), rank=self.dist.rank, device=self.device
         )
+        self.builtin_callbacks = builtin_callbacks(cfg.monitor, cfg.callbacks, warn=self.log)
         self.log(
             f"meshforge: {self.dims.describe()} on {self.device.type} | global batch "
             f"{self.plan.global_batch_size} = dp {self.plan.data_parallel} x local {self.plan.local_batch_size} "
@@ -336,6 +337,8 @@ class Trainer(TrainerMonitors):
             info = TrainInfo(
                 self.dist.rank, self.dist.world_size, self.dist.is_main, self.output_dir, self.step, total
             )
+            for builtin in self.builtin_callbacks:
+                builtin.on_train_start(info)
             self.callbacks.call("on_train_start", info)
             self.callbacks.agree()
             while self.step < total and not (self._verdict.preempted or self._callback_stop):
@@ -361,6 +364,8 @@ class Trainer(TrainerMonitors):
             hf_export=self._hf_export,
             preempted=self._verdict.preempted,
         )
+        for builtin in self.builtin_callbacks:
+            builtin.on_train_end(summary)
         self.callbacks.call("on_train_end", summary)
         self.callbacks.agree()
         return summary

@@ -19,6 +19,7 @@ from meshforge.trainer_build import TrainerBuild
 
 if TYPE_CHECKING:
     from meshforge.callback_runner import CallbackRunner
+    from meshforge.callbacks import Callback
 
 
 class TrainerMonitors(TrainerBuild):
@@ -32,6 +33,7 @@ class TrainerMonitors(TrainerBuild):
     profiler: StepProfiler | None
     trackers: list[TrackerSink]
     callbacks: CallbackRunner
+    builtin_callbacks: list[Callback]
     _verdict: StepVerdict
     _moe_lines: list[dict[str, Any]]
 

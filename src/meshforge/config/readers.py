@@ -186,6 +186,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "monitor.moe_monitor.save_tokens_per_expert_interval",
         "monitor.moe_monitor.target_layers",
     ),
+    "meshforge.callbacks": ("monitor.plot_curves",),
     "meshforge.monitor.config": ("monitor.report_to",),
     "meshforge.monitor.trackers": (
         "monitor.wandb.project",

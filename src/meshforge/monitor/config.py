@@ -142,6 +142,11 @@ class MonitorConfig(StrictSection):
     train_state: TrainStateConfig = describe(TrainStateConfig(), "Local/device norm and loss logging.")
     tensorboard: TensorboardConfig = describe(TensorboardConfig(), "TensorBoard output.")
     moe_monitor: MoeMonitorConfig = describe(MoeMonitorConfig(), "MoE tokens-per-expert monitor.")
+    plot_curves: Bool = describe(
+        True,
+        "Draw {output_dir}/metrics.png (loss, lr, grad norm, tokens/s) when the run ends, on rank 0; "
+        "MESHFORGE_PLOT=0 in the environment switches it off as well.",
+    )
     wandb: WandbConfig = describe(WandbConfig(), "Weights & Biases run settings.")
     swanlab: SwanLabConfig = describe(SwanLabConfig(), "SwanLab experiment settings.")
 
