@@ -20,7 +20,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.tp_colwise": {"parallelism": {"tp_colwise": ["*.q_proj"]}},
     "parallelism.tp_rowwise": {"parallelism": {"tp_rowwise": ["*.o_proj"]}},
     "parallelism.ep_dispatcher": {"parallelism": {"ep_dispatcher": "fused"}},
-    "profiler.export_type": {"profiler": {"export_type": "db"}},
     "lora_config": {"lora_config": {}},
     "optimizer.accumulate_allreduce_grads_in_fp32": {
         "optimizer": {"accumulate_allreduce_grads_in_fp32": False}

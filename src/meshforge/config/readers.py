@@ -216,6 +216,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "profiler.profile_cpu",
         "profiler.with_stack",
         "profiler.record_shapes",
+        "profiler.export_type",
     ),
     "meshforge.trainer_build": (
         "checkpoint.enable_save",

@@ -194,11 +194,6 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         f"{_P}.ep_dispatcher", lambda c: c.parallelism.ep_dispatcher != "eager", "fused/mc2 EP dispatch"
     ),
-    Unsupported(
-        "profiler.export_type",
-        lambda c: c.profiler.export_type == "db",
-        "database (db) profile export: meshforge writes Chrome traces (export_type: text)",
-    ),
     Unsupported("lora_config", lambda c: c.lora_config is not None, "LoRA"),
     Unsupported(
         "optimizer.accumulate_allreduce_grads_in_fp32",
