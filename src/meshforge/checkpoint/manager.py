@@ -188,6 +188,10 @@ class CheckpointManager:
                 payload["optimizer_type"] = optimizer_family(optimizer)
             (target / TRAINER_STATE_FILE).write_text(json.dumps(payload, indent=2, default=_json_default))
         if self.async_save:
+            if torch.accelerator.is_available():
+                # The stager copies on a stream of its own, which does not wait for the training
+                # stream: the last update's kernels must have finished before it reads.
+                torch.accelerator.synchronize()
             response = dcp.async_save(
                 state, checkpoint_id=str(target), process_group=self._group, async_stager=self._stager
             )
