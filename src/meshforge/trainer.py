@@ -128,7 +128,7 @@ class Trainer(TrainerMonitors):
         self.checkpointer = self._build_checkpointer()
         self._maybe_resume()
         self._build_metric_sinks()
-        self._build_trackers()
+        self._build_metrics_logger()
         self._build_monitors()
 
     # ----------------------------------------------------------------------------- hooks
@@ -207,17 +207,10 @@ class Trainer(TrainerMonitors):
         return counted, uncounted
 
     def log_step(self, record: dict[str, Any]) -> None:
-        """Write one step's metrics to every sink (rank 0 only)."""
-        if self.jsonl is not None:
-            self.jsonl.write(record)
-        if self.tensorboard is not None:
-            self.tensorboard.write(record)
-            self.tensorboard.write_expert_counts(self._moe_lines)
+        """Write one step's metrics to every sink (rank 0 only): the built-in `MetricsLogger`."""
+        self.metrics_logger.on_step_end(record)
+        self.metrics_logger.write_expert_counts(self._moe_lines)
         self._moe_lines = []
-        for tracker in self.trackers:
-            tracker.write(record)
-        if self.console is not None:
-            self.console.update(record)
 
     # ----------------------------------------------------------------------------- loop
     def train_step(self) -> dict[str, Any]:
@@ -557,18 +550,7 @@ class Trainer(TrainerMonitors):
 
     def close(self) -> None:
         self.checkpointer.close()
-        for tracker in self.trackers:
-            tracker.close()
-        self.trackers = []
-        if self.console is not None:
-            self.console.close()
-            self.console = None
-        if self.jsonl is not None:
-            self.jsonl.close()
-            self.jsonl = None
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
+        self.metrics_logger.close()
         if self.moe_monitor is not None:
             self.moe_monitor.close()
             self.moe_monitor = None

@@ -10,6 +10,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from meshforge.health import StepHealth, StepVerdict
+from meshforge.monitor.logger import MetricsLogger
 from meshforge.monitor.moe import MoeMonitor
 from meshforge.monitor.trackers import TrackerSink, build_trackers
 from meshforge.monitor.train_state import TrainStateMonitor
@@ -31,18 +32,22 @@ class TrainerMonitors(TrainerBuild):
     train_state: TrainStateMonitor | None
     moe_monitor: MoeMonitor | None
     profiler: StepProfiler | None
-    trackers: list[TrackerSink]
+    metrics_logger: MetricsLogger
     callbacks: CallbackRunner
     builtin_callbacks: list[Callback]
     _verdict: StepVerdict
     _moe_lines: list[dict[str, Any]]
 
-    def _build_trackers(self) -> None:
-        """W&B / SwanLab runs on rank 0, given the resolved config (packages checked in setup)."""
-        self.trackers = []
+    def _build_metrics_logger(self) -> None:
+        """The sinks as the built-in `MetricsLogger`; W&B / SwanLab runs start here, on rank 0,
+        given the resolved config (their packages were checked in setup)."""
+        trackers: list[TrackerSink] = []
         if self.dist.is_main:
             config = self.cfg.model_dump(mode="json")
-            self.trackers = build_trackers(self.cfg.monitor, output_dir=self.output_dir, config=config)
+            trackers = build_trackers(self.cfg.monitor, output_dir=self.output_dir, config=config)
+        self.metrics_logger = MetricsLogger(
+            jsonl=self.jsonl, tensorboard=self.tensorboard, trackers=trackers, console=self.console
+        )
 
     def _build_monitors(self) -> None:
         """Run health, preemption, the opt-in monitors and the profiler (collective: gathers names)."""
