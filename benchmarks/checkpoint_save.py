@@ -6,13 +6,18 @@ process (a one-rank gloo group, as `meshforge train` makes), into a temporary fo
 the run would use (`--dir`, default: the system temp folder).
 
 * ``sync_blocking_s``: `save()` of a sync manager (DCP write, fsync, COMPLETE marker);
-* ``async_blocking_s``: `save()` of an async manager: the state staged in host memory and the
-  write handed to DCP's background thread; ``async_total_s`` adds the wait in `finalize()`
-  (the write itself; the loop would keep training meanwhile);
-* ``ratio`` = async_blocking / sync_blocking (target <= 0.1), medians over ``--repeats`` pairs
-  that alternate which kind goes first; one warm-up save of each kind is not counted.
+* ``async_blocking_s``: what the loop waits for with an async manager, as the trainer runs it:
+  `save()` (hands the state to DCP's background copy and write), then the next step's forward
+  and backward (``step_s``, batch 1 x ``--seq`` tokens; the copy runs meanwhile), then
+  `wait_staging()` before that step's optimizer update; ``async_total_s`` is `save()` to the end
+  of `finalize()` (the write itself; the loop would keep training meanwhile);
+* ``async_copy_only_s``: `save()` + `wait_staging()` with no step between them: the blocking
+  time of a loop whose step is shorter than the copy;
+* ``ratio`` = async_blocking / sync_blocking (target <= 0.1), medians over ``--repeats`` rounds
+  that alternate which kind goes first; one warm-up save of each kind is not counted (the async
+  one allocates the host buffers that later saves reuse: ``first_async_copy_s``).
 
-Run: ``python benchmarks/checkpoint_save.py [--repeats 3] [--dir DIR] [--layers 12]``.
+Run: ``python benchmarks/checkpoint_save.py [--repeats 3] [--dir DIR] [--layers 12] [--seq 256]``.
 Prints one JSON line.
 """
 
@@ -69,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--seq", type=int, default=256, help="tokens of the step between save and wait")
     parser.add_argument("--dir", default=None, help="where to write (default: the temp folder)")
     args = parser.parse_args()
 
@@ -83,9 +89,21 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir))
     sync, background = _manager(root / "sync", async_save=False), _manager(root / "async", async_save=True)
-    times: dict[str, list[float]] = {"sync": [], "async": [], "async_total": []}
+    times: dict[str, list[float]] = {
+        "sync": [],
+        "async": [],
+        "async_total": [],
+        "copy_only": [],
+        "step": [],
+        "first_copy": [],
+    }
     sizes_mb: list[float] = []
     step = 0
+    tokens = torch.randint(0, 32768, (1, args.seq))
+
+    def forward_backward() -> None:
+        model(tokens).float().square().mean().backward()
+        optimizer.zero_grad(set_to_none=True)
 
     def save(kind: str, record: bool) -> None:
         nonlocal step
@@ -94,6 +112,18 @@ def main() -> None:
         t0 = time.perf_counter()
         target = manager.save(step, model, optimizer, {"step": step}, {"python": None})
         blocked = time.perf_counter() - t0
+        if kind == "async":
+            t1 = time.perf_counter()
+            forward_backward()
+            t2 = time.perf_counter()
+            manager.wait_staging()
+            blocked += time.perf_counter() - t2
+            times["step"].append(t2 - t1)
+        elif kind == "copy_only":
+            manager.wait_staging()
+            blocked = time.perf_counter() - t0
+            if not record:
+                times["first_copy"].append(blocked)
         manager.finalize()
         total = time.perf_counter() - t0
         if record:
@@ -104,9 +134,10 @@ def main() -> None:
 
     try:
         save("sync", False)
-        save("async", False)
+        save("copy_only", False)
+        order = ("sync", "async", "copy_only")
         for r in range(args.repeats):
-            for kind in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
+            for kind in order if r % 2 == 0 else order[::-1]:
                 save(kind, True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -122,7 +153,12 @@ def main() -> None:
                 "sync_blocking_s": round(sync_s, 3),
                 "async_blocking_s": round(async_s, 3),
                 "async_total_s": round(statistics.median(times["async_total"]), 3),
+                "async_copy_only_s": round(statistics.median(times["copy_only"]), 3),
+                "first_async_copy_s": round(times["first_copy"][0], 3),
+                "step_s": round(statistics.median(times["step"]), 3),
+                "seq": args.seq,
                 "ratio": round(async_s / sync_s, 3),
+                "copy_only_ratio": round(statistics.median(times["copy_only"]) / sync_s, 3),
                 "target": 0.1,
             }
         )

@@ -18,6 +18,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# No end-of-run plot (monitor.plot_curves) in the many short test runs: drawing costs seconds
+# each; tests/unit/test_callbacks_default_plot.py switches it back on.
+os.environ.setdefault("MESHFORGE_PLOT", "0")
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -18,16 +18,21 @@ Light at import: the config imports this module, so it must not import torch.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import field_validator
 
 from meshforge.config.base import PassthroughSection, describe
+
+if TYPE_CHECKING:
+    from meshforge.monitor.config import MonitorConfig
 
 HOOKS = ("on_train_start", "on_step_end", "on_eval_end", "on_save", "on_train_end")
 
@@ -137,10 +142,8 @@ class PlotCurves(Callback):
 
     def __init__(self, output: str | None = None) -> None:
         super().__init__()
-        import importlib.util
-
         if importlib.util.find_spec("matplotlib") is None:
-            raise CallbackError("PlotCurves needs matplotlib: pip install 'meshforge[plot]' (or matplotlib)")
+            raise CallbackError(f"PlotCurves needs matplotlib: {_PLOT_EXTRA}")
         self.output = output
         self.info: TrainInfo | None = None
 
@@ -155,6 +158,47 @@ class PlotCurves(Callback):
         out = Path(self.output) if self.output else self.info.output_dir / "metrics.png"
         plot_runs([self.info.output_dir], out)
         print(f"plot: {out}", flush=True)
+
+
+_PLOT_EXTRA = "pip install 'meshforge[plot]' (or matplotlib)"
+
+
+def builtin_callbacks(
+    monitor: MonitorConfig, items: list[CallbackConfig], *, warn: Callable[[str], None]
+) -> list[Callback]:
+    """The always-on callbacks of a run, called directly by the trainer (not agreed over ranks).
+
+    Today the end-of-run plot: `monitor.plot_curves` (default on; `MESHFORGE_PLOT=0` switches it
+    off for test harnesses and sweeps, where drawing costs seconds per run), unless a
+    `PlotCurves` item of `callbacks:` draws it already. Without matplotlib it is skipped with one
+    warning: a missing plotting package must not stop a training run.
+    """
+    if not monitor.plot_curves or os.environ.get("MESHFORGE_PLOT", "1") == "0":
+        return []
+    if any(_REGISTRY.get(item.type) is PlotCurves for item in items):
+        return []
+    if importlib.util.find_spec("matplotlib") is None:
+        warn(f"warning: monitor.plot_curves: no end-of-run plot, matplotlib is not installed ({_PLOT_EXTRA})")
+        return []
+    plot = _DefaultPlot(warn)
+    plot.config_name = "monitor.plot_curves (PlotCurves)"
+    return [plot]
+
+
+class _DefaultPlot(PlotCurves):
+    """The plot nobody asked for by name: a run it cannot draw (no records) gets a warning."""
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        super().__init__()
+        self.warn = warn
+
+    def on_train_end(self, summary: Any) -> None:
+        from meshforge.monitor.plot import PlotError
+
+        try:
+            super().on_train_end(summary)
+        except PlotError as err:
+            self.warn(f"warning: monitor.plot_curves: no plot ({err})")
 
 
 def resolve_callback_type(type_name: str, where: str) -> type[Callback]:

@@ -46,7 +46,9 @@ class ProfilerConfig(StrictSection):
     with_stack: Bool = describe(True, "Record Python call stacks.")
     record_shapes: Bool = describe(False, "Record operator input shapes (MindSpeed profile_record_shapes).")
     export_type: Literal["text", "db"] = describe(
-        "text", "Trace export format (MindSpeed profile_export_type)."
+        "text",
+        "text: a Chrome trace (.pt.trace.json.gz); db: a SQLite database (.db) of the same events "
+        "(MindSpeed profile_export_type).",
     )
     data_simplification: Bool = describe(False, "Simplify exported profiling data (MindSpeed switch).")
 
@@ -76,7 +78,8 @@ class StepProfiler:
     """A torch.profiler window over steps `start_step..end_step` (inclusive) on this rank.
 
     Writes `{output}/rank{r}_step{a}-{b}.pt.trace.json.gz` (a Chrome trace that Perfetto and
-    TensorBoard's profiler plugin open) and logs one line with the top operators by self time.
+    TensorBoard's profiler plugin open), or with `export_type: db` `rank{r}_step{a}-{b}.db` (SQLite,
+    `meshforge.profiling_db`), and logs one line with the top operators by self time.
     `profile_memory` on CUDA also dumps the allocator's memory snapshot
     (`rank{r}_step{a}-{b}.memory.pickle`, for pytorch.org/memory_viz). `mstx` on CUDA wraps each
     step and phase in an NVTX range (for Nsight Systems).
@@ -96,7 +99,9 @@ class StepProfiler:
         self.device_type = device_type
         self.log = log
         self.first, self.last = cfg.start_step, cfg.end_step
-        self.trace = output_dir / f"rank{rank}_step{self.first}-{self.last}.pt.trace.json.gz"
+        self._stem = output_dir / f"rank{rank}_step{self.first}-{self.last}"
+        suffix = ".db" if cfg.export_type == "db" else ".pt.trace.json.gz"
+        self.trace = self._stem.with_name(self._stem.name + suffix)
         self._prof: Any = None
         self._nvtx = cfg.mstx and device_type == "cuda"
         self._memory = cfg.profile_memory and device_type == "cuda"
@@ -210,12 +215,27 @@ class StepProfiler:
         self._prof.start()
 
     def _export(self, prof: Any) -> None:
-        prof.export_chrome_trace(str(self.trace))
+        if self.cfg.export_type == "db":
+            import torch
+
+            from meshforge.profiling_db import export_sqlite
+
+            meta = {
+                "rank": self.rank,
+                "first_step": self.first,
+                "last_step": self.last,
+                "device_type": self.device_type,
+                "profiler_level": self.cfg.profiler_level,
+                "torch": torch.__version__,
+            }
+            export_sqlite(prof, self.trace, meta, first_step=self.first)
+        else:
+            prof.export_chrome_trace(str(self.trace))
         extra = ""
         if self._memory:
             import torch
 
-            snapshot = self.trace.with_name(self.trace.name.replace(".pt.trace.json.gz", ".memory.pickle"))
+            snapshot = self._stem.with_name(self._stem.name + ".memory.pickle")
             torch.cuda.memory._dump_snapshot(str(snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
             extra = f", memory snapshot {snapshot}"

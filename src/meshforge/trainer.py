@@ -20,13 +20,14 @@ from typing import Any, cast
 import torch
 
 from meshforge.callback_runner import CallbackRunner
-from meshforge.callbacks import TrainInfo, build_callbacks
+from meshforge.callbacks import TrainInfo, build_callbacks, builtin_callbacks
 from meshforge.config import TrainConfig, check_trainable, dump_config
 from meshforge.config.noops import noop_notes
 from meshforge.health import HealthStopError, TrainingDivergedError, finite_or_none
 from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
 from meshforge.monitor.memory import memory_fields
 from meshforge.monitor.throughput import throughput_fields
+from meshforge.monitor.trackers import check_trackers
 from meshforge.monitor.train_state import is_log_step
 from meshforge.parallel.dims import ParallelDims
 from meshforge.resources import resolve_path
@@ -103,10 +104,13 @@ class Trainer(TrainerMonitors):
         if self.dist.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
-        # User callbacks resolve (and fail, naming the item) before anything heavy is built.
+        # User callbacks and tracker packages resolve (and fail, naming the item) before anything
+        # heavy is built.
+        check_trackers(cfg.monitor)
         self.callbacks = CallbackRunner(
             build_callbacks(cfg.callbacks), rank=self.dist.rank, device=self.device
         )
+        self.builtin_callbacks = builtin_callbacks(cfg.monitor, cfg.callbacks, warn=self.log)
         self.log(
             f"meshforge: {self.dims.describe()} on {self.device.type} | global batch "
             f"{self.plan.global_batch_size} = dp {self.plan.data_parallel} x local {self.plan.local_batch_size} "
@@ -126,6 +130,7 @@ class Trainer(TrainerMonitors):
         self.checkpointer = self._build_checkpointer()
         self._maybe_resume()
         self._build_metric_sinks()
+        self._build_metrics_logger()
         self._build_monitors()
 
     # ----------------------------------------------------------------------------- hooks
@@ -204,15 +209,10 @@ class Trainer(TrainerMonitors):
         return counted, uncounted
 
     def log_step(self, record: dict[str, Any]) -> None:
-        """Write one step's metrics to every sink (rank 0 only)."""
-        if self.jsonl is not None:
-            self.jsonl.write(record)
-        if self.tensorboard is not None:
-            self.tensorboard.write(record)
-            self.tensorboard.write_expert_counts(self._moe_lines)
+        """Write one step's metrics to every sink (rank 0 only): the built-in `MetricsLogger`."""
+        self.metrics_logger.on_step_end(record)
+        self.metrics_logger.write_expert_counts(self._moe_lines)
         self._moe_lines = []
-        if self.console is not None:
-            self.console.update(record)
 
     # ----------------------------------------------------------------------------- loop
     def train_step(self) -> dict[str, Any]:
@@ -281,6 +281,8 @@ class Trainer(TrainerMonitors):
         )
         lr = float(self.optimizer.param_groups[0]["lr"])
         if not verdict.skip:
+            # A background save may still be copying the weights this step updates in place.
+            self.checkpointer.wait_staging()
             with self._phase("optimizer"):
                 self.optimizer.step()
             self.scheduler.step()
@@ -339,6 +341,8 @@ class Trainer(TrainerMonitors):
             info = TrainInfo(
                 self.dist.rank, self.dist.world_size, self.dist.is_main, self.output_dir, self.step, total
             )
+            for builtin in self.builtin_callbacks:
+                builtin.on_train_start(info)
             self.callbacks.call("on_train_start", info)
             self.callbacks.agree()
             while self.step < total and not (self._verdict.preempted or self._callback_stop):
@@ -366,6 +370,8 @@ class Trainer(TrainerMonitors):
             hf_export=self._hf_export,
             preempted=self._verdict.preempted,
         )
+        for builtin in self.builtin_callbacks:
+            builtin.on_train_end(summary)
         self.callbacks.call("on_train_end", summary)
         self.callbacks.agree()
         return summary
@@ -576,15 +582,8 @@ class Trainer(TrainerMonitors):
         return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=pin) for k, v in batch.items()}
 
     def close(self) -> None:
-        if self.console is not None:
-            self.console.close()
-            self.console = None
-        if self.jsonl is not None:
-            self.jsonl.close()
-            self.jsonl = None
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
+        self.checkpointer.close()
+        self.metrics_logger.close()
         if self.moe_monitor is not None:
             self.moe_monitor.close()
             self.moe_monitor = None

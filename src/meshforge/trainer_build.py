@@ -585,7 +585,9 @@ class TrainerBuild:
         )
         self.jsonl = JsonlMetrics(self.output_dir / "metrics.jsonl", resume_step=self.step)
         tb = self.cfg.monitor.tensorboard
-        if tb.output_dir:
+        if tb.output_dir or "tensorboard" in self.cfg.monitor.trackers():
+            # `monitor.report_to: tensorboard` without a folder writes into the run folder.
+            folder = resolve_path(tb.output_dir) if tb.output_dir else self.output_dir / "tensorboard"
             self.tensorboard = TensorBoardMetrics(
-                resolve_path(tb.output_dir), log_interval=tb.log_interval, queue_size=tb.queue_size
+                folder, log_interval=tb.log_interval, queue_size=tb.queue_size
             )

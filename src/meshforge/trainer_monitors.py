@@ -10,7 +10,9 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from meshforge.health import StepHealth, StepVerdict
+from meshforge.monitor.logger import MetricsLogger
 from meshforge.monitor.moe import MoeMonitor
+from meshforge.monitor.trackers import TrackerSink, build_trackers
 from meshforge.monitor.train_state import TrainStateMonitor
 from meshforge.preemption import PreemptionGuard
 from meshforge.profiling import StepProfiler
@@ -18,6 +20,7 @@ from meshforge.trainer_build import TrainerBuild
 
 if TYPE_CHECKING:
     from meshforge.callback_runner import CallbackRunner
+    from meshforge.callbacks import Callback
 
 
 class TrainerMonitors(TrainerBuild):
@@ -29,9 +32,22 @@ class TrainerMonitors(TrainerBuild):
     train_state: TrainStateMonitor | None
     moe_monitor: MoeMonitor | None
     profiler: StepProfiler | None
+    metrics_logger: MetricsLogger
     callbacks: CallbackRunner
+    builtin_callbacks: list[Callback]
     _verdict: StepVerdict
     _moe_lines: list[dict[str, Any]]
+
+    def _build_metrics_logger(self) -> None:
+        """The sinks as the built-in `MetricsLogger`; W&B / SwanLab runs start here, on rank 0,
+        given the resolved config (their packages were checked in setup)."""
+        trackers: list[TrackerSink] = []
+        if self.dist.is_main:
+            config = self.cfg.model_dump(mode="json")
+            trackers = build_trackers(self.cfg.monitor, output_dir=self.output_dir, config=config)
+        self.metrics_logger = MetricsLogger(
+            jsonl=self.jsonl, tensorboard=self.tensorboard, trackers=trackers, console=self.console
+        )
 
     def _build_monitors(self) -> None:
         """Run health, preemption, the opt-in monitors and the profiler (collective: gathers names)."""

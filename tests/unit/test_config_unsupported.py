@@ -20,7 +20,6 @@ TRIGGERS: dict[str, dict] = {
     "parallelism.tp_colwise": {"parallelism": {"tp_colwise": ["*.q_proj"]}},
     "parallelism.tp_rowwise": {"parallelism": {"tp_rowwise": ["*.o_proj"]}},
     "parallelism.ep_dispatcher": {"parallelism": {"ep_dispatcher": "fused"}},
-    "profiler.export_type": {"profiler": {"export_type": "db"}},
     "model.model_revision": {"model": {"model_revision": "v1.0"}},
     "model.cache_dir": {"model": {"cache_dir": "./hub"}},
     "model.hf_hub_token": {"model": {"hf_hub_token": "hf_x"}},

@@ -109,7 +109,7 @@ def test_a_window_past_the_run_fails_before_the_first_step(tiny_config: Path) ->
     assert trainer.step == 0
 
 
-def test_profiler_keys_without_the_profiler_are_warned_and_db_export_refused() -> None:
+def test_profiler_keys_without_the_profiler_are_warned() -> None:
     from meshforge.config.loader import config_from_dict
     from meshforge.config.noops import noop_notes
     from meshforge.config.unsupported import unsupported_features
@@ -122,4 +122,57 @@ def test_profiler_keys_without_the_profiler_are_warned_and_db_export_refused() -
     on = config_from_dict({"profiler": {"enable_profiling": True, "start_step": 2, "end_step": 3}})
     assert not [path for path, _ in noop_notes(on, "cpu") if path.startswith("profiler.")]
     db = config_from_dict({"profiler": {"enable_profiling": True, "export_type": "db"}})
-    assert unsupported_features(db) == ["profiler.export_type"]
+    assert unsupported_features(db) == []  # written as SQLite (test_a_db_window_is_a_sqlite_database)
+    assert "profiler.export_type" in dict(
+        noop_notes(config_from_dict({"profiler": {"export_type": "db"}}), "cpu")
+    )
+
+
+@pytest.mark.usefixtures("leave_no_process_group")
+def test_a_db_window_is_a_sqlite_database_of_its_steps(tiny_config: Path) -> None:
+    import sqlite3
+
+    from meshforge.config import load_config
+    from meshforge.trainer import Trainer
+
+    out = tiny_config.parent / "prof-db"
+    overrides = [
+        "training.steps=2",
+        f"training.output_dir={out}",
+        "checkpoint.enable_save=false",
+        "profiler.enable_profiling=true",
+        "profiler.start_step=1",
+        "profiler.end_step=2",
+        "profiler.export_type=db",
+        "profiler.with_stack=false",  # Python frames would be most of the rows and of the time
+    ]
+    lines: list[str] = []
+    trainer = Trainer(load_config(str(tiny_config), overrides), log=lines.append)
+    trainer.setup()
+    trainer.train()
+    files = sorted((out / "profile").iterdir())
+    assert [p.name for p in files] == ["rank0_step1-2.db"]  # instead of the Chrome trace
+    db = sqlite3.connect(files[0])
+    try:
+        meta = dict(db.execute("SELECT key, value FROM meta"))
+        assert (meta["rank"], meta["first_step"], meta["last_step"]) == ("0", "1", "2")
+        steps = [row[0] for row in db.execute("SELECT DISTINCT step FROM events WHERE step IS NOT NULL")]
+        assert sorted(steps) == [1, 2]
+        step_ranges = [
+            row[0] for row in db.execute("SELECT name FROM events WHERE name LIKE 'ProfilerStep#%'")
+        ]
+        assert sorted(step_ranges) == ["ProfilerStep#1", "ProfilerStep#2"]
+        phases = {row[0] for row in db.execute("SELECT name FROM events WHERE step = 2")}
+        assert {"forward_backward", "clip_grads", "optimizer"} <= phases
+        # Every operator sits inside a step and under a parent range; the totals agree with the events.
+        (mm_calls,) = db.execute("SELECT COUNT(*) FROM events WHERE name = 'aten::mm'").fetchone()
+        (mm_total,) = db.execute("SELECT calls FROM operators WHERE name = 'aten::mm'").fetchone()
+        assert mm_calls > 0 and mm_total == mm_calls
+        (orphans,) = db.execute(
+            "SELECT COUNT(*) FROM events WHERE name LIKE 'aten::%' AND (step IS NULL OR parent_id IS NULL)"
+        ).fetchone()
+        assert orphans == 0
+    finally:
+        db.close()
+    summary = [line for line in lines if line.startswith("profiler: steps 1-2 on rank 0 -> ")]
+    assert len(summary) == 1 and summary[0].split(" -> ")[1].startswith(str(files[0]))

@@ -11,10 +11,13 @@ the trainer state, plus `lora.base` in `trainer_state.json` (the base folder and
 weights, `meshforge.lora.base_ref`). Loading a full run's step into a LoRA run takes its weights
 as the frozen base and starts fresh adapters at step 0.
 
-With `checkpoint.async_save`, DCP copies the state to CPU memory and writes it from a background
-thread while training goes on; the marker is written once every rank's write has finished (at
-the next save, or when the run ends). The writes use a process group of their own: gloo
-crashes when a background save and the training collectives share one group.
+With `checkpoint.async_save`, `save()` only hands the state to DCP: one background thread copies
+it into host buffers (pinned on CUDA) that are kept and reused from one save to the next, and
+another writes that copy while training goes on. The loop waits for the copy (`wait_staging()`)
+only before the next optimizer step changes the weights in place, so the forward and backward
+of that step overlap it; the marker is written once every rank's write has finished (at the
+next save, or when the run ends). The writes use a process group of their own: gloo crashes
+when a background save and the training collectives share one group.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from meshforge.checkpoint.readers import read_dcp_metadata, read_json_object
 from meshforge.optim.muon import optimizer_family
@@ -148,9 +153,11 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self.async_save = async_save
         self._pending: tuple[Future, Path, int] | None = None
+        self._staging: Future | None = None
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self.lora_base = lora_base
         self._lora_ref: dict[str, Any] | None = None
+        self._stager = _background_stager() if async_save else None
 
     def should_save(self, step: int, last_step: int) -> bool:
         """Save on every `interval`-th step (when there is an interval) and always at the last step."""
@@ -169,7 +176,7 @@ class CheckpointManager:
         """Write one step folder collectively (every rank must call this).
 
         Returns the folder; with async saving it is complete only after `finalize()` (or the
-        next save) has run.
+        next save) has run, and `wait_staging()` must run before the state changes in place.
         """
         self.finalize()
         target = self.save_dir / step_dir_name(self.prefix, step)
@@ -194,25 +201,45 @@ class CheckpointManager:
                 payload["lora"] = {"base": self._base_reference()}
             (target / TRAINER_STATE_FILE).write_text(json.dumps(payload, indent=2, default=_json_default))
         if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(target), process_group=self._group)
-            # Without an async stager DCP returns a plain Future (torch's annotation is wider).
-            assert isinstance(future, Future)
-            self._pending = (future, target, step)
+            if torch.accelerator.is_available():
+                # The stager copies on a stream of its own, which does not wait for the training
+                # stream: the last update's kernels must have finished before it reads.
+                torch.accelerator.synchronize()
+            response = dcp.async_save(
+                state, checkpoint_id=str(target), process_group=self._group, async_stager=self._stager
+            )
+            # A stager that copies in the background makes DCP return both futures.
+            assert isinstance(response, AsyncSaveResponse)
+            self._staging = response.staging_completion
+            self._pending = (response.upload_completion, target, step)
         else:
             dcp.save(state, checkpoint_id=str(target))
             self._mark_complete(target, step)
         self.last_saved_step = step
         return target
 
+    def wait_staging(self) -> None:
+        """Wait until a background save has copied the state; call before changing it in place."""
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            staging.result()
+
     def finalize(self) -> None:
         """Wait for a background save (if any) and mark it complete; call before exiting."""
         if self._pending is None:
             return
+        self.wait_staging()
         future, target, step = self._pending
         self._pending = None
         future.result()
         self._mark_complete(target, step)
         self.log(f"checkpoint: background save of step {step} finished ({target})")
+
+    def close(self) -> None:
+        """Release the staging thread and the host buffers (left alone while a save is pending)."""
+        if self._stager is not None and self._pending is None:
+            self._stager.close()
+            self._stager = None
 
     def _mark_complete(self, target: Path, step: int) -> None:
         if self._group is not None:
@@ -362,6 +389,24 @@ def _load_base_weights(model: nn.Module, path: Path) -> None:
     state = {"model": base_state_dict(get_model_state_dict(model))}
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+
+
+def _background_stager() -> DefaultStager:
+    """DCP's stager copying on a thread of its own into buffers cached per source storage.
+
+    The cache turns every save after the first into copies into memory that is already mapped:
+    1.25 GB took 0.91 s into fresh memory and 0.40 s into reused memory on one CPU core. Pinned
+    buffers and non-blocking copies only exist with an accelerator.
+    """
+    accelerator = torch.accelerator.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(),
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=accelerator,
+        )
+    )
 
 
 def read_trainer_state(step_dir: Path) -> dict[str, Any]:

@@ -88,6 +88,7 @@ ENTRIES: list[NoOp] = [
             "profile_cpu",
             "with_stack",
             "record_shapes",
+            "export_type",
         )
     ],
     NoOp(

@@ -189,11 +189,6 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         f"{_P}.ep_dispatcher", lambda c: c.parallelism.ep_dispatcher != "eager", "fused/mc2 EP dispatch"
     ),
-    Unsupported(
-        "profiler.export_type",
-        lambda c: c.profiler.export_type == "db",
-        "database (db) profile export: meshforge writes Chrome traces (export_type: text)",
-    ),
     *[
         Unsupported(
             f"model.{name}",

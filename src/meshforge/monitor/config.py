@@ -1,4 +1,5 @@
-"""`monitor:` section: health checks, train-state norms, TensorBoard and MoE load monitoring (light).
+"""`monitor:` section: health checks, train-state norms, TensorBoard, MoE load monitoring and the
+experiment trackers (Weights & Biases, SwanLab) (light).
 
 The MoE monitor keeps the reference's exact type rules: a bool is rejected in either field (a
 TypeError in the reference), `save_tokens_per_expert_interval` must be > 0, and `target_layers` is
@@ -7,7 +8,7 @@ an int > 0, a list of ints >= 0, or null.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import field_validator
 
@@ -94,8 +95,46 @@ class MoeMonitorConfig(StrictSection):
         return self.save_tokens_per_expert_interval is not None or self.target_layers is not None
 
 
+Tracker = Literal["tensorboard", "wandb", "swanlab"]
+TRACKERS: tuple[str, ...] = ("tensorboard", "wandb", "swanlab")
+
+
+class WandbConfig(StrictSection):
+    """Weights & Biases run (`pip install meshforge[wandb]`); on when written or named in `report_to`."""
+
+    project: str = describe("meshforge", "W&B project.")
+    name: str | None = describe(None, "Run name; null = the name of training.output_dir.")
+    entity: str | None = describe(None, "W&B entity (user or team); null = the account's default.")
+    mode: Literal["online", "offline", "disabled"] | None = describe(
+        None, "online, offline (sync later with `wandb sync`) or disabled; null = WANDB_MODE or online."
+    )
+    tags: list[str] = describe([], "Tags of the run.")
+    dir: str = describe("", "Folder of W&B's local files; empty = training.output_dir.")
+    log_interval: PosInt = describe(1, "Log every this many steps.")
+
+
+class SwanLabConfig(StrictSection):
+    """SwanLab experiment (`pip install meshforge[swanlab]`); on when written or named in `report_to`."""
+
+    project: str = describe("meshforge", "SwanLab project.")
+    name: str | None = describe(None, "Experiment name; null = the name of training.output_dir.")
+    workspace: str | None = describe(None, "Workspace (an organisation); null = your own.")
+    mode: Literal["cloud", "local", "offline", "disabled"] | None = describe(
+        None, "cloud, local, offline or disabled; null = SwanLab's default (cloud)."
+    )
+    tags: list[str] = describe([], "Tags of the experiment.")
+    dir: str = describe("", "SwanLab's log folder; empty = {training.output_dir}/swanlog.")
+    log_interval: PosInt = describe(1, "Log every this many steps.")
+
+
 class MonitorConfig(StrictSection):
     """Training monitors."""
+
+    report_to: list[Tracker] | Literal["none", "all"] | Tracker = describe(
+        [],
+        "Experiment trackers to log to (the HF Trainer's `report_to`): a name or a list of "
+        "tensorboard, wandb, swanlab; all; none. Each one's settings are in its own section.",
+    )
 
     health_checkpoint: HealthCheckpointConfig = describe(
         HealthCheckpointConfig(), "Training-health thresholds."
@@ -103,3 +142,25 @@ class MonitorConfig(StrictSection):
     train_state: TrainStateConfig = describe(TrainStateConfig(), "Local/device norm and loss logging.")
     tensorboard: TensorboardConfig = describe(TensorboardConfig(), "TensorBoard output.")
     moe_monitor: MoeMonitorConfig = describe(MoeMonitorConfig(), "MoE tokens-per-expert monitor.")
+    plot_curves: Bool = describe(
+        True,
+        "Draw {output_dir}/metrics.png (loss, lr, grad norm, tokens/s) when the run ends, on rank 0; "
+        "MESHFORGE_PLOT=0 in the environment switches it off as well.",
+    )
+    wandb: WandbConfig = describe(WandbConfig(), "Weights & Biases run settings.")
+    swanlab: SwanLabConfig = describe(SwanLabConfig(), "SwanLab experiment settings.")
+
+    def trackers(self) -> list[str]:
+        """The trackers this run logs to: named in `report_to`, or a tracker section written.
+
+        `report_to: none` switches every tracker off, written sections included.
+        """
+        named = self.report_to
+        if named == "none":
+            return []
+        if named == "all":
+            chosen = set(TRACKERS)
+        else:
+            chosen = {named} if isinstance(named, str) else set(named)
+        chosen.update(name for name in ("wandb", "swanlab") if name in self.model_fields_set)
+        return [name for name in TRACKERS if name in chosen]
