@@ -44,8 +44,8 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     """``model:`` options from a DeepSeek-V3 ``config.json`` (transformers' or DeepSeek's own).
 
     Keys that are family options pass through; a legacy ``rope_scaling`` becomes
-    ``rope_parameters`` (with ``rope_theta``), so a yarn-scaled checkpoint is refused by the
-    args with "not supported yet" rather than loaded with the wrong positions. Other keys
+    ``rope_parameters`` (with ``rope_theta``; ``type`` read as ``rope_type``), which the args
+    check (``default`` and ``yarn`` are built, others refused by name). Other keys
     (``transformers_version``, ``auto_map``, ``aux_loss_alpha``, ...) are dropped.
 
     Raises:

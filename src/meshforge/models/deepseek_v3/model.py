@@ -8,7 +8,8 @@ sparse block of :mod:`meshforge.models.common.sigmoid_moe` (``mlp.gate.weight``,
 ``mlp.shared_experts.*``). Safetensors use per-expert keys; ``hf.py`` maps them.
 
 The rotary embedding spans only the ``qk_rope_head_dim`` rotated dims of each head (what
-transformers calls ``head_dim`` for this family). Besides logits a forward leaves
+transformers calls ``head_dim`` for this family); under ``rope_type: yarn`` it is YaRN's
+(blended frequencies, cos/sin gain) and the attention scale gets the ``mscale`` correction. Besides logits a forward leaves
 ``tokens_per_expert()`` for the monitor; ``aux_loss()`` is always None because
 transformers computes no load-balancing loss for DeepSeek-V3 (balancing is the job of the
 correction bias).
@@ -29,6 +30,7 @@ from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding
 from meshforge.models.common.sigmoid_moe import SharedExpertMoEBlock
+from meshforge.models.common.yarn import YarnRotaryEmbedding
 from meshforge.models.deepseek_v3.args import DeepseekV3Args
 
 
@@ -53,6 +55,7 @@ class DeepseekV3DecoderLayer(nn.Module):
             bias=args.attention_bias,
             rope_interleave=args.rope_interleave,
             dropout=float(args.attention_dropout),
+            softmax_scale=args.softmax_scale,
         )
         self.is_moe = args.is_moe_layer(layer_idx)
         self.mlp: SharedExpertMoEBlock | GatedMLP
@@ -89,7 +92,20 @@ class DeepseekV3Model(DecoderModel):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, args.pad_token_id)
         self.layers = nn.ModuleList(DeepseekV3DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(args.qk_rope_head_dim, args.theta)
+        self.rotary_emb = rotary_embedding(args)
+
+
+def rotary_embedding(args: DeepseekV3Args) -> RotaryEmbedding:
+    """The rotary table over the ``qk_rope_head_dim`` rotated dims: default RoPE or YaRN."""
+    if args.rope_type == "yarn":
+        assert args.rope_parameters is not None  # a yarn type comes from the dict
+        return YarnRotaryEmbedding(
+            args.qk_rope_head_dim,
+            args.rope_parameters,
+            theta=args.theta,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+    return RotaryEmbedding(args.qk_rope_head_dim, args.theta)
 
 
 class DeepseekV3ForCausalLM(MoECausalLM[DeepseekV3Args]):
