@@ -26,6 +26,7 @@ from meshforge.models.common.kernels import (
 from meshforge.monitor.console import ConsoleProgress
 from meshforge.monitor.metrics import JsonlMetrics, TensorBoardMetrics
 from meshforge.resources import resolve_path
+from meshforge.trainer_mtp import mtp_factor
 from meshforge.utils.dtype import parse_dtype
 from meshforge.utils.seed import set_rng_state
 
@@ -122,6 +123,7 @@ class TrainerBuild:
     tensorboard: TensorBoardMetrics | None
     console: ConsoleProgress | None
     _aux_loss_enabled: bool
+    mtp_coef: float
     _ignored_params: bool
 
     def _build_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -182,6 +184,12 @@ class TrainerBuild:
         self.peak_flops = peak_flops(self.device, compute_dtype) if self.flops_per_token is not None else None
         self.aux_coef = self._router_aux_coef(model_config)
         self._aux_loss_enabled = self.aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
+        self.mtp_coef = mtp_factor(
+            model,
+            self.cfg.training.mtp_loss_scaling_factor,
+            family=family.name,
+            pipeline_parallel=self.dims.pp,
+        )
         self._check_parallel_support()
         parallel = parallelize_model(
             model,

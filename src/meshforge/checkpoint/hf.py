@@ -517,6 +517,7 @@ def resolve_model_source(model_cfg: ModelConfig, *, log: Callable[[str], None] |
             emit(f"model.{key}: {value!r} (not set in {hf_dir / CONFIG_FILE})")
     options = {**base, **extra}
     _refit_layer_types(options, base, extra, emit)
+    _fit_to_weights(family, options, extra, hf_dir, emit)
     try:
         family.parse_options(options)
     except ValueError as err:
@@ -525,6 +526,24 @@ def resolve_model_source(model_cfg: ModelConfig, *, log: Callable[[str], None] |
             f"model: {err} (options from {hf_dir / CONFIG_FILE} and the model: section)"
         ) from None
     return ModelSource(family, options, hf_dir)
+
+
+def _fit_to_weights(
+    family: FamilySpec, options: dict[str, Any], extra: dict[str, Any], hf_dir: Path, emit: Callable[[str], None]
+) -> None:
+    """Let the family's adapter adjust config.json options to the stored keys (``fit_to_weights``).
+
+    DeepSeek-V3: transformers' ``save_pretrained`` keeps ``num_nextn_predict_layers`` in config.json
+    but writes no MTP weights; such a folder builds without MTP layers (logged). Keys the
+    ``model:`` section sets are never changed.
+    """
+    fit = getattr(hf_adapter(family), "fit_to_weights", None)
+    if fit is None or not any((hf_dir / name).is_file() for name in (INDEX_FILE, SINGLE_FILE)):
+        return
+    for key, (value, why) in fit(options, set(find_hf_weights(hf_dir))).items():
+        if key not in extra:
+            emit(f"model.{key}: {value!r} instead of {options.get(key)!r} from {hf_dir / CONFIG_FILE}: {why}")
+            options[key] = value
 
 
 def _generic_source(
