@@ -529,7 +529,11 @@ def resolve_model_source(model_cfg: ModelConfig, *, log: Callable[[str], None] |
 
 
 def _fit_to_weights(
-    family: FamilySpec, options: dict[str, Any], extra: dict[str, Any], hf_dir: Path, emit: Callable[[str], None]
+    family: FamilySpec,
+    options: dict[str, Any],
+    extra: dict[str, Any],
+    hf_dir: Path,
+    emit: Callable[[str], None],
 ) -> None:
     """Let the family's adapter adjust config.json options to the stored keys (``fit_to_weights``).
 
