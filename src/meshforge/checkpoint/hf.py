@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from meshforge.checkpoint.dequant import quantized_view
 from meshforge.checkpoint.readers import open_safetensors, read_json_object
 
 if TYPE_CHECKING:
@@ -222,7 +223,11 @@ def load_hf_weights(
     from meshforge.models.vocab import vocab_parameters
 
     folder = Path(path)
-    key_files = find_hf_weights(folder)
+    stored = key_files = find_hf_weights(folder)
+    # A quantised release (quantization_config: fp8, mxfp4) is read through its logical keys.
+    quant = quantized_view(read_hf_config(folder), stored) if (folder / CONFIG_FILE).is_file() else None
+    if quant is not None:
+        key_files = quant.key_files
     adapter = hf_adapter(family, getattr(model, "config", None))
     params = list(model.named_parameters())
     sources = {name: adapter.hf_sources(name) for name, _ in params}
@@ -256,21 +261,27 @@ def load_hf_weights(
         handles: dict[Path, Any] = {}
 
         def handle(key: str) -> Any:
-            file = key_files[key]
+            file = stored[key]
             if file not in handles:
                 handles[file] = stack.enter_context(open_safetensors(file))
             return handles[file]
+
+        def read(key: str) -> torch.Tensor:
+            if quant is not None and quant.covers(key):
+                return quant.read(key, lambda part: handle(part).get_tensor(part))
+            return handle(key).get_tensor(key)
 
         for name, param in params:
             keys = sources[name]
             where = _where(key_files[keys[0]], keys, name)
             rows = short_rows.get(name)
-            if isinstance(param, DTensor) and adapter.renames_only and len(keys) == 1:
+            quantised = quant is not None and any(quant.covers(key) for key in keys)
+            if isinstance(param, DTensor) and adapter.renames_only and len(keys) == 1 and not quantised:
                 # Same layout on disk: read only this rank's rows/columns of the tensor (rows passed
                 # positionally: a test wraps this function with *args).
                 _copy_local_slice(name, param, handle(keys[0]).get_slice(keys[0]), where, rows)
                 continue
-            full = adapter.from_hf(converted_as[name], {key: handle(key).get_tensor(key) for key in keys})
+            full = adapter.from_hf(converted_as[name], {key: read(key) for key in keys})
             full = _check_and_cast(name, full, param, where, rows=rows)
             if rows is not None:
                 from meshforge.models.vocab import write_rows

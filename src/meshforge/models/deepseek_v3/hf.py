@@ -59,18 +59,15 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     (``transformers_version``, ``auto_map``, ``aux_loss_alpha``, ...) are dropped.
 
     Raises:
-        ValueError: For FP8 weights (``quantization_config``) or a routing variant other than
-            the one transformers implements (``scoring_func``, ``topk_method``, ``moe_layer_freq``).
+        ValueError: For a ``quantization_config`` format the loader does not dequantise (the
+            published block-wise FP8 is), or a routing variant other than the one transformers
+            implements (``scoring_func``, ``topk_method``, ``moe_layer_freq``).
     """
+    from meshforge.checkpoint.dequant import quantization_method
     from meshforge.models.deepseek_v3.args import OPTION_KEYS
 
-    quant = config.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ValueError(
-            f"config.json quantization_config: not supported yet: quantized weights ({method}); "
-            "convert the checkpoint to bf16/fp32 safetensors first"
-        )
+    # The published FP8 weights are dequantised at load (checkpoint/dequant.py); other formats fail here.
+    quantization_method(config)
     for key, expected in _FIXED_HF_KEYS.items():
         if key in config and config[key] != expected:
             raise ValueError(
