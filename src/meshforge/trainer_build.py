@@ -189,6 +189,7 @@ class TrainerBuild:
             self.cfg.training.mtp_loss_scaling_factor,
             family=family.name,
             pipeline_parallel=self.dims.pp,
+            context_parallel=self.dims.cp,
         )
         self._check_parallel_support()
         parallel = parallelize_model(

@@ -198,6 +198,9 @@ def test_mtp_factor_on_a_model_without_mtp_is_an_error() -> None:
     one = build_deepseek_v3(_args(1), device="meta")
     assert mtp_factor(one, 0.3, family="deepseek_v3", pipeline_parallel=1) == 0.3
     assert one.model.mtp_active
+    for where in ({"pipeline_parallel": 2}, {"pipeline_parallel": 1, "context_parallel": 2}):
+        with pytest.raises(ValueError, match="not supported yet: multi-token prediction"):
+            mtp_factor(one, 0.3, family="deepseek_v3", **where)
     assert mtp_factor(one, 0.0, family="deepseek_v3", pipeline_parallel=2) == 0.0
     assert not one.model.mtp_active
 
