@@ -86,13 +86,13 @@ class QuantizedView:
     """The logical keys of a quantised folder, and how to read each one.
 
     Attributes:
-        method: ``fp8`` or ``mxfp4``.
+        method: ``fp8``, ``mxfp4``, or None for an unquantised folder (every key as stored).
         key_files: Logical key -> the file of its (main) stored tensor; for the loader.
         parts: Logical key of a quantised tensor -> its stored keys (weight and scales).
         block: The FP8 block size.
     """
 
-    method: str
+    method: str | None
     key_files: dict[str, Path]
     parts: dict[str, tuple[str, str]] = field(default_factory=dict)
     block: tuple[int, int] = (128, 128)
@@ -102,15 +102,17 @@ class QuantizedView:
         return key in self.parts
 
     def read(self, key: str, tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        """The dequantised float32 tensor of ``key``; ``tensor(stored_key)`` reads a stored one."""
+        """The tensor of ``key`` (dequantised in float32 if stored quantised); ``tensor(k)`` reads stored ``k``."""
+        if key not in self.parts:
+            return tensor(key)
         first, second = self.parts[key]
         if self.method == "fp8":
             return dequantize_fp8(tensor(first), tensor(second), self.block)
         return dequantize_mxfp4(tensor(first), tensor(second))
 
 
-def quantized_view(config: Mapping[str, Any], stored: Mapping[str, Path]) -> QuantizedView | None:
-    """The logical view of a folder's stored keys, or None when ``config`` has no quantisation.
+def quantized_view(config: Mapping[str, Any], stored: Mapping[str, Path]) -> QuantizedView:
+    """The logical view of a folder's stored keys (the keys themselves without quantisation).
 
     Raises:
         ValueError: For an unhandled format (see :func:`quantization_method`), or an FP8 scale
@@ -118,7 +120,7 @@ def quantized_view(config: Mapping[str, Any], stored: Mapping[str, Path]) -> Qua
     """
     method = quantization_method(config)
     if method is None:
-        return None
+        return QuantizedView(None, dict(stored))
     key_files: dict[str, Path] = {}
     parts: dict[str, tuple[str, str]] = {}
     if method == "fp8":

@@ -223,11 +223,10 @@ def load_hf_weights(
     from meshforge.models.vocab import vocab_parameters
 
     folder = Path(path)
-    stored = key_files = find_hf_weights(folder)
+    stored = find_hf_weights(folder)
     # A quantised release (quantization_config: fp8, mxfp4) is read through its logical keys.
-    quant = quantized_view(read_hf_config(folder), stored) if (folder / CONFIG_FILE).is_file() else None
-    if quant is not None:
-        key_files = quant.key_files
+    quant = quantized_view(read_hf_config(folder) if (folder / CONFIG_FILE).is_file() else {}, stored)
+    key_files = quant.key_files
     adapter = hf_adapter(family, getattr(model, "config", None))
     params = list(model.named_parameters())
     sources = {name: adapter.hf_sources(name) for name, _ in params}
@@ -266,22 +265,18 @@ def load_hf_weights(
                 handles[file] = stack.enter_context(open_safetensors(file))
             return handles[file]
 
-        def read(key: str) -> torch.Tensor:
-            if quant is not None and quant.covers(key):
-                return quant.read(key, lambda part: handle(part).get_tensor(part))
-            return handle(key).get_tensor(key)
-
         for name, param in params:
             keys = sources[name]
             where = _where(key_files[keys[0]], keys, name)
             rows = short_rows.get(name)
-            quantised = quant is not None and any(quant.covers(key) for key in keys)
-            if isinstance(param, DTensor) and adapter.renames_only and len(keys) == 1 and not quantised:
+            plain = not any(quant.covers(key) for key in keys)
+            if isinstance(param, DTensor) and adapter.renames_only and len(keys) == 1 and plain:
                 # Same layout on disk: read only this rank's rows/columns of the tensor (rows passed
                 # positionally: a test wraps this function with *args).
                 _copy_local_slice(name, param, handle(keys[0]).get_slice(keys[0]), where, rows)
                 continue
-            full = adapter.from_hf(converted_as[name], {key: read(key) for key in keys})
+            read = {key: quant.read(key, lambda k: handle(k).get_tensor(k)) for key in keys}
+            full = adapter.from_hf(converted_as[name], read)
             full = _check_and_cast(name, full, param, where, rows=rows)
             if rows is not None:
                 from meshforge.models.vocab import write_rows
@@ -546,11 +541,9 @@ def _fit_to_weights(
     hf_dir: Path,
     emit: Callable[[str], None],
 ) -> None:
-    """Let the family's adapter adjust config.json options to the stored keys (``fit_to_weights``).
+    """The family adapter's ``fit_to_weights`` changes to config.json options (logged; ``model:`` keys kept).
 
-    DeepSeek-V3: transformers' ``save_pretrained`` keeps ``num_nextn_predict_layers`` in config.json
-    but writes no MTP weights; such a folder builds without MTP layers (logged). Keys the
-    ``model:`` section sets are never changed.
+    DeepSeek-V3: transformers' ``save_pretrained`` keeps ``num_nextn_predict_layers`` but writes no MTP weights.
     """
     fit = getattr(hf_adapter(family), "fit_to_weights", None)
     if fit is None or not any((hf_dir / name).is_file() for name in (INDEX_FILE, SINGLE_FILE)):
