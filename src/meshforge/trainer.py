@@ -249,6 +249,7 @@ class Trainer(TrainerMonitors):
                 loss_sum = self.pipeline.step(micro, normalizer)
             if self._aux_loss_enabled:
                 self._aux_sum = self._aux_sum + self.pipeline.aux_sum
+            self._mtp_sum = self._mtp_sum + self.pipeline.mtp_sum
         else:
             loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
             with phase:

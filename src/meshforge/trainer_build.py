@@ -188,7 +188,6 @@ class TrainerBuild:
             model,
             self.cfg.training.mtp_loss_scaling_factor,
             family=family.name,
-            pipeline_parallel=self.dims.pp,
             context_parallel=self.dims.cp,
         )
         self._check_parallel_support()
@@ -374,6 +373,7 @@ class TrainerBuild:
             # The last stage adds the router aux loss from totals carried through the stages.
             aux_coef=self.aux_coef if self._aux_loss_enabled else 0.0,
             chunk_loss_size=self.kernel_options.chunk_loss_size,
+            mtp_coef=self.mtp_coef,
         )
 
     def _build_data(self) -> StatefulLoader | StreamLoader:

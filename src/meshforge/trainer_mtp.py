@@ -34,14 +34,12 @@ class MTPModel(Protocol):
     def mtp_outputs(self) -> list[torch.Tensor]: ...
 
 
-def mtp_factor(
-    model: nn.Module, factor: float, *, family: str, pipeline_parallel: int, context_parallel: int = 1
-) -> float:
+def mtp_factor(model: nn.Module, factor: float, *, family: str, context_parallel: int = 1) -> float:
     """The factor the trainer applies (0: no MTP), after switching the model's MTP depths on or off.
 
     Raises:
         ValueError: ``training.mtp_loss_scaling_factor`` changed on a model without MTP depths,
-            or MTP under pipeline or context parallelism (not built).
+            or MTP under context parallelism (not built).
     """
     depths = model.num_mtp_layers if isinstance(model, MTPModel) else 0
     if depths == 0:
@@ -57,12 +55,6 @@ def mtp_factor(
             )
         return 0.0
     assert isinstance(model, MTPModel)
-    if factor > 0 and pipeline_parallel > 1:
-        raise ValueError(
-            "not supported yet: multi-token prediction (model.num_nextn_predict_layers > 0) with "
-            "parallelism.pipeline_parallel > 1; set training.mtp_loss_scaling_factor: 0 (the MTP "
-            "layers are then kept but not trained) or model.num_nextn_predict_layers: 0"
-        )
     if factor > 0 and context_parallel > 1:
         # Depth k reads token i + k, which for the last k positions of a CP rank's slice lives
         # on another rank.
