@@ -1,7 +1,8 @@
 """Structural hyper-parameters of the built-in DeepSeek-V3 family and its named flavors.
 
 ``DeepseekV3Args`` mirrors transformers' ``DeepseekV3Config`` (5.24) field for field, same
-names and defaults, so a ``config.json`` or the ``model:`` passthrough keys of a YAML map
+names and defaults (except ``num_nextn_predict_layers``: 0, so a ``model:`` section that does not
+ask for multi-token prediction gets none; a ``config.json`` gives its own value), so a ``config.json`` or the ``model:`` passthrough keys of a YAML map
 onto it one to one (the MindFormers reference spells the experts ``n_routed_experts`` and
 ``num_experts_per_tok``, as transformers does). Spellings from real files accepted besides:
 ``num_local_experts`` (transformers' alias of ``n_routed_experts``), ``num_mtp_layers``
@@ -66,7 +67,8 @@ class DeepseekV3Args:
     rope_interleave: bool = True
     attention_bias: bool = False
     attention_dropout: float = 0.0
-    num_nextn_predict_layers: int = 1
+    # transformers' default is 1; here MTP blocks are built only when asked for (config.json or model:).
+    num_nextn_predict_layers: int = 0
     head_dim: int | None = None
     qk_head_dim: int | None = None
 
