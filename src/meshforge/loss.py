@@ -239,3 +239,51 @@ def chunked_cross_entropy_sum(
 def count_valid_tokens(labels: torch.Tensor) -> torch.Tensor:
     """Number of positions that contribute to the loss (as an int64 scalar tensor)."""
     return (labels != IGNORE_INDEX).sum()
+
+
+def mtp_labels(labels: torch.Tensor, depth: int, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Targets of multi-token-prediction depth ``depth`` (1-based): ``labels[i + depth]`` at ``i``.
+
+    The last ``depth`` positions of a row have none (-100); in a packed row neither has a
+    position whose target lies in another document or in padding.
+    """
+    tail = labels.new_full((*labels.shape[:-1], min(depth, labels.shape[-1])), IGNORE_INDEX)
+    out = torch.cat([labels[..., depth:], tail], dim=-1)
+    if segment_ids is not None:
+        ahead = torch.cat([segment_ids[..., depth:], segment_ids.new_zeros(tail.shape)], dim=-1)
+        out = out.masked_fill((ahead != segment_ids) | (segment_ids == 0), IGNORE_INDEX)
+    return out
+
+
+def mtp_cross_entropy_sum(
+    outputs: list[torch.Tensor],
+    labels: torch.Tensor,
+    segment_ids: torch.Tensor | None = None,
+    *,
+    head_weight: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The mean over MTP depths of each depth's summed cross-entropy against ``mtp_labels``.
+
+    The trainer divides it by the same global valid-token count as the main loss, so the
+    logged ``mtp_loss`` is the per-token MTP cross-entropy averaged over the depths, and
+    ``mtp_loss_scaling_factor`` times it is what the objective adds (Megatron's
+    ``mtp_loss_scaling_factor / mtp_num_layers`` per depth).
+
+    Args:
+        outputs: Per depth (1..n), logits ``[B, S, V]``, or normed hidden states when
+            ``chunk_size`` is given (then ``head_weight`` is the LM head's).
+        labels: The main targets ``[B, S]`` (already shifted by one).
+        segment_ids: ``[B, S]`` document ids of packed rows, or None.
+    """
+    if not outputs:
+        raise ValueError("mtp_cross_entropy_sum: no MTP outputs (did the forward run the MTP depths?)")
+    total = torch.zeros((), dtype=torch.float32, device=labels.device)
+    for depth, out in enumerate(outputs, start=1):
+        target = mtp_labels(labels, depth, segment_ids)
+        if chunk_size is not None:
+            assert head_weight is not None, "the chunked loss applies the head itself"
+            total = total + chunked_cross_entropy_sum(out, head_weight, target, chunk_size=chunk_size)
+        else:
+            total = total + cross_entropy_sum(out, target)
+    return total / len(outputs)

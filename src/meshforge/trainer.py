@@ -35,6 +35,7 @@ from meshforge.trainer_batches import BatchPlan, plan_batches
 from meshforge.trainer_eval import evaluate_pipeline, reshard_fsdp
 from meshforge.trainer_export import export_hf_from_checkpoint, export_hf_from_memory, export_lora_from_memory
 from meshforge.trainer_monitors import TrainerMonitors
+from meshforge.trainer_mtp import mtp_loss_sum
 from meshforge.utils import distributed as dist_utils
 from meshforge.utils.comms import comm_stats_enabled
 from meshforge.utils.device import backend_for, resolve_device
@@ -148,6 +149,14 @@ class Trainer(TrainerMonitors):
             weight = count_valid_tokens(batch["labels"]).to(normalizer.dtype) / normalizer
             self._aux_sum += aux.detach().float() * weight
             objective = objective + self.aux_coef * aux * weight
+        if self.mtp_coef:
+            chunk = self.kernel_options.chunk_loss_size
+            mtp = (
+                mtp_loss_sum(self.model, batch, chunk_size=chunk, loss_context=self._loss_context())
+                / normalizer
+            )
+            self._mtp_sum += _plain(mtp).detach()
+            objective = objective + self.mtp_coef * mtp
         with self._loss_context():
             objective.backward()
         return _plain(loss_sum).detach()
@@ -233,6 +242,7 @@ class Trainer(TrainerMonitors):
         # the global token mean, or of the mean of per-rank means (disable_gradient_division off).
         normalizer = self._loss_normalizer(local_tokens, global_tokens)
         self._aux_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self._mtp_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         if self.moe_monitor is not None:
             self.moe_monitor.begin(self.step + 1)
         phase = self._phase("forward_backward")
@@ -243,6 +253,7 @@ class Trainer(TrainerMonitors):
                 loss_sum = self.pipeline.step(micro, normalizer)
             if self._aux_loss_enabled:
                 self._aux_sum = self._aux_sum + self.pipeline.aux_sum
+            self._mtp_sum = self._mtp_sum + self.pipeline.mtp_sum
         else:
             loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
             with phase:
@@ -259,6 +270,8 @@ class Trainer(TrainerMonitors):
         extra: dict[str, float] = {}
         if self._aux_loss_enabled:
             extra["aux_loss"] = float(dist_utils.all_reduce_sum(self._aux_sum, loss_group))
+        if self.mtp_coef:
+            extra["mtp_loss"] = float(dist_utils.all_reduce_sum(self._mtp_sum, loss_group))
         if self.train_state is not None and is_log_step(
             self.step + 1, self.cfg.training.log_interval, self.total_steps
         ):

@@ -25,6 +25,7 @@ from meshforge.models.common.kernels import (
 from meshforge.monitor.console import ConsoleProgress
 from meshforge.monitor.metrics import JsonlMetrics, TensorBoardMetrics
 from meshforge.resources import resolve_path
+from meshforge.trainer_mtp import mtp_factor
 from meshforge.utils.dtype import parse_dtype
 from meshforge.utils.seed import set_rng_state
 
@@ -99,6 +100,7 @@ class TrainerBuild:
     tensorboard: TensorBoardMetrics | None
     console: ConsoleProgress | None
     _aux_loss_enabled: bool
+    mtp_coef: float
     _ignored_params: bool
 
     def _build_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -164,6 +166,12 @@ class TrainerBuild:
         self.peak_flops = peak_flops(self.device, compute_dtype) if self.flops_per_token is not None else None
         self.aux_coef = self._router_aux_coef(model_config)
         self._aux_loss_enabled = self.aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
+        self.mtp_coef = mtp_factor(
+            model,
+            self.cfg.training.mtp_loss_scaling_factor,
+            family=family.name,
+            context_parallel=self.dims.cp,
+        )
         self._check_parallel_support()
         lora = lora_settings(self.cfg.lora_config) if self.cfg.lora_config is not None else None
         parallel = parallelize_model(
@@ -426,6 +434,7 @@ class TrainerBuild:
             # The last stage adds the router aux loss from totals carried through the stages.
             aux_coef=self.aux_coef if self._aux_loss_enabled else 0.0,
             chunk_loss_size=self.kernel_options.chunk_loss_size,
+            mtp_coef=self.mtp_coef,
         )
 
     def _build_data(self) -> StatefulLoader | StreamLoader:

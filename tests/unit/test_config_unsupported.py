@@ -25,7 +25,6 @@ TRIGGERS: dict[str, dict] = {
     "model.hf_hub_token": {"model": {"hf_hub_token": "hf_x"}},
     "model.ms_hub_token": {"model": {"ms_hub_token": "ms_x"}},
     "model.om_hub_token": {"model": {"om_hub_token": "om_x"}},
-    "training.mtp_loss_scaling_factor": {"training": {"mtp_loss_scaling_factor": 0.1}},
     "training.indexer_loss_coeff": {"training": {"indexer_loss_coeff": 0.5}},
     "parallelism.pipeline_parallel_p2p_transport": {
         "parallelism": {"pipeline_parallel_p2p_transport": "hccs"}

@@ -3,6 +3,7 @@ routing (correction bias, groups, scaling), packing, the safetensors adapter and
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -334,7 +335,7 @@ def test_args_accept_mindformers_names_and_refuse_bad_values():
         "topk_group": 3,
         "head_dim": 16,
         "num_key_value_heads": 2,
-        "rope_parameters": {"rope_type": "yarn", "factor": 4.0},
+        "rope_parameters": {"rope_type": "dynamic", "factor": 4.0},
     }
     for key, message in bad.items():
         with pytest.raises(ValueError, match=message):
@@ -399,64 +400,17 @@ def test_tiny_config_model_section_builds():
     assert torch.isfinite(logits).all() and sorted(model.tokens_per_expert()) == [1, 2, 3]
 
 
-# config.json of deepseek-ai/DeepSeek-V3 (DeepSeek's own modelling code, transformers 4.33 era).
-PUBLISHED = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "aux_loss_alpha": 0.001,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "ep_size": 1,
-    "first_k_dense_replace": 3,
-    "hidden_act": "silu",
-    "hidden_size": 7168,
-    "initializer_range": 0.02,
-    "intermediate_size": 18432,
-    "kv_lora_rank": 512,
-    "max_position_embeddings": 163840,
-    "model_type": "deepseek_v3",
-    "moe_intermediate_size": 2048,
-    "moe_layer_freq": 1,
-    "n_group": 8,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "num_attention_heads": 128,
-    "num_experts_per_tok": 8,
-    "num_hidden_layers": 61,
-    "num_key_value_heads": 128,
-    "num_nextn_predict_layers": 1,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"},
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {"factor": 40, "mscale": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "seq_aux": True,
-    "tie_word_embeddings": False,
-    "topk_group": 4,
-    "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16",
-    "v_head_dim": 128,
-    "vocab_size": 129280,
-}
+# config.json of deepseek-ai/DeepSeek-V3 as published (DeepSeek's own modelling code, transformers 4.33 era).
+PUBLISHED = json.loads((Path(__file__).parents[1] / "data" / "deepseek_v3_config.json").read_text())
 
 
-def test_published_config_is_refused_where_unsupported_and_counts_671b_37b():
-    with pytest.raises(ValueError, match="quantization_config: not supported yet"):
-        ds_hf.from_hf_config(PUBLISHED)
-    unquantized = {k: v for k, v in PUBLISHED.items() if k != "quantization_config"}
-    with pytest.raises(ValueError, match="rope_type: not supported yet for deepseek_v3: 'yarn'"):
-        from_options(ds_hf.from_hf_config(unquantized))
+def test_published_config_builds_with_yarn_and_counts_671b_37b():
     with pytest.raises(ValueError, match="scoring_func: not supported yet"):
-        ds_hf.from_hf_config({**unquantized, "scoring_func": "softmax"})
-    plain = {k: v for k, v in unquantized.items() if k != "rope_scaling"}
-    args = from_options(ds_hf.from_hf_config(plain))
-    model = build_deepseek_v3(args)
+        ds_hf.from_hf_config({**PUBLISHED, "scoring_func": "softmax"})
+    args = from_options(ds_hf.from_hf_config(PUBLISHED))
+    assert args.rope_type == "yarn" and args.rope_parameters["factor"] == 40
+    assert args.num_nextn_predict_layers == 1
+    model = build_deepseek_v3(replace(args, num_nextn_predict_layers=0))
     # DeepSeek-V3 report: 671B total, 37B activated per token (without the MTP module); the
     # exact counts here are 671.03B and 37.55B (embedding and head included).
     assert round(model.num_params() / 1e9) == 671
@@ -536,4 +490,4 @@ def test_mindformers_skeleton_model_section():
     args = from_options({**skeleton, "n_group": 1, "topk_group": 1})
     assert args.num_key_value_heads == 8 and args.n_routed_experts == 8 and args.num_experts_per_tok == 4
     model = build_deepseek_v3(args)
-    assert sorted(model.moe_layers()) == list(range(3, 12))
+    assert sorted(model.moe_layers()) == list(range(3, 12))  # no MTP block unless asked for

@@ -245,11 +245,15 @@ def test_hf_folder_round_trip_through_loader_and_transformers(tmp_path: Path):
         assert _rel(reloaded(ids).logits, expected) <= 1e-4
 
 
-def test_quantised_checkpoint_is_refused_clearly():
+def test_quantised_checkpoint_formats_mxfp4_read_others_refused_clearly():
     from meshforge.models.gpt_oss import hf as gpt_oss_hf
 
-    with pytest.raises(ValueError, match="quantization_config.*mxfp4.*not supported"):
-        gpt_oss_hf.from_hf_config({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}})
+    # MXFP4 (the published release) is dequantised at load (tests/unit/test_dequant.py).
+    assert gpt_oss_hf.from_hf_config(
+        {"model_type": "gpt_oss", "hidden_size": 64, "quantization_config": {"quant_method": "mxfp4"}}
+    ) == {"hidden_size": 64}
+    with pytest.raises(ValueError, match="quant_method: not supported yet: 'awq' \\(handled: fp8 .*mxfp4"):
+        gpt_oss_hf.from_hf_config({"model_type": "gpt_oss", "quantization_config": {"quant_method": "awq"}})
 
 
 def test_args_mirror_transformers_defaults_and_validate():

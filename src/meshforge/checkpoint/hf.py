@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from meshforge.checkpoint.dequant import quantized_view
 from meshforge.checkpoint.readers import open_safetensors, read_json_object
 from meshforge.models.generic_hf import bind_generic, persistent_buffers, state_tensors
 
@@ -225,7 +226,10 @@ def load_hf_weights(
     from meshforge.models.vocab import vocab_parameters
 
     folder = Path(path)
-    key_files = find_hf_weights(folder)
+    stored = find_hf_weights(folder)
+    # A quantised release (quantization_config: fp8, mxfp4) is read through its logical keys.
+    quant = quantized_view(read_hf_config(folder) if (folder / CONFIG_FILE).is_file() else {}, stored)
+    key_files = quant.key_files
     adapter = hf_adapter(family, getattr(model, "config", None))
     params: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
     if bind_generic(adapter, model, key_files):
@@ -266,7 +270,7 @@ def load_hf_weights(
         handles: dict[Path, Any] = {}
 
         def handle(key: str) -> Any:
-            file = key_files[key]
+            file = stored[key]
             if file not in handles:
                 handles[file] = stack.enter_context(open_safetensors(file))
             return handles[file]
@@ -275,12 +279,14 @@ def load_hf_weights(
             keys = sources[name]
             where = _where(key_files[keys[0]], keys, name)
             rows = short_rows.get(name)
-            if isinstance(param, DTensor) and adapter.renames_only and len(keys) == 1:
+            plain = not any(quant.covers(key) for key in keys)
+            if isinstance(param, DTensor) and adapter.renames_only and len(keys) == 1 and plain:
                 # Same layout on disk: read only this rank's rows/columns of the tensor (rows passed
                 # positionally: a test wraps this function with *args).
                 _copy_local_slice(name, param, handle(keys[0]).get_slice(keys[0]), where, rows)
                 continue
-            full = adapter.from_hf(converted_as[name], {key: handle(key).get_tensor(key) for key in keys})
+            read = {key: quant.read(key, lambda k: handle(k).get_tensor(k)) for key in keys}
+            full = adapter.from_hf(converted_as[name], read)
             full = _check_and_cast(name, full, param, where, rows=rows)
             if rows is not None:
                 from meshforge.models.vocab import write_rows
@@ -529,6 +535,7 @@ def resolve_model_source(model_cfg: ModelConfig, *, log: Callable[[str], None] |
             emit(f"model.{key}: {value!r} (not set in {hf_dir / CONFIG_FILE})")
     options = {**base, **extra}
     _refit_layer_types(options, base, extra, emit)
+    _fit_to_weights(family, options, extra, hf_dir, emit)
     try:
         family.parse_options(options)
     except ValueError as err:
@@ -537,6 +544,26 @@ def resolve_model_source(model_cfg: ModelConfig, *, log: Callable[[str], None] |
             f"model: {err} (options from {hf_dir / CONFIG_FILE} and the model: section)"
         ) from None
     return ModelSource(family, options, hf_dir)
+
+
+def _fit_to_weights(
+    family: FamilySpec,
+    options: dict[str, Any],
+    extra: dict[str, Any],
+    hf_dir: Path,
+    emit: Callable[[str], None],
+) -> None:
+    """The family adapter's ``fit_to_weights`` changes to config.json options (logged; ``model:`` keys kept).
+
+    DeepSeek-V3: transformers' ``save_pretrained`` keeps ``num_nextn_predict_layers`` but writes no MTP weights.
+    """
+    fit = getattr(hf_adapter(family), "fit_to_weights", None)
+    if fit is None or not any((hf_dir / name).is_file() for name in (INDEX_FILE, SINGLE_FILE)):
+        return
+    for key, (value, why) in fit(options, set(find_hf_weights(hf_dir))).items():
+        if key not in extra:
+            emit(f"model.{key}: {value!r} instead of {options.get(key)!r} from {hf_dir / CONFIG_FILE}: {why}")
+            options[key] = value
 
 
 def _generic_source(

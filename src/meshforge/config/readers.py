@@ -258,6 +258,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "training.epochs",
         "training.log_interval",
         "training.router_aux_loss_coef",
+        "training.mtp_loss_scaling_factor",
         "training.log_throughput",
         "lr_scheduler.learning_rate",
         "parallelism.pipeline_parallel_enable_dxdw_split",

@@ -198,11 +198,6 @@ ENTRIES: list[Unsupported] = [
         for name in ("model_revision", "cache_dir", "hf_hub_token", "ms_hub_token", "om_hub_token")
     ],
     Unsupported(
-        "training.mtp_loss_scaling_factor",
-        lambda c: c.training.mtp_loss_scaling_factor != _default(TrainingConfig, "mtp_loss_scaling_factor"),
-        "multi-token prediction",
-    ),
-    Unsupported(
         "training.indexer_loss_coeff",
         lambda c: c.training.indexer_loss_coeff != _default(TrainingConfig, "indexer_loss_coeff"),
         "the sparse-attention indexer loss (DeepSeek-V3.2 DSA)",

@@ -10,8 +10,8 @@ Module and parameter names are those of transformers' ``DeepseekV3Attention`` 5.
   the value) plus one rotated key part of ``qk_rope_head_dim`` shared by all heads;
 * ``o_proj`` maps ``num_heads * v_head_dim`` back to the model width.
 
-The softmax scale is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` (default RoPE; the
-yarn ``mscale`` correction is not built). Masking is the same as
+The softmax scale is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` unless the family
+passes its own (``softmax_scale``: DeepSeek-V3's YaRN ``mscale`` correction). Masking is the same as
 :mod:`meshforge.models.common.attention`: ``is_causal`` without a mask, else the boolean
 block-diagonal causal mask of packed segments.
 
@@ -78,6 +78,7 @@ class MultiHeadLatentAttention(nn.Module):
         rope_interleave: Rotate interleaved pairs (DeepSeek's layout) instead of halves.
         norm_eps: Epsilon of the latent RMSNorms (transformers leaves them at 1e-6).
         dropout: Attention-probability dropout in training mode.
+        softmax_scale: Scale of the attention logits; None means ``qk_head_dim ** -0.5``.
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class MultiHeadLatentAttention(nn.Module):
         rope_interleave: bool = True,
         norm_eps: float = 1e-6,
         dropout: float = 0.0,
+        softmax_scale: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -105,7 +107,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.v_head_dim = v_head_dim
         self.rope_interleave = rope_interleave
         self.dropout = dropout
-        self.scaling = self.qk_head_dim**-0.5
+        self.scaling = self.qk_head_dim**-0.5 if softmax_scale is None else softmax_scale
         if q_lora_rank is None:
             self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_head_dim, bias=False)
         else:

@@ -1,7 +1,8 @@
 """Structural hyper-parameters of the built-in DeepSeek-V3 family and its named flavors.
 
 ``DeepseekV3Args`` mirrors transformers' ``DeepseekV3Config`` (5.24) field for field, same
-names and defaults, so a ``config.json`` or the ``model:`` passthrough keys of a YAML map
+names and defaults (except ``num_nextn_predict_layers``: 0, so a ``model:`` section that does not
+ask for multi-token prediction gets none; a ``config.json`` gives its own value), so a ``config.json`` or the ``model:`` passthrough keys of a YAML map
 onto it one to one (the MindFormers reference spells the experts ``n_routed_experts`` and
 ``num_experts_per_tok``, as transformers does). Spellings from real files accepted besides:
 ``num_local_experts`` (transformers' alias of ``n_routed_experts``), ``num_mtp_layers``
@@ -9,12 +10,15 @@ onto it one to one (the MindFormers reference spells the experts ``n_routed_expe
 derived ``head_dim`` / ``qk_head_dim`` that ``config.json`` carries (checked, not free:
 transformers forces ``head_dim = qk_rope_head_dim``, the rotary width).
 
-Multi-token-prediction layers (``num_nextn_predict_layers``) are recorded but not built,
-as transformers' ``DeepseekV3ForCausalLM`` builds none. This module does not import torch.
+RoPE is ``default`` or ``yarn`` (``rope_parameters``, or the legacy ``rope_scaling`` that
+``hf.py`` turns into it); ``softmax_scale`` carries YaRN's ``mscale_all_dim`` correction of the
+attention scale. ``num_nextn_predict_layers`` multi-token-prediction modules are built after
+the decoder (``mtp.py``; transformers builds none). This module does not import torch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -63,7 +67,8 @@ class DeepseekV3Args:
     rope_interleave: bool = True
     attention_bias: bool = False
     attention_dropout: float = 0.0
-    num_nextn_predict_layers: int = 1
+    # transformers' default is 1; here MTP blocks are built only when asked for (config.json or model:).
+    num_nextn_predict_layers: int = 0
     head_dim: int | None = None
     qk_head_dim: int | None = None
 
@@ -147,14 +152,29 @@ class DeepseekV3Args:
         if float(self.routed_scaling_factor) <= 0:
             raise ValueError(f"routed_scaling_factor: must be > 0, got {self.routed_scaling_factor!r}")
         if self.rope_parameters is not None:
-            if not isinstance(self.rope_parameters, dict):
-                raise ValueError(f"rope_parameters: must be a mapping, got {self.rope_parameters!r}")
-            rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
-            if rope_type != "default":
-                raise ValueError(
-                    f"rope_parameters.rope_type: not supported yet for deepseek_v3: {rope_type!r} "
-                    "(built: 'default')"
-                )
+            _check_rope(self.rope_parameters)
+
+    @property
+    def rope_type(self) -> str:
+        """``default`` or ``yarn`` (from ``rope_parameters``; ``type`` is the legacy spelling)."""
+        return _rope_type(self.rope_parameters)
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention-logit scale: ``qk_head_dim ** -0.5``, times ``mscale**2`` under YaRN.
+
+        transformers' ``yarn_apply_mscale``: with a non-zero ``mscale_all_dim`` the scale is
+        multiplied by ``(0.1 * mscale_all_dim * ln(factor) + 1) ** 2`` (1 when factor <= 1).
+        The cos/sin gain of the rotary table is a separate factor (``attention_factor``).
+        """
+        scale = self.attn_qk_head_dim**-0.5
+        params = self.rope_parameters or {}
+        all_dim = params.get("mscale_all_dim") or 0
+        if self.rope_type != "default" and all_dim:
+            factor = float(params["factor"])
+            mscale = 1.0 if factor <= 1 else 0.1 * float(all_dim) * math.log(factor) + 1.0
+            scale *= mscale * mscale
+        return scale
 
     @property
     def attn_qk_head_dim(self) -> int:
@@ -180,8 +200,66 @@ class DeepseekV3Args:
         out.pop("rope_theta")
         out.pop("qk_head_dim")
         out.pop("head_dim")
-        out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.theta}
+        rope = {k: v for k, v in (self.rope_parameters or {}).items() if k != "type"}
+        out["rope_parameters"] = {**rope, "rope_type": self.rope_type, "rope_theta": self.theta}
         return out
+
+
+# Keys of a yarn rope_parameters dict (meshforge.models.common.yarn.YARN_KEYS, kept torch-free here).
+_YARN_KEYS = frozenset(
+    (
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "truncate",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+        "partial_rotary_factor",
+    )
+)
+
+
+def _rope_type(params: dict[str, Any] | None) -> str:
+    if not params:
+        return "default"
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def _check_rope(params: object) -> None:
+    """Refuse a ``rope_parameters`` dict this family does not build, naming the key."""
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters: must be a mapping, got {params!r}")
+    rope_type = _rope_type(params)
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(
+            f"rope_parameters.rope_type: not supported yet for deepseek_v3: {rope_type!r} "
+            "(built: 'default', 'yarn')"
+        )
+    if rope_type != "yarn":
+        return
+    unknown = sorted(set(params) - _YARN_KEYS)
+    if unknown:
+        raise ValueError(
+            f"rope_parameters.{unknown[0]}: not a yarn key (known: {', '.join(sorted(_YARN_KEYS))})"
+        )
+    factor = params.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
+        raise ValueError(f"rope_parameters.factor: rope_type yarn needs a positive number, got {factor!r}")
+    original = params.get("original_max_position_embeddings")
+    if original is not None and (
+        isinstance(original, bool) or not isinstance(original, int) or original <= 0
+    ):
+        raise ValueError(
+            f"rope_parameters.original_max_position_embeddings: must be a positive integer, got {original!r}"
+        )
+    partial = params.get("partial_rotary_factor")
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(f"rope_parameters.partial_rotary_factor: not supported yet: {partial} (only 1.0)")
 
 
 # transformers' attribute_map: config.json may carry either spelling.

@@ -8,7 +8,8 @@ sparse block of :mod:`meshforge.models.common.sigmoid_moe` (``mlp.gate.weight``,
 ``mlp.shared_experts.*``). Safetensors use per-expert keys; ``hf.py`` maps them.
 
 The rotary embedding spans only the ``qk_rope_head_dim`` rotated dims of each head (what
-transformers calls ``head_dim`` for this family). Besides logits a forward leaves
+transformers calls ``head_dim`` for this family); under ``rope_type: yarn`` it is YaRN's
+(blended frequencies, cos/sin gain) and the attention scale gets the ``mscale`` correction. Besides logits a forward leaves
 ``tokens_per_expert()`` for the monitor; ``aux_loss()`` is always None because
 transformers computes no load-balancing loss for DeepSeek-V3 (balancing is the job of the
 correction bias).
@@ -22,74 +23,92 @@ from typing import cast
 import torch
 from torch import nn
 
+from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
 from meshforge.models.common.causal_lm import DecoderModel, MoECausalLM, build_causal_lm
 from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.mla import MultiHeadLatentAttention
-from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding
 from meshforge.models.common.sigmoid_moe import SharedExpertMoEBlock
+from meshforge.models.common.yarn import YarnRotaryEmbedding
 from meshforge.models.deepseek_v3.args import DeepseekV3Args
-
-
-class DeepseekV3DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, the MLP dense or sparse.
-
-    Args:
-        args: Structural hyper-parameters.
-        layer_idx: 0-based index, which decides dense versus sparse.
-    """
-
-    def __init__(self, args: DeepseekV3Args, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = MultiHeadLatentAttention(
-            args.hidden_size,
-            args.num_attention_heads,
-            q_lora_rank=args.q_lora_rank,
-            kv_lora_rank=args.kv_lora_rank,
-            qk_nope_head_dim=args.qk_nope_head_dim,
-            qk_rope_head_dim=args.qk_rope_head_dim,
-            v_head_dim=args.v_head_dim,
-            bias=args.attention_bias,
-            rope_interleave=args.rope_interleave,
-            dropout=float(args.attention_dropout),
-        )
-        self.is_moe = args.is_moe_layer(layer_idx)
-        self.mlp: SharedExpertMoEBlock | GatedMLP
-        if self.is_moe:
-            self.mlp = SharedExpertMoEBlock(
-                args.hidden_size,
-                args.n_routed_experts,
-                args.num_experts_per_tok,
-                args.moe_intermediate_size,
-                num_shared_experts=args.n_shared_experts,
-                num_groups=args.n_group,
-                topk_groups=args.topk_group,
-                norm_topk_prob=args.norm_topk_prob,
-                routed_scaling_factor=args.routed_scaling_factor,
-                hidden_act=args.hidden_act,
-            )
-        else:
-            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.hidden_act)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+from meshforge.models.deepseek_v3.layer import DeepseekV3DecoderLayer
+from meshforge.models.deepseek_v3.mtp import DeepseekV3MTPLayer, shift_left
 
 
 class DeepseekV3Model(DecoderModel):
-    """Embedding, decoder layers and final norm (transformers' ``DeepseekV3Model``)."""
+    """Embedding, decoder layers and final norm (transformers' ``DeepseekV3Model``).
+
+    ``layers`` holds the ``num_hidden_layers`` decoder layers and then the
+    ``num_nextn_predict_layers`` MTP blocks (``mtp.py``). A forward runs the decoder layers;
+    with ``mtp_active`` (set by the trainer) and in training mode it also runs the MTP
+    depths and leaves their normed hidden states in ``mtp_states``.
+    """
 
     def __init__(self, args: DeepseekV3Args) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, args.pad_token_id)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        n = args.num_hidden_layers
+        self.layers = nn.ModuleList(
+            [
+                *(DeepseekV3DecoderLayer(args, i) for i in range(n)),
+                *(DeepseekV3MTPLayer(args, n + d) for d in range(args.num_nextn_predict_layers)),
+            ]
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(args.qk_rope_head_dim, args.theta)
+        self.rotary_emb = rotary_embedding(args)
+        self.num_decoder_layers = n
+        self.mtp_active = False
+        self.mtp_states: list[torch.Tensor] = []
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        mask = None
+        if self.decode_mask is not None:
+            mask = self.decode_mask(input_ids)
+        elif self.cp is not None:
+            mask, position_ids = self.cp.prepare(input_ids, position_ids, segment_ids)
+        elif segment_ids is not None:
+            mask = segment_causal_mask(segment_ids)
+            if position_ids is None:
+                position_ids = positions_from_segments(segment_ids)
+        rope = self.rotary_emb(position_ids, seq_len=input_ids.shape[-1], device=h.device, dtype=h.dtype)
+        layers = list(self.layers)
+        for layer in layers[: self.num_decoder_layers]:
+            h = layer(h, rope, mask)
+        h = self.norm(h)
+        self.mtp_states = []
+        depths = layers[self.num_decoder_layers :]
+        if self.mtp_active and self.training and depths:
+            if self.cp is not None:
+                raise ValueError(
+                    "not supported yet: multi-token prediction (model.num_nextn_predict_layers) with "
+                    "parallelism.context_parallel > 1; set training.mtp_loss_scaling_factor: 0 to train without it"
+                )
+            state = h
+            for k, block in enumerate(depths, start=1):
+                # Token i + k at position i; the filled tail has no target (mtp_labels).
+                state = block(self.embed_tokens(shift_left(input_ids, k, 0)), state, rope, mask)
+                self.mtp_states.append(state)
+        return h
+
+
+def rotary_embedding(args: DeepseekV3Args) -> RotaryEmbedding:
+    """The rotary table over the ``qk_rope_head_dim`` rotated dims: default RoPE or YaRN."""
+    if args.rope_type == "yarn":
+        assert args.rope_parameters is not None  # a yarn type comes from the dict
+        return YarnRotaryEmbedding(
+            args.qk_rope_head_dim,
+            args.rope_parameters,
+            theta=args.theta,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+    return RotaryEmbedding(args.qk_rope_head_dim, args.theta)
 
 
 class DeepseekV3ForCausalLM(MoECausalLM[DeepseekV3Args]):
@@ -116,6 +135,42 @@ class DeepseekV3ForCausalLM(MoECausalLM[DeepseekV3Args]):
 
     def __init__(self, args: DeepseekV3Args) -> None:
         super().__init__(args, DeepseekV3Model(args))
+        # Logits (or, for the chunked loss, normed hidden states) of each MTP depth of the last
+        # training forward with MTP active; see mtp_outputs.
+        self._mtp_outputs: list[torch.Tensor] = []
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        *,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """``CausalLM.forward``; with MTP active in training, the MTP depths run too (``mtp_outputs``)."""
+        inner = cast(DeepseekV3Model, self.model)
+        hidden = inner(input_ids, position_ids, segment_ids)
+        states, inner.mtp_states = inner.mtp_states, []
+        self._mtp_outputs = states if return_hidden else [self.lm_head(s) for s in states]
+        return hidden if return_hidden else self.lm_head(hidden)
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """MTP depths built (``num_nextn_predict_layers``)."""
+        return self.args.num_nextn_predict_layers
+
+    def set_mtp(self, active: bool) -> None:
+        """Run the MTP depths in training forwards (the trainer's ``mtp_loss_scaling_factor`` > 0)."""
+        cast(DeepseekV3Model, self.model).mtp_active = active
+
+    def mtp_outputs(self) -> list[torch.Tensor]:
+        """Per depth (1..n), the last training forward's logits (hidden states with ``return_hidden``).
+
+        Depth ``k``'s targets are ``mtp_labels(labels, k, segment_ids)``. Empty without MTP.
+        Reading them clears them, so a graph is never kept past its loss.
+        """
+        out, self._mtp_outputs = self._mtp_outputs, []
+        return out
 
     @property
     def num_routed_experts(self) -> int:
@@ -181,7 +236,8 @@ class DeepseekV3ForCausalLM(MoECausalLM[DeepseekV3Args]):
             if n.endswith(("norm.weight", "e_score_correction_bias"))
         )
         head_dims = a.attn_qk_head_dim + a.v_head_dim
-        attention = 6 * a.num_hidden_layers * a.num_attention_heads * head_dims * seq_len
+        layers = a.num_hidden_layers + a.num_nextn_predict_layers  # the MTP blocks attend too
+        attention = 6 * layers * a.num_attention_heads * head_dims * seq_len
         return 6.0 * matmul_params + attention
 
 
@@ -194,4 +250,10 @@ def build_deepseek_v3(args: DeepseekV3Args, *, device: str | torch.device = "met
     return build_causal_lm(DeepseekV3ForCausalLM, args, device)
 
 
-__all__ = ["DeepseekV3DecoderLayer", "DeepseekV3ForCausalLM", "DeepseekV3Model", "build_deepseek_v3"]
+__all__ = [
+    "DeepseekV3DecoderLayer",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV3MTPLayer",
+    "DeepseekV3Model",
+    "build_deepseek_v3",
+]

@@ -25,6 +25,11 @@ head uses, and each rank only uses it in its local heads: its gradient is summed
 ranks by a hook on that projection's output (`_SumRopeKeyGrad`), after which every unsplit
 weight gets the full gradient, the same on each rank.
 
+Multi-token-prediction blocks (`mtp.py`) are decoder layers planned as above; under SP their
+`enorm`, `hnorm` and `shared_head.norm` are SequenceParallel and `eh_proj` is column-split
+between a gathered input and a sequence-split output (without SP all three run whole on
+replicated activations, like the other unplanned parameters).
+
 A sparse block (sigmoid router, correction bias, routed and shared experts) is not split:
 every TP rank runs it over all the tokens with replicated weights, so its output, gradients
 and per-expert counts are exactly those of one process (as Qwen3-MoE's plan does; splitting
@@ -40,7 +45,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from meshforge.models.common.tp_plan import SplitHeads, attention_input, check_sizes, decoder_tp_plan
@@ -116,6 +121,14 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
         plan[f"{prefix}.kv_a_proj_with_mqa"] = _SumRopeKeyGrad(attn.qk_rope_head_dim)
         plan[f"{prefix}.kv_b_proj"] = ColwiseParallel()
         plan[f"{prefix}.o_proj"] = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
+        if sequence_parallel and hasattr(layer, "eh_proj"):
+            # An MTP block (mtp.py): its norms see this rank's slice of the sequence (replicated
+            # weights, gradients summed over TP); the projection gathers the sequence, splits its
+            # output features and hands each rank its sequence slice back for the layer.
+            block = f"model.layers.{path}"
+            for norm in ("enorm", "hnorm", "shared_head.norm"):
+                plan[f"{block}.{norm}"] = SequenceParallel()
+            plan[f"{block}.eh_proj"] = ColwiseParallel(input_layouts=seq, output_layouts=seq)
     return plan
 
 

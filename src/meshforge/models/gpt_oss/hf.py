@@ -18,9 +18,9 @@ safetensors key (= our parameter name)         shape
 
 So ``hf_sources``/``from_hf``/``to_hf`` keep the protocol defaults (which also lets the
 FSDP loader read only each rank's slice). What this module adds is the config
-mapping and a clear refusal of OpenAI's MXFP4-quantised release format
-(``*_blocks``/``*_scales`` expert tensors, ``quantization_config`` in config.json),
-which has to be dequantised to bf16/fp32 first.
+mapping. OpenAI's MXFP4 release format (``*_blocks``/``*_scales`` expert tensors,
+``quantization_config`` in config.json) is dequantised at load by
+:mod:`meshforge.checkpoint.dequant`.
 """
 
 from __future__ import annotations
@@ -45,23 +45,18 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     """``model:`` options from a gpt-oss ``config.json`` (keys the args know; the rest dropped).
 
     Raises:
-        ValueError: For a quantised checkpoint (``quantization_config``, e.g. MXFP4).
+        ValueError: For a ``quantization_config`` format the loader does not dequantise (MXFP4 is).
     """
+    from meshforge.checkpoint.dequant import quantization_method
     from meshforge.models.gpt_oss.args import OPTION_KEYS
 
-    quant = config.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ValueError(
-            f"config.json: quantization_config ({method}): quantised gpt-oss checkpoints are not "
-            "supported yet; dequantise the weights to bf16/fp32 first (transformers: load with "
-            "Mxfp4Config(dequantize=True) and save_pretrained)"
-        )
+    # OpenAI's MXFP4 experts are dequantised at load (checkpoint/dequant.py); other formats fail here.
+    quantization_method(config)
     return {k: v for k, v in config.items() if k in OPTION_KEYS and k != "flavor"}
 
 
 class GptOssStateDictAdapter(HFAdapterBase):
-    """The family's ``HFStateDictAdapter``: names and layouts as they are, quantised configs refused."""
+    """The family's ``HFStateDictAdapter``: names and layouts as they are (MXFP4 decoded by the loader)."""
 
     hf_architecture = HF_ARCHITECTURE
 

@@ -80,6 +80,10 @@ class PipelineSplit:
         tied_across_ranks: Tied input/output embeddings whose two ends live on different ranks:
             this rank's ``lm_head.weight`` (last stage) is a separate copy kept equal to
             ``model.embed_tokens.weight`` (stage 0).
+        mtp_layers: Multi-token-prediction blocks after the decoder layers (DeepSeek-V3); the
+            last stage runs them after the final norm.
+        embedding_copy: The last stage holds its own ``model.embed_tokens.weight`` for the MTP
+            blocks, kept equal to stage 0's (gradients summed) as a tied head is.
     """
 
     model: nn.Module
@@ -90,6 +94,8 @@ class PipelineSplit:
     interleave: int
     schedule: str
     tied_across_ranks: bool = False
+    mtp_layers: int = 0
+    embedding_copy: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -129,6 +135,8 @@ class PipelineSplit:
         split across ranks, ``lm_head.weight`` on the last rank is the same weight (and, after
         ``Pipeline.step``, the same gradient) as the embedding on the first rank.
         """
+        if self.embedding_copy and self.has_last:
+            return ("model.embed_tokens.weight",)  # a tied head is this same parameter
         return ("lm_head.weight",) if self.tied_across_ranks and self.has_last else ()
 
 

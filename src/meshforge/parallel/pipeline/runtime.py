@@ -112,6 +112,7 @@ class Pipeline:
         schedule_name: str,
         aux_coef: float = 0.0,
         chunk_loss_size: int | None = None,
+        mtp_coef: float = 0.0,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
@@ -130,6 +131,12 @@ class Pipeline:
         pipelined._pp_return_hidden = chunk_loss_size is not None
         self._aux: list[torch.Tensor] = []
         self.aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        # MTP (split.mtp_layers > 0, mtp_coef > 0): the last stage returns (logits, *mtp_logits)
+        # and the target carries each depth's labels; mtp_sum is the logged sum (as aux_sum).
+        self.mtp_coef = float(mtp_coef) if split.mtp_layers else 0.0
+        self._mtp_run = False
+        self._mtp: list[torch.Tensor] = []
+        self.mtp_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self.stages = [
             PipelineStage(StageModule(model, s), s.index, split.num_stages, self.device, group=pp_group)
             for s in split.stages
@@ -151,6 +158,16 @@ class Pipeline:
     def _loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         global_tokens = self._global_tokens
         assert global_tokens is not None, "_run sets the step's token count before the schedule runs"
+        if self._mtp_run:
+            # labels: [B, 1 + depths, S], the main targets then each depth's (loss.mtp_labels).
+            logits, *depths = output
+            ce = self._ce_sum(logits, labels[:, 0])
+            self._ce.append(ce.detach())
+            mtp = torch.stack(
+                [self._ce_sum(out, labels[:, k]) for k, out in enumerate(depths, start=1)]
+            ).mean()
+            self._mtp.append((mtp.detach() / global_tokens).float())
+            return ce / global_tokens + self.mtp_coef * mtp / global_tokens
         if self.aux_experts is None:
             ce = self._ce_sum(output, labels)
             self._ce.append(ce.detach())
@@ -244,9 +261,19 @@ class Pipeline:
         kwargs["seq_len"] = int(batch["input_ids"].shape[-1])  # not a tensor: every micro-batch gets it
         args = (batch["input_ids"],) if self.split.has_first else ()
         target = batch["labels"] if self.split.has_last else None
+        self._mtp_run = train and self.mtp_coef > 0
+        if self._mtp_run:
+            from meshforge.loss import mtp_labels
+
+            kwargs["mtp_ids"] = batch["input_ids"]
+            if target is not None:
+                seg = batch.get("segment_ids")
+                depths = range(1, self.split.mtp_layers + 1)
+                target = torch.stack([target, *(mtp_labels(target, k, seg) for k in depths)], dim=1)
         self._global_tokens = global_tokens.to(self.device)
         self._ce = []
         self._aux = []
+        self._mtp = []
         if train:
             self._set_fsdp_sync(False)
             try:
@@ -271,10 +298,18 @@ class Pipeline:
             total = both[0]
             if train:  # evaluation leaves the training step's value alone
                 self.aux_sum = both[1]
+        elif self._mtp_run:
+            mtp = self._mtp[-len(micro) :] if self.split.has_last else []
+            both = torch.stack(
+                [total, torch.stack(mtp).sum() if mtp else torch.zeros((), device=self.device)]
+            )
+            dist.all_reduce(both, group=self.group)
+            total, self.mtp_sum = both[0], both[1]
         else:
             dist.all_reduce(total, group=self.group)
         self._ce = []
         self._aux = []
+        self._mtp = []
         return total
 
     def _set_fsdp_sync(self, sync: bool) -> None:
@@ -318,13 +353,20 @@ class Pipeline:
         return self._run(micro, torch.ones((), device=self.device), train=False)
 
     def _tied_pair(self) -> tuple[nn.Parameter | None, int]:
-        """This rank's end of a tied pair split across ranks, and the peer's global rank."""
+        """This rank's end of a tied pair split across ranks, and the peer's global rank.
+
+        The last stage's end is its ``lm_head.weight``, or the embedding copy the MTP blocks
+        read (``split.embedding_copy``; a tied head is that same parameter there).
+        """
         split = self.split
-        if not split.tied_across_ranks or not (split.has_first or split.has_last):
+        linked = split.tied_across_ranks or split.embedding_copy
+        if not linked or not (split.has_first or split.has_last):
             return None, -1
         inner: Any = self.model.model
         if split.has_first:
             return inner.embed_tokens.weight, dist.get_global_rank(self.group, split.last_rank)
+        if split.embedding_copy:
+            return inner.embed_tokens.weight, dist.get_global_rank(self.group, split.first_rank)
         return self.model.get_parameter("lm_head.weight"), dist.get_global_rank(self.group, split.first_rank)
 
     def _exchange(self, mine: torch.Tensor, peer: int) -> torch.Tensor:
@@ -354,7 +396,7 @@ class Pipeline:
         the check runs on every pp rank so they all fail together.
         """
         split = self.split
-        if not split.tied_across_ranks:
+        if not (split.tied_across_ranks or split.embedding_copy):
             return
         param, peer = self._tied_pair()
         info = _describe(param) if param is not None else None
@@ -388,6 +430,7 @@ def build_pipeline(
     dxdw_split: bool = False,
     aux_coef: float = 0.0,
     chunk_loss_size: int | None = None,
+    mtp_coef: float = 0.0,
 ) -> Pipeline:
     """Build this rank's ``PipelineStage`` objects and the schedule, after FSDP and materialisation.
 
@@ -408,6 +451,9 @@ def build_pipeline(
             as ``Trainer.forward_backward`` adds it, and ``Pipeline.aux_sum`` the logged value.
         chunk_loss_size: ``kernels.chunk_loss_size``: the last stage hands the normed hidden
             states to the loss, which applies ``lm_head`` that many tokens at a time.
+        mtp_coef: ``training.mtp_loss_scaling_factor`` for a model with MTP blocks: in training
+            the last stage runs them and each micro-batch adds ``mtp_coef * mtp / global_tokens``
+            (as ``Trainer.forward_backward``); ``Pipeline.mtp_sum`` is the logged ``mtp_loss``.
 
     Returns:
         The pipeline; its tied weights (if any) are already equal on both ends.
@@ -443,6 +489,7 @@ def build_pipeline(
         schedule_name=name,
         aux_coef=aux_coef,
         chunk_loss_size=chunk_loss_size,
+        mtp_coef=mtp_coef,
     )
     pipeline.sync_tied_weights()
     return pipeline

@@ -85,6 +85,10 @@ def split_model(
         )
     inner: Any = model.model
     num_layers = len(inner.layers)
+    # DeepSeek-V3's MTP blocks follow its decoder layers in model.layers: the last stage runs them.
+    decoder_layers = getattr(inner, "num_decoder_layers", num_layers)
+    mtp = list(range(decoder_layers, num_layers))
+    num_layers = decoder_layers
     if is_generic_model(model):
         # transformers ties by sharing one Parameter (``tie_word_embeddings``; or its own rules).
         tied_model = model.get_parameter("lm_head.weight") is inner.embed_tokens.weight
@@ -98,11 +102,12 @@ def split_model(
         placement=placement,
     )
     local = [s for s in all_stages if s.rank == pp_rank]
-    hosted = sorted(i for s in local for i in s.layers)
+    first_rank, last_rank = all_stages[0].rank, all_stages[-1].rank
+    hosted = sorted(i for s in local for i in s.layers) + (mtp if pp_rank == last_rank else [])
     old_layers = inner.layers
     inner.layers = nn.ModuleDict({str(i): old_layers[i] for i in hosted})
-    first_rank, last_rank = all_stages[0].rank, all_stages[-1].rank
-    if pp_rank != first_rank:
+    embedding_copy = bool(mtp) and first_rank != last_rank
+    if pp_rank != first_rank and not (embedding_copy and pp_rank == last_rank):
         inner.embed_tokens = None
     if pp_rank != last_rank:
         inner.norm = None
@@ -122,6 +127,8 @@ def split_model(
         interleave=interleave,
         schedule=name,
         tied_across_ranks=tied,
+        mtp_layers=len(mtp),
+        embedding_copy=embedding_copy,
     )
 
 

@@ -18,6 +18,7 @@ MoE layers run so far for this micro-batch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -52,6 +53,22 @@ def _stage_aux_totals(layers: list[nn.Module], num_experts: int, like: torch.Ten
     return out.to(like.device)
 
 
+def _mtp_states(inner: Any, run: LayerRunner, h: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The normed hidden states of the MTP blocks after the decoder layers (DeepSeek-V3's ``mtp.py``).
+
+    Depth k reads the embedding of token i + k (the row's last k positions get token 0; they
+    have no target) and the previous depth's state; the stage's runner supplies RoPE and mask.
+    """
+    states = []
+    keys = sorted(int(k) for k in inner.layers if int(k) >= inner.num_decoder_layers)
+    for depth, key in enumerate(keys, start=1):
+        ahead = torch.cat([ids[..., depth:], ids.new_zeros((*ids.shape[:-1], min(depth, ids.shape[-1])))], -1)
+        block = functools.partial(inner.layers[str(key)], inner.embed_tokens(ahead))
+        h = run(cast(nn.Module, block), h)
+        states.append(h)
+    return states
+
+
 class _PipelinedCausalLM:
     """Mixin placed in front of a pruned model's class: the forward of one local stage."""
 
@@ -71,9 +88,10 @@ class _PipelinedCausalLM:
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         seq_len: int | None = None,
+        mtp_ids: torch.Tensor | None = None,
         *,
         pp_stage: int,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run stage ``pp_stage``: embedding (first) -> its layers -> norm and head (last).
 
         Args:
@@ -84,6 +102,8 @@ class _PipelinedCausalLM:
                 and RoPE tables from them (they are tiny next to one layer's compute).
             seq_len: Tokens per row. Needed after the first stage: under sequence parallelism
                 the hidden states passed between stages hold only this rank's part of the row.
+            mtp_ids: The token ids when the MTP blocks train: the last stage then runs them
+                after the final norm and returns ``(logits, mtp logits of depth 1, ...)``.
 
         Returns:
             The hidden states (logits on the last stage); with the aux loss on, a pair
@@ -106,8 +126,12 @@ class _PipelinedCausalLM:
             h = run(layer, h)
         if stage.is_last:
             h = inner.norm(h)
+            depths = _mtp_states(inner, run, h, mtp_ids) if mtp_ids is not None else []
             if not self._pp_return_hidden:
                 h = self.lm_head(h)  # type: ignore[attr-defined]
+                depths = [self.lm_head(state) for state in depths]  # type: ignore[attr-defined]
+            if depths:
+                return (h, *depths)
         experts = self._pp_aux_experts
         if experts is None:
             return h
@@ -223,6 +247,12 @@ class StageModule(nn.Module):
         if stage.is_last:
             self.norm = inner.norm
             self.lm_head = model.lm_head
+            # MTP blocks (and the embedding copy they read) compute on the last stage too.
+            count = getattr(inner, "num_decoder_layers", None)
+            for key in [k for k in inner.layers if count is not None and int(k) >= count]:
+                self.layers[key] = inner.layers[key]
+            if count is not None and inner.embed_tokens is not None:
+                self.embed_tokens = inner.embed_tokens
 
     def forward(
         self,
@@ -231,14 +261,16 @@ class StageModule(nn.Module):
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         seq_len: int | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        mtp_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Token ids (first stage) or hidden states in, hidden states (or logits, last stage) out.
 
         With the router aux loss on, the previous stage's ``carry`` comes in second and the
-        output is ``(hidden or logits, carry)``.
+        output is ``(hidden or logits, carry)``; with ``mtp_ids`` the last stage's is
+        ``(logits, *mtp_logits)``.
         """
         return self.__dict__["_root"](
-            inputs, carry, position_ids, segment_ids, seq_len, pp_stage=self.stage.index
+            inputs, carry, position_ids, segment_ids, seq_len, mtp_ids, pp_stage=self.stage.index
         )
 
 
