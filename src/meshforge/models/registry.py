@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from meshforge.models.deepseek_v3.spec import FAMILY as DEEPSEEK_V3
 from meshforge.models.gpt_oss.spec import FAMILY as GPT_OSS
 from meshforge.models.llama.spec import FAMILY as LLAMA
+from meshforge.models.minimax_m2.spec import FAMILY as MINIMAX_M2
 from meshforge.models.qwen3.spec import FAMILY as QWEN3
 from meshforge.models.qwen3_moe.spec import FAMILY as QWEN3_MOE
 from meshforge.models.qwen3_next.spec import FAMILY as QWEN3_NEXT
@@ -35,6 +36,7 @@ SPECS: tuple[FamilySpec, ...] = (
     DEEPSEEK_V3,
     GPT_OSS,
     QWEN3_NEXT,
+    MINIMAX_M2,
 )
 _FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in SPECS}
 
