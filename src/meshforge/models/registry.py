@@ -22,6 +22,7 @@ from meshforge.models.qwen3.spec import FAMILY as QWEN3
 from meshforge.models.qwen3_moe.spec import FAMILY as QWEN3_MOE
 from meshforge.models.qwen3_next.spec import FAMILY as QWEN3_NEXT
 from meshforge.models.spec import FamilySpec
+from meshforge.models.step3p5.spec import FAMILY as STEP3P5
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +38,7 @@ SPECS: tuple[FamilySpec, ...] = (
     GPT_OSS,
     QWEN3_NEXT,
     MINIMAX_M2,
+    STEP3P5,
 )
 _FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in SPECS}
 
