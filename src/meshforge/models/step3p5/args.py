@@ -61,7 +61,7 @@ class Step3p5Args:
     need_fp32_gate: bool = True
     norm_expert_weight: bool = True
     share_expert_dim: int = 1280
-    moe_layers_enum: str | list[int] | None = None
+    moe_layers_enum: str | int | list[int] | None = None
     rope_theta: float | list[float] = 10000.0
     rope_scaling: dict[str, Any] | None = None
     yarn_only_types: list[str] | None = None
@@ -230,6 +230,8 @@ class Step3p5Args:
         enum = self.moe_layers_enum
         if enum is None:
             return list(range(1, self.num_hidden_layers))
+        if isinstance(enum, int) and not isinstance(enum, bool):
+            return [enum]  # a YAML override of one layer reads as a number
         if isinstance(enum, str):
             try:
                 return [int(part) for part in enum.strip().split(",") if part.strip()]
@@ -237,6 +239,8 @@ class Step3p5Args:
                 raise ValueError(
                     f"moe_layers_enum: must be comma-separated layer indices, got {enum!r}"
                 ) from None
+        if not isinstance(enum, list | tuple):
+            raise ValueError(f"moe_layers_enum: must be comma-separated layer indices, got {enum!r}")
         return [int(i) for i in enum]
 
     def is_moe_layer(self, layer: int) -> bool:
