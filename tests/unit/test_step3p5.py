@@ -391,3 +391,13 @@ def test_init_tiny_config_and_registry():
     small = build_step3p5(bf16, device="cpu").to(torch.bfloat16)
     small(torch.randint(0, 8192, (1, 9))).float().logsumexp(-1).mean().backward()
     assert all(p.grad is not None for p in small.parameters() if p.requires_grad)
+
+
+def test_context_parallel_is_refused_before_any_model_is_built():
+    from meshforge.config import load_config
+    from meshforge.config.base import ConfigError
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "step3p5" / "tiny.yaml"
+    with pytest.raises(ConfigError, match="parallelism.context_parallel: not supported yet: .* for step3p5"):
+        load_config(str(path), ["--parallelism.context_parallel=2"])
+    assert load_config(str(path), []).model.model_type == "step3p5"
