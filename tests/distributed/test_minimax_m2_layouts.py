@@ -1,5 +1,5 @@
-"""MiniMax-M2 trained by the real `Trainer` in dp2, tp2 (with sequence parallelism), pp2 and ep2
-equals one process: the same losses and gradient norms over 2 steps.
+"""MiniMax-M2 trained by the real `Trainer` in dp2, tp2 (with sequence parallelism), pp2, ep2 and
+cp2 (Ulysses) equals one process: the same losses and gradient norms over 2 steps.
 
 The one-process run happens in the test process; one spawn of 2 gloo ranks then runs every layout
 from `configs/minimax_m2/tiny.yaml` shrunk to 2 layers (every layer sparse, half-rotary heads, the
@@ -36,6 +36,7 @@ LAYOUTS: dict[str, list[str]] = {
     "tp2 sp": ["--parallelism.tensor_parallel=2", "--parallelism.sequence_parallel=true"],
     "pp2": ["--parallelism.pipeline_parallel=2"],
     "ep2": ["--parallelism.expert_parallel=2"],
+    "cp2 ulysses": ["--parallelism.context_parallel=2", "--parallelism.context_parallel_method=ulysses"],
 }
 STEPS = 2
 
