@@ -411,3 +411,15 @@ def test_context_parallel_is_refused_before_any_model_is_built():
     with pytest.raises(ConfigError, match="parallelism.context_parallel: not supported yet: .* for step3p5"):
         load_config(str(path), ["--parallelism.context_parallel=2"])
     assert load_config(str(path), []).model.model_type == "step3p5"
+
+
+def test_pipeline_stage_finds_the_sparse_blocks():
+    from meshforge.parallel.pipeline import split_model
+
+    model = build_step3p5(FLAVORS["tiny"], device="cpu")
+    split = split_model(model, pp_rank=1, pp_size=2, layers_per_stage=None, interleave=1, schedule="1f1b")
+    blocks = split.model.moe_layers()
+    assert sorted(blocks) == [2, 3] and all(
+        b is split.model.model.layers[str(i)].moe for i, b in blocks.items()
+    )
+    assert 0 < split.model.num_params(active=True) < split.model.num_params()

@@ -240,14 +240,26 @@ class Step3p5DecoderLayer(nn.Module):
         shared_limit = args.swiglu_limit(layer, shared=True)
         self.moe: Step3p5MoE | None = None
         self.share_expert: Step3p5MLP | None = None
-        self.mlp: Step3p5MLP | None = None
         if self.is_moe:
             self.moe = Step3p5MoE(args, layer)
             self.share_expert = Step3p5MLP(args.hidden_size, args.share_expert_dim, shared_limit)
         else:
-            self.mlp = Step3p5MLP(args.hidden_size, args.intermediate_size, shared_limit)
+            # Registered directly (what add_module does): `mlp` is also the property below.
+            self._modules["mlp"] = Step3p5MLP(args.hidden_size, args.intermediate_size, shared_limit)
         self.input_layernorm = Step3p5RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = Step3p5RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    @property
+    def mlp(self) -> nn.Module:
+        """The dense MLP, or on a sparse layer its routed block ``moe``.
+
+        The shared MoE code of pipeline stages reads a layer's sparse block as ``layer.mlp``
+        (the name the other families use); the module tree keeps the published names.
+        """
+        block = self._modules.get("mlp") or self._modules.get("moe")
+        if block is None:  # during __init__
+            raise AttributeError("mlp")
+        return block
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None, masks: dict[str, torch.Tensor]
@@ -256,7 +268,6 @@ class Step3p5DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         if self.moe is not None and self.share_expert is not None:
             return x + (self.moe(h) + self.share_expert(h))
-        assert self.mlp is not None  # a dense layer
         return x + self.mlp(h)
 
 
