@@ -32,7 +32,11 @@ For the MoE families the FLOPs count the active parameters (``num_experts_per_to
 routed experts per MoE layer, each model's ``flops_per_token``); transformers runs
 its default experts implementation (reported as ``hf_experts_implementation``).
 
-Run: ``python benchmarks/step_throughput.py [--family qwen3|qwen3_moe|deepseek_v3|all]
+Also ``minimax_m2`` (MoE shape ``small``, every layer sparse) against transformers, and
+``step3p5`` (its tiny flavor), which transformers does not have: meshforge's own tokens/s and
+share of the mm peak only.
+
+Run: ``python benchmarks/step_throughput.py [--family qwen3|qwen3_moe|deepseek_v3|minimax_m2|step3p5|all]
 [--quick] [--shape small|large|all] [--breakdown]``. Prints one JSON line per
 (family, shape).
 """
@@ -57,10 +61,14 @@ import torch.nn.functional as F  # noqa: E402
 
 from meshforge.models.deepseek_v3.args import DeepseekV3Args  # noqa: E402
 from meshforge.models.deepseek_v3.model import DeepseekV3ForCausalLM  # noqa: E402
+from meshforge.models.minimax_m2.args import MiniMaxM2Args  # noqa: E402
+from meshforge.models.minimax_m2.model import MiniMaxM2ForCausalLM  # noqa: E402
 from meshforge.models.qwen3.args import Qwen3Args  # noqa: E402
 from meshforge.models.qwen3.model import Qwen3ForCausalLM  # noqa: E402
 from meshforge.models.qwen3_moe.args import Qwen3MoeArgs  # noqa: E402
 from meshforge.models.qwen3_moe.model import Qwen3MoeForCausalLM  # noqa: E402
+from meshforge.models.step3p5.args import FLAVORS as STEP3P5_FLAVORS  # noqa: E402
+from meshforge.models.step3p5.model import build_step3p5  # noqa: E402
 
 SHAPES = {
     # Overhead-bound: small matrices, elementwise work and Python dispatch weigh a lot.
@@ -160,6 +168,12 @@ MOE_SHAPES = {
     },
 }
 
+# MiniMax-M2 on the same shape: every layer sparse, 8 experts of 256, top-2, RoPE on half of each head.
+MOE_SHAPES["minimax_m2"] = {"small": {**MOE_SHAPES["qwen3_moe"]["small"], "args": dict(
+    vocab_size=8192, hidden_size=256, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rotary_dim=32,
+    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)}}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Family:
@@ -183,6 +197,13 @@ FAMILIES = {
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
         MOE_SHAPES["deepseek_v3"],
+    ),
+    "minimax_m2": Family(
+        MiniMaxM2Args,
+        MiniMaxM2ForCausalLM,
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        MOE_SHAPES["minimax_m2"],
     ),
 }
 
@@ -456,12 +477,54 @@ def run_shape(
     return result
 
 
+# Families transformers has no model for: meshforge alone, no ratio (the FLOPs and share of peak
+# are the figures). step3p5's small shape: its tiny flavor (full + 3 sliding layers, window 64).
+ALONE: dict[str, dict[str, Any]] = {
+    "step3p5": {
+        "small": dict(build=lambda: build_step3p5(STEP3P5_FLAVORS["tiny"], device="cpu"), batch=8, seq=256)
+    },
+}
+
+
+def run_alone(
+    family_name: str, name: str, spec: dict, *, warmup: int, repeats: int, peak: float, adamw: str
+) -> dict:
+    """Step throughput of a family without a transformers model: meshforge's own figures only."""
+    torch.manual_seed(0)
+    model = spec["build"]().train()
+    batch = shape_batch(spec, model.args.vocab_size)
+    runner = Runner("meshforge", model, batch, False, adamw)
+    for _ in range(warmup):
+        runner.step()
+    mm_a, mm_b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    peak_samples = [peak]
+    for _ in range(repeats):
+        runner.timed_block(1)
+        peak_samples.append(_mm_rate(mm_a, mm_b))
+    flops = model.flops_per_token(spec["seq"]) * batch["input_ids"].numel()
+    median_gflops = flops / _median(runner.block_seconds) / 1e9
+    return {
+        "family": family_name,
+        "shape": name,
+        "batch": spec["batch"],
+        "seq": spec["seq"],
+        "params": model.num_params(),
+        "active_params": model.num_params(active=True),
+        "tokens_per_s": {"meshforge": round(runner.tokens_per_s, 1)},
+        "gflops_median_step": round(median_gflops, 2),
+        "share_of_peak": round(median_gflops / _median(peak_samples), 3),
+        "mm_peak_gflops_median": round(_median(peak_samples), 1),
+        "last_loss": round(runner.losses[-1], 5),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     parser.add_argument(
         "--family",
-        choices=[*FAMILIES, "mamba3", "all"],
+        choices=[*FAMILIES, *ALONE, "all"],
         default="qwen3",
         help="model family (qwen3 is dense; qwen3_moe and deepseek_v3 have one MoE shape, small; "
         "mamba3: chunked scan vs step recurrence, mamba3_throughput.py)",
@@ -511,6 +574,13 @@ def main(argv: list[str] | None = None) -> None:
     # One step per block: alternating every step keeps both models under the same load.
     steps = opts.steps if opts.steps is not None else 1
     repeats = opts.repeats if opts.repeats is not None else (2 if opts.quick else 16)
+    if opts.family in ALONE:
+        peak = measure_mm_peak(trials=1 if opts.quick else 3)
+        for name, spec in ALONE[opts.family].items():
+            if opts.shape in ("all", name):
+                kwargs = dict(warmup=warmup, repeats=repeats, peak=peak, adamw=opts.adamw)
+                print(json.dumps(run_alone(opts.family, name, spec, **kwargs)), flush=True)
+        return
     families = list(FAMILIES) if opts.family == "all" else [opts.family]
     cases = [
         (fam, shape) for fam in families for shape in FAMILIES[fam].shapes if opts.shape in ("all", shape)

@@ -21,6 +21,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "meshforge"
 FAMILIES = sorted(built_families())
 MOE_FAMILIES = {"qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"}
+MOE_FAMILIES |= {"minimax_m2", "step3p5"}
 
 
 def _build(spec: FamilySpec) -> nn.Module:

@@ -164,7 +164,7 @@ def test_an_argument_in_the_wrong_group_names_its_group(tmp_path):
     assert "belongs to the 'optimization' group" in text
 
 
-@pytest.mark.parametrize("model_id", ["deepseek4", "glm52", "longcat_flash_lite", "deepseek_v4", "step35"])
+@pytest.mark.parametrize("model_id", ["deepseek4", "glm52", "longcat_flash_lite", "deepseek_v4"])
 def test_model_ids_without_a_family(tmp_path, model_id):
     text = _error(_write(tmp_path, {"model": {"model_id": model_id}}))
     assert f"error: model_id: not supported yet: model family {model_id}" in text

@@ -21,7 +21,7 @@ def test_model_id_trains_the_built_in_family(tmp_path: Path) -> None:
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
-@pytest.mark.parametrize("model_id", ["step35", "minimax_m27"])
+@pytest.mark.parametrize("model_id", ["longcat_flash_ngram", "glm52", "deepseek_v4"])
 def test_unbuilt_model_id_names_the_generic_path(model_id: str) -> None:
     with pytest.raises(ValueError, match="generic transformers path, set model.model_name_or_path"):
         resolve_family(model_id=model_id)

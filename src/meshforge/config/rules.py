@@ -144,6 +144,13 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
                 "sequence slice needs the state the slices before it end with); set it to 1",
             )
         )
+    if family in ("step3p5", "step35") and par.context_parallel > 1:
+        issues.append(
+            (
+                "parallelism.context_parallel",
+                "not supported yet: context_parallel > 1 for step3p5 (per-layer heads, RoPE and sliding windows)",
+            )
+        )
     for switch in ("use_ascend_mhc", "use_triton_swiglu_limit"):
         if getattr(cfg.kernels, switch) and family != "deepseek_v4":
             issues.append(

@@ -18,10 +18,12 @@ from meshforge.models.deepseek_v3.spec import FAMILY as DEEPSEEK_V3
 from meshforge.models.gpt_oss.spec import FAMILY as GPT_OSS
 from meshforge.models.llama.spec import FAMILY as LLAMA
 from meshforge.models.mamba3.spec import FAMILY as MAMBA3
+from meshforge.models.minimax_m2.spec import FAMILY as MINIMAX_M2
 from meshforge.models.qwen3.spec import FAMILY as QWEN3
 from meshforge.models.qwen3_moe.spec import FAMILY as QWEN3_MOE
 from meshforge.models.qwen3_next.spec import FAMILY as QWEN3_NEXT
 from meshforge.models.spec import FamilySpec
+from meshforge.models.step3p5.spec import FAMILY as STEP3P5
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +39,8 @@ SPECS: tuple[FamilySpec, ...] = (
     GPT_OSS,
     QWEN3_NEXT,
     MAMBA3,
+    MINIMAX_M2,
+    STEP3P5,
 )
 _FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in SPECS}
 
@@ -100,7 +104,7 @@ def resolve_family(
         )
     hint = ""
     if model_id and not model_type and not architectures:
-        # MindSpeed model_ids without a built-in family (step35, minimax_m27, ...) train
+        # MindSpeed model_ids without a built-in family (glm52, deepseek_v4, ...) train
         # through the generic transformers path, which needs the model's own folder.
         hint = (
             "; to train it through the generic transformers path, set model.model_name_or_path to a local "
