@@ -413,17 +413,12 @@ class Trainer(TrainerMonitors):
     def _export_lora(self, *, merged: bool) -> Path | None:
         """The PEFT adapter folder, and with `merged` the merged HF folder (returned; else None)."""
         assert self.cfg.lora_config is not None
-        from meshforge.lora.settings import lora_settings
-
-        base = self.checkpointer.lora_base
         out = export_lora_from_memory(
             self.model,
             self.family,
             self.output_dir,
-            settings=lora_settings(self.cfg.lora_config),
-            base_model=str(base[1])
-            if base is not None and base[1] is not None
-            else (self.cfg.model.model_name_or_path or ""),
+            section=self.cfg.lora_config,
+            base_model=self.checkpointer.lora_base_path() or self.cfg.model.model_name_or_path,
             merged=merged,
             tokenizer=self.tokenizer if self.dist.is_main else None,
             log=self.log,

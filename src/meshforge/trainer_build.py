@@ -122,7 +122,8 @@ class TrainerBuild:
         )
 
     def _build_model(self) -> nn.Module:
-        from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
+        from meshforge.checkpoint.hf import load_hf_weights
+        from meshforge.checkpoint.source import resolve_model_source
         from meshforge.data.tokenizer import tokenizer_extension
         from meshforge.lora.apply import with_adapter_init
         from meshforge.lora.layer import adapters_detached
@@ -260,26 +261,18 @@ class TrainerBuild:
 
     def _build_rampup(self) -> BatchRampUp | None:
         """`training.rampup_batch_size` over this run's data-parallel ranks (None: no ramp)."""
-        training = self.cfg.training
-        ramp = training.rampup_batch_size
-        if ramp is None:
-            return None
-        from meshforge.data.rampup import BatchRampUp
+        from meshforge.data.rampup import build_rampup
 
-        for on, what in (
-            (self.dims.pp > 1, "parallelism.pipeline_parallel > 1"),
-            (training.epochs is not None, "training.epochs"),
-        ):
-            if on:
-                raise NotImplementedError(f"not supported yet: training.rampup_batch_size with {what}")
-        rampup = BatchRampUp(
-            start=int(ramp[0]),
-            increment=int(ramp[1]),
-            ramp_samples=int(ramp[2]),
+        training = self.cfg.training
+        rampup = build_rampup(
+            training.rampup_batch_size,
             global_batch_size=training.global_batch_size,
             micro_samples=self.plan.data_parallel * self.plan.local_batch_size,
+            pipeline_parallel=self.dims.pp,
+            epochs=training.epochs is not None,
         )
-        self.log(rampup.describe())
+        if rampup is not None:
+            self.log(rampup.describe())
         return rampup
 
     def _build_grad_accumulation(self) -> GradAccumulation:

@@ -13,7 +13,7 @@ from meshforge.utils import distributed as dist_utils
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from meshforge.lora.apply import LoraSettings
+    from meshforge.models.config import LoraConfig
     from meshforge.models.registry import FamilySpec
 
 
@@ -62,8 +62,8 @@ def export_lora_from_memory(
     family: FamilySpec,
     output_dir: Path,
     *,
-    settings: LoraSettings,
-    base_model: str,
+    section: LoraConfig,
+    base_model: str | None,
     merged: bool,
     tokenizer: PreTrainedTokenizerBase | None,
     log: Callable[[str], None],
@@ -71,9 +71,10 @@ def export_lora_from_memory(
     """A LoRA run's exports (collective): the PEFT adapter folder `{output_dir}/adapter`, and with
     `checkpoint.save_hf_weights` the merged Hugging Face folder `{output_dir}/hf`."""
     from meshforge.lora.peft_io import save_merged_hf, save_peft_adapter
+    from meshforge.lora.settings import lora_settings
 
     adapter = save_peft_adapter(
-        model, family, output_dir / "adapter", settings=settings, base_model=base_model
+        model, family, output_dir / "adapter", settings=lora_settings(section), base_model=base_model or ""
     )
     log(f"lora: wrote the PEFT adapter folder {adapter}")
     if merged:

@@ -71,7 +71,7 @@ def _config(model: dict, extra: dict, *, chunk: int | None = None, **sections: d
 
 def _real(cfg: TrainConfig) -> SavedTensorLedger:
     """The ledger of one real forward and loss in one process (random weights)."""
-    from meshforge.checkpoint.hf import resolve_model_source
+    from meshforge.checkpoint.source import resolve_model_source
 
     source = resolve_model_source(cfg.model)
     torch.manual_seed(0)

@@ -368,7 +368,7 @@ def test_spec_and_args_import_no_torch():
 
 
 def test_registry_resolves_the_family_and_a_hf_folder(tmp_path):
-    from meshforge.checkpoint.hf import resolve_model_source
+    from meshforge.checkpoint.source import resolve_model_source
     from meshforge.config import config_from_dict
     from meshforge.models.registry import check_model_options, resolve_family
 

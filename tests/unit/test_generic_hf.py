@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
+from meshforge.checkpoint.hf import load_hf_weights
+from meshforge.checkpoint.source import resolve_model_source
 from meshforge.config import config_from_dict
 from tests._compare import assert_close
 from tests.conftest import read_metrics, run_train, write_corpus

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source, save_hf
+from meshforge.checkpoint.hf import load_hf_weights, save_hf
+from meshforge.checkpoint.source import resolve_model_source
 from meshforge.config import config_from_dict
 from tests._compare import assert_close, assert_scalar_close
 from tests.conftest import write_corpus

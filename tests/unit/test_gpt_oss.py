@@ -215,7 +215,8 @@ def test_yarn_frequencies_and_scaling_are_transformers():
 
 
 def test_hf_folder_round_trip_through_loader_and_transformers(tmp_path: Path):
-    from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source, save_hf
+    from meshforge.checkpoint.hf import load_hf_weights, save_hf
+    from meshforge.checkpoint.source import resolve_model_source
     from meshforge.config import config_from_dict
 
     args = CONFIGS["sliding_full_gqa_untied_yarn"]

@@ -15,14 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshforge.checkpoint.hf import (
-    INDEX_FILE,
-    find_hf_weights,
-    load_hf_weights,
-    read_hf_config,
-    resolve_model_source,
-    save_hf,
-)
+from meshforge.checkpoint.hf import INDEX_FILE, find_hf_weights, load_hf_weights, read_hf_config, save_hf
+from meshforge.checkpoint.source import resolve_model_source
 from meshforge.config import config_from_dict
 from meshforge.models.registry import resolve_family
 from tests.conftest import read_metrics, run_train, write_corpus

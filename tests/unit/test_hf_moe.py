@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers
 
-from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source, save_hf
+from meshforge.checkpoint.hf import load_hf_weights, save_hf
+from meshforge.checkpoint.source import resolve_model_source
 from meshforge.config import config_from_dict
 
 OPTIONS = {

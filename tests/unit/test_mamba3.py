@@ -210,7 +210,8 @@ def test_init_follows_the_reference():
 def test_safetensors_folder_round_trip(tmp_path, tied):
     from safetensors.torch import load_file
 
-    from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source, save_hf
+    from meshforge.checkpoint.hf import load_hf_weights, save_hf
+    from meshforge.checkpoint.source import resolve_model_source
     from meshforge.config import config_from_dict
 
     args = replace(CASES["mimo_outnorm_full_rope"], tie_word_embeddings=tied)

@@ -298,7 +298,7 @@ def test_init_meta_build_and_counts():
 
 
 def test_registry_resolves_the_family_by_type_architecture_and_mindspeed_id(tmp_path):
-    from meshforge.checkpoint.hf import resolve_model_source
+    from meshforge.checkpoint.source import resolve_model_source
     from meshforge.config import config_from_dict
     from meshforge.models.registry import check_model_options, resolve_family
 

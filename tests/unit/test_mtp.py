@@ -205,7 +205,7 @@ def test_mtp_factor_on_a_model_without_mtp_is_an_error() -> None:
 
 
 def test_folder_without_mtp_weights_builds_without_mtp_layers(tmp_path: Path) -> None:
-    from meshforge.checkpoint.hf import resolve_model_source
+    from meshforge.checkpoint.source import resolve_model_source
     from meshforge.config.root import TrainConfig
 
     args = _args(1)

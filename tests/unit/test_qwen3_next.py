@@ -322,7 +322,8 @@ def test_fused_and_reference_norms_agree():
 def test_hf_folder_round_trip(tmp_path, tied):
     from safetensors.torch import load_file, save_file
 
-    from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source, save_hf
+    from meshforge.checkpoint.hf import load_hf_weights, save_hf
+    from meshforge.checkpoint.source import resolve_model_source
     from meshforge.config import config_from_dict
 
     args = replace(CONFIGS["hybrid_moe_untied"], tie_word_embeddings=tied)
@@ -364,7 +365,7 @@ def test_hf_folder_round_trip(tmp_path, tied):
 def test_config_json_of_transformers_maps_onto_args(tmp_path):
     import json
 
-    from meshforge.checkpoint.hf import resolve_model_source
+    from meshforge.checkpoint.source import resolve_model_source
     from meshforge.config import config_from_dict
 
     for name in ("sparse_step2_tied", "hybrid_moe_untied"):

@@ -13,7 +13,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source, save_hf  # noqa: E402
+from meshforge.checkpoint.hf import load_hf_weights, save_hf  # noqa: E402
+from meshforge.checkpoint.source import resolve_model_source
 from meshforge.config import config_from_dict  # noqa: E402
 from meshforge.data.tokenizer import build_tokenizer, extension_options, tokenizer_extension  # noqa: E402
 from meshforge.models.materialize import materialize_and_init  # noqa: E402

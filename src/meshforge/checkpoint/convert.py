@@ -27,22 +27,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from meshforge.checkpoint.hf import (
-    CONFIG_FILE,
-    hf_adapter,
-    load_hf_weights,
-    read_hf_config,
-    resolve_model_source,
-    save_hf,
-)
+from meshforge.checkpoint.hf import CONFIG_FILE, hf_adapter, load_hf_weights, read_hf_config, save_hf
 from meshforge.checkpoint.manager import COMPLETE_MARKER, TRAINER_STATE_FILE, resolve_load_path
 from meshforge.checkpoint.readers import read_dcp_metadata
+from meshforge.checkpoint.source import resolve_model_source
 from meshforge.models.materialize import to_empty_keeping_ties
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from meshforge.checkpoint.hf import ModelSource
+    from meshforge.checkpoint.source import ModelSource
     from meshforge.config.root import TrainConfig
     from meshforge.models.config import ModelConfig
     from meshforge.models.registry import FamilySpec

@@ -159,6 +159,12 @@ class CheckpointManager:
         self._lora_ref: dict[str, Any] | None = None
         self._stager = _background_stager() if async_save else None
 
+    def lora_base_path(self) -> str | None:
+        """The folder a LoRA run's frozen base came from (None: not LoRA, or a seeded init)."""
+        if self.lora_base is None or self.lora_base[1] is None:
+            return None
+        return str(self.lora_base[1])
+
     def should_save(self, step: int, last_step: int) -> bool:
         """Save on every `interval`-th step (when there is an interval) and always at the last step."""
         if not self.enabled or step == self.last_saved_step:

@@ -12,7 +12,7 @@ declared by their consumers' option models instead. Light: strings only.
 from __future__ import annotations
 
 READERS: dict[str, tuple[str, ...]] = {
-    "meshforge.checkpoint.hf": (
+    "meshforge.checkpoint.source": (
         "model.model_type",
         "model.architectures",
         "model.model_id",

@@ -122,3 +122,33 @@ def check_ramp(start: int, increment: int, global_batch_size: int) -> None:
             f"{_K}: training.global_batch_size - start ({global_batch_size} - {start}) is not a "
             f"multiple of the increment {increment}"
         )
+
+
+def build_rampup(
+    ramp: list[int] | tuple[int, ...] | None,
+    *,
+    global_batch_size: int,
+    micro_samples: int,
+    pipeline_parallel: int,
+    epochs: bool,
+) -> BatchRampUp | None:
+    """`training.rampup_batch_size` for `micro_samples` rows per micro-batch (None: no ramp).
+
+    Raises:
+        NotImplementedError: with pipeline parallelism or `training.epochs` (not built yet).
+    """
+    if ramp is None:
+        return None
+    for on, what in (
+        (pipeline_parallel > 1, "parallelism.pipeline_parallel > 1"),
+        (epochs, "training.epochs"),
+    ):
+        if on:
+            raise NotImplementedError(f"not supported yet: training.rampup_batch_size with {what}")
+    return BatchRampUp(
+        start=int(ramp[0]),
+        increment=int(ramp[1]),
+        ramp_samples=int(ramp[2]),
+        global_batch_size=global_batch_size,
+        micro_samples=micro_samples,
+    )

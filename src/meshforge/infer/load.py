@@ -76,8 +76,9 @@ def load_generation_model(
     )
 
     from meshforge.checkpoint.convert import grown_options
-    from meshforge.checkpoint.hf import load_hf_weights, resolve_model_source
+    from meshforge.checkpoint.hf import load_hf_weights
     from meshforge.checkpoint.manager import resolve_load_path
+    from meshforge.checkpoint.source import resolve_model_source
     from meshforge.models.materialize import to_empty_keeping_ties
     from meshforge.utils.dtype import parse_dtype
 

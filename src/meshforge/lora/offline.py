@@ -27,7 +27,7 @@ from meshforge.lora.base_ref import adapter_state_dict, base_state_dict, check_b
 from meshforge.lora.layer import adapters_detached
 
 if TYPE_CHECKING:
-    from meshforge.checkpoint.hf import ModelSource
+    from meshforge.checkpoint.source import ModelSource
     from meshforge.config.root import TrainConfig
     from meshforge.models.materialize import InitFn
     from meshforge.models.registry import FamilySpec

@@ -57,7 +57,7 @@ def count_parameters(cfg: TrainConfig, log: Callable[[str], None] | None = None)
     """Build the configured model on the meta device and count its parameters by placement."""
     import torch
 
-    from meshforge.checkpoint.hf import resolve_model_source
+    from meshforge.checkpoint.source import resolve_model_source
 
     source = resolve_model_source(cfg.model, log=log)
     with torch.device("meta"):
@@ -320,7 +320,7 @@ def measure_plan_activations(
     cfg: TrainConfig, micro: int, tokens: int, *, log: Callable[[str], None] | None = None
 ) -> ActivationEstimate:
     """One micro-batch ``[micro, tokens]`` of the configured model traced with its memory settings."""
-    from meshforge.checkpoint.hf import resolve_model_source
+    from meshforge.checkpoint.source import resolve_model_source
     from meshforge.memory.apply import ActivationSettings
     from meshforge.memory.estimate import measure_activations
     from meshforge.utils.dtype import parse_dtype
