@@ -67,8 +67,6 @@ from meshforge.models.qwen3.args import Qwen3Args  # noqa: E402
 from meshforge.models.qwen3.model import Qwen3ForCausalLM  # noqa: E402
 from meshforge.models.qwen3_moe.args import Qwen3MoeArgs  # noqa: E402
 from meshforge.models.qwen3_moe.model import Qwen3MoeForCausalLM  # noqa: E402
-from meshforge.models.step3p5.args import FLAVORS as STEP3P5_FLAVORS  # noqa: E402
-from meshforge.models.step3p5.model import build_step3p5  # noqa: E402
 
 SHAPES = {
     # Overhead-bound: small matrices, elementwise work and Python dispatch weigh a lot.
@@ -477,46 +475,8 @@ def run_shape(
     return result
 
 
-# Families transformers has no model for: meshforge alone, no ratio (the FLOPs and share of peak
-# are the figures). step3p5's small shape: its tiny flavor (full + 3 sliding layers, window 64).
-ALONE: dict[str, dict[str, Any]] = {
-    "step3p5": {
-        "small": dict(build=lambda: build_step3p5(STEP3P5_FLAVORS["tiny"], device="cpu"), batch=8, seq=256)
-    },
-}
-
-
-def run_alone(
-    family_name: str, name: str, spec: dict, *, warmup: int, repeats: int, peak: float, adamw: str
-) -> dict:
-    """Step throughput of a family without a transformers model: meshforge's own figures only."""
-    torch.manual_seed(0)
-    model = spec["build"]().train()
-    batch = shape_batch(spec, model.args.vocab_size)
-    runner = Runner("meshforge", model, batch, False, adamw)
-    for _ in range(warmup):
-        runner.step()
-    mm_a, mm_b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    peak_samples = [peak]
-    for _ in range(repeats):
-        runner.timed_block(1)
-        peak_samples.append(_mm_rate(mm_a, mm_b))
-    flops = model.flops_per_token(spec["seq"]) * batch["input_ids"].numel()
-    median_gflops = flops / _median(runner.block_seconds) / 1e9
-    return {
-        "family": family_name,
-        "shape": name,
-        "batch": spec["batch"],
-        "seq": spec["seq"],
-        "params": model.num_params(),
-        "active_params": model.num_params(active=True),
-        "tokens_per_s": {"meshforge": round(runner.tokens_per_s, 1)},
-        "gflops_median_step": round(median_gflops, 2),
-        "share_of_peak": round(median_gflops / _median(peak_samples), 3),
-        "mm_peak_gflops_median": round(_median(peak_samples), 1),
-        "last_loss": round(runner.losses[-1], 5),
-        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-    }
+# Families transformers has no model for, measured by `alone_throughput.py` (meshforge alone).
+ALONE_FAMILIES = ("step3p5",)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -524,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     parser.add_argument(
         "--family",
-        choices=[*FAMILIES, *ALONE, "all"],
+        choices=[*FAMILIES, *ALONE_FAMILIES, "mamba3", "all"],
         default="qwen3",
         help="model family (qwen3 is dense; qwen3_moe and deepseek_v3 have one MoE shape, small; "
         "mamba3: chunked scan vs step recurrence, mamba3_throughput.py)",
@@ -574,7 +534,9 @@ def main(argv: list[str] | None = None) -> None:
     # One step per block: alternating every step keeps both models under the same load.
     steps = opts.steps if opts.steps is not None else 1
     repeats = opts.repeats if opts.repeats is not None else (2 if opts.quick else 16)
-    if opts.family in ALONE:
+    if opts.family in ALONE_FAMILIES:
+        from alone_throughput import ALONE, run_alone
+
         peak = measure_mm_peak(trials=1 if opts.quick else 3)
         for name, spec in ALONE[opts.family].items():
             if opts.shape in ("all", name):
