@@ -76,7 +76,16 @@ def _adapter_forward_hook(module: nn.Module, args: tuple[Any, ...], output: torc
     h = module.get_submodule("lora_dropout")(x)
     if h.dtype != lora_a.weight.dtype:
         h = h.to(lora_a.weight.dtype)
-    delta = lora_b(lora_a(h)) * getattr(module, _SCALING)
+    scaling = getattr(module, _SCALING)
+    low = lora_a(h)
+    b = lora_b.weight
+    if not isinstance(output, DTensor) and not isinstance(b, DTensor) and output.dtype == b.dtype:
+        # One multiply-add, output + scaling * low @ B^T: no full-width delta, no separate scale
+        # and add passes over it.
+        width = output.shape[-1]
+        fused = torch.addmm(output.reshape(-1, width), low.reshape(-1, low.shape[-1]), b.t(), alpha=scaling)
+        return fused.view(output.shape)
+    delta = lora_b(low) * scaling
     return output + delta.to(output.dtype)
 
 
