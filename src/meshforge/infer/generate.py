@@ -33,6 +33,15 @@ if TYPE_CHECKING:
 Log = Callable[[str], None]
 
 
+def _transformers_builds(family: str) -> bool:
+    """Whether transformers has a model of this family (the generic path is transformers' own)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from meshforge.models.generic import GENERIC
+
+    return family == GENERIC or family in CONFIG_MAPPING_NAMES
+
+
 @dataclass(frozen=True)
 class Completion:
     """One generated completion: its text (cut before a stop string) and every generated token."""
@@ -88,9 +97,20 @@ class Generator:
         self.eos = tuple(options.eos_token_id) if options.eos_token_id is not None else tuple(eos)
         self.pad = pad if pad is not None else (self.eos[0] if self.eos else 0)
         self.backend = options.infer_backend
+        self.use_kv_cache = options.use_kv_cache
+        own_only = not _transformers_builds(loaded.family.name)
+        if self.backend == "huggingface" and own_only:
+            log(f"generate: transformers has no {loaded.family.name} model; meshforge's decoder generates")
+            self.backend = "meshforge"
         if self.backend == "meshforge":
             reason = cache_support(loaded.model)
-            if reason is not None:
+            if reason is not None and own_only:
+                if self.use_kv_cache:
+                    log(
+                        f"generate: {reason}; every step runs the whole sequence (as inference.use_kv_cache: false)"
+                    )
+                self.use_kv_cache = False
+            elif reason is not None:
                 log(f"generate: infer_backend meshforge: {reason}; using transformers' generate instead")
                 self.backend = "huggingface"
         self.model = loaded.model if self.backend == "meshforge" else as_transformers(loaded, log)
@@ -150,7 +170,7 @@ class Generator:
         """Completions of one batch of tokenised prompts."""
         max_new = self.check_lengths(prompts, sources)
         if self.backend == "meshforge":
-            request = DecodeRequest(prompts, max_new, self.pad, self.eos, self.options.use_kv_cache)
+            request = DecodeRequest(prompts, max_new, self.pad, self.eos, self.use_kv_cache)
             if self.beams > 1:
                 beam = BeamOptions(
                     self.beams,
