@@ -202,6 +202,9 @@ def measure_activations(
                 entry.host += part
             else:
                 entry.device += part
+        if mtp:
+            depths = cast(MTPModel, model).num_mtp_layers
+            estimate.notes.append(f"{depths} MTP block(s) on the last stage")
         if replaced:
             estimate.notes.append(
                 f"MoE feed-forward of {len(replaced)} layer(s) by formula (routing needs data)"
