@@ -217,6 +217,13 @@ _INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_nu
 _SCALARS = (bool, int, float, str, type(None))
 
 
+def _is_setting(value: object) -> bool:
+    """A scalar, or a tuple or list of them (a window size, a layer type)."""
+    if isinstance(value, tuple | list):
+        return all(isinstance(v, _SCALARS) for v in value)
+    return isinstance(value, _SCALARS)
+
+
 def _layer_kind(layer: nn.Module, index: int, applied: ActivationMemory) -> tuple[object, ...]:
     """What decides a layer's saved bytes: structure, shapes, settings and memory coverage."""
     parts: list[object] = [type(layer)]
@@ -228,7 +235,7 @@ def _layer_kind(layer: nn.Module, index: int, applied: ActivationMemory) -> tupl
         attributes = sorted(
             (key, value)
             for key, value in vars(module).items()
-            if not key.startswith("_") and key not in _INDEX_ATTRIBUTES and isinstance(value, _SCALARS)
+            if not key.startswith("_") and key not in _INDEX_ATTRIBUTES and _is_setting(value)
         )
         parts.append((path, type(module), tuple(tensors), tuple(attributes)))
     for table in (applied.recomputed, applied.swapped):
