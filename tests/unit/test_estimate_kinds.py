@@ -37,6 +37,18 @@ def _qwen3_deep() -> nn.Module:
     return build_qwen3(Qwen3Args(**{**vars(model.args), "num_hidden_layers": 6}), device="cpu")
 
 
+def _step3p5() -> nn.Module:
+    """The tiny Step-3.5: its MoE block is ``moe`` (not ``mlp``), its shared expert a sibling."""
+    from meshforge.checkpoint.source import resolve_model_source
+    from meshforge.config import config_from_dict
+    from meshforge.config.loader import read_config_file
+    from tests.conftest import REPO
+
+    cfg = config_from_dict(read_config_file(REPO / "configs" / "step3p5" / "tiny.yaml")[0])
+    source = resolve_model_source(cfg.model)
+    return source.family.build(source.options)
+
+
 SELECT_SOME = RecomputeConfig(mode="select", select_module={"attention": ["1-2"], "mlp": ["4"]})
 FULL_SOME = RecomputeConfig(mode="full", full_recompute_layer=["0-1"])
 CASES: dict[str, tuple[Callable[[], nn.Module], ActivationSettings, bool]] = {
@@ -54,6 +66,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], ActivationSettings, bool]] = {
         True,
     ),
     "generic": (FAMILIES["generic"], ActivationSettings(), False),
+    "step3p5_moe_block": (_step3p5, ActivationSettings(), False),
 }
 
 
@@ -97,3 +110,25 @@ def test_mtp_blocks_are_measured_when_trained() -> None:
     assert {i: b for i, b in on.layers.items() if i < 4} == {i: b for i, b in off.layers.items() if i < 4}
     # The depth's logits [2, 32, vocab] in fp32 (and their loss) at least.
     assert on.outside - off.outside >= 2 * 32 * 64 * 4
+
+
+def test_moe_block_not_named_mlp_falls_back_to_the_formula_within_5_percent() -> None:
+    """Step-3.5's routed block (``moe``, data-dependent routing) is found by its experts."""
+    from meshforge.loss import cross_entropy_sum
+    from meshforge.memory.ledger import SavedTensorLedger
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _step3p5()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.02)
+    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(1))
+    ledger = SavedTensorLedger()
+    ledger.exclude(model.parameters())
+    with ledger.recording():
+        cross_entropy_sum(model(ids), ids)
+    estimate = _measure(_step3p5, ActivationSettings(), False)
+    assert any("by formula" in note for note in estimate.notes)
+    assert abs(estimate.device_bytes - ledger.device_bytes) <= 0.05 * ledger.device_bytes

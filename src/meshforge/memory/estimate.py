@@ -10,7 +10,7 @@ tensors take the CPU's kernel choices, so what attention saves is what a real CP
 attention on CUDA saves the same output and log-sum-exp.
 
 Where a layer cannot run without data (MoE routing counts tokens per expert, then splits by
-those counts), its feed-forward is replaced by a pass-through for the trace and the experts
+those counts), its feed-forward (``mlp``, else the child holding the routed experts) is replaced by a pass-through for the trace and the experts
 are added by formula, for N tokens, k experts per token, expert width I, model width h and
 element size d: routed experts ``N*(h + k*(3h + 4I))*d`` (the block's input; per assignment the
 gathered input, gate, up, activation, product, output and its weighted copy) plus the router's
@@ -85,10 +85,17 @@ class _PassThrough(nn.Module):
 
 
 def _ffn_path(layer: nn.Module) -> str | None:
+    """The layer's feed-forward: what ``mlp`` names, else the child holding routed experts."""
     from meshforge.memory.names import match_submodules
+    from meshforge.models.common.moe import ExpertsBase
 
     found = match_submodules(layer, "mlp", key="mlp")
-    return found[0][0] if found else None
+    if found:
+        return found[0][0]
+    for name, child in layer.named_children():
+        if any(isinstance(m, ExpertsBase) for m in child.modules()):
+            return name
+    return None
 
 
 def _set_child(layer: nn.Module, path: str, module: nn.Module) -> nn.Module:
