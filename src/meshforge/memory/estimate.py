@@ -10,7 +10,7 @@ tensors take the CPU's kernel choices, so what attention saves is what a real CP
 attention on CUDA saves the same output and log-sum-exp.
 
 Where a layer cannot run without data (MoE routing counts tokens per expert, then splits by
-those counts), its feed-forward is replaced by a pass-through for the trace and the experts
+those counts), its feed-forward (``mlp``, else the child holding the routed experts) is replaced by a pass-through for the trace and the experts
 are added by formula, for N tokens, k experts per token, expert width I, model width h and
 element size d: routed experts ``N*(h + k*(3h + 4I))*d`` (the block's input; per assignment the
 gathered input, gate, up, activation, product, output and its weighted copy) plus the router's
@@ -19,21 +19,32 @@ gathered input, gate, up, activation, product, output and its weighted copy) plu
 forward's ledger.
 That part is dropped when the layer or its feed-forward is recomputed, and moved to host when
 swapped. ``recompute_comm`` is not traced (it needs a TP mesh): its saving is not included.
+
+Layers of one kind save the same bytes, so only the first layer of each kind is traced: the
+others return their input unchanged (in the structure the traced layer of their kind returned)
+and get a copy of its :class:`LayerBytes`. Two layers are of one kind when their classes, the
+classes, parameter and buffer shapes and scalar attributes of every submodule (a layer's own
+index aside) and the recompute and swap coverage applied to them are the same; a real-size
+model has two or three kinds, so its trace costs a few layers, not its depth.
+
+Multi-token-prediction blocks (DeepSeek-V3) run when the run trains them (``mtp=True``): each
+block is a layer of its own kind, its logits and loss count with the head's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from meshforge.memory.ledger import SavedTensorLedger
+from meshforge.trainer_mtp import MTPModel
 
 if TYPE_CHECKING:
-    from meshforge.memory.apply import ActivationSettings
+    from meshforge.memory.apply import ActivationMemory, ActivationSettings
 
 
 @dataclass
@@ -74,10 +85,17 @@ class _PassThrough(nn.Module):
 
 
 def _ffn_path(layer: nn.Module) -> str | None:
+    """The layer's feed-forward: what ``mlp`` names, else the child holding routed experts."""
     from meshforge.memory.names import match_submodules
+    from meshforge.models.common.moe import ExpertsBase
 
     found = match_submodules(layer, "mlp", key="mlp")
-    return found[0][0] if found else None
+    if found:
+        return found[0][0]
+    for name, child in layer.named_children():
+        if any(isinstance(m, ExpertsBase) for m in child.modules()):
+            return name
+    return None
 
 
 def _set_child(layer: nn.Module, path: str, module: nn.Module) -> nn.Module:
@@ -131,6 +149,8 @@ def measure_activations(
     seq: int,
     dtype: torch.dtype,
     chunk_loss_size: int | None,
+    mtp: bool = False,
+    every_layer: bool = False,
 ) -> ActivationEstimate:
     """Trace one forward and loss of ``build()`` on fake tensors at ``[micro_batch, seq]``.
 
@@ -139,6 +159,9 @@ def measure_activations(
         settings: The recompute and swap sections (``recompute_comm`` is ignored here).
         dtype: The compute dtype (the model is cast to it).
         chunk_loss_size: ``kernels.chunk_loss_size`` (None: the full-logits loss).
+        mtp: Run the model's multi-token-prediction blocks and their loss (the run trains them).
+        every_layer: Trace every layer instead of one per kind (the reference the per-kind
+            trace is tested against).
 
     Raises:
         NotImplementedError: A memory feature the settings ask for is not built.
@@ -167,9 +190,16 @@ def measure_activations(
         assert isinstance(embedding, nn.Embedding)
         hidden = int(embedding.weight.shape[-1])
         elem = torch.empty((), dtype=dtype).element_size()
-        replaced = _trace(model, layers, estimate, micro_batch, seq, chunk_loss_size)
+        kinds = _representatives(layers, applied, every_layer=every_layer)
+        if mtp and isinstance(model, MTPModel) and model.num_mtp_layers:
+            model.set_mtp(True)
+        else:
+            mtp = False
+        replaced, ran = _trace(model, layers, kinds, estimate, micro_batch, seq, chunk_loss_size, mtp=mtp)
         tokens = micro_batch * seq
         for index, (path, ffn) in replaced.items():
+            if index not in ran:
+                continue  # an MTP block the run does not train
             part = _moe_formula(ffn, tokens, hidden, elem)
             entry = estimate.layers[index]
             entry.formula = True
@@ -179,6 +209,9 @@ def measure_activations(
                 entry.host += part
             else:
                 entry.device += part
+        if mtp:
+            depths = cast(MTPModel, model).num_mtp_layers
+            estimate.notes.append(f"{depths} MTP block(s) on the last stage")
         if replaced:
             estimate.notes.append(
                 f"MoE feed-forward of {len(replaced)} layer(s) by formula (routing needs data)"
@@ -186,43 +219,95 @@ def measure_activations(
     return estimate
 
 
+# Attributes that number a layer without changing what it computes.
+_INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _is_setting(value: object) -> bool:
+    """A scalar, or a tuple or list of them (a window size, a layer type)."""
+    if isinstance(value, tuple | list):
+        return all(isinstance(v, _SCALARS) for v in value)
+    return isinstance(value, _SCALARS)
+
+
+def _layer_kind(layer: nn.Module, index: int, applied: ActivationMemory) -> tuple[object, ...]:
+    """What decides a layer's saved bytes: structure, shapes, settings and memory coverage."""
+    parts: list[object] = [type(layer)]
+    for path, module in layer.named_modules():
+        tensors = [
+            (name, tuple(t.shape), t.dtype)
+            for name, t in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+        ]
+        attributes = sorted(
+            (key, value)
+            for key, value in vars(module).items()
+            if not key.startswith("_") and key not in _INDEX_ATTRIBUTES and _is_setting(value)
+        )
+        parts.append((path, type(module), tuple(tensors), tuple(attributes)))
+    for table in (applied.recomputed, applied.swapped):
+        parts.append(tuple(sorted(table.get(index, []))))
+    return tuple(parts)
+
+
+def _representatives(
+    layers: list[tuple[int, nn.Module]], applied: ActivationMemory, *, every_layer: bool
+) -> dict[int, int]:
+    """``layer index -> index of the layer traced for it`` (the first layer of its kind)."""
+    if every_layer:
+        return {index: index for index, _ in layers}
+    first: dict[tuple[object, ...], int] = {}
+    return {index: first.setdefault(_layer_kind(layer, index, applied), index) for index, layer in layers}
+
+
 def _trace(
     model: nn.Module,
     layers: list[tuple[int, nn.Module]],
+    kinds: dict[int, int],
     estimate: ActivationEstimate,
     micro_batch: int,
     seq: int,
     chunk_loss_size: int | None,
-) -> dict[int, tuple[str, nn.Module]]:
-    """Run the traced forward; ``layer -> (path, module)`` of feed-forwards replaced for it.
+    *,
+    mtp: bool,
+) -> tuple[dict[int, tuple[str, nn.Module]], set[int]]:
+    """Run the traced forward; ``layer -> (path, module)`` of feed-forwards replaced for it,
+    and the layers the forward called.
 
     A layer that fails (data-dependent routing) has its feed-forward swapped for a
     pass-through, with every layer whose feed-forward is of the same class, and the forward
-    runs again.
+    runs again. Layers that are not their kind's representative pass their input through.
     """
-    from meshforge.loss import chunked_cross_entropy_sum, cross_entropy_sum
+    from meshforge.loss import chunked_cross_entropy_sum, cross_entropy_sum, mtp_cross_entropy_sum
 
     replaced: dict[int, tuple[str, nn.Module]] = {}
     by_index = dict(layers)
     for _attempt in range(len(layers) + 1):
         estimate.layers = {index: LayerBytes() for index, _ in layers}
         open_: list[tuple[int, _Recording]] = []
-        classes = [_measure_calls(layer, open_, estimate, index) for index, layer in layers]
+        calls = _Calls(estimate, kinds)
+        classes = [_measure_calls(layer, open_, calls, index) for index, layer in layers]
         outer = SavedTensorLedger()
         outer.exclude(model.parameters())
         try:
             with outer.recording():
                 ids = torch.zeros((micro_batch, seq), dtype=torch.long)
+                head_weight = None
                 if chunk_loss_size:
                     hidden = model(ids, return_hidden=True)
                     head = model.get_submodule("lm_head")
                     assert isinstance(head, nn.Linear)
+                    head_weight = head.weight
                     chunked_cross_entropy_sum(hidden, head.weight, ids, chunk_size=chunk_loss_size)
                 else:
                     out = model(ids)
                     cross_entropy_sum(out if isinstance(out, torch.Tensor) else out.logits, ids)
+                if mtp:
+                    outputs = cast(MTPModel, model).mtp_outputs()
+                    mtp_cross_entropy_sum(outputs, ids, head_weight=head_weight, chunk_size=chunk_loss_size)
             estimate.outside = outer.device_bytes
-            return replaced
+            calls.copy_to_skipped()
+            return replaced, calls.ran
         except (RuntimeError, NotImplementedError) as err:
             if "not supported yet" in str(err) or not open_:
                 raise
@@ -243,21 +328,61 @@ def _trace(
     raise RuntimeError("the traced forward failed in every layer")
 
 
+class _Calls:
+    """Which layers ran for real in one traced forward, and what each kind's representative returned."""
+
+    def __init__(self, estimate: ActivationEstimate, kinds: dict[int, int]) -> None:
+        self.estimate = estimate
+        self.kinds = kinds
+        self.outputs: dict[int, object] = {}
+        self.skipped: set[int] = set()
+        self.ran: set[int] = set()
+
+    def passed_through(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object | None:
+        """The layer's input in its representative's output structure, or None to run it."""
+        rep = self.kinds[index]
+        if rep == index or rep not in self.outputs:
+            return None
+        x = args[0] if args else kwargs.get("hidden_states")
+        template = self.outputs[rep]
+        if not isinstance(x, torch.Tensor):
+            return None
+        if isinstance(template, torch.Tensor) and template.shape == x.shape:
+            out: object = x
+        elif type(template) is tuple and template and isinstance(template[0], torch.Tensor):
+            out = (x, *template[1:])
+        else:
+            return None
+        self.skipped.add(index)
+        return out
+
+    def copy_to_skipped(self) -> None:
+        for index in self.skipped:
+            rep = self.estimate.layers[self.kinds[index]]
+            self.estimate.layers[index] = LayerBytes(rep.device, rep.host)
+
+
 def _measure_calls(
-    layer: nn.Module, open_: list[tuple[int, _Recording]], estimate: ActivationEstimate, index: int
+    layer: nn.Module, open_: list[tuple[int, _Recording]], calls: _Calls, index: int
 ) -> type[nn.Module]:
     """Record each call of ``layer`` in its own ledger; returns the class to restore.
 
     The ledger opens around the whole call, outside a recomputed region (recompute wraps
     the layer's call, hooks included), so the checkpoint's own hooks stay innermost and the
-    region's inputs are counted to this layer.
+    region's inputs are counted to this layer. A layer whose kind was traced already passes
+    its input through instead.
     """
     cls = type(layer)
 
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        open_.append((index, _Recording(self, estimate.layers[index])))
+        calls.ran.add(index)
+        skipped = calls.passed_through(index, args, kwargs)
+        if skipped is not None:
+            return skipped
+        open_.append((index, _Recording(self, calls.estimate.layers[index])))
         out = cls.__call__(self, *args, **kwargs)
         open_.pop()[1].close()
+        calls.outputs.setdefault(index, out)
         return out
 
     measured = type(f"Measured{cls.__name__}", (cls,), {"__call__": __call__, "__module__": cls.__module__})

@@ -9,7 +9,9 @@ rank's shapes (micro-batch x sequence / cp) with the run's recompute and swap se
 fake tensors under the saved-tensor ledger (`memory.estimate`), then scaled to the rank: / tp
 (sequence parallel), x the layers of its pipeline stage, x the micro-batches its schedule holds
 in flight. The predicted peak is training state + activations (allocator caches, temporaries of
-one op and communication buffers come on top).
+one op and communication buffers come on top). Multi-token-prediction blocks (DeepSeek-V3) sit on
+the last pipeline stage with their state, their activations when the run trains them, and the
+stage's own copy of the embedding they read.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ class ParamCounts:
     embedding: int  # input embedding (first pipeline stage)
     head: int  # output head: its own weights, or a copy of a tied embedding on the last stage
     tied: bool
-    layers: list[int]  # dense parameters of each decoder layer
-    experts: list[int]  # routed-expert parameters of each decoder layer
+    layers: list[int]  # dense parameters of each decoder layer (MTP blocks last)
+    experts: list[int]  # routed-expert parameters of each decoder layer (MTP blocks last)
     other: int  # final norm and anything outside the layers
+    mtp_layers: int = 0  # trailing entries of `layers` that are MTP blocks (on the last stage)
 
     @property
     def total(self) -> int:
@@ -78,6 +81,8 @@ def count_parameters(cfg: TrainConfig, log: Callable[[str], None] | None = None)
             other += n
     indices = sorted(per_layer)
     tied = head == 0
+    # DeepSeek-V3's MTP blocks follow its decoder layers in model.layers (as split_model reads them).
+    decoder = getattr(model.get_submodule("model"), "num_decoder_layers", len(indices))
     return source.family.name, ParamCounts(
         embedding=embedding,
         head=embedding if tied else head,
@@ -85,6 +90,7 @@ def count_parameters(cfg: TrainConfig, log: Callable[[str], None] | None = None)
         layers=[per_layer[i][0] for i in indices],
         experts=[per_layer[i][1] for i in indices],
         other=other,
+        mtp_layers=len(indices) - int(decoder),
     )
 
 
@@ -188,17 +194,21 @@ def memory_lines(cfg: TrainConfig, dims: ParallelDims, family: str, counts: Para
     ]
 
 
-def _rank_layers(cfg: TrainConfig, dims: ParallelDims, num_layers: int) -> list[list[int]]:
+def _rank_layers(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -> list[list[int]]:
+    """Each pipeline rank's layers; the MTP blocks go with the last stage (its norm and head)."""
     par = cfg.parallelism
-    return stage_layers(
-        num_layers, dims.pp, int(par.pipeline_parallel_interleave_num), par.pipeline_parallel_layers_per_stage
+    decoder = len(counts.layers) - counts.mtp_layers
+    ranks = stage_layers(
+        decoder, dims.pp, int(par.pipeline_parallel_interleave_num), par.pipeline_parallel_layers_per_stage
     )
+    ranks[-1].extend(range(decoder, len(counts.layers)))
+    return ranks
 
 
 def rank_parameters(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -> list[float]:
     """Parameters held by one rank of each pipeline stage (after TP, FSDP and EP sharding)."""
     out = []
-    for rank, layers in enumerate(_rank_layers(cfg, dims, len(counts.layers))):
+    for rank, layers in enumerate(_rank_layers(cfg, dims, counts)):
         dense = sum(counts.layers[i] for i in layers if i < len(counts.layers))
         experts = sum(counts.experts[i] for i in layers if i < len(counts.experts))
         if rank == 0:
@@ -208,6 +218,9 @@ def rank_parameters(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -
             # A tied head is the embedding itself on one rank, a copy on a separate last stage.
             if not counts.tied or dims.pp > 1:
                 dense += counts.head
+            # MTP blocks read the embedding: a separate last stage holds a copy (a tied head is it).
+            if counts.mtp_layers and dims.pp > 1 and not counts.tied:
+                dense += counts.embedding
         out.append(dense / (dims.tp * dims.dense_shard_size) + experts / (dims.ep * dims.expert_shard))
     return out
 
@@ -260,7 +273,7 @@ def activation_plan(
     # The head's logits are vocabulary-sharded only under loss parallelism.
     outside = estimate.outside / (dims.tp if dims.tp > 1 and par.enable_loss_parallel else 1)
     rows = []
-    ranks = zip(_rank_layers(cfg, dims, len(counts.layers)), rank_parameters(cfg, dims, counts), strict=True)
+    ranks = zip(_rank_layers(cfg, dims, counts), rank_parameters(cfg, dims, counts), strict=True)
     for rank, (layers, params) in enumerate(ranks):
         flight = in_flight(
             par.pipeline_parallel_schedule, pp=dims.pp, rank=rank, micro_batches=accum, interleave=interleave
@@ -335,4 +348,5 @@ def measure_plan_activations(
         seq=tokens,
         dtype=dtype,
         chunk_loss_size=cfg.kernels.chunk_loss_size,
+        mtp=cfg.training.mtp_loss_scaling_factor > 0,
     )
