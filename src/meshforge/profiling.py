@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, model_validator
 
+from meshforge.callbacks import BuiltinCallback
 from meshforge.config.base import Bool, Int, PosInt, StrictSection, describe, rule_error
 
 
@@ -74,7 +75,7 @@ LEVELS = {
 PHASES = ("forward_backward", "clip_grads", "optimizer")
 
 
-class StepProfiler:
+class StepProfiler(BuiltinCallback):
     """A torch.profiler window over steps `start_step..end_step` (inclusive) on this rank.
 
     Writes `{output}/rank{r}_step{a}-{b}.pt.trace.json.gz` (a Chrome trace that Perfetto and
@@ -83,7 +84,11 @@ class StepProfiler:
     `profile_memory` on CUDA also dumps the allocator's memory snapshot
     (`rank{r}_step{a}-{b}.memory.pickle`, for pytorch.org/memory_viz). `mstx` on CUDA wraps each
     step and phase in an NVTX range (for Nsight Systems).
+
+    A built-in callback of the run: it brackets each whole step, the checkpoint save included.
     """
+
+    config_name = "profiler (built in)"
 
     def __init__(
         self,
@@ -94,6 +99,7 @@ class StepProfiler:
         device_type: str,
         log: Callable[[str], None],
     ) -> None:
+        super().__init__()
         self.cfg = cfg
         self.rank = rank
         self.device_type = device_type
@@ -172,6 +178,12 @@ class StepProfiler:
         if step == self.last:
             prof, self._prof = self._prof, None
             prof.stop()
+
+    def on_step_begin(self, step: int) -> None:
+        self.step_begin(step)
+
+    def on_step_close(self, step: int, *, save: bool, stop: bool) -> None:
+        self.step_end(step)
 
     def phase(self, name: str) -> AbstractContextManager[Any]:
         """A named range inside the window (`record_function`, plus NVTX with mstx); else nothing."""
