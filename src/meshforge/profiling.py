@@ -253,8 +253,21 @@ class StepProfiler(BuiltinCallback):
             extra = f", memory snapshot {snapshot}"
         self.log(
             f"profiler: steps {self.first}-{self.last} on rank {self.rank} -> {self.trace}{extra}; "
-            f"top operators by self time: {top_operators(prof, self.device_type)}"
+            f"{self._summary(prof)}"
         )
+
+    def _summary(self, prof: Any) -> str:
+        try:
+            return f"top operators by self time: {top_operators(prof, self.device_type)}"
+        except UnicodeDecodeError:
+            # torch's Python tracer (with_stack) keeps raw pointers to code objects; code freed
+            # inside the window (a first checkpoint save imports modules there) leaves event
+            # names that cannot be read back. The trace itself is already written.
+            return (
+                "no top operators: torch.profiler could not read back its event names "
+                "(profiler.with_stack with Python code freed inside the window, as a first "
+                "checkpoint save's imports; with_stack: false avoids it)"
+            )
 
     def close(self) -> None:
         """End a window the run left early (it stopped inside it): the steps so far are written."""
