@@ -1,9 +1,9 @@
 """Weights & Biases and SwanLab sinks: W&B for real in offline mode (the run read back from its
-`.wandb` file), SwanLab and the unit checks through recording stand-ins for the two packages.
+`.wandb` file), SwanLab through a recording stand-in.
 
-The stand-ins live in `sys.modules` under the real names, so the trainer imports them as it would
-import `wandb` or `swanlab`; they record every call, which the tests check against the run's own
-`metrics.jsonl` and resolved config.
+The stand-in lives in `sys.modules` under the real name, so the trainer imports it as it would
+import `swanlab`; it records every call, which the test checks against the run's own
+`metrics.jsonl` and resolved config. A missing package is `None` in `sys.modules`.
 """
 
 from __future__ import annotations
@@ -28,24 +28,6 @@ from tests.conftest import read_metrics
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, Any]] = []
-
-
-def _fake_wandb(recorder: Recorder) -> types.ModuleType:
-    module = types.ModuleType("wandb")
-
-    class Run:
-        def log(self, values: dict[str, float], step: int | None = None) -> None:
-            recorder.calls.append(("log", dict(values), step))
-
-        def finish(self) -> None:
-            recorder.calls.append(("finish", None, None))
-
-    def init(**kwargs: Any) -> Run:
-        recorder.calls.append(("init", kwargs, None))
-        return Run()
-
-    module.init = init  # type: ignore[attr-defined]
-    return module
 
 
 def _fake_swanlab(recorder: Recorder) -> types.ModuleType:
