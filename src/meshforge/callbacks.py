@@ -103,6 +103,22 @@ class Callback:
         """After the last step, with the run's `TrainSummary`."""
 
 
+class BuiltinCallback(Callback):
+    """An always-on callback of the trainer itself (metrics, checkpoints, profiler window, plot).
+
+    The trainer calls these directly, in a fixed order, on every rank: no guard (their errors are
+    the run's own) and no agreement. Besides the user hooks they have the two ends of a step: the
+    loop calls `on_step_begin` before the step runs and `on_step_close` last, after the ranks
+    agreed on the user callbacks' requests (`save`, `stop`), so that a built-in can act on them.
+    """
+
+    def on_step_begin(self, step: int) -> None:
+        """Before step `step` (1-based) runs."""
+
+    def on_step_close(self, step: int, *, save: bool, stop: bool) -> None:
+        """The last thing of step `step`, with the agreed requests of the user callbacks."""
+
+
 class CallbackError(RuntimeError):
     """A callback could not be resolved or built (before the first step); the message names it."""
 
@@ -165,10 +181,11 @@ _PLOT_EXTRA = "pip install 'meshforge[plot]' (or matplotlib)"
 
 def builtin_callbacks(
     monitor: MonitorConfig, items: list[CallbackConfig], *, warn: Callable[[str], None]
-) -> list[Callback]:
-    """The always-on callbacks of a run, called directly by the trainer (not agreed over ranks).
+) -> list[BuiltinCallback]:
+    """The always-on callbacks of a run that depend on the config alone (the trainer adds those
+    built from its own parts: the checkpoint saver and the profiler window).
 
-    Today the end-of-run plot: `monitor.plot_curves` (default on; `MESHFORGE_PLOT=0` switches it
+    The end-of-run plot: `monitor.plot_curves` (default on; `MESHFORGE_PLOT=0` switches it
     off for test harnesses and sweeps, where drawing costs seconds per run), unless a
     `PlotCurves` item of `callbacks:` draws it already. Without matplotlib it is skipped with one
     warning: a missing plotting package must not stop a training run.
@@ -185,7 +202,7 @@ def builtin_callbacks(
     return [plot]
 
 
-class _DefaultPlot(PlotCurves):
+class _DefaultPlot(PlotCurves, BuiltinCallback):
     """The plot nobody asked for by name: a run it cannot draw (no records) gets a warning."""
 
     def __init__(self, warn: Callable[[str], None]) -> None:

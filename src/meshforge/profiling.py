@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, model_validator
 
+from meshforge.callbacks import BuiltinCallback
 from meshforge.config.base import Bool, Int, PosInt, StrictSection, describe, rule_error
 
 
@@ -74,7 +75,7 @@ LEVELS = {
 PHASES = ("forward_backward", "clip_grads", "optimizer")
 
 
-class StepProfiler:
+class StepProfiler(BuiltinCallback):
     """A torch.profiler window over steps `start_step..end_step` (inclusive) on this rank.
 
     Writes `{output}/rank{r}_step{a}-{b}.pt.trace.json.gz` (a Chrome trace that Perfetto and
@@ -83,7 +84,11 @@ class StepProfiler:
     `profile_memory` on CUDA also dumps the allocator's memory snapshot
     (`rank{r}_step{a}-{b}.memory.pickle`, for pytorch.org/memory_viz). `mstx` on CUDA wraps each
     step and phase in an NVTX range (for Nsight Systems).
+
+    A built-in callback of the run: it brackets each whole step, the checkpoint save included.
     """
+
+    config_name = "profiler (built in)"
 
     def __init__(
         self,
@@ -94,6 +99,7 @@ class StepProfiler:
         device_type: str,
         log: Callable[[str], None],
     ) -> None:
+        super().__init__()
         self.cfg = cfg
         self.rank = rank
         self.device_type = device_type
@@ -173,6 +179,12 @@ class StepProfiler:
             prof, self._prof = self._prof, None
             prof.stop()
 
+    def on_step_begin(self, step: int) -> None:
+        self.step_begin(step)
+
+    def on_step_close(self, step: int, *, save: bool, stop: bool) -> None:
+        self.step_end(step)
+
     def phase(self, name: str) -> AbstractContextManager[Any]:
         """A named range inside the window (`record_function`, plus NVTX with mstx); else nothing."""
         if self._prof is None:
@@ -241,8 +253,21 @@ class StepProfiler:
             extra = f", memory snapshot {snapshot}"
         self.log(
             f"profiler: steps {self.first}-{self.last} on rank {self.rank} -> {self.trace}{extra}; "
-            f"top operators by self time: {top_operators(prof, self.device_type)}"
+            f"{self._summary(prof)}"
         )
+
+    def _summary(self, prof: Any) -> str:
+        try:
+            return f"top operators by self time: {top_operators(prof, self.device_type)}"
+        except UnicodeDecodeError:
+            # torch's Python tracer (with_stack) keeps raw pointers to code objects; code freed
+            # inside the window (a first checkpoint save imports modules there) leaves event
+            # names that cannot be read back. The trace itself is already written.
+            return (
+                "no top operators: torch.profiler could not read back its event names "
+                "(profiler.with_stack with Python code freed inside the window, as a first "
+                "checkpoint save's imports; with_stack: false avoids it)"
+            )
 
     def close(self) -> None:
         """End a window the run left early (it stopped inside it): the steps so far are written."""

@@ -40,7 +40,7 @@ from meshforge.utils import distributed as dist_utils
 from meshforge.utils.comms import comm_stats_enabled
 from meshforge.utils.device import backend_for, resolve_device
 from meshforge.utils.log import get_logger
-from meshforge.utils.seed import rng_state, set_deterministic, set_seed
+from meshforge.utils.seed import set_deterministic, set_seed
 
 __all__ = ["BatchPlan", "HealthStopError", "TrainSummary", "Trainer", "TrainingDivergedError", "plan_batches"]
 
@@ -75,7 +75,6 @@ class Trainer(TrainerMonitors):
         check_trainable(cfg, log=self.log)
         self.step = 0
         self.tokens_seen = 0
-        self._last_checkpoint: Path | None = None
         self._hf_export: Path | None = None
         # MESHFORGE_COMM_STATS=1: count each step's collectives (benchmarks/parallel_overhead.py).
         self._count_comms = comm_stats_enabled()
@@ -364,7 +363,7 @@ class Trainer(TrainerMonitors):
             # on error paths: a failed peer would never reach the barrier inside.
             self.checkpointer.finalize()
             if self._verdict.preempted:
-                self.log(f"preempted at step {self.step}: checkpoint {self._last_checkpoint}")
+                self.log(f"preempted at step {self.step}: checkpoint {self.checkpoint_saver.last_path}")
             elif self.lora is not None and self.pipeline_split is None:
                 self._hf_export = self._export_lora(merged=self.cfg.checkpoint.save_hf_weights)
             elif self.cfg.checkpoint.save_hf_weights:
@@ -378,7 +377,7 @@ class Trainer(TrainerMonitors):
             final_loss=losses[-1] if losses else float("nan"),
             tokens_per_s=run_tokens / wall if wall > 0 else 0.0,
             output_dir=self.output_dir,
-            last_checkpoint=self._last_checkpoint,
+            last_checkpoint=self.checkpoint_saver.last_path,
             losses=losses,
             hf_export=self._hf_export,
             preempted=self._verdict.preempted,
@@ -396,7 +395,7 @@ class Trainer(TrainerMonitors):
         """
         if self.pipeline_split is not None:
             return export_hf_from_checkpoint(
-                self._last_checkpoint,
+                self.checkpoint_saver.last_path,
                 out_dir,
                 config_path=self.output_dir / "config.yaml",
                 is_main=self.dist.is_main,
@@ -431,8 +430,8 @@ class Trainer(TrainerMonitors):
 
     def _run_one_step(self, total: int, start_time: float, losses: list[float]) -> int:
         """Train, record, log and maybe save one step; return the tokens it processed."""
-        if self.profiler is not None:
-            self.profiler.step_begin(self.step + 1)
+        for builtin in self.builtin_callbacks:
+            builtin.on_step_begin(self.step + 1)
         t0 = time.perf_counter()
         if self._count_comms:
             from meshforge.utils.comms import CommCounter
@@ -481,27 +480,21 @@ class Trainer(TrainerMonitors):
             self.callbacks.call("on_eval_end", eval_metrics)
         self.log_step(record)
         self.callbacks.call("on_step_end", record)
-        if self.checkpointer.should_save(self.step, total) or (
-            verdict.preempted and self.checkpointer.last_saved_step != self.step
-        ):
-            # A preempted run saves whatever checkpoint.enable_save says: it is the way back.
-            self._save()
-        # Callbacks' requests (one all-reduce, only with callbacks): a stop ends the run as a last
-        # step would, with its checkpoint when saving is on.
+        # The built-ins in order: the checkpoint saver (interval, last and preempted steps), then
+        # after the agreement on the callbacks' requests (one all-reduce, only with callbacks) a
+        # requested save, and the profiler window's end of the step.
+        for builtin in self.builtin_callbacks:
+            builtin.on_step_end(record)
         save, self._callback_stop = self.callbacks.agree()
-        if (save or (self._callback_stop and self.checkpointer.enabled)) and (
-            self.checkpointer.last_saved_step != self.step
-        ):
-            self._save()
-        if self.profiler is not None:
-            self.profiler.step_end(self.step)
+        for builtin in self.builtin_callbacks:
+            builtin.on_step_close(self.step, save=save, stop=self._callback_stop)
         return int(metrics["tokens"])
 
     def _stop_unhealthy(self) -> None:
         """Save the last good state (skipped steps left the weights alone) and stop every rank."""
-        self._save()
+        path = self.checkpoint_saver.save()
         self.checkpointer.finalize()
-        raise HealthStopError(self.health.stop_message(str(self._last_checkpoint)))
+        raise HealthStopError(self.health.stop_message(str(path)))
 
     def _eval_due(self, total: int) -> bool:
         if self.eval_loader is None:
@@ -547,22 +540,6 @@ class Trainer(TrainerMonitors):
             batch = self._shard_for_cp(batch)
         loss_sum = self._loss_sum(batch)
         return _plain(loss_sum).detach(), count_valid_tokens(batch["labels"])
-
-    def _save(self) -> None:
-        trainer_state = {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "scheduler": self.scheduler.state_dict(),
-            "data": self.loader.state_dict(),
-            "world_size": self.dist.world_size,
-            "global_batch_size": self.plan.global_batch_size,
-        }
-        self._last_checkpoint = self.checkpointer.save(
-            self.step, self.model, self.optimizer, trainer_state, rng_state()
-        )
-        how = "started saving" if self.checkpointer.async_save else "saved"
-        self.log(f"checkpoint: {how} step {self.step} to {self._last_checkpoint}")
-        self.callbacks.call("on_save", self._last_checkpoint)
 
     @property
     def _cp_model_kwargs(self) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""The trainer's watchers: run health, preemption, the opt-in monitors and the profiler window.
+"""The trainer's watchers: run health, preemption, the opt-in monitors, the profiler window, and
+the built-in callbacks (metrics, checkpoint saves, profiler window, plot) in their order.
 
 Built after the rest of the run (they need the model, the mesh and the resumed step); each is None
 when switched off, so a run without them pays nothing per step.
@@ -17,10 +18,11 @@ from meshforge.monitor.train_state import TrainStateMonitor
 from meshforge.preemption import PreemptionGuard
 from meshforge.profiling import StepProfiler
 from meshforge.trainer_build import TrainerBuild
+from meshforge.trainer_checkpoints import CheckpointSaver
 
 if TYPE_CHECKING:
     from meshforge.callback_runner import CallbackRunner
-    from meshforge.callbacks import Callback
+    from meshforge.callbacks import BuiltinCallback
 
 
 class TrainerMonitors(TrainerBuild):
@@ -34,7 +36,8 @@ class TrainerMonitors(TrainerBuild):
     profiler: StepProfiler | None
     metrics_logger: MetricsLogger
     callbacks: CallbackRunner
-    builtin_callbacks: list[Callback]
+    builtin_callbacks: list[BuiltinCallback]
+    checkpoint_saver: CheckpointSaver
     _verdict: StepVerdict
     _moe_lines: list[dict[str, Any]]
 
@@ -93,3 +96,28 @@ class TrainerMonitors(TrainerBuild):
             # Other ranks' info lines are muted: a profiled rank's summary is worth a line anyway.
             log=self.log if self.dist.is_main else self.logger.warning,
         )
+        self.checkpoint_saver = CheckpointSaver(
+            self.checkpointer,
+            model=self.model,
+            optimizer=self.optimizer,
+            trainer_state=self._trainer_state,
+            preempted=lambda: self._verdict.preempted,
+            total_steps=self.total_steps,
+            log=self.log,
+            on_save=lambda path: self.callbacks.call("on_save", path),
+        )
+        # The order of the step's decisions: the save before the profiler's end of the step (the
+        # window brackets the whole step, save included); the plot (from setup) at the end.
+        profiler = [self.profiler] if self.profiler is not None else []
+        self.builtin_callbacks = [self.checkpoint_saver, *profiler, *self.builtin_callbacks]
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """What `trainer_state.json` of a checkpoint holds besides model and optimizer."""
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
+            "world_size": self.dist.world_size,
+            "global_batch_size": self.plan.global_batch_size,
+        }

@@ -1,14 +1,18 @@
-"""Weights & Biases and SwanLab sinks, driven by recording stand-ins for the two packages.
+"""Weights & Biases and SwanLab sinks: W&B for real in offline mode (the run read back from its
+`.wandb` file), SwanLab through a recording stand-in.
 
-The stand-ins live in `sys.modules` under the real names, so the trainer imports them as it would
-import `wandb` or `swanlab`; they record every call, which the tests check against the run's own
-`metrics.jsonl` and resolved config.
+The stand-in lives in `sys.modules` under the real name, so the trainer imports it as it would
+import `swanlab`; it records every call, which the test checks against the run's own
+`metrics.jsonl` and resolved config. A missing package is `None` in `sys.modules`.
 """
 
 from __future__ import annotations
 
+import json
+import struct
 import sys
 import types
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +28,6 @@ from tests.conftest import read_metrics
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, Any]] = []
-
-
-def _fake_wandb(recorder: Recorder) -> types.ModuleType:
-    module = types.ModuleType("wandb")
-
-    class Run:
-        def log(self, values: dict[str, float], step: int | None = None) -> None:
-            recorder.calls.append(("log", dict(values), step))
-
-        def finish(self) -> None:
-            recorder.calls.append(("finish", None, None))
-
-    def init(**kwargs: Any) -> Run:
-        recorder.calls.append(("init", kwargs, None))
-        return Run()
-
-    module.init = init  # type: ignore[attr-defined]
-    return module
 
 
 def _fake_swanlab(recorder: Recorder) -> types.ModuleType:
@@ -123,16 +109,66 @@ def test_a_missing_package_stops_the_run_before_the_model_is_built(
     assert not hasattr(trainer, "model")
 
 
+def _wandb_records(path: Path) -> list[Any]:
+    """The records of an offline W&B run's `.wandb` file, parsed with wandb's own protobufs.
+
+    The file is W&B's 7-byte header (`:W&B`, 0xBEE1, version) and then a LevelDB-style log:
+    32 KiB blocks of chunks (crc32, length, type: full, first, middle, last), a record split over
+    chunks where it crosses a block, a block tail too short for a chunk header padded with zeros.
+    wandb 0.31 has no Python reader of its own (the Go core writes the file).
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    magic, ident, _version = struct.unpack("<4sHB", data[:7])
+    assert (magic, ident) == (b":W&B", 0xBEE1), f"{path} is not a W&B transaction log"
+    block, header = 32768, 7
+    records, pending, pos = [], b"", 7
+    while pos + header <= len(data):
+        left = block - pos % block
+        if left < header:
+            pos += left
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + header])
+        if kind == 0 and length == 0:  # the zero padding of a block's end
+            pos += left
+            continue
+        chunk = data[pos + header : pos + header + length]
+        assert zlib.crc32(bytes([kind]) + chunk) == crc, f"{path}: bad checksum at byte {pos}"
+        pending += chunk
+        pos += header + length
+        if kind in (1, 4):  # full or last: a record is complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def _item_key(item: Any) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("leave_no_process_group")
 def test_a_run_logs_every_step_to_both_trackers_and_finishes_them(
-    tiny_config: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_config: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """W&B for real, in offline mode (its run read back from disk); SwanLab through its stand-in."""
     from meshforge.config import load_config
     from meshforge.trainer import Trainer
 
-    wandb_calls, swanlab_calls = Recorder(), Recorder()
-    monkeypatch.setitem(sys.modules, "wandb", _fake_wandb(wandb_calls))
+    pytest.importorskip("wandb")
+    for var, sub in (
+        ("WANDB_CONFIG_DIR", "config"),
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_DATA_DIR", "data"),
+    ):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / sub))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # pytest owns stdout
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    swanlab_calls = Recorder()
     monkeypatch.setitem(sys.modules, "swanlab", _fake_swanlab(swanlab_calls))
     out = tiny_config.parent / "tracked-run"
     cfg = load_config(
@@ -151,13 +187,38 @@ def test_a_run_logs_every_step_to_both_trackers_and_finishes_them(
     trainer.setup()
     trainer.train()
     metrics = read_metrics(out)
+    import wandb
 
-    kind, init, _ = wandb_calls.calls[0]
-    assert kind == "init"
-    assert init["project"] == "meshforge" and init["name"] == "tracked-run" and init["mode"] == "offline"
-    assert init["tags"] == ["tiny"] and init["dir"] == str(out)
-    assert init["config"]["training"]["steps"] == 3
-    assert init["config"]["monitor"]["report_to"] == ["wandb", "swanlab", "tensorboard"]
+    # `finish` hands the run to wandb's service process, which writes the file's tail after; the
+    # file is complete once the service is gone (at interpreter exit in a real run).
+    wandb.teardown()
+
+    # The offline run: one folder under the run's output folder (monitor.wandb.dir unset).
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    (log_file,) = run_dir.glob("run-*.wandb")
+    records = _wandb_records(log_file)
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert kinds.count("exit") == 1  # finished once
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.project == "meshforge" and run.display_name == "tracked-run" and list(run.tags) == ["tiny"]
+    config = {_item_key(i): json.loads(i.value_json) for i in run.config.update}
+    for r in records:  # config updates after init, if any
+        if r.WhichOneof("record_type") == "config":
+            config.update({_item_key(i): json.loads(i.value_json) for i in r.config.update})
+    assert config["training"]["steps"] == 3
+    assert config["training"]["output_dir"] == str(out)
+    assert config["monitor"]["report_to"] == ["wandb", "swanlab", "tensorboard"]
+    history = [
+        {_item_key(i): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    assert [h["_step"] for h in history] == [1, 2, 3]
+    assert [h["train/loss"] for h in history] == [r["loss"] for r in metrics]
+    assert [h["train/lr"] for h in history] == [r["lr"] for r in metrics]
+    assert [h["train/grad_norm"] for h in history] == [r["grad_norm"] for r in metrics]
+    assert all("train/step" not in h for h in history)
+
     # TensorBoard named without a folder of its own writes into the run folder.
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     kind, init, _ = swanlab_calls.calls[0]
@@ -165,12 +226,10 @@ def test_a_run_logs_every_step_to_both_trackers_and_finishes_them(
     assert init["project"] == "meshforge-tests" and init["experiment_name"] == "tracked-run"
     assert init["mode"] == "local" and init["logdir"] == str(out / "swanlog")
     assert init["config"]["training"]["steps"] == 3
-
-    for recorder in (wandb_calls, swanlab_calls):
-        logs = [call for call in recorder.calls if call[0] == "log"]
-        assert [step for _, _, step in logs] == [1, 2, 3]
-        assert [values["train/loss"] for _, values, _ in logs] == [r["loss"] for r in metrics]
-        assert [values["train/lr"] for _, values, _ in logs] == [r["lr"] for r in metrics]
-        assert all("train/step" not in values for _, values, _ in logs)
-        assert recorder.calls[-1] == ("finish", None, None)
-        assert [call[0] for call in recorder.calls].count("finish") == 1
+    logs = [call for call in swanlab_calls.calls if call[0] == "log"]
+    assert [step for _, _, step in logs] == [1, 2, 3]
+    assert [values["train/loss"] for _, values, _ in logs] == [r["loss"] for r in metrics]
+    assert [values["train/lr"] for _, values, _ in logs] == [r["lr"] for r in metrics]
+    assert all("train/step" not in values for _, values, _ in logs)
+    assert swanlab_calls.calls[-1] == ("finish", None, None)
+    assert [call[0] for call in swanlab_calls.calls].count("finish") == 1

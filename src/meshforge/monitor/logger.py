@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from meshforge.callbacks import Callback
+from meshforge.callbacks import BuiltinCallback
 
 if TYPE_CHECKING:
     from meshforge.monitor.console import ConsoleProgress
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from meshforge.monitor.trackers import TrackerSink
 
 
-class MetricsLogger(Callback):
+class MetricsLogger(BuiltinCallback):
     """Every step's record to each sink this rank has (none but on rank 0); closes them once."""
 
     config_name = "MetricsLogger (built in)"
