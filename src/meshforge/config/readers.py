@@ -170,7 +170,6 @@ READERS: dict[str, tuple[str, ...]] = {
         "parallelism.chunk_mbs_kwarg_names",
     ),
     "meshforge.trainer": (
-        "checkpoint.async_save",
         "checkpoint.save_hf_weights",
         "training.max_norm",
         "training.deterministic",
@@ -243,6 +242,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "lora_config.lora_b_std",
     ),
     "meshforge.trainer_batches": ("training.gradient_accumulation_steps",),
+    "meshforge.trainer_checkpoints": ("checkpoint.async_save",),
     "meshforge.trainer_build": (
         "lora_config.adapter_path",
         "checkpoint.enable_save",
