@@ -176,3 +176,48 @@ def test_a_db_window_is_a_sqlite_database_of_its_steps(tiny_config: Path) -> Non
         db.close()
     summary = [line for line in lines if line.startswith("profiler: steps 1-2 on rank 0 -> ")]
     assert len(summary) == 1 and summary[0].split(" -> ")[1].startswith(str(files[0]))
+
+
+def test_a_db_window_falls_back_to_the_chrome_trace_when_torch_cannot_read_its_events(tmp_path: Path) -> None:
+    """torch's event list can fail to decode Python frame names (with_stack, pytorch#64345)."""
+    import sqlite3
+
+    import torch
+
+    from meshforge.profiling_db import export_sqlite
+
+    with torch.profiler.profile() as prof:
+        for i in range(2):  # the ranges a schedule opens per step, named as torch names them
+            with torch.profiler.record_function(f"ProfilerStep#{i}"):
+                a = torch.randn(16, 16)
+                torch.mm(a, a)
+
+    class Unreadable:
+        """The finished profile, except that its event list cannot be decoded."""
+
+        def events(self) -> list:
+            raise UnicodeDecodeError("utf-8", b"\x94", 0, 1, "invalid start byte")
+
+        def key_averages(self) -> list:
+            raise AssertionError("not reached")
+
+        def export_chrome_trace(self, path: str) -> None:
+            prof.export_chrome_trace(path)
+
+    db_path = tmp_path / "rank0_step3-4.db"
+    written = export_sqlite(Unreadable(), db_path, {"rank": 0}, first_step=3)
+    assert written > 0 and sorted(p.name for p in tmp_path.iterdir()) == [db_path.name]  # trace removed
+    db = sqlite3.connect(db_path)
+    try:
+        meta = dict(db.execute("SELECT key, value FROM meta"))
+        assert meta["source"].startswith("Chrome trace")
+        ranges = sorted(r[0] for r in db.execute("SELECT name FROM events WHERE name LIKE 'ProfilerStep#%'"))
+        assert ranges == ["ProfilerStep#3", "ProfilerStep#4"]
+        mm_steps = [
+            r[0] for r in db.execute("SELECT step FROM events WHERE name = 'aten::mm' ORDER BY start_us")
+        ]
+        assert mm_steps == [3, 4]
+        (calls,) = db.execute("SELECT calls FROM operators WHERE name = 'aten::mm'").fetchone()
+        assert calls == 2
+    finally:
+        db.close()
