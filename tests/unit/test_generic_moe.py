@@ -2,8 +2,8 @@
 
 transformers 5.x keeps a Mixtral-style MoE's experts fused in memory (`mlp.experts.gate_up_proj`,
 one 3-D tensor) but `save_pretrained` writes them per expert under the checkpoint names
-(`block_sparse_moe.experts.{i}.w1.weight`, ...), and MiniMax-M2 also stores the router's
-`e_score_correction_bias` buffer. The generic path loads both through transformers' own checkpoint
+(`block_sparse_moe.experts.{i}.w1.weight`, ...); GLM-4-MoE (shared experts) also stores the
+router's `e_score_correction_bias` buffer. The generic path loads both through transformers' own checkpoint
 conversion mapping; the first training step's loss equals transformers' own loss, and the export
 reloads in transformers with the same logits.
 """
@@ -40,7 +40,22 @@ COMMON = {
 }
 MODELS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"sliding_window": None}),
-    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", {"bos_token_id": 1, "eos_token_id": 2}),
+    # GLM-4-MoE: shared experts, a dense-free stack and the router's `e_score_correction_bias`
+    # buffer (MiniMax-M2, which has one too, is a built-in family now).
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        {
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 0,
+            "n_group": 1,
+            "topk_group": 1,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
 }
 
 
@@ -67,6 +82,12 @@ def write_tiny_moe(folder: Path, kind: str, seed: int = 0) -> Path:
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def hf_moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_moe(tmp_path_factory.mktemp(f"hf_{request.param}"), request.param)
+
+
+@pytest.fixture(scope="module")
+def hf_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Mixtral layout the generic EP shards (GLM-4-MoE's block is refused: see below)."""
+    return write_tiny_moe(tmp_path_factory.mktemp("hf_mixtral_ep"), "mixtral")
 
 
 def _load_ours(folder: Path) -> torch.nn.Module:
@@ -139,10 +160,10 @@ def test_export_reloads_in_transformers_with_equal_logits(hf_moe: Path, tmp_path
         assert_close(reloaded(ids).logits, ours(ids), what=f"{hf_moe.name} export")
 
 
-def test_ep_takes_the_fused_layout_and_refuses_others_by_class(hf_moe: Path) -> None:
+def test_ep_takes_the_fused_layout_and_refuses_others_by_class(hf_mixtral: Path) -> None:
     from meshforge.parallel.expert_generic import generic_experts
 
-    model = _load_ours(hf_moe)
+    model = _load_ours(hf_mixtral)
     chosen = generic_experts(model, ["model.layers.{*}.mlp.experts"])
     assert [name for name, _ in chosen] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     experts = chosen[1][1]
@@ -151,7 +172,7 @@ def test_ep_takes_the_fused_layout_and_refuses_others_by_class(hf_moe: Path) -> 
         NotImplementedError, match=rf"{type(experts).__name__} \(model\.layers\.1\.mlp\.experts.*has_bias"
     ):
         generic_experts(model, ["model.layers.{*}.mlp.experts"])
-    with pytest.raises(NotImplementedError, match=r"MixtralSparseMoeBlock|MiniMaxM2SparseMoeBlock"):
+    with pytest.raises(NotImplementedError, match=r"MixtralSparseMoeBlock"):
         generic_experts(model, ["model.layers.0.mlp"])
 
 
@@ -195,13 +216,13 @@ def test_qwen3_moe_experts_of_transformers_have_the_known_layout() -> None:
     assert layout_problem(gpt_oss) == "has_bias is True, EP needs False"
 
 
-def test_a_missing_expert_key_is_an_error_naming_the_file(hf_moe: Path, tmp_path: Path) -> None:
+def test_a_missing_expert_key_is_an_error_naming_the_file(hf_mixtral: Path, tmp_path: Path) -> None:
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     broken = tmp_path / "broken"
-    shutil.copytree(hf_moe, broken)
+    shutil.copytree(hf_mixtral, broken)
     tensors = load_file(broken / "model.safetensors")
     (dropped,) = [key for key in tensors if key.endswith("layers.1.block_sparse_moe.experts.2.w3.weight")]
     del tensors[dropped]

@@ -155,7 +155,7 @@ def test_each_shape_imports_or_names_what_is_not_built(tmp_path, capsys, name):
 def test_the_shapes_that_build_import_and_the_others_say_why(tmp_path, capsys):
     built = {"qwen3_pretrain_A2", "qwen3_pretrain_A3", "qwen3_tune", "qwen3_moe_pretrain", "qwen3_moe_st"}
     built |= {"qwen3_next_pretrain", "qwen3_next_tune", "gpt_oss_tune_varlen", "gpt_oss_st", "qwen3_8b_st"}
-    built |= {"minimax_m27", "step35"}
+    built |= {"minimax_m27", "step35", "mamba3"}
     codes = {}
     for name, text in SHAPES.items():
         path = tmp_path / f"{name}.yaml"
