@@ -135,9 +135,18 @@ def train_here(config: Path, overrides: list[str]) -> None:
     Cheaper than `run_train` (no fresh interpreter per run); the runs of a layout comparison share
     one spawn through `tests.distributed._spawn.train_runs`.
     """
+    import torch.distributed as dist
+
     from meshforge.config import load_config
     from meshforge.trainer import Trainer
 
+    existed = dist.is_initialized()
     trainer = Trainer(load_config(str(config), overrides), log=lambda _line: None)
-    trainer.setup()
-    trainer.train()
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        # A single-process run joins a process group of its own: leave none behind for the
+        # tests that follow in this interpreter (a spawned rank's group belongs to the spawn).
+        if not existed and dist.is_initialized():
+            dist.destroy_process_group()
