@@ -12,6 +12,7 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,21 @@ def _processes_need_the_slow_mark(request: pytest.FixtureRequest, monkeypatch: p
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
+@pytest.fixture(autouse=True)
+def _leave_no_process_group() -> Iterator[None]:
+    """Destroy a default process group a test left behind (an in-process run joins one of its own).
+
+    The next test in this interpreter may initialise its own, which torch refuses while one exists.
+    Looked up in `sys.modules` so that torch-free tests do not import torch.
+    """
+    dist = sys.modules.get("torch.distributed")
+    existed = dist is not None and dist.is_initialized()
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and not existed and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 TINY_CONFIG = """
