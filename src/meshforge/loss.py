@@ -23,6 +23,7 @@ float32 tensor, equal on every TP rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -151,33 +152,79 @@ def _vocab_parallel_cross_entropy_sum(logits: DTensor, labels: torch.Tensor, mes
     )
 
 
+def chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of one chunk's logits ``hidden @ weight.T`` (softmax in float32)."""
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunk_loss_and_grad(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed cross-entropy and ``scale`` times its gradient with respect to the logits.
+
+    The gradient of the sum is ``softmax - one_hot(label)`` on valid rows and zero on ignored
+    ones; it is scaled (by the incoming gradient, when backward knows it) in float32 and
+    returned in ``hidden``'s dtype (what the two matmuls that follow take). Under
+    ``torch.compile`` the float32 cast, the softmax and the one-hot subtraction become one
+    kernel over the chunk's logits.
+    """
+    logits = F.linear(hidden, weight).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = labels != IGNORE_INDEX
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    picked = logits.gather(1, safe[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+    grad = torch.exp(logits - lse[:, None])
+    grad = grad.scatter_add(1, safe[:, None], -torch.ones_like(lse)[:, None])
+    grad = grad * (valid[:, None] * scale)
+    return loss, grad.to(hidden.dtype)
+
+
+def _add_chunk_grads(
+    grad: torch.Tensor,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    rows: slice,
+) -> None:
+    """``grad_h[rows] = grad @ w`` and ``grad_w += grad.T @ h`` (float32 accumulation)."""
+    if grad_h is not None:
+        grad_h[rows] = (grad @ w).to(grad_h.dtype)
+    if grad_w is not None:
+        if grad.dtype == torch.float32:
+            grad_w.addmm_(grad.t(), h)  # no [V, H] temporary
+        else:
+            grad_w += grad.t() @ h
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Sum cross-entropy of ``hidden @ weight.T`` over row chunks, logits recomputed in backward.
 
     Matmuls run in ``dtype`` (the autocast dtype of the forward, else the hidden states'
     dtype), like the plain path's ``lm_head`` under autocast; the softmax is in float32 as
     in :func:`cross_entropy_sum`. Autocast is turned off inside so that backward (which
-    runs outside the autocast region) rounds exactly where forward did.
+    runs outside the autocast region) rounds exactly where forward did. ``steps`` are
+    :func:`chunk_loss_sum` and :func:`chunk_loss_and_grad`, or compiled copies of them.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, dtype):
+    def forward(ctx, hidden, weight, labels, chunk_size, dtype, steps):
+        loss_step = steps[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             h_all, w = hidden.to(dtype), weight.to(dtype)
             for start in range(0, hidden.shape[0], chunk_size):
-                logits = F.linear(h_all[start : start + chunk_size], w).float()
-                total += F.cross_entropy(
-                    logits, labels[start : start + chunk_size], ignore_index=IGNORE_INDEX, reduction="sum"
-                )
+                total += loss_step(h_all[start : start + chunk_size], w, labels[start : start + chunk_size])
         ctx.save_for_backward(hidden, weight, labels)
-        ctx.chunk_size, ctx.dtype = chunk_size, dtype
+        ctx.chunk_size, ctx.dtype, ctx.steps = chunk_size, dtype, steps
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         hidden, weight, labels = ctx.saved_tensors
-        chunk_size, dtype = ctx.chunk_size, ctx.dtype
+        chunk_size, dtype, grad_step = ctx.chunk_size, ctx.dtype, ctx.steps[1]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         # Accumulate the head gradient over chunks in float32, then cast once.
@@ -185,28 +232,106 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             h_all, w = hidden.to(dtype), weight.to(dtype)
             for start in range(0, hidden.shape[0], chunk_size):
-                h = h_all[start : start + chunk_size]
-                target = labels[start : start + chunk_size]
-                # d(sum CE)/d(logits) = softmax - one_hot(target), zero on ignored rows.
-                grad = torch.softmax(F.linear(h, w).float(), dim=-1)
-                valid = target != IGNORE_INDEX
-                rows = torch.arange(target.shape[0], device=target.device)
-                grad[rows[valid], target[valid]] -= 1.0
-                grad[~valid] = 0.0
-                grad = grad.mul_(grad_total).to(dtype)  # in place: one chunk-sized buffer fewer
-                if need_h:
-                    grad_h[start : start + chunk_size] = (grad @ w).to(hidden.dtype)
-                if need_w:
-                    if dtype == torch.float32:
-                        grad_w.addmm_(grad.t(), h)  # no [V, H] temporary
-                    else:
-                        grad_w += grad.t() @ h
+                rows = slice(start, start + chunk_size)
+                h = h_all[rows]
+                _, grad = grad_step(h, w, labels[rows], grad_total)
+                _add_chunk_grads(grad, h, w, grad_h, grad_w, rows)
                 del grad
-        return grad_h, grad_w.to(weight.dtype) if need_w else None, None, None, None
+        return grad_h, grad_w.to(weight.dtype) if grad_w is not None else None, None, None, None, None
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Sum cross-entropy of ``hidden @ weight.T`` with both gradients computed in the forward.
+
+    Each chunk's logits exist once: the forward takes the loss and ``softmax - one_hot`` of
+    the chunk together and turns it into the chunk's rows of ``d hidden`` and its share of
+    ``d weight`` (float32) at once, so no logits are kept or recomputed; backward only
+    scales the two stored gradients. It holds ``[N, H]`` plus a float32 ``[V, H]`` between
+    forward and backward instead of the plain path's ``[N, V]`` logits, and does the head's
+    matmuls once each (the recomputing chunked path does the logits twice).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size, dtype, grad_step):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        one = torch.ones((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h_all, w = hidden.to(dtype), weight.to(dtype)
+            for start in range(0, hidden.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                h = h_all[rows]
+                loss, grad = grad_step(h, w, labels[rows], one)
+                total += loss
+                _add_chunk_grads(grad, h, w, grad_h, grad_w, rows)
+                del grad
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_h, grad_w = ctx.saved_tensors
+        # The stored gradients are this graph's own: scaled in place (no retain_graph reuse).
+        out_h = grad_h.mul_(grad_total) if grad_h is not None else None
+        out_w = grad_w.mul_(grad_total).to(ctx.weight_dtype) if grad_w is not None else None
+        return out_h, out_w, None, None, None, None
+
+
+def _head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The matmul dtype of the head: the forward's autocast dtype, else the inputs' promoted dtype."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+_EAGER_STEPS = (chunk_loss_sum, chunk_loss_and_grad)
+
+
+def fused_linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int,
+    grad_step: Callable[..., tuple[torch.Tensor, torch.Tensor]] = chunk_loss_and_grad,
+    loss_step: Callable[..., torch.Tensor] = chunk_loss_sum,
+) -> torch.Tensor:
+    """`cross_entropy_sum(hidden @ weight.T, labels)`, gradients taken chunk by chunk in the forward.
+
+    Same arguments as :func:`chunked_cross_entropy_sum`; ``grad_step``/``loss_step`` may be
+    compiled copies of :func:`chunk_loss_and_grad` / :func:`chunk_loss_sum`. Without grad
+    mode (evaluation), or when neither input needs a gradient, only the loss is computed.
+    """
+    hidden, weight = _whole(hidden), _whole(weight)
+    if chunk_size < 1:
+        raise ValueError(f"kernels.chunk_loss_size: must be a positive number of tokens, got {chunk_size}")
+    dtype = _head_dtype(hidden, weight)
+    flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h_all, w = flat.to(dtype), weight.to(dtype)
+            for start in range(0, flat.shape[0], chunk_size):
+                total = total + loss_step(
+                    h_all[start : start + chunk_size], w, flat_labels[start : start + chunk_size]
+                )
+        return total
+    return _FusedLinearCrossEntropy.apply(flat, weight, flat_labels, int(chunk_size), dtype, grad_step)
 
 
 def chunked_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int,
+    steps: tuple[
+        Callable[..., torch.Tensor], Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    ] = _EAGER_STEPS,
 ) -> torch.Tensor:
     """`cross_entropy_sum(hidden @ weight.T, labels)` without the full logits tensor.
 
@@ -227,13 +352,9 @@ def chunked_cross_entropy_sum(
     hidden, weight = _whole(hidden), _whole(weight)
     if chunk_size < 1:
         raise ValueError(f"kernels.chunk_loss_size: must be a positive number of tokens, got {chunk_size}")
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-    else:
-        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    dtype = _head_dtype(hidden, weight)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    return _ChunkedLinearCrossEntropy.apply(flat, weight, labels.reshape(-1), int(chunk_size), dtype)
+    return _ChunkedLinearCrossEntropy.apply(flat, weight, labels.reshape(-1), int(chunk_size), dtype, steps)
 
 
 def count_valid_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -262,6 +383,7 @@ def mtp_cross_entropy_sum(
     *,
     head_weight: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The mean over MTP depths of each depth's summed cross-entropy against ``mtp_labels``.
 
@@ -275,13 +397,18 @@ def mtp_cross_entropy_sum(
             ``chunk_size`` is given (then ``head_weight`` is the LM head's).
         labels: The main targets ``[B, S]`` (already shifted by one).
         segment_ids: ``[B, S]`` document ids of packed rows, or None.
+        loss_fn: ``(output, targets, head_weight) -> summed CE`` of one depth (the run's
+            :class:`meshforge.lm_loss.LMLoss`); by default the plain or chunked loss that
+            ``chunk_size`` selects.
     """
     if not outputs:
         raise ValueError("mtp_cross_entropy_sum: no MTP outputs (did the forward run the MTP depths?)")
     total = torch.zeros((), dtype=torch.float32, device=labels.device)
     for depth, out in enumerate(outputs, start=1):
         target = mtp_labels(labels, depth, segment_ids)
-        if chunk_size is not None:
+        if loss_fn is not None:
+            total = total + loss_fn(out, target, head_weight)
+        elif chunk_size is not None:
             assert head_weight is not None, "the chunked loss applies the head itself"
             total = total + chunked_cross_entropy_sum(out, head_weight, target, chunk_size=chunk_size)
         else:

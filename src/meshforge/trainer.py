@@ -24,7 +24,7 @@ from meshforge.callbacks import TrainInfo, build_callbacks, builtin_callbacks
 from meshforge.config import TrainConfig, check_trainable, dump_config
 from meshforge.config.noops import noop_notes
 from meshforge.health import HealthStopError, TrainingDivergedError, finite_or_none
-from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
+from meshforge.loss import count_valid_tokens
 from meshforge.monitor.memory import memory_fields
 from meshforge.monitor.throughput import throughput_fields
 from meshforge.monitor.trackers import check_trackers
@@ -149,9 +149,8 @@ class Trainer(TrainerMonitors):
             self._aux_sum += aux.detach().float() * weight
             objective = objective + self.aux_coef * aux * weight
         if self.mtp_coef:
-            chunk = self.kernel_options.chunk_loss_size
             mtp = (
-                mtp_loss_sum(self.model, batch, chunk_size=chunk, loss_context=self._loss_context())
+                mtp_loss_sum(self.model, batch, lm_loss=self.lm_loss, loss_context=self._loss_context())
                 / normalizer
             )
             self._mtp_sum += _plain(mtp).detach()
@@ -164,18 +163,17 @@ class Trainer(TrainerMonitors):
         """Forward one batch and return its summed token cross-entropy (the training and eval loss)."""
         inputs = {k: batch[k] for k in ("position_ids", "segment_ids", *self._cp_model_kwargs) if k in batch}
         autocast = self.compute_dtype != torch.float32 and not self.fsdp
-        chunk = self.kernel_options.chunk_loss_size
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
-            if chunk is not None:
+            if self.lm_loss.needs_hidden:
                 # Read lm_head.weight after the forward: under FSDP the root's parameters are
                 # unsharded by then (the root keeps them until backward).
                 hidden = self.model(batch["input_ids"], return_hidden=True, **inputs)
                 # Every family's output projection (transformers' too) is an nn.Linear `lm_head`.
                 head = cast(torch.nn.Linear, self.model.lm_head)
-                return chunked_cross_entropy_sum(hidden, head.weight, batch["labels"], chunk_size=chunk)
+                return self.lm_loss(hidden, batch["labels"], head.weight)
             logits = self.model(batch["input_ids"], **inputs)
         with self._loss_context():
-            return cross_entropy_sum(logits, batch["labels"])
+            return self.lm_loss(logits, batch["labels"])
 
     def _loss_context(self) -> contextlib.AbstractContextManager[None]:
         """Loss-parallel context under TP with `enable_loss_parallel` (vocab-sharded logits)."""

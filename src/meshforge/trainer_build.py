@@ -7,6 +7,7 @@ a change of a factory's signature touches one call here. The order is `Trainer.s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -35,7 +36,9 @@ if TYPE_CHECKING:
     from meshforge.config import TrainConfig
     from meshforge.data.loader import StatefulLoader, StreamLoader
     from meshforge.data.rampup import BatchRampUp
+    from meshforge.lm_loss import LMLoss
     from meshforge.lora.apply import LoraApplied, LoraSettings
+    from meshforge.models.common.compile import RunLength
     from meshforge.models.materialize import InitFn
     from meshforge.models.registry import FamilySpec
     from meshforge.models.vocab import VocabPlan
@@ -52,6 +55,13 @@ Batch = dict[str, torch.Tensor]
 def _model_vocab_size(family: FamilySpec, options: dict[str, object]) -> int:
     """The embedding rows the model would have before any tokenizer extension."""
     return int(family.parse_options(options).vocab_size)
+
+
+def _output_vocab(model: nn.Module) -> int | None:
+    """Rows of the model's output projection (`lm_head`), or None without one."""
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else None
 
 
 def _no_init(fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
@@ -79,6 +89,7 @@ class TrainerBuild:
     flops_per_token: float | None
     peak_flops: float | None
     kernel_options: KernelOptions
+    lm_loss: LMLoss
     aux_coef: float
     pipeline_split: PipelineSplit | None
     fsdp: bool
@@ -184,7 +195,9 @@ class TrainerBuild:
             param_dtype=params_dtype,
             compute_dtype=compute_dtype,
             compile_blocks=self.kernel_options.compile,
-            apply_compile=apply_compile,
+            apply_compile=functools.partial(
+                apply_compile, backend=self.kernel_options.compile_backend, warn=self.log
+            ),
             activation=ActivationSettings(self.cfg.recompute, self.cfg.recompute_comm, self.cfg.swap),
             lora=lora,
             reduce_dtype=self._reduce_dtype(params_dtype, compute_dtype),
@@ -291,17 +304,32 @@ class TrainerBuild:
     def _configure_kernels(self, model: nn.Module, family: str, compute_dtype: torch.dtype) -> KernelOptions:
         """Resolve the `kernels` section for this device and hand it to the model (errors name the key)."""
         options = resolve_kernel_options(
-            self.cfg.kernels, device=self.device, compute_dtype=compute_dtype, warn=self.log
+            self.cfg.kernels,
+            device=self.device,
+            compute_dtype=compute_dtype,
+            warn=self.log,
+            vocab_size=_output_vocab(model),
+            run=self._run_length(model),
         )
-        configure_model_kernels(model, options, family=family)
-        on = [
-            *(key for key, value in options.model_switches().items() if value),
-            *(["compile"] if options.compile else []),
-            *([f"chunk_loss_size={options.chunk_loss_size}"] if options.chunk_loss_size else []),
-        ]
+        options = configure_model_kernels(model, options, family=family)
+        self.lm_loss = options.lm_loss()
+        on = [key for key, value in options.model_switches().items() if value]
         if on:
             self.log(f"kernels: {', '.join(on)}")
+        self.log(f"{options.compile_reason}; loss: {self.lm_loss.describe()}")
         return options
+
+    def _run_length(self, model: nn.Module) -> RunLength:
+        """Steps and per-rank work of the run, for `kernels.compile: auto` on the CPU."""
+        from meshforge.models.common.compile import RunLength
+        from meshforge.monitor.throughput import model_flops_per_token
+
+        seq = self.cfg.train_dataset.seq_length() or self.cfg.model.seq_length
+        training = self.cfg.training
+        if seq is None or training.epochs is not None:
+            return RunLength(None, 0, None)
+        tokens = self.plan.global_batch_size * int(seq) // max(1, self.dims.world_size)
+        return RunLength(int(training.steps), tokens, model_flops_per_token(model, int(seq)))
 
     def _sharding_note(self) -> str:
         d = self.dims
@@ -426,7 +454,7 @@ class TrainerBuild:
             dxdw_split=parallelism.pipeline_parallel_enable_dxdw_split,
             # The last stage adds the router aux loss from totals carried through the stages.
             aux_coef=self.aux_coef if self._aux_loss_enabled else 0.0,
-            chunk_loss_size=self.kernel_options.chunk_loss_size,
+            lm_loss=self.lm_loss,
             mtp_coef=self.mtp_coef,
         )
 

@@ -20,6 +20,8 @@ from meshforge.loss import mtp_cross_entropy_sum
 if TYPE_CHECKING:
     from torch import nn
 
+    from meshforge.lm_loss import LMLoss
+
 # training.mtp_loss_scaling_factor's default (MindSpeed's): leaving it there is no request for MTP.
 DEFAULT_MTP_FACTOR = 0.3
 
@@ -70,17 +72,17 @@ def mtp_loss_sum(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
     *,
-    chunk_size: int | None,
+    lm_loss: LMLoss,
     loss_context: contextlib.AbstractContextManager[None],
 ) -> torch.Tensor:
     """The MTP cross-entropy sum of the forward that just ran on ``batch`` (mean over depths)."""
     outputs = cast(MTPModel, model).mtp_outputs()
     weight = None
-    if chunk_size is not None:
+    if lm_loss.needs_hidden:
         weight = cast("nn.Linear", model.get_submodule("lm_head")).weight
     with loss_context:
         return mtp_cross_entropy_sum(
-            outputs, batch["labels"], batch.get("segment_ids"), head_weight=weight, chunk_size=chunk_size
+            outputs, batch["labels"], batch.get("segment_ids"), head_weight=weight, loss_fn=lm_loss
         )
 
 

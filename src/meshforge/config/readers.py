@@ -108,6 +108,10 @@ READERS: dict[str, tuple[str, ...]] = {
         "kernels.moe_grouped_gemm",
         "kernels.gdn_chunk_size",
         "kernels.fix_router",
+        "kernels.fused_linear_cross_entropy",
+        "kernels.chunk_loss_size",
+        "kernels.compile",
+        "kernels.compile_backend",
     ),
     "meshforge.optim.build": (
         "optimizer.type",
@@ -183,7 +187,6 @@ READERS: dict[str, tuple[str, ...]] = {
         "model.compute_dtype",
         "monitor.tensorboard.output_dir",
         "context.device_target",
-        "kernels.chunk_loss_size",
     ),
     "meshforge.health": (
         "monitor.health_checkpoint.embedding_local_norm_threshold",
@@ -277,7 +280,6 @@ READERS: dict[str, tuple[str, ...]] = {
         "model.init_special_tokens",
         "monitor.tensorboard.log_interval",
         "monitor.tensorboard.queue_size",
-        "kernels.compile",
     ),
 }
 

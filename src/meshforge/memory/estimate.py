@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from meshforge.lm_loss import LMLoss
 from meshforge.memory.ledger import SavedTensorLedger
 from meshforge.trainer_mtp import MTPModel
 
@@ -64,11 +65,13 @@ class ActivationEstimate:
         layers: Global layer index -> its bytes.
         outside: Bytes saved outside the layers (embedding, final norm, head and loss).
         notes: How parts were estimated (formula layers), for the plan's memory line.
+        loss: The loss formulation traced, for the plan's memory line.
     """
 
     layers: dict[int, LayerBytes] = field(default_factory=dict)
     outside: int = 0
     notes: list[str] = field(default_factory=list)
+    loss: str = "full-logits loss"
 
     @property
     def device_bytes(self) -> int:
@@ -151,6 +154,7 @@ def measure_activations(
     chunk_loss_size: int | None,
     mtp: bool = False,
     every_layer: bool = False,
+    lm_loss: LMLoss | None = None,
 ) -> ActivationEstimate:
     """Trace one forward and loss of ``build()`` on fake tensors at ``[micro_batch, seq]``.
 
@@ -162,6 +166,8 @@ def measure_activations(
         mtp: Run the model's multi-token-prediction blocks and their loss (the run trains them).
         every_layer: Trace every layer instead of one per kind (the reference the per-kind
             trace is tested against).
+        lm_loss: The run's loss formulation (the fused loss keeps its gradients from forward
+            to backward); None: the one ``chunk_loss_size`` selects.
 
     Raises:
         NotImplementedError: A memory feature the settings ask for is not built.
@@ -195,7 +201,10 @@ def measure_activations(
             model.set_mtp(True)
         else:
             mtp = False
-        replaced, ran = _trace(model, layers, kinds, estimate, micro_batch, seq, chunk_loss_size, mtp=mtp)
+        if lm_loss is None:
+            lm_loss = LMLoss("chunked", chunk_loss_size) if chunk_loss_size else LMLoss()
+        estimate.loss = lm_loss.describe()
+        replaced, ran = _trace(model, layers, kinds, estimate, micro_batch, seq, lm_loss, mtp=mtp)
         tokens = micro_batch * seq
         for index, (path, ffn) in replaced.items():
             if index not in ran:
@@ -267,7 +276,7 @@ def _trace(
     estimate: ActivationEstimate,
     micro_batch: int,
     seq: int,
-    chunk_loss_size: int | None,
+    lm_loss: LMLoss,
     *,
     mtp: bool,
 ) -> tuple[dict[int, tuple[str, nn.Module]], set[int]]:
@@ -278,7 +287,7 @@ def _trace(
     pass-through, with every layer whose feed-forward is of the same class, and the forward
     runs again. Layers that are not their kind's representative pass their input through.
     """
-    from meshforge.loss import chunked_cross_entropy_sum, cross_entropy_sum, mtp_cross_entropy_sum
+    from meshforge.loss import mtp_cross_entropy_sum
 
     replaced: dict[int, tuple[str, nn.Module]] = {}
     by_index = dict(layers)
@@ -293,18 +302,18 @@ def _trace(
             with outer.recording():
                 ids = torch.zeros((micro_batch, seq), dtype=torch.long)
                 head_weight = None
-                if chunk_loss_size:
+                if lm_loss.needs_hidden:
                     hidden = model(ids, return_hidden=True)
                     head = model.get_submodule("lm_head")
                     assert isinstance(head, nn.Linear)
                     head_weight = head.weight
-                    chunked_cross_entropy_sum(hidden, head.weight, ids, chunk_size=chunk_loss_size)
+                    lm_loss(hidden, ids, head.weight)
                 else:
                     out = model(ids)
-                    cross_entropy_sum(out if isinstance(out, torch.Tensor) else out.logits, ids)
+                    lm_loss(out if isinstance(out, torch.Tensor) else out.logits, ids)
                 if mtp:
                     outputs = cast(MTPModel, model).mtp_outputs()
-                    mtp_cross_entropy_sum(outputs, ids, head_weight=head_weight, chunk_size=chunk_loss_size)
+                    mtp_cross_entropy_sum(outputs, ids, head_weight=head_weight, loss_fn=lm_loss)
             estimate.outside = outer.device_bytes
             calls.copy_to_skipped()
             return replaced, calls.ran

@@ -159,7 +159,20 @@ class KernelsConfig(StrictSection):
     fix_router: Bool = describe(False, "Fix the expert assignment to balance load (performance tuning only).")
     pre_tokens: PosInt = describe(1048576, "Flash-attention sparse window: tokens before each query.")
     next_tokens: NonNegInt = describe(0, "Flash-attention sparse window: tokens after each query.")
-    compile: Bool = describe(False, "torch.compile each decoder layer.")
+    compile: Bool | Literal["auto"] = describe(
+        "auto",
+        "torch.compile each decoder layer and the loss: true, false, or auto (on CUDA/NPU; on the CPU "
+        "only when the run is long enough for the compile time to pay back; the decision is logged).",
+    )
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = describe(
+        "inductor",
+        "torch.compile backend (aot_eager and eager trace without generating kernels: for debugging).",
+    )
+    fused_linear_cross_entropy: Bool | Literal["auto"] = describe(
+        "auto",
+        "LM head and cross-entropy computed together, chunk by chunk, with the gradient taken in the forward "
+        "(no full-vocabulary logits): true, false, or auto (on when the vocabulary has at least 32768 entries).",
+    )
 
     @model_validator(mode="after")
     def _exclusive(self) -> KernelsConfig:

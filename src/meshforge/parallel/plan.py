@@ -24,6 +24,7 @@ from meshforge.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
+    from meshforge.lm_loss import LMLoss
     from meshforge.memory.estimate import ActivationEstimate
 
 _GIB = 1024**3
@@ -305,8 +306,7 @@ def activation_lines(
         return [f"activations: not estimated ({type(exc).__name__}: {exc})"]
     top = max(activation_plan(cfg, dims, counts, estimate), key=lambda r: r.peak_bytes)
     modes = f"recompute {cfg.recompute.mode}, swap {'on' if cfg.swap.enable else 'off'}"
-    chunk = cfg.kernels.chunk_loss_size
-    loss = f"chunked loss {chunk}" if chunk else "full-logits loss"
+    loss = estimate.loss
     notes = "".join(f"; {note}" for note in estimate.notes)
     where = f"pipeline rank {top.rank}" if dims.pp > 1 else "every rank"
     line = (
@@ -341,7 +341,8 @@ def measure_plan_activations(
     source = resolve_model_source(cfg.model, log=log)
     params_dtype = parse_dtype(cfg.model.params_dtype, key="model.params_dtype")
     dtype = parse_dtype(cfg.model.compute_dtype, key="model.compute_dtype", default=params_dtype)
-    return measure_activations(
+    lm_loss = plan_lm_loss(cfg, int(source.family.parse_options(source.options).vocab_size))
+    estimate = measure_activations(
         lambda: source.family.build(source.options),
         ActivationSettings(cfg.recompute, cfg.recompute_comm, cfg.swap),
         micro_batch=micro,
@@ -349,4 +350,19 @@ def measure_plan_activations(
         dtype=dtype,
         chunk_loss_size=cfg.kernels.chunk_loss_size,
         mtp=cfg.training.mtp_loss_scaling_factor > 0,
+        lm_loss=lm_loss,
     )
+    return estimate
+
+
+def plan_lm_loss(cfg: TrainConfig, vocab_size: int) -> LMLoss:
+    """The loss formulation a run of ``cfg`` uses (eager: compiling changes no saved tensor)."""
+    from meshforge.lm_loss import LMLoss, fused_chunk_size
+    from meshforge.models.common.kernels import FUSED_CE_MIN_VOCAB
+
+    kernels = cfg.kernels
+    chunk = kernels.chunk_loss_size
+    fused = kernels.fused_linear_cross_entropy
+    if fused is True or (fused == "auto" and chunk is None and vocab_size >= FUSED_CE_MIN_VOCAB):
+        return LMLoss("fused", chunk or fused_chunk_size(vocab_size))
+    return LMLoss("chunked", chunk) if chunk else LMLoss()

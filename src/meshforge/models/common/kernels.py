@@ -33,17 +33,24 @@ What each switch does, and which path is the default:
   batch and sequence) goes to experts ``(i * k + j) mod E`` for ``j < k``; the routing weights
   are the router probabilities of those experts (renormalised when ``norm_topk_prob``), so
   the router still gets a gradient. MoE families only.
-* ``compile``: ``torch.compile`` of every decoder layer, before FSDP wraps it.
-* ``chunk_loss_size``: cross-entropy over sequence chunks (``meshforge.loss``).
+* ``compile``: ``torch.compile`` of every decoder layer (before FSDP wraps it) and of the loss
+  steps; ``auto`` (the default) decides by device and run length (``models/common/compile.py``).
+* ``chunk_loss_size``: cross-entropy over sequence chunks, logits recomputed in backward
+  (``meshforge.loss``).
+* ``fused_linear_cross_entropy``: the LM head and the loss chunk by chunk with the gradient
+  taken in the forward (``meshforge.lm_loss``); ``auto`` turns it on for vocabularies of at
+  least :data:`FUSED_CE_MIN_VOCAB` entries when the model can return its hidden states and
+  ``chunk_loss_size`` does not ask for the recomputing chunked loss.
 
 Light module: torch is imported inside the functions that need it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -51,7 +58,13 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from meshforge.lm_loss import LMLoss
+    from meshforge.models.common.compile import RunLength
     from meshforge.models.config import KernelsConfig
+
+# At 32,768 entries and more the full logits outweigh the hidden states 8x and more at any
+# hidden size a model of that vocabulary has, and the fused loss is as fast as the plain one.
+FUSED_CE_MIN_VOCAB = 32768
 
 _AUTO_HINT = "set it to auto to use it only where available, without this warning"
 
@@ -69,8 +82,15 @@ class KernelOptions:
         fused_rope: A fused rotary kernel (never True today; see the module docstring).
         grouped_mm: MoE experts through ``F.grouped_mm``.
         fix_router: Fixed balanced expert assignment (MoE only).
-        compile: ``torch.compile`` each decoder layer.
-        chunk_loss_size: Tokens per cross-entropy chunk, or None for the full-logits loss.
+        compile: ``torch.compile`` each decoder layer and the loss steps.
+        compile_backend: The ``torch.compile`` backend.
+        compile_reason: The start-up log's sentence about the compile decision.
+        chunk_loss_size: Tokens per cross-entropy chunk (the recomputing chunked loss, or the
+            fused loss's chunk when ``fused_ce``), or None.
+        fused_ce: The fused linear cross-entropy.
+        fused_ce_auto: ``fused_ce`` was decided by ``auto`` (a model that cannot return its
+            hidden states turns it off instead of failing).
+        vocab_size: The model's vocabulary (the fused loss's default chunk), or None.
         gdn_chunk_size: Chunk length of the chunked Gated DeltaNet (qwen3_next), or None when
             the config does not set it (the layers' default, 64).
     """
@@ -82,7 +102,12 @@ class KernelOptions:
     grouped_mm: bool = False
     fix_router: bool = False
     compile: bool = False
+    compile_backend: str = "inductor"
+    compile_reason: str = ""
     chunk_loss_size: int | None = None
+    fused_ce: bool = False
+    fused_ce_auto: bool = False
+    vocab_size: int | None = None
     gdn_chunk_size: int | None = None
 
     def model_switches(self) -> dict[str, bool]:
@@ -94,6 +119,18 @@ class KernelOptions:
             "moe_grouped_gemm": self.grouped_mm,
             "fix_router": self.fix_router,
         }
+
+    def lm_loss(self) -> LMLoss:
+        """The run's loss formulation (:class:`meshforge.lm_loss.LMLoss`)."""
+        from meshforge.lm_loss import LMLoss, fused_chunk_size
+
+        backend = self.compile_backend if self.compile else None
+        if self.fused_ce:
+            chunk = self.chunk_loss_size or fused_chunk_size(self.vocab_size or 0)
+            return LMLoss("fused", chunk, backend)
+        if self.chunk_loss_size is not None:
+            return LMLoss("chunked", self.chunk_loss_size, backend)
+        return LMLoss("logits", None, backend)
 
 
 def _flash_reason(device: torch.device, compute_dtype: torch.dtype) -> str | None:
@@ -115,6 +152,8 @@ def resolve_kernel_options(
     device: torch.device,
     compute_dtype: torch.dtype,
     warn: Callable[[str], None] = print,
+    vocab_size: int | None = None,
+    run: RunLength | None = None,
 ) -> KernelOptions:
     """Turn the ``kernels`` config section into :class:`KernelOptions` for ``device``.
 
@@ -124,6 +163,8 @@ def resolve_kernel_options(
         compute_dtype: The model's compute dtype (flash attention needs fp16/bf16).
         warn: Receives one ``warning: kernels.<key>: ...`` line for each switch set to true
             that cannot run on ``device`` (it is then off).
+        vocab_size: The model's vocabulary (``fused_linear_cross_entropy: auto``); None: off.
+        run: The run's length, for ``compile: auto`` on the CPU; None: auto is off there.
 
     Returns:
         The options with every ``auto`` decided.
@@ -158,6 +199,21 @@ def resolve_kernel_options(
     if grouped and not hasattr(F, "grouped_mm"):
         raise ValueError("kernels.moe_grouped_gemm: this torch has no torch.nn.functional.grouped_mm")
 
+    from meshforge.models.common.compile import CompileDecision, RunLength, decide_compile
+
+    if run is None and kernels.compile == "auto" and device.type == "cpu":
+        decision = CompileDecision(False, "kernels.compile: auto -> off (cpu; run length not given)")
+    else:
+        decision = decide_compile(
+            kernels.compile, device_type=device.type, run=run or RunLength(None, 0, None)
+        )
+    fused = kernels.fused_linear_cross_entropy
+    fused_on = fused is True or (
+        fused == "auto"
+        and kernels.chunk_loss_size is None
+        and vocab_size is not None
+        and vocab_size >= FUSED_CE_MIN_VOCAB
+    )
     return KernelOptions(
         flash_attn=flash_on,
         flash_attn_strict=flash is True and flash_on,
@@ -165,8 +221,13 @@ def resolve_kernel_options(
         fused_rope=False,
         grouped_mm=grouped,
         fix_router=kernels.fix_router,
-        compile=kernels.compile,
+        compile=decision.on,
+        compile_backend=kernels.compile_backend,
+        compile_reason=decision.reason,
         chunk_loss_size=kernels.chunk_loss_size,
+        fused_ce=fused_on,
+        fused_ce_auto=fused == "auto",
+        vocab_size=vocab_size,
         gdn_chunk_size=kernels.gdn_chunk_size if "gdn_chunk_size" in kernels.model_fields_set else None,
     )
 
@@ -214,12 +275,17 @@ def apply_kernel_options(model: nn.Module, options: KernelOptions, *, family: st
         module.fixed = options.fix_router
 
 
-def configure_model_kernels(model: nn.Module, options: KernelOptions, *, family: str) -> None:
+def configure_model_kernels(model: nn.Module, options: KernelOptions, *, family: str) -> KernelOptions:
     """Hand ``options`` to ``model.configure_kernels``, or refuse switches it cannot take.
+
+    Returns:
+        The options the run uses: ``fused_linear_cross_entropy: auto`` is turned off for a
+        model that cannot return its hidden states.
 
     Raises:
         ValueError: A switch is on and the family has no ``configure_kernels``, or
-            ``chunk_loss_size`` is set and the model cannot return hidden states.
+            ``chunk_loss_size`` / ``fused_linear_cross_entropy: true`` is set and the model
+            cannot return hidden states.
     """
     configure = getattr(model, "configure_kernels", None)
     if callable(configure):
@@ -228,11 +294,20 @@ def configure_model_kernels(model: nn.Module, options: KernelOptions, *, family:
         for key, on in options.model_switches().items():
             if on:
                 raise ValueError(f"kernels.{key}: not supported by the {family} model family; unset it")
-    if options.chunk_loss_size is not None and not supports_hidden_output(model):
+    hidden = supports_hidden_output(model)
+    if options.fused_ce and not hidden:
+        if options.fused_ce_auto:
+            return dataclasses.replace(options, fused_ce=False)
+        raise ValueError(
+            f"kernels.fused_linear_cross_entropy: the {family} model does not expose its final hidden states "
+            "(forward(..., return_hidden=True) and a bias-free lm_head); set it to auto or false"
+        )
+    if options.chunk_loss_size is not None and not hidden:
         raise ValueError(
             f"kernels.chunk_loss_size: the {family} model does not expose its final hidden states "
             "(forward(..., return_hidden=True) and a bias-free lm_head); unset it"
         )
+    return options
 
 
 def supports_hidden_output(model: nn.Module) -> bool:
@@ -243,25 +318,15 @@ def supports_hidden_output(model: nn.Module) -> bool:
     return "return_hidden" in inspect.signature(model.forward).parameters
 
 
-def apply_compile(model: nn.Module) -> None:
-    """``torch.compile`` every decoder layer in place (``model.model.layers``), before FSDP.
+def apply_compile(model: nn.Module, *, backend: str = "inductor", warn: Callable[[str], None] = print) -> Any:
+    """``torch.compile`` every decoder layer in place, before FSDP (``models/common/compile.py``)."""
+    from meshforge.models.common.compile import apply_compile as compile_layers
 
-    ``nn.Module.compile`` keeps the module and its parameter names (no ``_orig_mod``
-    prefix), so checkpoints and module patterns are unchanged. Per-layer compilation (the
-    torchtitan order: compile, then ``fully_shard``) keeps FSDP's hooks outside the compiled
-    graphs and reuses one compiled graph for identical layers.
-
-    Raises:
-        ValueError: The model has no ``model.layers``.
-    """
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"kernels.compile: {type(model).__name__} has no model.layers to compile; unset it")
-    for layer in layers:
-        layer.compile()
+    return compile_layers(model, backend=backend, warn=warn)
 
 
 __all__ = [
+    "FUSED_CE_MIN_VOCAB",
     "KernelOptions",
     "apply_compile",
     "apply_kernel_options",

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshforge.loss import chunked_cross_entropy_sum, count_valid_tokens, cross_entropy_sum
+from meshforge.lm_loss import LMLoss
+from meshforge.loss import count_valid_tokens
 from meshforge.parallel.pipeline.layout import (
     SCHEDULE_KEY,
     SCHEDULES,
@@ -111,7 +112,7 @@ class Pipeline:
         n_microbatches: int,
         schedule_name: str,
         aux_coef: float = 0.0,
-        chunk_loss_size: int | None = None,
+        lm_loss: LMLoss | None = None,
         mtp_coef: float = 0.0,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
@@ -127,8 +128,8 @@ class Pipeline:
         pipelined = cast(_PipelinedCausalLM, model)
         # Every stage forward then returns (hidden, carry); see the module docstring.
         pipelined._pp_aux_experts = self.aux_experts
-        self.chunk_loss_size = chunk_loss_size
-        pipelined._pp_return_hidden = chunk_loss_size is not None
+        self.lm_loss = lm_loss if lm_loss is not None else LMLoss()
+        pipelined._pp_return_hidden = self.lm_loss.needs_hidden
         self._aux: list[torch.Tensor] = []
         self.aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         # MTP (split.mtp_layers > 0, mtp_coef > 0): the last stage returns (logits, *mtp_logits)
@@ -148,12 +149,11 @@ class Pipeline:
         self.schedule = self._schedule_for(n_microbatches)
 
     def _ce_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed CE of the last stage's output: logits, or normed hidden states (chunked loss)."""
-        if self.chunk_loss_size is None:
-            return cross_entropy_sum(output, labels)
+        """Summed CE of the last stage's output: logits, or normed hidden states (chunked/fused loss)."""
+        if not self.lm_loss.needs_hidden:
+            return self.lm_loss(output, labels)
         # Read after the forward: under FSDP the head is unsharded by then.
-        weight = self.model.get_parameter("lm_head.weight")
-        return chunked_cross_entropy_sum(output, weight, labels, chunk_size=self.chunk_loss_size)
+        return self.lm_loss(output, labels, self.model.get_parameter("lm_head.weight"))
 
     def _loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         global_tokens = self._global_tokens
@@ -429,7 +429,7 @@ def build_pipeline(
     schedule: str | None = None,
     dxdw_split: bool = False,
     aux_coef: float = 0.0,
-    chunk_loss_size: int | None = None,
+    lm_loss: LMLoss | None = None,
     mtp_coef: float = 0.0,
 ) -> Pipeline:
     """Build this rank's ``PipelineStage`` objects and the schedule, after FSDP and materialisation.
@@ -449,8 +449,9 @@ def build_pipeline(
             and the model has the aux loss (MoE family, ``output_router_logits``), every
             micro-batch's loss gets ``aux_coef * aux * valid_tokens / global_tokens``, exactly
             as ``Trainer.forward_backward`` adds it, and ``Pipeline.aux_sum`` the logged value.
-        chunk_loss_size: ``kernels.chunk_loss_size``: the last stage hands the normed hidden
-            states to the loss, which applies ``lm_head`` that many tokens at a time.
+        lm_loss: The run's loss (``kernels.chunk_loss_size``, ``fused_linear_cross_entropy``,
+            ``compile``); with a chunked or fused loss the last stage hands the normed hidden
+            states to it, and it applies ``lm_head`` chunk by chunk. None: the plain loss.
         mtp_coef: ``training.mtp_loss_scaling_factor`` for a model with MTP blocks: in training
             the last stage runs them and each micro-batch adds ``mtp_coef * mtp / global_tokens``
             (as ``Trainer.forward_backward``); ``Pipeline.mtp_sum`` is the logged ``mtp_loss``.
@@ -488,7 +489,7 @@ def build_pipeline(
         n_microbatches=n_microbatches,
         schedule_name=name,
         aux_coef=aux_coef,
-        chunk_loss_size=chunk_loss_size,
+        lm_loss=lm_loss,
         mtp_coef=mtp_coef,
     )
     pipeline.sync_tied_weights()

@@ -1,0 +1,207 @@
+"""``kernels.compile``: whether a run compiles (the ``auto`` rule) and how (per layer, with a fallback).
+
+Regional compilation, torchtitan's way: each decoder layer is one ``torch.compile`` region,
+compiled before ``fully_shard`` so FSDP's hooks stay outside the graphs, and identical layers
+share one graph (dynamo caches by code object). The loss steps are compiled separately
+(:mod:`meshforge.lm_loss`).
+
+The ``auto`` rule (:func:`decide_compile`):
+
+* CUDA/NPU: on. Kernel launches and elementwise chains are what compile removes there, and
+  its cost (tens of seconds) is small next to any real run.
+* CPU: on only when the run's estimated eager length reaches :data:`CPU_PAYBACK_SECONDS`.
+  On this project's 2-core CPUs a cold compile of a small model's layers and loss takes
+  ~25-40 s and the compiled step is ~1.1x the eager one, so a run pays the compile back after
+  about 11 x 40 s; the threshold keeps a margin for a cold cache and a bigger model. The
+  estimate is ``steps x tokens per step x FLOPs per token / (0.5 x a measured fp32 matmul
+  rate)`` (training steps reach about half the matmul peak here). Short runs (tests, the
+  demo, smoke runs) therefore stay eager unless they ask for ``true``.
+
+A layer that fails to compile (dynamo or the backend raising while tracing or generating
+code) runs eagerly from then on, and so do the other layers of its class, with one warning
+naming the layer and the reason: never a silent slowdown, never a crash of a run that eager
+mode can train. The backward graph is generated together with the forward
+(``force_non_lazy_backward_lowering``) so that its failures surface where they can be caught.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+CPU_PAYBACK_SECONDS = 600.0
+_STEP_SHARE_OF_MATMUL_PEAK = 0.5
+
+
+@dataclass(frozen=True)
+class CompileDecision:
+    """Whether the run compiles, and the sentence the start-up log prints about it."""
+
+    on: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """What the ``auto`` rule needs to know of a run: its steps and work per step.
+
+    Attributes:
+        steps: Optimizer steps, or None when the data decides (``training.epochs``).
+        tokens_per_step: Tokens in one global batch on this rank's share of the work.
+        flops_per_token: Training FLOPs per token (forward + backward), or None if unknown.
+    """
+
+    steps: int | None
+    tokens_per_step: int
+    flops_per_token: float | None
+
+
+def measure_matmul_rate(size: int = 512, repeats: int = 3) -> float:
+    """FLOP/s of this process's fp32 ``torch.mm`` (best of ``repeats``; about 0.05 s on 2 cores)."""
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / max(best, 1e-9)
+
+
+def decide_compile(
+    setting: bool | Literal["auto"],
+    *,
+    device_type: str,
+    run: RunLength,
+    matmul_rate: Callable[[], float] = measure_matmul_rate,
+) -> CompileDecision:
+    """Apply the ``auto`` rule of the module docstring (``true``/``false`` are taken as they are)."""
+    if setting is True:
+        return CompileDecision(True, "kernels.compile: true")
+    if setting is False:
+        return CompileDecision(False, "kernels.compile: false")
+    if device_type != "cpu":
+        return CompileDecision(True, f"kernels.compile: auto -> on ({device_type})")
+    if run.steps is None:
+        return CompileDecision(
+            False,
+            "kernels.compile: auto -> off (cpu; the run length depends on the data: set true to compile)",
+        )
+    if run.flops_per_token is None:
+        return CompileDecision(
+            False,
+            "kernels.compile: auto -> off (cpu; no FLOP count for this model to estimate the run length)",
+        )
+    rate = matmul_rate() * _STEP_SHARE_OF_MATMUL_PEAK
+    seconds = run.steps * run.tokens_per_step * run.flops_per_token / rate
+    verdict = "on" if seconds >= CPU_PAYBACK_SECONDS else "off"
+    return CompileDecision(
+        verdict == "on",
+        f"kernels.compile: auto -> {verdict} (cpu; the run is estimated at {_duration(seconds)} eager, "
+        f"compiling pays back from about {_duration(CPU_PAYBACK_SECONDS)})",
+    )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, layer)`` of every decoder layer (``model.model.layers``; a pipeline
+    stage keeps a ModuleDict keyed by the global layer index)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList | nn.ModuleDict):
+        raise ValueError(
+            f"kernels.compile: {type(model).__name__} has no model.layers to compile; set it to false"
+        )
+    items = (
+        layers.items() if isinstance(layers, nn.ModuleDict) else ((str(i), m) for i, m in enumerate(layers))
+    )
+    return [(f"model.layers.{key}", layer) for key, layer in items]
+
+
+@dataclass
+class _FallbackRegistry:
+    """Layer classes that failed to compile in this model, so the rest of the class goes eager too."""
+
+    warn: Callable[[str], None]
+    failed: set[str] = field(default_factory=set)
+    layers: dict[str, list[nn.Module]] = field(default_factory=dict)
+
+    def fall_back(self, name: str, layer: nn.Module, exc: BaseException) -> None:
+        kind = type(layer).__name__
+        if kind in self.failed:
+            return
+        self.failed.add(kind)
+        for other in self.layers.get(kind, []):
+            other._compiled_call_impl = None
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        self.warn(
+            f"warning: kernels.compile: {name} ({kind}) failed to compile and runs eagerly, "
+            f"with every other {kind}: {type(exc).__name__}: {reason[:300]}"
+        )
+
+
+class _GuardedCompiledCall:
+    """A layer's compiled call that falls back to the eager call when compiling fails."""
+
+    def __init__(self, layer: nn.Module, name: str, backend: str, registry: _FallbackRegistry) -> None:
+        self.layer, self.name, self.registry = layer, name, registry
+        self.eager = layer._call_impl
+        self.compiled = torch.compile(self.eager, backend=backend)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.exc import TorchDynamoException
+
+        try:
+            return self.compiled(*args, **kwargs)
+        except TorchDynamoException as exc:
+            # A real error in the layer raises again here, eagerly, and the run stops on it.
+            out = self.eager(*args, **kwargs)
+            self.registry.fall_back(self.name, self.layer, exc)
+            return out
+
+
+def apply_compile(
+    model: nn.Module, *, backend: str = "inductor", warn: Callable[[str], None] = print
+) -> list[str]:
+    """Compile every decoder layer of ``model`` in place, before FSDP; returns the layer names.
+
+    The layer stays the same module with the same parameter names (the compiled call is
+    installed where ``nn.Module.compile`` puts it), so checkpoints, hooks and module patterns
+    do not change.
+
+    Raises:
+        ValueError: The model has no ``model.layers``.
+    """
+    import torch._functorch.config as functorch_config
+
+    layers = decoder_layers(model)
+    functorch_config.force_non_lazy_backward_lowering = True
+    registry = _FallbackRegistry(warn)
+    for name, layer in layers:
+        registry.layers.setdefault(type(layer).__name__, []).append(layer)
+        layer._compiled_call_impl = _GuardedCompiledCall(layer, name, backend, registry)
+    return [name for name, _ in layers]
+
+
+__all__ = [
+    "CPU_PAYBACK_SECONDS",
+    "CompileDecision",
+    "RunLength",
+    "apply_compile",
+    "decide_compile",
+    "decoder_layers",
+    "measure_matmul_rate",
+]
