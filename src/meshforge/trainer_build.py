@@ -310,6 +310,7 @@ class TrainerBuild:
             warn=self.log,
             vocab_size=_output_vocab(model),
             run=self._run_length(model),
+            loss_parallel=self.dims.tp > 1 and self.cfg.parallelism.enable_loss_parallel,
         )
         options = configure_model_kernels(model, options, family=family)
         self.lm_loss = options.lm_loss()

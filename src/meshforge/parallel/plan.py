@@ -363,6 +363,9 @@ def plan_lm_loss(cfg: TrainConfig, vocab_size: int) -> LMLoss:
     kernels = cfg.kernels
     chunk = kernels.chunk_loss_size
     fused = kernels.fused_linear_cross_entropy
-    if fused is True or (fused == "auto" and chunk is None and vocab_size >= FUSED_CE_MIN_VOCAB):
+    loss_parallel = cfg.parallelism.tensor_parallel > 1 and cfg.parallelism.enable_loss_parallel
+    if fused is True or (
+        fused == "auto" and chunk is None and not loss_parallel and vocab_size >= FUSED_CE_MIN_VOCAB
+    ):
         return LMLoss("fused", chunk or fused_chunk_size(vocab_size))
     return LMLoss("chunked", chunk) if chunk else LMLoss()

@@ -146,11 +146,24 @@ class _FallbackRegistry:
         self.failed.add(kind)
         for other in self.layers.get(kind, []):
             other._compiled_call_impl = None
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         self.warn(
             f"warning: kernels.compile: {name} ({kind}) failed to compile and runs eagerly, "
-            f"with every other {kind}: {type(exc).__name__}: {reason[:300]}"
+            f"with every other {kind}: {_reason(exc)}"
         )
+
+
+def _reason(exc: BaseException) -> str:
+    """``Type: first line`` of the error, with the backend's own error when dynamo wraps one."""
+    text = f"{type(exc).__name__}: {_first_line(exc)}"
+    inner = getattr(exc, "inner_exception", None) or exc.__cause__
+    if isinstance(inner, BaseException):
+        text += f" ({type(inner).__name__}: {_first_line(inner)})"
+    return text[:400]
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0].strip() if lines else ""
 
 
 class _GuardedCompiledCall:

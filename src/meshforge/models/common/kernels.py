@@ -39,8 +39,9 @@ What each switch does, and which path is the default:
   (``meshforge.loss``).
 * ``fused_linear_cross_entropy``: the LM head and the loss chunk by chunk with the gradient
   taken in the forward (``meshforge.lm_loss``); ``auto`` turns it on for vocabularies of at
-  least :data:`FUSED_CE_MIN_VOCAB` entries when the model can return its hidden states and
-  ``chunk_loss_size`` does not ask for the recomputing chunked loss.
+  least :data:`FUSED_CE_MIN_VOCAB` entries when the model can return its hidden states,
+  ``chunk_loss_size`` does not ask for the recomputing chunked loss and TP's loss parallelism
+  does not already split the logits by vocabulary.
 
 Light module: torch is imported inside the functions that need it.
 """
@@ -154,6 +155,7 @@ def resolve_kernel_options(
     warn: Callable[[str], None] = print,
     vocab_size: int | None = None,
     run: RunLength | None = None,
+    loss_parallel: bool = False,
 ) -> KernelOptions:
     """Turn the ``kernels`` config section into :class:`KernelOptions` for ``device``.
 
@@ -165,6 +167,8 @@ def resolve_kernel_options(
             that cannot run on ``device`` (it is then off).
         vocab_size: The model's vocabulary (``fused_linear_cross_entropy: auto``); None: off.
         run: The run's length, for ``compile: auto`` on the CPU; None: auto is off there.
+        loss_parallel: TP with ``enable_loss_parallel``: each rank already holds only its
+            vocabulary slice of the logits, so ``fused_linear_cross_entropy: auto`` stays off.
 
     Returns:
         The options with every ``auto`` decided.
@@ -210,6 +214,7 @@ def resolve_kernel_options(
     fused = kernels.fused_linear_cross_entropy
     fused_on = fused is True or (
         fused == "auto"
+        and not loss_parallel
         and kernels.chunk_loss_size is None
         and vocab_size is not None
         and vocab_size >= FUSED_CE_MIN_VOCAB
