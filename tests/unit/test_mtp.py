@@ -118,6 +118,32 @@ def test_mtp_loss_equals_hand_written_reference(packed: bool) -> None:
                 assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+@pytest.mark.parametrize("mode", ["fused", "chunked"])
+def test_mtp_loss_through_the_hidden_state_losses_equals_the_logits_path(mode: str) -> None:
+    from meshforge.lm_loss import LMLoss
+
+    args = _args(2)
+    model = build_deepseek_v3(args, device="cpu").train()
+    model.set_mtp(True)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab_size, (2, 21), generator=gen)
+    segment_ids = torch.tensor([[1] * 9 + [2] * 10 + [0] * 2, [1] * 21])
+    model(ids, segment_ids=segment_ids)
+    plain = mtp_cross_entropy_sum(model.mtp_outputs(), ids, segment_ids)
+    plain.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model(ids, segment_ids=segment_ids, return_hidden=True)
+    ours = mtp_cross_entropy_sum(
+        model.mtp_outputs(), ids, segment_ids, head_weight=model.lm_head.weight, loss_fn=LMLoss(mode, 8)
+    )
+    assert rel(ours.double(), plain.double()) <= 1e-6
+    ours.backward()
+    for name, grad in want.items():
+        got = dict(model.named_parameters())[name].grad
+        assert got is not None and rel(got, grad) <= 1e-5, name
+
+
 def test_mtp_labels_shift_and_cut_at_documents() -> None:
     labels = torch.tensor([[10, 11, 12, 13, 14, 15]])
     segments = torch.tensor([[1, 1, 1, 2, 2, 0]])
