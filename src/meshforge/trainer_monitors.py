@@ -47,7 +47,9 @@ class TrainerMonitors(TrainerBuild):
         trackers: list[TrackerSink] = []
         if self.dist.is_main:
             config = self.cfg.model_dump(mode="json")
-            trackers = build_trackers(self.cfg.monitor, output_dir=self.output_dir, config=config)
+            trackers = build_trackers(
+                self.cfg.monitor, output_dir=self.output_dir, config=config, resuming=self.step > 0
+            )
         self.metrics_logger = MetricsLogger(
             jsonl=self.jsonl, tensorboard=self.tensorboard, trackers=trackers, console=self.console
         )

@@ -35,7 +35,7 @@ def _fake_swanlab(recorder: Recorder) -> types.ModuleType:
 
     def init(**kwargs: Any) -> object:
         recorder.calls.append(("init", kwargs, None))
-        return object()
+        return types.SimpleNamespace(id=kwargs.get("id") or "swan-run-1")
 
     def log(values: dict[str, float], step: int | None = None) -> None:
         recorder.calls.append(("log", dict(values), step))
@@ -151,7 +151,7 @@ def _item_key(item: Any) -> str:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("leave_no_process_group")
-def test_a_run_logs_every_step_to_both_trackers_and_finishes_them(
+def test_a_run_logs_every_step_to_both_trackers_finishes_them_and_a_resumed_run_continues_them(
     tiny_config: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """W&B for real, in offline mode (its run read back from disk); SwanLab through its stand-in."""
@@ -171,18 +171,16 @@ def test_a_run_logs_every_step_to_both_trackers_and_finishes_them(
     swanlab_calls = Recorder()
     monkeypatch.setitem(sys.modules, "swanlab", _fake_swanlab(swanlab_calls))
     out = tiny_config.parent / "tracked-run"
-    cfg = load_config(
-        str(tiny_config),
-        [
-            f"training.output_dir={out}",
-            "training.steps=3",
-            "monitor.report_to=[wandb, swanlab, tensorboard]",
-            "monitor.wandb.mode=offline",
-            "monitor.wandb.tags=[tiny]",
-            "monitor.swanlab.mode=local",
-            "monitor.swanlab.project=meshforge-tests",
-        ],
-    )
+    overrides = [
+        f"training.output_dir={out}",
+        "training.steps=3",
+        "monitor.report_to=[wandb, swanlab, tensorboard]",
+        "monitor.wandb.mode=offline",
+        "monitor.wandb.tags=[tiny]",
+        "monitor.swanlab.mode=local",
+        "monitor.swanlab.project=meshforge-tests",
+    ]
+    cfg = load_config(str(tiny_config), overrides)
     trainer = Trainer(cfg, log=lambda _msg: None)
     trainer.setup()
     trainer.train()
@@ -233,3 +231,42 @@ def test_a_run_logs_every_step_to_both_trackers_and_finishes_them(
     assert all("train/step" not in values for _, values, _ in logs)
     assert swanlab_calls.calls[-1] == ("finish", None, None)
     assert [call[0] for call in swanlab_calls.calls].count("finish") == 1
+    assert "id" not in init and "resume" not in init  # a fresh run starts new tracker runs
+
+    # Resumed from the step-3 checkpoint, the run continues the same W&B run and SwanLab experiment.
+    saved = json.loads((out / "tracker_runs.json").read_text())
+    assert saved == {"wandb": run.run_id, "swanlab": "swan-run-1"}
+    swanlab_calls.calls.clear()
+    resumed = Trainer(
+        load_config(
+            str(tiny_config),
+            [
+                *overrides[:1],
+                "training.steps=5",
+                *overrides[2:],
+                f"checkpoint.load_path={out / 'checkpoints' / 'checkpoint-00000003'}",
+            ],
+        ),
+        log=lambda _m: None,
+    )
+    resumed.setup()
+    assert resumed.step == 3
+    resumed.train()
+    wandb.teardown()
+    run_dirs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 2 and all(d.name.endswith(f"-{run.run_id}") for d in run_dirs)
+    (second,) = [d for d in run_dirs if d != run_dir]
+    records = _wandb_records(next(second.glob("run-*.wandb")))
+    (again,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert again.run_id == run.run_id
+    steps = [
+        json.loads(i.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+        for i in r.history.item
+        if _item_key(i) == "_step"
+    ]
+    assert steps == [4, 5]
+    kind, init, _ = swanlab_calls.calls[0]
+    assert kind == "init" and init["id"] == "swan-run-1" and init["resume"] == "allow"
+    assert [step for k, _, step in swanlab_calls.calls if k == "log"] == [4, 5]

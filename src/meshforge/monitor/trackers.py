@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -80,6 +81,7 @@ class TrackerSink:
     """One tracker run: `init` with the run name and the resolved config, `log` per step, `finish`."""
 
     name = ""
+    run_id: str | None = None
 
     def __init__(self, log_interval: int) -> None:
         self.log_interval = max(1, log_interval)
@@ -104,7 +106,15 @@ class WandbSink(TrackerSink):
 
     name = "wandb"
 
-    def __init__(self, cfg: WandbConfig, *, run_name: str, output_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        cfg: WandbConfig,
+        *,
+        run_name: str,
+        output_dir: Path,
+        config: dict[str, Any],
+        resume_id: str | None = None,
+    ) -> None:
         super().__init__(cfg.log_interval)
         wandb = _import("wandb")
         folder = Path(cfg.dir).expanduser() if cfg.dir else output_dir
@@ -117,7 +127,9 @@ class WandbSink(TrackerSink):
             tags=list(cfg.tags) or None,
             dir=str(folder),
             config=config,
+            **_resume_kwargs(resume_id),
         )
+        self.run_id = str(self.run.id)
 
     def _log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
@@ -132,7 +144,13 @@ class SwanLabSink(TrackerSink):
     name = "swanlab"
 
     def __init__(
-        self, cfg: SwanLabConfig, *, run_name: str, output_dir: Path, config: dict[str, Any]
+        self,
+        cfg: SwanLabConfig,
+        *,
+        run_name: str,
+        output_dir: Path,
+        config: dict[str, Any],
+        resume_id: str | None = None,
     ) -> None:
         super().__init__(cfg.log_interval)
         self.swanlab = _import("swanlab")
@@ -146,7 +164,10 @@ class SwanLabSink(TrackerSink):
             tags=list(cfg.tags) or None,
             logdir=str(folder),
             config=config,
+            **_resume_kwargs(resume_id),
         )
+        run_id = getattr(self.run, "id", None)
+        self.run_id = str(run_id) if run_id else None
 
     def _log(self, values: dict[str, float], step: int) -> None:
         self.swanlab.log(values, step=step)
@@ -155,13 +176,61 @@ class SwanLabSink(TrackerSink):
         self.swanlab.finish()
 
 
-def build_trackers(monitor: MonitorConfig, *, output_dir: Path, config: dict[str, Any]) -> list[TrackerSink]:
-    """The W&B and SwanLab sinks the config asks for (TensorBoard is built with the other sinks)."""
+# {output_dir}/TRACKER_RUNS: tracker name -> its run id, so that a resumed run continues those runs.
+TRACKER_RUNS = "tracker_runs.json"
+
+
+def _resume_kwargs(run_id: str | None) -> dict[str, str]:
+    """``id`` + ``resume="allow"`` (both trackers' spelling) to continue a run, else nothing."""
+    return {"id": run_id, "resume": "allow"} if run_id else {}
+
+
+def _saved_runs(output_dir: Path) -> dict[str, str]:
+    path = output_dir / TRACKER_RUNS
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TrackerError(f"{path}: not JSON ({exc}); delete it to start new tracker runs") from None
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def build_trackers(
+    monitor: MonitorConfig, *, output_dir: Path, config: dict[str, Any], resuming: bool = False
+) -> list[TrackerSink]:
+    """The W&B and SwanLab sinks the config asks for (TensorBoard is built with the other sinks).
+
+    Each run's id is kept in ``{output_dir}/tracker_runs.json``; a run resumed from a checkpoint
+    (``resuming``) continues the runs named there (``resume="allow"``: a missing one starts anew),
+    so the curves of a preempted and resumed training are one run, as with ``--resume`` in the
+    HF Trainer's W&B integration. A fresh start in the same folder starts new runs.
+    """
     chosen = monitor.trackers()
+    saved = _saved_runs(output_dir) if resuming else {}
     sinks: list[TrackerSink] = []
     run_name = output_dir.name
     if "wandb" in chosen:
-        sinks.append(WandbSink(monitor.wandb, run_name=run_name, output_dir=output_dir, config=config))
+        sinks.append(
+            WandbSink(
+                monitor.wandb,
+                run_name=run_name,
+                output_dir=output_dir,
+                config=config,
+                resume_id=saved.get("wandb"),
+            )
+        )
     if "swanlab" in chosen:
-        sinks.append(SwanLabSink(monitor.swanlab, run_name=run_name, output_dir=output_dir, config=config))
+        sinks.append(
+            SwanLabSink(
+                monitor.swanlab,
+                run_name=run_name,
+                output_dir=output_dir,
+                config=config,
+                resume_id=saved.get("swanlab"),
+            )
+        )
+    ids = {sink.name: sink.run_id for sink in sinks if sink.run_id}
+    if ids:
+        (output_dir / TRACKER_RUNS).write_text(json.dumps(ids, indent=2) + "\n")
     return sinks
