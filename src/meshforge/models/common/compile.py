@@ -21,7 +21,10 @@ A layer that fails to compile (dynamo or the backend raising while tracing or ge
 code) runs eagerly from then on, and so do the other layers of its class, with one warning
 naming the layer and the reason: never a silent slowdown, never a crash of a run that eager
 mode can train. The backward graph is generated together with the forward
-(``force_non_lazy_backward_lowering``) so that its failures surface where they can be caught.
+(``force_non_lazy_backward_lowering``) so that its failures surface where they can be caught,
+and scalars read off tensors (the MoE experts' token counts) are traced rather than breaking
+the graph (``capture_scalar_outputs``); both are process-wide dynamo settings, set when a run
+compiles.
 """
 
 from __future__ import annotations
@@ -198,10 +201,14 @@ def apply_compile(
     Raises:
         ValueError: The model has no ``model.layers``.
     """
+    import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
 
     layers = decoder_layers(model)
     functorch_config.force_non_lazy_backward_lowering = True
+    # The MoE per-expert loop slices by expert counts read off a tensor: traced as unbacked
+    # sizes instead of breaking the graph.
+    dynamo_config.capture_scalar_outputs = True
     registry = _FallbackRegistry(warn)
     for name, layer in layers:
         registry.layers.setdefault(type(layer).__name__, []).append(layer)
