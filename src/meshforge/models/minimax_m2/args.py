@@ -13,14 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from meshforge.models.common.arg_rules import (
-    check_attention_dropout,
-    check_default_rope,
-    check_kv_heads,
-    check_routing,
-    rope_base,
-    rotary_share,
-)
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 5_000_000.0
@@ -72,14 +65,14 @@ class MiniMaxM2Args:
                 "num_local_experts",
             ),
         )
-        check_kv_heads(self.num_attention_heads, self.num_key_value_heads)
-        check_routing(
+        rules.check_kv_heads(self.num_attention_heads, self.num_key_value_heads)
+        rules.check_routing(
             self.num_experts_per_tok,
             self.num_local_experts,
             experts_key="num_local_experts",
             aux_loss_coef=self.router_aux_loss_coef,
         )
-        check_attention_dropout(self.attention_dropout)
+        rules.check_attention_dropout(self.attention_dropout)
         if float(self.router_jitter_noise) != 0.0:
             raise ValueError(
                 f"router_jitter_noise: not supported yet: {self.router_jitter_noise!r} (only 0.0, "
@@ -88,7 +81,7 @@ class MiniMaxM2Args:
         self._check_rope()
 
     def _check_rope(self) -> None:
-        check_default_rope(self.rope_parameters)
+        rules.check_default_rope(self.rope_parameters)
         if self.rotary_dim is not None:
             positive_int("rotary_dim", self.rotary_dim)
         factor = self.rotary_factor
@@ -104,13 +97,13 @@ class MiniMaxM2Args:
     @property
     def theta(self) -> float:
         """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 5e6 (transformers' default)."""
-        return rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
+        return rules.rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
 
     @property
     def rotary_factor(self) -> float:
         """Share of ``head_dim`` that is rotated: ``partial_rotary_factor``, else ``rotary_dim / head_dim``, else 1."""
         legacy = 1.0 if self.rotary_dim is None else self.rotary_dim / self.head_dim
-        return rotary_share(self.rope_parameters, fallback=legacy)
+        return rules.rotary_share(self.rope_parameters, fallback=legacy)
 
     @property
     def attn_rotary_dim(self) -> int:

@@ -13,12 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from meshforge.models.common.arg_rules import (
-    check_attention_dropout,
-    check_default_rope,
-    check_kv_heads,
-    rope_base,
-)
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import (
     field_coercer,
     parse_options,
@@ -75,11 +70,11 @@ class Qwen3Args:
         kv_heads = self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
         object.__setattr__(self, "num_key_value_heads", kv_heads)
         require_positive(self, POSITIVE_FIELDS)
-        check_kv_heads(self.num_attention_heads, kv_heads)
+        rules.check_kv_heads(self.num_attention_heads, kv_heads)
         if self.head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
-        check_attention_dropout(self.attention_dropout)
-        check_default_rope(self.rope_parameters)
+        rules.check_attention_dropout(self.attention_dropout)
+        rules.check_default_rope(self.rope_parameters)
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types: needs one entry per layer ({self.num_hidden_layers}), got {len(self.layer_types)}"
@@ -88,7 +83,7 @@ class Qwen3Args:
     @property
     def theta(self) -> float:
         """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 10000."""
-        return rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
+        return rules.rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
 
     @property
     def uses_sliding_window(self) -> bool:

@@ -15,15 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from meshforge.models.common.arg_rules import (
-    check_attention_dropout,
-    check_default_rope,
-    check_kv_heads,
-    check_layer_indices,
-    check_routing,
-    is_sparse_layer,
-    rope_base,
-)
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
@@ -88,20 +80,20 @@ class Qwen3MoeArgs:
                 "num_experts",
             ),
         )
-        check_kv_heads(self.num_attention_heads, kv_heads)
+        rules.check_kv_heads(self.num_attention_heads, kv_heads)
         if self.head_dim is not None:
             positive_int("head_dim", self.head_dim)
         if self.attn_head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.attn_head_dim}")
-        check_routing(
+        rules.check_routing(
             self.num_experts_per_tok,
             self.num_experts,
             experts_key="num_experts",
             aux_loss_coef=self.router_aux_loss_coef,
         )
-        check_layer_indices("mlp_only_layers", self.mlp_only_layers, self.num_hidden_layers)
-        check_attention_dropout(self.attention_dropout)
-        check_default_rope(self.rope_parameters)
+        rules.check_layer_indices("mlp_only_layers", self.mlp_only_layers, self.num_hidden_layers)
+        rules.check_attention_dropout(self.attention_dropout)
+        rules.check_default_rope(self.rope_parameters)
 
     @property
     def attn_head_dim(self) -> int:
@@ -113,12 +105,12 @@ class Qwen3MoeArgs:
     @property
     def theta(self) -> float:
         """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 10000."""
-        return rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
+        return rules.rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has the sparse MoE block, by transformers' rule."""
         assert self.mlp_only_layers is not None  # __post_init__ replaces None by []
-        return is_sparse_layer(
+        return rules.is_sparse_layer(
             layer,
             mlp_only_layers=self.mlp_only_layers,
             num_experts=self.num_experts,

@@ -15,16 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from meshforge.models.common.arg_rules import (
-    check_attention_dropout,
-    check_default_rope,
-    check_kv_heads,
-    check_layer_indices,
-    check_routing,
-    is_sparse_layer,
-    rope_base,
-    rotary_share,
-)
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
@@ -101,13 +92,13 @@ class Qwen3NextArgs:
                 "num_experts",
             ),
         )
-        check_kv_heads(self.num_attention_heads, self.num_key_value_heads)
+        rules.check_kv_heads(self.num_attention_heads, self.num_key_value_heads)
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(
                 f"linear_num_key_heads: must divide linear_num_value_heads ({self.linear_num_value_heads}), "
                 f"got {self.linear_num_key_heads}"
             )
-        check_routing(
+        rules.check_routing(
             self.num_experts_per_tok,
             self.num_experts,
             experts_key="num_experts",
@@ -116,11 +107,11 @@ class Qwen3NextArgs:
         if self.full_attention_interval is not None:
             positive_int("full_attention_interval", self.full_attention_interval)
         self._check_layer_lists()
-        check_attention_dropout(self.attention_dropout)
+        rules.check_attention_dropout(self.attention_dropout)
         self._check_rope()
 
     def _check_layer_lists(self) -> None:
-        check_layer_indices("mlp_only_layers", self.mlp_only_layers, self.num_hidden_layers)
+        rules.check_layer_indices("mlp_only_layers", self.mlp_only_layers, self.num_hidden_layers)
         if self.layer_types is None:
             return
         if not isinstance(self.layer_types, list | tuple) or len(self.layer_types) != self.num_hidden_layers:
@@ -132,7 +123,7 @@ class Qwen3NextArgs:
                 raise ValueError(f"layer_types[{i}]: must be one of {list(LAYER_TYPES)}, got {kind!r}")
 
     def _check_rope(self) -> None:
-        check_default_rope(self.rope_parameters)
+        rules.check_default_rope(self.rope_parameters)
         factor = self.rotary_factor
         if not 0.0 < factor <= 1.0:
             raise ValueError(f"partial_rotary_factor: must be in (0, 1], got {factor!r}")
@@ -145,7 +136,7 @@ class Qwen3NextArgs:
     @property
     def theta(self) -> float:
         """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 10000."""
-        return rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
+        return rules.rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
 
     @property
     def rotary_factor(self) -> float:
@@ -155,7 +146,7 @@ class Qwen3NextArgs:
             if self.partial_rotary_factor is None
             else self.partial_rotary_factor
         )
-        return rotary_share(self.rope_parameters, fallback=float(legacy))
+        return rules.rotary_share(self.rope_parameters, fallback=float(legacy))
 
     @property
     def rotary_dim(self) -> int:
@@ -176,7 +167,7 @@ class Qwen3NextArgs:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has the sparse MoE block, by transformers' rule."""
         assert self.mlp_only_layers is not None  # __post_init__ replaces None by []
-        return is_sparse_layer(
+        return rules.is_sparse_layer(
             layer,
             mlp_only_layers=self.mlp_only_layers,
             num_experts=self.num_experts,
