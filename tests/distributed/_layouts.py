@@ -42,10 +42,19 @@ class Run:
 
 
 def _train(run: Run, rank: int) -> None:
+    import torch
+
     from tests.conftest import train_here
 
+    # `training.deterministic` turns torch's deterministic algorithms on for the whole process:
+    # a run in the test process gives the setting back, so the tests after it see their own.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     lines: list[str] = []
-    train_here(run.config, run.overrides, log=lines.append)
+    try:
+        train_here(run.config, run.overrides, log=lines.append)
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     if run.log is not None and rank == 0:
         run.log.write_text("".join(f"{line}\n" for line in lines))
 
