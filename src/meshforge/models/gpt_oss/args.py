@@ -93,13 +93,13 @@ class GptOssArgs:
         if self.attn_head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.attn_head_dim}")
         rules.check_kv_heads(self.num_attention_heads, kv_heads)
+        rules.check_attention_dropout(self.attention_dropout)
         rules.check_routing(
             self.num_experts_per_tok,
             self.num_local_experts,
             experts_key="num_local_experts",
             aux_loss_coef=self.router_aux_loss_coef,
         )
-        rules.check_attention_dropout(self.attention_dropout)
         if float(self.swiglu_limit) <= 0:
             raise ValueError(f"swiglu_limit: must be > 0, got {self.swiglu_limit!r}")
         types = self.resolved_layer_types
