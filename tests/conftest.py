@@ -12,7 +12,7 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -145,11 +145,12 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def train_here(config: Path, overrides: list[str]) -> None:
+def train_here(config: Path, overrides: list[str], *, log: Callable[[str], None] | None = None) -> None:
     """A whole `meshforge train` run in this process: one rank of a spawn, or a single process.
 
     Cheaper than `run_train` (no fresh interpreter per run); the runs of a layout comparison share
-    one spawn through `tests.distributed._spawn.train_runs`.
+    one spawn through `tests.distributed._spawn.train_runs`. `log` receives the trainer's log lines
+    (what `meshforge train` prints); by default they are dropped.
     """
     import torch.distributed as dist
 
@@ -157,7 +158,7 @@ def train_here(config: Path, overrides: list[str]) -> None:
     from meshforge.trainer import Trainer
 
     existed = dist.is_initialized()
-    trainer = Trainer(load_config(str(config), overrides), log=lambda _line: None)
+    trainer = Trainer(load_config(str(config), overrides), log=log or (lambda _line: None))
     try:
         trainer.setup()
         trainer.train()

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from tests._compare import rel_error
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics
+from tests.distributed._layouts import Run, train_all
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -199,31 +200,25 @@ def test_cp_four_ranks_hybrid_and_ring_equal_one_process() -> None:
 
 
 def test_train_cp_layouts_equal_one_process(tiny_config: Path, tmp_path: Path) -> None:
-    common = ["--training.steps=5", "--checkpoint.enable_save=false"]
-    run_train(tiny_config, [*common, f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
-    one = read_metrics(tmp_path / "one")
-    assert len(one) == 5
+    common = ["--training.steps=3", "--checkpoint.enable_save=false"]
     tp2 = ["--parallelism.tensor_parallel=2", "--parallelism.sequence_parallel=true"]
     # ulysses also runs each decoder layer on one row at a time (chunked micro-batches; the CP
     # mask is sliced by rows).
     chunked = ["--parallelism.enable_chunk_batch=true", "--parallelism.chunk_mbs=2"]
     layouts = {"ulysses": (chunked, 2), "colossal": ([], 2), "tp2_colossal": (tp2, 4)}
+    # One process here, the 2-rank layouts in one spawn, the 4-rank one in another.
+    runs = [Run(tiny_config, [*common, f"--training.output_dir={tmp_path / 'one'}"])]
     for name, (extra, nproc) in layouts.items():
         method = name.rsplit("_", 1)[-1]
-        out = tmp_path / name
-        proc = run_train(
-            tiny_config,
-            [
-                *common,
-                *extra,
-                f"--training.output_dir={out}",
-                "--parallelism.context_parallel=2",
-                f"--parallelism.context_parallel_method={method}",
-            ],
-            nproc=nproc,
-            cwd=tmp_path,
-        )
-        assert f"CP ({method}) over 2 ranks" in proc.stdout
-        for x, y in zip(one, read_metrics(out), strict=True):
+        cp = ["--parallelism.context_parallel=2", f"--parallelism.context_parallel_method={method}"]
+        overrides = [*common, *extra, f"--training.output_dir={tmp_path / name}", *cp]
+        runs.append(Run(tiny_config, overrides, nproc, log=tmp_path / f"{name}.log"))
+    train_all(runs)
+    one = read_metrics(tmp_path / "one")
+    assert len(one) == 3
+    for name in layouts:
+        method = name.rsplit("_", 1)[-1]
+        assert f"CP ({method}) over 2 ranks" in (tmp_path / f"{name}.log").read_text()
+        for x, y in zip(one, read_metrics(tmp_path / name), strict=True):
             assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), name
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), name

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests._compare import rel_error
-from tests.conftest import REPO, read_metrics, run_train
+from tests.conftest import REPO, read_metrics
+from tests.distributed._layouts import Run, train_all
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -450,55 +451,57 @@ def _assert_same_steps(a: list[dict], b: list[dict]) -> None:
 def test_trainer_ep_equals_one_process_and_resumes_elsewhere(tmp_path: Path) -> None:
     """qwen3_moe: ep2 on 2 ranks, dp4 + ep2 + expert-FSDP 2 and dp4 + ep2 with replicated expert
     shards (ep_fsdp_size 1), and dp2 x tp2 x ep2 with the deduplicated dispatch on 4 ranks equal
-    one process step by step; the 4-rank checkpoint continues in one process with the same loss."""
+    one process step by step; the 4-rank checkpoint continues in one process with the same loss.
+
+    The one-process runs train in this process, the 2-rank and the 4-rank layouts in one spawn each.
+    """
     config = REPO / "configs" / "qwen3_moe" / "tiny.yaml"
-    out = {name: tmp_path / name for name in ("one", "ep2", "ep2x2", "resumed")}
+    out = {
+        name: tmp_path / name
+        for name in ("one", "ep2", "ep2_layer1", "ep2x2", "ep2_replicated", "ep2_tp2_dedup", "resumed")
+    }
     no_save = "--checkpoint.enable_save=false"
-    run_train(config, [*TRAIN, no_save, f"--training.output_dir={out['one']}"], cwd=tmp_path)
     ep = "--parallelism.expert_parallel=2"
-    proc = run_train(
-        config, [*TRAIN, ep, no_save, f"--training.output_dir={out['ep2']}"], nproc=2, cwd=tmp_path
-    )
-    assert "experts over 2 ranks" in proc.stdout
     # parallelism.ep_modules: only the second layer's experts over EP; the first stays whole
     # (sharded by FSDP with its layer).
-    partial = out["ep2"].with_name("ep2_layer1")
-    layer1 = ["--parallelism.ep_modules=['model.layers.1.mlp.experts']"]
-    layer1.append("--parallelism.ep_fsdp_modules=['model.layers.1.mlp.experts']")
-    run_train(
-        config, [*TRAIN, ep, *layer1, no_save, f"--training.output_dir={partial}"], nproc=2, cwd=tmp_path
-    )
+    layer1 = [
+        "--parallelism.ep_modules=['model.layers.1.mlp.experts']",
+        "--parallelism.ep_fsdp_modules=['model.layers.1.mlp.experts']",
+    ]
     save = "--checkpoint.save_interleaved_steps=4"
-    run_train(config, [*TRAIN, ep, save, f"--training.output_dir={out['ep2x2']}"], nproc=4, cwd=tmp_path)
     # parallelism.ep_fsdp_size 1 (MindSpeed's value): each expert replicated over the two
     # ranks outside its expert group (a 2 x 1 HSDP mesh for the experts).
-    replicated = out["ep2x2"].with_name("ep2_replicated")
     # Also dense_fsdp_shard_size 2 (MindFormers): dense weights sharded over pairs, 2 replicas.
     fsdp1 = ["--parallelism.ep_fsdp_size=1", "--parallelism.dense_fsdp_shard_size=2"]
-    proc = run_train(
-        config, [*TRAIN, ep, *fsdp1, no_save, f"--training.output_dir={replicated}"], nproc=4, cwd=tmp_path
-    )
-    assert "experts over 2 ranks (expert-FSDP over 1 x 2 replicas)" in proc.stdout
-    assert "HSDP: 2 replicas x FSDP over 2 ranks" in proc.stdout
     # EP with TP (dp2 x tp2, experts over ep2 at each TP coordinate) and the deduplicated dispatch.
-    ep_tp = out["ep2x2"].with_name("ep2_tp2_dedup")
     ep_tp_args = [
         "--parallelism.tensor_parallel=2",
         "--parallelism.moe_token_dispatcher_type=alltoall_deredundancy",
         "--parallelism.npu_nums_per_device=2",
     ]
-    run_train(
-        config, [*TRAIN, ep, *ep_tp_args, no_save, f"--training.output_dir={ep_tp}"], nproc=4, cwd=tmp_path
+    step4 = out["ep2x2"] / "checkpoints" / "checkpoint-00000004"
+
+    def run(name: str, extra: list[str], nproc: int = 1, *, log: bool = False) -> Run:
+        overrides = [*TRAIN, *extra, f"--training.output_dir={out[name]}"]
+        return Run(config, overrides, nproc, log=out[name].with_suffix(".log") if log else None)
+
+    train_all(
+        [
+            run("one", [no_save]),
+            run("ep2", [ep, no_save], 2, log=True),
+            run("ep2_layer1", [ep, *layer1, no_save], 2),
+            run("ep2x2", [ep, save], 4),
+            run("ep2_replicated", [ep, *fsdp1, no_save], 4, log=True),
+            run("ep2_tp2_dedup", [ep, *ep_tp_args, no_save], 4),
+            run("resumed", [no_save, f"--checkpoint.load_path={step4}"]),
+        ]
     )
+    assert "experts over 2 ranks" in out["ep2"].with_suffix(".log").read_text()
+    replicated_log = out["ep2_replicated"].with_suffix(".log").read_text()
+    assert "experts over 2 ranks (expert-FSDP over 1 x 2 replicas)" in replicated_log
+    assert "HSDP: 2 replicas x FSDP over 2 ranks" in replicated_log
     one = read_metrics(out["one"])
     assert len(one) == 5 and one[-1]["loss"] < one[0]["loss"] - 0.1  # it trains
-    _assert_same_steps(one, read_metrics(ep_tp))
-    _assert_same_steps(one, read_metrics(partial))
-    _assert_same_steps(one, read_metrics(out["ep2"]))
-    _assert_same_steps(one, read_metrics(out["ep2x2"]))
-    _assert_same_steps(one, read_metrics(replicated))
-
-    step4 = out["ep2x2"] / "checkpoints" / "checkpoint-00000004"
-    resumed = [*TRAIN, no_save, f"--training.output_dir={out['resumed']}", f"--checkpoint.load_path={step4}"]
-    run_train(config, resumed, cwd=tmp_path)
+    for name in ("ep2_tp2_dedup", "ep2_layer1", "ep2", "ep2x2", "ep2_replicated"):
+        _assert_same_steps(one, read_metrics(out[name]))
     _assert_same_steps(one[4:], read_metrics(out["resumed"]))

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import TINY_CONFIG, read_metrics, run_train, write_corpus
+from tests.conftest import TINY_CONFIG, read_metrics, write_corpus
+from tests.distributed._layouts import Run, train_all
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -28,8 +29,6 @@ pytestmark = pytest.mark.slow
 def test_cpu_offload_and_prefetch_depths_equal_one_process(tiny_config: Path, tmp_path: Path) -> None:
     common = ["--training.steps=3", "--checkpoint.enable_save=false"]
     one = tmp_path / "one"
-    run_train(tiny_config, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
-    ref = read_metrics(one)
     variants = {
         "offload": ["--parallelism.cpu_offload=true"],
         "prefetch": [
@@ -49,15 +48,17 @@ def test_cpu_offload_and_prefetch_depths_equal_one_process(tiny_config: Path, tm
         # Each decoder layer (an FSDP unit) runs its 2 rows one at a time.
         "chunk_batch": ["--parallelism.enable_chunk_batch=true", "--parallelism.chunk_mbs=2"],
     }
+    # One process here, every variant in one spawn of 2 ranks.
+    runs = [Run(tiny_config, [*common, f"--training.output_dir={one}"])]
     for name, extra in variants.items():
-        out = tmp_path / name
-        proc = run_train(
-            tiny_config, [*common, *extra, f"--training.output_dir={out}"], nproc=2, cwd=tmp_path
-        )
-        if name == "offload":
-            # A CPU run keeps its parameters in host memory anyway, and says so.
-            assert "parallelism.cpu_offload: no effect on cpu" in proc.stdout + proc.stderr
-        for x, y in zip(ref, read_metrics(out), strict=True):
+        overrides = [*common, *extra, f"--training.output_dir={tmp_path / name}"]
+        runs.append(Run(tiny_config, overrides, 2, log=tmp_path / f"{name}.log"))
+    train_all(runs)
+    # A CPU run keeps its parameters in host memory anyway, and says so.
+    assert "parallelism.cpu_offload: no effect on cpu" in (tmp_path / "offload.log").read_text()
+    ref = read_metrics(one)
+    for name in variants:
+        for x, y in zip(ref, read_metrics(tmp_path / name), strict=True):
             assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), name
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), name
 
@@ -67,12 +68,13 @@ def test_bf16_gradient_reduction_stays_close(tiny_config: Path, tmp_path: Path) 
     # the fp32 run, not equal.
     common = ["--training.steps=3", "--checkpoint.enable_save=false"]
     fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
-    run_train(tiny_config, [*common, f"--training.output_dir={fp32}"], nproc=2, cwd=tmp_path)
-    run_train(
-        tiny_config,
-        [*common, "--parallelism.reduce_dtype=bf16", f"--training.output_dir={bf16}"],
-        nproc=2,
-        cwd=tmp_path,
+    train_all(
+        [
+            Run(tiny_config, [*common, f"--training.output_dir={fp32}"], 2),
+            Run(
+                tiny_config, [*common, "--parallelism.reduce_dtype=bf16", f"--training.output_dir={bf16}"], 2
+            ),
+        ]
     )
     for x, y in zip(read_metrics(fp32), read_metrics(bf16), strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-3)
@@ -86,19 +88,19 @@ def test_ignored_modules_train_and_resume_a_checkpoint_saved_without_them(
     unsharded, their gradients summed by the trainer) continues a one-process checkpoint, whose
     optimizer has no group for the unsharded parameters, with the one-process losses."""
     one, ignored = tmp_path / "one", tmp_path / "ignored"
-    run_train(tiny_config, ["--training.steps=4", f"--training.output_dir={one}"], cwd=tmp_path)
     step2 = one / "checkpoints" / "checkpoint-00000002"
-    run_train(
-        tiny_config,
+    resume = [
+        "--training.steps=4",
+        "--checkpoint.enable_save=false",
+        "--parallelism.ignored_modules=['model.embed_tokens']",
+        f"--checkpoint.load_path={step2}",
+        f"--training.output_dir={ignored}",
+    ]
+    train_all(
         [
-            "--training.steps=4",
-            "--checkpoint.enable_save=false",
-            "--parallelism.ignored_modules=['model.embed_tokens']",
-            f"--checkpoint.load_path={step2}",
-            f"--training.output_dir={ignored}",
-        ],
-        nproc=2,
-        cwd=tmp_path,
+            Run(tiny_config, ["--training.steps=4", f"--training.output_dir={one}"]),
+            Run(tiny_config, resume, 2),
+        ]
     )
     want, got = read_metrics(one)[2:], read_metrics(ignored)
     assert [r["step"] for r in got] == [3, 4]

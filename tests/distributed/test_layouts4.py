@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics
+from tests.distributed._layouts import Run, train_all
 
 pytestmark = pytest.mark.slow
 
@@ -22,37 +23,38 @@ def _same(ref: list[dict], got: list[dict]) -> None:
 
 
 def test_four_process_layouts_and_checkpoints_across_layouts(tiny_config: Path, tmp_path: Path) -> None:
+    """HSDP 2 x 2 and dp2 x tp2 on 4 processes equal one process; one run in three layouts (tp2 for
+    steps 1-2, dp2 for 3-4, one process for 5-6) equals it too. One process trains in the test
+    process, the 4-rank and the 2-rank runs in one spawn each."""
     out = {name: tmp_path / name for name in ("one", "hsdp", "dp_tp", "tp", "dp", "last")}
-    run_train(tiny_config, [*COMMON, f"--training.output_dir={out['one']}"], cwd=tmp_path)
-    ref = read_metrics(out["one"])
-
-    # HSDP 2 x 2 and dp2 x tp2 on 4 processes.
-    run_train(
-        tiny_config,
-        [*COMMON, "--parallelism.data_parallel_shard=2", f"--training.output_dir={out['hsdp']}"],
-        nproc=4,
-        cwd=tmp_path,
-    )
-    _same(ref, read_metrics(out["hsdp"]))
-    run_train(
-        tiny_config,
-        [*COMMON, "--parallelism.tensor_parallel=2", f"--training.output_dir={out['dp_tp']}"],
-        nproc=4,
-        cwd=tmp_path,
-    )
-    _same(ref, read_metrics(out["dp_tp"]))
-
-    # One run in three layouts: tp2 for steps 1-2, dp2 for 3-4, one process for 5-6.
     ckpt = "checkpoints/checkpoint-{:08d}"
     tp = ["--parallelism.tensor_parallel=2", "--training.steps=2", f"--training.output_dir={out['tp']}"]
-    run_train(tiny_config, [*COMMON, *tp], nproc=2, cwd=tmp_path)
     dp = [
         "--training.steps=4",
         f"--training.output_dir={out['dp']}",
         f"--checkpoint.load_path={out['tp'] / ckpt.format(2)}",
     ]
-    run_train(tiny_config, [*COMMON, *dp], nproc=2, cwd=tmp_path)
     last = [f"--training.output_dir={out['last']}", f"--checkpoint.load_path={out['dp'] / ckpt.format(4)}"]
-    run_train(tiny_config, [*COMMON, *last], cwd=tmp_path)
+    train_all(
+        [
+            Run(tiny_config, [*COMMON, f"--training.output_dir={out['one']}"]),
+            Run(
+                tiny_config,
+                [*COMMON, "--parallelism.data_parallel_shard=2", f"--training.output_dir={out['hsdp']}"],
+                4,
+            ),
+            Run(
+                tiny_config,
+                [*COMMON, "--parallelism.tensor_parallel=2", f"--training.output_dir={out['dp_tp']}"],
+                4,
+            ),
+            Run(tiny_config, [*COMMON, *tp], 2),
+            Run(tiny_config, [*COMMON, *dp], 2),
+            Run(tiny_config, [*COMMON, *last]),
+        ]
+    )
+    ref = read_metrics(out["one"])
+    _same(ref, read_metrics(out["hsdp"]))
+    _same(ref, read_metrics(out["dp_tp"]))
     chained = read_metrics(out["tp"]) + read_metrics(out["dp"]) + read_metrics(out["last"])
     _same(ref, chained)

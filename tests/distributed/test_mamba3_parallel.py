@@ -17,12 +17,13 @@ Every mixer runs chunks of 4 tokens, so the state is carried across chunks.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 
 from tests._compare import assert_close, assert_scalar_close
-from tests.distributed._spawn import run_workers
+from tests.distributed._layouts import run_checks
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +75,7 @@ def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch
     return logits, cross_entropy_sum(logits, batch["labels"]) / count_valid_tokens(batch["labels"])
 
 
-def _check_tp(mesh, name: str, options: dict, kwargs: dict, packed: bool) -> None:
+def _check_tp(_rank: int, mesh, *, name: str, options: dict, kwargs: dict, packed: bool) -> None:
     from meshforge.models.registry import resolve_family
     from meshforge.parallel.tensor import apply_tp
 
@@ -101,7 +102,7 @@ def _check_tp(mesh, name: str, options: dict, kwargs: dict, packed: bool) -> Non
         assert_close(p.grad, grads[n], want64=grads64[n], what=(name, n))
 
 
-def _check_tp_training(mesh) -> None:
+def _check_tp_training(_rank: int, mesh) -> None:
     """Three AdamW steps (SP, loss parallel) from the trainer's meta build give one process's losses."""
     from meshforge.models.materialize import materialize_and_init
     from meshforge.models.registry import resolve_family
@@ -186,17 +187,12 @@ def _check_pp(rank: int, mesh) -> None:
         opt.step()
 
 
-def _worker(rank: int, world: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
-    for name, options, kwargs, packed in TP_CASES:
-        _check_tp(mesh, name, options, kwargs, packed)
-    _check_tp_training(mesh)
-    _check_dp(rank, mesh)
-    _check_pp(rank, mesh)
-
-
 def test_mamba3_tp2_dp2_pp2_equal_one_process() -> None:
-    run_workers(_worker, 2)
+    tp = [
+        (
+            f"tp2 {name}",
+            functools.partial(_check_tp, name=name, options=options, kwargs=kwargs, packed=packed),
+        )
+        for name, options, kwargs, packed in TP_CASES
+    ]
+    run_checks([*tp, ("tp2 AdamW", _check_tp_training), ("dp2", _check_dp), ("pp2", _check_pp)])

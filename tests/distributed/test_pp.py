@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests._compare import assert_close
+from tests.distributed._layouts import Run, train_all
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -183,7 +184,7 @@ def test_pp2_schedules_equal_one_process() -> None:
 
 def test_trainer_pp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> None:
     """`meshforge train`, 5 steps: pp2 gpipe / 1f1b / interleaved (uneven), dp2+pp2, tp2+pp2 vs 1 process."""
-    from tests.conftest import read_metrics, run_train
+    from tests.conftest import read_metrics
 
     common = ["--training.steps=5", "--model.num_hidden_layers=5", "--checkpoint.enable_save=false"]
     pp = "--parallelism.pipeline_parallel=2"
@@ -246,15 +247,17 @@ def test_trainer_pp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> No
             ],
         ),
     }
-    run_train(tiny_config, [*common, f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
+    runs = [Run(tiny_config, [*common, f"--training.output_dir={tmp_path / 'one'}"])]
+    # The 2-rank layouts first, then the 4-rank ones: one spawn for each world size.
+    for name, (nproc, overrides) in sorted(layouts.items(), key=lambda item: item[1][0]):
+        runs.append(
+            Run(tiny_config, [*common, *overrides, f"--training.output_dir={tmp_path / name}"], nproc)
+        )
+    train_all(runs)
     want = read_metrics(tmp_path / "one")
     assert len(want) == 5
-    for name, (nproc, overrides) in layouts.items():
-        out = tmp_path / name
-        run_train(
-            tiny_config, [*common, *overrides, f"--training.output_dir={out}"], nproc=nproc, cwd=tmp_path
-        )
-        got = read_metrics(out)
+    for name in layouts:
+        got = read_metrics(tmp_path / name)
         assert [r["step"] for r in got] == [1, 2, 3, 4, 5], name
         for a, b in zip(want, got, strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (name, a["step"])
@@ -263,7 +266,7 @@ def test_trainer_pp2_equals_one_process(tiny_config: Path, tmp_path: Path) -> No
 
 def test_pp2_checkpoint_resumes_in_one_process(tiny_config: Path, tmp_path: Path) -> None:
     """A pp2 checkpoint (global parameter names on each stage) continues in one process, same losses."""
-    from tests.conftest import read_metrics, run_train
+    from tests.conftest import read_metrics
 
     # Untied: with tied embeddings the head copy's optimizer state does not map yet (see readme).
     common = [
@@ -274,17 +277,14 @@ def test_pp2_checkpoint_resumes_in_one_process(tiny_config: Path, tmp_path: Path
         "--checkpoint.save_hf_weights=true",
     ]
     pp, one = tmp_path / "pp", tmp_path / "one"
-    run_train(
-        tiny_config,
-        [*common, f"--training.output_dir={pp}", "--parallelism.pipeline_parallel=2"],
-        nproc=2,
-        cwd=tmp_path,
-    )
     step2 = pp / "checkpoints" / "checkpoint-00000002"
-    run_train(
-        tiny_config,
-        [*common, f"--training.output_dir={one}", f"--checkpoint.load_path={step2}"],
-        cwd=tmp_path,
+    train_all(
+        [
+            Run(
+                tiny_config, [*common, f"--training.output_dir={pp}", "--parallelism.pipeline_parallel=2"], 2
+            ),
+            Run(tiny_config, [*common, f"--training.output_dir={one}", f"--checkpoint.load_path={step2}"]),
+        ]
     )
     a, b = read_metrics(pp), read_metrics(one)
     assert [r["step"] for r in b] == [3, 4]

@@ -10,13 +10,12 @@ head layouts.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
-from tests.distributed._spawn import run_workers
+from tests.distributed._layouts import assert_layouts_equal_one_process
 
 pytestmark = pytest.mark.slow
 
@@ -43,22 +42,5 @@ LAYOUTS: dict[str, list[str]] = {
 STEPS = 2
 
 
-def _worker(rank: int, world: int, root: str, want: list[tuple[float, float]]) -> None:
-    from tests.unit.test_recompute import train_records
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    failures = []
-    for name, extra in LAYOUTS.items():
-        got = train_records(CONFIG, [*SMALL, *extra], Path(root) / name.replace(" ", "_"), steps=STEPS)
-        for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, want, strict=True)):
-            if loss != pytest.approx(want_loss, rel=1e-5) or norm != pytest.approx(want_norm, rel=1e-4):
-                failures.append(f"{name} step {step + 1}: {(loss, norm)} != {(want_loss, want_norm)}")
-    assert not failures, "\n".join(failures)
-
-
 def test_step3p5_layouts_equal_one_process(tmp_path: Path) -> None:
-    from tests.unit.test_recompute import train_records
-
-    want = train_records(CONFIG, SMALL, tmp_path / "one", steps=STEPS)
-    assert len({loss for loss, _ in want}) == STEPS  # it trains
-    run_workers(_worker, 2, str(tmp_path), want)
+    assert_layouts_equal_one_process(CONFIG, SMALL, LAYOUTS, tmp_path, steps=STEPS)

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from tests._compare import rel_error
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics
+from tests.distributed._layouts import Run, train_all
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -288,21 +289,30 @@ def test_trainer_tp2_equals_one_process_and_resumes_on_one(tiny_config: Path, tm
     """
     common = ["--training.steps=5"]
     one, tp2, moved = tmp_path / "one", tmp_path / "tp2", tmp_path / "moved"
-    run_train(
-        tiny_config, [*common, f"--training.output_dir={one}", "--checkpoint.enable_save=false"], cwd=tmp_path
-    )
-    proc = run_train(
-        tiny_config,
+    # The chunked loss (kernels.chunk_loss_size) under TP: the sharded hidden states and head
+    # are gathered; the same numbers as one process with the chunked loss.
+    chunk_one, chunk_tp2 = tmp_path / "chunk_one", tmp_path / "chunk_tp2"
+    chunked = [*common, "--kernels.chunk_loss_size=8", "--checkpoint.enable_save=false"]
+    step2 = tp2 / "checkpoints" / "checkpoint-00000002"
+    resume = [*common, f"--training.output_dir={moved}", f"--checkpoint.load_path={step2}"]
+    tp_args = ["--parallelism.tensor_parallel=2", "--parallelism.enable_loss_parallel=true"]
+    # The one-process runs here, both tp2 runs in one spawn, then the resumed run here.
+    train_all(
         [
-            *common,
-            f"--training.output_dir={tp2}",
-            "--parallelism.tensor_parallel=2",
-            "--parallelism.enable_loss_parallel=true",
-        ],
-        nproc=2,
-        cwd=tmp_path,
+            Run(tiny_config, [*common, f"--training.output_dir={one}", "--checkpoint.enable_save=false"]),
+            Run(tiny_config, [*chunked, f"--training.output_dir={chunk_one}"]),
+            Run(
+                tiny_config, [*common, f"--training.output_dir={tp2}", *tp_args], 2, log=tmp_path / "tp2.log"
+            ),
+            Run(
+                tiny_config,
+                [*chunked, f"--training.output_dir={chunk_tp2}", "--parallelism.tensor_parallel=2"],
+                2,
+            ),
+            Run(tiny_config, [*resume, "--checkpoint.enable_save=false"]),
+        ]
     )
-    assert "TP+SP over 2 ranks" in proc.stdout + proc.stderr
+    assert "TP+SP over 2 ranks" in (tmp_path / "tp2.log").read_text()
     a, b = read_metrics(one), read_metrics(tp2)
     assert len(a) == len(b) == 5
     for x, y in zip(a, b, strict=True):
@@ -313,32 +323,10 @@ def test_trainer_tp2_equals_one_process_and_resumes_on_one(tiny_config: Path, tm
             y["grad_norm"],
         )
 
-    # The chunked loss (kernels.chunk_loss_size) under TP: the sharded hidden states and head
-    # are gathered; the same numbers as one process with the chunked loss.
-    chunk_one, chunk_tp2 = tmp_path / "chunk_one", tmp_path / "chunk_tp2"
-    chunked = [*common, "--kernels.chunk_loss_size=8", "--checkpoint.enable_save=false"]
-    run_train(tiny_config, [*chunked, f"--training.output_dir={chunk_one}"], cwd=tmp_path)
-    run_train(
-        tiny_config,
-        [*chunked, f"--training.output_dir={chunk_tp2}", "--parallelism.tensor_parallel=2"],
-        nproc=2,
-        cwd=tmp_path,
-    )
     for x, y in zip(read_metrics(chunk_one), read_metrics(chunk_tp2), strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), ("chunked", x["step"])
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), ("chunked", x["step"])
 
-    step2 = tp2 / "checkpoints" / "checkpoint-00000002"
-    run_train(
-        tiny_config,
-        [
-            *common,
-            f"--training.output_dir={moved}",
-            f"--checkpoint.load_path={step2}",
-            "--checkpoint.enable_save=false",
-        ],
-        cwd=tmp_path,
-    )
     c = read_metrics(moved)
     assert [r["step"] for r in c] == [3, 4, 5]
     for x, y in zip(a[2:], c, strict=True):
@@ -360,11 +348,18 @@ def test_trainer_generic_tp2_equals_one_process(tmp_path: Path) -> None:
     cfg = _config(tmp_path, folder, "checkpoint:\n  enable_save: false")
 
     one, tp2 = tmp_path / "one", tmp_path / "tp2"
-    run_train(cfg, [f"--training.output_dir={one}"], cwd=tmp_path)
-    proc = run_train(
-        cfg, [f"--training.output_dir={tp2}", "--parallelism.tensor_parallel=2"], nproc=2, cwd=tmp_path
+    train_all(
+        [
+            Run(cfg, [f"--training.output_dir={one}"]),
+            Run(
+                cfg,
+                [f"--training.output_dir={tp2}", "--parallelism.tensor_parallel=2"],
+                2,
+                log=tmp_path / "tp2.log",
+            ),
+        ]
     )
-    assert "generic transformers path" in proc.stdout
+    assert "generic transformers path" in (tmp_path / "tp2.log").read_text()
     a, b = read_metrics(one), read_metrics(tp2)
     assert len(a) == len(b) == 3
     for x, y in zip(a, b, strict=True):

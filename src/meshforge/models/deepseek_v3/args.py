@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
@@ -147,8 +148,7 @@ class DeepseekV3Args:
                 f"num_experts_per_tok: must be at most topk_group * experts per group ({selectable}), "
                 f"got {self.num_experts_per_tok}"
             )
-        if not 0.0 <= float(self.attention_dropout) < 1.0:
-            raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
+        rules.check_attention_dropout(self.attention_dropout)
         if float(self.routed_scaling_factor) <= 0:
             raise ValueError(f"routed_scaling_factor: must be > 0, got {self.routed_scaling_factor!r}")
         if self.rope_parameters is not None:
@@ -184,11 +184,7 @@ class DeepseekV3Args:
     @property
     def theta(self) -> float:
         """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 10000."""
-        if self.rope_parameters and "rope_theta" in self.rope_parameters:
-            return float(self.rope_parameters["rope_theta"])
-        if self.rope_theta is not None:
-            return float(self.rope_theta)
-        return DEFAULT_ROPE_THETA
+        return rules.rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) is sparse: from ``first_k_dense_replace`` on."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 150_000.0
@@ -91,20 +92,14 @@ class GptOssArgs:
             positive_int("head_dim", self.head_dim)
         if self.attn_head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.attn_head_dim}")
-        if self.num_attention_heads % kv_heads:
-            raise ValueError(
-                f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
-                f"got {self.num_key_value_heads}"
-            )
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise ValueError(
-                f"num_experts_per_tok: must be at most num_local_experts ({self.num_local_experts}), "
-                f"got {self.num_experts_per_tok}"
-            )
-        if not 0.0 <= float(self.attention_dropout) < 1.0:
-            raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
-        if float(self.router_aux_loss_coef) < 0:
-            raise ValueError(f"router_aux_loss_coef: must be >= 0, got {self.router_aux_loss_coef!r}")
+        rules.check_kv_heads(self.num_attention_heads, kv_heads)
+        rules.check_attention_dropout(self.attention_dropout)
+        rules.check_routing(
+            self.num_experts_per_tok,
+            self.num_local_experts,
+            experts_key="num_local_experts",
+            aux_loss_coef=self.router_aux_loss_coef,
+        )
         if float(self.swiglu_limit) <= 0:
             raise ValueError(f"swiglu_limit: must be > 0, got {self.swiglu_limit!r}")
         types = self.resolved_layer_types

@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import (
     field_coercer,
     number,
@@ -92,15 +93,10 @@ class LlamaArgs:
                 f"hidden_size: must be a multiple of num_attention_heads ({self.num_attention_heads}), "
                 f"got {self.hidden_size} (transformers' LlamaConfig requires it)"
             )
-        if self.num_attention_heads % kv_heads:
-            raise ValueError(
-                f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
-                f"got {self.num_key_value_heads}"
-            )
+        rules.check_kv_heads(self.num_attention_heads, kv_heads)
         if head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {head_dim}")
-        if not 0.0 <= float(self.attention_dropout) < 1.0:
-            raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
+        rules.check_attention_dropout(self.attention_dropout)
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(
                 f"pad_token_id: must be in [0, vocab_size={self.vocab_size}) or null, got {self.pad_token_id}"

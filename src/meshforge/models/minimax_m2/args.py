@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 5_000_000.0
@@ -64,20 +65,14 @@ class MiniMaxM2Args:
                 "num_local_experts",
             ),
         )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
-                f"got {self.num_key_value_heads}"
-            )
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise ValueError(
-                f"num_experts_per_tok: must be at most num_local_experts ({self.num_local_experts}), "
-                f"got {self.num_experts_per_tok}"
-            )
-        if not 0.0 <= float(self.attention_dropout) < 1.0:
-            raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
-        if float(self.router_aux_loss_coef) < 0:
-            raise ValueError(f"router_aux_loss_coef: must be >= 0, got {self.router_aux_loss_coef!r}")
+        rules.check_kv_heads(self.num_attention_heads, self.num_key_value_heads)
+        rules.check_routing(
+            self.num_experts_per_tok,
+            self.num_local_experts,
+            experts_key="num_local_experts",
+            aux_loss_coef=self.router_aux_loss_coef,
+        )
+        rules.check_attention_dropout(self.attention_dropout)
         if float(self.router_jitter_noise) != 0.0:
             raise ValueError(
                 f"router_jitter_noise: not supported yet: {self.router_jitter_noise!r} (only 0.0, "
@@ -86,15 +81,7 @@ class MiniMaxM2Args:
         self._check_rope()
 
     def _check_rope(self) -> None:
-        params = self.rope_parameters
-        if params is not None:
-            if not isinstance(params, dict):
-                raise ValueError(f"rope_parameters: must be a mapping, got {params!r}")
-            rope_type = params.get("rope_type", params.get("type", "default"))
-            if rope_type != "default":
-                raise ValueError(
-                    f"rope_parameters.rope_type: not supported yet: {rope_type!r} (built: 'default')"
-                )
+        rules.check_default_rope(self.rope_parameters)
         if self.rotary_dim is not None:
             positive_int("rotary_dim", self.rotary_dim)
         factor = self.rotary_factor
@@ -110,20 +97,13 @@ class MiniMaxM2Args:
     @property
     def theta(self) -> float:
         """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 5e6 (transformers' default)."""
-        if self.rope_parameters and "rope_theta" in self.rope_parameters:
-            return float(self.rope_parameters["rope_theta"])
-        if self.rope_theta is not None:
-            return float(self.rope_theta)
-        return DEFAULT_ROPE_THETA
+        return rules.rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
 
     @property
     def rotary_factor(self) -> float:
         """Share of ``head_dim`` that is rotated: ``partial_rotary_factor``, else ``rotary_dim / head_dim``, else 1."""
-        if self.rope_parameters and self.rope_parameters.get("partial_rotary_factor") is not None:
-            return float(self.rope_parameters["partial_rotary_factor"])
-        if self.rotary_dim is not None:
-            return self.rotary_dim / self.head_dim
-        return 1.0
+        legacy = 1.0 if self.rotary_dim is None else self.rotary_dim / self.head_dim
+        return rules.rotary_share(self.rope_parameters, fallback=legacy)
 
     @property
     def attn_rotary_dim(self) -> int:

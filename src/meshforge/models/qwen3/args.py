@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import (
     field_coercer,
     parse_options,
@@ -69,23 +70,11 @@ class Qwen3Args:
         kv_heads = self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
         object.__setattr__(self, "num_key_value_heads", kv_heads)
         require_positive(self, POSITIVE_FIELDS)
-        if self.num_attention_heads % kv_heads:
-            raise ValueError(
-                f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
-                f"got {self.num_key_value_heads}"
-            )
+        rules.check_kv_heads(self.num_attention_heads, kv_heads)
         if self.head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
-        if not 0.0 <= float(self.attention_dropout) < 1.0:
-            raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
-        if self.rope_parameters is not None:
-            if not isinstance(self.rope_parameters, dict):
-                raise ValueError(f"rope_parameters: must be a mapping, got {self.rope_parameters!r}")
-            rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
-            if rope_type != "default":
-                raise ValueError(
-                    f"rope_parameters.rope_type: not supported yet: {rope_type!r} (built: 'default')"
-                )
+        rules.check_attention_dropout(self.attention_dropout)
+        rules.check_default_rope(self.rope_parameters)
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types: needs one entry per layer ({self.num_hidden_layers}), got {len(self.layer_types)}"
@@ -94,11 +83,7 @@ class Qwen3Args:
     @property
     def theta(self) -> float:
         """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 10000."""
-        if self.rope_parameters and "rope_theta" in self.rope_parameters:
-            return float(self.rope_parameters["rope_theta"])
-        if self.rope_theta is not None:
-            return float(self.rope_theta)
-        return DEFAULT_ROPE_THETA
+        return rules.rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
 
     @property
     def uses_sliding_window(self) -> bool:

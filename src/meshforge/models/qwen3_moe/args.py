@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
@@ -79,45 +80,20 @@ class Qwen3MoeArgs:
                 "num_experts",
             ),
         )
-        if self.num_attention_heads % kv_heads:
-            raise ValueError(
-                f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
-                f"got {self.num_key_value_heads}"
-            )
+        rules.check_kv_heads(self.num_attention_heads, kv_heads)
         if self.head_dim is not None:
             positive_int("head_dim", self.head_dim)
         if self.attn_head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.attn_head_dim}")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok: must be at most num_experts ({self.num_experts}), "
-                f"got {self.num_experts_per_tok}"
-            )
-        if not isinstance(self.mlp_only_layers, list | tuple):
-            raise ValueError(
-                f"mlp_only_layers: must be a list of layer indices, got {self.mlp_only_layers!r}"
-            )
-        for i, layer in enumerate(self.mlp_only_layers):
-            if (
-                isinstance(layer, bool)
-                or not isinstance(layer, int)
-                or not 0 <= layer < self.num_hidden_layers
-            ):
-                raise ValueError(
-                    f"mlp_only_layers[{i}]: must be a layer index in [0, {self.num_hidden_layers - 1}], got {layer!r}"
-                )
-        if not 0.0 <= float(self.attention_dropout) < 1.0:
-            raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
-        if float(self.router_aux_loss_coef) < 0:
-            raise ValueError(f"router_aux_loss_coef: must be >= 0, got {self.router_aux_loss_coef!r}")
-        if self.rope_parameters is not None:
-            if not isinstance(self.rope_parameters, dict):
-                raise ValueError(f"rope_parameters: must be a mapping, got {self.rope_parameters!r}")
-            rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
-            if rope_type != "default":
-                raise ValueError(
-                    f"rope_parameters.rope_type: not supported yet: {rope_type!r} (built: 'default')"
-                )
+        rules.check_routing(
+            self.num_experts_per_tok,
+            self.num_experts,
+            experts_key="num_experts",
+            aux_loss_coef=self.router_aux_loss_coef,
+        )
+        rules.check_layer_indices("mlp_only_layers", self.mlp_only_layers, self.num_hidden_layers)
+        rules.check_attention_dropout(self.attention_dropout)
+        rules.check_default_rope(self.rope_parameters)
 
     @property
     def attn_head_dim(self) -> int:
@@ -129,19 +105,16 @@ class Qwen3MoeArgs:
     @property
     def theta(self) -> float:
         """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 10000."""
-        if self.rope_parameters and "rope_theta" in self.rope_parameters:
-            return float(self.rope_parameters["rope_theta"])
-        if self.rope_theta is not None:
-            return float(self.rope_theta)
-        return DEFAULT_ROPE_THETA
+        return rules.rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has the sparse MoE block, by transformers' rule."""
         assert self.mlp_only_layers is not None  # __post_init__ replaces None by []
-        return (
-            layer not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0
+        return rules.is_sparse_layer(
+            layer,
+            mlp_only_layers=self.mlp_only_layers,
+            num_experts=self.num_experts,
+            decoder_sparse_step=self.decoder_sparse_step,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:

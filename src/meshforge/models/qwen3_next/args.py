@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
@@ -91,45 +92,26 @@ class Qwen3NextArgs:
                 "num_experts",
             ),
         )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
-                f"got {self.num_key_value_heads}"
-            )
+        rules.check_kv_heads(self.num_attention_heads, self.num_key_value_heads)
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(
                 f"linear_num_key_heads: must divide linear_num_value_heads ({self.linear_num_value_heads}), "
                 f"got {self.linear_num_key_heads}"
             )
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok: must be at most num_experts ({self.num_experts}), "
-                f"got {self.num_experts_per_tok}"
-            )
+        rules.check_routing(
+            self.num_experts_per_tok,
+            self.num_experts,
+            experts_key="num_experts",
+            aux_loss_coef=self.router_aux_loss_coef,
+        )
         if self.full_attention_interval is not None:
             positive_int("full_attention_interval", self.full_attention_interval)
         self._check_layer_lists()
-        if not 0.0 <= float(self.attention_dropout) < 1.0:
-            raise ValueError(f"attention_dropout: must be in [0, 1), got {self.attention_dropout!r}")
-        if float(self.router_aux_loss_coef) < 0:
-            raise ValueError(f"router_aux_loss_coef: must be >= 0, got {self.router_aux_loss_coef!r}")
+        rules.check_attention_dropout(self.attention_dropout)
         self._check_rope()
 
     def _check_layer_lists(self) -> None:
-        if not isinstance(self.mlp_only_layers, list | tuple):
-            raise ValueError(
-                f"mlp_only_layers: must be a list of layer indices, got {self.mlp_only_layers!r}"
-            )
-        for i, layer in enumerate(self.mlp_only_layers):
-            if (
-                isinstance(layer, bool)
-                or not isinstance(layer, int)
-                or not 0 <= layer < self.num_hidden_layers
-            ):
-                raise ValueError(
-                    f"mlp_only_layers[{i}]: must be a layer index in [0, {self.num_hidden_layers - 1}], "
-                    f"got {layer!r}"
-                )
+        rules.check_layer_indices("mlp_only_layers", self.mlp_only_layers, self.num_hidden_layers)
         if self.layer_types is None:
             return
         if not isinstance(self.layer_types, list | tuple) or len(self.layer_types) != self.num_hidden_layers:
@@ -141,15 +123,7 @@ class Qwen3NextArgs:
                 raise ValueError(f"layer_types[{i}]: must be one of {list(LAYER_TYPES)}, got {kind!r}")
 
     def _check_rope(self) -> None:
-        params = self.rope_parameters
-        if params is not None:
-            if not isinstance(params, dict):
-                raise ValueError(f"rope_parameters: must be a mapping, got {params!r}")
-            rope_type = params.get("rope_type", params.get("type", "default"))
-            if rope_type != "default":
-                raise ValueError(
-                    f"rope_parameters.rope_type: not supported yet: {rope_type!r} (built: 'default')"
-                )
+        rules.check_default_rope(self.rope_parameters)
         factor = self.rotary_factor
         if not 0.0 < factor <= 1.0:
             raise ValueError(f"partial_rotary_factor: must be in (0, 1], got {factor!r}")
@@ -162,20 +136,17 @@ class Qwen3NextArgs:
     @property
     def theta(self) -> float:
         """The RoPE base: ``rope_parameters.rope_theta``, else ``rope_theta``, else 10000."""
-        if self.rope_parameters and "rope_theta" in self.rope_parameters:
-            return float(self.rope_parameters["rope_theta"])
-        if self.rope_theta is not None:
-            return float(self.rope_theta)
-        return DEFAULT_ROPE_THETA
+        return rules.rope_base(self.rope_parameters, self.rope_theta, default=DEFAULT_ROPE_THETA)
 
     @property
     def rotary_factor(self) -> float:
         """Share of ``head_dim`` that is rotated (transformers' ``partial_rotary_factor``, 0.25 by default)."""
-        if self.rope_parameters and self.rope_parameters.get("partial_rotary_factor") is not None:
-            return float(self.rope_parameters["partial_rotary_factor"])
-        if self.partial_rotary_factor is not None:
-            return float(self.partial_rotary_factor)
-        return DEFAULT_PARTIAL_ROTARY_FACTOR
+        legacy = (
+            DEFAULT_PARTIAL_ROTARY_FACTOR
+            if self.partial_rotary_factor is None
+            else self.partial_rotary_factor
+        )
+        return rules.rotary_share(self.rope_parameters, fallback=float(legacy))
 
     @property
     def rotary_dim(self) -> int:
@@ -196,10 +167,11 @@ class Qwen3NextArgs:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has the sparse MoE block, by transformers' rule."""
         assert self.mlp_only_layers is not None  # __post_init__ replaces None by []
-        return (
-            layer not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0
+        return rules.is_sparse_layer(
+            layer,
+            mlp_only_layers=self.mlp_only_layers,
+            num_experts=self.num_experts,
+            decoder_sparse_step=self.decoder_sparse_step,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:

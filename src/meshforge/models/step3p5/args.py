@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
 
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -101,10 +102,9 @@ class Step3p5Args:
         )
         if self.num_nextn_predict_layers < 0:
             raise ValueError(f"num_nextn_predict_layers: must be >= 0, got {self.num_nextn_predict_layers}")
-        if self.moe_top_k > self.moe_num_experts:
-            raise ValueError(
-                f"moe_top_k: must be at most moe_num_experts ({self.moe_num_experts}), got {self.moe_top_k}"
-            )
+        rules.check_routing(
+            self.moe_top_k, self.moe_num_experts, top_k_key="moe_top_k", experts_key="moe_num_experts"
+        )
         if not (self.use_moe_router_bias or self.moe_router_activation == "sigmoid"):
             raise ValueError(
                 f"moe_router_activation: not supported yet: {self.moe_router_activation!r} without "
