@@ -84,23 +84,42 @@ def _kind(layer: nn.Module) -> tuple[Any, ...]:
     return tuple(parts)
 
 
-def layer_calls(model: nn.Module, *, packed: bool = True) -> list[tuple[nn.Module, tuple, dict]]:
-    """One ``(layer, args, kwargs)`` per distinct layer kind, as the model's forward calls them."""
+def packed_batch(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Two packed rows as the SFT loaders give them: ids, labels, restarting positions, documents."""
+    ids = torch.randint(0, model.config.vocab_size, SEGMENTS.shape)
+    labels = ids.masked_fill(SEGMENTS == 0, -100)
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": packed_positions(SEGMENTS),
+        "segment_ids": SEGMENTS,
+    }
+
+
+def layer_calls(
+    model: nn.Module, batch: dict[str, torch.Tensor] | None = None, *, packed: bool = True
+) -> list[tuple[nn.Module, tuple, dict]]:
+    """One ``(layer, args, kwargs)`` per distinct layer kind, as the model's forward calls them.
+
+    ``batch`` (default: :func:`packed_batch`, without its documents unless ``packed``) is what
+    the trainer would hand the model.
+    """
     calls: dict[tuple[Any, ...], tuple[nn.Module, tuple, dict]] = {}
 
     def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
         calls.setdefault(_kind(module), (module, args, kwargs))
 
-    layers = list(model.model.layers)
-    hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
-    ids = torch.randint(0, model.config.vocab_size, SEGMENTS.shape)
-    with torch.no_grad():
-        if packed:
-            model(ids, position_ids=packed_positions(SEGMENTS), segment_ids=SEGMENTS)
-        else:
-            model(ids)
-    for hook in hooks:
-        hook.remove()
+    if batch is None:
+        batch = packed_batch(model)
+        if not packed:
+            batch = {"input_ids": batch["input_ids"]}
+    hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
+    finally:
+        for hook in hooks:
+            hook.remove()
     assert calls, "no decoder layer ran"
     return list(calls.values())
 
@@ -183,3 +202,58 @@ def test_recomputed_layer_still_compiles_whole(family: str):
         assert not breaks, breaks
         assert backend.graphs == 1, f"{backend.graphs} graphs for one recomputed {type(layer).__name__}"
         layer._compiled_call_impl = None
+
+
+def _cp_families(method: str) -> list[str]:
+    return [
+        s.name
+        for s in SPECS
+        if s.cp_modules is not None
+        and (s.cp_methods is None or method in s.cp_methods)
+        and s.cp_methods != ()
+    ]
+
+
+@pytest.fixture
+def cp_mesh() -> Iterator[Any]:
+    """A one-rank CP mesh: the CP code path of every layer (plan, CPMask, collectives), in process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    existed = dist.is_initialized()
+    if not existed:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    if not existed:
+        dist.destroy_process_group()
+
+
+def _cp_layer_calls(family: str, method: str, mesh: Any) -> list[tuple[nn.Module, tuple, dict]]:
+    from meshforge.parallel.context import apply_cp, shard_batch_for_cp
+
+    model = _build(SPEC_BY_NAME[family])
+    apply_cp(model, mesh, method=method)
+    return layer_calls(model, shard_batch_for_cp(packed_batch(model), mesh, method=method))
+
+
+@pytest.mark.parametrize(
+    ("family", "method"), [(f, m) for m in ("ulysses", "kvallgather") for f in _cp_families(m)]
+)
+def test_context_parallel_layers_are_one_graph(family: str, method: str, cp_mesh: Any):
+    """Under ulysses and kvallgather CP the layer's attention (exchanges included) stays in its graph."""
+    for layer, args, kwargs in _cp_layer_calls(family, method, cp_mesh):
+        assert_one_graph(layer, args, kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_ring_context_parallel_breaks_only_at_the_ring(family: str, cp_mesh: Any):
+    """The ring (colossal) runs its block plan eagerly: the only breaks are that call's, one per
+    layer call (the graphs before and after it), nothing else in the layer."""
+    for layer, args, kwargs in _cp_layer_calls(family, "colossal", cp_mesh):
+        dynamo.reset()
+        explained = dynamo.explain(layer)(*args, **kwargs)
+        reasons = {r.reason.splitlines()[0] for r in explained.break_reasons}
+        assert reasons == {"Skip inlining `torch.compiler.disable()`d function"}, reasons
+        assert all("self._ring(" in (r.user_stack[-1].line or "") for r in explained.break_reasons), [
+            r.user_stack[-1] for r in explained.break_reasons
+        ]
