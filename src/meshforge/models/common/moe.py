@@ -36,6 +36,13 @@ documentation). On CPU in torch 2.13 it gives the same numbers at the same cost,
 and its backward rejects a gradient with zero strides (an expanded ``sum()``
 gradient straight into the op).
 
+Compiled (``kernels.compile``), a MoE layer stays one graph: the counts per expert come from
+a fixed-size scatter-add (:func:`expert_counts`, not ``bincount``, whose output size depends on
+the data), and the per-expert loop splits on unbacked sizes (:func:`group_sizes`), which needs
+``torch._dynamo.config.capture_scalar_outputs = True`` where layers are compiled. torch 2.13
+traces ``grouped_mm`` only in bfloat16, so a compiled float32 layer runs the loop
+(:func:`traceable_grouped_mm`); both give the eager numbers bitwise.
+
 Expert parallelism plugs in at one seam: ``token_exchange`` on the experts module
 (None by default). ``meshforge.parallel.expert.apply_ep`` sets it to an all-to-all
 exchange that sends the expert-sorted token copies to the ranks owning their experts,
