@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.common.attention import Attention
+from meshforge.models.common.attention import Attention, sdpa_is_causal
 from meshforge.models.common.causal_lm import DecoderModel, MoECausalLM, build_causal_lm
 from meshforge.models.common.moe import GroupedExperts, RouterStats, TopKRouter, expert_counts, router_stats
 from meshforge.models.common.norms import RMSNorm
@@ -139,7 +139,7 @@ class MiniMaxM2Attention(Attention):
                     v,
                     attn_mask=mask,
                     dropout_p=self.dropout if self.training else 0.0,
-                    is_causal=mask is None and q.shape[2] == k.shape[2],
+                    is_causal=sdpa_is_causal(mask, q, k),
                     scale=self.scaling,
                     enable_gqa=q.shape[1] != k.shape[1],
                 )
