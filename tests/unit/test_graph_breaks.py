@@ -8,6 +8,12 @@ the tiniest model runs one eager forward that records what the model passes to e
 ``torch._dynamo.explain`` traces one layer of each distinct kind (dense, MoE, linear attention,
 sliding window, mamba, ...) with exactly those inputs.
 
+The same holds with the MoE switches (``moe_grouped_gemm``, ``fix_router``), inside full
+recompute (the checkpoint wraps the compiled call), under ulysses and kvallgather context
+parallelism on a one-rank CP mesh (``tests/distributed/test_cp_compile.py`` runs two ranks),
+and across rows of varying length (at most two graphs per layer kind). The ring methods
+(colossal, hybrid) run their block plan eagerly: their only breaks are around that call.
+
 The per-expert loop of the MoE layers needs its group sizes as Python ints: under compile they
 are unbacked symbols, which needs ``torch._dynamo.config.capture_scalar_outputs`` (set here by
 a fixture, and wherever layers are compiled). The grouped-GEMM path needs no host value, but
