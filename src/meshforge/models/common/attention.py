@@ -48,6 +48,19 @@ def _sdpa_backend(flash: bool):
     return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
+def sdpa_is_causal(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """SDPA's ``is_causal``: no mask and as many queries as keys ``[B, H, S, D]``.
+
+    Equal lengths in training; a cached decode step (one query, every earlier key allowed) has
+    no mask and must not be causal-aligned to the first key. Decided by a branch, not returned as
+    the comparison: under dynamic shapes (a compiled layer seeing varying lengths) the comparison
+    is a symbolic bool, which SDPA rejects, and dynamo resolves a branch on it with a guard.
+    """
+    if mask is None and q.shape[2] == k.shape[2]:
+        return True
+    return False
+
+
 def segment_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     """Boolean attention mask ``[B, 1, S, S]``: True where query i may attend key j.
 
@@ -181,9 +194,7 @@ class Attention(nn.Module):
                 v,
                 attn_mask=mask,
                 dropout_p=self.dropout if self.training else 0.0,
-                # Equal lengths in training; a cached decode step (one query, every earlier key
-                # allowed) has no mask and must not be causal-aligned to the first key.
-                is_causal=mask is None and q.shape[2] == k.shape[2],
+                is_causal=sdpa_is_causal(mask, q, k),
                 scale=self.scaling,
                 enable_gqa=q.shape[1] != k.shape[1],
             )

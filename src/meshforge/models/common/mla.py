@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.common.attention import _sdpa_backend
+from meshforge.models.common.attention import _sdpa_backend, sdpa_is_causal
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import apply_rotary
 
@@ -202,7 +202,7 @@ class MultiHeadLatentAttention(nn.Module):
                 attn_mask=mask,
                 dropout_p=self.dropout if self.training else 0.0,
                 # Equal lengths in training; an unmasked cached decode step attends every key.
-                is_causal=mask is None and q.shape[2] == k.shape[2],
+                is_causal=sdpa_is_causal(mask, q, k),
                 scale=self.scaling,
             )
         if pad > 0:

@@ -36,6 +36,13 @@ documentation). On CPU in torch 2.13 it gives the same numbers at the same cost,
 and its backward rejects a gradient with zero strides (an expanded ``sum()``
 gradient straight into the op).
 
+Compiled (``kernels.compile``), a MoE layer stays one graph: the counts per expert come from
+a fixed-size scatter-add (:func:`expert_counts`, not ``bincount``, whose output size depends on
+the data), and the per-expert loop splits on unbacked sizes (:func:`group_sizes`), which needs
+``torch._dynamo.config.capture_scalar_outputs = True`` where layers are compiled. torch 2.13
+traces ``grouped_mm`` only in bfloat16, so a compiled float32 layer runs the loop
+(:func:`traceable_grouped_mm`); both give the eager numbers bitwise.
+
 Expert parallelism plugs in at one seam: ``token_exchange`` on the experts module
 (None by default). ``meshforge.parallel.expert.apply_ep`` sets it to an all-to-all
 exchange that sends the expert-sorted token copies to the ranks owning their experts,
@@ -238,6 +245,18 @@ class TokenExchange(Protocol):
     ) -> torch.Tensor: ...
 
 
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert, LongTensor ``[num_experts]``, from the chosen experts ``[N, k]``.
+
+    ``bincount`` would give the same counts, but its output size depends on the data (the
+    largest index), which breaks a compiled graph; a scatter-add into ``num_experts`` slots
+    has a static shape, and integer sums do not depend on the order of the adds.
+    """
+    flat = indices.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def dispatch_to_experts(
     x: torch.Tensor,
     indices: torch.Tensor,
@@ -269,6 +288,41 @@ def dispatch_to_experts(
     # expert parallelism needs (the rank still joins the backward all-to-alls).
     per_slot = per_slot.view(num_tokens, top_k, sorted_out.shape[-1]) * weights.unsqueeze(-1)
     return per_slot.sum(dim=1)
+
+
+def group_sizes(grouped: torch.Tensor, counts: torch.Tensor) -> list[int]:
+    """The rows of each expert in ``grouped`` as Python ints, for ``torch.split``.
+
+    Eager, this is one host sync. Under ``torch.compile`` (with
+    ``torch._dynamo.config.capture_scalar_outputs``) the sizes are unbacked symbols; the
+    checks tell the compiler they are sizes that add up to the rows, so the per-expert loop
+    stays in the layer's graph instead of breaking it.
+    """
+    sizes = counts.tolist()
+    if torch.compiler.is_compiling():
+        for size in sizes:
+            torch._check(size >= 0)
+        torch._check(sum(sizes) == grouped.shape[0])
+    return sizes
+
+
+def skip_empty(group: torch.Tensor) -> bool:
+    """Whether the per-expert loop may skip ``group`` (no rows).
+
+    Only eagerly: compiled, the size is a data-dependent symbol that cannot be branched on,
+    and an empty matmul costs nothing and changes no number.
+    """
+    return not torch.compiler.is_compiling() and group.shape[0] == 0
+
+
+def traceable_grouped_mm(grouped: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` can run on ``grouped`` here.
+
+    Compiled, torch 2.13's shape function of ``grouped_mm`` accepts only bfloat16 (the CUDA
+    kernel's dtype), so a compiled float32 layer runs the per-expert loop instead: the same
+    numbers (see the module docstring).
+    """
+    return grouped.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
 
 
 def run_experts(experts: ExpertsBase, counts: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor | None]:
@@ -307,7 +361,7 @@ class ExpertsBase(nn.Module):
             x: Tokens ``[N, hidden]``.
             indices: Chosen experts ``[N, k]``.
             weights: Their routing weights ``[N, k]``.
-            counts: Assignments per expert ``[num_experts]`` (``bincount`` of ``indices``).
+            counts: Assignments per expert ``[num_experts]`` (:func:`expert_counts` of ``indices``).
 
         Returns:
             ``sum_j weights[:, j] * expert_{indices[:, j]}(x)``, shape ``[N, hidden]``.
@@ -316,7 +370,9 @@ class ExpertsBase(nn.Module):
 
     def compute(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """Outputs of the experts held here for tokens sorted by (local) expert, ``counts`` per expert."""
-        return self._grouped_mm(grouped, counts) if self.use_grouped_mm else self._loop(grouped, counts)
+        if self.use_grouped_mm and traceable_grouped_mm(grouped):
+            return self._grouped_mm(grouped, counts)
+        return self._loop(grouped, counts)
 
     def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         raise NotImplementedError
@@ -351,13 +407,13 @@ class GroupedExperts(ExpertsBase):
     def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """Expert outputs for tokens sorted by expert: two matmuls per expert with tokens."""
         # One host sync per layer to know the group sizes; the matmuls need them anyway.
-        sizes = counts.tolist()
+        sizes = group_sizes(grouped, counts)
         # unbind once rather than indexing per expert: the backward of each `param[e]`
         # would allocate and zero-fill a full-size gradient (measured: a fifth of the step).
         gate_up, down = local_tensor(self.gate_up_proj).unbind(0), local_tensor(self.down_proj).unbind(0)
         outputs = []
         for expert, group in enumerate(torch.split(grouped, sizes)):
-            if group.shape[0] == 0:
+            if skip_empty(group):
                 continue
             gate, up = F.linear(group, gate_up[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
@@ -433,7 +489,7 @@ class MoEBlock(nn.Module):
         probs, weights, indices = self.gate(tokens)
         num_experts = self.gate.num_experts
         with torch.no_grad():
-            counts = torch.bincount(indices.reshape(-1), minlength=num_experts)
+            counts = expert_counts(indices, num_experts)
         self.last_tokens_per_expert = counts
         self._record_aux_stats(probs, indices, counts, token_mask)
         return self.experts(tokens, indices, weights, counts).view(shape)
@@ -486,6 +542,10 @@ def router_stats(
 
 __all__ = [
     "ExpertCompute",
+    "expert_counts",
+    "group_sizes",
+    "skip_empty",
+    "traceable_grouped_mm",
     "GroupedExperts",
     "MoEBlock",
     "RouterStats",

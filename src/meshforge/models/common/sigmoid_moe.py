@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshforge.models.common.mlp import GatedMLP
-from meshforge.models.common.moe import GroupedExperts, RouterStats
+from meshforge.models.common.moe import GroupedExperts, RouterStats, expert_counts
 
 
 class GroupLimitedSigmoidRouter(nn.Module):
@@ -184,7 +184,7 @@ class SharedExpertMoEBlock(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         _, weights, indices = self.gate(tokens)
         with torch.no_grad():
-            counts = torch.bincount(indices.reshape(-1), minlength=self.gate.num_experts)
+            counts = expert_counts(indices, self.gate.num_experts)
         self.last_tokens_per_expert = counts
         routed = self.experts(tokens, indices, weights, counts).to(x.dtype).view(shape)
         return routed + self.shared_experts(x)

@@ -34,8 +34,11 @@ from meshforge.models.common.moe import (
     ExpertsBase,
     RouterStats,
     TokenExchange,
+    expert_counts,
+    group_sizes,
     local_tensor,
     router_stats,
+    skip_empty,
 )
 
 
@@ -126,8 +129,8 @@ class GptOssExperts(ExpertsBase):
         w1, b1 = local_tensor(self.gate_up_proj).unbind(0), local_tensor(self.gate_up_proj_bias).unbind(0)
         w2, b2 = local_tensor(self.down_proj).unbind(0), local_tensor(self.down_proj_bias).unbind(0)
         outputs = []
-        for expert, group in enumerate(torch.split(grouped, counts.tolist())):
-            if group.shape[0] == 0:
+        for expert, group in enumerate(torch.split(grouped, group_sizes(grouped, counts))):
+            if skip_empty(group):
                 continue
             hidden = self.activation(group @ w1[expert] + b1[expert])
             outputs.append(hidden @ w2[expert] + b2[expert])
@@ -146,7 +149,9 @@ class GptOssExperts(ExpertsBase):
         w2, b2 = local_tensor(self.down_proj), local_tensor(self.down_proj_bias)
         # Row r belongs to expert expert_of_row[r]; its bias row is gathered once per projection.
         # counts covers the experts held here (all of them, or this rank's under EP).
-        expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=counts.device), counts, output_size=grouped.shape[0]
+        )
         hidden = self.activation(F.grouped_mm(grouped, w1, offs=offsets) + b1.index_select(0, expert_of_row))
         return F.grouped_mm(hidden, w2, offs=offsets) + b2.index_select(0, expert_of_row)
 
@@ -190,7 +195,7 @@ class GptOssMLP(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         logits, weights, indices = self.router(tokens)
         with torch.no_grad():
-            counts = torch.bincount(indices.reshape(-1), minlength=self.router.num_experts)
+            counts = expert_counts(indices, self.router.num_experts)
         self.last_tokens_per_expert = counts
         self._record_aux_stats(logits, indices, counts, token_mask)
         return self.experts(tokens, indices, weights, counts).view(shape)

@@ -32,9 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.common.attention import Attention
+from meshforge.models.common.attention import Attention, sdpa_is_causal
 from meshforge.models.common.causal_lm import DecoderModel, MoECausalLM, build_causal_lm
-from meshforge.models.common.moe import GroupedExperts, RouterStats, TopKRouter, router_stats
+from meshforge.models.common.moe import GroupedExperts, RouterStats, TopKRouter, expert_counts, router_stats
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding, apply_rotary
 from meshforge.models.minimax_m2.args import MiniMaxM2Args
@@ -139,7 +139,7 @@ class MiniMaxM2Attention(Attention):
                     v,
                     attn_mask=mask,
                     dropout_p=self.dropout if self.training else 0.0,
-                    is_causal=mask is None and q.shape[2] == k.shape[2],
+                    is_causal=sdpa_is_causal(mask, q, k),
                     scale=self.scaling,
                     enable_gqa=q.shape[1] != k.shape[1],
                 )
@@ -210,13 +210,13 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
         logits, weights, indices = self.gate(tokens, self.e_score_correction_bias)
         num_experts = self.gate.num_experts
         with torch.no_grad():
-            counts = torch.bincount(indices.reshape(-1), minlength=num_experts)
+            counts = expert_counts(indices, num_experts)
         self.last_tokens_per_expert = counts
         if self.record_aux:
             probs = torch.softmax(logits.float(), dim=-1)
             with torch.no_grad():
                 aux_indices = probs.topk(self.top_k, dim=-1).indices
-                aux_counts = torch.bincount(aux_indices.reshape(-1), minlength=num_experts)
+                aux_counts = expert_counts(aux_indices, num_experts)
             self.last_aux_stats = router_stats(
                 probs,
                 aux_indices,

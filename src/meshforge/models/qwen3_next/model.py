@@ -34,6 +34,7 @@ from meshforge.models.common.attention import (
     Attention,
     _sdpa_backend,
     positions_from_segments,
+    sdpa_is_causal,
     segment_causal_mask,
 )
 from meshforge.models.common.causal_lm import InitKind, InnerModel, MoECausalLM, build_causal_lm
@@ -167,7 +168,7 @@ class GatedAttention(Attention):
                 dropout_p=self.dropout if self.training else 0.0,
                 # A cached decode step (one query, every earlier key allowed) has no mask and must
                 # not be causal-aligned to the first key.
-                is_causal=mask is None and q.shape[2] == k.shape[2],
+                is_causal=sdpa_is_causal(mask, q, k),
                 scale=self.scaling,
                 enable_gqa=q.shape[1] != k.shape[1],
             )

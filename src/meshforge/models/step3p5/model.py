@@ -36,7 +36,14 @@ from torch import nn
 
 from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
 from meshforge.models.common.causal_lm import InnerModel, MoECausalLM, build_causal_lm
-from meshforge.models.common.moe import GroupedExperts, RouterStats, TopKRouter
+from meshforge.models.common.moe import (
+    GroupedExperts,
+    RouterStats,
+    TopKRouter,
+    expert_counts,
+    group_sizes,
+    skip_empty,
+)
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding, apply_rotary
 from meshforge.models.common.sink_attention import causal_mask, sliding_window_mask
@@ -97,11 +104,11 @@ class Step3p5Experts(GroupedExperts):
         self.limit = limit
 
     def _loop(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
-        sizes = counts.tolist()
+        sizes = group_sizes(grouped, counts)
         gate_up, down = local_tensor(self.gate_up_proj).unbind(0), local_tensor(self.down_proj).unbind(0)
         outputs = []
         for expert, group in enumerate(torch.split(grouped, sizes)):
-            if group.shape[0] == 0:
+            if skip_empty(group):
                 continue
             gate, up = F.linear(group, gate_up[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(swiglu(gate, up, self.limit), down[expert]))
@@ -172,7 +179,7 @@ class Step3p5MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         _, weights, indices = self.gate(tokens, self.router_bias)
         with torch.no_grad():
-            counts = torch.bincount(indices.reshape(-1), minlength=self.gate.num_experts)
+            counts = expert_counts(indices, self.gate.num_experts)
         self.last_tokens_per_expert = counts
         return self.experts(tokens, indices, weights, counts).to(x.dtype).view(shape)
 

@@ -111,9 +111,10 @@ class ContextParallel:
 
     # ---- attention ---------------------------------------------------------------------
 
-    # Compiled decoder layers (kernels.compile) run this eagerly: its block plan is Python
-    # data (runs, per-forward mask cache) that dynamo would otherwise re-trace or break on.
-    @torch.compiler.disable
+    # Compiled decoder layers (kernels.compile) trace ulysses (two all-to-alls around the
+    # single-device attention) and kvallgather (one all-gather) whole, all shapes static; the
+    # ring steps (colossal, hybrid) run eagerly: their block plan is Python data (runs of
+    # positions, skipped blocks, a hand-written backward ring) that dynamo would break on.
     def __call__(
         self,
         q: torch.Tensor,
@@ -173,13 +174,20 @@ class ContextParallel:
     ) -> torch.Tensor:
         full = funcol.all_gather_single_autograd(torch.stack([k, v]), 3, self.group)
         # Keys after this rank's last query are never visible, nor (sliding window) those
-        # before its first query's window: leave them out of the product.
-        stop = int(mask.q_index[-1]) + 1
-        start = 0 if window is None else max(0, int(mask.q_index[0]) - window + 1)
+        # before its first query's window: leave them out of the product. The rank holds the
+        # rank-th of `size` contiguous chunks, so its first and last positions are known on
+        # the host (no sync, and a compiled layer keeps them static).
+        first = self.rank * (mask.seq_len // self.size)
+        stop = first + mask.seq_len // self.size
+        start = 0 if window is None else max(0, first - window + 1)
         key = ("kvallgather", window)
-        if key not in mask.cache:
+        if torch.compiler.is_compiling() or key not in mask.cache:
+            # Compiled: built in the graph (see `_ulysses_mask`).
             keys = torch.arange(start, stop, device=q.device)
-            mask.cache[key] = allowed_mask(mask.q_index, keys, mask.segments, True, window)
+            allowed = allowed_mask(mask.q_index, keys, mask.segments, True, window)
+            if torch.compiler.is_compiling():
+                return attend(q, full[0][:, :, start:stop], full[1][:, :, start:stop], allowed, scale, sinks)
+            mask.cache[key] = allowed
         return attend(q, full[0][:, :, start:stop], full[1][:, :, start:stop], mask.cache[key], scale, sinks)
 
     def _ulysses(
@@ -212,23 +220,34 @@ class ContextParallel:
         q, k, v = seq_to_heads([q, k, v], u, self.ulysses_group)
         if self.method == "ulysses":
             # Whole sequence in order: the single-process attention and masks, unchanged.
-            key = ("ulysses", window)
-            if key not in mask.cache:
-                plain = mask.segments is None and window is None
-                everything = torch.arange(mask.seq_len, device=q.device)
-                mask.cache[key] = (
-                    None if plain else allowed_mask(everything, everything, mask.segments, True, window)
-                )
-            out = attend(q, k, v, mask.cache[key], scale, sinks)
+            out = attend(q, k, v, self._ulysses_mask(mask, window, q.device), scale, sinks)
         else:
             out = self._hybrid_ring(q, k, v, mask, scale, sinks, window)
         return heads_to_seq(out, u, self.ulysses_group)
+
+    def _ulysses_mask(self, mask: CPMask, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """The whole-row mask ulysses attends with (None: plain causal), shared by the layers.
+
+        A compiled layer builds it in its graph instead: reading the per-forward cache would make
+        the first layer's graph (empty cache) differ from the others' (filled), a recompile.
+        """
+        if mask.segments is None and window is None:
+            return None
+        key = ("ulysses", window)
+        if torch.compiler.is_compiling() or key not in mask.cache:
+            everything = torch.arange(mask.seq_len, device=device)
+            allowed = allowed_mask(everything, everything, mask.segments, True, window)
+            if torch.compiler.is_compiling():
+                return allowed
+            mask.cache[key] = allowed
+        return mask.cache[key]
 
     def _group_index(self, seq_len: int, ring_rank: int, device: torch.device) -> torch.Tensor:
         """Positions a ulysses group holds after its all-to-all, in gathered (member) order."""
         u = self.ulysses_size
         return torch.cat([self._index(seq_len, ring_rank * u + j, device) for j in range(u)])
 
+    @torch.compiler.disable
     def _hybrid_ring(
         self,
         q: torch.Tensor,
@@ -297,6 +316,7 @@ class ContextParallel:
         mask.cache[key] = plan
         return plan
 
+    @torch.compiler.disable
     def _ring(
         self,
         q: torch.Tensor,
