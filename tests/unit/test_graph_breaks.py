@@ -160,6 +160,7 @@ def test_every_layer_kind_is_one_graph(family: str, packed: bool):
         assert_one_graph(layer, args, kwargs)
 
 
+@pytest.mark.slow  # several seconds of tracing per case: the full suite runs it
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("switch", ["grouped_mm", "fix_router"])
 def test_moe_switches_keep_one_graph(family: str, switch: str):
@@ -251,6 +252,7 @@ def test_context_parallel_layers_are_one_graph(family: str, method: str, cp_mesh
         assert_one_graph(layer, args, kwargs)
 
 
+@pytest.mark.slow  # several seconds of tracing per case: the full suite runs it
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
 def test_ring_context_parallel_breaks_only_at_the_ring(family: str, cp_mesh: Any):
     """The ring (colossal) runs its block plan eagerly: the only breaks are that call's, one per
@@ -265,6 +267,7 @@ def test_ring_context_parallel_breaks_only_at_the_ring(family: str, cp_mesh: Any
         ]
 
 
+@pytest.mark.slow  # several seconds of tracing per case: the full suite runs it
 # Packed: an MoE and a sliding-window family; plain rows: every SDPA call site without a mask
 # (common attention, MLA, minimax_m2's and qwen3_next's own). mamba3, step3p5 and the other
 # pairs pass too, at 5-15 s each.
@@ -305,6 +308,7 @@ def test_expert_counts_equal_bincount():
     assert torch.equal(counts, torch.bincount(indices.reshape(-1), minlength=8))
 
 
+@pytest.mark.slow  # several seconds of tracing per case: the full suite runs it
 @pytest.mark.parametrize("path", ["loop", "grouped_mm"])
 def test_compiled_moe_layer_gives_the_eager_numbers(path: str):
     """Traced through AOTAutograd (the per-expert loop on unbacked sizes, or grouped_mm in
