@@ -370,9 +370,11 @@ def run_shape(
         model.load_state_dict(state, strict=True)
         models[variant] = model
         runners.append(Runner(variant, model, batch, is_hf, adamw, make(model)))
+    # Compiled variants compile forward and backward in the first step; the second is steady.
+    # Every contender gets as many warm-up steps, so that the last losses are comparable too.
+    warmup = max(warmup, 2) if any(r.fns.compiled for r in runners) else warmup
     for r in runners:
-        # Compiled variants compile forward and backward in the first step; the second is steady.
-        r.warmup(max(warmup, 2) if r.fns.compiled else warmup)
+        r.warmup(warmup)
     mm_a, mm_b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     peak_samples = [peak]
     for i in range(repeats):
