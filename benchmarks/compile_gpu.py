@@ -7,14 +7,15 @@
 The model: Qwen3 with hidden 2048, 16 layers, ffn 6144, 16 heads / 8 KV heads of 128, vocabulary
 151936 (tied), ~1.1 B parameters; batch 1 x sequence 4096 of random tokens; every parameter in
 bf16, `torch.optim.AdamW(fused=True)`. The contenders are those of `step_throughput.py`
-(`step_variants.py`): meshforge eager, meshforge compiled (each decoder layer with
-`layer.compile()`, the loss `torch.compile`d), meshforge default (what `kernels` unwritten
-runs) and transformers (sdpa attention) eager and under `torch.compile(model)`, with the same
-weights and batch. They run one after the other, each alone on the device (its peak memory is
-its own): warm-up steps, then timed steps; the first step's time minus the median step's is
-the compile time (cold: a fresh `TORCHINDUCTOR_CACHE_DIR` unless `--keep-cache`; while
-`meshforge_default` is the compiled variant, it reuses the graphs compiled in this process
-just before, so its `compile_s` is that reuse).
+(`step_variants.py`): meshforge eager, meshforge compiled (`kernels.compile: true` through
+meshforge's own code: each decoder layer compiled, the loss steps compiled, and at vocabulary
+151,936 the fused linear cross-entropy), meshforge default (what `kernels` unwritten runs:
+on CUDA the same as compiled) and transformers (sdpa attention) eager and under
+`torch.compile(model)`, with the same weights and batch. They run one after the other, each
+alone on the device (its peak memory is its own): warm-up steps, then timed steps; the first
+step's time minus the median step's is the compile time (cold: a fresh
+`TORCHINDUCTOR_CACHE_DIR` unless `--keep-cache`; `meshforge_default` compiles the same graphs
+as `meshforge_compiled` just before it, so its `compile_s` is mostly the cache's reuse).
 
 MFU = model FLOPs per token (meshforge's `flops_per_token`: 6 x matmul parameters + attention,
 causal half not discounted) x tokens/s over the device's dense bf16 peak, looked up by device

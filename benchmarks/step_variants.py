@@ -64,7 +64,8 @@ _LONG_RUN_STEPS = 100_000
 
 def _meshforge(model: torch.nn.Module, compile_setting: bool | Literal["auto"]) -> StepFns:
     """``model`` set up by meshforge's own kernel rules, as a run with ``kernels.compile`` =
-    ``compile_setting`` and the other ``kernels`` keys unwritten sets it up on this CPU.
+    ``compile_setting`` and the other ``kernels`` keys unwritten sets it up on the model's
+    device and dtype.
 
     The decision, the compiled layers and the loss formulation (full logits, or the fused
     linear cross-entropy at large vocabularies; compiled steps when compiling) come from
@@ -78,10 +79,11 @@ def _meshforge(model: torch.nn.Module, compile_setting: bool | Literal["auto"]) 
     head = model.get_submodule("lm_head")
     assert isinstance(head, torch.nn.Linear)
     run = RunLength(_LONG_RUN_STEPS, 2048, model_flops_per_token(model, 256))
+    weight = next(model.parameters())
     options = resolve_kernel_options(
         KernelsConfig(compile=compile_setting),
-        device=torch.device("cpu"),
-        compute_dtype=torch.float32,
+        device=weight.device,
+        compute_dtype=weight.dtype,
         warn=print,
         vocab_size=int(head.weight.shape[0]),
         run=run,
