@@ -78,6 +78,8 @@ def _loss_child(mode: str, chunk: int, tokens: int, hidden: int) -> dict:
         torch.randn(VOCAB, hidden, generator=gen).mul_(0.02).requires_grad_()
     )  # in place: no transient copy in the baseline
     labels = torch.randint(0, VOCAB, (tokens,), generator=gen)
+    if mode == "fused" or mode.endswith("_compiled"):
+        return _lm_loss_child(mode, chunk, h, w, labels, tokens)
     before = _rss_mb()
     start = time.perf_counter()
     if mode == "plain":
@@ -86,6 +88,42 @@ def _loss_child(mode: str, chunk: int, tokens: int, hidden: int) -> dict:
         loss = chunked_cross_entropy_sum(h, w, labels, chunk_size=chunk)
     (loss / tokens).backward()
     return {"loss": loss.item() / tokens, "seconds": time.perf_counter() - start, "before_mb": before}
+
+
+def _lm_loss_child(mode: str, chunk: int, h, w, labels, tokens: int) -> dict:
+    """The fused loss and the compiled losses through ``meshforge.lm_loss.LMLoss``.
+
+    The fused loss uses its default chunk at this vocabulary (512 tokens). Compiled modes run once first (the compile, outside the measured peak and time) and are
+    then timed as the median of three calls; their peak RSS includes the compiler's own memory.
+    """
+    import statistics
+
+    from meshforge.lm_loss import LMLoss, fused_chunk_size
+
+    name = mode.removesuffix("_compiled")
+    if name == "fused":
+        chunk = fused_chunk_size(VOCAB)  # the default chunk of fused_linear_cross_entropy: auto
+    backend = "inductor" if mode.endswith("_compiled") else None
+    fn = LMLoss("logits", None, backend) if name == "plain" else LMLoss(name, chunk, backend)  # type: ignore[arg-type]
+
+    def once() -> float:
+        loss = fn(h @ w.t(), labels) if name == "plain" else fn(h, labels, w)
+        (loss / tokens).backward()
+        h.grad = w.grad = None
+        return float(loss.item()) / tokens
+
+    before = _rss_mb()
+    if backend is None:
+        start = time.perf_counter()
+        value = once()
+        return {"loss": value, "seconds": time.perf_counter() - start, "before_mb": before}
+    value = once()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - start)
+    return {"loss": value, "seconds": statistics.median(times), "before_mb": before}
 
 
 def _build_hf(args):
@@ -177,7 +215,7 @@ def _summary(child: dict) -> dict:
 def bench_loss(chunk: int, threads: int, tokens: int = 2048, hidden: int = 512) -> dict:
     out = {
         mode: _summary(_run_child(["loss", mode, str(chunk), str(tokens), str(hidden)], threads))
-        for mode in ("plain", "chunked")
+        for mode in ("plain", "chunked", "fused", "plain_compiled", "fused_compiled")
     }
     plain, chunked = out["plain"], out["chunked"]
     return {
@@ -190,6 +228,11 @@ def bench_loss(chunk: int, threads: int, tokens: int = 2048, hidden: int = 512) 
         "peak_ratio": round(chunked["peak_rss_mb"] / plain["peak_rss_mb"], 3),
         "over_baseline_ratio": round(chunked["over_baseline_mb"] / plain["over_baseline_mb"], 3),
         "loss_abs_diff": abs(plain["loss"] - chunked["loss"]),
+        "fused_peak_ratio": round(out["fused"]["peak_rss_mb"] / plain["peak_rss_mb"], 3),
+        "fused_loss_abs_diff": abs(plain["loss"] - out["fused"]["loss"]),
+        "fused_compiled_over_plain_compiled_time": round(
+            out["fused_compiled"]["seconds"] / out["plain_compiled"]["seconds"], 3
+        ),
     }
 
 

@@ -1,22 +1,33 @@
-"""Training-step throughput: built-in models vs transformers' own implementation on CPU.
+"""Training-step throughput: built-in models, eager and compiled, vs transformers' own on CPU.
 
 Families: ``qwen3`` (dense; shapes ``small`` and ``large``), ``qwen3_moe`` and
 ``deepseek_v3`` (tiny-ish MoE shape ``small`` each), each against transformers'
-``*ForCausalLM`` of the same family. Both models get the same config, the same weights (ours loads the HF state dict),
-the same batch and the same AdamW (``fused=True`` by default for both: on CPU the
-fused kernel is ~8x faster than the per-tensor loop that is torch's CPU default,
-which would otherwise add ~0.5 s per step to both sides at the large shape), and
-run the same plain loop: forward, sum of token cross-entropy divided by the token
-count, backward, AdamW step, zero_grad. After warm-up, timed steps alternate one by
-one between the two models (the order flips every repeat) so that background load
-on a shared machine hits both alike. Reported ratios (ours over theirs):
+``*ForCausalLM`` of the same family. Five contenders (``step_variants.py``): meshforge
+eager, meshforge compiled (``layer.compile()`` on every decoder layer and a
+``torch.compile``d loss), meshforge default (what ``kernels`` unwritten runs), transformers
+eager and transformers under ``torch.compile(model)`` (with the same compiled loss). All get
+the same config, the same weights (loaded from one transformers state dict), the same batch
+and the same AdamW (``fused=True`` by default: on CPU the fused kernel is ~8x faster than the
+per-tensor loop that is torch's CPU default, which would otherwise add ~0.5 s per step at
+the large shape), and run the same plain loop: forward, sum of token cross-entropy divided by
+the token count, backward, AdamW step, zero_grad. After warm-up (two steps at least for the
+compiled ones: the first compiles), timed steps run one by one in turn, the order rotated
+every repeat (and reversed every other round), so that background load on a shared machine
+hits all alike. ``ratios`` has each meshforge variant against transformers eager and
+meshforge compiled against transformers compiled:
 
-* ``ratio``: total tokens/s over all timed steps;
-* ``ratio_median_of_pairs``: median over repeats of the two neighbouring steps'
-  time ratio, the figure least disturbed by bursts of load from other processes;
-* ``ratio_of_fastest_steps``: fastest step of each;
-* ``ratio_cpu_time``: process CPU time (all threads) over the timed steps, less
-  affected by being descheduled when the machine is oversubscribed.
+* ``median_of_pairs``: median over repeats of the two steps' time ratio within a round,
+  the figure least disturbed by bursts of load from other processes;
+* ``total``: total tokens/s over all timed steps;
+* ``fastest_steps``: fastest step of each;
+* ``cpu_time``: process CPU time (all threads) over the timed steps, less affected by
+  being descheduled when the machine is oversubscribed.
+
+``first_loss`` is every contender's first step (same weights, same batch: equal to the
+printed digits). ``compile_time`` (``compile_time.py``; ``--no-compile-time`` skips it) is
+each compiled variant's first step minus its steady step, cold (a fresh
+``TORCHINDUCTOR_CACHE_DIR``) and in a second process with that cache warm. ``cpu`` is the
+CPU's model name.
 
 Model FLOPs per token = 6 * N_matmul + 12 * L * H * D * S, where N_matmul counts
 every weight that takes part in a matmul (all projections and the LM head, a tied
@@ -37,7 +48,7 @@ Also ``minimax_m2`` (MoE shape ``small``, every layer sparse) against transforme
 share of the mm peak only.
 
 Run: ``python benchmarks/step_throughput.py [--family qwen3|qwen3_moe|deepseek_v3|minimax_m2|step3p5|all]
-[--quick] [--shape small|large|all] [--breakdown]``. Prints one JSON line per
+[--quick] [--shape small|large|all] [--breakdown] [--eager-only | --variants ...]``. Prints one JSON line per
 (family, shape).
 """
 
@@ -47,6 +58,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -56,8 +68,9 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import compile_time  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from step_variants import COMPILED_VARIANTS, VARIANTS, Runner, step_breakdown  # noqa: E402
 
 from meshforge.models.deepseek_v3.args import DeepseekV3Args  # noqa: E402
 from meshforge.models.deepseek_v3.model import DeepseekV3ForCausalLM  # noqa: E402
@@ -311,71 +324,21 @@ def measure_rss(family: str, shape: str, adamw: str, threads: int) -> dict[str, 
     return out
 
 
-class Runner:
-    """One model, its AdamW and the shared batch; ``step()`` is one training step."""
-
-    def __init__(
-        self, name: str, model: torch.nn.Module, batch: dict[str, torch.Tensor], is_hf: bool, adamw: str
-    ):
-        self.name = name
-        self.model = model
-        self.is_hf = is_hf
-        self.input_ids = batch["input_ids"]
-        self.labels = batch["labels"].flatten()
-        self.num_tokens = int((self.labels != -100).sum())
-        impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[adamw]
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **impl)
-        self.seconds = 0.0
-        self.block_seconds: list[float] = []
-        self.cpu_seconds = 0.0
-        self.tokens = 0
-        self.losses: list[float] = []
-
-    def step(self) -> float:
-        if self.is_hf:
-            logits = self.model(input_ids=self.input_ids, use_cache=False).logits
-        else:
-            logits = self.model(self.input_ids)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), self.labels, reduction="sum") / self.num_tokens
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    def timed_block(self, steps: int) -> None:
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            self.losses.append(self.step())
-        dt = time.perf_counter() - t0
-        self.cpu_seconds += time.process_time() - c0
-        self.seconds += dt
-        self.block_seconds.append(dt)
-        self.tokens += steps * self.input_ids.numel()
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
-_CATEGORIES = (
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
-    ("attention", ("scaled_dot_product",)),
-    ("loss", ("log_softmax", "nll_loss")),
-    ("optimizer", ("adam",)),
-)
-
-
-def step_breakdown(runner: Runner, steps: int = 2) -> dict[str, float]:
-    """Milliseconds per step by kind of kernel (self CPU time under torch.profiler)."""
-    totals = {name: 0.0 for name, _ in _CATEGORIES} | {"other": 0.0}
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            runner.step()
-    for event in prof.key_averages():
-        key = event.key.lower()
-        kind = next((name for name, needles in _CATEGORIES if any(n in key for n in needles)), "other")
-        totals[kind] += event.self_cpu_time_total / 1e3 / steps
-    return {k: round(v, 1) for k, v in totals.items()}
+def _pair_median(reference: Runner, other: Runner) -> float:
+    """Median over repeats of reference/other block time: the two ran next to each other."""
+    return _median([r / o for r, o in zip(reference.block_seconds, other.block_seconds)])
 
 
 def run_shape(
@@ -389,35 +352,43 @@ def run_shape(
     peak: float,
     adamw: str,
     breakdown: bool = False,
-    compile_layers: bool = False,
+    variants: tuple[str, ...] = tuple(VARIANTS),
 ) -> dict:
     family = FAMILIES[family_name]
     args = shape_args(family, spec)
-    hf, ours = make_pair(family, args)
+    hf = build_hf(family, args)
+    state = hf.state_dict()
     batch = shape_batch(spec, args.vocab_size)
-    runners = [
-        Runner("transformers", hf, batch, True, adamw),
-        Runner("meshforge", ours, batch, False, adamw),
-    ]
-    if compile_layers:
-        # Not part of the eager comparison: what torch.compile of each decoder layer
-        # (regional compile, as a kernels.compile option would do) adds on top.
-        compiled = family.model_cls(args).train()
-        compiled.load_state_dict(hf.state_dict(), strict=True)
-        for i, layer in enumerate(compiled.model.layers):
-            compiled.model.layers[i] = torch.compile(layer)
-        runners.append(Runner("meshforge_compiled", compiled, batch, False, adamw))
+    runners: list[Runner] = []
+    models: dict[str, torch.nn.Module] = {}
+    for variant in variants:
+        is_hf, make = VARIANTS[variant]
+        if is_hf:
+            model = hf if not any(VARIANTS[r.name][0] for r in runners) else build_hf(family, args)
+        else:
+            model = family.model_cls(args).train()
+        model.load_state_dict(state, strict=True)
+        models[variant] = model
+        runners.append(Runner(variant, model, batch, is_hf, adamw, make(model)))
+    # Compiled variants compile forward and backward in the first step; the second is steady.
+    # Every contender gets as many warm-up steps, so that the last losses are comparable too.
+    warmup = max(warmup, 2) if any(r.fns.compiled for r in runners) else warmup
     for r in runners:
-        for _ in range(warmup):
-            r.step()
+        r.warmup(warmup)
     mm_a, mm_b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     peak_samples = [peak]
     for i in range(repeats):
-        for r in runners if i % 2 == 0 else runners[::-1]:
+        # Rotate the order every repeat (reversed on odd rounds) so that every contender
+        # runs next to every other one and no position is favoured.
+        k = i % len(runners)
+        order = runners[k:] + runners[:k]
+        for r in order if (i // len(runners)) % 2 == 0 else order[::-1]:
             r.timed_block(steps)
-        # A peak sample under the same background load as this pair of blocks.
+        # A peak sample under the same background load as this round of blocks.
         peak_samples.append(_mm_rate(mm_a, mm_b))
-    theirs, mine = runners[:2]
+    by_name = {r.name: r for r in runners}
+    reference = runners[0]
+    ours = next(m for v, m in models.items() if not VARIANTS[v][0])
     flops_per_token = ours.flops_per_token(spec["seq"])
     tokens_per_block = steps * batch["input_ids"].numel()
     gflops = {r.name: flops_per_token * r.tokens_per_s / 1e9 for r in runners}
@@ -427,10 +398,30 @@ def run_shape(
     }
     best_gflops = {r.name: flops_per_token * tokens_per_block / min(r.block_seconds) / 1e9 for r in runners}
     peak_median, peak_best = _median(peak_samples), max(peak_samples)
-    ratio = mine.tokens_per_s / theirs.tokens_per_s
-    # Per-repeat ratios: each pair of neighbouring blocks saw similar background load.
-    pair_ratios = sorted(t / m for t, m in zip(theirs.block_seconds, mine.block_seconds))
-    best_ratio = min(theirs.block_seconds) / min(mine.block_seconds)
+    mesh = [r for r in runners if not r.is_hf]
+    # Each meshforge variant against transformers eager (and compiled against compiled):
+    # median over repeats of the two blocks' time ratio, the figure least moved by load bursts.
+    ratios: dict[str, dict[str, float]] = {}
+    for r in mesh:
+        ratios[f"{r.name}/{reference.name}"] = {
+            "median_of_pairs": round(_pair_median(reference, r), 3),
+            "total": round(r.tokens_per_s / reference.tokens_per_s, 3),
+            "fastest_steps": round(min(reference.block_seconds) / min(r.block_seconds), 3),
+            "cpu_time": round(reference.cpu_seconds / r.cpu_seconds, 3),
+        }
+    if "transformers_compiled" in by_name and "meshforge_compiled" in by_name:
+        theirs, mine = by_name["transformers_compiled"], by_name["meshforge_compiled"]
+        ratios["meshforge_compiled/transformers_compiled"] = {
+            "median_of_pairs": round(_pair_median(theirs, mine), 3),
+            "total": round(mine.tokens_per_s / theirs.tokens_per_s, 3),
+            "fastest_steps": round(min(theirs.block_seconds) / min(mine.block_seconds), 3),
+            "cpu_time": round(theirs.cpu_seconds / mine.cpu_seconds, 3),
+        }
+    if "transformers_compiled" in by_name:
+        theirs = by_name["transformers_compiled"]
+        ratios["transformers_compiled/transformers_eager"] = {
+            "median_of_pairs": round(_pair_median(reference, theirs), 3)
+        }
     result = {
         "family": family_name,
         "shape": name,
@@ -442,13 +433,10 @@ def run_shape(
         "params": ours.num_params(),
         "active_params": ours.num_params(active=True) if hasattr(ours, "moe_layers") else ours.num_params(),
         "tokens_per_s": {r.name: round(r.tokens_per_s, 1) for r in runners},
-        "ratio": round(ratio, 3),
-        "ratio_median_of_pairs": round(pair_ratios[len(pair_ratios) // 2], 3),
-        "ratio_min_max_of_pairs": [round(pair_ratios[0], 3), round(pair_ratios[-1], 3)],
-        "ratio_of_fastest_steps": round(best_ratio, 3),
-        # CPU seconds of this process (all threads), theirs over ours: less sensitive than wall
-        # time to being descheduled on a crowded machine (not to shared caches and memory bandwidth).
-        "ratio_cpu_time": round(theirs.cpu_seconds / mine.cpu_seconds, 3),
+        "tokens_per_s_median_step": {
+            r.name: round(tokens_per_block / _median(r.block_seconds), 1) for r in runners
+        },
+        "ratios": ratios,
         "adamw": adamw,
         "gflops": {k: round(v, 2) for k, v in gflops.items()},
         "share_of_peak": {k: round(v / peak_median, 3) for k, v in median_gflops.items()},
@@ -456,20 +444,19 @@ def run_shape(
         "mm_peak_gflops": {"median": round(peak_median, 1), "best": round(peak_best, 1)},
         "target_ratio": spec["target_ratio"],
         "target_share_of_peak": spec["target_peak"],
-        # Same data, weights and optimizer: the last losses should agree closely.
+        # Same data, weights and optimizer: the first step's losses agree to the printed digits.
+        "first_loss": {r.name: round(r.first_loss, 5) for r in runners},
         "last_loss": {r.name: round(r.losses[-1], 5) for r in runners},
         "peak_rss_mb_this_process": round(_rss_mb(), 1),
         "timed_steps_each": steps * repeats,
         "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        "torch": torch.__version__,
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
     experts_impl = getattr(hf.config, "_experts_implementation", None)
     if hasattr(ours, "moe_layers") and experts_impl is not None:
         result["hf_experts_implementation"] = experts_impl
-    if compile_layers:
-        result["ratio_compiled_median_of_pairs"] = round(
-            _median([t / c for t, c in zip(theirs.block_seconds, runners[2].block_seconds)]), 3
-        )
     if breakdown:
         result["ms_per_step_by_kernel"] = {r.name: step_breakdown(r) for r in runners}
     return result
@@ -504,17 +491,33 @@ def main(argv: list[str] | None = None) -> None:
         "--breakdown", action="store_true", help="also profile one step of each: ms by kind of kernel"
     )
     parser.add_argument(
-        "--compile",
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="contenders (transformers_eager, the ratios' reference, is always run)",
+    )
+    parser.add_argument(
+        "--eager-only", action="store_true", help="transformers_eager and meshforge_eager only"
+    )
+    parser.add_argument(
+        "--no-compile-time",
         action="store_true",
-        help="add a third run: meshforge with torch.compile per decoder layer (not in the eager ratio)",
+        help="skip the cold/warm-cache compile-time child runs of the compiled variants",
     )
     parser.add_argument("--no-rss", action="store_true", help="skip the per-model peak-RSS child runs")
     parser.add_argument("--rss-child", choices=["transformers", "meshforge"], help=argparse.SUPPRESS)
+    parser.add_argument("--compile-child", choices=list(COMPILED_VARIANTS), help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     if opts.rss_child:
         rss_child(opts.rss_child, opts.family, opts.shape, opts.adamw)
         return
+    if opts.compile_child:
+        compile_time.child_main(opts.compile_child, opts.family, opts.shape, opts.adamw)
+        return
+    chosen = ["transformers_eager", "meshforge_eager"] if opts.eager_only else opts.variants
+    variants = tuple(v for v in VARIANTS if v == "transformers_eager" or v in chosen)
     if opts.family == "mamba3":
         # No transformers class exists: the chunked scan against the step recurrence.
         from mamba3_throughput import main as mamba3_main
@@ -561,8 +564,15 @@ def main(argv: list[str] | None = None) -> None:
             peak=peak,
             adamw=opts.adamw,
             breakdown=opts.breakdown,
-            compile_layers=opts.compile,
+            variants=variants,
         )
+        # The timed figures first (stderr), in case the compile-time runs below are cut short.
+        print(json.dumps(result), file=sys.stderr, flush=True)
+        compiled = tuple(v for v in variants if v in COMPILED_VARIANTS)
+        if compiled and not opts.no_compile_time:
+            result["compile_time"] = compile_time.measure_compile_time(
+                compiled, fam, name, opts.adamw, opts.threads
+            )
         if not opts.no_rss:
             result["peak_rss_mb"] = measure_rss(fam, name, opts.adamw, opts.threads)
         print(json.dumps(result), flush=True)

@@ -175,9 +175,11 @@ def chunk_loss_and_grad(
     safe = torch.where(valid, labels, torch.zeros_like(labels))
     picked = logits.gather(1, safe[:, None]).squeeze(1)
     loss = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
-    grad = torch.exp(logits - lse[:, None])
-    grad = grad.scatter_add(1, safe[:, None], -torch.ones_like(lse)[:, None])
-    grad = grad * (valid[:, None] * scale)
+    # In place on the chunk's own float32 logits (callers run this without autograd): eagerly,
+    # three passes over [chunk, vocab] and no second buffer.
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad.scatter_add_(1, safe[:, None], -torch.ones_like(lse)[:, None])
+    grad.mul_((valid * scale)[:, None])
     return loss, grad.to(hidden.dtype)
 
 
