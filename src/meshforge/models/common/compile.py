@@ -10,10 +10,12 @@ The ``auto`` rule (:func:`decide_compile`):
 * CUDA/NPU: on. Kernel launches and elementwise chains are what compile removes there, and
   its cost (tens of seconds) is small next to any real run.
 * CPU: on only when the run's estimated eager length reaches :data:`CPU_PAYBACK_SECONDS`.
-  On this project's 2-core CPUs a cold compile of a small model's layers and loss takes
-  ~25-40 s and the compiled step is ~1.1x the eager one, so a run pays the compile back after
-  about 11 x 40 s; the threshold keeps a margin for a cold cache and a bigger model. The
-  estimate is ``steps x tokens per step x FLOPs per token / (0.5 x a measured fp32 matmul
+  Measured on this project's 2-core Xeon (``benchmarks/step_throughput.py``, small Qwen3):
+  a cold compile of the layers and the loss takes 33 s (3 s with a warm inductor cache) and
+  the compiled step is 1.27x the eager one (0.54 against 0.68 s), so a cold compile pays back
+  after about 160 s of eager training; at the large shape the gain is 1.1x on steps ten
+  times longer. The threshold keeps a margin of about 4x for bigger models, whose compile
+  takes longer, and for the estimate's error. The estimate is ``steps x tokens per step x FLOPs per token / (0.5 x a measured fp32 matmul
   rate)`` (training steps reach about half the matmul peak here). Short runs (tests, the
   demo, smoke runs) therefore stay eager unless they ask for ``true``.
 
