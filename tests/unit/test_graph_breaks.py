@@ -243,6 +243,7 @@ def _cp_layer_calls(family: str, method: str, mesh: Any) -> list[tuple[nn.Module
     return layer_calls(model, shard_batch_for_cp(packed_batch(model), mesh, method=method))
 
 
+@pytest.mark.slow  # several seconds of tracing per case: the full suite runs it
 @pytest.mark.parametrize(
     ("family", "method"), [(f, m) for m in ("ulysses", "kvallgather") for f in _cp_families(m)]
 )
