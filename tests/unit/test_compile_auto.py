@@ -96,6 +96,20 @@ def test_fused_auto_turns_off_for_a_model_without_hidden_output_and_true_is_refu
         configure_model_kernels(plain, _options(96, fused_linear_cross_entropy=True), family="other")
 
 
+def test_compile_auto_turns_off_for_a_model_without_decoder_layers_and_true_is_refused() -> None:
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    cfg = config_from_dict({}).kernels
+    on = resolve_kernel_options(cfg, device=torch.device("cuda"), compute_dtype=torch.float32, vocab_size=4)
+    assert on.compile and on.compile_auto
+    off = configure_model_kernels(plain, on, family="other")
+    assert not off.compile
+    assert off.compile_reason == "kernels.compile: auto -> off (Sequential has no model.layers to compile)"
+    forced = _options(4, compile=True)
+    assert configure_model_kernels(plain, forced, family="other").compile  # apply_compile then names the key
+    with pytest.raises(ValueError, match="^kernels.compile: Sequential has no model.layers"):
+        apply_compile(plain)
+
+
 def _failing_backend(gm, example_inputs):
     raise RuntimeError("no compiler on this machine")
 

@@ -85,6 +85,8 @@ class KernelOptions:
         fix_router: Fixed balanced expert assignment (MoE only).
         compile: ``torch.compile`` each decoder layer and the loss steps.
         compile_backend: The ``torch.compile`` backend.
+        compile_auto: ``compile`` was decided by ``auto`` (a model without ``model.layers``
+            then trains eagerly instead of failing).
         compile_reason: The start-up log's sentence about the compile decision.
         chunk_loss_size: Tokens per cross-entropy chunk (the recomputing chunked loss, or the
             fused loss's chunk when ``fused_ce``), or None.
@@ -103,6 +105,7 @@ class KernelOptions:
     grouped_mm: bool = False
     fix_router: bool = False
     compile: bool = False
+    compile_auto: bool = False
     compile_backend: str = "inductor"
     compile_reason: str = ""
     chunk_loss_size: int | None = None
@@ -227,6 +230,7 @@ def resolve_kernel_options(
         grouped_mm=grouped,
         fix_router=kernels.fix_router,
         compile=decision.on,
+        compile_auto=kernels.compile == "auto",
         compile_backend=kernels.compile_backend,
         compile_reason=decision.reason,
         chunk_loss_size=kernels.chunk_loss_size,
@@ -285,7 +289,8 @@ def configure_model_kernels(model: nn.Module, options: KernelOptions, *, family:
 
     Returns:
         The options the run uses: ``fused_linear_cross_entropy: auto`` is turned off for a
-        model that cannot return its hidden states.
+        model that cannot return its hidden states, and ``compile: auto`` for one without
+        ``model.layers``.
 
     Raises:
         ValueError: A switch is on and the family has no ``configure_kernels``, or
@@ -299,6 +304,12 @@ def configure_model_kernels(model: nn.Module, options: KernelOptions, *, family:
         for key, on in options.model_switches().items():
             if on:
                 raise ValueError(f"kernels.{key}: not supported by the {family} model family; unset it")
+    if options.compile and options.compile_auto and not _has_decoder_layers(model):
+        options = dataclasses.replace(
+            options,
+            compile=False,
+            compile_reason=f"kernels.compile: auto -> off ({type(model).__name__} has no model.layers to compile)",
+        )
     hidden = supports_hidden_output(model)
     if options.fused_ce and not hidden:
         if options.fused_ce_auto:
@@ -313,6 +324,16 @@ def configure_model_kernels(model: nn.Module, options: KernelOptions, *, family:
             "(forward(..., return_hidden=True) and a bias-free lm_head); unset it"
         )
     return options
+
+
+def _has_decoder_layers(model: nn.Module) -> bool:
+    from meshforge.models.common.compile import decoder_layers
+
+    try:
+        decoder_layers(model)
+    except ValueError:
+        return False
+    return True
 
 
 def supports_hidden_output(model: nn.Module) -> bool:
