@@ -95,7 +95,7 @@ def _child(case: str, seq: int, batch: int, steps: int, weights: str) -> dict:
     import torch
     import transformers  # noqa: F401  (every child pays the same import)
 
-    from meshforge.loss import chunked_cross_entropy_sum, cross_entropy_sum
+    from meshforge.loss.cross_entropy import chunked_cross_entropy_sum, cross_entropy_sum
     from meshforge.memory.apply import apply_activation_memory
     from meshforge.memory.ledger import SavedTensorLedger
     from meshforge.models.qwen3.model import Qwen3ForCausalLM

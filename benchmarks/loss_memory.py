@@ -70,7 +70,7 @@ def _rss_mb() -> float:
 def _loss_child(mode: str, chunk: int, tokens: int, hidden: int) -> dict:
     import torch
 
-    from meshforge.loss import chunked_cross_entropy_sum, cross_entropy_sum
+    from meshforge.loss.cross_entropy import chunked_cross_entropy_sum, cross_entropy_sum
 
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, hidden, generator=gen).mul_(0.5).requires_grad_()
@@ -91,14 +91,14 @@ def _loss_child(mode: str, chunk: int, tokens: int, hidden: int) -> dict:
 
 
 def _lm_loss_child(mode: str, chunk: int, h, w, labels, tokens: int) -> dict:
-    """The fused loss and the compiled losses through ``meshforge.lm_loss.LMLoss``.
+    """The fused loss and the compiled losses through ``meshforge.loss.lm.LMLoss``.
 
     The fused loss uses its default chunk at this vocabulary (512 tokens). Compiled modes run once first (the compile, outside the measured peak and time) and are
     then timed as the median of three calls; their peak RSS includes the compiler's own memory.
     """
     import statistics
 
-    from meshforge.lm_loss import LMLoss, fused_chunk_size
+    from meshforge.loss.lm import LMLoss, fused_chunk_size
 
     name = mode.removesuffix("_compiled")
     if name == "fused":
@@ -154,7 +154,7 @@ def _step_child(mode: str, chunk: int, tied: bool, weights: str) -> dict:
     import torch
     import transformers  # noqa: F401  (every child pays the same import, so baselines match)
 
-    from meshforge.loss import chunked_cross_entropy_sum, cross_entropy_sum
+    from meshforge.loss.cross_entropy import chunked_cross_entropy_sum, cross_entropy_sum
     from meshforge.models.qwen3.model import Qwen3ForCausalLM
 
     args = _step_args(tied)

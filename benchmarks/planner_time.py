@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshforge.cli import main
+from meshforge.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = {

@@ -42,7 +42,7 @@ from meshforge.data.megatron.gpt_dataset import GPTDataset, GPTDatasetConfig, bu
 from meshforge.data.megatron.indexed import IndexedDataset, IndexedDatasetWriter
 from meshforge.data.megatron.preprocess import PreprocessOptions, preprocess
 from meshforge.data.tokenizer import build_tokenizer
-from meshforge.resources import resolve_path
+from meshforge.utils.resources import resolve_path
 
 TOKENIZER = "meshforge://assets/tokenizer"
 SEQ = 1024

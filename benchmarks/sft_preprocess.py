@@ -37,7 +37,7 @@ from meshforge.data.sft.loader import build_sft_columns  # noqa: E402
 from meshforge.data.sft.processor import encode_batch  # noqa: E402
 from meshforge.data.sft.templates import get_template  # noqa: E402
 from meshforge.data.tokenizer import build_tokenizer  # noqa: E402
-from meshforge.resources import resolve_path  # noqa: E402
+from meshforge.utils.resources import resolve_path  # noqa: E402
 
 TOKENIZER = "meshforge://assets/tokenizer"
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from meshforge.config import load_config
-from meshforge.trainer import Trainer
+from meshforge.train.trainer import Trainer
 
 # Stored and computed in bf16 ("b") or stored fp32 and computed in bf16 ("m"), each with the
 # fp32 (default) and the bf16 accumulation.

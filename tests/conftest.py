@@ -155,7 +155,7 @@ def train_here(config: Path, overrides: list[str], *, log: Callable[[str], None]
     import torch.distributed as dist
 
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     existed = dist.is_initialized()
     trainer = Trainer(load_config(str(config), overrides), log=log or (lambda _line: None))

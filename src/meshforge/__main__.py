@@ -10,7 +10,7 @@ Everything the run writes is closed and flushed before this point.
 import os
 import sys
 
-from meshforge.cli import main
+from meshforge.cli.main import main
 
 code = main()
 if "torch.distributed" in sys.modules:

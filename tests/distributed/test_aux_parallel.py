@@ -65,7 +65,7 @@ def _cp_batch() -> dict[str, torch.Tensor]:
 
 
 def _check_cp_qwen3_moe(method: str, mesh) -> None:
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
     from meshforge.models.common.moe import set_aux_reduce_group
     from meshforge.models.qwen3_moe.model import build_qwen3_moe
     from meshforge.parallel.context import apply_cp, shard_batch_for_cp
@@ -176,7 +176,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_pp(rank: int, case, pp_mesh, dp_mesh) -> None:
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
     from meshforge.parallel.fsdp import apply_fsdp
     from meshforge.parallel.pipeline import build_pipeline, split_model
 
@@ -224,7 +224,7 @@ def _check_pp(rank: int, case, pp_mesh, dp_mesh) -> None:
 
 def _check_pp_cp(rank: int, family: str, mesh) -> None:
     """pp2 x cp2: the carried totals of each CP rank are summed over the CP group on the last stage."""
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
     from meshforge.models.common.moe import set_aux_reduce_group
     from meshforge.parallel.context import apply_cp, shard_batch_for_cp
     from meshforge.parallel.pipeline import build_pipeline, split_model

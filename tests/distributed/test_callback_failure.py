@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 FAILING = textwrap.dedent(
     """
-    from meshforge.callbacks import Callback
+    from meshforge.train.callbacks import Callback
 
 
     class FailOnRank1(Callback):
@@ -58,5 +58,5 @@ def test_a_failing_callback_on_one_rank_stops_both_with_its_name(tiny_config: Pa
     assert own in proc.stderr, proc.stderr
     assert "failing_cb.py:" in proc.stderr.split(own, 1)[1].split(")", 1)[0]
     assert proc.stderr.count("exitcode  : 1 ") == 2, proc.stderr
-    assert "meshforge/trainer" not in proc.stderr and "meshforge/callback" not in proc.stderr
+    assert "meshforge/train/" not in proc.stderr and "meshforge/callback" not in proc.stderr
     assert [r["step"] for r in read_metrics(out)] == [1, 2]

@@ -77,7 +77,7 @@ def _build(moe: bool):
 
 def _reference(moe: bool, batch, tokens):
     """One process, no CP, no chunks: logits, total loss, gradients."""
-    from meshforge.loss import cross_entropy_sum
+    from meshforge.loss.cross_entropy import cross_entropy_sum
 
     model = _build(moe)
     logits = model(batch["input_ids"], None, batch["segment_ids"])
@@ -90,7 +90,7 @@ def _reference(moe: bool, batch, tokens):
 
 def _cp_run(moe: bool, method: str, mesh, batch, tokens, chunks: int | None):
     """This rank's CP run (chunked when ``chunks``): full logits, total loss, CP-summed gradients."""
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
     from meshforge.models.common.moe import set_aux_reduce_group
     from meshforge.parallel.chunk_batch import apply_chunk_batch
     from meshforge.parallel.config import MS_CHUNK_KWARGS

@@ -80,7 +80,7 @@ def _moe_args():
 
 
 def _check_equal(method: str, mesh, *, packed: bool, args=None, derive_positions: bool = False) -> None:
-    from meshforge.loss import cross_entropy_sum
+    from meshforge.loss.cross_entropy import cross_entropy_sum
     from meshforge.models.qwen3.model import build_qwen3
     from meshforge.models.qwen3_moe.model import build_qwen3_moe
     from meshforge.parallel.context import apply_cp, shard_batch_for_cp, unshard_sequence

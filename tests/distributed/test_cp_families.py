@@ -110,7 +110,7 @@ def _reference(build):
 
 
 def _check_equal(name: str, build, method: str, mesh, *, packed: bool) -> None:
-    from meshforge.loss import cross_entropy_sum
+    from meshforge.loss.cross_entropy import cross_entropy_sum
     from meshforge.parallel.context import apply_cp, shard_batch_for_cp, unshard_sequence
 
     ref = _reference(build)

@@ -97,7 +97,7 @@ def _batch(packed: bool) -> dict[str, torch.Tensor]:
 
 
 def _check_equal(folder: Path, method: str, mesh, *, packed: bool, chunks: int = 1) -> None:
-    from meshforge.loss import cross_entropy_sum
+    from meshforge.loss.cross_entropy import cross_entropy_sum
     from meshforge.parallel.chunk_batch import apply_chunk_batch
     from meshforge.parallel.context import apply_cp, shard_batch_for_cp
 

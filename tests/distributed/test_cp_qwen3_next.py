@@ -106,7 +106,7 @@ def _reference(build):
 
 
 def _check_equal(name: str, build, mesh, *, packed: bool, tol: float = TOL) -> None:
-    from meshforge.loss import cross_entropy_sum
+    from meshforge.loss.cross_entropy import cross_entropy_sum
     from meshforge.models.common.moe import set_aux_reduce_group
     from meshforge.parallel.context import apply_cp, shard_batch_for_cp, unshard_sequence
 

@@ -55,7 +55,7 @@ def test_two_ranks_skip_and_stop_at_the_same_step(
     # Both workers ended with the trainer's exit status, not with a Python exception of ours
     # (torchrun prints its own summary of failed workers).
     assert proc.stderr.count("exitcode  : 1 ") == 2, proc.stderr
-    assert "meshforge/trainer" not in proc.stderr and "meshforge/health" not in proc.stderr
+    assert "meshforge/train/" not in proc.stderr and "meshforge/health" not in proc.stderr
     records = read_metrics(out)
     last = records[-1]["step"]
     assert [r["step"] for r in records] == list(range(1, last + 1))

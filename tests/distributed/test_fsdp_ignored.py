@@ -93,7 +93,7 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def _step(model, opt, batch, *, rank: int | None) -> tuple[float, float]:
     """One optimizer step; `rank` None = the single-process reference on the whole batch."""
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
     from meshforge.optim.clip import clip_grad_norm_
     from meshforge.parallel.fsdp import sync_ignored_grads
 
@@ -236,7 +236,7 @@ def _checkpoint_case(mesh, rank: int, save_dir: Path) -> None:
 
 
 def _meta_and_bf16_cases(mesh, rank: int) -> None:
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
     from meshforge.models.materialize import materialize_and_init
     from meshforge.models.registry import resolve_family
     from meshforge.parallel.fsdp import apply_fsdp

@@ -169,7 +169,7 @@ def _effects_worker(rank: int, world: int, root: str) -> None:
     from meshforge.config import load_config
     from meshforge.models.registry import resolve_family
     from meshforge.parallel.fsdp import apply as fsdp
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     config = Path(root) / "tiny.yaml"

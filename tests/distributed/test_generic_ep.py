@@ -41,7 +41,7 @@ def _train_and_export(
 
     from meshforge.config import load_config
     from meshforge.parallel.expert import is_expert_parallel
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     cfg = load_config(
         str(config),

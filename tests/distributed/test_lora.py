@@ -38,7 +38,7 @@ def _tp_placements(config: Path, out: Path) -> dict[str, str]:
     from torch.distributed.tensor import DTensor
 
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     cfg = load_config(
         str(config), [*LAYOUTS["tp2"], "--checkpoint.enable_save=false", f"--training.output_dir={out}"]

@@ -69,7 +69,7 @@ def _vary(model: torch.nn.Module) -> None:
 
 
 def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
 
     logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))
     return logits, cross_entropy_sum(logits, batch["labels"]) / count_valid_tokens(batch["labels"])
@@ -152,7 +152,7 @@ def _check_dp(rank: int, mesh) -> None:
 
 
 def _check_pp(rank: int, mesh) -> None:
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
     from meshforge.models.registry import resolve_family
     from meshforge.parallel.pipeline import build_pipeline, split_model
 

@@ -68,7 +68,7 @@ LAYOUTS = {
 
 def _worker(rank: int, world: int, root: str) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     config = Path(root) / "mtp.yaml"

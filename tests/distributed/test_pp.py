@@ -82,7 +82,7 @@ def _build(tied: bool, fsdp_mesh):
 
 def _reference(tied: bool, fsdp: bool, micro, steps: int = 2):
     """Per step: CE sum and gradients by name (tied head under both names); final weights."""
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
 
     model = _build(tied, object() if fsdp else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -113,7 +113,7 @@ def _micro(packed: bool) -> list[dict[str, torch.Tensor]]:
 
 
 def _run_case(case, root: Path, pp_mesh, cp_mesh) -> None:
-    from meshforge.loss import cross_entropy_sum
+    from meshforge.loss.cross_entropy import cross_entropy_sum
     from meshforge.parallel.context import apply_cp, shard_batch_for_cp
     from meshforge.parallel.pipeline import build_pipeline, split_model
 

@@ -72,7 +72,7 @@ def _build(tied: bool, device: str = "cpu"):
 
 
 def _ce(model, micro) -> torch.Tensor:
-    from meshforge.loss import cross_entropy_sum
+    from meshforge.loss.cross_entropy import cross_entropy_sum
 
     with torch.no_grad():
         return sum(
@@ -83,7 +83,7 @@ def _ce(model, micro) -> torch.Tensor:
 
 def _reference(tied: bool, train, evals, steps: int):
     """Per step: the eval CE sum before it, and its gradients; then the final eval CE sum."""
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
 
     model = _build(tied)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

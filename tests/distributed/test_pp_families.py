@@ -106,7 +106,7 @@ def micro_batches() -> list[dict[str, torch.Tensor]]:
 
 
 def _reference(family: str, tied: bool, micro, steps: int = 2):
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
 
     model = build_family(family, tied)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

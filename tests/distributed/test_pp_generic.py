@@ -100,7 +100,7 @@ def micro_batches(packed: bool = True) -> list[dict[str, torch.Tensor]]:
 
 
 def _reference(folder: Path, micro, steps: int = 2):
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
 
     model = build_generic(folder)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from meshforge.resources import resolve_path
+from meshforge.utils.resources import resolve_path
 from tests.conftest import read_metrics
 
 pytestmark = pytest.mark.slow  # every test here runs meshforge in subprocesses

@@ -119,7 +119,7 @@ def _cases(root: Path) -> list[tuple[str, Path, list[str], list[tuple[str, list[
 def _held_bytes_under_tp2(config: Path, overrides: list[str], out: Path) -> int:
     """Bytes held for backward by one forward on this TP rank (parameters excluded)."""
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     cfg = load_config(
         str(config), [*overrides, *TP2, "--checkpoint.enable_save=false", f"--training.output_dir={out}"]

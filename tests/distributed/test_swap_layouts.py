@@ -45,7 +45,7 @@ LAYOUTS: dict[str, tuple[list[str], list[list[str]]]] = {
 
 def _records(config: Path, overrides: list[str], out: Path) -> list[dict]:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     cfg = load_config(
         str(config),

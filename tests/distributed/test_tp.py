@@ -97,7 +97,7 @@ def _randomise_norms(model: torch.nn.Module) -> None:
 
 
 def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
 
     logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))
     loss = cross_entropy_sum(logits, batch["labels"]) / count_valid_tokens(batch["labels"])
@@ -232,7 +232,7 @@ def _check_generic(mesh) -> None:
 
 
 def _check_refusals(mesh) -> None:
-    from meshforge.loss import chunked_cross_entropy_sum
+    from meshforge.loss.cross_entropy import chunked_cross_entropy_sum
     from meshforge.models.registry import resolve_family
     from meshforge.parallel.tensor import apply_tp
 

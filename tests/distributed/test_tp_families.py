@@ -164,7 +164,7 @@ def _small_chunks(model: torch.nn.Module) -> None:
 
 
 def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    from meshforge.loss import count_valid_tokens, cross_entropy_sum
+    from meshforge.loss.cross_entropy import count_valid_tokens, cross_entropy_sum
 
     logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))
     loss = cross_entropy_sum(logits, batch["labels"]) / count_valid_tokens(batch["labels"])

@@ -12,7 +12,7 @@ import torch
 
 from meshforge.config import config_from_dict
 from meshforge.config.root import TrainConfig
-from meshforge.loss import chunked_cross_entropy_sum, cross_entropy_sum
+from meshforge.loss.cross_entropy import chunked_cross_entropy_sum, cross_entropy_sum
 from meshforge.memory.apply import ActivationSettings, apply_activation_memory
 from meshforge.memory.ledger import SavedTensorLedger
 from meshforge.parallel.dims import ParallelDims

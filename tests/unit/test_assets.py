@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshforge.resources import data_root, resolve_path
+from meshforge.utils.resources import data_root, resolve_path
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 CORPUS = ASSETS / "corpus" / "python_docstrings.jsonl"

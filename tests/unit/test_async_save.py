@@ -156,7 +156,7 @@ def test_a_run_resumes_bitwise_from_a_step_saved_in_the_background(
 ) -> None:
     """The copy of step 2 is slowed down: the step-3 update must not land in step 2's checkpoint."""
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     original = StateDictStager.stage
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshforge.callbacks import (
+from meshforge.train.callbacks import (
     Callback,
     CallbackConfig,
     CallbackError,
@@ -25,7 +25,7 @@ from tests.conftest import REPO, read_metrics
 RECORDER = textwrap.dedent(
     """
     import json
-    from meshforge.callbacks import Callback
+    from meshforge.train.callbacks import Callback
 
 
     class Recorder(Callback):
@@ -120,7 +120,7 @@ def test_import_paths_resolve_from_the_working_directory(
         build_callback(_item(type="wd_broken_import:X"), 0)
     with pytest.raises(CallbackError, match=r"module 'wd_callbacks' \(.*wd_callbacks.py\) has no 'Missing'"):
         build_callback(_item(type="wd_callbacks:Missing"), 0)
-    with pytest.raises(CallbackError, match="not a subclass of meshforge.callbacks.Callback"):
+    with pytest.raises(CallbackError, match="not a subclass of meshforge.train.callbacks.Callback"):
         build_callback(_item(type="wd_callbacks:NOT_A_CLASS"), 0)
     with pytest.raises(
         CallbackError,
@@ -134,7 +134,7 @@ def test_a_bad_callback_fails_before_the_model_is_built(
     tiny_config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     monkeypatch.chdir(tiny_config.parent)
     cfg = load_config(
@@ -197,7 +197,7 @@ def test_plot_curves_needs_matplotlib_when_built(monkeypatch: pytest.MonkeyPatch
 def test_the_built_in_plot_callback_draws_the_run_at_its_end(tiny_config: Path) -> None:
     pytest.importorskip("matplotlib")
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     out = tiny_config.parent / "plotted"
     cfg = load_config(

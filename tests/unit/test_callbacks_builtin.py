@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from meshforge.trainer_checkpoints import CheckpointSaver
+from meshforge.train.saver import CheckpointSaver
 from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
 
 
@@ -82,8 +82,8 @@ def test_the_profiler_window_brackets_each_step_and_its_save(
 ) -> None:
     from meshforge.checkpoint.manager import CheckpointManager
     from meshforge.config import load_config
-    from meshforge.profiling import StepProfiler
-    from meshforge.trainer import Trainer
+    from meshforge.monitor.profiling import StepProfiler
+    from meshforge.train.trainer import Trainer
 
     events: list[tuple[str, int]] = []
 

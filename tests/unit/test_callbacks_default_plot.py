@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from meshforge.callbacks import CallbackConfig, PlotCurves, builtin_callbacks
 from meshforge.config import config_from_dict
 from meshforge.monitor.config import MonitorConfig
+from meshforge.train.callbacks import CallbackConfig, PlotCurves, builtin_callbacks
 from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
 
 
@@ -52,7 +52,7 @@ def test_without_matplotlib_the_run_goes_on_with_one_warning(monkeypatch: pytest
 def test_a_run_ends_with_its_plot(tiny_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     image = pytest.importorskip("matplotlib.image")
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     monkeypatch.delenv("MESHFORGE_PLOT", raising=False)
     out = tiny_config.parent / "plotted"

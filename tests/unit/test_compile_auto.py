@@ -179,7 +179,7 @@ def test_compiled_layers_with_aot_eager_match_eager_forward_and_backward() -> No
 
 def test_trainer_logs_the_decision_and_a_short_cpu_run_stays_eager(tiny_config: Path, tmp_path: Path) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     lines: list[str] = []
     cfg = load_config(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from meshforge.cli.config import main
 from meshforge.config import config_from_dict, load_config
-from meshforge.config.cli import main
 from meshforge.config.loader import parse_yaml
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -160,7 +160,7 @@ def test_import_unknown_key_exit_2(tmp_path, capsys):
 def test_module_entry_point_subprocess(tmp_path, text, code):
     path = _write(tmp_path, text)
     proc = subprocess.run(
-        [sys.executable, "-m", "meshforge.config.cli", "validate", path],
+        [sys.executable, "-m", "meshforge.cli.config", "validate", path],
         capture_output=True,
         text=True,
         timeout=60,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from meshforge.config import ConfigError, load_config, unsupported_features, validate_config
-from meshforge.resources import resolve_path
+from meshforge.utils.resources import resolve_path
 
 MG = """\
 model_name_or_path: /m

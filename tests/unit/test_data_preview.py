@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshforge.cli import main
+from meshforge.cli.main import main
 from meshforge.config import load_config
 from meshforge.data.preview import (
     MASK_CLOSE,
@@ -19,7 +19,7 @@ from meshforge.data.preview import (
     preview_rows,
     print_rows,
 )
-from meshforge.resources import resolve_path
+from meshforge.utils.resources import resolve_path
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"

@@ -69,7 +69,7 @@ def test_indexed_reader_names_the_broken_file(tmp_path, case, which, fragment):
 
 
 def _tokenizer_copy(tmp_path: Path) -> Path:
-    from meshforge.resources import resolve_path
+    from meshforge.utils.resources import resolve_path
 
     folder = tmp_path / "tok"
     shutil.copytree(resolve_path("meshforge://assets/tokenizer"), folder)

@@ -114,7 +114,7 @@ def test_mtp_blocks_are_measured_when_trained() -> None:
 
 def test_moe_block_not_named_mlp_falls_back_to_the_formula_within_5_percent() -> None:
     """Step-3.5's routed block (``moe``, data-dependent routing) is found by its experts."""
-    from meshforge.loss import cross_entropy_sum
+    from meshforge.loss.cross_entropy import cross_entropy_sum
     from meshforge.memory.ledger import SavedTensorLedger
 
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ from meshforge.data.loader import EvalLoader  # noqa: E402
 from meshforge.data.megatron.indexed import IndexedDatasetWriter  # noqa: E402
 from meshforge.data.sft.loader import build_sft_data  # noqa: E402
 from meshforge.data.tokenizer import build_tokenizer  # noqa: E402
-from meshforge.evaluation import evaluate  # noqa: E402
+from meshforge.train.evaluation import evaluate  # noqa: E402
 
 X = -100
 EOD = 0

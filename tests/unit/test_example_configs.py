@@ -54,7 +54,7 @@ def test_example_config_trains(config: Path, tmp_path: Path) -> None:
 @pytest.mark.slow  # builds each published model on the meta device and traces a micro-batch
 @pytest.mark.parametrize("name", sorted(REAL_SIZE_WORLDS))
 def test_real_size_example_plans_and_fits_80gb(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from meshforge.cli import main
+    from meshforge.cli.main import main
 
     path = REAL_SIZE / name
     world, model = REAL_SIZE_WORLDS[name]

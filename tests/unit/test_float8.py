@@ -182,7 +182,7 @@ def test_emulated_recipes_train_close_to_bf16(tiny_config: Path, tmp_path: Path)
     loss averages 256 tokens, so the recipes move the loss by ~3e-4 here.
     """
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     losses: dict[str, list[float]] = {}
     for recipe in ("none", "tensorwise", "rowwise", "mxfp8"):

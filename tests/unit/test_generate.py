@@ -197,7 +197,7 @@ def test_interactive_keeps_history_and_resets(folders: dict[str, Path], tmp_path
 def test_dcp_step_generates_the_hf_folders_tokens(folders: dict[str, Path], tmp_path: Path) -> None:
     import yaml
 
-    from meshforge.checkpoint.convert import hf_to_dcp
+    from meshforge.cli.convert import hf_to_dcp
 
     folder = folders["llama"]
     step = hf_to_dcp(folder, tmp_path / "step", log=lambda _m: None)

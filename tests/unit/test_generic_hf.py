@@ -97,7 +97,7 @@ def _hf_loss(folder: Path, batch: dict[str, torch.Tensor]) -> float:
 
 def _first_batch(config: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     cfg = load_config(config, [f"--training.output_dir={tmp_path / 'probe'}"])
     trainer = Trainer(cfg, log=lambda _msg: None)

@@ -121,7 +121,7 @@ def test_fused_experts_load_through_transformers_conversions(hf_moe: Path) -> No
 
 def test_first_step_loss_equals_transformers(hf_moe: Path, tmp_path: Path) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=40)
     path = tmp_path / "moe.yaml"

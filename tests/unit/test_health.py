@@ -1,4 +1,4 @@
-"""Step skipping and the consecutive-skip stop (`meshforge.health`), in one process."""
+"""Step skipping and the consecutive-skip stop (`meshforge.train.health`), in one process."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from meshforge.health import StepHealth
 from meshforge.monitor.config import HealthCheckpointConfig
+from meshforge.train.health import StepHealth
 
 
 def _health(*, written: bool, **fields: float) -> StepHealth:

@@ -205,7 +205,7 @@ def _config(tmp_path: Path, name: str, model_lines: str) -> Path:
 def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from meshforge.cli import main
+    from meshforge.cli.main import main
 
     # 1) model_name_or_path only: family, shapes and tokenizer from the folder; one override.
     cfg = _config(
@@ -290,7 +290,7 @@ def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Pa
 def test_convert_refusals_name_the_folder(
     hf_tied: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from meshforge.cli import main
+    from meshforge.cli.main import main
 
     assert main(["convert", "--to", "hf", str(tmp_path / "nothere"), str(tmp_path / "o")]) == 2
     assert f"convert: {tmp_path / 'nothere'} does not exist" in capsys.readouterr().err

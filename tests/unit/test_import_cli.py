@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshforge.cli import _positional_config, split_overrides
+from meshforge.cli.config import main
+from meshforge.cli.main import _positional_config, split_overrides
 from meshforge.config import ConfigError, load_config
-from meshforge.config.cli import main
 from meshforge.config.loader import split_cli_overrides
 
 MS = """\
@@ -110,7 +110,7 @@ def test_train_takes_the_config_first_or_with_config():
 
 
 def test_train_refuses_the_config_twice(tmp_path, capsys):
-    from meshforge.cli import main as meshforge_main
+    from meshforge.cli.main import main as meshforge_main
 
     with pytest.raises(SystemExit):
         meshforge_main(["train", "a.yaml", "--config", "b.yaml"])

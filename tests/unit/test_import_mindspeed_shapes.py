@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from meshforge.config.cli import main
+from meshforge.cli.config import main
 
 FSDP = """\
 parallel:

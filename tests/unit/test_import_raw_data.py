@@ -20,7 +20,7 @@ from meshforge.data.megatron.indexed import IndexedDataset
 from meshforge.data.megatron.preprocess import PreprocessOptions, preprocess
 from meshforge.data.megatron.raw import convert_raw_entries
 from meshforge.data.tokenizer import build_tokenizer
-from meshforge.resources import resolve_path
+from meshforge.utils.resources import resolve_path
 
 TOKENIZER = str(resolve_path("meshforge://assets/tokenizer"))
 CORPUS = resolve_path("meshforge://assets/corpus/python_docstrings.jsonl")

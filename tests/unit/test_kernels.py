@@ -12,7 +12,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from meshforge.config import config_from_dict  # noqa: E402
-from meshforge.loss import chunked_cross_entropy_sum, cross_entropy_sum  # noqa: E402
+from meshforge.loss.cross_entropy import chunked_cross_entropy_sum, cross_entropy_sum  # noqa: E402
 from meshforge.models.common.kernels import (  # noqa: E402
     KernelOptions,
     apply_compile,

@@ -412,7 +412,7 @@ def test_example_config_trains_five_steps(tmp_path):
     import sys
 
     out = tmp_path / "run"
-    code = "import sys; from meshforge.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from meshforge.cli.main import main; sys.exit(main(sys.argv[1:]))"
     overrides = [
         "--training.steps=5",
         "--training.local_batch_size=2",

@@ -1,4 +1,4 @@
-"""The three loss formulations (`meshforge.lm_loss`): same sums and gradients, no full logits."""
+"""The three loss formulations (`meshforge.loss.lm`): same sums and gradients, no full logits."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshforge.lm_loss import LMLoss, fused_chunk_size
-from meshforge.loss import IGNORE_INDEX
+from meshforge.loss.cross_entropy import IGNORE_INDEX
+from meshforge.loss.lm import LMLoss, fused_chunk_size
 from tests._compare import assert_close
 
 N, H, V = 300, 24, 160

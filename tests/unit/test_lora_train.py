@@ -16,7 +16,7 @@ from meshforge.checkpoint.readers import read_dcp_metadata
 from meshforge.config import ConfigError, load_config
 from meshforge.lora.base_ref import weights_digest
 from meshforge.lora.layer import is_adapter_parameter
-from meshforge.trainer import Trainer
+from meshforge.train.trainer import Trainer
 from tests._compare import rel_error
 from tests.conftest import read_metrics, write_corpus
 from tests.unit.test_hf_interop import HF_OPTIONS, _save_hf_model
@@ -133,7 +133,7 @@ def test_peft_and_merged_exports_give_our_logits(setup: dict[str, Any]) -> None:
 def test_convert_writes_the_same_merged_folder_and_adapter(setup: dict[str, Any]) -> None:
     from safetensors.torch import load_file
 
-    from meshforge.cli import main
+    from meshforge.cli.main import main
 
     out = setup["root"] / "converted"
     assert main(["convert", "--to", "hf", str(_step(setup["run"], 4)), str(out)]) == 0
@@ -225,7 +225,7 @@ def test_full_run_step_is_the_base_of_new_adapters(setup: dict[str, Any]) -> Non
     assert resumed.step == 3
     again = dict(resumed.model.named_parameters())
     assert all(torch.equal(again[n].detach(), p.detach()) for n, p in frozen.items())
-    from meshforge.cli import main
+    from meshforge.cli.main import main
 
     merged = root / "on_full_hf"
     assert main(["convert", "--to", "hf", str(_step(out, 2)), str(merged)]) == 0

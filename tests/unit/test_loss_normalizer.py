@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from meshforge.trainer import Trainer
+from meshforge.train.trainer import Trainer
 
 
 def _fake(disable: bool, dp: int) -> SimpleNamespace:

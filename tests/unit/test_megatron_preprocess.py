@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from meshforge.data.megatron.cli import main
+from meshforge.cli.preprocess import main
 from meshforge.data.megatron.indexed import IndexedDataset
 from meshforge.data.tokenizer import build_tokenizer
 

@@ -156,7 +156,7 @@ def test_log_steps_and_memory_fields() -> None:
 @pytest.mark.usefixtures("leave_no_process_group")
 def test_a_monitor_error_comes_before_the_first_step(tiny_config: Path) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     cfg = load_config(
         str(tiny_config),

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from meshforge.loss import mtp_cross_entropy_sum, mtp_labels
+from meshforge.loss.cross_entropy import mtp_cross_entropy_sum, mtp_labels
+from meshforge.loss.mtp import mtp_factor
 from meshforge.models.deepseek_v3.layer import DeepseekV3DecoderLayer
 from meshforge.models.deepseek_v3.model import DeepseekV3ForCausalLM, build_deepseek_v3
 from meshforge.models.deepseek_v3.spec import FAMILY
-from meshforge.trainer_mtp import mtp_factor
 from tests.unit._parity import rel
 from tests.unit.test_deepseek_v3 import CONFIGS, _hf_model
 
@@ -120,7 +120,7 @@ def test_mtp_loss_equals_hand_written_reference(packed: bool) -> None:
 
 @pytest.mark.parametrize("mode", ["fused", "chunked"])
 def test_mtp_loss_through_the_hidden_state_losses_equals_the_logits_path(mode: str) -> None:
-    from meshforge.lm_loss import LMLoss
+    from meshforge.loss.lm import LMLoss
 
     args = _args(2)
     model = build_deepseek_v3(args, device="cpu").train()

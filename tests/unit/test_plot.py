@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from meshforge.cli import main
+from meshforge.cli.main import main
 
 
 def _run(folder: Path, steps: int, scale: float, *, skipped: int | None = None) -> Path:

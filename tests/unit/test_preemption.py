@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from meshforge.preemption import PreemptionGuard
+from meshforge.train.preemption import PreemptionGuard
 from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
 
 SCRIPT = textwrap.dedent(
     """
     import os, signal, time
-    from meshforge.preemption import PreemptionGuard
+    from meshforge.train.preemption import PreemptionGuard
 
     guard = PreemptionGuard()
     guard.install()
@@ -65,7 +65,7 @@ def test_install_and_uninstall_restore_the_previous_handlers() -> None:
 @pytest.mark.usefixtures("leave_no_process_group")
 def test_a_signal_during_a_run_stops_after_that_step_with_a_checkpoint(tiny_config: Path) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     out = tiny_config.parent / "preempt"
     overrides = ["training.steps=6", f"training.output_dir={out}", "checkpoint.enable_save=false"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshforge.profiling import ProfilerConfig, StepProfiler
+from meshforge.monitor.profiling import ProfilerConfig, StepProfiler
 from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
 
 
@@ -58,7 +58,7 @@ def test_window_and_rank_errors_name_the_key(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("leave_no_process_group")
 def test_a_profiled_run_writes_one_trace_of_its_window(tiny_config: Path) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     out = tiny_config.parent / "prof"
     overrides = [
@@ -91,7 +91,7 @@ def test_a_profiled_run_writes_one_trace_of_its_window(tiny_config: Path) -> Non
 @pytest.mark.usefixtures("leave_no_process_group")
 def test_a_window_past_the_run_fails_before_the_first_step(tiny_config: Path) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     cfg = load_config(
         str(tiny_config),
@@ -133,7 +133,7 @@ def test_a_db_window_is_a_sqlite_database_of_its_steps(tiny_config: Path) -> Non
     import sqlite3
 
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     out = tiny_config.parent / "prof-db"
     overrides = [
@@ -184,7 +184,7 @@ def test_a_db_window_falls_back_to_the_chrome_trace_when_torch_cannot_read_its_e
 
     import torch
 
-    from meshforge.profiling_db import export_sqlite
+    from meshforge.monitor.profiling_db import export_sqlite
 
     with torch.profiler.profile() as prof:
         for i in range(2):  # the ranges a schedule opens per step, named as torch names them

@@ -77,7 +77,7 @@ def test_config_errors_name_the_key(training: dict, fragment: str) -> None:
 
 def _run(config: Path, out: Path, *extra: str, steps: int = 5) -> tuple[list[dict[str, Any]], list[Any], Any]:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     seen: list[Any] = []
 

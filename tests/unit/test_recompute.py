@@ -22,7 +22,7 @@ from meshforge.config import ConfigError, load_config
 from meshforge.memory.config import RecomputeConfig
 from meshforge.memory.ledger import SavedTensorLedger
 from meshforge.memory.recompute import apply_recompute, resolve_ops
-from meshforge.trainer import Trainer
+from meshforge.train.trainer import Trainer
 from tests.conftest import REPO, write_corpus
 
 FAMILY_CONFIGS = {

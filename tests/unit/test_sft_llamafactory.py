@@ -78,7 +78,7 @@ CASES = [
 def _lf(name, enable_thinking, cutoff_len, train_on_prompt, mask_history, packing=False):
     from transformers import AutoTokenizer
 
-    from meshforge.resources import resolve_path
+    from meshforge.utils.resources import resolve_path
 
     tok = AutoTokenizer.from_pretrained(str(resolve_path("meshforge://assets/tokenizer")))
     args = lf_hparams.DataArguments(
@@ -284,7 +284,7 @@ def _llama3_tokenizer(tok):
 def test_llama3_same_as_llamafactory(mask_history):
     from transformers import AutoTokenizer
 
-    from meshforge.resources import resolve_path
+    from meshforge.utils.resources import resolve_path
 
     lf_tok = _llama3_tokenizer(
         AutoTokenizer.from_pretrained(str(resolve_path("meshforge://assets/tokenizer")))

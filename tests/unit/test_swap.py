@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshforge.loss import cross_entropy_sum
+from meshforge.loss.cross_entropy import cross_entropy_sum
 from meshforge.memory.config import SwapConfig
 from meshforge.memory.ledger import SavedTensorLedger
 from meshforge.memory.swap import MIN_SWAP_BYTES, apply_swap, build_swap

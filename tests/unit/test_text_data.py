@@ -15,7 +15,7 @@ from meshforge.data.specs import LOADERS, check_dataloader_options, parse_datalo
 from meshforge.data.text import TextDataset, list_text_files
 from meshforge.data.text_specs import TextDataLoaderOptions
 from meshforge.data.tokenizer import build_tokenizer, eod_token_id
-from meshforge.resources import data_root
+from meshforge.utils.resources import data_root
 
 DOCS = ["The first document.", "A second one, a little longer than the first.", "Third: 12345!"]
 

@@ -11,7 +11,7 @@ import torch
 from meshforge.config import load_config
 from meshforge.monitor.metrics import format_step_line
 from meshforge.monitor.throughput import model_flops_per_token, peak_flops, throughput_fields
-from meshforge.trainer import Trainer
+from meshforge.train.trainer import Trainer
 
 
 class RecordingTrainer(Trainer):

@@ -412,7 +412,7 @@ checkpoint: {{save_hf_weights: true, save_interleaved_steps: 2}}
     model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
     assert model.get_input_embeddings().weight.shape == (8256, OPTIONS["hidden_size"])
     # Offline conversion rebuilds the grown vocabulary from the run's config.yaml as well.
-    from meshforge.cli import main
+    from meshforge.cli.main import main
 
     converted = tmp_path / "converted"
     assert (

@@ -97,7 +97,7 @@ def test_a_missing_package_stops_the_run_before_the_model_is_built(
     tiny_config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     cfg = load_config(
@@ -156,7 +156,7 @@ def test_a_run_logs_every_step_to_both_trackers_finishes_them_and_a_resumed_run_
 ) -> None:
     """W&B for real, in offline mode (its run read back from disk); SwanLab through its stand-in."""
     from meshforge.config import load_config
-    from meshforge.trainer import Trainer
+    from meshforge.train.trainer import Trainer
 
     pytest.importorskip("wandb")
     for var, sub in (

@@ -100,7 +100,7 @@ def test_exploding_run_skips_then_stops_with_one_line_and_the_last_good_state(
 @pytest.mark.usefixtures("leave_no_process_group")
 def test_a_non_finite_step_is_not_applied(tiny_config: Path) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import HealthStopError, Trainer, TrainingDivergedError
+    from meshforge.train.trainer import HealthStopError, Trainer, TrainingDivergedError
 
     overrides = [
         "training.steps=12",
@@ -137,7 +137,7 @@ def test_a_non_finite_step_is_not_applied(tiny_config: Path) -> None:
 @pytest.mark.usefixtures("leave_no_process_group")
 def test_a_threshold_skip_leaves_the_weights_and_warns_about_the_embedding(tiny_config: Path) -> None:
     from meshforge.config import load_config
-    from meshforge.trainer import HealthStopError, Trainer
+    from meshforge.train.trainer import HealthStopError, Trainer
 
     overrides = [
         "training.steps=6",

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from meshforge.config import load_config
-from meshforge.trainer import Trainer, plan_batches
-from meshforge.trainer_config import TrainingConfig
+from meshforge.train.config import TrainingConfig
+from meshforge.train.trainer import Trainer, plan_batches
 
 
 class CountingTrainer(Trainer):

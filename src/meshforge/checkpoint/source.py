@@ -22,6 +22,8 @@ from meshforge.checkpoint.hf import (
 )
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from meshforge.models.config import ModelConfig
     from meshforge.models.registry import FamilySpec
 
@@ -53,7 +55,7 @@ def resolve_model_source(model_cfg: ModelConfig, *, log: Callable[[str], None] |
             generic path), naming ``model.trust_remote_code`` when remote code needs it.
     """
     from meshforge.models.registry import resolve_family
-    from meshforge.resources import resolve_path
+    from meshforge.utils.resources import resolve_path
 
     emit = log or (lambda _msg: None)
     extra = dict(model_cfg.model_extra or {})
@@ -153,3 +155,22 @@ def _refit_layer_types(
     if len(types) != layers and len(set(types)) == 1:
         options["layer_types"] = [types[0]] * layers
         emit(f"model.layer_types: {types[0]!r} repeated for the {layers} layers of model.num_hidden_layers")
+
+
+def grown_options(
+    model_cfg: ModelConfig,
+    source: ModelSource,
+    tokenizer: PreTrainedTokenizerBase | None,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """The model options with the vocabulary the run trained: tokens added by the config grow it."""
+    if tokenizer is None:
+        return dict(source.options)
+    from meshforge.data.tokenizer import tokenizer_extension
+    from meshforge.models.vocab import vocab_plan
+
+    size = source.family.parse_options(source.options).vocab_size
+    plan = vocab_plan(
+        tokenizer, size, resize_vocab=model_cfg.resize_vocab, added=tokenizer_extension(tokenizer), log=log
+    )
+    return plan.model_options(dict(source.options))

@@ -21,7 +21,7 @@ from meshforge.config.base import ConfigError, Issue, format_validation_error, u
 from meshforge.config.mindspeed_args import BY_NAME as MINDSPEED_ARGUMENTS
 from meshforge.config.root import SECTIONS, TrainConfig
 from meshforge.config.rules import cross_section_issues
-from meshforge.trainer_config import TrainingConfig
+from meshforge.train.config import TrainingConfig
 
 MAX_DEPTH = 32
 _FLOAT_12 = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")

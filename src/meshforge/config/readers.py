@@ -173,7 +173,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "parallelism.chunk_mbs_arg_indexs",
         "parallelism.chunk_mbs_kwarg_names",
     ),
-    "meshforge.trainer": (
+    "meshforge.train.trainer": (
         "checkpoint.save_hf_weights",
         "training.max_norm",
         "training.deterministic",
@@ -188,7 +188,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "monitor.tensorboard.output_dir",
         "context.device_target",
     ),
-    "meshforge.health": (
+    "meshforge.train.health": (
         "monitor.health_checkpoint.embedding_local_norm_threshold",
         "monitor.health_checkpoint.global_norm_skip_threshold",
         "monitor.health_checkpoint.global_norm_skip_time",
@@ -203,7 +203,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "monitor.moe_monitor.save_tokens_per_expert_interval",
         "monitor.moe_monitor.target_layers",
     ),
-    "meshforge.callbacks": ("monitor.plot_curves",),
+    "meshforge.train.callbacks": ("monitor.plot_curves",),
     "meshforge.monitor.config": ("monitor.report_to",),
     "meshforge.monitor.trackers": (
         "monitor.wandb.project",
@@ -221,7 +221,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "monitor.swanlab.dir",
         "monitor.swanlab.log_interval",
     ),
-    "meshforge.profiling": (
+    "meshforge.monitor.profiling": (
         "profiler.enable_profiling",
         "profiler.start_step",
         "profiler.end_step",
@@ -244,9 +244,9 @@ READERS: dict[str, tuple[str, ...]] = {
         "lora_config.lora_a_std",
         "lora_config.lora_b_std",
     ),
-    "meshforge.trainer_batches": ("training.gradient_accumulation_steps",),
-    "meshforge.trainer_checkpoints": ("checkpoint.async_save",),
-    "meshforge.trainer_build": (
+    "meshforge.train.batches": ("training.gradient_accumulation_steps",),
+    "meshforge.train.saver": ("checkpoint.async_save",),
+    "meshforge.train.build": (
         "lora_config.adapter_path",
         "checkpoint.enable_save",
         "checkpoint.save_path",

@@ -10,7 +10,6 @@ from typing import Any
 
 from pydantic import model_validator
 
-from meshforge.callbacks import CallbackConfig
 from meshforge.checkpoint.config import CheckpointConfig
 from meshforge.config.base import StrictSection, describe
 from meshforge.data.config import TrainDatasetConfig
@@ -18,10 +17,11 @@ from meshforge.infer.config import InferenceConfig
 from meshforge.memory.config import RecomputeCommConfig, RecomputeConfig, SwapConfig
 from meshforge.models.config import KernelsConfig, LoraConfig, ModelConfig
 from meshforge.monitor.config import MonitorConfig
+from meshforge.monitor.profiling import ProfilerConfig
 from meshforge.optim.config import LrSchedulerConfig, OptimizerConfig
 from meshforge.parallel.config import ParallelismConfig
-from meshforge.profiling import ProfilerConfig
-from meshforge.trainer_config import TrainingConfig
+from meshforge.train.callbacks import CallbackConfig
+from meshforge.train.config import TrainingConfig
 from meshforge.utils.context_config import ContextConfig
 
 

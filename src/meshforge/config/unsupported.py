@@ -18,7 +18,7 @@ from meshforge.parallel.config import (
     MS_TP_COLWISE,
     MS_TP_ROWWISE,
 )
-from meshforge.trainer_config import TrainingConfig
+from meshforge.train.config import TrainingConfig
 
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
@@ -42,7 +42,7 @@ def is_generic_model(cfg: TrainConfig) -> bool:
     import json
 
     from meshforge.models.registry import resolve_family
-    from meshforge.resources import resolve_path
+    from meshforge.utils.resources import resolve_path
 
     model = cfg.model
     if (

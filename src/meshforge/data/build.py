@@ -10,7 +10,7 @@ Evaluation: `build_eval_loader` returns an `EvalLoader` over the validation data
 (SFT `val_size` / `eval_dataset`, the Megatron split's second part) or None when there is none; the
 text loader has no validation data. The trainer iterates it with `for batch in loader:` at each
 evaluation (every iteration starts from the first sample) and passes it to
-`meshforge.evaluation.evaluate`.
+`meshforge.train.evaluation.evaluate`.
 
 Run length by epochs (`training.epochs`, MindSpeed's num_train_epochs with max_steps -1): set
 `ctx.epochs`; the loader's `total_steps` is then the number of optimizer steps (`steps_for_epochs`

@@ -309,7 +309,7 @@ def run_preview(
     from pathlib import Path
 
     from meshforge.config import ConfigError, load_config
-    from meshforge.resources import builtin_config
+    from meshforge.utils.resources import builtin_config
 
     out = stdout or sys.stdout
     err = stderr or sys.stderr

@@ -34,7 +34,7 @@ import numpy as np
 
 from meshforge.data.text_specs import TextDataLoaderOptions
 from meshforge.data.tokenizer import eod_token_id
-from meshforge.resources import resolve_path
+from meshforge.utils.resources import resolve_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from meshforge.resources import resolve_path
+from meshforge.utils.resources import resolve_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

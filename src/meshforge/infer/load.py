@@ -75,10 +75,9 @@ def load_generation_model(
         set_model_state_dict,
     )
 
-    from meshforge.checkpoint.convert import grown_options
     from meshforge.checkpoint.hf import load_hf_weights
     from meshforge.checkpoint.manager import resolve_load_path
-    from meshforge.checkpoint.source import resolve_model_source
+    from meshforge.checkpoint.source import grown_options, resolve_model_source
     from meshforge.models.materialize import to_empty_keeping_ties
     from meshforge.utils.dtype import parse_dtype
 

@@ -163,7 +163,7 @@ def load_for_generation(
                 "lora_config.adapter_path: generation with lora_config needs a LoRA step (checkpoint.load_path) "
                 "or a PEFT adapter folder here, on the model.model_name_or_path base"
             )
-        from meshforge.resources import resolve_path
+        from meshforge.utils.resources import resolve_path
 
         with adapters_detached(model):
             load_hf_weights(model, source.family, source.hf_dir, log=log)

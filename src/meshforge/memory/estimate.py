@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from meshforge.lm_loss import LMLoss
+from meshforge.loss.lm import LMLoss
+from meshforge.loss.mtp import MTPModel
 from meshforge.memory.ledger import SavedTensorLedger
-from meshforge.trainer_mtp import MTPModel
 
 if TYPE_CHECKING:
     from meshforge.memory.apply import ActivationMemory, ActivationSettings
@@ -287,7 +287,7 @@ def _trace(
     pass-through, with every layer whose feed-forward is of the same class, and the forward
     runs again. Layers that are not their kind's representative pass their input through.
     """
-    from meshforge.loss import mtp_cross_entropy_sum
+    from meshforge.loss.cross_entropy import mtp_cross_entropy_sum
 
     replaced: dict[int, tuple[str, nn.Module]] = {}
     by_index = dict(layers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from meshforge.callbacks import BuiltinCallback
+from meshforge.train.callbacks import BuiltinCallback
 
 if TYPE_CHECKING:
     from meshforge.monitor.console import ConsoleProgress

@@ -2,7 +2,7 @@
 
 `metrics.jsonl` holds one JSON object per optimizer step (1-based `step`, `loss`, `lr`,
 `grad_norm`, `tokens`, `tokens_per_s`, `elapsed_s`, `memory_bytes`, plus any extra keys such as
-auxiliary losses: `aux_loss`, `mtp_loss`). A skipped step (`meshforge.health`) has `skipped: true` and `skip_reason`,
+auxiliary losses: `aux_loss`, `mtp_loss`). A skipped step (`meshforge.train.health`) has `skipped: true` and `skip_reason`,
 and a non-finite loss or norm is written as null. On resume the file is kept and continues after the resumed step: records past
 it are dropped, so the file always describes one consistent training history.
 """

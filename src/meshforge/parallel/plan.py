@@ -24,7 +24,7 @@ from meshforge.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
-    from meshforge.lm_loss import LMLoss
+    from meshforge.loss.lm import LMLoss
     from meshforge.memory.estimate import ActivationEstimate
 
 _GIB = 1024**3
@@ -357,7 +357,7 @@ def measure_plan_activations(
 
 def plan_lm_loss(cfg: TrainConfig, vocab_size: int) -> LMLoss:
     """The loss formulation a run of ``cfg`` uses (eager: compiling changes no saved tensor)."""
-    from meshforge.lm_loss import LMLoss, fused_chunk_size
+    from meshforge.loss.lm import LMLoss, fused_chunk_size
     from meshforge.models.common.kernels import FUSED_CE_MIN_VOCAB
 
     kernels = cfg.kernels

@@ -41,7 +41,7 @@ layout (DTensor leaves the embedding's Replicate and the norms' Partial), and th
 is copied once so that `torch.compile`d layers (`kernels.compile`) backpropagate correctly.
 Pipeline stages see SP-split hidden states; `sequence_shards` tells them the split.
 
-Loss parallelism: `meshforge.loss.cross_entropy_sum` accepts the vocab-sharded DTensor logits and
+Loss parallelism: `meshforge.loss.cross_entropy.cross_entropy_sum` accepts the vocab-sharded DTensor logits and
 returns a plain 0-dim tensor (it computes the softmax statistics with two all-reduces over the TP
 group and never gathers the logits), inside or outside `loss_parallel_context`.
 """
@@ -109,7 +109,7 @@ def sequence_shards(model: nn.Module) -> int:
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """PyTorch's `loss_parallel()` context when `enabled`, else a no-op context.
 
-    `meshforge.loss.cross_entropy_sum` does not need it (it handles vocab-sharded logits itself,
+    `meshforge.loss.cross_entropy.cross_entropy_sum` does not need it (it handles vocab-sharded logits itself,
     and its backward runs outside any context); the context is for code that calls
     `F.cross_entropy` on the sharded logits directly, whose backward must run inside it too.
     """
@@ -437,7 +437,7 @@ def apply_tp(
         sequence_parallel: sequence-split activations between the attention and MLP blocks
             (built-in families; the generic path has none).
         loss_parallel: keep the logits vocab-sharded (`Shard(-1)` DTensor) for
-            `meshforge.loss.cross_entropy_sum`, instead of gathering them.
+            `meshforge.loss.cross_entropy.cross_entropy_sum`, instead of gathering them.
         colwise: `parallelism.tp_colwise` patterns (generic path; a built-in family refuses
             anything but the default, which its own plan stands for).
         rowwise: `parallelism.tp_rowwise` patterns (generic path; likewise).

@@ -34,7 +34,7 @@ import numpy as np
 
 from meshforge.data.epochs import steps_for_epochs
 from meshforge.data.megatron.specs import COLUMN_NAMES, MegatronDataLoaderOptions
-from meshforge.resources import resolve_path
+from meshforge.utils.resources import resolve_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshforge.data.megatron.preprocess import SUFFIXES, PreprocessError, PreprocessOptions, output_prefix
-from meshforge.resources import resolve_path
+from meshforge.utils.resources import resolve_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

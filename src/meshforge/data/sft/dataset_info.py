@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshforge.resources import resolve_path
+from meshforge.utils.resources import resolve_path
 
 COLUMN_DEFAULTS: dict[str, str | None] = {
     "prompt": "instruction",

@@ -28,7 +28,7 @@ from meshforge.data.sft.pipeline import (
     to_rows,
 )
 from meshforge.data.sft.stream import SFTStream, build_sft_stream
-from meshforge.resources import resolve_path
+from meshforge.utils.resources import resolve_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

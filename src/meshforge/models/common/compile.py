@@ -3,7 +3,7 @@
 Regional compilation, torchtitan's way: each decoder layer is one ``torch.compile`` region,
 compiled before ``fully_shard`` so FSDP's hooks stay outside the graphs, and identical layers
 share one graph (dynamo caches by code object). The loss steps are compiled separately
-(:mod:`meshforge.lm_loss`).
+(:mod:`meshforge.loss.lm`).
 
 The ``auto`` rule (:func:`decide_compile`):
 

@@ -36,9 +36,9 @@ What each switch does, and which path is the default:
 * ``compile``: ``torch.compile`` of every decoder layer (before FSDP wraps it) and of the loss
   steps; ``auto`` (the default) decides by device and run length (``models/common/compile.py``).
 * ``chunk_loss_size``: cross-entropy over sequence chunks, logits recomputed in backward
-  (``meshforge.loss``).
+  (``meshforge.loss.cross_entropy``).
 * ``fused_linear_cross_entropy``: the LM head and the loss chunk by chunk with the gradient
-  taken in the forward (``meshforge.lm_loss``); ``auto`` turns it on for vocabularies of at
+  taken in the forward (``meshforge.loss.lm``); ``auto`` turns it on for vocabularies of at
   least :data:`FUSED_CE_MIN_VOCAB` entries when the model can return its hidden states,
   ``chunk_loss_size`` does not ask for the recomputing chunked loss and TP's loss parallelism
   does not already split the logits by vocabulary.
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from meshforge.lm_loss import LMLoss
+    from meshforge.loss.lm import LMLoss
     from meshforge.models.common.compile import RunLength
     from meshforge.models.config import KernelsConfig
 
@@ -125,8 +125,8 @@ class KernelOptions:
         }
 
     def lm_loss(self) -> LMLoss:
-        """The run's loss formulation (:class:`meshforge.lm_loss.LMLoss`)."""
-        from meshforge.lm_loss import LMLoss, fused_chunk_size
+        """The run's loss formulation (:class:`meshforge.loss.lm.LMLoss`)."""
+        from meshforge.loss.lm import LMLoss, fused_chunk_size
 
         backend = self.compile_backend if self.compile else None
         if self.fused_ce:

@@ -7,7 +7,7 @@ scored against token ``i + k + 1``, i.e. ``labels[i + k]``::
 
     x   = eh_proj(cat(enorm(embed(input_ids[i + k])), hnorm(h_{k-1}[i])))
     h_k = shared_head.norm(decoder_layer(x))          # same RoPE and mask as the main layers
-    logits_k = lm_head(h_k)                           # targets: meshforge.loss.mtp_labels
+    logits_k = lm_head(h_k)                           # targets: meshforge.loss.cross_entropy.mtp_labels
 
 This is DeepSeek-V3's MTP module (report section 2.2) with the layout of Megatron's
 ``MultiTokenPredictionLayer`` that MindSpeed trains: the hidden state handed to each depth is

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshforge.lm_loss import LMLoss
-from meshforge.loss import count_valid_tokens
+from meshforge.loss.cross_entropy import count_valid_tokens
+from meshforge.loss.lm import LMLoss
 from meshforge.parallel.pipeline.layout import (
     SCHEDULE_KEY,
     SCHEDULES,
@@ -263,7 +263,7 @@ class Pipeline:
         target = batch["labels"] if self.split.has_last else None
         self._mtp_run = train and self.mtp_coef > 0
         if self._mtp_run:
-            from meshforge.loss import mtp_labels
+            from meshforge.loss.cross_entropy import mtp_labels
 
             kwargs["mtp_ids"] = batch["input_ids"]
             if target is not None:

@@ -252,7 +252,7 @@ def resolve_callback_type(type_name: str, where: str) -> type[Callback]:
     if cls is None:
         raise CallbackError(f"{where}: module {module_name!r} ({module.__file__}) has no {attr!r}")
     if not (isinstance(cls, type) and issubclass(cls, Callback)):
-        raise CallbackError(f"{where}: {type_name} is not a subclass of meshforge.callbacks.Callback")
+        raise CallbackError(f"{where}: {type_name} is not a subclass of meshforge.train.callbacks.Callback")
     return cls
 
 

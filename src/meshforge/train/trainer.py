@@ -19,27 +19,27 @@ from typing import Any, cast
 
 import torch
 
-from meshforge.callback_runner import CallbackRunner
-from meshforge.callbacks import TrainInfo, build_callbacks, builtin_callbacks
 from meshforge.config import TrainConfig, check_trainable, dump_config
 from meshforge.config.noops import noop_notes
-from meshforge.health import HealthStopError, TrainingDivergedError, finite_or_none
-from meshforge.loss import count_valid_tokens
+from meshforge.loss.cross_entropy import count_valid_tokens
+from meshforge.loss.mtp import mtp_loss_sum
 from meshforge.monitor.memory import memory_fields
 from meshforge.monitor.throughput import throughput_fields
 from meshforge.monitor.trackers import check_trackers
 from meshforge.monitor.train_state import is_log_step
 from meshforge.parallel.dims import ParallelDims
-from meshforge.resources import resolve_path
-from meshforge.trainer_batches import BatchPlan, plan_batches
-from meshforge.trainer_eval import evaluate_pipeline, reshard_fsdp
-from meshforge.trainer_export import export_hf_from_checkpoint, export_hf_from_memory, export_lora_from_memory
-from meshforge.trainer_monitors import TrainerMonitors
-from meshforge.trainer_mtp import mtp_loss_sum
+from meshforge.train.batches import BatchPlan, plan_batches
+from meshforge.train.callback_runner import CallbackRunner
+from meshforge.train.callbacks import TrainInfo, build_callbacks, builtin_callbacks
+from meshforge.train.export import export_hf_from_checkpoint, export_hf_from_memory, export_lora_from_memory
+from meshforge.train.health import HealthStopError, TrainingDivergedError, finite_or_none
+from meshforge.train.monitors import TrainerMonitors
+from meshforge.train.pipeline_eval import evaluate_pipeline, reshard_fsdp
 from meshforge.utils import distributed as dist_utils
 from meshforge.utils.comms import comm_stats_enabled
 from meshforge.utils.device import backend_for, resolve_device
 from meshforge.utils.log import get_logger
+from meshforge.utils.resources import resolve_path
 from meshforge.utils.seed import set_deterministic, set_seed
 
 __all__ = ["BatchPlan", "HealthStopError", "TrainSummary", "Trainer", "TrainingDivergedError", "plan_batches"]
@@ -502,7 +502,7 @@ class Trainer(TrainerMonitors):
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss (global valid-token mean CE) over the whole validation loader."""
-        from meshforge.evaluation import evaluate
+        from meshforge.train.evaluation import evaluate
 
         loader = self.eval_loader
         if loader is None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshforge.callbacks import Callback, CallbackHookError, PeerCallbackError
+from meshforge.train.callbacks import Callback, CallbackHookError, PeerCallbackError
 
 
 class CallbackRunner:

@@ -9,7 +9,7 @@ weights, which are those of the last applied update, and stops with `HealthStopE
 
 The decision is one all-reduce (max) over the world of this rank's flags, so every rank of every
 layout (data, pipeline, tensor parallel) skips or stops at the same step; a preemption request
-(`meshforge.preemption`) travels in the same all-reduce.
+(`meshforge.train.preemption`) travels in the same all-reduce.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class StepHealth:
     ) -> StepVerdict:
         """Reduce this rank's view of the step over the world (one all-reduce) and decide.
 
-        `stop_requested` is this rank's preemption request (`meshforge.preemption`); it rides
+        `stop_requested` is this rank's preemption request (`meshforge.train.preemption`); it rides
         on the same all-reduce, so agreeing on it costs nothing.
         """
         non_finite = not (math.isfinite(loss) and math.isfinite(grad_norm))

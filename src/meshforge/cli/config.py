@@ -3,7 +3,7 @@
 `validate` runs every rule (errors exit 2 with `error: <key path>: <reason>` lines, no traceback;
 features not built yet and unchecked passthrough keys are warnings, exit 0). `show` prints the
 resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM file to
-native YAML. Also runnable as `python -m meshforge.config.cli ...`.
+native YAML. Also runnable as `python -m meshforge.cli.config ...`.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def run_config_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m meshforge.config.cli <sub-command> ...`."""
+    """Entry point of `python -m meshforge.cli.config <sub-command> ...`."""
     parser = argparse.ArgumentParser(prog="meshforge")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_config_commands(subparsers)

@@ -15,11 +15,11 @@ BUILTIN_SCHEME = "meshforge://"
 
 def data_root() -> Path:
     """Return the folder that holds `assets/` and `configs/` for this installation."""
-    here = Path(__file__).resolve().parent
-    packaged = here / "_data"
+    package = Path(__file__).resolve().parent.parent
+    packaged = package / "_data"
     if (packaged / "assets").is_dir():
         return packaged
-    repo = here.parent.parent
+    repo = package.parent.parent
     if (repo / "assets").is_dir():
         return repo
     raise FileNotFoundError(

@@ -1,6 +1,6 @@
 """The language-model loss of a run: which of the three formulations, compiled or not.
 
-* ``logits``: the model returns full logits and :func:`meshforge.loss.cross_entropy_sum`
+* ``logits``: the model returns full logits and :func:`meshforge.loss.cross_entropy.cross_entropy_sum`
   takes them (loss parallelism included);
 * ``chunked`` (``kernels.chunk_loss_size``): the model returns its normed hidden states and
   the head runs chunk by chunk, recomputing each chunk's logits in backward (the least memory);
@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from meshforge.loss import (
+from meshforge.loss.cross_entropy import (
     IGNORE_INDEX,
     _as_dtensor,
     chunk_loss_and_grad,

@@ -10,19 +10,19 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from meshforge.health import StepHealth, StepVerdict
 from meshforge.monitor.logger import MetricsLogger
 from meshforge.monitor.moe import MoeMonitor
+from meshforge.monitor.profiling import StepProfiler
 from meshforge.monitor.trackers import TrackerSink, build_trackers
 from meshforge.monitor.train_state import TrainStateMonitor
-from meshforge.preemption import PreemptionGuard
-from meshforge.profiling import StepProfiler
-from meshforge.trainer_build import TrainerBuild
-from meshforge.trainer_checkpoints import CheckpointSaver
+from meshforge.train.build import TrainerBuild
+from meshforge.train.health import StepHealth, StepVerdict
+from meshforge.train.preemption import PreemptionGuard
+from meshforge.train.saver import CheckpointSaver
 
 if TYPE_CHECKING:
-    from meshforge.callback_runner import CallbackRunner
-    from meshforge.callbacks import BuiltinCallback
+    from meshforge.train.callback_runner import CallbackRunner
+    from meshforge.train.callbacks import BuiltinCallback
 
 
 class TrainerMonitors(TrainerBuild):

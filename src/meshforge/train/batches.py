@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from meshforge.trainer_config import TrainingConfig
+    from meshforge.train.config import TrainingConfig
 
 
 @dataclass(frozen=True)

@@ -400,7 +400,7 @@ def mtp_cross_entropy_sum(
         labels: The main targets ``[B, S]`` (already shifted by one).
         segment_ids: ``[B, S]`` document ids of packed rows, or None.
         loss_fn: ``(output, targets, head_weight) -> summed CE`` of one depth (the run's
-            :class:`meshforge.lm_loss.LMLoss`); by default the plain or chunked loss that
+            :class:`meshforge.loss.lm.LMLoss`); by default the plain or chunked loss that
             ``chunk_size`` selects.
     """
     if not outputs:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshforge.callbacks import BuiltinCallback
+from meshforge.train.callbacks import BuiltinCallback
 from meshforge.utils.seed import rng_state
 
 if TYPE_CHECKING:

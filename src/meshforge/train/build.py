@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from meshforge.checkpoint.manager import CheckpointManager
+from meshforge.loss.mtp import mtp_factor
 from meshforge.memory.apply import ActivationMemory, ActivationSettings
 from meshforge.models.common.kernels import (
     KernelOptions,
@@ -25,9 +26,8 @@ from meshforge.models.common.kernels import (
 )
 from meshforge.monitor.console import ConsoleProgress
 from meshforge.monitor.metrics import JsonlMetrics, TensorBoardMetrics
-from meshforge.resources import resolve_path
-from meshforge.trainer_mtp import mtp_factor
 from meshforge.utils.dtype import parse_dtype
+from meshforge.utils.resources import resolve_path
 from meshforge.utils.seed import set_rng_state
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from meshforge.config import TrainConfig
     from meshforge.data.loader import StatefulLoader, StreamLoader
     from meshforge.data.rampup import BatchRampUp
-    from meshforge.lm_loss import LMLoss
     from meshforge.lora.apply import LoraApplied, LoraSettings
+    from meshforge.loss.lm import LMLoss
     from meshforge.models.common.compile import RunLength
     from meshforge.models.materialize import InitFn
     from meshforge.models.registry import FamilySpec
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from meshforge.parallel.dims import ParallelDims, ParallelMesh
     from meshforge.parallel.float8 import QuantPlan
     from meshforge.parallel.pipeline import Pipeline, PipelineSplit
-    from meshforge.trainer_batches import BatchPlan
+    from meshforge.train.batches import BatchPlan
     from meshforge.utils.distributed import DistInfo
 
 Batch = dict[str, torch.Tensor]

@@ -1,4 +1,4 @@
-"""Validation through the pipeline schedule (pp > 1); the plain path is `meshforge.evaluation`."""
+"""Validation through the pipeline schedule (pp > 1); the plain path is `meshforge.train.evaluation`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from meshforge.loss import count_valid_tokens
+from meshforge.loss.cross_entropy import count_valid_tokens
 from meshforge.utils import distributed as dist_utils
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The `meshforge preprocess` subcommand: flags (Megatron's names where they apply) and its runner.
 
-`meshforge.cli` adds it with `add_preprocess_command(subparsers)` and dispatches to
+`meshforge.cli.main` adds it with `add_preprocess_command(subparsers)` and dispatches to
 `run_preprocess_command(args)`. Kept light: argparse only at import time.
 """
 
@@ -123,7 +123,7 @@ def run_preprocess_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m meshforge.data.megatron.cli ...`) until the main CLI wires it."""
+    """Stand-alone entry (`python -m meshforge.cli.preprocess ...`) until the main CLI wires it."""
     parser = argparse.ArgumentParser(prog="meshforge")
     add_preprocess_command(parser.add_subparsers(dest="command", required=True))
     return run_preprocess_command(parser.parse_args(argv))

@@ -1,70 +1,109 @@
-"""Offline conversion between meshforge DCP step folders and Hugging Face folders (`meshforge convert`).
+"""Hugging Face exports of a run: at its end (`checkpoint.save_hf_weights`) and of any saved step.
 
-`dcp_to_hf` rebuilds the model a run trained (from the run's resolved `config.yaml`), loads a DCP
-step folder into it and writes a HF folder (config.json, sharded safetensors with an index,
-tokenizer files). `hf_to_dcp` goes the other way and writes a step folder (DCP shards,
-`trainer_state.json` without optimizer state, the `COMPLETE` marker) that `checkpoint.load_path`
-with `checkpoint.no_load_optim: true` loads. One process is enough: each runs in a one-rank
-process group, so DCP takes the same code path as in training.
+`dcp_to_hf` (also `meshforge convert --to hf`) rebuilds the model a run trained from the run's
+resolved `config.yaml`, loads a DCP step folder into it and writes a HF folder (config.json,
+sharded safetensors with an index, tokenizer files); a LoRA run's step also gets its PEFT
+adapter folder. It lives with the trainer because it needs what a run is made of (its config,
+tokenizer, LoRA settings), which the checkpoint package does not import.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import yaml
+import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
 )
 
-from meshforge.checkpoint.hf import CONFIG_FILE, hf_adapter, load_hf_weights, read_hf_config, save_hf
-from meshforge.checkpoint.manager import COMPLETE_MARKER, TRAINER_STATE_FILE, resolve_load_path
+from meshforge.checkpoint.hf import save_hf
+from meshforge.checkpoint.manager import resolve_load_path
+from meshforge.checkpoint.offline import build_on_cpu, one_rank_group
 from meshforge.checkpoint.readers import read_dcp_metadata
-from meshforge.checkpoint.source import resolve_model_source
-from meshforge.models.materialize import to_empty_keeping_ties
+from meshforge.checkpoint.source import grown_options, resolve_model_source
+from meshforge.utils import distributed as dist_utils
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from meshforge.checkpoint.source import ModelSource
     from meshforge.config.root import TrainConfig
-    from meshforge.models.config import ModelConfig
+    from meshforge.models.config import LoraConfig, ModelConfig
     from meshforge.models.registry import FamilySpec
 
 Log = Callable[[str], None]
 
 
-@contextlib.contextmanager
-def _one_rank_group() -> Iterator[None]:
-    """A one-process gloo group for the duration (none is created when one exists)."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+def export_hf_from_memory(
+    model: nn.Module,
+    family: FamilySpec,
+    out_dir: Path,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None,
+    log: Callable[[str], None],
+) -> Path:
+    """Write the current weights, config and tokenizer as a HF folder (collective: FSDP gathers)."""
+    save_hf(model, family, out_dir, tokenizer=tokenizer)
+    log(f"checkpoint: exported Hugging Face weights to {out_dir} (checkpoint.save_hf_weights)")
+    return out_dir
 
 
-def _build_on_cpu(family: FamilySpec, options: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
-    with torch.device("meta"):
-        model = family.build(options)
-    model.to(dtype=dtype)
-    # Storage only: every parameter is overwritten by the load that follows. Tied weights stay
-    # tied (transformers models do not re-tie after to_empty), or a tied export would carry an
-    # lm_head.weight key of its own.
-    return to_empty_keeping_ties(model, "cpu")
+def export_hf_from_checkpoint(
+    checkpoint: Path | None,
+    out_dir: Path,
+    *,
+    config_path: Path,
+    is_main: bool,
+    log: Callable[[str], None],
+) -> Path:
+    """HF export of a pipeline run: rank 0 reads the final checkpoint whole; the others wait.
+
+    Each stage holds only its own layers, so no rank can gather the model from memory; the
+    checkpoint saved at the last step (always, when saving is on) holds all of it.
+    """
+    if checkpoint is None:
+        raise RuntimeError("checkpoint.save_hf_weights: no checkpoint was saved to export from")
+    if is_main:
+        dcp_to_hf(checkpoint, out_dir, config_path=config_path, log=log)
+    dist_utils.barrier()
+    log(f"checkpoint: exported Hugging Face weights to {out_dir} (checkpoint.save_hf_weights)")
+    return out_dir
+
+
+def export_lora_from_memory(
+    model: nn.Module,
+    family: FamilySpec,
+    output_dir: Path,
+    *,
+    section: LoraConfig,
+    base_model: str | None,
+    merged: bool,
+    tokenizer: PreTrainedTokenizerBase | None,
+    log: Callable[[str], None],
+) -> Path:
+    """A LoRA run's exports (collective): the PEFT adapter folder `{output_dir}/adapter`, and with
+    `checkpoint.save_hf_weights` the merged Hugging Face folder `{output_dir}/hf`."""
+    from meshforge.lora.peft_io import save_merged_hf, save_peft_adapter
+    from meshforge.lora.settings import lora_settings
+
+    adapter = save_peft_adapter(
+        model, family, output_dir / "adapter", settings=lora_settings(section), base_model=base_model or ""
+    )
+    log(f"lora: wrote the PEFT adapter folder {adapter}")
+    if merged:
+        out = save_merged_hf(model, family, output_dir / "hf", tokenizer=tokenizer)
+        log(
+            f"checkpoint: exported Hugging Face weights with the adapters merged to {out} (checkpoint.save_hf_weights)"
+        )
+        return out
+    return adapter
 
 
 def dcp_to_hf(
@@ -74,7 +113,7 @@ def dcp_to_hf(
     config_path: str | Path | None = None,
     shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
-    log: Log = print,
+    log: Callable[[str], None] = print,
 ) -> Path:
     """Export a DCP step folder of a meshforge run as a Hugging Face folder.
 
@@ -113,8 +152,8 @@ def dcp_to_hf(
     options = grown_options(cfg.model, source, tokenizer, log)
     if cfg.lora_config is not None:
         return _lora_step_to_hf(cfg, source, options, step, Path(out_dir), tokenizer, params_dtype, log)
-    with _one_rank_group():
-        model = _build_on_cpu(source.family, options, params_dtype)
+    with one_rank_group():
+        model = build_on_cpu(source.family, options, params_dtype)
         state = {"model": get_model_state_dict(model)}
         # Read by this process alone: a training run exports from rank 0 while the others wait.
         with warnings.catch_warnings():
@@ -142,7 +181,7 @@ def _lora_step_to_hf(
     out: Path,
     tokenizer: PreTrainedTokenizerBase | None,
     dtype: torch.dtype,
-    log: Log,
+    log: Callable[[str], None],
 ) -> Path:
     """A LoRA run's step: the merged HF folder in `out` and the PEFT adapter in `out/adapter`."""
     from meshforge.checkpoint.manager import read_trainer_state
@@ -158,7 +197,7 @@ def _lora_step_to_hf(
         )
     settings = lora_settings(cfg.lora_config)
     cpu = torch.device("cpu")
-    with _one_rank_group():
+    with one_rank_group():
         model = build_adapted(source.family, options, settings, dtype=dtype, device=cpu)
         load_lora_step(
             model, source.family, step, record, settings=settings, seed=cfg.training.seed, device=cpu, log=log
@@ -173,23 +212,7 @@ def _lora_step_to_hf(
     return out
 
 
-def grown_options(
-    model_cfg: ModelConfig, source: ModelSource, tokenizer: PreTrainedTokenizerBase | None, log: Log
-) -> dict[str, Any]:
-    """The model options with the vocabulary the run trained: tokens added by the config grow it."""
-    if tokenizer is None:
-        return dict(source.options)
-    from meshforge.data.tokenizer import tokenizer_extension
-    from meshforge.models.vocab import vocab_plan
-
-    size = source.family.parse_options(source.options).vocab_size
-    plan = vocab_plan(
-        tokenizer, size, resize_vocab=model_cfg.resize_vocab, added=tokenizer_extension(tokenizer), log=log
-    )
-    return plan.model_options(dict(source.options))
-
-
-def _maybe_tokenizer(model_cfg: ModelConfig, log: Log) -> PreTrainedTokenizerBase | None:
+def _maybe_tokenizer(model_cfg: ModelConfig, log: Callable[[str], None]) -> PreTrainedTokenizerBase | None:
     from meshforge.data.tokenizer import build_tokenizer, extension_options
 
     name = model_cfg.tokenizer_name_or_path or model_cfg.model_name_or_path
@@ -202,54 +225,3 @@ def _maybe_tokenizer(model_cfg: ModelConfig, log: Log) -> PreTrainedTokenizerBas
     except (OSError, ValueError) as err:
         log(f"convert: warning: tokenizer {name!r} not loaded ({err}); no tokenizer files written")
         return None
-
-
-def hf_to_dcp(
-    hf_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32, log: Log = print
-) -> Path:
-    """Write a HF folder's weights as a meshforge DCP step folder (weights only).
-
-    The folder gets ``trainer_state.json`` (step 0, no optimizer state), the ``COMPLETE`` marker
-    and ``model.yaml``, a ``model:`` section describing the model (to paste into a config that
-    loads it with ``checkpoint.load_path`` and ``checkpoint.no_load_optim: true``).
-
-    Args:
-        hf_dir: The HF folder (config.json and safetensors).
-        out_dir: A new (or empty) folder for the step.
-        dtype: Dtype of the stored weights: the training master weights (``model.params_dtype``).
-        log: Progress sink.
-
-    Raises:
-        FileNotFoundError: When ``hf_dir`` lacks config.json or weights.
-        FileExistsError: When ``out_dir`` is not empty.
-        ValueError: When its family is not built.
-    """
-    from meshforge.models.registry import resolve_family
-
-    src = Path(hf_dir).expanduser().resolve()
-    config = read_hf_config(src)
-    try:
-        family = resolve_family(config.get("model_type"), config.get("architectures"), None)
-    except ValueError as err:
-        raise ValueError(f"{src / CONFIG_FILE}: {err}") from None
-    options = hf_adapter(family).from_hf_config(config)
-    out = Path(out_dir).expanduser().resolve()
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out}: exists and is not empty; choose a new folder")
-    with _one_rank_group():
-        model = _build_on_cpu(family, options, dtype)
-        load_hf_weights(model, family, src, log=log)
-        out.mkdir(parents=True, exist_ok=True)
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(out))
-    state = {"step": 0, "tokens_seen": 0, "has_optimizer": False, "converted_from": str(src)}
-    (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-    section = {
-        "model": {"model_type": family.name, "params_dtype": str(dtype).removeprefix("torch."), **options}
-    }
-    (out / "model.yaml").write_text(yaml.safe_dump(section, sort_keys=False))
-    (out / COMPLETE_MARKER).write_text("0\n")
-    log(
-        f"convert: wrote DCP step folder {out} from {src}; load it with checkpoint.load_path: {out} and "
-        f"checkpoint.no_load_optim: true, with the model: section in {out / 'model.yaml'}"
-    )
-    return out

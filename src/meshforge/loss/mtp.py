@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import torch
 
-from meshforge.loss import mtp_cross_entropy_sum
+from meshforge.loss.cross_entropy import mtp_cross_entropy_sum
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from meshforge.lm_loss import LMLoss
+    from meshforge.loss.lm import LMLoss
 
 # training.mtp_loss_scaling_factor's default (MindSpeed's): leaving it there is no request for MTP.
 DEFAULT_MTP_FACTOR = 0.3

@@ -130,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="PNG file (default: RUN_DIR/metrics.png, ./metrics.png for several)",
     )
-    from meshforge.config.cli import add_config_commands
-    from meshforge.data.megatron.cli import add_preprocess_command
-    from meshforge.infer.cli import add_generate_command
+    from meshforge.cli.config import add_config_commands
+    from meshforge.cli.generate import add_generate_command
+    from meshforge.cli.preprocess import add_preprocess_command
 
     add_generate_command(sub)
 
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshforge.config import ConfigError, load_config
-    from meshforge.resources import builtin_config
+    from meshforge.utils.resources import builtin_config
 
     rank = int(os.environ.get("RANK", 0))
     path = args.config if args.config is not None else str(builtin_config("demo"))
@@ -159,8 +159,8 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
 
-    from meshforge.callbacks import CallbackError, CallbackHookError, PeerCallbackError
-    from meshforge.trainer import Trainer, TrainingDivergedError
+    from meshforge.train.callbacks import CallbackError, CallbackHookError, PeerCallbackError
+    from meshforge.train.trainer import Trainer, TrainingDivergedError
     from meshforge.utils.distributed import destroy_process_group
     from meshforge.utils.log import get_logger
 
@@ -215,29 +215,6 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def run_convert(args: argparse.Namespace) -> int:
-    from meshforge.config import ConfigError
-
-    try:
-        from meshforge.checkpoint.convert import dcp_to_hf, hf_to_dcp
-        from meshforge.utils.dtype import parse_dtype
-
-        if args.to == "hf":
-            dtype = parse_dtype(args.dtype, key="--dtype") if args.dtype else None
-            dcp_to_hf(args.source, args.out, config_path=args.config, shard_size=args.shard_size, dtype=dtype)
-        else:
-            if args.config or args.dtype:
-                raise ValueError("--config and --dtype apply to --to hf only")
-            hf_to_dcp(args.source, args.out)
-    except ConfigError as err:
-        print(str(err), file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -250,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "train":
         return run_train(args, split_overrides(extra))
     if args.command == "generate":
-        from meshforge.infer.cli import run_generate_command
+        from meshforge.cli.generate import run_generate_command
 
         return run_generate_command(args, split_overrides(extra))
     if args.command == "data":
@@ -266,16 +243,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognised arguments: {' '.join(extra)}")
     if args.command == "convert":
+        from meshforge.cli.convert import run_convert
+
         return run_convert(args)
     if args.command == "plot":
         from meshforge.monitor.plot import run_plot_command
 
         return run_plot_command(args.run_dirs, args.output)
     if args.command == "preprocess":
-        from meshforge.data.megatron.cli import run_preprocess_command
+        from meshforge.cli.preprocess import run_preprocess_command
 
         return run_preprocess_command(args)
-    from meshforge.config.cli import run_config_command
+    from meshforge.cli.config import run_config_command
 
     return run_config_command(args)
 

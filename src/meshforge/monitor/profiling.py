@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, model_validator
 
-from meshforge.callbacks import BuiltinCallback
 from meshforge.config.base import Bool, Int, PosInt, StrictSection, describe, rule_error
+from meshforge.train.callbacks import BuiltinCallback
 
 
 def _level(value: Any) -> Any:
@@ -80,7 +80,7 @@ class StepProfiler(BuiltinCallback):
 
     Writes `{output}/rank{r}_step{a}-{b}.pt.trace.json.gz` (a Chrome trace that Perfetto and
     TensorBoard's profiler plugin open), or with `export_type: db` `rank{r}_step{a}-{b}.db` (SQLite,
-    `meshforge.profiling_db`), and logs one line with the top operators by self time.
+    `meshforge.monitor.profiling_db`), and logs one line with the top operators by self time.
     `profile_memory` on CUDA also dumps the allocator's memory snapshot
     (`rank{r}_step{a}-{b}.memory.pickle`, for pytorch.org/memory_viz). `mstx` on CUDA wraps each
     step and phase in an NVTX range (for Nsight Systems).
@@ -230,7 +230,7 @@ class StepProfiler(BuiltinCallback):
         if self.cfg.export_type == "db":
             import torch
 
-            from meshforge.profiling_db import export_sqlite
+            from meshforge.monitor.profiling_db import export_sqlite
 
             meta = {
                 "rank": self.rank,

@@ -2,7 +2,7 @@
 
 A scheduler (Slurm, Kubernetes) sends SIGTERM some time before it kills a job; torchrun forwards
 it to every worker, and a signal to a single rank is enough. The handler only records the
-request; the loop shares it in the step's one decision all-reduce (`meshforge.health`), so every
+request; the loop shares it in the step's one decision all-reduce (`meshforge.train.health`), so every
 rank finishes the same step, saves the same complete checkpoint and exits 0.
 
 A second signal exits at once (status 128 + signal number), without a checkpoint. A repeat within
