@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from meshforge.config import TrainConfig, config_from_dict, dump_config, load_config, unsupported_features
+from meshforge.config.base import ConfigError
 from meshforge.config.layer_spec import LayerRange, expand_layers
 from meshforge.config.loader import detect_format, parse_yaml
 
@@ -264,7 +265,7 @@ def test_mindspeed_grouped_import():
     assert cfg.parallelism.data_parallel_shard == -1
     assert cfg.parallelism.fsdp_modules == ["model.layers.{*}", "model.embed_tokens", "lm_head"]
     assert cfg.model.compute_dtype == "bfloat16" and cfg.model.params_dtype == "float32"
-    assert cfg.parallelism.param_dtype is None and cfg.parallelism.reduce_dtype == "fp32"
+    assert cfg.parallelism.param_dtype is None and cfg.parallelism.reduce_dtype == "float32"
     assert cfg.recompute.mode == "full" and cfg.recompute.modules == ["model.layers.{*}"]
     assert cfg.training.output_dir == "./output/qwen3_sft"
     assert cfg.training.local_batch_size == 1 and cfg.training.gradient_accumulation_steps == 4
@@ -428,3 +429,45 @@ def test_param_dtype_is_an_alias_of_compute_dtype() -> None:
 def test_zero2_strategy_keeps_gathered_weights_until_backward() -> None:
     cfg = config_from_dict({"parallelism": {"data_parallel_shard_strategy": "optim_grads"}})
     assert cfg.parallelism.reshard_after_forward_policy == "never"
+
+
+def _dtype_keys() -> list[tuple[str, str]]:
+    """Every (section, field) whose type is the shared dtype name, found by walking the sections."""
+    from typing import get_args
+
+    from meshforge.config.base import DtypeName
+
+    names = get_args(DtypeName)[0]  # pydantic keeps the Literal and moves the validator to metadata
+    keys = []
+    for section, info in TrainConfig.model_fields.items():
+        model = info.annotation
+        fields = getattr(model, "model_fields", None)
+        for name, field in (fields or {}).items():
+            if field.annotation in (DtypeName, DtypeName | None, names, names | None):
+                keys.append((section, name))
+    return keys
+
+
+def test_every_dtype_key_takes_every_spelling() -> None:
+    keys = _dtype_keys()
+    # The four dtype keys of the reference documents, so a key typed otherwise is noticed.
+    assert {("model", "compute_dtype"), ("model", "params_dtype"), ("parallelism", "param_dtype")} <= set(
+        keys
+    )
+    assert ("parallelism", "reduce_dtype") in keys
+    for section, name in keys:
+        for spelling, canonical in [
+            ("bf16", "bfloat16"),
+            ("BFloat16", "bfloat16"),
+            ("fp16", "float16"),
+            ("float16", "float16"),
+            ("fp32", "float32"),
+            ("float32", "float32"),
+        ]:
+            data = {section: {name: spelling}}
+            if (section, name) == ("parallelism", "param_dtype"):
+                data["model"] = {"compute_dtype": canonical}  # the alias must agree when both are set
+            cfg = config_from_dict(data)
+            assert getattr(getattr(cfg, section), name) == canonical, (section, name, spelling)
+        with pytest.raises(ConfigError, match=rf"{section}\.{name}: must be float32, bfloat16 or float16"):
+            config_from_dict({section: {name: "bf61"}})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -94,6 +94,31 @@ PosFloat = Annotated[Float, AfterValidator(_positive)]
 NonNegInt = Annotated[Int, AfterValidator(_non_negative)]
 NonNegFloat = Annotated[Float, AfterValidator(_non_negative)]
 AtLeastOne = Annotated[Int, AfterValidator(_at_least_one)]
+
+# Every dtype key takes each of the six spellings users bring (torch's names, Megatron's and
+# MindSpeed's short ones) and holds the torch name, so consumers compare one spelling.
+DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+def _dtype_name(value: Any) -> Any:
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key not in DTYPE_ALIASES:
+            raise ValueError(
+                f"must be float32, bfloat16 or float16 (aliases fp32, bf16, fp16), got {value!r}"
+            )
+        return DTYPE_ALIASES[key]
+    return value
+
+
+DtypeName = Annotated[Literal["float32", "bfloat16", "float16"], BeforeValidator(_dtype_name)]
 
 
 def describe(default: Any, description: str, **kwargs: Any) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import model_validator
 
 from meshforge.checkpoint.config import CheckpointConfig
-from meshforge.config.base import StrictSection, describe
+from meshforge.config.base import DTYPE_ALIASES, StrictSection, describe
 from meshforge.data.config import TrainDatasetConfig
 from meshforge.infer.config import InferenceConfig
 from meshforge.memory.config import RecomputeCommConfig, RecomputeConfig, SwapConfig
@@ -82,9 +82,6 @@ def _flash_alias(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-_SHORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
 def _param_dtype_alias(data: dict[str, Any]) -> dict[str, Any]:
     """Carry MindSpeed's `parallelism.param_dtype` into `model.compute_dtype` unless that is written.
 
@@ -94,9 +91,17 @@ def _param_dtype_alias(data: dict[str, Any]) -> dict[str, Any]:
     written values is an error in rules.py.
     """
     par, model = data.get("parallelism"), data.get("model", {})
-    if isinstance(par, dict) and isinstance(model, dict) and par.get("param_dtype") in _SHORT_DTYPES:
+    if isinstance(par, dict) and isinstance(model, dict) and isinstance(par.get("param_dtype"), str):
         if "compute_dtype" not in model:
-            data = {**data, "model": {**model, "compute_dtype": _SHORT_DTYPES[par["param_dtype"]]}}
+            data = {
+                **data,
+                "model": {
+                    **model,
+                    "compute_dtype": DTYPE_ALIASES.get(
+                        par["param_dtype"].strip().lower(), par["param_dtype"]
+                    ),
+                },
+            }
     return data
 
 

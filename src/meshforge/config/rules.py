@@ -72,8 +72,7 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
 
     param_dtype = cfg.parallelism.param_dtype
     if param_dtype is not None:
-        full = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[param_dtype]
-        if full != cfg.model.compute_dtype:
+        if param_dtype != cfg.model.compute_dtype:
             issues.append(
                 (
                     "parallelism.param_dtype",

@@ -11,12 +11,13 @@ MindSpeed OptimizationArguments; `model.use_flash_attention` is an alias of
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import field_validator, model_validator
 
 from meshforge.config.base import (
     Bool,
+    DtypeName,
     NonNegFloat,
     NonNegInt,
     PassthroughSection,
@@ -26,15 +27,6 @@ from meshforge.config.base import (
     rule_error,
 )
 from meshforge.config.layer_spec import LayerSpecList
-
-DTYPE_ALIASES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-}
 
 MS_MODEL_IDS = (
     "gpt_oss",
@@ -50,18 +42,7 @@ MS_MODEL_IDS = (
 )
 
 
-def _dtype(value: Any) -> Any:
-    if isinstance(value, str):
-        key = value.strip().lower()
-        if key not in DTYPE_ALIASES:
-            raise ValueError(
-                f"must be float32, bfloat16 or float16 (aliases fp32, bf16, fp16), got {value!r}"
-            )
-        return DTYPE_ALIASES[key]
-    return value
-
-
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = DtypeName
 
 
 class ModelConfig(PassthroughSection):
@@ -116,10 +97,6 @@ class ModelConfig(PassthroughSection):
     )
     fsdp_low_precision_all_gather_mode: Literal["on-demand", "all"] = describe(
         "on-demand", "Which weights are all-gathered in low precision."
-    )
-
-    _dtypes = field_validator("compute_dtype", "params_dtype", mode="before")(
-        classmethod(lambda cls, v: _dtype(v))
     )
 
     @field_validator("model_id")

@@ -13,7 +13,16 @@ from typing import Literal
 
 from pydantic import field_validator, model_validator
 
-from meshforge.config.base import AtLeastOne, Bool, Int, PosInt, StrictSection, describe, rule_error
+from meshforge.config.base import (
+    AtLeastOne,
+    Bool,
+    DtypeName,
+    Int,
+    PosInt,
+    StrictSection,
+    describe,
+    rule_error,
+)
 
 MS_FSDP_MODULES = ["model.layers.{*}", "model.embed_tokens", "lm_head"]
 MS_TP_COLWISE = ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj"]
@@ -21,8 +30,6 @@ MS_TP_ROWWISE = ["*.o_proj", "*.down_proj"]
 MS_EP_MODULES = ["model.layers.{*}.mlp.experts"]
 MS_LAYER_MODULES = ["model.layers.{*}"]
 MS_CHUNK_KWARGS = ["position_embeddings", "position_ids", "attention_mask", "input_ids"]
-
-DType = Literal["bf16", "fp16", "fp32"]
 
 
 def normalize_pattern(pattern: str) -> str:
@@ -132,11 +139,13 @@ class ParallelismConfig(StrictSection):
     ep_dispatcher: Literal["eager", "fused", "mc2"] = describe(
         "eager", "Expert-parallel all-to-all dispatcher."
     )
-    param_dtype: DType | None = describe(
+    param_dtype: DtypeName | None = describe(
         None,
         "MindSpeed alias of model.compute_dtype (the dtype FSDP computes in); must agree when both are set.",
     )
-    reduce_dtype: DType = describe("fp32", "FSDP gradient reduce dtype.")
+    reduce_dtype: DtypeName = describe(
+        "float32", "FSDP gradient reduce dtype (float32, bfloat16, float16; aliases fp32, bf16, fp16)."
+    )
     num_to_forward_prefetch: Int = describe(1, "Modules prefetched ahead in forward.")
     num_to_backward_prefetch: Int = describe(1, "Modules prefetched ahead in backward.")
     enable_chunk_batch: Bool = describe(

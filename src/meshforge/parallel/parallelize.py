@@ -23,13 +23,11 @@ import torch.nn as nn
 from meshforge.memory.apply import ActivationMemory, ActivationSettings
 from meshforge.parallel.config import MS_EP_MODULES, MS_LAYER_MODULES, ParallelismConfig
 from meshforge.parallel.dims import ParallelDims, ParallelMesh
+from meshforge.utils.dtype import parse_dtype
 
 if TYPE_CHECKING:
     from meshforge.lora.apply import LoraApplied, LoraSettings
     from meshforge.parallel.float8 import QuantPlan, QuantSettings
-
-# parallelism.reduce_dtype: the dtype gradients are reduced (summed) in across ranks.
-_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -192,7 +190,9 @@ def parallelize_model(
 
         kwargs: dict[str, Any] = {
             "param_dtype": compute_dtype if compute_dtype != param_dtype else None,
-            "reduce_dtype": reduce_dtype if reduce_dtype is not None else _REDUCE_DTYPES[par.reduce_dtype],
+            "reduce_dtype": reduce_dtype
+            if reduce_dtype is not None
+            else parse_dtype(par.reduce_dtype, key="parallelism.reduce_dtype"),
             "reshard_policy": par.reshard_after_forward_policy,
             "ignored_modules": list(par.ignored_modules) if par.ignored_modules else None,
             "shard_placement": par.shard_placement_fn,
