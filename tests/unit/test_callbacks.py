@@ -187,7 +187,7 @@ def test_plot_curves_needs_matplotlib_when_built(monkeypatch: pytest.MonkeyPatch
     )
     with pytest.raises(
         CallbackError,
-        match=r"^callbacks\[0\] \(PlotCurves\): .*PlotCurves needs matplotlib: pip install .meshforge\[plot\]. \(or matplotlib\)",
+        match=r"^callbacks\[0\] \(PlotCurves\): .*PlotCurves needs matplotlib: matplotlib is a dependency of meshforge: reinstall it",
     ):
         build_callback(_item(type="PlotCurves"), 0)
 

@@ -43,8 +43,17 @@ def test_without_matplotlib_the_run_goes_on_with_one_warning(monkeypatch: pytest
     assert builtin_callbacks(_monitor(), [], warn=warnings.append) == []
     assert warnings == [
         "warning: monitor.plot_curves: no end-of-run plot, matplotlib is not installed "
-        "(pip install 'meshforge[plot]' (or matplotlib))"
+        "(matplotlib is a dependency of meshforge: reinstall it (pip install meshforge))"
     ]
+
+
+def test_matplotlib_is_a_core_dependency() -> None:
+    """A plain `pip install meshforge` run draws metrics.png: matplotlib is not behind an extra."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert any(dep.split("==")[0].strip() == "matplotlib" for dep in project["dependencies"])
 
 
 @pytest.mark.slow  # matplotlib may start a process (its font cache) on first use

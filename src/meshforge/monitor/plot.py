@@ -62,7 +62,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
         import matplotlib
     except ImportError as err:
         raise PlotError(
-            "meshforge plot needs matplotlib: pip install 'meshforge[plot]' (or matplotlib)"
+            "meshforge plot needs matplotlib, a dependency of meshforge: reinstall it (pip install meshforge)"
         ) from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

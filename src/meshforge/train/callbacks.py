@@ -176,7 +176,7 @@ class PlotCurves(Callback):
         print(f"plot: {out}", flush=True)
 
 
-_PLOT_EXTRA = "pip install 'meshforge[plot]' (or matplotlib)"
+_PLOT_EXTRA = "matplotlib is a dependency of meshforge: reinstall it (pip install meshforge)"
 
 
 def builtin_callbacks(
@@ -187,8 +187,9 @@ def builtin_callbacks(
 
     The end-of-run plot: `monitor.plot_curves` (default on; `MESHFORGE_PLOT=0` switches it
     off for test harnesses and sweeps, where drawing costs seconds per run), unless a
-    `PlotCurves` item of `callbacks:` draws it already. Without matplotlib it is skipped with one
-    warning: a missing plotting package must not stop a training run.
+    `PlotCurves` item of `callbacks:` draws it already. matplotlib is a dependency; in an
+    environment that lost it the plot is skipped with one warning: a missing plotting package
+    must not stop a training run.
     """
     if not monitor.plot_curves or os.environ.get("MESHFORGE_PLOT", "1") == "0":
         return []
