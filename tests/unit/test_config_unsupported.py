@@ -33,7 +33,6 @@ TRIGGERS: dict[str, dict] = {
         "parallelism": {"pipeline_parallel": 2, "pipeline_parallel_microbatch_size": 4}
     },
     "parallelism.sequence_parallel": {"parallelism": {"tensor_parallel": 2, "sequence_parallel": False}},
-    "checkpoint.save_global_layout_cache": {"checkpoint": {"save_global_layout_cache": False}},
     "kernels.use_triton_gdn": {"kernels": {"use_triton_gdn": True}},
     "kernels.use_flash_gdn": {"kernels": {"use_flash_gdn": True}},
     "kernels.use_triton_rmsnormgated": {"kernels": {"use_triton_rmsnormgated": True}},
@@ -44,7 +43,6 @@ TRIGGERS: dict[str, dict] = {
         "model": {"model_id": "deepseek_v4"},
         "kernels": {"use_triton_swiglu_limit": True},
     },
-    "checkpoint.load_balanced": {"checkpoint": {"load_balanced": True}},
     "checkpoint.remove_redundancy": {"checkpoint": {"remove_redundancy": True}},
     "checkpoint.save_epochs": {"checkpoint": {"save_epochs": 1}},
     "checkpoint.load_worker_number": {"checkpoint": {"load_worker_number": 4}},
@@ -78,9 +76,6 @@ TRIGGERS: dict[str, dict] = {
     "train_dataset.tokenized_path": {"train_dataset": {"tokenized_path": "./tok"}},
     "train_dataset.data_shared_file_system": {"train_dataset": {"data_shared_file_system": True}},
     "train_dataset.no_shared_storage": {"train_dataset": {"no_shared_storage": True}},
-    "train_dataset.create_attention_mask_in_dataloader": {
-        "train_dataset": {"create_attention_mask_in_dataloader": True}
-    },
     "train_dataset.reset_attention_mask": {
         "train_dataset": {"reset_attention_mask": True, "append_eod": True}
     },
@@ -235,3 +230,27 @@ def test_custom_tp_plan_only_on_the_generic_path(tmp_path, model_type, refused):
     )
     found = {"parallelism.tp_colwise", "parallelism.tp_rowwise"} & set(unsupported_features(cfg))
     assert bool(found) == refused
+
+
+@pytest.mark.parametrize(
+    ("data", "path", "words"),
+    [
+        (
+            {"checkpoint": {"load_balanced": True}},
+            "checkpoint.load_balanced",
+            "reads in parallel on every rank",
+        ),
+        (
+            {"train_dataset": {"create_attention_mask_in_dataloader": True}},
+            "train_dataset.create_attention_mask_in_dataloader",
+            "carry segment_ids",
+        ),
+    ],
+)
+def test_seed_keys_without_an_effect_are_warned_with_the_reason(data, path, words) -> None:
+    from meshforge.config.noops import noop_notes
+
+    cfg = config_from_dict(data)
+    assert path not in unsupported_features(cfg)
+    notes = dict(noop_notes(cfg, "cpu"))
+    assert words in notes[path]

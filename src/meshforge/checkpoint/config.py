@@ -33,7 +33,8 @@ class CheckpointConfig(StrictSection):
     no_load_optim: Bool = describe(False, "Load model weights only, not optimizer/scheduler state.")
     load_worker_number: AtLeastOne = describe(1, "Number of threads used to read a checkpoint.")
     save_global_layout_cache: Bool = describe(
-        True, "Cache the global sharding layout to speed up later loads."
+        True,
+        "Cache DCP's global save plan after the first save, so later saves of the run skip re-planning.",
     )
     reshard_worker_num: AtLeastOne = describe(1, "Number of workers used when resharding on load.")
     save_epochs: Int | None = describe(

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -141,6 +142,7 @@ class CheckpointManager:
         async_save: bool = False,
         log: Callable[[str], None] = print,
         lora_base: tuple[str, Path | None] | None = None,
+        cache_save_plan: bool = True,
     ) -> None:
         self.save_dir = save_dir
         self.prefix = prefix
@@ -152,6 +154,8 @@ class CheckpointManager:
         self.log = log
         self.last_saved_step: int | None = None
         self.async_save = async_save
+        self.cache_save_plan = cache_save_plan
+        self._planner_key = f"meshforge-{id(self)}"
         self._pending: tuple[Future, Path, int] | None = None
         self._staging: Future | None = None
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
@@ -212,17 +216,35 @@ class CheckpointManager:
                 # stream: the last update's kernels must have finished before it reads.
                 torch.accelerator.synchronize()
             response = dcp.async_save(
-                state, checkpoint_id=str(target), process_group=self._group, async_stager=self._stager
+                state,
+                checkpoint_id=str(target),
+                process_group=self._group,
+                async_stager=self._stager,
+                planner=self._save_planner(),
             )
             # A stager that copies in the background makes DCP return both futures.
             assert isinstance(response, AsyncSaveResponse)
             self._staging = response.staging_completion
             self._pending = (response.upload_completion, target, step)
         else:
-            dcp.save(state, checkpoint_id=str(target))
+            dcp.save(state, checkpoint_id=str(target), planner=self._save_planner())
             self._mark_complete(target, step)
         self.last_saved_step = step
         return target
+
+    def _save_planner(self) -> DefaultSavePlanner:
+        """DCP's planner, with its save-plan cache on for `checkpoint.save_global_layout_cache`.
+
+        With the cache, every save after the first sends only each rank's plan delta to the
+        coordinator and gets the cached global plan and metadata back when nothing changed (the
+        layout of a run never does), instead of gathering, merging and scattering all plans
+        again. DCP keys the cache by the planner's class name, shared by every manager in the
+        process; the key here is this manager's, so two runs in one process (tests, sweeps)
+        never reuse each other's plans.
+        """
+        planner = DefaultSavePlanner(enable_plan_caching=self.cache_save_plan)
+        planner._cached_plans_key = self._planner_key
+        return planner
 
     def wait_staging(self) -> None:
         """Wait until a background save has copied the state; call before changing it in place."""

@@ -131,6 +131,17 @@ ENTRIES: list[NoOp] = [
         "evaluation during training measures the loss; the beams are those of `meshforge generate` "
         "(beam search on the eval prompts: `meshforge generate --prompts FILE.jsonl`)",
     ),
+    _entry(
+        "train_dataset.create_attention_mask_in_dataloader",
+        "meshforge's batches carry segment_ids (and position_ids), and every model builds its causal "
+        "block mask from them on the device; no [seq, seq] mask tensor is made or moved by the loader",
+    ),
+    NoOp(
+        "checkpoint.load_balanced",
+        lambda c, d: c.checkpoint.load_balanced,
+        "DCP already reads in parallel on every rank, each rank only the chunks of its own shards; "
+        "there is no one-rank read to balance",
+    ),
     NoOp(
         "parallelism.expert_parallel_use_safe_tokens",
         lambda c, d: not c.parallelism.expert_parallel_use_safe_tokens,

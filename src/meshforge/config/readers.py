@@ -249,6 +249,7 @@ READERS: dict[str, tuple[str, ...]] = {
     "meshforge.train.build": (
         "lora_config.adapter_path",
         "checkpoint.enable_save",
+        "checkpoint.save_global_layout_cache",
         "checkpoint.save_path",
         "checkpoint.save_max",
         "checkpoint.save_interleaved_steps",

@@ -116,7 +116,6 @@ SFT_NOT_BUILT = (
     "eval_on_each_dataset",
     "data_shared_file_system",
     "no_shared_storage",
-    "create_attention_mask_in_dataloader",
     "reset_attention_mask",
     "append_eod",
 )
@@ -139,7 +138,7 @@ def _sft_entries() -> list[Unsupported]:
     for name in SFT_FIELDS:
         if name == "dataloader_type":  # a single allowed value: nothing to refuse
             continue
-        if name == "eval_num_beams":  # the beams of `meshforge generate`; a no-op in training (noops.py)
+        if name in ("eval_num_beams", "create_attention_mask_in_dataloader"):  # warned no-ops (noops.py)
             continue
         if name in SFT_NOT_BUILT:
             is_set = _sft_set(name, any_loader=True)
@@ -200,7 +199,8 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         "training.indexer_loss_coeff",
         lambda c: c.training.indexer_loss_coeff != _default(TrainingConfig, "indexer_loss_coeff"),
-        "the sparse-attention indexer loss (DeepSeek-V3.2 DSA)",
+        "the indexer loss of DeepSeek sparse attention (DSA, DeepSeek-V3.2 / GLM-5): no built family has "
+        "a DSA indexer, so the coefficient would weigh nothing",
     ),
     Unsupported(
         f"{_P}.pipeline_parallel_p2p_transport",
@@ -217,11 +217,6 @@ ENTRIES: list[Unsupported] = [
         f"{_P}.sequence_parallel",
         lambda c: c.parallelism.tensor_parallel > 1 and _written_false(c, "parallelism", "sequence_parallel"),
         "tensor parallelism without sequence parallelism (SP is on whenever tensor_parallel > 1)",
-    ),
-    Unsupported(
-        "checkpoint.save_global_layout_cache",
-        lambda c: not c.checkpoint.save_global_layout_cache,
-        "saving without the cached save plan",
     ),
     Unsupported(
         "checkpoint.load_worker_number", lambda c: c.checkpoint.load_worker_number != 1, "parallel loading"
@@ -246,7 +241,6 @@ ENTRIES: list[Unsupported] = [
         "sparse (windowed) flash attention",
     ),
     Unsupported("kernels.next_tokens", lambda c: c.kernels.next_tokens != 0, "non-causal flash attention"),
-    Unsupported("checkpoint.load_balanced", lambda c: c.checkpoint.load_balanced, "balanced loading"),
     Unsupported(
         "checkpoint.remove_redundancy", lambda c: c.checkpoint.remove_redundancy, "redundancy-free saving"
     ),

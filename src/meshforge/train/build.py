@@ -528,6 +528,7 @@ class TrainerBuild:
             async_save=ckpt.async_save,
             log=self.log,
             lora_base=self._lora_base,
+            cache_save_plan=ckpt.save_global_layout_cache,
         )
 
     def _load_adapter(self, model: nn.Module, lora: LoraSettings, adapter_path: str) -> None:
