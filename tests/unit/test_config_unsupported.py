@@ -75,7 +75,6 @@ TRIGGERS: dict[str, dict] = {
     "train_dataset.enable_thinking": {"train_dataset": {"enable_thinking": False}},
     "train_dataset.tokenized_path": {"train_dataset": {"tokenized_path": "./tok"}},
     "train_dataset.data_shared_file_system": {"train_dataset": {"data_shared_file_system": True}},
-    "train_dataset.no_shared_storage": {"train_dataset": {"no_shared_storage": True}},
     "train_dataset.reset_attention_mask": {
         "train_dataset": {"reset_attention_mask": True, "append_eod": True}
     },

@@ -60,9 +60,11 @@ READERS: dict[str, tuple[str, ...]] = {
     ),
     "meshforge.data.megatron.loader": (
         "train_dataset.dataloader.column_names",
+        "train_dataset.no_shared_storage",
         "train_dataset.reset_attention_mask",
     ),
     "meshforge.data.sft.loader": (
+        "train_dataset.data_shared_file_system",
         "train_dataset.streaming",
         "train_dataset.tokenized_path",
     ),

@@ -70,6 +70,16 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
             )
         )
 
+    data = cfg.train_dataset
+    if data.data_shared_file_system and data.no_shared_storage:
+        issues.append(
+            (
+                "train_dataset.no_shared_storage",
+                "true contradicts train_dataset.data_shared_file_system: true; data is prepared once per "
+                "job on a shared file system, or once per node without one: set one of them",
+            )
+        )
+
     param_dtype = cfg.parallelism.param_dtype
     if param_dtype is not None:
         if param_dtype != cfg.model.compute_dtype:

@@ -110,12 +110,10 @@ def _sft_default(name: str) -> object:
     return TrainDatasetConfig.model_fields[name].default
 
 
-# SFT fields not built yet (shared-storage
-# switches, Megatron-only mask switches); the others are read by the SFTDataLoader.
+# SFT fields not built yet; the others are read by the SFTDataLoader (no_shared_storage by the
+# Megatron loader too).
 SFT_NOT_BUILT = (
     "eval_on_each_dataset",
-    "data_shared_file_system",
-    "no_shared_storage",
     "reset_attention_mask",
     "append_eod",
 )
@@ -139,6 +137,8 @@ def _sft_entries() -> list[Unsupported]:
         if name == "dataloader_type":  # a single allowed value: nothing to refuse
             continue
         if name in ("eval_num_beams", "create_attention_mask_in_dataloader"):  # warned no-ops (noops.py)
+            continue
+        if name == "no_shared_storage":  # read by the SFT and the Megatron loaders alike
             continue
         if name in SFT_NOT_BUILT:
             is_set = _sft_set(name, any_loader=True)

@@ -246,7 +246,8 @@ class BlendedDataset:
         if not all(p.is_file() for p in paths.values()):
             raise FileNotFoundError(
                 f"BlendedDataset ({self.split}): rank 0 did not write {paths['description.txt']}; the cache "
-                "folder must be shared by every rank"
+                "folder must be shared by every rank, or set train_dataset.no_shared_storage: true to build "
+                "a copy on every node"
             )
         return (
             np.load(paths["dataset_index.npy"], mmap_mode="r"),

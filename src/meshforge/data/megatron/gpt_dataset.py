@@ -335,7 +335,8 @@ class GPTDataset:
         if not all(p.is_file() for p in paths.values()):
             raise FileNotFoundError(
                 f"GPTDataset {where}: rank 0 did not write the index cache {paths['description']}; "
-                "path_to_cache must be a folder every rank can read (a shared filesystem)"
+                "path_to_cache must be a folder every rank can read (a shared filesystem), or set "
+                "train_dataset.no_shared_storage: true to build a copy on every node"
             )
         return tuple(
             np.load(paths[key], mmap_mode="r", allow_pickle=False)

@@ -195,7 +195,10 @@ def prepared_options(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> Meg
     if isinstance(cached, MegatronDataLoaderOptions):
         return cached
     options = prepare_data_path(
-        dataset_cfg.dataloader.options_as(MegatronDataLoaderOptions), ctx.tokenizer, log=ctx.log
+        dataset_cfg.dataloader.options_as(MegatronDataLoaderOptions),
+        ctx.tokenizer,
+        log=ctx.log,
+        per_node=dataset_cfg.no_shared_storage,
     )
     ctx.shared["megatron_options"] = options
     return options
@@ -227,7 +230,7 @@ def build_megatron_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -
             f"Megatron data: training.epochs {ctx.epochs:g} x {per_epoch:,} samples per epoch = {planned:,} "
             f"steps of {global_batch} samples"
         )
-    rank, barrier = _rank_and_barrier()
+    rank, barrier = _builder_rank_and_barrier(per_node=dataset_cfg.no_shared_storage)
     train, _ = build_megatron_dataset(
         options,
         tokenizer=ctx.tokenizer,
@@ -259,7 +262,7 @@ def build_megatron_eval_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderConte
         weighted = parse_blend(options.config.data_path, "train_dataset.dataloader.config.data_path").weights
         if weighted is not None:
             valid_samples = epoch_samples(options, split_no=1)
-    rank, barrier = _rank_and_barrier()
+    rank, barrier = _builder_rank_and_barrier(per_node=dataset_cfg.no_shared_storage)
     _, valid = build_megatron_dataset(
         options,
         tokenizer=ctx.tokenizer,
@@ -280,9 +283,16 @@ def build_megatron_eval_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderConte
     return EvalLoader(valid, local_batch_size=ctx.local_batch_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
 
 
-def _rank_and_barrier() -> tuple[int, Callable[[], None] | None]:
+def _builder_rank_and_barrier(*, per_node: bool) -> tuple[int, Callable[[], None] | None]:
+    """The rank that decides who builds the index caches (0 builds), and the barrier after it.
+
+    `train_dataset.no_shared_storage: true`: the first rank of every node builds its node's copy
+    (node-local disks); otherwise the job's rank 0 builds for all, as Megatron does.
+    """
     import torch.distributed as dist
 
+    from meshforge.data.prepare import preparer_rank
+
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.barrier
+        return preparer_rank(per_node=per_node), dist.barrier
     return 0, None

@@ -227,13 +227,19 @@ def prepare_data_path(
     tokenizer: PreTrainedTokenizerBase | None,
     *,
     log: Log | None = None,
+    per_node: bool = False,
 ) -> MegatronDataLoaderOptions:
     """`options` with raw entries of `config.data_path` converted (rank 0) and shared to every rank.
 
     Every rank calls it; rank 0 converts while the others wait in the broadcast of the result. An
-    error on rank 0 is raised on every rank, so no rank is left waiting.
+    error on rank 0 is raised on every rank, so no rank is left waiting. With `per_node`
+    (`train_dataset.no_shared_storage`) the first rank of every node converts into its node's
+    cache; the converted prefixes are the same paths on every node, so rank 0's answer serves all,
+    and a failure on another node's converting rank is raised there.
     """
     import torch.distributed as dist
+
+    from meshforge.data.prepare import preparer_rank
 
     cfg = options.config
     if not has_raw_entries(cfg.data_path):
@@ -241,8 +247,9 @@ def prepare_data_path(
     say = log or (lambda _line: None)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
+    converts = preparer_rank(per_node=per_node) == 0 if distributed else True
     result: tuple[str, list[str] | str] = ("ok", list(cfg.data_path))
-    if rank == 0:
+    if converts:
         try:
             paths = convert_raw_entries(
                 list(cfg.data_path),
@@ -259,10 +266,13 @@ def prepare_data_path(
         except OSError as exc:
             hint = "" if cfg.tokenized_path else " (set tokenized_path to a writable folder)"
             result = ("error", f"{KEY}: converting raw data failed: {exc}{hint}")
+    own = result
     if distributed:
         box: list[object] = [result]
         dist.broadcast_object_list(box, src=0)
         result = box[0]  # type: ignore[assignment]
+    if rank != 0 and own[0] == "error":
+        result = own
     status, value = result
     if status == "error":
         raise ValueError(str(value))

@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from meshforge.data.prepare import preparers_first
 from meshforge.data.sft.pipeline import (
     SFTDataset,
     build_sft_columns,
@@ -57,6 +58,35 @@ def build_sft_data(
         datasets.disable_progress_bars()  # one set of progress bars per job, not one per rank
     if cfg.streaming:
         return build_sft_stream(cfg, tokenizer, seed=seed, log=log)
+    # LLaMA-Factory's rule: the first rank of each node prepares (node-local caches), or with
+    # train_dataset.data_shared_file_system the job's rank 0 alone; the others then load the
+    # `datasets` cache, or `tokenized_path` when it is set, instead of tokenising again.
+    with preparers_first(per_node=not cfg.data_shared_file_system) as preparer:
+        train, valid, from_disk = _prepare_splits(cfg, tokenizer, seed=seed, preparer=preparer, log=log)
+    train_rows = to_rows(train, cfg, tokenizer, from_disk=from_disk)
+    valid_rows = to_rows(valid, cfg, tokenizer, from_disk=from_disk) if valid is not None else None
+    text = rows_summary(train_rows, "train")
+    if valid_rows is not None:
+        text += "; " + rows_summary(valid_rows, "validation")
+    say(log, f"sft data: {text}; {time.perf_counter() - start:.1f}s")
+    return train_rows, valid_rows
+
+
+def _prepare_splits(
+    cfg: TrainDatasetConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int,
+    preparer: bool,
+    log: Callable[[str], None] | None,
+) -> tuple[Any, Any, bool]:
+    """(train, validation, whether they came from `tokenized_path`) as `datasets` objects.
+
+    A preparing rank saves `tokenized_path` when it is set and empty; the ranks after it then find
+    that folder filled and load it.
+    """
+    import datasets
+
     path = resolve_path(cfg.tokenized_path) if cfg.tokenized_path else None
     from_disk = path is not None and path.is_dir() and any(path.iterdir())
     if from_disk:
@@ -72,20 +102,14 @@ def build_sft_data(
         )
     else:
         train, valid = build_sft_splits(cfg, tokenizer, seed=seed, log=log)
-        if path is not None and is_rank0():
+        if path is not None and preparer:
             parts = {"train": train, **({"validation": valid} if valid is not None else {})}
             datasets.DatasetDict(parts).save_to_disk(str(path))
             say(
                 log,
                 f"sft data: tokenized data saved to {path} (later runs load it and ignore other data options)",
             )
-    train_rows = to_rows(train, cfg, tokenizer, from_disk=from_disk)
-    valid_rows = to_rows(valid, cfg, tokenizer, from_disk=from_disk) if valid is not None else None
-    text = rows_summary(train_rows, "train")
-    if valid_rows is not None:
-        text += "; " + rows_summary(valid_rows, "validation")
-    say(log, f"sft data: {text}; {time.perf_counter() - start:.1f}s")
-    return train_rows, valid_rows
+    return train, valid, from_disk
 
 
 def build_sft_dataset(
