@@ -23,7 +23,7 @@ from meshforge.models.spec import FamilySpec, MoESpec
 FAMILY = FamilySpec(
     name="minimax_m2",
     hf_architectures=("MiniMaxM2ForCausalLM",),
-    model_ids=("minimax_m27", "minimax_m2"),
+    model_ids=("minimax_m27",),
     option_keys=OPTION_KEYS,
     from_options=from_options,
     builder=builder("meshforge.models.minimax_m2.model:build_minimax_m2", MiniMaxM2Args),

@@ -14,7 +14,7 @@ from meshforge.models.step3p5.args import OPTION_KEYS, Step3p5Args, from_options
 FAMILY = FamilySpec(
     name="step3p5",
     hf_architectures=("Step3p5ForCausalLM",),
-    model_ids=("step35", "step3p5"),
+    model_ids=("step35",),
     option_keys=OPTION_KEYS,
     from_options=from_options,
     builder=builder("meshforge.models.step3p5.model:build_step3p5", Step3p5Args),
