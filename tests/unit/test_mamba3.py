@@ -269,7 +269,8 @@ def test_context_parallel_is_refused_by_config_and_by_apply_cp():
     from meshforge.parallel.context import apply_cp
 
     with pytest.raises(
-        ConfigError, match=r"parallelism\.context_parallel: not supported yet: .* for mamba3: .*set parallelism"
+        ConfigError,
+        match=r"parallelism\.context_parallel: not supported yet: .* for mamba3: .*set parallelism",
     ):
         config_from_dict({"model": {"model_id": "mamba3"}, "parallelism": {"context_parallel": 2}})
     cfg = config_from_dict({"model": {"model_id": "mamba3"}, "parallelism": {"context_parallel": 1}})
