@@ -20,6 +20,8 @@ COMMON = {
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
 }
+#: The generic-path model of the generation tests (transformers knows it, meshforge builds no family).
+GENERIC = "mistral"
 FAMILY_CONFIGS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -75,7 +77,7 @@ FAMILY_CONFIGS = {
         },
     ),
     # Not a built-in family: the generic transformers path.
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    GENERIC: ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
 }
 PROMPTS = ["the model reads a file", "and returns", "the value of each key in order while the loader"]
 

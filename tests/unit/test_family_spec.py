@@ -1,27 +1,29 @@
-"""Every built-in family's spec gives what the rest of meshforge asks of it, and parallel/ reaches
-families only through their specs (no import of ``models/<family>``, no models <-> parallel circle)."""
+"""Every built-in family's spec gives what the rest of meshforge asks of it, and code outside
+``models/`` reaches families only through their specs (no import of ``models/<family>``, no
+models <-> parallel circle)."""
 
 from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from meshforge.models.common.causal_lm import MoECausalLM
+from meshforge.models.common.moe import ExpertsBase
 from meshforge.models.common.stage import StageBatch
-from meshforge.models.registry import SPECS, built_families, resolve_family, spec_of_model
-from meshforge.models.spec import CPModules, FamilySpec, HFStateDictAdapter
+from meshforge.models.registry import SPECS, built_families, kv_cache_families, resolve_family, spec_of_model
+from meshforge.models.spec import CPModules, FamilySpec, HFStateDictAdapter, KVCacheModules
 from meshforge.models.vocab import vocab_plan
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "meshforge"
 FAMILIES = sorted(built_families())
-MOE_FAMILIES = {"qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"}
-MOE_FAMILIES |= {"minimax_m2", "step3p5"}
 
 
 def _build(spec: FamilySpec) -> nn.Module:
@@ -32,6 +34,31 @@ def test_registry_lists_one_spec_per_family_folder():
     folders = sorted(p.parent.name for p in (PACKAGE / "models").glob("*/spec.py"))
     assert folders == FAMILIES
     assert [spec.name for spec in SPECS] == [resolve_family(model_type=s.name).name for s in SPECS]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_ships_a_runnable_config(name: str):
+    """``configs/<family>/`` holds at least one example that selects the family (trained by
+    ``tests/unit/test_example_configs.py``, validated by ``test_configs_dir.py``)."""
+    from meshforge.config import load_config
+    from meshforge.models.registry import find_family
+
+    configs = sorted((SRC.parent / "configs" / name).glob("*.yaml"))
+    assert configs, f"configs/{name}/ has no example"
+    chosen = []
+    for path in configs:
+        model = load_config(path).model
+        chosen.append(find_family(model.model_type, model.architectures, model.model_id))
+    assert resolve_family(model_type=name) in chosen, configs
+
+
+def test_model_ids_are_mindspeed_model_ids():
+    """A spec's ``model_ids`` select it from ``model.model_id``, which takes MindSpeed's values only."""
+    from meshforge.models.config import MS_MODEL_IDS
+
+    for spec in SPECS:
+        assert set(spec.model_ids) <= set(MS_MODEL_IDS), (spec.name, spec.model_ids)
+        assert all(resolve_family(model_id=m) is spec for m in spec.model_ids)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -88,13 +115,56 @@ def test_spec_gives_every_piece(name: str):
         if spec.cp_methods is not None:
             assert spec.cp_refusal
 
-    # Experts: the MoE families name their experts container, and the model has them.
-    if name in MOE_FAMILIES:
-        assert spec.moe is not None and spec.moe.expert_count_key.startswith("model.")
+    # Experts: a model with routed experts has a MoESpec naming their container, and only then.
+    routed = isinstance(model, MoECausalLM) or any(issubclass(k, ExpertsBase) for k in kinds)
+    assert (spec.moe is not None) == routed
+    if spec.moe is not None:
+        assert spec.moe.expert_count_key.startswith("model.")
+        key = spec.moe.expert_count_key.removeprefix("model.")
+        assert key in spec.option_keys, key
         expert_type = spec.moe.expert_type()
         assert any(issubclass(k, expert_type) for k in kinds)
+
+    # Generation cache: the spec's modules are the model's, and the cache takes the model.
+    from meshforge.infer.kv_cache import cache_support
+
+    if spec.kv_cache is None:
+        assert name not in kv_cache_families() and cache_support(model) is not None
     else:
-        assert spec.moe is None
+        cached = spec.kv_cache()
+        assert isinstance(cached, KVCacheModules) and name in kv_cache_families()
+        assert isinstance(model.model, cached.decoders)
+        assert (cached.new_state is None) == (not cached.recurrent)
+        assert cache_support(model) is None, cache_support(model)
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.cp_methods is not None], ids=lambda s: s.name)
+def test_config_refuses_the_cp_methods_the_spec_refuses(spec: FamilySpec):
+    """`config/rules.py` reads the refusals from the specs: each refused method fails at load, naming
+    the key and the spec's reason; a method the family runs loads."""
+    from meshforge.config import config_from_dict
+    from meshforge.config.base import ConfigError
+    from meshforge.parallel.config import ParallelismConfig
+
+    field = ParallelismConfig.model_fields["context_parallel_method"]
+    methods = [m for m in get_args(field.annotation) if m != "ring"]  # ring: colossal's alias
+    runs = [m for m in methods if spec.cp_refused(m) is None]
+    for method in methods:
+        refused = spec.cp_refused(method)
+        section = {"context_parallel": 2, "context_parallel_method": method}
+        if method == "hybrid":
+            section |= {"context_parallel": 4, "ulysses_degree_in_cp": 2}
+        data = {"model": {"model_type": spec.name}, "parallelism": section}
+        if refused is None:
+            config_from_dict(data)
+            continue
+        key, why = refused
+        assert why.endswith(spec.cp_refusal)
+        with pytest.raises(ConfigError) as err:
+            config_from_dict(data)
+        assert f"{key}: not supported yet: context_parallel > 1 for {spec.name}: " in str(err.value)
+        assert spec.cp_refusal in str(err.value)
+    assert runs == list(spec.cp_methods), (runs, spec.cp_methods)
 
 
 def test_cp_method_refusal_comes_from_the_spec():
@@ -186,12 +256,13 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_parallel_reaches_families_only_through_their_specs():
+def test_code_outside_models_reaches_families_only_through_their_specs():
+    """``parallel/``, ``infer/`` (the KV cache), the trainer, ...: no import of ``models/<family>``."""
     families = {f"meshforge.models.{name}" for name in FAMILIES}
     bad = [
         (module, target)
         for module, targets in _graph().items()
-        if module.startswith("meshforge.parallel")
+        if not module.startswith("meshforge.models")
         for target in targets
         if any(target == f or target.startswith(f + ".") for f in families)
     ]

@@ -14,11 +14,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit._generate_fixtures import PROMPTS, generate, hf_greedy, save_family, write_config
+from meshforge.models.registry import SPECS, kv_cache_families
+from tests.unit._generate_fixtures import (
+    FAMILY_CONFIGS,
+    GENERIC,
+    PROMPTS,
+    generate,
+    hf_greedy,
+    save_family,
+    write_config,
+)
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "mistral"]
+# Every family meshforge's cache runs (its spec's `kv_cache`), and a generic-path model.
+FAMILIES = [*kv_cache_families(), GENERIC]
+_CACHES = {spec.name: spec.kv_cache() for spec in SPECS if spec.kv_cache is not None}
+# The families whose decoder asks for one mask per forward (the mask-free fast path applies).
+ONE_MASK = [name for name, modules in sorted(_CACHES.items()) if not modules.masks_by_layer_kind]
+
+
+def test_every_cached_family_has_a_tiny_folder() -> None:
+    """A family given a KV cache gets token equality with transformers here: it needs its folder."""
+    assert set(FAMILY_CONFIGS) - {GENERIC} == set(kv_cache_families())
 
 
 @pytest.fixture(scope="module")
@@ -58,26 +76,38 @@ def test_greedy_tokens_equal_transformers_generate(
     assert rows[0]["completion"] in printed
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next"])
-def test_sink_and_deltanet_families_have_a_cache(family: str) -> None:
-    from meshforge.infer.kv_cache import cache_support
-
+def _variants(family: str) -> list[torch.nn.Module]:
+    """Models of every config variant the family's own tests build (layer kinds mixed)."""
     if family == "gpt_oss":
         from meshforge.models.gpt_oss.model import GptOssForCausalLM as cls
         from tests.unit.test_gpt_oss import CONFIGS
     else:
         from meshforge.models.qwen3_next.model import Qwen3NextForCausalLM as cls  # type: ignore[assignment]
         from tests.unit.test_qwen3_next import CONFIGS  # type: ignore[no-redef]
-    for args in CONFIGS.values():
-        with torch.device("meta"):
-            model = cls(args)
+    with torch.device("meta"):
+        return [cls(args) for args in CONFIGS.values()]
+
+
+# The families whose cache modules are their own (not the DecoderModel ones): their layer-kind
+# variants, keyed by family (a new such family fails below until it has its entry).
+OWN_CACHE_VARIANTS = {"gpt_oss": _variants, "qwen3_next": _variants}
+
+
+@pytest.mark.parametrize("family", sorted(OWN_CACHE_VARIANTS))
+def test_families_with_their_own_cache_modules_have_a_cache(family: str) -> None:
+    from meshforge.infer.kv_cache import cache_support
+    from meshforge.models.common.family_parts import decoder_kv_cache
+
+    own = {spec.name for spec in SPECS if spec.kv_cache not in (None, decoder_kv_cache)}
+    assert set(OWN_CACHE_VARIANTS) == own
+    for model in OWN_CACHE_VARIANTS[family](family):
         assert cache_support(model) is None
 
 
 def test_generic_path_model_has_no_own_cache(folders: dict[str, Path]) -> None:
     from meshforge.infer.kv_cache import cache_support
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folders["mistral"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders[GENERIC])
     reason = cache_support(model)
     assert reason is not None and "MistralForCausalLM" in reason
 
@@ -302,7 +332,7 @@ def test_eval_num_beams_sets_the_beams_of_generate_and_warns_in_training() -> No
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ONE_MASK)
 def test_unpadded_batches_take_the_mask_free_path_with_the_same_tokens(
     folders: dict[str, Path], tmp_path: Path, family: str
 ) -> None:

@@ -14,7 +14,7 @@ import pytest
 from meshforge.config import ConfigError, load_config
 from meshforge.config.loader import dump_yaml, load_native_dict, validate_imported
 from meshforge.config.mindspeed_args import ARGUMENTS, BY_NAME, REQUIRED, MsArg, as_bool
-from meshforge.models.registry import built_families
+from meshforge.models.registry import SPECS, built_families
 
 BASE = {
     "model": {"model_name_or_path": "/models/tiny", "model_id": "qwen3"},
@@ -172,7 +172,7 @@ def test_model_ids_without_a_family(tmp_path, model_id):
     assert "generic transformers path" in text
 
 
-@pytest.mark.parametrize("model_id", ["qwen3", "qwen3_moe", "gpt_oss", "qwen3_next", "mamba3"])
+@pytest.mark.parametrize("model_id", sorted(m for spec in SPECS for m in spec.model_ids))
 def test_model_ids_with_a_family_import(tmp_path, model_id):
     data, _ = _import(_write(tmp_path, {"model": {"model_id": model_id}}))
     assert data["model"]["model_id"] == model_id

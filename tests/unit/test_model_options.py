@@ -8,20 +8,15 @@ import importlib
 import pytest
 
 from meshforge.models.common.options import field_coercer, field_kinds, require_positive
+from meshforge.models.registry import built_families, resolve_family
 
-FAMILIES = {
-    "qwen3": "Qwen3Args",
-    "llama": "LlamaArgs",
-    "qwen3_moe": "Qwen3MoeArgs",
-    "gpt_oss": "GptOssArgs",
-    "deepseek_v3": "DeepseekV3Args",
-    "qwen3_next": "Qwen3NextArgs",
-}
+FAMILIES = built_families()
 
 
 def _family(name: str):
+    """The family's ``args`` module and its args dataclass (the type its spec parses into)."""
     module = importlib.import_module(f"meshforge.models.{name}.args")
-    return module, getattr(module, FAMILIES[name])
+    return module, type(resolve_family(model_type=name).parse_options({"flavor": "tiny"}))
 
 
 def test_kinds_follow_the_field_types():
@@ -67,10 +62,14 @@ def test_every_family_parses_by_its_fields(name):
     module, args = _family(name)
     kinds = field_kinds(args)
     assert not hasattr(module, "_INT_FIELDS")  # no table beside the dataclass
-    parsed = module.from_options({"flavor": "debug", "rms_norm_eps": "1e-5", "num_hidden_layers": "2"})
-    assert parsed.rms_norm_eps == 1e-5 and parsed.num_hidden_layers == 2
+    # The norm epsilon under the family's own name (rms_norm_eps, norm_eps, ...).
+    (eps,) = [k for k in sorted(kinds.floats) if k.endswith("norm_eps")]
+    # The flavor's own depth (other fields may depend on it), written as YAML text.
+    depth = module.from_options({"flavor": "tiny"}).num_hidden_layers
+    parsed = module.from_options({"flavor": "tiny", eps: "1e-5", "num_hidden_layers": str(depth)})
+    assert getattr(parsed, eps) == 1e-5 and parsed.num_hidden_layers == depth
     assert {"vocab_size", "hidden_size", "num_hidden_layers"} <= kinds.ints
     with pytest.raises(ValueError, match="num_hidden_layers: must be a number, got True"):
-        module.from_options({"flavor": "debug", "num_hidden_layers": True})
+        module.from_options({"flavor": "tiny", "num_hidden_layers": True})
     with pytest.raises(ValueError, match="hidden_size: must be a positive integer, got 0"):
-        module.from_options({"flavor": "debug", "hidden_size": 0})
+        module.from_options({"flavor": "tiny", "hidden_size": 0})

@@ -146,31 +146,38 @@ def test_pruned_names_are_the_originals(tie: bool) -> None:
     assert all(seen[n] == full[n].shape for n in full)
 
 
+def _decoder_stage_families() -> list[str]:
+    """The families whose stages run the shared ``DecoderModel`` stage preparation."""
+    from meshforge.models.common.family_parts import decoder_stage
+    from meshforge.models.registry import SPECS
+
+    return [spec.name for spec in SPECS if spec.stage_preparation is decoder_stage]
+
+
+# Per family: the options of a six-layer model (tied head where the family allows it); a family
+# that takes the shared stage preparation fails the key check until it has its entry.
+STAGE_OPTIONS: dict[str, dict[str, object]] = {
+    "qwen3": {"tie_word_embeddings": True},
+    "llama": {"tie_word_embeddings": True},
+    "qwen3_moe": {},
+    "deepseek_v3": {},
+    "minimax_m2": {},
+}
+
+
+def test_every_decoder_stage_family_has_options() -> None:
+    assert set(STAGE_OPTIONS) == set(_decoder_stage_families())
+
+
 def _family_builder(family: str):
-    from dataclasses import replace
+    from meshforge.models.registry import resolve_family
 
-    if family == "qwen3":
-        return lambda: build_qwen3(Qwen3Args(**ARGS, tie_word_embeddings=True), device="cpu")
-    if family == "llama":
-        from meshforge.models.llama.args import LlamaArgs
-        from meshforge.models.llama.model import build_llama
-
-        args = LlamaArgs(**{k: v for k, v in ARGS.items() if k != "head_dim"}, tie_word_embeddings=True)
-        return lambda: build_llama(args, device="cpu")
-    if family == "qwen3_moe":
-        from meshforge.models.qwen3_moe.args import Qwen3MoeArgs
-        from meshforge.models.qwen3_moe.model import build_qwen3_moe
-
-        args = Qwen3MoeArgs(**ARGS, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-        return lambda: build_qwen3_moe(args, device="cpu")
-    from meshforge.models.deepseek_v3.args import FLAVORS
-    from meshforge.models.deepseek_v3.model import build_deepseek_v3
-
-    args = replace(FLAVORS["debug"], vocab_size=64, num_hidden_layers=6)
-    return lambda: build_deepseek_v3(args, device="cpu")
+    spec = resolve_family(model_type=family)
+    options = {"flavor": "tiny", "vocab_size": 64, "num_hidden_layers": 6, **STAGE_OPTIONS[family]}
+    return lambda: spec.build(options, device="cpu")
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", _decoder_stage_families())
 def test_stage_forward_equals_the_whole_model(family: str) -> None:
     torch.manual_seed(0)
     build = _family_builder(family)

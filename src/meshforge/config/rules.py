@@ -141,25 +141,8 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
     issues += _swap_recompute_issues(cfg)
 
     family = _family(cfg)
-    if family == "qwen3_next" and par.context_parallel > 1 and par.cp_method() != "ulysses":
-        issues.append(
-            ("parallelism.context_parallel_method", "qwen3_next with context_parallel > 1 requires 'ulysses'")
-        )
-    if family == "mamba3" and par.context_parallel > 1:
-        issues.append(
-            (
-                "parallelism.context_parallel",
-                f"{par.context_parallel}: not supported yet for mamba3 (a state-space recurrence: each "
-                "sequence slice needs the state the slices before it end with); set it to 1",
-            )
-        )
-    if family in ("step3p5", "step35") and par.context_parallel > 1:
-        issues.append(
-            (
-                "parallelism.context_parallel",
-                "not supported yet: context_parallel > 1 for step3p5 (per-layer heads, RoPE and sliding windows)",
-            )
-        )
+    if par.context_parallel > 1:
+        issues.extend(_cp_family_issues(cfg))
     for switch in ("use_ascend_mhc", "use_triton_swiglu_limit"):
         if getattr(cfg.kernels, switch) and family != "deepseek_v4":
             issues.append(
@@ -208,6 +191,23 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
     if num_layers is not None:
         issues.extend(layer_issues(cfg, num_layers))
     return issues
+
+
+def _cp_family_issues(cfg: TrainConfig) -> list[Issue]:
+    """CP methods the config's family refuses, as its spec says (``FamilySpec.cp_refused``).
+
+    Only a family the ``model:`` section names is known here; one found in a ``config.json``
+    is refused by ``apply_cp`` with the same reason.
+    """
+    from meshforge.models.registry import find_family
+
+    model = cfg.model
+    spec = find_family(model.model_type, model.architectures, model.model_id)
+    refused = spec.cp_refused(cfg.parallelism.cp_method()) if spec is not None else None
+    if spec is None or refused is None:
+        return []
+    key, why = refused
+    return [(key, f"not supported yet: context_parallel > 1 for {spec.name}: {why}")]
 
 
 def _quant_issues(cfg: TrainConfig) -> list[Issue]:

@@ -15,8 +15,12 @@ sink attention, MLA's full mode), ``latent_cache`` on MLA, ``state_cache`` on Ga
   arithmetic of the uncached forward, so tokens equal transformers'; its price is one
   ``[T, rank] x [rank, heads * (nope + v)]`` matmul per layer and step over the ``T`` cached
   tokens, which the absorbed form would avoid for long contexts;
-* Gated DeltaNet (qwen3_next ``linear_attention``): the conv's last ``K - 1`` inputs and the
-  delta rule's ``[Hv, Dk, Dv]`` state (:class:`~meshforge.models.qwen3_next.gdn.DeltaNetState`).
+* a recurrent mixer (qwen3_next's Gated DeltaNet on its ``linear_attention`` layers): the state
+  its family's spec makes (``KVCacheModules.new_state``: the conv's last ``K - 1`` inputs and the
+  delta rule's ``[Hv, Dk, Dv]`` state).
+
+Which families have a cache, their inner models and their recurrent mixers are facts of each
+family's spec (``FamilySpec.kv_cache``); this module imports no family's code.
 
 The decoder asks the cache for the mask of each forward: query ``i`` (absolute slot ``t``) sees slot
 ``j`` when ``j <= t`` (and ``j > t - window`` on a sliding layer) and slot ``j`` holds a real token
@@ -34,38 +38,47 @@ import torch
 from torch import nn
 
 from meshforge.models.common.attention import Attention
-from meshforge.models.common.causal_lm import DecoderModel
 from meshforge.models.common.mla import MultiHeadLatentAttention
 from meshforge.models.common.sink_attention import SinkAttention
-from meshforge.models.gpt_oss.model import GptOssModel
-from meshforge.models.qwen3_next.gdn import DeltaNetState, GatedDeltaNet
-from meshforge.models.qwen3_next.model import Qwen3NextModel
+from meshforge.models.registry import kv_cache_families, spec_of_model
+from meshforge.models.spec import KVCacheModules, RecurrentState
 
-#: The built-in families meshforge's own decoder runs.
-CACHED_FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
-_INNER = (DecoderModel, GptOssModel, Qwen3NextModel)
-_MIXERS = (Attention, MultiHeadLatentAttention, SinkAttention, GatedDeltaNet)
+# The hooks a family's ``KVCacheModules`` classes carry (the classes are known only through the
+# spec, so the hooks are set by name).
+_MASK_HOOK = "decode_mask"  # on KVCacheModules.decoders
+_STATE_HOOK = "state_cache"  # on KVCacheModules.recurrent
+
+#: The shared attention modules; every cached family's attentions are among them.
+_ATTENTIONS = (Attention, MultiHeadLatentAttention, SinkAttention)
+
+
+def _modules(model: nn.Module) -> KVCacheModules | None:
+    """The cache modules the spec of ``model``'s family names, or None (no cache for it)."""
+    spec = spec_of_model(model)
+    return spec.kv_cache() if spec is not None and spec.kv_cache is not None else None
 
 
 def cache_support(model: nn.Module) -> str | None:
     """None when meshforge's cached decoder can run ``model``, else the reason it cannot."""
-    family = getattr(type(model), "family", None)
-    if family not in CACHED_FAMILIES:
-        return f"{family or type(model).__name__} has no meshforge KV cache (built for {', '.join(CACHED_FAMILIES)})"
+    modules = _modules(model)
+    if modules is None:
+        family = getattr(type(model), "family", None)
+        built = ", ".join(kv_cache_families())
+        return f"{family or type(model).__name__} has no meshforge KV cache (built for {built})"
     inner = getattr(model, "model", None)
-    if not isinstance(inner, _INNER):
+    if not isinstance(inner, modules.decoders):
         return f"{type(model).__name__}: the inner model is not one the cache knows"
-    if any(not isinstance(m, _MIXERS) for m in _mixers(model)):
+    if any(not isinstance(m, _ATTENTIONS + modules.recurrent) for m in _mixers(model, modules)):
         return f"{type(model).__name__}: a layer's token mixer has no cache"
     return None
 
 
-def _mixers(model: nn.Module) -> list[nn.Module]:
-    """Each decoder layer's token mixer (qwen3_next's linear layers hold ``linear_attn``)."""
-    mixers = []
+def _mixers(model: nn.Module, modules: KVCacheModules) -> list[nn.Module | None]:
+    """Each decoder layer's token mixer: its first ``mixer_attributes`` entry that is a module."""
+    mixers: list[nn.Module | None] = []
     for layer in model.model.layers:  # type: ignore[union-attr]
-        mixer = getattr(layer, "linear_attn", None)
-        mixers.append(mixer if isinstance(mixer, nn.Module) else layer.self_attn)
+        found = (getattr(layer, name, None) for name in modules.mixer_attributes)
+        mixers.append(next((m for m in found if isinstance(m, nn.Module)), None))
     return mixers
 
 
@@ -144,7 +157,7 @@ class KVCache:
         self.valid[:, : attention_mask.shape[1]] = attention_mask
         self.no_padding = bool(attention_mask.all())
         self.layers: list[_FullCache] = []
-        self.states: list[DeltaNetState] = []
+        self.states: list[RecurrentState] = []
         self.windows: set[int] = set()
 
     def _mask(self, new: int, device: torch.device, window: int | None = None) -> torch.Tensor:
@@ -161,7 +174,7 @@ class KVCache:
         return allowed[:, None]
 
     def mask(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The ``decode_mask`` hook of ``DecoderModel`` / ``Qwen3NextModel``: ``[B, 1, S_new, length + S_new]``.
+        """The ``decode_mask`` hook of an inner model with one mask: ``[B, 1, S_new, length + S_new]``.
 
         None when no row has padding and the forward is the prompt (plain causal) or one new token
         (every key allowed): SDPA then takes its mask-free kernels (flash on CUDA).
@@ -173,7 +186,7 @@ class KVCache:
         return self._mask(new, input_ids.device)
 
     def masks(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The ``decode_mask`` hook of ``GptOssModel``: one mask per kind of layer."""
+        """The ``decode_mask`` hook of an inner model with one mask per layer kind (full, sliding)."""
         new = input_ids.shape[1]
         out = {"full_attention": self._mask(new, input_ids.device)}
         for window in self.windows:
@@ -207,10 +220,11 @@ class KVCache:
             total += sum(t.numel() * t.element_size() for t in (state.conv, state.recurrent) if t is not None)
         return total
 
-    def _build(self, mixers: list[nn.Module]) -> None:
+    def _build(self, mixers: list[nn.Module], modules: KVCacheModules) -> None:
         for mixer in mixers:
-            if isinstance(mixer, GatedDeltaNet):
-                self.states.append(DeltaNetState())
+            if isinstance(mixer, modules.recurrent):
+                assert modules.new_state is not None, "KVCacheModules.recurrent needs new_state"
+                self.states.append(modules.new_state())
             elif isinstance(mixer, SinkAttention) and mixer.sliding_window is not None:
                 self.windows.add(mixer.sliding_window)
                 self.layers.append(_WindowCache(self, mixer.sliding_window))
@@ -224,27 +238,28 @@ class KVCache:
     @contextmanager
     def attached(self, model: nn.Module) -> Iterator[None]:
         """Hook this cache into ``model``'s token mixers and decoder for the duration."""
+        modules = _modules(model)
+        assert modules is not None and cache_support(model) is None, cache_support(model)
         inner = model.model
-        assert isinstance(inner, _INNER)
-        mixers = _mixers(model)
+        mixers = [m for m in _mixers(model, modules) if m is not None]
         if not self.layers and not self.states:
-            self._build(mixers)
+            self._build(mixers, modules)
         layers, states = iter(self.layers), iter(self.states)
         for mixer in mixers:
-            if isinstance(mixer, GatedDeltaNet):
-                mixer.state_cache = next(states)
+            if isinstance(mixer, modules.recurrent):
+                setattr(mixer, _STATE_HOOK, next(states))
             elif isinstance(mixer, MultiHeadLatentAttention) and self.compressed_mla:
                 mixer.latent_cache = next(layers)
             else:
                 mixer.kv_cache = next(layers)  # type: ignore[assignment]
-        inner.decode_mask = self.masks if isinstance(inner, GptOssModel) else self.mask
+        setattr(inner, _MASK_HOOK, self.masks if modules.masks_by_layer_kind else self.mask)
         try:
             yield
         finally:
-            inner.decode_mask = None
+            setattr(inner, _MASK_HOOK, None)
             for mixer in mixers:
-                if isinstance(mixer, GatedDeltaNet):
-                    mixer.state_cache = None
+                if isinstance(mixer, modules.recurrent):
+                    setattr(mixer, _STATE_HOOK, None)
                 elif isinstance(mixer, MultiHeadLatentAttention):
                     mixer.latent_cache = None
                     mixer.kv_cache = None

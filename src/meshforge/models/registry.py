@@ -85,6 +85,15 @@ def _lookup(
     return None, asked
 
 
+def find_family(
+    model_type: str | None = None,
+    architectures: str | Sequence[str] | None = None,
+    model_id: str | None = None,
+) -> FamilySpec | None:
+    """The built-in family these names select, or None (nothing given, or a generic-path model)."""
+    return _lookup(model_type, architectures, model_id)[0]
+
+
 def resolve_family(
     model_type: str | None = None,
     architectures: str | Sequence[str] | None = None,
@@ -173,6 +182,11 @@ def spec_of_model_class(cls: type) -> FamilySpec | None:
 def spec_of_model(model: nn.Module) -> FamilySpec | None:
     """The spec of a built-in family's model (or pipeline stage of one), else None (generic, other)."""
     return spec_of_model_class(type(model))
+
+
+def kv_cache_families() -> list[str]:
+    """Names of the built-in families meshforge's generation cache runs (``FamilySpec.kv_cache``)."""
+    return sorted(name for name, spec in _FAMILIES.items() if spec.kv_cache is not None)
 
 
 def expert_types() -> tuple[type[nn.Module], ...]:

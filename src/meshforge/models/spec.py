@@ -4,8 +4,9 @@ Code outside ``models/`` (the trainer, ``parallel/``, ``checkpoint/``) reaches a
 through its spec, found by the registry (``meshforge.models.registry``). The spec is light:
 names, option keys and the options parser (``args.py`` imports no torch) are plain fields, and
 every heavy piece is a function of the family's ``spec.py`` that imports its module when called
-(the model class, the TP plan, the pipeline stage preparation, the CP modules, the expert type,
-the HF adapter). So resolving a family from a config never imports torch, and ``parallel/``
+(the model class, the TP plan, the pipeline stage preparation, the CP modules, the KV-cache
+modules, the expert type, the HF adapter; ``models/common/family_parts.py`` makes them from
+module paths). So resolving a family from a config never imports torch, and ``parallel/``
 never imports ``models/<family>``: it calls these functions.
 
 The protocols below say what each piece must do; ``models/common`` has the shared
@@ -133,6 +134,44 @@ class CPForward(Protocol):
         ...
 
 
+class RecurrentState(Protocol):
+    """One recurrent mixer's generation state between forwards (its ``state_cache`` hook).
+
+    ``infer/kv_cache.py`` sets ``token_mask`` before each forward (``[B, S_new]`` bool, False on
+    left padding; None when every token is real), keeps the rows a beam search continues with
+    ``reorder`` and counts the bytes of ``conv`` and ``recurrent``.
+    """
+
+    conv: torch.Tensor | None
+    recurrent: torch.Tensor | None
+    token_mask: torch.Tensor | None
+
+    def reorder(self, index: torch.Tensor) -> None: ...
+
+
+class KVCacheModules(NamedTuple):
+    """The module classes cached generation hooks into (``meshforge.infer.kv_cache``).
+
+    The shared attention modules (``Attention`` and its subclasses, MLA, sink attention) need no
+    naming: every family's attentions are among them. A decoder layer's token mixer is its first
+    attribute of ``mixer_attributes`` that is a module.
+
+    Attributes:
+        decoders: Inner models with a ``decode_mask`` hook (the cache's mask of each forward).
+        masks_by_layer_kind: The decoders' ``decode_mask`` returns ``{layer kind: mask}`` (full
+            and sliding layers) instead of one mask.
+        recurrent: Token mixers with a ``state_cache`` hook instead of keys and values.
+        new_state: A fresh state for one ``recurrent`` mixer (before the prompt).
+        mixer_attributes: Decoder-layer attributes that may hold the token mixer, in order.
+    """
+
+    decoders: tuple[type[nn.Module], ...]
+    masks_by_layer_kind: bool = False
+    recurrent: tuple[type[nn.Module], ...] = ()
+    new_state: Callable[[], RecurrentState] | None = None
+    mixer_attributes: tuple[str, ...] = ("self_attn",)
+
+
 @dataclass(frozen=True)
 class MoESpec:
     """What expert parallelism and the router aux loss need of a mixture-of-experts family.
@@ -175,6 +214,8 @@ class FamilySpec:
         cp_methods: The CP methods the family runs (None: all of them).
         cp_refusal: Why the other methods are refused (the error says it).
         moe: Expert parallelism and aux-loss hooks of a MoE family (None: dense).
+        kv_cache: Returns the module classes meshforge's generation cache hooks into, or None
+            when generation recomputes the whole sequence every step (no cache built).
     """
 
     name: str
@@ -190,6 +231,23 @@ class FamilySpec:
     cp_methods: tuple[str, ...] | None = None
     cp_refusal: str = ""
     moe: MoESpec | None = None
+    kv_cache: Callable[[], KVCacheModules] | None = None
+
+    def cp_refused(self, method: str) -> tuple[str, str] | None:
+        """``(key, reason)`` when context parallelism with ``method`` is refused, else None.
+
+        The key is ``parallelism.context_parallel`` when the family runs no CP method (CP not
+        built) and ``parallelism.context_parallel_method`` when it runs some but not ``method``;
+        the reason is the spec's ``cp_refusal``. Light (no module is imported), so the config
+        checks ask it before any model exists.
+        """
+        if self.cp_modules is None or self.cp_methods == ():
+            why = self.cp_refusal or f"context parallelism is not built for {self.name}"
+            return "parallelism.context_parallel", why
+        if self.cp_methods is not None and method not in self.cp_methods:
+            runs = ", ".join(self.cp_methods)
+            return "parallelism.context_parallel_method", f"{method} (runs {runs}): {self.cp_refusal}"
+        return None
 
     def parse_options(self, options: dict[str, object]) -> FamilyArgs:
         """Validate ``options`` into the family's args dataclass (imports no torch)."""
@@ -225,7 +283,9 @@ __all__ = [
     "FamilyArgs",
     "FamilySpec",
     "HFStateDictAdapter",
+    "KVCacheModules",
     "MoESpec",
+    "RecurrentState",
     "TPPlan",
     "is_generic_class",
     "is_generic_model",

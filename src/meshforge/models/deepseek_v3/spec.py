@@ -1,51 +1,24 @@
 """The DeepSeek-V3 family's spec: everything the rest of meshforge needs of it.
 
-Light: imports only ``args.py``; each function below imports the family's torch module when
-called.
+Light: imports only ``args.py``; each piece imports its torch module when called
+(``models/common/family_parts.py``). Its multi-head latent attention is one of the shared
+attention modules, so the ``DecoderModel`` CP and KV-cache pieces cover it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from meshforge.models.common.family_parts import (
+    adapter,
     aux_reduce,
+    builder,
     decoder_cp_modules,
+    decoder_kv_cache,
     decoder_stage,
     grouped_experts,
+    tp_plan,
 )
 from meshforge.models.deepseek_v3.args import OPTION_KEYS, DeepseekV3Args, from_options
-from meshforge.models.spec import FamilyArgs, FamilySpec, MoESpec
-
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-    from torch.distributed.tensor.parallel.style import ParallelStyle
-
-    from meshforge.models.spec import HFStateDictAdapter
-
-
-def _build(args: FamilyArgs, device: str | torch.device) -> nn.Module:
-    from meshforge.models.deepseek_v3.model import build_deepseek_v3
-
-    assert isinstance(args, DeepseekV3Args)
-    return build_deepseek_v3(args, device=device)
-
-
-def _tp_plan(
-    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
-) -> dict[str, ParallelStyle]:
-    from meshforge.models.deepseek_v3.parallelize import checked_tp_plan
-
-    return checked_tp_plan(model, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-
-
-def _hf_adapter(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
-    from meshforge.models.deepseek_v3.hf import state_dict_adapter
-
-    assert args is None or isinstance(args, DeepseekV3Args)
-    return state_dict_adapter(spec, args)
-
+from meshforge.models.spec import FamilySpec, MoESpec
 
 FAMILY = FamilySpec(
     name="deepseek_v3",
@@ -53,12 +26,13 @@ FAMILY = FamilySpec(
     model_ids=(),
     option_keys=OPTION_KEYS,
     from_options=from_options,
-    builder=_build,
-    adapter=_hf_adapter,
-    tp_plan=_tp_plan,
+    builder=builder("meshforge.models.deepseek_v3.model:build_deepseek_v3", DeepseekV3Args),
+    adapter=adapter("meshforge.models.deepseek_v3.hf:state_dict_adapter"),
+    tp_plan=tp_plan("meshforge.models.deepseek_v3.parallelize"),
     stage_preparation=decoder_stage,
     cp_modules=decoder_cp_modules,
     moe=MoESpec(
         expert_type=grouped_experts, expert_count_key="model.n_routed_experts", aux_reduce=aux_reduce
     ),
+    kv_cache=decoder_kv_cache,
 )

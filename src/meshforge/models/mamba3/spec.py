@@ -1,23 +1,15 @@
 """The Mamba-3 family's spec: everything the rest of meshforge needs of it.
 
-Light: imports only ``args.py``; each function below imports the family's torch module when
-called. Context parallelism is refused (``cp_methods`` empty): see ``CP_REFUSAL``.
+Light: imports only ``args.py``; each piece imports its torch module when called
+(``models/common/family_parts.py``). Context parallelism is refused (``cp_methods`` empty): see
+``CP_REFUSAL``. No generation cache: each step runs the whole sequence.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from meshforge.models.common.family_parts import adapter, builder, stage, tp_plan
 from meshforge.models.mamba3.args import OPTION_KEYS, Mamba3Args, from_options
-from meshforge.models.spec import FamilyArgs, FamilySpec
-
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-    from torch.distributed.tensor.parallel.style import ParallelStyle
-
-    from meshforge.models.common.stage import LayerRunner, StageBatch
-    from meshforge.models.spec import HFStateDictAdapter
+from meshforge.models.spec import FamilySpec
 
 CP_REFUSAL = (
     "mamba3 is a state-space recurrence: every token's state depends on all earlier tokens of "
@@ -26,44 +18,16 @@ CP_REFUSAL = (
     "values); set parallelism.context_parallel to 1 (MindSpeed cp_size) for mamba3"
 )
 
-
-def _build(args: FamilyArgs, device: str | torch.device) -> nn.Module:
-    from meshforge.models.mamba3.model import build_mamba3
-
-    assert isinstance(args, Mamba3Args)
-    return build_mamba3(args, device=device)
-
-
-def _tp_plan(
-    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
-) -> dict[str, ParallelStyle]:
-    from meshforge.models.mamba3.parallelize import checked_tp_plan
-
-    return checked_tp_plan(model, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-
-
-def _hf_adapter(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
-    from meshforge.models.mamba3.hf import Mamba3StateDictAdapter
-
-    return Mamba3StateDictAdapter(spec, args)
-
-
-def _stage(b: StageBatch) -> LayerRunner:
-    from meshforge.models.mamba3.stage import mamba3_stage
-
-    return mamba3_stage(b)
-
-
 FAMILY = FamilySpec(
     name="mamba3",
     hf_architectures=("Mamba3ForCausalLM",),
     model_ids=("mamba3",),
     option_keys=OPTION_KEYS,
     from_options=from_options,
-    builder=_build,
-    adapter=_hf_adapter,
-    tp_plan=_tp_plan,
-    stage_preparation=_stage,
+    builder=builder("meshforge.models.mamba3.model:build_mamba3", Mamba3Args),
+    adapter=adapter("meshforge.models.mamba3.hf:Mamba3StateDictAdapter"),
+    tp_plan=tp_plan("meshforge.models.mamba3.parallelize"),
+    stage_preparation=stage("meshforge.models.mamba3.stage:mamba3_stage"),
     cp_modules=None,
     cp_methods=(),
     cp_refusal=CP_REFUSAL,

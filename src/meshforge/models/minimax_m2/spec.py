@@ -1,61 +1,34 @@
 """The MiniMax-M2 family's spec: everything the rest of meshforge needs of it.
 
-Light: imports only ``args.py``; each function below imports the family's torch module when
-called. MindSpeed names the model ``minimax_m27`` (its ``model_id``).
+Light: imports only ``args.py``; each piece imports its torch module when called
+(``models/common/family_parts.py``). MindSpeed names the model ``minimax_m27`` (its
+``model_id``). No generation cache is declared (no transformers model to check its tokens
+against): each step runs the whole sequence.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from meshforge.models.common.family_parts import (
+    adapter,
     aux_reduce,
+    builder,
     decoder_cp_modules,
     decoder_stage,
     grouped_experts,
+    tp_plan,
 )
 from meshforge.models.minimax_m2.args import OPTION_KEYS, MiniMaxM2Args, from_options
-from meshforge.models.spec import FamilyArgs, FamilySpec, MoESpec
-
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-    from torch.distributed.tensor.parallel.style import ParallelStyle
-
-    from meshforge.models.spec import HFStateDictAdapter
-
-
-def _build(args: FamilyArgs, device: str | torch.device) -> nn.Module:
-    from meshforge.models.minimax_m2.model import build_minimax_m2
-
-    assert isinstance(args, MiniMaxM2Args)
-    return build_minimax_m2(args, device=device)
-
-
-def _tp_plan(
-    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
-) -> dict[str, ParallelStyle]:
-    from meshforge.models.minimax_m2.parallelize import checked_tp_plan
-
-    return checked_tp_plan(model, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-
-
-def _hf_adapter(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
-    from meshforge.models.minimax_m2.hf import state_dict_adapter
-
-    assert args is None or isinstance(args, MiniMaxM2Args)
-    return state_dict_adapter(spec, args)
-
+from meshforge.models.spec import FamilySpec, MoESpec
 
 FAMILY = FamilySpec(
     name="minimax_m2",
     hf_architectures=("MiniMaxM2ForCausalLM",),
-    model_ids=("minimax_m27", "minimax_m2"),
+    model_ids=("minimax_m27",),
     option_keys=OPTION_KEYS,
     from_options=from_options,
-    builder=_build,
-    adapter=_hf_adapter,
-    tp_plan=_tp_plan,
+    builder=builder("meshforge.models.minimax_m2.model:build_minimax_m2", MiniMaxM2Args),
+    adapter=adapter("meshforge.models.minimax_m2.hf:state_dict_adapter"),
+    tp_plan=tp_plan("meshforge.models.minimax_m2.parallelize"),
     stage_preparation=decoder_stage,
     cp_modules=decoder_cp_modules,
     moe=MoESpec(

@@ -1,51 +1,23 @@
 """The Qwen3-MoE family's spec: everything the rest of meshforge needs of it.
 
-Light: imports only ``args.py``; each function below imports the family's torch module when
-called.
+Light: imports only ``args.py``; each piece imports its torch module when called
+(``models/common/family_parts.py``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from meshforge.models.common.family_parts import (
+    adapter,
     aux_reduce,
+    builder,
     decoder_cp_modules,
+    decoder_kv_cache,
     decoder_stage,
     grouped_experts,
+    tp_plan,
 )
 from meshforge.models.qwen3_moe.args import OPTION_KEYS, Qwen3MoeArgs, from_options
-from meshforge.models.spec import FamilyArgs, FamilySpec, MoESpec
-
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-    from torch.distributed.tensor.parallel.style import ParallelStyle
-
-    from meshforge.models.spec import HFStateDictAdapter
-
-
-def _build(args: FamilyArgs, device: str | torch.device) -> nn.Module:
-    from meshforge.models.qwen3_moe.model import build_qwen3_moe
-
-    assert isinstance(args, Qwen3MoeArgs)
-    return build_qwen3_moe(args, device=device)
-
-
-def _tp_plan(
-    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
-) -> dict[str, ParallelStyle]:
-    from meshforge.models.qwen3_moe.parallelize import checked_tp_plan
-
-    return checked_tp_plan(model, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-
-
-def _hf_adapter(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
-    from meshforge.models.qwen3_moe.hf import state_dict_adapter
-
-    assert args is None or isinstance(args, Qwen3MoeArgs)
-    return state_dict_adapter(spec, args)
-
+from meshforge.models.spec import FamilySpec, MoESpec
 
 FAMILY = FamilySpec(
     name="qwen3_moe",
@@ -53,10 +25,11 @@ FAMILY = FamilySpec(
     model_ids=("qwen3_moe",),
     option_keys=OPTION_KEYS,
     from_options=from_options,
-    builder=_build,
-    adapter=_hf_adapter,
-    tp_plan=_tp_plan,
+    builder=builder("meshforge.models.qwen3_moe.model:build_qwen3_moe", Qwen3MoeArgs),
+    adapter=adapter("meshforge.models.qwen3_moe.hf:state_dict_adapter"),
+    tp_plan=tp_plan("meshforge.models.qwen3_moe.parallelize"),
     stage_preparation=decoder_stage,
     cp_modules=decoder_cp_modules,
     moe=MoESpec(expert_type=grouped_experts, expert_count_key="model.num_experts", aux_reduce=aux_reduce),
+    kv_cache=decoder_kv_cache,
 )
