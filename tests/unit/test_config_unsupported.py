@@ -78,7 +78,6 @@ TRIGGERS: dict[str, dict] = {
     "train_dataset.reset_attention_mask": {
         "train_dataset": {"reset_attention_mask": True, "append_eod": True}
     },
-    "train_dataset.append_eod": {"train_dataset": {"append_eod": True}},
 }
 
 

@@ -237,6 +237,27 @@ def test_neat_packed_row_gives_each_example_its_own_logits(tmp_path, tok):
             assert_close(packed[where], alone, what="packed vs alone")
 
 
+def test_reset_attention_mask_separates_packed_examples_as_neat_packing(tmp_path, tok):
+    """MindSpeed's reset_attention_mask + append_eod on packed SFT rows: one segment per example."""
+    write_alpaca(tmp_path / "a.jsonl", 6)
+    source = {"file_name": str(tmp_path / "a.jsonl")}
+
+    def packed(**fields):
+        cfg = sft_cfg(tmp_path, dataset=source, packing=True, cutoff_len=96, **fields)
+        return rows(build_sft_dataset(cfg, tok, seed=0))
+
+    reset = packed(reset_attention_mask=True, append_eod=True)
+    neat = packed(neat_packing=True)
+    plain = packed()
+    assert len(reset) == len(neat)
+    for got, want in zip(reset, neat, strict=True):
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+    # Without the switch the packed examples share one segment and attend to each other.
+    assert max(int(r["segment_ids"].max()) for r in reset) >= 2
+    assert all("segment_ids" not in r or int(r["segment_ids"].max()) <= 1 for r in plain)
+
+
 def test_two_ranks_resume_and_match_one_rank(tmp_path, tok):
     write_alpaca(tmp_path / "a.jsonl", 40)
     cfg = sft_cfg(tmp_path, dataset={"file_name": str(tmp_path / "a.jsonl")})

@@ -136,6 +136,18 @@ ENTRIES: list[NoOp] = [
         "meshforge's batches carry segment_ids (and position_ids), and every model builds its causal "
         "block mask from them on the device; no [seq, seq] mask tensor is made or moved by the loader",
     ),
+    _entry(
+        "train_dataset.append_eod",
+        "SFT examples end as their template ends each answer, and the packer knows where every "
+        "example ends, so no EOD is appended to separate them; raw pretraining files get one with "
+        "train_dataset.dataloader.config.append_eod (Megatron loader)",
+    ),
+    NoOp(
+        "train_dataset.reset_attention_mask",
+        lambda c, d: c.train_dataset.reset_attention_mask and not c.train_dataset.packing,
+        "each row holds one example without train_dataset.packing: true, so there is nothing to "
+        "separate (with packing, packed examples do not attend to each other, as with neat_packing)",
+    ),
     NoOp(
         "checkpoint.load_balanced",
         lambda c, d: c.checkpoint.load_balanced,

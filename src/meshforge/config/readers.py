@@ -61,7 +61,6 @@ READERS: dict[str, tuple[str, ...]] = {
     "meshforge.data.megatron.loader": (
         "train_dataset.dataloader.column_names",
         "train_dataset.no_shared_storage",
-        "train_dataset.reset_attention_mask",
     ),
     "meshforge.data.sft.loader": (
         "train_dataset.data_shared_file_system",
@@ -69,6 +68,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "train_dataset.tokenized_path",
     ),
     "meshforge.data.sft.pipeline": (
+        "train_dataset.reset_attention_mask",
         "train_dataset.template",
         "train_dataset.eval_dataset",
         "train_dataset.dataset_dir",

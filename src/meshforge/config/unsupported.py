@@ -112,11 +112,7 @@ def _sft_default(name: str) -> object:
 
 # SFT fields not built yet; the others are read by the SFTDataLoader (no_shared_storage by the
 # Megatron loader too).
-SFT_NOT_BUILT = (
-    "eval_on_each_dataset",
-    "reset_attention_mask",
-    "append_eod",
-)
+SFT_NOT_BUILT = ("eval_on_each_dataset",)
 
 
 SFT_NOT_BUILT_NOTES: dict[str, str] = {}
@@ -136,7 +132,7 @@ def _sft_entries() -> list[Unsupported]:
     for name in SFT_FIELDS:
         if name == "dataloader_type":  # a single allowed value: nothing to refuse
             continue
-        if name in ("eval_num_beams", "create_attention_mask_in_dataloader"):  # warned no-ops (noops.py)
+        if name in ("eval_num_beams", "create_attention_mask_in_dataloader", "append_eod"):  # noops.py
             continue
         if name == "no_shared_storage":  # read by the SFT and the Megatron loaders alike
             continue

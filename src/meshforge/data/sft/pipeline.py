@@ -245,7 +245,9 @@ def encoder(
         "mask_history": cfg.mask_history,
     }
     if cfg.packing:
-        return pack_batch, {**common, "neat": cfg.neat_packing}
+        # MindSpeed's reset_attention_mask (documents split at their EOD, which append_eod puts
+        # there) is neat packing here: the packer knows where each example ends.
+        return pack_batch, {**common, "neat": cfg.neat_packing or cfg.reset_attention_mask}
     return encode_batch, common
 
 
