@@ -22,10 +22,10 @@ the same permutation, so the attention scores are those of the interleaved rotat
 
 ``flash = True`` (the ``kernels.use_flash_attn`` switch, CUDA only) restricts SDPA to its flash
 backend as :class:`~meshforge.models.common.attention.Attention` does (packed batches: plain
-SDPA, or an error when ``flash_strict``). The flash kernel needs one head size for q, k and v,
-so values narrower than ``qk_nope_head_dim + qk_rope_head_dim`` are zero-padded to it and the
-padding is cut from the output (zero value columns leave the others unchanged), as
-transformers does for MLA under flash attention.
+SDPA, or an error when ``flash_strict``); the shared core
+(:func:`~meshforge.models.common.attention.attend`) zero-pads the values, narrower than
+``qk_nope_head_dim + qk_rope_head_dim``, to the flash kernel's one head size and cuts the
+padding from the output, as transformers does for MLA under flash attention.
 
 Context parallelism (``meshforge.parallel.context.apply_cp``) sets ``cp`` to the callable
 that replaces the SDPA call, as on :class:`~meshforge.models.common.attention.Attention`:
@@ -40,10 +40,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.common.attention import _sdpa_backend, sdpa_is_causal
+from meshforge.models.common.attention import attend
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import apply_rotary
 
@@ -177,37 +176,19 @@ class MultiHeadLatentAttention(nn.Module):
         v = v.transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache(k, v)
-        if self.cp is not None:
-            if self.dropout and self.training:
-                raise ValueError(
-                    "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
-                )
-            out = self.cp(q, k, v, mask, scale=self.scaling)
-            # -1: under tensor parallelism the rank holds a slice of the heads.
-            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
-        if self.flash and mask is not None and self.flash_strict:
-            raise ValueError(
-                "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "
-                "(segment_ids); set it to auto to use plain SDPA for packed batches"
-            )
-        flash = self.flash and mask is None
-        pad = self.qk_head_dim - self.v_head_dim if flash else 0
-        if pad > 0:
-            v = F.pad(v, (0, pad))
-        with _sdpa_backend(flash):
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=self.dropout if self.training else 0.0,
-                # Equal lengths in training; an unmasked cached decode step attends every key.
-                is_causal=sdpa_is_causal(mask, q, k),
-                scale=self.scaling,
-            )
-        if pad > 0:
-            out = out[..., : self.v_head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_head_dim))
+        out = attend(
+            q,
+            k,
+            v,
+            mask,
+            scale=self.scaling,
+            dropout=self.dropout if self.training else 0.0,
+            cp=self.cp,
+            flash=self.flash,
+            flash_strict=self.flash_strict,
+        )
+        # -1: under tensor parallelism the rank holds a slice of the heads.
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def extra_repr(self) -> str:
         return (

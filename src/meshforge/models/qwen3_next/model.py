@@ -30,13 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.common.attention import (
-    Attention,
-    _sdpa_backend,
-    positions_from_segments,
-    sdpa_is_causal,
-    segment_causal_mask,
-)
+from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
 from meshforge.models.common.causal_lm import InitKind, InnerModel, MoECausalLM, build_causal_lm
 from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.mlp import GatedMLP
@@ -144,35 +138,9 @@ class GatedAttention(Attention):
         v = v.transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache(k, v)
-        if self.cp is not None:
-            # Context parallel (set by apply_cp): the plan's attention over the CPMask; the
-            # output gate is per token and head, applied locally as on one process.
-            if self.dropout and self.training:
-                raise ValueError(
-                    "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
-                )
-            out = self.cp(q, k, v, mask, scale=self.scaling)
-            out = out.transpose(1, 2).reshape(batch, seq_len, -1)
-            return self.o_proj(out * torch.sigmoid(gate))
-        if self.flash and mask is not None and self.flash_strict:
-            raise ValueError(
-                "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "
-                "(segment_ids); set it to auto to use plain SDPA for packed batches"
-            )
-        with _sdpa_backend(self.flash and mask is None):
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=self.dropout if self.training else 0.0,
-                # A cached decode step (one query, every earlier key allowed) has no mask and must
-                # not be causal-aligned to the first key.
-                is_causal=sdpa_is_causal(mask, q, k),
-                scale=self.scaling,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )
-        out = out.transpose(1, 2).reshape(batch, seq_len, -1)
+        # Under context parallelism the plan's attention over the CPMask; the output gate is per
+        # token and head, applied locally as on one process.
+        out = self._attend(q, k, v, mask).transpose(1, 2).reshape(batch, seq_len, -1)
         return self.o_proj(out * torch.sigmoid(gate))
 
 
