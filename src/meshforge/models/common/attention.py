@@ -193,6 +193,10 @@ def attend(
             return cp(q, k, v, mask, scale=scale)
         return cp(q, k, v, mask, scale=scale, sinks=sinks, window=window)
     if sinks is not None:
+        if mask is None:
+            raise ValueError(
+                "sink attention needs the boolean mask of its layer (causal or sliding), got None"
+            )
         # Query heads grouped by their key/value head ([B, KV, G, S, D], transformers' order);
         # keys and values broadcast over the group instead of being repeated.
         grouped = q.unflatten(1, (k.shape[1], -1))
