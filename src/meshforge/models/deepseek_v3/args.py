@@ -201,23 +201,7 @@ class DeepseekV3Args:
         return out
 
 
-# Keys of a yarn rope_parameters dict (meshforge.models.common.yarn.YARN_KEYS, kept torch-free here).
-_YARN_KEYS = frozenset(
-    (
-        "rope_type",
-        "type",
-        "rope_theta",
-        "factor",
-        "original_max_position_embeddings",
-        "beta_fast",
-        "beta_slow",
-        "truncate",
-        "attention_factor",
-        "mscale",
-        "mscale_all_dim",
-        "partial_rotary_factor",
-    )
-)
+_YARN_KEYS = frozenset(rules.YARN_KEYS)
 
 
 def _rope_type(params: dict[str, Any] | None) -> str:
