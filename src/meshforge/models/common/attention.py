@@ -235,7 +235,59 @@ def attend(
     return out[..., : out.shape[-1] - pad] if pad > 0 else out
 
 
-class Attention(nn.Module):
+class AttentionBase(nn.Module):
+    """What every attention module carries besides its projections: the seams others set.
+
+    The kernel switches (``flash``, ``flash_strict``: ``meshforge.models.common.kernels``), the
+    context-parallel plan (``cp``: ``meshforge.parallel.context.apply_cp``) and the KV cache of
+    generation (``kv_cache``: ``meshforge.infer.kv_cache``), declared once, and :meth:`_attend`,
+    the module's call of :func:`attend` with them.
+
+    Args:
+        scaling: Multiplier of ``q k^T``.
+        dropout: Attention-probability dropout in training mode.
+    """
+
+    def __init__(self, *, scaling: float, dropout: float) -> None:
+        super().__init__()
+        self.scaling = scaling
+        self.dropout = dropout
+        # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
+        self.flash = False
+        self.flash_strict = False
+        # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale[, sinks, window]) -> output.
+        self.cp: Callable[..., torch.Tensor] | None = None
+        # Set by meshforge.infer.kv_cache during generation: (k, v) ``[B, KV, S_new, D]`` of the new
+        # tokens -> (k, v) of every key this layer attends; None (training) leaves the forward as it is.
+        self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | Any | None,
+        *,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """:func:`attend` with this module's scale, dropout (in training), switches and CP plan."""
+        return attend(
+            q,
+            k,
+            v,
+            mask,
+            scale=self.scaling,
+            dropout=self.dropout if self.training else 0.0,
+            cp=self.cp,
+            flash=self.flash,
+            flash_strict=self.flash_strict,
+            sinks=sinks,
+            window=window,
+        )
+
+
+class Attention(AttentionBase):
     """Multi-head attention with grouped K/V heads, optional per-head q/k RMSNorm and RoPE.
 
     Module and parameter names follow transformers (``q_proj``, ``k_proj``, ``v_proj``,
@@ -264,7 +316,7 @@ class Attention(nn.Module):
         norm_eps: float = 1e-6,
         dropout: float = 0.0,
     ) -> None:
-        super().__init__()
+        super().__init__(scaling=head_dim**-0.5, dropout=dropout)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
@@ -272,22 +324,12 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scaling = head_dim**-0.5
-        self.dropout = dropout
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
-        # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
-        self.flash = False
-        self.flash_strict = False
-        # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale) -> output.
-        self.cp: Callable[..., torch.Tensor] | None = None
-        # Set by meshforge.infer.kv_cache during generation: (k, v) of the new tokens ->
-        # (k, v) of every token so far; None (training) leaves the forward as it is.
-        self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(
         self,
@@ -322,19 +364,3 @@ class Attention(nn.Module):
             k, v = self.kv_cache(k, v)
         out = self._attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
-
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Any | None
-    ) -> torch.Tensor:
-        """:func:`attend` with this module's scale, dropout, kernel switches and CP plan."""
-        return attend(
-            q,
-            k,
-            v,
-            mask,
-            scale=self.scaling,
-            dropout=self.dropout if self.training else 0.0,
-            cp=self.cp,
-            flash=self.flash,
-            flash_strict=self.flash_strict,
-        )

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshforge.models.common.attention import attend
+from meshforge.models.common.attention import AttentionBase
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import apply_rotary
 
@@ -62,7 +62,7 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(AttentionBase):
     """DeepSeek multi-head latent attention; see the module docstring.
 
     Args:
@@ -96,7 +96,10 @@ class MultiHeadLatentAttention(nn.Module):
         dropout: float = 0.0,
         softmax_scale: float | None = None,
     ) -> None:
-        super().__init__()
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        super().__init__(
+            scaling=qk_head_dim**-0.5 if softmax_scale is None else softmax_scale, dropout=dropout
+        )
         self.num_heads = num_heads
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
@@ -105,8 +108,6 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.rope_interleave = rope_interleave
-        self.dropout = dropout
-        self.scaling = self.qk_head_dim**-0.5 if softmax_scale is None else softmax_scale
         if q_lora_rank is None:
             self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_head_dim, bias=False)
         else:
@@ -117,13 +118,6 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
-        # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
-        self.flash = False
-        self.flash_strict = False
-        # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale) -> output.
-        self.cp: Callable[..., torch.Tensor] | None = None
-        # Set by meshforge.infer.kv_cache during generation (as on ``Attention``); None in training.
-        self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         # Set by meshforge.infer.kv_cache for the compressed cache: (normed latent ``[B, S_new, rank]``,
         # rotated key part ``[B, S_new, 1, rope]``) of the new tokens -> the same of every token so far.
         self.latent_cache: (
@@ -176,17 +170,7 @@ class MultiHeadLatentAttention(nn.Module):
         v = v.transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache(k, v)
-        out = attend(
-            q,
-            k,
-            v,
-            mask,
-            scale=self.scaling,
-            dropout=self.dropout if self.training else 0.0,
-            cp=self.cp,
-            flash=self.flash,
-            flash_strict=self.flash_strict,
-        )
+        out = self._attend(q, k, v, mask)
         # -1: under tensor parallelism the rank holds a slice of the heads.
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 

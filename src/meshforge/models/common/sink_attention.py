@@ -30,14 +30,13 @@ the boolean mask), the sinks of this rank's heads and the layer's ``sliding_wind
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshforge.models.common.attention import attend, sink_attention
+from meshforge.models.common.attention import AttentionBase, sink_attention
 from meshforge.models.common.rope import apply_rotary
 
 
@@ -62,7 +61,7 @@ def sliding_window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
     return mask & band
 
 
-class SinkAttention(nn.Module):
+class SinkAttention(AttentionBase):
     """Self-attention with GQA, RoPE, projection biases and per-head sinks (transformers' ``GptOssAttention``).
 
     Parameter names follow transformers: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``sinks``.
@@ -91,7 +90,7 @@ class SinkAttention(nn.Module):
         sliding_window: int | None = None,
         dropout: float = 0.0,
     ) -> None:
-        super().__init__()
+        super().__init__(scaling=head_dim**-0.5, dropout=dropout)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
@@ -99,20 +98,12 @@ class SinkAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scaling = head_dim**-0.5
-        self.dropout = dropout
         self.sliding_window = sliding_window
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.sinks = nn.Parameter(torch.empty(num_heads))
-        # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale, sinks, window) -> output.
-        self.cp: Callable[..., torch.Tensor] | None = None
-        # Set by meshforge.infer.kv_cache during generation: (k, v) ``[B, KV, S_new, D]`` of the new
-        # tokens -> (k, v) of every key this layer attends (a sliding layer's cache keeps its window);
-        # None in training.
-        self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | Any
@@ -128,21 +119,12 @@ class SinkAttention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.kv_cache is not None:
-            # The mask the decoder got from the cache covers exactly the keys returned here.
+            # A sliding layer's cache keeps its window; the mask the decoder got from the cache
+            # covers exactly the keys returned here.
             k, v = self.kv_cache(k, v)
         # Under tensor parallelism the sinks are a DTensor sharded by head: use this rank's heads.
         sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
-        out = attend(
-            q,
-            k,
-            v,
-            mask,
-            scale=self.scaling,
-            dropout=self.dropout if self.training else 0.0,
-            cp=self.cp,
-            sinks=sinks,
-            window=self.sliding_window,
-        )
+        out = self._attend(q, k, v, mask, sinks=sinks, window=self.sliding_window)
         # [B, H, S, D] -> [B, S, H * D]; -1: under tensor parallelism the rank holds a slice of the heads.
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
