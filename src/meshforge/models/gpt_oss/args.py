@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
-from meshforge.models.common.options import field_coercer, positive_int, require_positive
+from meshforge.models.common.options import positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 150_000.0
 #: RoPE types the built-in model computes (transformers' ``rope_type``).
@@ -180,7 +180,16 @@ class GptOssArgs(FamilyArgs):
 
     @classmethod
     def coerce_option(cls, key: str, value: Any) -> Any:
-        return _coerce(key, value)
+        """Accept YAML spellings of numbers (``"1e-5"``); never a bool as a number."""
+        if key == "layer_types" and value is not None:
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"layer_types: must be a list of {list(LAYER_TYPES)}, got {value!r}")
+            return list(value)
+        if key == "rope_parameters" and value is not None:
+            if not isinstance(value, dict):
+                raise ValueError(f"rope_parameters: must be a mapping, got {value!r}")
+            return dict(value)
+        return super().coerce_option(key, value)
 
 
 OPTION_KEYS: frozenset[str] = GptOssArgs.option_keys()
@@ -221,22 +230,6 @@ FLAVORS: dict[str, GptOssArgs] = {
         output_router_logits=True,
     ),
 }
-
-# How an option is read follows from its field's type in GptOssArgs (ints, floats, bools, int lists).
-_by_field = field_coercer(GptOssArgs)
-
-
-def _coerce(key: str, value: Any) -> Any:
-    """Accept YAML spellings of numbers (``"1e-5"``); never a bool as a number."""
-    if key == "layer_types" and value is not None:
-        if not isinstance(value, list | tuple):
-            raise ValueError(f"layer_types: must be a list of {list(LAYER_TYPES)}, got {value!r}")
-        return list(value)
-    if key == "rope_parameters" and value is not None:
-        if not isinstance(value, dict):
-            raise ValueError(f"rope_parameters: must be a mapping, got {value!r}")
-        return dict(value)
-    return _by_field(key, value)
 
 
 #: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``GptOssArgs``.

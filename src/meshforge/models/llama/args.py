@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
-from meshforge.models.common.options import ParsedOptions, field_coercer, number, require_positive
+from meshforge.models.common.options import ParsedOptions, number, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
 # The RoPE types the model can build (``meshforge.models.common.rope.ROPE_TYPES``,
@@ -183,7 +183,18 @@ class LlamaArgs(FamilyArgs):
 
     @classmethod
     def coerce_option(cls, key: str, value: Any) -> Any:
-        return _coerce(key, value)
+        """Normalise one option value: numbers from strings, bools strict, RoPE dict entries too."""
+        if key in ("rope_parameters", "rope_scaling") and isinstance(value, dict):
+            out = dict(value)
+            for sub, raw in value.items():
+                if raw is None:
+                    continue
+                if sub in _ROPE_FLOAT_KEYS or sub == "partial_rotary_factor":
+                    out[sub] = number(f"{key}.{sub}", raw, integer=False)
+                elif sub == "original_max_position_embeddings":
+                    out[sub] = number(f"{key}.{sub}", raw, integer=True)
+            return out
+        return super().coerce_option(key, value)
 
     @classmethod
     def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
@@ -254,25 +265,6 @@ FLAVORS: dict[str, LlamaArgs] = {
 
 
 _ROPE_FLOAT_KEYS = frozenset({"rope_theta", "factor", "low_freq_factor", "high_freq_factor"})
-
-
-# How an option is read follows from its field's type in LlamaArgs (ints, floats, bools, int lists).
-_by_field = field_coercer(LlamaArgs)
-
-
-def _coerce(key: str, value: Any) -> Any:
-    """Normalise one option value: numbers from strings, bools strict, RoPE dict entries too."""
-    if key in ("rope_parameters", "rope_scaling") and isinstance(value, dict):
-        out = dict(value)
-        for sub, raw in value.items():
-            if raw is None:
-                continue
-            if sub in _ROPE_FLOAT_KEYS or sub == "partial_rotary_factor":
-                out[sub] = number(f"{key}.{sub}", raw, integer=False)
-            elif sub == "original_max_position_embeddings":
-                out[sub] = number(f"{key}.{sub}", raw, integer=True)
-        return out
-    return _by_field(key, value)
 
 
 #: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``LlamaArgs``.

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
-from meshforge.models.common.options import ParsedOptions, field_coercer, positive_int, require_positive
+from meshforge.models.common.options import ParsedOptions, positive_int, require_positive
 
 LAYER_KINDS = ("full_attention", "sliding_attention")
 # config.json keys with the only value the published modelling code implements.
@@ -272,7 +272,13 @@ class Step3p5Args(FamilyArgs):
 
     @classmethod
     def coerce_option(cls, key: str, value: Any) -> Any:
-        return _coerce(key, value)
+        if key in FIXED_KEYS:
+            if value != FIXED_KEYS[key]:
+                raise ValueError(
+                    f"{key}: not supported yet: {value!r} (the published Step-3.5 uses {FIXED_KEYS[key]!r})"
+                )
+            return value
+        return super().coerce_option(key, value)
 
     @classmethod
     def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
@@ -322,18 +328,6 @@ FLAVORS: dict[str, Step3p5Args] = {
         tie_word_embeddings=False,
     ),
 }
-
-_by_field = field_coercer(Step3p5Args)
-
-
-def _coerce(key: str, value: Any) -> Any:
-    if key in FIXED_KEYS:
-        if value != FIXED_KEYS[key]:
-            raise ValueError(
-                f"{key}: not supported yet: {value!r} (the published Step-3.5 uses {FIXED_KEYS[key]!r})"
-            )
-        return value
-    return _by_field(key, value)
 
 
 #: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``Step3p5Args``.
