@@ -35,7 +35,7 @@ from meshforge.models.common.attention import Attention
 from meshforge.models.common.causal_lm import DecoderModel, MoECausalLM, build_causal_lm
 from meshforge.models.common.moe import GroupedExperts, RouterStats, TopKRouter, expert_counts, router_stats
 from meshforge.models.common.norms import RMSNorm
-from meshforge.models.common.rope import RotaryEmbedding, apply_rotary
+from meshforge.models.common.rope import RotaryEmbedding, apply_partial_rotary
 from meshforge.models.minimax_m2.args import MiniMaxM2Args
 
 
@@ -92,12 +92,6 @@ class MiniMaxM2Attention(Attention):
         self.k_norm = WidthRMSNorm(args.num_key_value_heads * args.head_dim, args.rms_norm_eps)
         self.rotary_dim = args.attn_rotary_dim
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rotary_dim == self.head_dim:
-            return apply_rotary(x, cos, sin)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat([apply_rotary(rot, cos, sin), rest], dim=-1)
-
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | Any | None
     ) -> torch.Tensor:
@@ -107,8 +101,8 @@ class MiniMaxM2Attention(Attention):
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope
-        q = self._rotate(q, cos, sin).transpose(1, 2)
-        k = self._rotate(k, cos, sin).transpose(1, 2)
+        q = apply_partial_rotary(q, cos, sin, self.rotary_dim).transpose(1, 2)
+        k = apply_partial_rotary(k, cos, sin, self.rotary_dim).transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache(k, v)
         out = self._attend(q, k, v, mask)

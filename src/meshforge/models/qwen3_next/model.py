@@ -36,7 +36,7 @@ from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.moe import MoEBlock
 from meshforge.models.common.norms import RMSNorm
-from meshforge.models.common.rope import RotaryEmbedding, apply_rotary
+from meshforge.models.common.rope import RotaryEmbedding, apply_partial_rotary
 from meshforge.models.qwen3_next.args import Qwen3NextArgs
 from meshforge.models.qwen3_next.gdn import GatedDeltaNet
 
@@ -109,12 +109,6 @@ class GatedAttention(Attention):
         self.k_norm = ZeroCenteredRMSNorm(args.head_dim, args.rms_norm_eps)
         self.rotary_dim = args.rotary_dim
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rotary_dim == self.head_dim:
-            return apply_rotary(x, cos, sin)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat([apply_rotary(rot, cos, sin), rest], dim=-1)
-
     def forward(
         self,
         x: torch.Tensor,
@@ -133,8 +127,8 @@ class GatedAttention(Attention):
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         cos, sin = rope
-        q = self._rotate(q, cos, sin).transpose(1, 2)
-        k = self._rotate(k, cos, sin).transpose(1, 2)
+        q = apply_partial_rotary(q, cos, sin, self.rotary_dim).transpose(1, 2)
+        k = apply_partial_rotary(k, cos, sin, self.rotary_dim).transpose(1, 2)
         v = v.transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache(k, v)
