@@ -15,6 +15,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+#: Keys of a yarn ``rope_parameters`` dict: what ``meshforge.models.common.yarn`` reads (and
+#: transformers writes). Here, not in ``yarn.py``, so that ``args.py`` files check them without torch.
+YARN_KEYS: tuple[str, ...] = (
+    "rope_type",
+    "type",
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "truncate",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+    "partial_rotary_factor",
+)
+
 
 def rope_base(
     rope_parameters: Mapping[str, Any] | None, rope_theta: float | None, *, default: float

@@ -23,6 +23,10 @@ callable that replaces the SDPA call: it takes this rank's queries, keys and val
 built, and returns the attention output for the local queries, exchanging keys and
 values (or heads) with the other CP ranks itself. With ``cp = None`` (the default) the
 forward is unchanged.
+
+:func:`attend` is that dispatch (CP plan, flash switch, masked SDPA, per-head sinks) written
+once: every attention module of the package (this one and its subclasses, MLA, sink
+attention) projects and rotates its own q/k/v and then calls it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import apply_rotary
 
 
-def _sdpa_backend(flash: bool):
+def _sdpa_backend(flash: bool) -> contextlib.AbstractContextManager[None]:
     """The flash-only SDPA context when ``flash``, else a no-op context."""
     if not flash:
         return contextlib.nullcontext()
@@ -90,7 +94,200 @@ def positions_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
     return index - start_index
 
 
-class Attention(nn.Module):
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scaling: float,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """Softmax attention with one sink logit per query head (gpt-oss).
+
+    A sink is one extra logit per head that joins every query's softmax and is then dropped,
+    so a head can attend "nowhere". SDPA has no such term, so the softmax is written out:
+    scores with masked positions at the dtype's lowest value, the sink appended, the row
+    maximum subtracted (as transformers' eager path does), softmax, sink column dropped.
+
+    Args:
+        q: Queries ``[B, KV, G, S, D]`` (query head ``kv * G + g``).
+        k: Keys ``[B, KV, 1, S_k, D]``.
+        v: Values ``[B, KV, 1, S_k, D]``.
+        sinks: Sink logits ``[KV * G]``.
+        mask: Boolean ``[B or 1, 1, S, S_k]``, True where the query may attend the key (``S_k = S``
+            in training; the cached keys while generating).
+        scaling: Multiplier of ``q k^T``.
+        dropout: Dropout on the attention probabilities (training only).
+        training: Whether dropout applies.
+
+    Returns:
+        ``[B, KV, G, S, D]``.
+    """
+    batch, kv_heads, groups, seq_len, _ = q.shape
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~mask[:, :, None], torch.finfo(scores.dtype).min)
+    sink = sinks.to(scores.dtype).view(1, kv_heads, groups, 1, 1).expand(batch, -1, -1, seq_len, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    probs = F.dropout(probs, p=dropout, training=training).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | Any | None,
+    *,
+    scale: float,
+    dropout: float = 0.0,
+    cp: Callable[..., torch.Tensor] | None = None,
+    flash: bool = False,
+    flash_strict: bool = False,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The attention core every attention module calls once its q/k/v are projected and rotated.
+
+    In order: the context-parallel plan when ``cp`` is set (it exchanges keys and values or
+    heads with the other CP ranks itself); the explicit-softmax :func:`sink_attention` when
+    ``sinks`` are given; else SDPA, restricted to the flash backend when ``flash`` and the
+    forward has no mask (flash attention takes none; values narrower than the queries, as in
+    MLA, are zero-padded to their head size for it and the padding cut from the output: zero
+    value columns leave the others unchanged).
+
+    Args:
+        q: Queries ``[B, H, S_q, D]``.
+        k: Keys ``[B, H_kv, S_k, D]`` (``H`` a multiple of ``H_kv``; shared by query-head groups
+            with SDPA's ``enable_gqa`` instead of repeating them).
+        v: Values ``[B, H_kv, S_k, D_v]``.
+        mask: None for causal attention (``is_causal`` with as many queries as keys), a boolean
+            ``[B or 1, 1, S_q, S_k]`` mask (True = may attend), or under context parallelism the
+            CP mask object the decoder built for this forward.
+        scale: Multiplier of ``q k^T``.
+        dropout: Attention-probability dropout of this forward (0 outside training).
+        cp: The module's context-parallel plan, or None on one process.
+        flash: The ``kernels.use_flash_attn`` switch is on.
+        flash_strict: It is ``true`` (not auto): a masked forward is an error, not plain SDPA.
+        sinks: Per-head sink logits ``[H]`` (gpt-oss), or None for plain softmax attention.
+        window: The layer's sliding window, handed to the CP plan (which applies it in global
+            positions); on one process ``mask`` already encodes it.
+
+    Returns:
+        ``[B, H, S_q, D_v]``.
+
+    Raises:
+        ValueError: ``attention_dropout`` under context parallelism, or
+            ``kernels.use_flash_attn: true`` with a masked (packed) batch.
+    """
+    if cp is not None:
+        if dropout:
+            raise ValueError(
+                "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
+            )
+        if sinks is None and window is None:
+            return cp(q, k, v, mask, scale=scale)
+        return cp(q, k, v, mask, scale=scale, sinks=sinks, window=window)
+    if sinks is not None:
+        if mask is None:
+            raise ValueError(
+                "sink attention needs the boolean mask of its layer (causal or sliding), got None"
+            )
+        # Query heads grouped by their key/value head ([B, KV, G, S, D], transformers' order);
+        # keys and values broadcast over the group instead of being repeated.
+        grouped = q.unflatten(1, (k.shape[1], -1))
+        out = sink_attention(
+            grouped,
+            k.unsqueeze(2),
+            v.unsqueeze(2),
+            sinks,
+            mask,
+            scaling=scale,
+            dropout=dropout,
+            training=dropout > 0,
+        )
+        return out.flatten(1, 2)
+    if flash and mask is not None and flash_strict:
+        raise ValueError(
+            "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "
+            "(segment_ids); set it to auto to use plain SDPA for packed batches"
+        )
+    flash = flash and mask is None
+    # The flash kernel needs one head size for q, k and v (transformers pads MLA's values too).
+    pad = q.shape[-1] - v.shape[-1] if flash else 0
+    if pad > 0:
+        v = F.pad(v, (0, pad))
+    with _sdpa_backend(flash):
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout,
+            is_causal=sdpa_is_causal(mask, q, k),
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    return out[..., : out.shape[-1] - pad] if pad > 0 else out
+
+
+class AttentionBase(nn.Module):
+    """What every attention module carries besides its projections: the seams others set.
+
+    The kernel switches (``flash``, ``flash_strict``: ``meshforge.models.common.kernels``), the
+    context-parallel plan (``cp``: ``meshforge.parallel.context.apply_cp``) and the KV cache of
+    generation (``kv_cache``: ``meshforge.infer.kv_cache``), declared once, and :meth:`_attend`,
+    the module's call of :func:`attend` with them.
+
+    Args:
+        scaling: Multiplier of ``q k^T``.
+        dropout: Attention-probability dropout in training mode.
+    """
+
+    def __init__(self, *, scaling: float, dropout: float) -> None:
+        super().__init__()
+        self.scaling = scaling
+        self.dropout = dropout
+        # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
+        self.flash = False
+        self.flash_strict = False
+        # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale[, sinks, window]) -> output.
+        self.cp: Callable[..., torch.Tensor] | None = None
+        # Set by meshforge.infer.kv_cache during generation: (k, v) ``[B, KV, S_new, D]`` of the new
+        # tokens -> (k, v) of every key this layer attends; None (training) leaves the forward as it is.
+        self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | Any | None,
+        *,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """:func:`attend` with this module's scale, dropout (in training), switches and CP plan."""
+        return attend(
+            q,
+            k,
+            v,
+            mask,
+            scale=self.scaling,
+            dropout=self.dropout if self.training else 0.0,
+            cp=self.cp,
+            flash=self.flash,
+            flash_strict=self.flash_strict,
+            sinks=sinks,
+            window=window,
+        )
+
+
+class Attention(AttentionBase):
     """Multi-head attention with grouped K/V heads, optional per-head q/k RMSNorm and RoPE.
 
     Module and parameter names follow transformers (``q_proj``, ``k_proj``, ``v_proj``,
@@ -119,7 +316,7 @@ class Attention(nn.Module):
         norm_eps: float = 1e-6,
         dropout: float = 0.0,
     ) -> None:
-        super().__init__()
+        super().__init__(scaling=head_dim**-0.5, dropout=dropout)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
@@ -127,22 +324,12 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scaling = head_dim**-0.5
-        self.dropout = dropout
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
-        # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
-        self.flash = False
-        self.flash_strict = False
-        # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale) -> output.
-        self.cp: Callable[..., torch.Tensor] | None = None
-        # Set by meshforge.infer.kv_cache during generation: (k, v) of the new tokens ->
-        # (k, v) of every token so far; None (training) leaves the forward as it is.
-        self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(
         self,
@@ -175,27 +362,5 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache(k, v)
-        if self.cp is not None:
-            if self.dropout and self.training:
-                raise ValueError(
-                    "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
-                )
-            out = self.cp(q, k, v, mask, scale=self.scaling)
-            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
-        if self.flash and mask is not None and self.flash_strict:
-            raise ValueError(
-                "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "
-                "(segment_ids); set it to auto to use plain SDPA for packed batches"
-            )
-        with _sdpa_backend(self.flash and mask is None):
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=self.dropout if self.training else 0.0,
-                is_causal=sdpa_is_causal(mask, q, k),
-                scale=self.scaling,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )
+        out = self._attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))

@@ -22,10 +22,10 @@ the same permutation, so the attention scores are those of the interleaved rotat
 
 ``flash = True`` (the ``kernels.use_flash_attn`` switch, CUDA only) restricts SDPA to its flash
 backend as :class:`~meshforge.models.common.attention.Attention` does (packed batches: plain
-SDPA, or an error when ``flash_strict``). The flash kernel needs one head size for q, k and v,
-so values narrower than ``qk_nope_head_dim + qk_rope_head_dim`` are zero-padded to it and the
-padding is cut from the output (zero value columns leave the others unchanged), as
-transformers does for MLA under flash attention.
+SDPA, or an error when ``flash_strict``); the shared core
+(:func:`~meshforge.models.common.attention.attend`) zero-pads the values, narrower than
+``qk_nope_head_dim + qk_rope_head_dim``, to the flash kernel's one head size and cuts the
+padding from the output, as transformers does for MLA under flash attention.
 
 Context parallelism (``meshforge.parallel.context.apply_cp``) sets ``cp`` to the callable
 that replaces the SDPA call, as on :class:`~meshforge.models.common.attention.Attention`:
@@ -40,10 +40,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.common.attention import _sdpa_backend, sdpa_is_causal
+from meshforge.models.common.attention import AttentionBase
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import apply_rotary
 
@@ -63,7 +62,7 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(AttentionBase):
     """DeepSeek multi-head latent attention; see the module docstring.
 
     Args:
@@ -97,7 +96,10 @@ class MultiHeadLatentAttention(nn.Module):
         dropout: float = 0.0,
         softmax_scale: float | None = None,
     ) -> None:
-        super().__init__()
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        super().__init__(
+            scaling=qk_head_dim**-0.5 if softmax_scale is None else softmax_scale, dropout=dropout
+        )
         self.num_heads = num_heads
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
@@ -106,8 +108,6 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.rope_interleave = rope_interleave
-        self.dropout = dropout
-        self.scaling = self.qk_head_dim**-0.5 if softmax_scale is None else softmax_scale
         if q_lora_rank is None:
             self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_head_dim, bias=False)
         else:
@@ -118,13 +118,6 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
-        # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
-        self.flash = False
-        self.flash_strict = False
-        # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale) -> output.
-        self.cp: Callable[..., torch.Tensor] | None = None
-        # Set by meshforge.infer.kv_cache during generation (as on ``Attention``); None in training.
-        self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         # Set by meshforge.infer.kv_cache for the compressed cache: (normed latent ``[B, S_new, rank]``,
         # rotated key part ``[B, S_new, 1, rope]``) of the new tokens -> the same of every token so far.
         self.latent_cache: (
@@ -177,37 +170,9 @@ class MultiHeadLatentAttention(nn.Module):
         v = v.transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache(k, v)
-        if self.cp is not None:
-            if self.dropout and self.training:
-                raise ValueError(
-                    "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
-                )
-            out = self.cp(q, k, v, mask, scale=self.scaling)
-            # -1: under tensor parallelism the rank holds a slice of the heads.
-            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
-        if self.flash and mask is not None and self.flash_strict:
-            raise ValueError(
-                "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "
-                "(segment_ids); set it to auto to use plain SDPA for packed batches"
-            )
-        flash = self.flash and mask is None
-        pad = self.qk_head_dim - self.v_head_dim if flash else 0
-        if pad > 0:
-            v = F.pad(v, (0, pad))
-        with _sdpa_backend(flash):
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=self.dropout if self.training else 0.0,
-                # Equal lengths in training; an unmasked cached decode step attends every key.
-                is_causal=sdpa_is_causal(mask, q, k),
-                scale=self.scaling,
-            )
-        if pad > 0:
-            out = out[..., : self.v_head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_head_dim))
+        out = self._attend(q, k, v, mask)
+        # -1: under tensor parallelism the rank holds a slice of the heads.
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def extra_repr(self) -> str:
         return (

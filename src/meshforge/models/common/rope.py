@@ -236,3 +236,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_partial_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    """:func:`apply_rotary` on the first ``rotary_dim`` dims of each head, the rest passed through.
+
+    The partial RoPE of ``partial_rotary_factor`` (MiniMax-M2, Qwen3-Next, Step-3.5): ``cos``/``sin``
+    are ``rotary_dim`` wide. With ``rotary_dim`` equal to the head size it is :func:`apply_rotary`.
+    """
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat([apply_rotary(rot, cos, sin), rest], dim=-1)

@@ -5,8 +5,9 @@ dropped: the probabilities over the real keys sum to less than one, so a head ca
 attend "nowhere". SDPA has no such term, so the softmax is written out: scores
 ``q k^T * scale`` with masked positions at the dtype's lowest value, the head's
 sink logit appended, the row maximum subtracted (as transformers' eager path
-does), softmax, sink column dropped, product with V. Memory is ``O(S^2)`` per
-head, which is fine for the CPU/tiny scale this path serves.
+does), softmax, sink column dropped, product with V
+(:func:`meshforge.models.common.attention.sink_attention`, reached through the shared
+``attend``). Memory is ``O(S^2)`` per head, which is fine for the CPU/tiny scale this path serves.
 
 Masks are boolean ``[B or 1, 1, S, S]`` (True = may attend), built once per
 forward by the model and shared by the layers of the same kind:
@@ -21,7 +22,7 @@ against queries ``[B, KV, G, S, D]`` instead of materialising repeated K/V; quer
 head ``h`` belongs to group ``h // G`` as in transformers' ``repeat_kv``.
 
 Context parallelism (``meshforge.parallel.context.apply_cp``) sets ``cp`` to the callable
-that replaces :func:`sink_attention`: it takes this rank's ``[B, heads, S_local, D]``
+that replaces ``sink_attention``: it takes this rank's ``[B, heads, S_local, D]``
 queries, keys and values, the per-forward CP mask object the decoder built (in place of
 the boolean mask), the sinks of this rank's heads and the layer's ``sliding_window``
 (applied there in global positions), and returns the local output.
@@ -29,14 +30,13 @@ the boolean mask), the sinks of this rank's heads and the layer's ``sliding_wind
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshforge.models.common.attention import AttentionBase, sink_attention
 from meshforge.models.common.rope import apply_rotary
 
 
@@ -61,45 +61,7 @@ def sliding_window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
     return mask & band
 
 
-def sink_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sinks: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    scaling: float,
-    dropout: float = 0.0,
-    training: bool = False,
-) -> torch.Tensor:
-    """Softmax attention with one sink logit per query head.
-
-    Args:
-        q: Queries ``[B, KV, G, S, D]`` (query head ``kv * G + g``).
-        k: Keys ``[B, KV, 1, S_k, D]``.
-        v: Values ``[B, KV, 1, S_k, D]``.
-        sinks: Sink logits ``[KV * G]``.
-        mask: Boolean ``[B or 1, 1, S, S_k]``, True where the query may attend the key (``S_k = S``
-            in training; the cached keys while generating).
-        scaling: Multiplier of ``q k^T``.
-        dropout: Dropout on the attention probabilities (training only).
-        training: Whether dropout applies.
-
-    Returns:
-        ``[B, KV, G, S, D]``.
-    """
-    batch, kv_heads, groups, seq_len, _ = q.shape
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(~mask[:, :, None], torch.finfo(scores.dtype).min)
-    sink = sinks.to(scores.dtype).view(1, kv_heads, groups, 1, 1).expand(batch, -1, -1, seq_len, 1)
-    logits = torch.cat([scores, sink], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
-    probs = F.dropout(probs, p=dropout, training=training).to(v.dtype)
-    return torch.matmul(probs, v)
-
-
-class SinkAttention(nn.Module):
+class SinkAttention(AttentionBase):
     """Self-attention with GQA, RoPE, projection biases and per-head sinks (transformers' ``GptOssAttention``).
 
     Parameter names follow transformers: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``sinks``.
@@ -128,7 +90,7 @@ class SinkAttention(nn.Module):
         sliding_window: int | None = None,
         dropout: float = 0.0,
     ) -> None:
-        super().__init__()
+        super().__init__(scaling=head_dim**-0.5, dropout=dropout)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
@@ -136,20 +98,12 @@ class SinkAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scaling = head_dim**-0.5
-        self.dropout = dropout
         self.sliding_window = sliding_window
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.sinks = nn.Parameter(torch.empty(num_heads))
-        # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale, sinks, window) -> output.
-        self.cp: Callable[..., torch.Tensor] | None = None
-        # Set by meshforge.infer.kv_cache during generation: (k, v) ``[B, KV, S_new, D]`` of the new
-        # tokens -> (k, v) of every key this layer attends (a sliding layer's cache keeps its window);
-        # None in training.
-        self.kv_cache: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | Any
@@ -159,34 +113,20 @@ class SinkAttention(nn.Module):
         Under context parallelism ``mask`` is the CP mask object the decoder built.
         """
         batch, seq_len, _ = x.shape
-        groups = self.num_heads // self.num_kv_heads
         cos, sin = rope
         q = apply_rotary(self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.kv_cache is not None:
+            # A sliding layer's cache keeps its window; the mask the decoder got from the cache
+            # covers exactly the keys returned here.
+            k, v = self.kv_cache(k, v)
         # Under tensor parallelism the sinks are a DTensor sharded by head: use this rank's heads.
         sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
-        if self.cp is not None:
-            if self.dropout and self.training:
-                raise ValueError(
-                    "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
-                )
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            out = self.cp(q, k, v, mask, scale=self.scaling, sinks=sinks, window=self.sliding_window)
-            # -1: under tensor parallelism the rank holds a slice of the heads.
-            return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
-        q = q.view(batch, seq_len, self.num_kv_heads, groups, self.head_dim).permute(0, 2, 3, 1, 4)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if self.kv_cache is not None:
-            # The mask the decoder got from the cache covers exactly the keys returned here.
-            k, v = self.kv_cache(k, v)
-        k, v = k.unsqueeze(2), v.unsqueeze(2)
-        out = sink_attention(
-            q, k, v, sinks, mask, scaling=self.scaling, dropout=self.dropout, training=self.training
-        )
-        # [B, KV, G, S, D] -> [B, S, KV * G * D]: heads in transformers' order.
-        out = out.permute(0, 3, 1, 2, 4).reshape(batch, seq_len, self.num_heads * self.head_dim)
-        return self.o_proj(out)
+        out = self._attend(q, k, v, mask, sinks=sinks, window=self.sliding_window)
+        # [B, H, S, D] -> [B, S, H * D]; -1: under tensor parallelism the rank holds a slice of the heads.
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, sliding_window={self.sliding_window}"

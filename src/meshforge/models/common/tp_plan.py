@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
+
+if TYPE_CHECKING:
+    from meshforge.models.spec import TPPlan
 
 TP_KEY = "parallelism.tensor_parallel"
 _TP_KEY = TP_KEY
@@ -58,6 +61,35 @@ def check_sizes(model: nn.Module, tp: int, sizes: Callable[[Any], dict[str, int]
     args = getattr(model, "args", None)
     if args is not None:
         check_divisible(sizes(args), tp)
+
+
+class PlanBody(Protocol):
+    """A family's unchecked plan: ``{module path: ParallelStyle}`` for a model or a pipeline stage."""
+
+    def __call__(
+        self, model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool
+    ) -> dict[str, ParallelStyle]: ...
+
+
+def checked_plan(plan: PlanBody, sizes: Callable[[Any], dict[str, int]]) -> TPPlan:
+    """The family's ``TPPlan`` (``FamilySpec.tp_plan``): ``sizes`` checked against ``tp``, then ``plan``.
+
+    Every family's plan refuses a TP degree that does not divide a size it splits before it
+    builds any style, so the error names the ``model.*`` key instead of a shape mismatch deep
+    in ``parallelize_module``.
+
+    Args:
+        plan: The family's ``tp_plan(model, *, sequence_parallel, loss_parallel)``.
+        sizes: ``args -> {model key: size}`` of the sizes ``plan`` splits (see :func:`check_sizes`).
+    """
+
+    def checked(
+        model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
+    ) -> dict[str, ParallelStyle]:
+        check_sizes(model, tp, sizes)
+        return plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+    return checked
 
 
 def _layer_items(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -298,4 +330,13 @@ def attention_input(*, sequence_parallel: bool, local: bool) -> ParallelStyle | 
     return _GatherSequence(local=local) if sequence_parallel else None
 
 
-__all__ = ["TP_KEY", "SplitHeads", "attention_input", "check_divisible", "check_sizes", "decoder_tp_plan"]
+__all__ = [
+    "TP_KEY",
+    "PlanBody",
+    "SplitHeads",
+    "attention_input",
+    "check_divisible",
+    "check_sizes",
+    "checked_plan",
+    "decoder_tp_plan",
+]

@@ -21,23 +21,8 @@ from typing import Any
 
 import torch
 
+from meshforge.models.common.arg_rules import YARN_KEYS
 from meshforge.models.common.rope import RotaryEmbedding
-
-#: Keys of a yarn ``rope_parameters`` dict that :func:`yarn_from_parameters` reads.
-YARN_KEYS: tuple[str, ...] = (
-    "rope_type",
-    "type",
-    "rope_theta",
-    "factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "truncate",
-    "attention_factor",
-    "mscale",
-    "mscale_all_dim",
-    "partial_rotary_factor",
-)
 
 
 def _mscale(scale: float, mscale: float = 1.0) -> float:

@@ -19,18 +19,30 @@ the decoder (``mtp.py``; transformers builds none). This module does not import 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
-from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
+from meshforge.models.common.family_args import FamilyArgs
+from meshforge.models.common.options import ParsedOptions, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
 
 
+# transformers' attribute_map: config.json may carry either spelling.
+ALIASES: dict[str, str] = {
+    "num_local_experts": "n_routed_experts",
+    "num_mtp_layers": "num_nextn_predict_layers",
+}
+
+
 @dataclass(frozen=True)
-class DeepseekV3Args:
+class DeepseekV3Args(FamilyArgs):
     """DeepSeek-V3 decoder configuration (names and defaults of ``transformers.DeepseekV3Config``)."""
+
+    label: ClassVar[str] = "DeepSeek-V3"
+    aliases: ClassVar[Mapping[str, str]] = ALIASES
 
     vocab_size: int = 129280
     hidden_size: int = 7168
@@ -200,24 +212,22 @@ class DeepseekV3Args:
         out["rope_parameters"] = {**rope, "rope_type": self.rope_type, "rope_theta": self.theta}
         return out
 
+    @classmethod
+    def flavors(cls) -> Mapping[str, FamilyArgs]:
+        return FLAVORS
 
-# Keys of a yarn rope_parameters dict (meshforge.models.common.yarn.YARN_KEYS, kept torch-free here).
-_YARN_KEYS = frozenset(
-    (
-        "rope_type",
-        "type",
-        "rope_theta",
-        "factor",
-        "original_max_position_embeddings",
-        "beta_fast",
-        "beta_slow",
-        "truncate",
-        "attention_factor",
-        "mscale",
-        "mscale_all_dim",
-        "partial_rotary_factor",
-    )
-)
+    @classmethod
+    def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
+        """``num_attention_heads`` given without ``num_key_value_heads`` sets both (MLA needs them equal)."""
+        overrides = parsed.overrides
+        if "num_attention_heads" in overrides and "num_key_value_heads" not in overrides:
+            # MLA admits one value (every query head gets its own expanded key/value), so a config
+            # that sets the heads alone, as the MindFormers skeleton does, means that value.
+            overrides["num_key_value_heads"] = overrides["num_attention_heads"]
+        return replace(parsed.base, **overrides)
+
+
+_YARN_KEYS = frozenset(rules.YARN_KEYS)
 
 
 def _rope_type(params: dict[str, Any] | None) -> str:
@@ -258,13 +268,7 @@ def _check_rope(params: object) -> None:
         raise ValueError(f"rope_parameters.partial_rotary_factor: not supported yet: {partial} (only 1.0)")
 
 
-# transformers' attribute_map: config.json may carry either spelling.
-ALIASES: dict[str, str] = {
-    "num_local_experts": "n_routed_experts",
-    "num_mtp_layers": "num_nextn_predict_layers",
-}
-
-OPTION_KEYS: frozenset[str] = frozenset(f.name for f in fields(DeepseekV3Args)) | {"flavor"} | set(ALIASES)
+OPTION_KEYS: frozenset[str] = DeepseekV3Args.option_keys()
 
 FLAVORS: dict[str, DeepseekV3Args] = {
     # The demo: MLA with both LoRA ranks, one dense layer then 3 sparse ones with 8 routed
@@ -319,39 +323,6 @@ FLAVORS: dict[str, DeepseekV3Args] = {
     ),
 }
 
-# How an option is read follows from its field's type in DeepseekV3Args (ints, floats, bools, int lists).
-_by_field = field_coercer(DeepseekV3Args)
 
-
-def from_options(options: dict[str, Any]) -> DeepseekV3Args:
-    """Build ``DeepseekV3Args`` from the ``model:`` passthrough keys.
-
-    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys override
-    its fields. Without a flavor the transformers defaults (DeepSeek-V3 671B) apply.
-    ``num_attention_heads`` given without ``num_key_value_heads`` sets both (MLA needs them
-    equal).
-
-    Args:
-        options: Option mapping, e.g. ``{"flavor": "tiny", "n_routed_experts": 16}``.
-
-    Returns:
-        The validated arguments.
-
-    Raises:
-        ValueError: For an unknown key (named, with a suggestion), an unknown flavor, a key
-            given under both spellings, or an invalid value (named).
-    """
-    base, options, _ = parse_options(
-        options,
-        label="DeepSeek-V3",
-        known=OPTION_KEYS,
-        flavors=FLAVORS,
-        default=DeepseekV3Args,
-        coerce=_by_field,
-        aliases=ALIASES,
-    )
-    if "num_attention_heads" in options and "num_key_value_heads" not in options:
-        # MLA admits one value (every query head gets its own expanded key/value), so a config
-        # that sets the heads alone, as the MindFormers skeleton does, means that value.
-        options["num_key_value_heads"] = options["num_attention_heads"]
-    return replace(base, **options)
+#: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``DeepseekV3Args``.
+from_options = DeepseekV3Args.from_options

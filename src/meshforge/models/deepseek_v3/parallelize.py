@@ -48,7 +48,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from meshforge.models.common.tp_plan import SplitHeads, attention_input, check_sizes, decoder_tp_plan
+from meshforge.models.common.tp_plan import SplitHeads, attention_input, checked_plan, decoder_tp_plan
 
 if TYPE_CHECKING:
     from meshforge.models.common.mla import MultiHeadLatentAttention
@@ -132,9 +132,5 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
     return plan
 
 
-def checked_tp_plan(
-    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
-) -> dict[str, ParallelStyle]:
-    """The family's ``TPPlan``: the split sizes checked against ``tp``, then :func:`tp_plan`."""
-    check_sizes(model, tp, tp_sizes)
-    return tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+#: The family's ``TPPlan`` (``spec.py`` calls it): :func:`tp_sizes` checked, then :func:`tp_plan`.
+checked_tp_plan = checked_plan(tp_plan, tp_sizes)

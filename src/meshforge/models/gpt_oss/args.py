@@ -17,11 +17,13 @@ This module does not import torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 from meshforge.models.common import arg_rules as rules
-from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
+from meshforge.models.common.family_args import FamilyArgs
+from meshforge.models.common.options import positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 150_000.0
 #: RoPE types the built-in model computes (transformers' ``rope_type``).
@@ -38,9 +40,17 @@ DEFAULT_YARN: dict[str, Any] = {
 }
 
 
+# Other spellings found in config.json files and older configs.
+ALIASES: dict[str, str] = {"num_experts": "num_local_experts", "rope_scaling": "rope_parameters"}
+
+
 @dataclass(frozen=True)
-class GptOssArgs:
+class GptOssArgs(FamilyArgs):
     """gpt-oss decoder configuration (names and defaults of ``transformers.GptOssConfig``)."""
+
+    label: ClassVar[str] = "gpt-oss"
+    aliases: ClassVar[Mapping[str, str]] = ALIASES
+    lenient_aliases: ClassVar[bool] = True
 
     num_hidden_layers: int = 36
     num_local_experts: int = 128
@@ -164,11 +174,25 @@ class GptOssArgs:
         out["rope_parameters"] = self.rope
         return out
 
+    @classmethod
+    def flavors(cls) -> Mapping[str, FamilyArgs]:
+        return FLAVORS
 
-# Other spellings found in config.json files and older configs.
-ALIASES: dict[str, str] = {"num_experts": "num_local_experts", "rope_scaling": "rope_parameters"}
+    @classmethod
+    def coerce_option(cls, key: str, value: Any) -> Any:
+        """Accept YAML spellings of numbers (``"1e-5"``); never a bool as a number."""
+        if key == "layer_types" and value is not None:
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"layer_types: must be a list of {list(LAYER_TYPES)}, got {value!r}")
+            return list(value)
+        if key == "rope_parameters" and value is not None:
+            if not isinstance(value, dict):
+                raise ValueError(f"rope_parameters: must be a mapping, got {value!r}")
+            return dict(value)
+        return super().coerce_option(key, value)
 
-OPTION_KEYS: frozenset[str] = frozenset(f.name for f in fields(GptOssArgs)) | {"flavor"} | set(ALIASES)
+
+OPTION_KEYS: frozenset[str] = GptOssArgs.option_keys()
 
 FLAVORS: dict[str, GptOssArgs] = {
     # The demo model: 8 experts, top-2, sliding (window 64) and full layers alternating, gpt-oss'
@@ -207,48 +231,6 @@ FLAVORS: dict[str, GptOssArgs] = {
     ),
 }
 
-# How an option is read follows from its field's type in GptOssArgs (ints, floats, bools, int lists).
-_by_field = field_coercer(GptOssArgs)
 
-
-def _coerce(key: str, value: Any) -> Any:
-    """Accept YAML spellings of numbers (``"1e-5"``); never a bool as a number."""
-    if key == "layer_types" and value is not None:
-        if not isinstance(value, list | tuple):
-            raise ValueError(f"layer_types: must be a list of {list(LAYER_TYPES)}, got {value!r}")
-        return list(value)
-    if key == "rope_parameters" and value is not None:
-        if not isinstance(value, dict):
-            raise ValueError(f"rope_parameters: must be a mapping, got {value!r}")
-        return dict(value)
-    return _by_field(key, value)
-
-
-def from_options(options: dict[str, Any]) -> GptOssArgs:
-    """Build ``GptOssArgs`` from the ``model:`` passthrough keys.
-
-    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys
-    override its fields. Without a flavor the transformers defaults apply (the
-    20B-class gpt-oss shape).
-
-    Args:
-        options: Option mapping, e.g. ``{"flavor": "tiny", "num_local_experts": 16}``.
-
-    Returns:
-        The validated arguments.
-
-    Raises:
-        ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
-            a key given under two spellings with different values, or an invalid value (named).
-    """
-    parsed = parse_options(
-        options,
-        label="gpt-oss",
-        known=OPTION_KEYS,
-        flavors=FLAVORS,
-        default=GptOssArgs,
-        coerce=_coerce,
-        aliases=ALIASES,
-        lenient_aliases=True,
-    )
-    return replace(parsed.base, **parsed.overrides)
+#: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``GptOssArgs``.
+from_options = GptOssArgs.from_options

@@ -14,19 +14,13 @@ without it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
-from meshforge.models.common.options import (
-    field_coercer,
-    number,
-    parse_options,
-    require_positive,
-)
-from meshforge.models.common.options import (
-    unknown_option_message as _unknown_option_message,
-)
+from meshforge.models.common.family_args import FamilyArgs
+from meshforge.models.common.options import ParsedOptions, number, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
 # The RoPE types the model can build (``meshforge.models.common.rope.ROPE_TYPES``,
@@ -36,7 +30,7 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 
 
 @dataclass(frozen=True)
-class LlamaArgs:
+class LlamaArgs(FamilyArgs):
     """Llama decoder configuration (names and defaults of ``transformers.LlamaConfig``).
 
     ``head_dim`` and ``num_key_value_heads`` default (None) to ``hidden_size //
@@ -44,6 +38,9 @@ class LlamaArgs:
     and ``rope_scaling`` are the legacy spellings of ``rope_parameters`` entries; use
     :attr:`rope` for the resolved dict.
     """
+
+    label: ClassVar[str] = "Llama"
+    label_unknown: ClassVar[bool] = True
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -180,6 +177,42 @@ class LlamaArgs:
         out["rope_parameters"] = self.rope
         return out
 
+    @classmethod
+    def flavors(cls) -> Mapping[str, FamilyArgs]:
+        return FLAVORS
+
+    @classmethod
+    def coerce_option(cls, key: str, value: Any) -> Any:
+        """Normalise one option value: numbers from strings, bools strict, RoPE dict entries too."""
+        if key in ("rope_parameters", "rope_scaling") and isinstance(value, dict):
+            out = dict(value)
+            for sub, raw in value.items():
+                if raw is None:
+                    continue
+                if sub in _ROPE_FLOAT_KEYS or sub == "partial_rotary_factor":
+                    out[sub] = number(f"{key}.{sub}", raw, integer=False)
+                elif sub == "original_max_position_embeddings":
+                    out[sub] = number(f"{key}.{sub}", raw, integer=True)
+            return out
+        return super().coerce_option(key, value)
+
+    @classmethod
+    def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
+        """A flavor's ``rope_parameters`` is replaced as a whole when the options give one."""
+        base, overrides, flavor = parsed
+        if flavor is not None:
+            if "hidden_size" in overrides or "num_attention_heads" in overrides:
+                # A flavor's derived head_dim follows a changed width unless given explicitly.
+                overrides.setdefault("head_dim", None)
+            if "rope_parameters" not in overrides and {"rope_theta", "rope_scaling"} & overrides.keys():
+                # The legacy spellings replace the flavor's RoPE instead of being shadowed by it.
+                overrides["rope_parameters"] = None
+                if overrides.get("rope_theta") is None and "rope_theta" not in (
+                    overrides.get("rope_scaling") or {}
+                ):
+                    overrides["rope_theta"] = base.theta
+        return replace(base, **overrides)
+
 
 def _positive_number(key: str, value: Any) -> None:
     if (
@@ -191,7 +224,7 @@ def _positive_number(key: str, value: Any) -> None:
         raise ValueError(f"{key}: must be a positive number, got {value!r}")
 
 
-OPTION_KEYS: frozenset[str] = frozenset(f.name for f in fields(LlamaArgs)) | {"flavor"}
+OPTION_KEYS: frozenset[str] = LlamaArgs.option_keys()
 
 FLAVORS: dict[str, LlamaArgs] = {
     # A tiny Llama 3.2-style model (tied embeddings, llama3 RoPE scaling from a 512-token
@@ -231,69 +264,8 @@ FLAVORS: dict[str, LlamaArgs] = {
 }
 
 
-def unknown_option_message(key: str, known: frozenset[str] | set[str]) -> str:
-    """Reason text for an option key that is not declared, with a close match if any."""
-    return _unknown_option_message(key, known, "Llama")
-
-
 _ROPE_FLOAT_KEYS = frozenset({"rope_theta", "factor", "low_freq_factor", "high_freq_factor"})
 
 
-# How an option is read follows from its field's type in LlamaArgs (ints, floats, bools, int lists).
-_by_field = field_coercer(LlamaArgs)
-
-
-def _coerce(key: str, value: Any) -> Any:
-    """Normalise one option value: numbers from strings, bools strict, RoPE dict entries too."""
-    if key in ("rope_parameters", "rope_scaling") and isinstance(value, dict):
-        out = dict(value)
-        for sub, raw in value.items():
-            if raw is None:
-                continue
-            if sub in _ROPE_FLOAT_KEYS or sub == "partial_rotary_factor":
-                out[sub] = number(f"{key}.{sub}", raw, integer=False)
-            elif sub == "original_max_position_embeddings":
-                out[sub] = number(f"{key}.{sub}", raw, integer=True)
-        return out
-    return _by_field(key, value)
-
-
-def from_options(options: dict[str, Any]) -> LlamaArgs:
-    """Build ``LlamaArgs`` from the ``model:`` passthrough keys.
-
-    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys
-    override its fields. Without a flavor the transformers defaults apply. A flavor's
-    ``rope_parameters`` is replaced as a whole when the options give one.
-
-    Numbers may be given as strings (``"1e-6"``, as YAML 1.1 reads them), also inside
-    ``rope_parameters``; a bool is never taken as a number.
-
-    Args:
-        options: Option mapping, e.g. ``{"flavor": "tiny", "num_hidden_layers": 2}``.
-
-    Returns:
-        The validated arguments.
-
-    Raises:
-        ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
-            an invalid value (named), or a RoPE type that is not built.
-    """
-    base, options, flavor = parse_options(
-        options,
-        label="Llama",
-        known=OPTION_KEYS,
-        flavors=FLAVORS,
-        default=LlamaArgs,
-        coerce=_coerce,
-        unknown_reason=lambda key: unknown_option_message(key, OPTION_KEYS),
-    )
-    if flavor is not None:
-        if "hidden_size" in options or "num_attention_heads" in options:
-            # A flavor's derived head_dim follows a changed width unless given explicitly.
-            options.setdefault("head_dim", None)
-        if "rope_parameters" not in options and {"rope_theta", "rope_scaling"} & options.keys():
-            # The legacy spellings replace the flavor's RoPE instead of being shadowed by it.
-            options["rope_parameters"] = None
-            if options.get("rope_theta") is None and "rope_theta" not in (options.get("rope_scaling") or {}):
-                options["rope_theta"] = base.theta
-    return replace(base, **options)
+#: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``LlamaArgs``.
+from_options = LlamaArgs.from_options

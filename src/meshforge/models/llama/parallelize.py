@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from meshforge.models.common.tp_plan import check_sizes, decoder_tp_plan
+from meshforge.models.common.tp_plan import checked_plan, decoder_tp_plan
 
 
 def tp_sizes(args) -> dict[str, int]:
@@ -30,9 +30,5 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
     return decoder_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
-def checked_tp_plan(
-    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
-) -> dict[str, ParallelStyle]:
-    """The family's ``TPPlan``: the split sizes checked against ``tp``, then :func:`tp_plan`."""
-    check_sizes(model, tp, tp_sizes)
-    return tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+#: The family's ``TPPlan`` (``spec.py`` calls it): :func:`tp_sizes` checked, then :func:`tp_plan`.
+checked_tp_plan = checked_plan(tp_plan, tp_sizes)

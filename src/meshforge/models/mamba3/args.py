@@ -9,17 +9,27 @@ here reads like one of those. This module does not import torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, ClassVar, Self
 
-from meshforge.models.common.options import field_coercer, parse_options, require_positive
+from meshforge.models.common.family_args import FamilyArgs
+from meshforge.models.common.options import ParsedOptions, require_positive
 
 ROPE_FRACTIONS = (0.5, 1.0)
 
 
+# MindSpeed-LLM's Mamba3Config (a Mamba2Config) spells the norm epsilon layer_norm_epsilon.
+ALIASES = {"layer_norm_epsilon": "norm_eps"}
+
+
 @dataclass(frozen=True)
-class Mamba3Args:
+class Mamba3Args(FamilyArgs):
     """Mamba-3 decoder configuration (a stack of pre-norm Mamba-3 mixer blocks, no MLP)."""
+
+    label: ClassVar[str] = "Mamba-3"
+    aliases: ClassVar[Mapping[str, str]] = ALIASES
+    extra_option_keys: ClassVar[frozenset[str]] = frozenset({"num_heads"})
 
     vocab_size: int = 50280
     hidden_size: int = 768
@@ -109,11 +119,30 @@ class Mamba3Args:
         body["num_heads"] = self.num_heads
         return body
 
+    @classmethod
+    def flavors(cls) -> Mapping[str, FamilyArgs]:
+        return FLAVORS
 
-# MindSpeed-LLM's Mamba3Config (a Mamba2Config) spells the norm epsilon layer_norm_epsilon.
-ALIASES = {"layer_norm_epsilon": "norm_eps"}
+    @classmethod
+    def prepare_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """``num_heads`` (written to ``config.json``) is no field: it is checked after the parse."""
+        options.pop("num_heads", None)
+        return options
 
-OPTION_KEYS = frozenset(f.name for f in fields(Mamba3Args)) | {"flavor", "num_heads"} | set(ALIASES)
+    @classmethod
+    def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
+        """``num_heads``, when given, must agree with the sizes it follows from."""
+        args = replace(parsed.base, **parsed.overrides)
+        heads = options.get("num_heads")
+        if heads is not None and heads != args.num_heads:
+            raise ValueError(
+                f"num_heads: {heads!r} disagrees with expand * hidden_size / head_dim = {args.num_heads}; "
+                "set head_dim instead"
+            )
+        return args
+
+
+OPTION_KEYS: frozenset[str] = Mamba3Args.option_keys()
 
 FLAVORS: dict[str, Mamba3Args] = {
     # The demo: 4 SISO layers of 8 heads; trains on 2 CPU cores.
@@ -139,38 +168,9 @@ FLAVORS: dict[str, Mamba3Args] = {
     ),
 }
 
-_by_field = field_coercer(Mamba3Args)
 
-
-def from_options(options: dict[str, Any]) -> Mamba3Args:
-    """Build ``Mamba3Args`` from the ``model:`` passthrough keys.
-
-    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys override
-    its fields (``layer_norm_epsilon`` is read as ``norm_eps``). ``num_heads`` (written to
-    ``config.json``) must agree with the sizes it follows from.
-
-    Raises:
-        ValueError: For an unknown key (named, with a suggestion), an unknown flavor, or an
-            invalid value (named).
-    """
-    options = dict(options)
-    heads = options.pop("num_heads", None)
-    parsed = parse_options(
-        options,
-        label="Mamba-3",
-        known=OPTION_KEYS,
-        flavors=FLAVORS,
-        default=Mamba3Args,
-        coerce=_by_field,
-        aliases=ALIASES,
-    )
-    args = replace(parsed.base, **parsed.overrides)
-    if heads is not None and heads != args.num_heads:
-        raise ValueError(
-            f"num_heads: {heads!r} disagrees with expand * hidden_size / head_dim = {args.num_heads}; "
-            "set head_dim instead"
-        )
-    return args
+#: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``Mamba3Args``.
+from_options = Mamba3Args.from_options
 
 
 __all__ = ["ALIASES", "FLAVORS", "OPTION_KEYS", "Mamba3Args", "from_options"]

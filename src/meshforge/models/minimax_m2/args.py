@@ -10,18 +10,27 @@ one. Published MiniMax-M2 files spell two things the older way, and both are rea
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
 
 from meshforge.models.common import arg_rules as rules
-from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
+from meshforge.models.common.family_args import FamilyArgs
+from meshforge.models.common.options import positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 5_000_000.0
 
 
+# transformers' attribute_map: `num_experts` is another name of `num_local_experts`.
+ALIASES: dict[str, str] = {"num_experts": "num_local_experts"}
+
+
 @dataclass(frozen=True)
-class MiniMaxM2Args:
+class MiniMaxM2Args(FamilyArgs):
     """MiniMax-M2 decoder configuration (names and defaults of ``transformers.MiniMaxM2Config``)."""
+
+    label: ClassVar[str] = "MiniMax-M2"
+    aliases: ClassVar[Mapping[str, str]] = ALIASES
 
     vocab_size: int = 200064
     hidden_size: int = 3072
@@ -122,11 +131,12 @@ class MiniMaxM2Args:
         }
         return out
 
+    @classmethod
+    def flavors(cls) -> Mapping[str, FamilyArgs]:
+        return FLAVORS
 
-# transformers' attribute_map: `num_experts` is another name of `num_local_experts`.
-ALIASES: dict[str, str] = {"num_experts": "num_local_experts"}
 
-OPTION_KEYS: frozenset[str] = frozenset(f.name for f in fields(MiniMaxM2Args)) | {"flavor"} | set(ALIASES)
+OPTION_KEYS: frozenset[str] = MiniMaxM2Args.option_keys()
 
 FLAVORS: dict[str, MiniMaxM2Args] = {
     # The demo MoE: 8 experts, top-2, half-rotary heads as published; trains on 2 CPU cores.
@@ -168,27 +178,6 @@ FLAVORS: dict[str, MiniMaxM2Args] = {
     ),
 }
 
-_by_field = field_coercer(MiniMaxM2Args)
 
-
-def from_options(options: dict[str, Any]) -> MiniMaxM2Args:
-    """Build ``MiniMaxM2Args`` from the ``model:`` passthrough keys.
-
-    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys override its
-    fields. Without a flavor the transformers defaults apply. ``num_experts`` is read as
-    ``num_local_experts``.
-
-    Raises:
-        ValueError: For an unknown key (named, with a suggestion), an unknown flavor, a key
-            given under both spellings, or an invalid value (named).
-    """
-    parsed = parse_options(
-        options,
-        label="MiniMax-M2",
-        known=OPTION_KEYS,
-        flavors=FLAVORS,
-        default=MiniMaxM2Args,
-        coerce=_by_field,
-        aliases=ALIASES,
-    )
-    return replace(parsed.base, **parsed.overrides)
+#: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``MiniMaxM2Args``.
+from_options = MiniMaxM2Args.from_options

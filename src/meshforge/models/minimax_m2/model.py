@@ -24,7 +24,6 @@ the family's plan) before normalising, which gives one process's numbers.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, cast
 
 import torch
@@ -32,11 +31,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.common.attention import Attention, sdpa_is_causal
+from meshforge.models.common.attention import Attention
 from meshforge.models.common.causal_lm import DecoderModel, MoECausalLM, build_causal_lm
 from meshforge.models.common.moe import GroupedExperts, RouterStats, TopKRouter, expert_counts, router_stats
 from meshforge.models.common.norms import RMSNorm
-from meshforge.models.common.rope import RotaryEmbedding, apply_rotary
+from meshforge.models.common.rope import RotaryEmbedding, apply_partial_rotary
 from meshforge.models.minimax_m2.args import MiniMaxM2Args
 
 
@@ -69,14 +68,6 @@ class WidthRMSNorm(RMSNorm):
         return (self.weight * h.to(x.dtype)).view_as(x)
 
 
-def _sdpa_context(flash: bool) -> contextlib.AbstractContextManager[None]:
-    if not flash:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
-
-
 class MiniMaxM2Attention(Attention):
     """Grouped-query attention with width q/k norms and partial RoPE (``MiniMaxM2Attention``).
 
@@ -101,12 +92,6 @@ class MiniMaxM2Attention(Attention):
         self.k_norm = WidthRMSNorm(args.num_key_value_heads * args.head_dim, args.rms_norm_eps)
         self.rotary_dim = args.attn_rotary_dim
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rotary_dim == self.head_dim:
-            return apply_rotary(x, cos, sin)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat([apply_rotary(rot, cos, sin), rest], dim=-1)
-
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | Any | None
     ) -> torch.Tensor:
@@ -116,33 +101,11 @@ class MiniMaxM2Attention(Attention):
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope
-        q = self._rotate(q, cos, sin).transpose(1, 2)
-        k = self._rotate(k, cos, sin).transpose(1, 2)
+        q = apply_partial_rotary(q, cos, sin, self.rotary_dim).transpose(1, 2)
+        k = apply_partial_rotary(k, cos, sin, self.rotary_dim).transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache(k, v)
-        if self.cp is not None:
-            if self.dropout and self.training:
-                raise ValueError(
-                    "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
-                )
-            out = self.cp(q, k, v, mask, scale=self.scaling)
-        else:
-            if self.flash and mask is not None and self.flash_strict:
-                raise ValueError(
-                    "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "
-                    "(segment_ids); set it to auto to use plain SDPA for packed batches"
-                )
-            with _sdpa_context(self.flash and mask is None):
-                out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=mask,
-                    dropout_p=self.dropout if self.training else 0.0,
-                    is_causal=sdpa_is_causal(mask, q, k),
-                    scale=self.scaling,
-                    enable_gqa=q.shape[1] != k.shape[1],
-                )
+        out = self._attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 

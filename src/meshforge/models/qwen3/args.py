@@ -10,18 +10,13 @@ system can check option keys without it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
 
 from meshforge.models.common import arg_rules as rules
-from meshforge.models.common.options import (
-    field_coercer,
-    parse_options,
-    require_positive,
-)
-from meshforge.models.common.options import (
-    unknown_option_message as _unknown_option_message,
-)
+from meshforge.models.common.family_args import FamilyArgs
+from meshforge.models.common.options import require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
 # Sizes that must be positive integers.
@@ -38,8 +33,11 @@ POSITIVE_FIELDS = (
 
 
 @dataclass(frozen=True)
-class Qwen3Args:
+class Qwen3Args(FamilyArgs):
     """Qwen3 decoder configuration (names and defaults of ``transformers.Qwen3Config``)."""
+
+    label: ClassVar[str] = "Qwen3"
+    label_unknown: ClassVar[bool] = True
 
     vocab_size: int = 151936
     hidden_size: int = 4096
@@ -103,8 +101,12 @@ class Qwen3Args:
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.theta}
         return out
 
+    @classmethod
+    def flavors(cls) -> Mapping[str, FamilyArgs]:
+        return FLAVORS
 
-OPTION_KEYS: frozenset[str] = frozenset(f.name for f in fields(Qwen3Args)) | {"flavor"}
+
+OPTION_KEYS: frozenset[str] = Qwen3Args.option_keys()
 
 FLAVORS: dict[str, Qwen3Args] = {
     # The demo model: a few million parameters, trains on 2 CPU cores in minutes.
@@ -136,41 +138,5 @@ FLAVORS: dict[str, Qwen3Args] = {
 }
 
 
-def unknown_option_message(key: str, known: frozenset[str] | set[str]) -> str:
-    """Reason text for an option key that is not declared, with a close match if any."""
-    return _unknown_option_message(key, known, "Qwen3")
-
-
-# How each option is read follows from its field's type in Qwen3Args.
-_coerce = field_coercer(Qwen3Args)
-
-
-def from_options(options: dict[str, Any]) -> Qwen3Args:
-    """Build ``Qwen3Args`` from the ``model:`` passthrough keys.
-
-    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys
-    override its fields. Without a flavor the transformers defaults apply.
-
-    Args:
-        options: Option mapping, e.g. ``{"flavor": "tiny", "num_hidden_layers": 2}``.
-
-    Returns:
-        The validated arguments.
-
-    Numbers may be given as strings (``"1e-6"``, as YAML 1.1 reads them); a bool is
-    never taken as a number.
-
-    Raises:
-        ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
-            or an invalid value (named).
-    """
-    parsed = parse_options(
-        options,
-        label="Qwen3",
-        known=OPTION_KEYS,
-        flavors=FLAVORS,
-        default=Qwen3Args,
-        coerce=_coerce,
-        unknown_reason=lambda key: unknown_option_message(key, OPTION_KEYS),
-    )
-    return replace(parsed.base, **parsed.overrides)
+#: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``Qwen3Args``.
+from_options = Qwen3Args.from_options

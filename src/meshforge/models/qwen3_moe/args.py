@@ -12,18 +12,27 @@ This module does not import torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
 
 from meshforge.models.common import arg_rules as rules
-from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
+from meshforge.models.common.family_args import FamilyArgs
+from meshforge.models.common.options import positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
 
 
+# ``num_local_experts`` is how config.json spells ``num_experts`` (transformers' attribute_map).
+ALIASES: dict[str, str] = {"num_local_experts": "num_experts"}
+
+
 @dataclass(frozen=True)
-class Qwen3MoeArgs:
+class Qwen3MoeArgs(FamilyArgs):
     """Qwen3-MoE decoder configuration (names and defaults of ``transformers.Qwen3MoeConfig``)."""
+
+    label: ClassVar[str] = "Qwen3-MoE"
+    aliases: ClassVar[Mapping[str, str]] = ALIASES
 
     vocab_size: int = 151936
     hidden_size: int = 2048
@@ -127,11 +136,12 @@ class Qwen3MoeArgs:
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.theta}
         return out
 
+    @classmethod
+    def flavors(cls) -> Mapping[str, FamilyArgs]:
+        return FLAVORS
 
-# ``num_local_experts`` is how config.json spells ``num_experts`` (transformers' attribute_map).
-ALIASES: dict[str, str] = {"num_local_experts": "num_experts"}
 
-OPTION_KEYS: frozenset[str] = frozenset(f.name for f in fields(Qwen3MoeArgs)) | {"flavor"} | set(ALIASES)
+OPTION_KEYS: frozenset[str] = Qwen3MoeArgs.option_keys()
 
 FLAVORS: dict[str, Qwen3MoeArgs] = {
     # The demo MoE: 8 experts, top-2, every layer sparse; trains on 2 CPU cores.
@@ -174,34 +184,6 @@ FLAVORS: dict[str, Qwen3MoeArgs] = {
     ),
 }
 
-# How an option is read follows from its field's type in Qwen3MoeArgs (ints, floats, bools, int lists).
-_by_field = field_coercer(Qwen3MoeArgs)
 
-
-def from_options(options: dict[str, Any]) -> Qwen3MoeArgs:
-    """Build ``Qwen3MoeArgs`` from the ``model:`` passthrough keys.
-
-    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys
-    override its fields. Without a flavor the transformers defaults apply.
-    ``num_local_experts`` is read as ``num_experts``.
-
-    Args:
-        options: Option mapping, e.g. ``{"flavor": "tiny", "num_experts": 16}``.
-
-    Returns:
-        The validated arguments.
-
-    Raises:
-        ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
-            a key given under both spellings, or an invalid value (named).
-    """
-    parsed = parse_options(
-        options,
-        label="Qwen3-MoE",
-        known=OPTION_KEYS,
-        flavors=FLAVORS,
-        default=Qwen3MoeArgs,
-        coerce=_by_field,
-        aliases=ALIASES,
-    )
-    return replace(parsed.base, **parsed.overrides)
+#: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``Qwen3MoeArgs``.
+from_options = Qwen3MoeArgs.from_options

@@ -12,11 +12,13 @@ This module does not import torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
-from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
+from meshforge.models.common.family_args import FamilyArgs
+from meshforge.models.common.options import ParsedOptions, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
@@ -24,9 +26,17 @@ DEFAULT_FULL_ATTENTION_INTERVAL = 4
 LAYER_TYPES: tuple[str, ...] = ("linear_attention", "full_attention")
 
 
+# Keys of published config.json files that carry no information for this model when they hold
+# the value given here (anything else is refused by name in `from_options`).
+_NEUTRAL_KEYS: dict[str, Any] = {"rope_scaling": None, "use_sliding_window": False}
+
+
 @dataclass(frozen=True)
-class Qwen3NextArgs:
+class Qwen3NextArgs(FamilyArgs):
     """Qwen3-Next decoder configuration (names and defaults of ``transformers.Qwen3NextConfig``)."""
+
+    label: ClassVar[str] = "Qwen3-Next"
+    extra_option_keys: ClassVar[frozenset[str]] = frozenset({"sliding_window", *_NEUTRAL_KEYS})
 
     vocab_size: int = 151936
     hidden_size: int = 2048
@@ -189,14 +199,34 @@ class Qwen3NextArgs:
         }
         return out
 
+    @classmethod
+    def flavors(cls) -> Mapping[str, FamilyArgs]:
+        return FLAVORS
 
-# Keys of published config.json files that carry no information for this model when they hold
-# the value given here (anything else is refused by name in `from_options`).
-_NEUTRAL_KEYS: dict[str, Any] = {"rope_scaling": None, "use_sliding_window": False}
+    @classmethod
+    def prepare_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """``rope_scaling`` must be null and ``use_sliding_window`` false (Qwen3-Next has neither).
 
-OPTION_KEYS: frozenset[str] = (
-    frozenset(f.name for f in fields(Qwen3NextArgs)) | {"flavor", "sliding_window"} | set(_NEUTRAL_KEYS)
-)
+        ``sliding_window`` is then ignored, as transformers ignores it.
+        """
+        for key, neutral in _NEUTRAL_KEYS.items():
+            if key in options and options.pop(key) != neutral:
+                raise ValueError(f"{key}: not supported yet for qwen3_next (only {neutral!r})")
+        options.pop("sliding_window", None)
+        return options
+
+    @classmethod
+    def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
+        """A new layer count or interval re-derives the layer kinds unless they are given too."""
+        overrides = dict(parsed.overrides)
+        if "layer_types" not in overrides and {"num_hidden_layers", "full_attention_interval"} & set(
+            overrides
+        ):
+            overrides["layer_types"] = None
+        return replace(parsed.base, **overrides)
+
+
+OPTION_KEYS: frozenset[str] = Qwen3NextArgs.option_keys()
 
 FLAVORS: dict[str, Qwen3NextArgs] = {
     # The demo: 4 layers (3 Gated DeltaNet + 1 gated attention), 8 experts top-2 with a shared
@@ -251,43 +281,6 @@ FLAVORS: dict[str, Qwen3NextArgs] = {
     ),
 }
 
-# How an option is read follows from its field's type in Qwen3NextArgs (ints, floats, bools, int lists).
-_by_field = field_coercer(Qwen3NextArgs)
 
-
-def from_options(options: dict[str, Any]) -> Qwen3NextArgs:
-    """Build ``Qwen3NextArgs`` from the ``model:`` passthrough keys.
-
-    ``flavor`` (``tiny``, ``debug``) picks a named starting point; the other keys
-    override its fields. Without a flavor the transformers defaults apply.
-    ``rope_scaling`` must be null and ``use_sliding_window`` false (Qwen3-Next has
-    neither); ``sliding_window`` is then ignored, as transformers ignores it.
-
-    Args:
-        options: Option mapping, e.g. ``{"flavor": "tiny", "num_experts": 16}``.
-
-    Returns:
-        The validated arguments.
-
-    Raises:
-        ValueError: For an unknown key (named, with a suggestion), an unknown flavor,
-            or an invalid value (named).
-    """
-    options = dict(options)
-    for key, neutral in _NEUTRAL_KEYS.items():
-        if key in options and options.pop(key) != neutral:
-            raise ValueError(f"{key}: not supported yet for qwen3_next (only {neutral!r})")
-    options.pop("sliding_window", None)
-    parsed = parse_options(
-        options,
-        label="Qwen3-Next",
-        known=OPTION_KEYS,
-        flavors=FLAVORS,
-        default=Qwen3NextArgs,
-        coerce=_by_field,
-    )
-    overrides = dict(parsed.overrides)
-    # A new layer count or interval re-derives the layer kinds unless they are given too.
-    if "layer_types" not in overrides and {"num_hidden_layers", "full_attention_interval"} & set(overrides):
-        overrides["layer_types"] = None
-    return replace(parsed.base, **overrides)
+#: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``Qwen3NextArgs``.
+from_options = Qwen3NextArgs.from_options

@@ -30,19 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.common.attention import (
-    Attention,
-    _sdpa_backend,
-    positions_from_segments,
-    sdpa_is_causal,
-    segment_causal_mask,
-)
+from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
 from meshforge.models.common.causal_lm import InitKind, InnerModel, MoECausalLM, build_causal_lm
 from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.mlp import GatedMLP
 from meshforge.models.common.moe import MoEBlock
 from meshforge.models.common.norms import RMSNorm
-from meshforge.models.common.rope import RotaryEmbedding, apply_rotary
+from meshforge.models.common.rope import RotaryEmbedding, apply_partial_rotary
 from meshforge.models.qwen3_next.args import Qwen3NextArgs
 from meshforge.models.qwen3_next.gdn import GatedDeltaNet
 
@@ -115,12 +109,6 @@ class GatedAttention(Attention):
         self.k_norm = ZeroCenteredRMSNorm(args.head_dim, args.rms_norm_eps)
         self.rotary_dim = args.rotary_dim
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rotary_dim == self.head_dim:
-            return apply_rotary(x, cos, sin)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat([apply_rotary(rot, cos, sin), rest], dim=-1)
-
     def forward(
         self,
         x: torch.Tensor,
@@ -139,40 +127,14 @@ class GatedAttention(Attention):
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         cos, sin = rope
-        q = self._rotate(q, cos, sin).transpose(1, 2)
-        k = self._rotate(k, cos, sin).transpose(1, 2)
+        q = apply_partial_rotary(q, cos, sin, self.rotary_dim).transpose(1, 2)
+        k = apply_partial_rotary(k, cos, sin, self.rotary_dim).transpose(1, 2)
         v = v.transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache(k, v)
-        if self.cp is not None:
-            # Context parallel (set by apply_cp): the plan's attention over the CPMask; the
-            # output gate is per token and head, applied locally as on one process.
-            if self.dropout and self.training:
-                raise ValueError(
-                    "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
-                )
-            out = self.cp(q, k, v, mask, scale=self.scaling)
-            out = out.transpose(1, 2).reshape(batch, seq_len, -1)
-            return self.o_proj(out * torch.sigmoid(gate))
-        if self.flash and mask is not None and self.flash_strict:
-            raise ValueError(
-                "kernels.use_flash_attn: flash attention takes no mask, and this batch packs documents "
-                "(segment_ids); set it to auto to use plain SDPA for packed batches"
-            )
-        with _sdpa_backend(self.flash and mask is None):
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=self.dropout if self.training else 0.0,
-                # A cached decode step (one query, every earlier key allowed) has no mask and must
-                # not be causal-aligned to the first key.
-                is_causal=sdpa_is_causal(mask, q, k),
-                scale=self.scaling,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )
-        out = out.transpose(1, 2).reshape(batch, seq_len, -1)
+        # Under context parallelism the plan's attention over the CPMask; the output gate is per
+        # token and head, applied locally as on one process.
+        out = self._attend(q, k, v, mask).transpose(1, 2).reshape(batch, seq_len, -1)
         return self.o_proj(out * torch.sigmoid(gate))
 
 

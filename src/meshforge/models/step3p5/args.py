@@ -24,11 +24,13 @@ not import torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
-from meshforge.models.common.options import field_coercer, parse_options, positive_int, require_positive
+from meshforge.models.common.family_args import FamilyArgs
+from meshforge.models.common.options import ParsedOptions, positive_int, require_positive
 
 LAYER_KINDS = ("full_attention", "sliding_attention")
 # config.json keys with the only value the published modelling code implements.
@@ -40,9 +42,16 @@ FIXED_KEYS: dict[str, Any] = {
 }
 
 
+ALIASES: dict[str, str] = {"share_expert_dims": "share_expert_dim"}
+
+
 @dataclass(frozen=True)
-class Step3p5Args:
+class Step3p5Args(FamilyArgs):
     """Step-3.5 decoder configuration (names and defaults of the published ``Step3p5Config``)."""
+
+    label: ClassVar[str] = "Step-3.5"
+    aliases: ClassVar[Mapping[str, str]] = ALIASES
+    extra_option_keys: ClassVar[frozenset[str]] = frozenset(FIXED_KEYS)
 
     vocab_size: int = 128815
     hidden_size: int = 4096
@@ -257,11 +266,28 @@ class Step3p5Args:
         """The published ``config.json`` fields of these args."""
         return {**asdict(self), **FIXED_KEYS}
 
+    @classmethod
+    def flavors(cls) -> Mapping[str, FamilyArgs]:
+        return FLAVORS
 
-OPTION_KEYS: frozenset[str] = (
-    frozenset(f.name for f in fields(Step3p5Args)) | {"flavor", "share_expert_dims"} | set(FIXED_KEYS)
-)
-ALIASES: dict[str, str] = {"share_expert_dims": "share_expert_dim"}
+    @classmethod
+    def coerce_option(cls, key: str, value: Any) -> Any:
+        if key in FIXED_KEYS:
+            if value != FIXED_KEYS[key]:
+                raise ValueError(
+                    f"{key}: not supported yet: {value!r} (the published Step-3.5 uses {FIXED_KEYS[key]!r})"
+                )
+            return value
+        return super().coerce_option(key, value)
+
+    @classmethod
+    def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
+        """The ``FIXED_KEYS`` (checked by the coercion) are no fields: they are dropped here."""
+        overrides = {k: v for k, v in parsed.overrides.items() if k not in FIXED_KEYS}
+        return replace(parsed.base, **overrides)
+
+
+OPTION_KEYS: frozenset[str] = Step3p5Args.option_keys()
 
 _TINY_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"]
 
@@ -303,34 +329,6 @@ FLAVORS: dict[str, Step3p5Args] = {
     ),
 }
 
-_by_field = field_coercer(Step3p5Args)
 
-
-def _coerce(key: str, value: Any) -> Any:
-    if key in FIXED_KEYS:
-        if value != FIXED_KEYS[key]:
-            raise ValueError(
-                f"{key}: not supported yet: {value!r} (the published Step-3.5 uses {FIXED_KEYS[key]!r})"
-            )
-        return value
-    return _by_field(key, value)
-
-
-def from_options(options: dict[str, Any]) -> Step3p5Args:
-    """Build ``Step3p5Args`` from the ``model:`` passthrough keys (``flavor: tiny`` or the fields).
-
-    Raises:
-        ValueError: For an unknown key (named, with a suggestion), an unknown flavor, or an
-            invalid or unsupported value (named).
-    """
-    parsed = parse_options(
-        options,
-        label="Step-3.5",
-        known=OPTION_KEYS,
-        flavors=FLAVORS,
-        default=Step3p5Args,
-        coerce=_coerce,
-        aliases=ALIASES,
-    )
-    overrides = {k: v for k, v in parsed.overrides.items() if k not in FIXED_KEYS}
-    return replace(parsed.base, **overrides)
+#: What ``spec.py`` calls: :meth:`FamilyArgs.from_options` of ``Step3p5Args``.
+from_options = Step3p5Args.from_options

@@ -45,7 +45,7 @@ from meshforge.models.common.moe import (
     skip_empty,
 )
 from meshforge.models.common.norms import RMSNorm
-from meshforge.models.common.rope import RotaryEmbedding, apply_rotary
+from meshforge.models.common.rope import RotaryEmbedding, apply_partial_rotary
 from meshforge.models.common.sink_attention import causal_mask, sliding_window_mask
 from meshforge.models.step3p5.args import Step3p5Args
 from meshforge.utils.distributed import local_tensor
@@ -201,12 +201,6 @@ class Step3p5Attention(Attention):
             self.rotary_dim, args.layer_theta(layer), rope_parameters=_rope_parameters(args, layer)
         )
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rotary_dim == self.head_dim:
-            return apply_rotary(x, cos, sin)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat([apply_rotary(rot, cos, sin), rest], dim=-1)
-
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor
     ) -> torch.Tensor:
@@ -216,8 +210,8 @@ class Step3p5Attention(Attention):
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = self.rotary_emb(positions, seq_len=seq_len, device=x.device, dtype=x.dtype)
-        q = self._rotate(q, cos, sin).transpose(1, 2)
-        k = self._rotate(k, cos, sin).transpose(1, 2)
+        q = apply_partial_rotary(q, cos, sin, self.rotary_dim).transpose(1, 2)
+        k = apply_partial_rotary(k, cos, sin, self.rotary_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=q.shape[1] != k.shape[1]
         ).transpose(1, 2)
