@@ -44,8 +44,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshforge.checkpoint.dequant import quantized_view
 from meshforge.checkpoint.readers import open_safetensors, read_json_object
+from meshforge.models.common.dequant import quantized_view
 from meshforge.models.generic_hf import bind_generic, persistent_buffers, state_tensors
 
 if TYPE_CHECKING:

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from meshforge.models.common.family_args import FamilyArgs
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -28,19 +30,6 @@ if TYPE_CHECKING:
 
 #: ``model_type`` of the generic transformers path (any ``AutoModelForCausalLM`` from a folder).
 GENERIC = "generic"
-
-
-class FamilyArgs(Protocol):
-    """What every family's args dataclass offers (``models/<family>/args.py``)."""
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the embedding table."""
-        ...
-
-    def to_hf_dict(self) -> dict[str, object]:
-        """The transformers ``config.json`` fields of these args."""
-        ...
 
 
 class HFStateDictAdapter(Protocol):
