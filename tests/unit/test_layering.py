@@ -337,6 +337,13 @@ def test_config_and_utils_import_only_section_models() -> None:
     assert not problems, "config/utils import a component:\n" + "\n".join(problems)
 
 
+def test_section_leaves_import_nothing_of_their_package() -> None:
+    """`data/config.py` is validated by its registry's parser, handed over on import (no arrow)."""
+    leaf = f"{PACKAGE}.data.config"
+    inside = sorted(t for t in internal_graph(typed=True)[leaf] if package_of(t) == "data")
+    assert not inside, f"{leaf} imports " + ", ".join(inside)
+
+
 def test_config_stays_light() -> None:
     problems = [
         f"{module} -> {name}"
