@@ -33,6 +33,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from _harness import emit, rss_mb  # noqa: E402
+
 SHAPE = dict(
     vocab_size=32_000,
     hidden_size=512,
@@ -55,14 +57,6 @@ CASES: dict[str, dict] = {
     "hf": {},
     "hf_gc": {},
 }
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 def _args(seq: int):
@@ -142,7 +136,7 @@ def _child(case: str, seq: int, batch: int, steps: int, weights: str) -> dict:
             return chunked_cross_entropy_sum(hidden, head.weight, labels, chunk_size=CHUNK)
         return cross_entropy_sum(model(inputs), labels)
 
-    before = _rss_mb()
+    before = rss_mb()
     ledger = SavedTensorLedger()
     ledger.exclude(model.parameters())
     losses = [step(ledger)]
@@ -155,7 +149,7 @@ def _child(case: str, seq: int, batch: int, steps: int, weights: str) -> dict:
         "saved_mb": ledger.device_bytes / 2**20,
         "host_mb": ledger.host_bytes / 2**20,
         "step_s": statistics.median(times),
-        "peak_mb": _rss_mb(),
+        "peak_mb": rss_mb(),
         "before_mb": before,
         "losses": losses,
     }
@@ -208,10 +202,10 @@ def main() -> None:
     if args.child is not None:
         if args.child[0] == "save":
             torch.save(_build_hf(int(args.child[2])).state_dict(), args.child[1])
-            print(json.dumps({}))
+            emit({})
             return
         case, seq, batch, steps, weights = args.child
-        print(json.dumps(_child(case, int(seq), int(batch), int(steps), weights)))
+        emit(_child(case, int(seq), int(batch), int(steps), weights))
         return
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -226,25 +220,23 @@ def main() -> None:
                 row["predicted_saved_mb"] = round(predicted, 1)
                 row["predicted_over_measured"] = round(predicted / child["saved_mb"], 3)
             results[case] = child
-            print(json.dumps(row), flush=True)
+            emit(row)
     none, full, hf_gc, hf = (results.get(k, {}) for k in ("none", "full", "hf_gc", "hf"))
-    print(
-        json.dumps(
-            {
-                "ratios": True,
-                "full_vs_none_saved": _ratio(full, none, "saved_mb"),
-                "full_vs_none_step": _ratio(full, none, "step_s"),
-                **{
-                    f"{name}_vs_none_saved": _ratio(results.get(name, {}), none, "saved_mb")
-                    for name in ("select_attention", "select_mlp", "swap")
-                },
-                "swap_vs_none_step": _ratio(results.get("swap", {}), none, "step_s"),
-                "none_vs_hf_step": _ratio(none, hf, "step_s"),
-                "full_vs_hf_gc_peak": _ratio(full, hf_gc, "peak_mb"),
-                "full_vs_hf_gc_step": _ratio(full, hf_gc, "step_s"),
-                "hf_gc_vs_hf_saved": _ratio(hf_gc, hf, "saved_mb"),
-            }
-        )
+    emit(
+        {
+            "ratios": True,
+            "full_vs_none_saved": _ratio(full, none, "saved_mb"),
+            "full_vs_none_step": _ratio(full, none, "step_s"),
+            **{
+                f"{name}_vs_none_saved": _ratio(results.get(name, {}), none, "saved_mb")
+                for name in ("select_attention", "select_mlp", "swap")
+            },
+            "swap_vs_none_step": _ratio(results.get("swap", {}), none, "step_s"),
+            "none_vs_hf_step": _ratio(none, hf, "step_s"),
+            "full_vs_hf_gc_peak": _ratio(full, hf_gc, "peak_mb"),
+            "full_vs_hf_gc_step": _ratio(full, hf_gc, "step_s"),
+            "hf_gc_vs_hf_saved": _ratio(hf_gc, hf, "saved_mb"),
+        }
     )
 
 

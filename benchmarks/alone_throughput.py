@@ -6,11 +6,10 @@ the figures (the same loop, batch and AdamW as the paired runs there).
 
 from __future__ import annotations
 
-import datetime as _dt
 from typing import Any
 
 import torch
-from step_throughput import Runner, _median, _mm_rate, shape_batch
+from _harness import Runner, median_high, mm_rate, shape_batch, utc_now
 
 from meshforge.models.step3p5.args import FLAVORS as STEP3P5_FLAVORS
 from meshforge.models.step3p5.model import build_step3p5
@@ -37,9 +36,9 @@ def run_alone(
     peak_samples = [peak]
     for _ in range(repeats):
         runner.timed_block(1)
-        peak_samples.append(_mm_rate(mm_a, mm_b))
+        peak_samples.append(mm_rate(mm_a, mm_b))
     flops = model.flops_per_token(spec["seq"]) * batch["input_ids"].numel()
-    median_gflops = flops / _median(runner.block_seconds) / 1e9
+    median_gflops = flops / median_high(runner.block_seconds) / 1e9
     return {
         "family": family_name,
         "shape": name,
@@ -49,8 +48,8 @@ def run_alone(
         "active_params": model.num_params(active=True),
         "tokens_per_s": {"meshforge": round(runner.tokens_per_s, 1)},
         "gflops_median_step": round(median_gflops, 2),
-        "share_of_peak": round(median_gflops / _median(peak_samples), 3),
-        "mm_peak_gflops_median": round(_median(peak_samples), 1),
+        "share_of_peak": round(median_gflops / median_high(peak_samples), 3),
+        "mm_peak_gflops_median": round(median_high(peak_samples), 1),
         "last_loss": round(runner.losses[-1], 5),
-        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
     }

@@ -24,22 +24,18 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "src"))
+import torch
+import torch.distributed as dist
+from _harness import emit
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from meshforge.checkpoint.manager import CheckpointManager  # noqa: E402
-from meshforge.models.registry import build_model  # noqa: E402
+from meshforge.checkpoint.manager import CheckpointManager
+from meshforge.models.registry import build_model
 
 
 def _model(layers: int) -> torch.nn.Module:
@@ -143,25 +139,23 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
         dist.destroy_process_group()
     sync_s, async_s = statistics.median(times["sync"]), statistics.median(times["async"])
-    print(
-        json.dumps(
-            {
-                "benchmark": "checkpoint_save",
-                "params": params,
-                "checkpoint_mb": round(sizes_mb[-1], 1),
-                "repeats": args.repeats,
-                "sync_blocking_s": round(sync_s, 3),
-                "async_blocking_s": round(async_s, 3),
-                "async_total_s": round(statistics.median(times["async_total"]), 3),
-                "async_copy_only_s": round(statistics.median(times["copy_only"]), 3),
-                "first_async_copy_s": round(times["first_copy"][0], 3),
-                "step_s": round(statistics.median(times["step"]), 3),
-                "seq": args.seq,
-                "ratio": round(async_s / sync_s, 3),
-                "copy_only_ratio": round(statistics.median(times["copy_only"]) / sync_s, 3),
-                "target": 0.1,
-            }
-        )
+    emit(
+        {
+            "benchmark": "checkpoint_save",
+            "params": params,
+            "checkpoint_mb": round(sizes_mb[-1], 1),
+            "repeats": args.repeats,
+            "sync_blocking_s": round(sync_s, 3),
+            "async_blocking_s": round(async_s, 3),
+            "async_total_s": round(statistics.median(times["async_total"]), 3),
+            "async_copy_only_s": round(statistics.median(times["copy_only"]), 3),
+            "first_async_copy_s": round(times["first_copy"][0], 3),
+            "step_s": round(statistics.median(times["step"]), 3),
+            "seq": args.seq,
+            "ratio": round(async_s / sync_s, 3),
+            "copy_only_ratio": round(statistics.median(times["copy_only"]) / sync_s, 3),
+            "target": 0.1,
+        }
     )
 
 

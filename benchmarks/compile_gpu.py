@@ -27,21 +27,16 @@ last losses, and the ratios against transformers eager (compiled also against co
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from step_throughput import FAMILIES, cpu_name  # noqa: E402
-from step_variants import VARIANTS, Runner  # noqa: E402
+from _harness import Runner, cpu_name, emit, families, utc_now  # noqa: E402
+from step_variants import VARIANTS  # noqa: E402
 
 from meshforge.models.qwen3.args import Qwen3Args  # noqa: E402
 
@@ -136,7 +131,7 @@ def run_variant(
         config._attn_implementation = "sdpa"
         model = transformers.Qwen3ForCausalLM(config)
     else:
-        model = FAMILIES["qwen3"].model_cls(args)
+        model = families()["qwen3"].model_cls(args)
     model.load_state_dict(state, strict=True)
     model = model.to(device=device, dtype=torch.bfloat16).train()
     if device.type == "cuda":
@@ -245,9 +240,9 @@ def main(argv: list[str] | None = None) -> None:
         "variants": results,
         "ratios": ratios,
         "torch": torch.__version__,
-        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
     }
-    print(json.dumps(out), flush=True)
+    emit(out)
 
 
 if __name__ == "__main__":

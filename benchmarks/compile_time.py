@@ -27,10 +27,10 @@ CHILD_TIMEOUT_S = 900
 
 def child_main(variant: str, family_name: str, shape: str, adamw: str) -> None:
     """In a fresh process: build ``variant``'s model, time its first steps, print one JSON line."""
-    from step_throughput import FAMILIES, build_hf, shape_args, shape_batch
-    from step_variants import VARIANTS, Runner
+    from _harness import Runner, build_hf, emit, families, shape_args, shape_batch
+    from step_variants import VARIANTS
 
-    family = FAMILIES[family_name]
+    family = families()[family_name]
     spec = family.shapes[shape]
     args = shape_args(family, spec)
     is_hf, make = VARIANTS[variant]
@@ -42,7 +42,7 @@ def child_main(variant: str, family_name: str, shape: str, adamw: str) -> None:
         runner.step()
         seconds.append(time.perf_counter() - t0)
     steady = sorted(seconds[1:])[len(seconds[1:]) // 2]
-    print(json.dumps({"first_step_s": round(seconds[0], 2), "steady_step_s": round(steady, 3)}))
+    emit({"first_step_s": round(seconds[0], 2), "steady_step_s": round(steady, 3)})
 
 
 def _child(variant: str, family: str, shape: str, adamw: str, threads: int, cache: Path) -> dict:

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _harness import REPO, emit, write_corpus
 
 CONFIG = """
 training:
@@ -90,18 +90,6 @@ SHAPES = {
 }
 
 
-def _corpus(path: Path, docs: int) -> Path:
-    words = (
-        "the model reads a file and returns the value of each key in order while the loader keeps "
-        "its position so that a resumed run sees exactly the same samples as before"
-    ).split()
-    with path.open("w") as f:
-        for i in range(docs):
-            text = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(200 + i % 300))
-            f.write(json.dumps({"text": f"Document {i}: {text}."}) + "\n")
-    return path
-
-
 def _run(recipe: str, config: Path, out: Path) -> dict[str, object]:
     cmd = [
         sys.executable,
@@ -146,7 +134,9 @@ def main() -> None:
     steps = 3 if args.cpu_smoke else args.steps
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        data = _corpus(root / "corpus.jsonl", 400 if args.cpu_smoke else 20_000)
+        data = write_corpus(
+            root / "corpus.jsonl", 400 if args.cpu_smoke else 20_000, min_words=200, spread=300
+        )
         config = root / "float8.yaml"
         compile_ = "false" if args.no_compile or args.cpu_smoke else "true"
         config.write_text(CONFIG.format(steps=steps, data=data, compile=compile_, **shape))
@@ -162,7 +152,7 @@ def main() -> None:
             )
             if isinstance(ref_speed, float):
                 result["speedup_vs_bf16"] = float(result["tokens_per_s"]) / ref_speed  # type: ignore[arg-type]
-        print(json.dumps(result), flush=True)
+        emit(result)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,11 @@ full per-head keys/values (``--mla-cache full`` times the latter).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+from _harness import emit
 
 SHAPES = {
     "small": {
@@ -241,7 +241,7 @@ def main() -> None:
     device = torch.device(args.device)
     ours, theirs = build_pair(args.shape, device, getattr(torch, args.dtype), args.family)
     for batch in args.batches:
-        print(json.dumps(bench(args, batch, ours, theirs, device)), flush=True)
+        emit(bench(args, batch, ours, theirs, device))
 
 
 if __name__ == "__main__":

@@ -25,18 +25,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from step_throughput import FAMILIES, Runner, _median, make_pair, shape_args, shape_batch  # noqa: E402
+from _harness import Runner, cpu_name, emit, families, make_pair, median_high, shape_args, shape_batch  # noqa: E402
 
 from meshforge.lora.apply import LoraSettings, apply_lora  # noqa: E402
 from meshforge.memory.ledger import SavedTensorLedger  # noqa: E402
@@ -47,21 +43,11 @@ TARGETS = {
 }
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def build_runners(shape: str, target: str, rank: int) -> dict[str, Runner]:
     """The three runners on identical base weights (ours loads transformers' state dict)."""
     import peft
 
-    family = FAMILIES["qwen3"]
+    family = families()["qwen3"]
     spec = family.shapes[shape]
     args = shape_args(family, spec)
     batch = shape_batch(spec, args.vocab_size)
@@ -145,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {
         "benchmark": "lora_step",
         "date": _dt.date.today().isoformat(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_name(),
         "threads": opts.threads,
         "shape": opts.shape,
         "target": opts.target,
@@ -153,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         "tokens_per_s": {name: round(r.tokens_per_s, 1) for name, r in runners.items()},
         "lora_over_peft_tokens_per_s": round(runners["lora"].tokens_per_s / runners["peft"].tokens_per_s, 3),
         "lora_over_peft_median_of_pairs": round(
-            _median([p / o for o, p in zip(times["lora"], times["peft"], strict=True)]), 3
+            median_high([p / o for o, p in zip(times["lora"], times["peft"], strict=True)]), 3
         ),
         "lora_over_full_tokens_per_s": round(runners["lora"].tokens_per_s / runners["full"].tokens_per_s, 3),
         "memory_bytes": memory,
@@ -165,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         "losses_first_step": {name: round(r.losses[0], 5) for name, r in runners.items()},
     }
-    print(json.dumps(result))
+    emit(result)
 
 
 if __name__ == "__main__":

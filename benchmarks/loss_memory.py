@@ -39,6 +39,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from _harness import emit, rss_mb  # noqa: E402
+
 VOCAB = 151_936
 STEP_SHAPE = dict(
     vocab_size=VOCAB,
@@ -51,20 +53,6 @@ STEP_SHAPE = dict(
     tie_word_embeddings=True,  # as the small Qwen3 models (0.6B, 1.7B); --untied for a separate head
 )
 SEQ, BATCH = 512, 4
-
-
-def _rss_mb() -> float:
-    """Peak resident set of this process in MB (``VmHWM``; ``ru_maxrss`` elsewhere)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _loss_child(mode: str, chunk: int, tokens: int, hidden: int) -> dict:
@@ -80,7 +68,7 @@ def _loss_child(mode: str, chunk: int, tokens: int, hidden: int) -> dict:
     labels = torch.randint(0, VOCAB, (tokens,), generator=gen)
     if mode == "fused" or mode.endswith("_compiled"):
         return _lm_loss_child(mode, chunk, h, w, labels, tokens)
-    before = _rss_mb()
+    before = rss_mb()
     start = time.perf_counter()
     if mode == "plain":
         loss = cross_entropy_sum(h @ w.t(), labels)
@@ -112,7 +100,7 @@ def _lm_loss_child(mode: str, chunk: int, h, w, labels, tokens: int) -> dict:
         h.grad = w.grad = None
         return float(loss.item()) / tokens
 
-    before = _rss_mb()
+    before = rss_mb()
     if backend is None:
         start = time.perf_counter()
         value = once()
@@ -174,7 +162,7 @@ def _step_child(mode: str, chunk: int, tied: bool, weights: str) -> dict:
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
     inputs, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    before = _rss_mb()
+    before = rss_mb()
     losses, start = [], time.perf_counter()
     for _ in range(2):
         if mode == "transformers":
@@ -280,12 +268,12 @@ def main(argv: list[str] | None = None) -> None:
             result = _loss_child(mode, int(rest[0]), int(rest[1]), int(rest[2]))
         else:
             result = _step_child(mode, int(rest[0]), bool(int(rest[1])), rest[2])
-        print(json.dumps({**result, "peak_mb": _rss_mb()}))
+        emit({**result, "peak_mb": rss_mb()})
         return
     if ns.part in ("loss", "all"):
-        print(json.dumps(bench_loss(ns.chunk, ns.threads)), flush=True)
+        emit(bench_loss(ns.chunk, ns.threads))
     if ns.part in ("step", "all"):
-        print(json.dumps(bench_step(ns.chunk, ns.threads, tied=not ns.untied)), flush=True)
+        emit(bench_step(ns.chunk, ns.threads, tied=not ns.untied))
 
 
 if __name__ == "__main__":

@@ -12,10 +12,8 @@ repeat); their losses agree (``last_loss``), which checks that they do the same 
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
-
 import torch
+from _harness import Runner, emit, median_high, utc_now
 
 from meshforge.models.mamba3.args import Mamba3Args
 from meshforge.models.mamba3.model import build_mamba3
@@ -32,8 +30,6 @@ SHAPES = {
 
 
 def run_shape(name: str, spec: dict, *, warmup: int, steps: int, repeats: int, adamw: str) -> dict:
-    from step_throughput import Runner, _median
-
     args: Mamba3Args = spec["args"]
     torch.manual_seed(0)
     chunked = build_mamba3(args, device="cpu").train()
@@ -73,12 +69,12 @@ def run_shape(name: str, spec: dict, *, warmup: int, steps: int, repeats: int, a
         "ratio_median_of_pairs": round(pair_ratios[len(pair_ratios) // 2], 3),
         "ratio_cpu_time": round(theirs.cpu_seconds / mine.cpu_seconds, 3),
         "gflops": {r.name: round(flops * r.tokens_per_s / 1e9, 2) for r in runners},
-        "ms_per_step_median": {r.name: round(1e3 * _median(r.block_seconds) / steps, 1) for r in runners},
+        "ms_per_step_median": {r.name: round(1e3 * median_high(r.block_seconds) / steps, 1) for r in runners},
         "last_loss": {r.name: round(r.losses[-1], 5) for r in runners},
         "adamw": adamw,
         "timed_steps_each": steps * repeats,
         "threads": torch.get_num_threads(),
-        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
     }
 
 
@@ -96,7 +92,7 @@ def main(
             repeats=repeats if repeats is not None else (2 if quick else 6),
             adamw=adamw,
         )
-        print(json.dumps(result), flush=True)
+        emit(result)
 
 
 __all__ = ["SHAPES", "main", "run_shape"]

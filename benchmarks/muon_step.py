@@ -19,27 +19,23 @@ ranks together (gather + scatter; for an all-gather, each rank's piece to every 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _harness import emit
+from torch import Tensor
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from torch import Tensor  # noqa: E402
-
-from meshforge.models.qwen3.args import Qwen3Args  # noqa: E402
-from meshforge.models.qwen3.model import Qwen3ForCausalLM  # noqa: E402
-from meshforge.optim.build import build_optimizer  # noqa: E402
-from meshforge.optim.muon import MeshMuon  # noqa: E402
-from meshforge.optim.muon_dist import MatrixOrthogonalizer  # noqa: E402
+from meshforge.models.qwen3.args import Qwen3Args
+from meshforge.models.qwen3.model import Qwen3ForCausalLM
+from meshforge.optim.build import build_optimizer
+from meshforge.optim.muon import MeshMuon
+from meshforge.optim.muon_dist import MatrixOrthogonalizer
 
 ARGS = Qwen3Args(
     vocab_size=8192,
@@ -215,9 +211,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     if args.part in ("single", "all"):
-        print(json.dumps(single(args.steps)), flush=True)
+        emit(single(args.steps))
     if args.part in ("dp", "all"):
-        print(json.dumps(dp(args.world, args.steps)), flush=True)
+        emit(dp(args.world, args.steps))
 
 
 if __name__ == "__main__":

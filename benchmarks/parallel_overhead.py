@@ -28,8 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from _harness import emit, write_corpus
 
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "1": (1, []),
@@ -128,8 +127,6 @@ def main() -> None:
     parser.add_argument("--moe", action="store_true", help="qwen3_moe with 8 experts (for ep2, ep2_dedup)")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token with --moe")
     args = parser.parse_args()
-    from tests.conftest import write_corpus
-
     cores = os.cpu_count() or 2
     steps, warmup = (5, 2) if args.quick else (args.steps, args.warmup)
     hidden, seq = (64, 64) if args.quick else (256, 256)
@@ -159,7 +156,7 @@ def main() -> None:
             )
             result = run_layout(name, config, work, cores, global_batch)
             if "error" in result:
-                print(json.dumps(result), flush=True)
+                emit(result)
                 continue
             row = summarise(result, warmup, nproc)
             if reference is None and name == "1":
@@ -170,7 +167,7 @@ def main() -> None:
                     / (reference["step_s"] / reference["tokens_per_step"]),
                     3,
                 )
-            print(json.dumps(row), flush=True)
+            emit(row)
 
 
 if __name__ == "__main__":

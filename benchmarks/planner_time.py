@@ -16,9 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from _harness import REPO
+
 from meshforge.cli.main import main
 
-REPO = Path(__file__).resolve().parents[1]
 CASES = {
     "qwen3_8b_pretrain_fsdp8.yaml": (8, "qwen3_8b"),
     "qwen3_30b_a3b_sft_ep8.yaml": (8, "qwen3_30b_a3b"),

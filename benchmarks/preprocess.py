@@ -37,6 +37,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from _harness import emit
 
 from meshforge.data.megatron.gpt_dataset import GPTDataset, GPTDatasetConfig, build_indices
 from meshforge.data.megatron.indexed import IndexedDataset, IndexedDatasetWriter
@@ -47,10 +48,6 @@ from meshforge.utils.resources import resolve_path
 TOKENIZER = "meshforge://assets/tokenizer"
 SEQ = 1024
 CASES = ("preprocess", "index_build", "reads", "loader")
-
-
-def emit(**fields) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def bench_preprocess(tmp: Path, repeat: int, workers: int) -> None:
@@ -72,16 +69,18 @@ def bench_preprocess(tmp: Path, repeat: int, workers: int) -> None:
         summary = preprocess(options, out=io.StringIO())
         ours = time.perf_counter() - start
         emit(
-            case="preprocess",
-            workers=n,
-            megabytes=round(mb, 2),
-            documents=summary.documents,
-            raw_encode_s=round(raw, 3),
-            preprocess_s=round(ours, 3),
-            preprocess_mb_per_s=round(mb / ours, 2),
-            docs_per_s=round(summary.documents / ours),
-            ratio=round(raw / ours, 3),
-            target=">= 0.8",
+            dict(
+                case="preprocess",
+                workers=n,
+                megabytes=round(mb, 2),
+                documents=summary.documents,
+                raw_encode_s=round(raw, 3),
+                preprocess_s=round(ours, 3),
+                preprocess_mb_per_s=round(mb / ours, 2),
+                docs_per_s=round(summary.documents / ours),
+                ratio=round(raw / ours, 3),
+                target=">= 0.8",
+            )
         )
 
 
@@ -121,14 +120,16 @@ def bench_index_build(sizes_m: list[int]) -> None:
         equal = all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
         o, t = statistics.median(ours_t), statistics.median(theirs_t)
         emit(
-            case="index_build",
-            tokens=int(sizes.sum()),
-            samples=num_samples,
-            ours_s=round(o, 4),
-            megatron_core_s=round(t, 4),
-            time_ratio=round(o / t, 2),
-            identical=equal,
-            target="<= 1.5 at 100M tokens",
+            dict(
+                case="index_build",
+                tokens=int(sizes.sum()),
+                samples=num_samples,
+                ours_s=round(o, 4),
+                megatron_core_s=round(t, 4),
+                time_ratio=round(o / t, 2),
+                identical=equal,
+                target="<= 1.5 at 100M tokens",
+            )
         )
 
 
@@ -194,16 +195,18 @@ def bench_loader(tmp: Path, batches: tuple[int, ...] = (8, 16), steps: int = 200
                 next(loader)
                 resume_ms = (time.perf_counter() - t0) * 1e3
                 emit(
-                    case="loader",
-                    batch=f"{lbs} x {SEQ}",
-                    shuffle=shuffle,
-                    segment_ids=separate,
-                    batches_per_s=round(1 / per_batch, 1),
-                    samples_per_s=round(lbs / per_batch),
-                    tokens_per_s=round(lbs * SEQ / per_batch),
-                    get_batch_samples_per_s=round(lbs / statistics.median(direct_t)),
-                    overhead=round(overhead, 3),
-                    resume_ms=round(resume_ms, 2),
+                    dict(
+                        case="loader",
+                        batch=f"{lbs} x {SEQ}",
+                        shuffle=shuffle,
+                        segment_ids=separate,
+                        batches_per_s=round(1 / per_batch, 1),
+                        samples_per_s=round(lbs / per_batch),
+                        tokens_per_s=round(lbs * SEQ / per_batch),
+                        get_batch_samples_per_s=round(lbs / statistics.median(direct_t)),
+                        overhead=round(overhead, 3),
+                        resume_ms=round(resume_ms, 2),
+                    )
                 )
 
 
@@ -249,11 +252,13 @@ def bench_reads(tmp: Path) -> None:
             rates[name].append(len(chunk) / (time.perf_counter() - start))
     med = {k: statistics.median(v) for k, v in rates.items()}
     emit(
-        case="reads",
-        samples_per_s={k: round(v) for k, v in med.items()},
-        ratio_sample=round(med["ours_sample"] / med["megatron_core"], 2),
-        ratio_contract=round(med["ours_contract"] / med["megatron_core"], 2),
-        target=">= 1.0",
+        dict(
+            case="reads",
+            samples_per_s={k: round(v) for k, v in med.items()},
+            ratio_sample=round(med["ours_sample"] / med["megatron_core"], 2),
+            ratio_contract=round(med["ours_contract"] / med["megatron_core"], 2),
+            target=">= 1.0",
+        )
     )
     _loader_vs_torch(ours, theirs)
 
@@ -284,10 +289,12 @@ def _loader_vs_torch(ours: GPTDataset, theirs, lbs: int = 8, steps: int = 200) -
             times[name].append((time.perf_counter() - t0) / (steps // blocks))
     med = {k: statistics.median(v) for k, v in times.items()}
     emit(
-        case="loader_vs_megatron",
-        batch=f"{lbs} x {SEQ}",
-        samples_per_s={k: round(lbs / v) for k, v in med.items()},
-        ratio=round(med["torch_dataloader_megatron_core"] / med["ours"], 2),
+        dict(
+            case="loader_vs_megatron",
+            batch=f"{lbs} x {SEQ}",
+            samples_per_s={k: round(lbs / v) for k, v in med.items()},
+            ratio=round(med["torch_dataloader_megatron_core"] / med["ours"], 2),
+        )
     )
 
 

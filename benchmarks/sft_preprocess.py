@@ -30,6 +30,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
+from _harness import emit  # noqa: E402
+
 from meshforge.config import config_from_dict  # noqa: E402
 from meshforge.data.sft.converters import convert_batch  # noqa: E402
 from meshforge.data.sft.dataset_info import COLUMN_DEFAULTS, TAG_DEFAULTS  # noqa: E402
@@ -40,10 +42,6 @@ from meshforge.data.tokenizer import build_tokenizer  # noqa: E402
 from meshforge.utils.resources import resolve_path  # noqa: E402
 
 TOKENIZER = "meshforge://assets/tokenizer"
-
-
-def emit(**fields) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def raw_encode_rate(tok, records: list[dict]) -> float:
@@ -98,13 +96,15 @@ def main() -> None:
             seconds = time.perf_counter() - start
             rate = len(records) / seconds
             emit(
-                case=case,
-                examples=len(records),
-                rows=len(rows),
-                seconds=round(seconds, 3),
-                examples_per_s=round(rate),
-                raw_encode_examples_per_s=round(raw),
-                ratio_vs_raw_encode=round(rate / raw, 3),
+                dict(
+                    case=case,
+                    examples=len(records),
+                    rows=len(rows),
+                    seconds=round(seconds, 3),
+                    examples_per_s=round(rate),
+                    raw_encode_examples_per_s=round(raw),
+                    ratio_vs_raw_encode=round(rate / raw, 3),
+                )
             )
     bench_llamafactory(tok, records, args.cutoff)
 
@@ -122,7 +122,7 @@ def bench_llamafactory(tok, records: list[dict], cutoff: int) -> None:
         from llamafactory.data.template import get_template_and_fix_tokenizer
         from llamafactory.hparams import DataArguments
     except ImportError as exc:
-        emit(case="llamafactory", skipped=f"llamafactory not importable: {exc}")
+        emit(dict(case="llamafactory", skipped=f"llamafactory not importable: {exc}"))
         return
     batch = {"conversations": [r["conversations"] for r in records]}
     converted = convert_batch(
@@ -164,13 +164,15 @@ def bench_llamafactory(tok, records: list[dict], cutoff: int) -> None:
         len(outputs["theirs"]["input_ids"]),
     )
     emit(
-        case="llamafactory",
-        examples=len(records),
-        ours_examples_per_s=round(len(records) / timings["ours"]),
-        theirs_examples_per_s=round(len(records) / timings["theirs"]),
-        ratio=round(timings["theirs"] / timings["ours"], 3),
-        same_rows=outputs["ours"]["input_ids"] == outputs["theirs"]["input_ids"]
-        and outputs["ours"]["labels"] == outputs["theirs"]["labels"],
+        dict(
+            case="llamafactory",
+            examples=len(records),
+            ours_examples_per_s=round(len(records) / timings["ours"]),
+            theirs_examples_per_s=round(len(records) / timings["theirs"]),
+            ratio=round(timings["theirs"] / timings["ours"], 3),
+            same_rows=outputs["ours"]["input_ids"] == outputs["theirs"]["input_ids"]
+            and outputs["ours"]["labels"] == outputs["theirs"]["labels"],
+        )
     )
 
 

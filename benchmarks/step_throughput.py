@@ -2,8 +2,8 @@
 
 Families: ``qwen3`` (dense; shapes ``small`` and ``large``), ``qwen3_moe`` and
 ``deepseek_v3`` (tiny-ish MoE shape ``small`` each), each against transformers'
-``*ForCausalLM`` of the same family. Five contenders (``step_variants.py``): meshforge
-eager, meshforge compiled (``layer.compile()`` on every decoder layer and a
+``*ForCausalLM`` of the same family (shapes and families: ``_harness.py``). Five
+contenders (``step_variants.py``): meshforge eager, meshforge compiled (``layer.compile()`` on every decoder layer and a
 ``torch.compile``d loss), meshforge default (what ``kernels`` unwritten runs), transformers
 eager and transformers under ``torch.compile(model)`` (with the same compiled loss). All get
 the same config, the same weights (loaded from one transformers state dict), the same batch
@@ -55,256 +55,49 @@ Run: ``python benchmarks/step_throughput.py [--family qwen3|qwen3_moe|deepseek_v
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
-import resource
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import compile_time  # noqa: E402
 import torch  # noqa: E402
-from step_variants import COMPILED_VARIANTS, VARIANTS, Runner, step_breakdown  # noqa: E402
-
-from meshforge.models.deepseek_v3.args import DeepseekV3Args  # noqa: E402
-from meshforge.models.deepseek_v3.model import DeepseekV3ForCausalLM  # noqa: E402
-from meshforge.models.minimax_m2.args import MiniMaxM2Args  # noqa: E402
-from meshforge.models.minimax_m2.model import MiniMaxM2ForCausalLM  # noqa: E402
-from meshforge.models.qwen3.args import Qwen3Args  # noqa: E402
-from meshforge.models.qwen3.model import Qwen3ForCausalLM  # noqa: E402
-from meshforge.models.qwen3_moe.args import Qwen3MoeArgs  # noqa: E402
-from meshforge.models.qwen3_moe.model import Qwen3MoeForCausalLM  # noqa: E402
-
-SHAPES = {
-    # Overhead-bound: small matrices, elementwise work and Python dispatch weigh a lot.
-    "small": dict(
-        args=dict(
-            vocab_size=8192,
-            hidden_size=256,
-            intermediate_size=768,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            tie_word_embeddings=True,
-        ),
-        batch=8,
-        seq=256,
-        target_ratio=1.3,
-        target_peak=None,
-    ),
-    # Compute-bound: matmuls dominate.
-    "large": dict(
-        args=dict(
-            vocab_size=32000,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=4,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=64,
-            tie_word_embeddings=False,
-        ),
-        batch=2,
-        seq=1024,
-        target_ratio=1.05,
-        target_peak=0.90,
-    ),
-}
-
-# Tiny-ish MoE shapes: the same trunk as the dense ``small`` shape (hidden 256, 4 layers,
-# batch 8 x seq 256, vocab 8192) with 8 routed experts, 2 per token.
-MOE_SHAPES = {
-    "qwen3_moe": {
-        "small": dict(
-            args=dict(
-                vocab_size=8192,
-                hidden_size=256,
-                intermediate_size=768,
-                moe_intermediate_size=256,
-                num_experts=8,
-                num_experts_per_tok=2,
-                norm_topk_prob=True,
-                decoder_sparse_step=1,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=64,
-                tie_word_embeddings=False,
-            ),
-            batch=8,
-            seq=256,
-            target_ratio=None,
-            target_peak=None,
-        ),
-    },
-    "deepseek_v3": {
-        # MLA with q/kv LoRA ranks, one dense layer first, 8 routed experts in 2 groups
-        # (1 kept), 1 shared expert, sigmoid scoring with the correction bias.
-        "small": dict(
-            args=dict(
-                vocab_size=8192,
-                hidden_size=256,
-                intermediate_size=768,
-                moe_intermediate_size=256,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=4,
-                q_lora_rank=128,
-                kv_lora_rank=64,
-                qk_nope_head_dim=32,
-                qk_rope_head_dim=32,
-                v_head_dim=32,
-                n_routed_experts=8,
-                n_shared_experts=1,
-                n_group=2,
-                topk_group=1,
-                num_experts_per_tok=2,
-                first_k_dense_replace=1,
-                routed_scaling_factor=2.5,
-                num_nextn_predict_layers=0,
-                tie_word_embeddings=False,
-            ),
-            batch=8,
-            seq=256,
-            target_ratio=None,
-            target_peak=None,
-        ),
-    },
-}
-
-# MiniMax-M2 on the same shape: every layer sparse, 8 experts of 256, top-2, RoPE on half of each head.
-MOE_SHAPES["minimax_m2"] = {"small": {**MOE_SHAPES["qwen3_moe"]["small"], "args": dict(
-    vocab_size=8192, hidden_size=256, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2,
-    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rotary_dim=32,
-    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)}}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Family:
-    """One model family: our args and model classes, transformers' config and model class names."""
-
-    args_cls: type
-    model_cls: type
-    hf_config: str
-    hf_model: str
-    shapes: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-
-FAMILIES = {
-    "qwen3": Family(Qwen3Args, Qwen3ForCausalLM, "Qwen3Config", "Qwen3ForCausalLM", SHAPES),
-    "qwen3_moe": Family(
-        Qwen3MoeArgs, Qwen3MoeForCausalLM, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE_SHAPES["qwen3_moe"]
-    ),
-    "deepseek_v3": Family(
-        DeepseekV3Args,
-        DeepseekV3ForCausalLM,
-        "DeepseekV3Config",
-        "DeepseekV3ForCausalLM",
-        MOE_SHAPES["deepseek_v3"],
-    ),
-    "minimax_m2": Family(
-        MiniMaxM2Args,
-        MiniMaxM2ForCausalLM,
-        "MiniMaxM2Config",
-        "MiniMaxM2ForCausalLM",
-        MOE_SHAPES["minimax_m2"],
-    ),
-}
-
-
-def measure_mm_peak(size: int = 2048, reps: int = 4, trials: int = 3) -> float:
-    """Best fp32 ``torch.mm`` GFLOP/s over a few trials of ``reps`` square products."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    out = torch.empty(size, size)
-    torch.mm(a, b, out=out)
-    best = 0.0
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            torch.mm(a, b, out=out)
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * size**3 * reps / dt / 1e9)
-    return best
-
-
-def _mm_rate(a: torch.Tensor, b: torch.Tensor) -> float:
-    t0 = time.perf_counter()
-    torch.mm(a, b)
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1] / (time.perf_counter() - t0) / 1e9
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
-def build_hf(family: Family, args: Any, seed: int = 0) -> torch.nn.Module:
-    """transformers' ``*ForCausalLM`` of ``family`` (sdpa attention, no KV cache) for ``args``."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = getattr(transformers, family.hf_config)(**{**args.to_hf_dict(), "use_cache": False})
-    config._attn_implementation = "sdpa"
-    return getattr(transformers, family.hf_model)(config).float().train()
-
-
-def make_pair(family: Family, args: Any, seed: int = 0):
-    """transformers model and ours with identical weights."""
-    hf = build_hf(family, args, seed)
-    ours = family.model_cls(args).train()
-    ours.load_state_dict(hf.state_dict(), strict=True)
-    return hf, ours
-
-
-def shape_args(family: Family, spec: dict) -> Any:
-    return family.args_cls(**spec["args"], max_position_embeddings=max(2048, spec["seq"]), rope_theta=1e6)
-
-
-def shape_batch(spec: dict, vocab_size: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
-
-
-def _rss_mb() -> float:
-    """Peak resident set of this process in MB.
-
-    Linux's ``VmHWM`` is per address space, so a child started with exec does not
-    inherit the parent's peak (``ru_maxrss`` does); other systems fall back to it.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from _harness import (  # noqa: E402
+    FAMILY_NAMES,
+    Runner,
+    build_hf,
+    cpu_name,
+    emit,
+    families,
+    measure_mm_peak,
+    median_high,
+    mm_rate,
+    pair_median,
+    rss_mb,
+    shape_args,
+    shape_batch,
+    utc_now,
+)
+from step_variants import COMPILED_VARIANTS, VARIANTS, step_breakdown  # noqa: E402
 
 
 def rss_child(model_name: str, family_name: str, shape: str, adamw: str) -> None:
     """Run in a fresh process: build one model, train 2 steps, print its peak RSS (MB)."""
     import transformers  # noqa: F401  (both children pay the same import, so baselines match)
 
-    family = FAMILIES[family_name]
+    family = families()[family_name]
     spec = family.shapes[shape]
     args = shape_args(family, spec)
-    before = _rss_mb()
+    before = rss_mb()
     model = build_hf(family, args) if model_name == "transformers" else family.model_cls(args).train()
     runner = Runner(
         model_name, model, shape_batch(spec, args.vocab_size), model_name == "transformers", adamw
     )
     for _ in range(2):
         runner.step()
-    print(json.dumps({"peak_rss_mb": round(_rss_mb(), 1), "rss_before_model_mb": round(before, 1)}))
+    print(json.dumps({"peak_rss_mb": round(rss_mb(), 1), "rss_before_model_mb": round(before, 1)}))
 
 
 def measure_rss(family: str, shape: str, adamw: str, threads: int) -> dict[str, float]:
@@ -324,23 +117,6 @@ def measure_rss(family: str, shape: str, adamw: str, threads: int) -> dict[str, 
     return out
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _pair_median(reference: Runner, other: Runner) -> float:
-    """Median over repeats of reference/other block time: the two ran next to each other."""
-    return _median([r / o for r, o in zip(reference.block_seconds, other.block_seconds)])
-
-
 def run_shape(
     family_name: str,
     name: str,
@@ -354,7 +130,7 @@ def run_shape(
     breakdown: bool = False,
     variants: tuple[str, ...] = tuple(VARIANTS),
 ) -> dict:
-    family = FAMILIES[family_name]
+    family = families()[family_name]
     args = shape_args(family, spec)
     hf = build_hf(family, args)
     state = hf.state_dict()
@@ -385,7 +161,7 @@ def run_shape(
         for r in order if (i // len(runners)) % 2 == 0 else order[::-1]:
             r.timed_block(steps)
         # A peak sample under the same background load as this round of blocks.
-        peak_samples.append(_mm_rate(mm_a, mm_b))
+        peak_samples.append(mm_rate(mm_a, mm_b))
     by_name = {r.name: r for r in runners}
     reference = runners[0]
     ours = next(m for v, m in models.items() if not VARIANTS[v][0])
@@ -394,17 +170,17 @@ def run_shape(
     gflops = {r.name: flops_per_token * r.tokens_per_s / 1e9 for r in runners}
     # Median block rate over median peak sample: both sampled under the same load.
     median_gflops = {
-        r.name: flops_per_token * tokens_per_block / _median(r.block_seconds) / 1e9 for r in runners
+        r.name: flops_per_token * tokens_per_block / median_high(r.block_seconds) / 1e9 for r in runners
     }
     best_gflops = {r.name: flops_per_token * tokens_per_block / min(r.block_seconds) / 1e9 for r in runners}
-    peak_median, peak_best = _median(peak_samples), max(peak_samples)
+    peak_median, peak_best = median_high(peak_samples), max(peak_samples)
     mesh = [r for r in runners if not r.is_hf]
     # Each meshforge variant against transformers eager (and compiled against compiled):
     # median over repeats of the two blocks' time ratio, the figure least moved by load bursts.
     ratios: dict[str, dict[str, float]] = {}
     for r in mesh:
         ratios[f"{r.name}/{reference.name}"] = {
-            "median_of_pairs": round(_pair_median(reference, r), 3),
+            "median_of_pairs": round(pair_median(reference, r), 3),
             "total": round(r.tokens_per_s / reference.tokens_per_s, 3),
             "fastest_steps": round(min(reference.block_seconds) / min(r.block_seconds), 3),
             "cpu_time": round(reference.cpu_seconds / r.cpu_seconds, 3),
@@ -412,7 +188,7 @@ def run_shape(
     if "transformers_compiled" in by_name and "meshforge_compiled" in by_name:
         theirs, mine = by_name["transformers_compiled"], by_name["meshforge_compiled"]
         ratios["meshforge_compiled/transformers_compiled"] = {
-            "median_of_pairs": round(_pair_median(theirs, mine), 3),
+            "median_of_pairs": round(pair_median(theirs, mine), 3),
             "total": round(mine.tokens_per_s / theirs.tokens_per_s, 3),
             "fastest_steps": round(min(theirs.block_seconds) / min(mine.block_seconds), 3),
             "cpu_time": round(theirs.cpu_seconds / mine.cpu_seconds, 3),
@@ -420,7 +196,7 @@ def run_shape(
     if "transformers_compiled" in by_name:
         theirs = by_name["transformers_compiled"]
         ratios["transformers_compiled/transformers_eager"] = {
-            "median_of_pairs": round(_pair_median(reference, theirs), 3)
+            "median_of_pairs": round(pair_median(reference, theirs), 3)
         }
     result = {
         "family": family_name,
@@ -434,7 +210,7 @@ def run_shape(
         "active_params": ours.num_params(active=True) if hasattr(ours, "moe_layers") else ours.num_params(),
         "tokens_per_s": {r.name: round(r.tokens_per_s, 1) for r in runners},
         "tokens_per_s_median_step": {
-            r.name: round(tokens_per_block / _median(r.block_seconds), 1) for r in runners
+            r.name: round(tokens_per_block / median_high(r.block_seconds), 1) for r in runners
         },
         "ratios": ratios,
         "adamw": adamw,
@@ -447,12 +223,12 @@ def run_shape(
         # Same data, weights and optimizer: the first step's losses agree to the printed digits.
         "first_loss": {r.name: round(r.first_loss, 5) for r in runners},
         "last_loss": {r.name: round(r.losses[-1], 5) for r in runners},
-        "peak_rss_mb_this_process": round(_rss_mb(), 1),
+        "peak_rss_mb_this_process": round(rss_mb(), 1),
         "timed_steps_each": steps * repeats,
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),
         "torch": torch.__version__,
-        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
     }
     experts_impl = getattr(hf.config, "_experts_implementation", None)
     if hasattr(ours, "moe_layers") and experts_impl is not None:
@@ -471,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     parser.add_argument(
         "--family",
-        choices=[*FAMILIES, *ALONE_FAMILIES, "mamba3", "all"],
+        choices=[*FAMILY_NAMES, *ALONE_FAMILIES, "mamba3", "all"],
         default="qwen3",
         help="model family (qwen3 is dense; qwen3_moe and deepseek_v3 have one MoE shape, small; "
         "mamba3: chunked scan vs step recurrence, mamba3_throughput.py)",
@@ -544,11 +320,11 @@ def main(argv: list[str] | None = None) -> None:
         for name, spec in ALONE[opts.family].items():
             if opts.shape in ("all", name):
                 kwargs = dict(warmup=warmup, repeats=repeats, peak=peak, adamw=opts.adamw)
-                print(json.dumps(run_alone(opts.family, name, spec, **kwargs)), flush=True)
+                emit(run_alone(opts.family, name, spec, **kwargs))
         return
-    families = list(FAMILIES) if opts.family == "all" else [opts.family]
+    names = list(FAMILY_NAMES) if opts.family == "all" else [opts.family]
     cases = [
-        (fam, shape) for fam in families for shape in FAMILIES[fam].shapes if opts.shape in ("all", shape)
+        (fam, shape) for fam in names for shape in families()[fam].shapes if opts.shape in ("all", shape)
     ]
     if not cases:
         parser.error(f"--shape {opts.shape}: not defined for --family {opts.family} (MoE families: small)")
@@ -557,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
         result = run_shape(
             fam,
             name,
-            FAMILIES[fam].shapes[name],
+            families()[fam].shapes[name],
             warmup=warmup,
             steps=steps,
             repeats=repeats,
@@ -567,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
             variants=variants,
         )
         # The timed figures first (stderr), in case the compile-time runs below are cut short.
-        print(json.dumps(result), file=sys.stderr, flush=True)
+        emit(result, file=sys.stderr)
         compiled = tuple(v for v in variants if v in COMPILED_VARIANTS)
         if compiled and not opts.no_compile_time:
             result["compile_time"] = compile_time.measure_compile_time(
@@ -575,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         if not opts.no_rss:
             result["peak_rss_mb"] = measure_rss(fam, name, opts.adamw, opts.threads)
-        print(json.dumps(result), flush=True)
+        emit(result)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Every variant is a :class:`StepFns` built on a model that already holds the shar
 ``forward(input_ids)`` returns what ``loss(output, labels)`` turns into the summed token
 cross-entropy (logits today; a fused linear + cross-entropy would return hidden states and
 close over the LM head in ``loss``). The step loop around them (divide by the token count,
-backward, AdamW, zero_grad) is the same for all, in :class:`Runner`.
+backward, AdamW, zero_grad) is the same for all, in ``_harness.Runner``.
 
 * ``meshforge_eager``: the model as built, ``F.cross_entropy`` on the logits.
 * ``meshforge_compiled``: ``kernels.compile: true`` through meshforge's own code: every
@@ -22,17 +22,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
-
-
-def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token cross-entropies of ``logits`` (batch, seq, vocab) against flat ``labels``."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels, reduction="sum", ignore_index=-100)
-
+from _harness import Runner, StepFns, meshforge_eager, summed_cross_entropy, transformers_eager
 
 _compiled_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
@@ -43,19 +36,6 @@ def compiled_cross_entropy() -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
     if _compiled_loss is None:
         _compiled_loss = torch.compile(summed_cross_entropy)
     return _compiled_loss
-
-
-@dataclass(frozen=True)
-class StepFns:
-    """How one contender runs: ``forward(input_ids) -> output``, ``loss(output, labels) -> sum``."""
-
-    forward: Callable[[torch.Tensor], torch.Tensor]
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    compiled: bool = False
-
-
-def meshforge_eager(model: torch.nn.Module) -> StepFns:
-    return StepFns(lambda ids: model(ids), summed_cross_entropy)
 
 
 # The benchmark measures the steady step of a long run: the run length the `auto` rule sees.
@@ -111,10 +91,6 @@ def meshforge_default(model: torch.nn.Module) -> StepFns:
     return _meshforge(model, "auto")
 
 
-def transformers_eager(model: torch.nn.Module) -> StepFns:
-    return StepFns(lambda ids: model(input_ids=ids, use_cache=False).logits, summed_cross_entropy)
-
-
 def transformers_compiled(model: torch.nn.Module) -> StepFns:
     compiled = torch.compile(model)
     return StepFns(
@@ -131,69 +107,6 @@ VARIANTS: dict[str, tuple[bool, Callable[[torch.nn.Module], StepFns]]] = {
     "meshforge_default": (False, meshforge_default),
 }
 COMPILED_VARIANTS = ("transformers_compiled", "meshforge_compiled", "meshforge_default")
-
-
-class Runner:
-    """One model, its AdamW and the shared batch; ``step()`` is one training step.
-
-    ``fns`` selects the variant; without it the model runs eagerly (transformers models
-    through ``.logits`` when ``is_hf``).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        model: torch.nn.Module,
-        batch: dict[str, torch.Tensor],
-        is_hf: bool,
-        adamw: str,
-        fns: StepFns | None = None,
-    ):
-        self.name = name
-        self.model = model
-        self.is_hf = is_hf
-        self.fns = fns or (transformers_eager(model) if is_hf else meshforge_eager(model))
-        self.input_ids = batch["input_ids"]
-        self.labels = batch["labels"].flatten()
-        self.num_tokens = int((self.labels != -100).sum())
-        impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[adamw]
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **impl)
-        self.seconds = 0.0
-        self.block_seconds: list[float] = []
-        self.cpu_seconds = 0.0
-        self.tokens = 0
-        self.losses: list[float] = []
-        self.warmup_losses: list[float] = []
-
-    def step(self) -> float:
-        out = self.fns.forward(self.input_ids)
-        loss = self.fns.loss(out, self.labels) / self.num_tokens
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    def warmup(self, steps: int) -> None:
-        for _ in range(steps):
-            self.warmup_losses.append(self.step())
-
-    @property
-    def first_loss(self) -> float:
-        return (self.warmup_losses or self.losses)[0]
-
-    def timed_block(self, steps: int) -> None:
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            self.losses.append(self.step())
-        dt = time.perf_counter() - t0
-        self.cpu_seconds += time.process_time() - c0
-        self.seconds += dt
-        self.block_seconds.append(dt)
-        self.tokens += steps * self.input_ids.numel()
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
 
 
 _MODEL_KERNELS = (
@@ -239,3 +152,14 @@ def step_breakdown(runner: Runner, steps: int = 2) -> dict[str, float]:
     model = totals.pop("model")
     totals["other"] = max(0.0, model - totals["matmul"] - totals["attention"])
     return {k: round(v * 1e3 / steps, 1) for k, v in totals.items()}
+
+
+__all__ = [
+    "COMPILED_VARIANTS",
+    "VARIANTS",
+    "compiled_cross_entropy",
+    "meshforge_compiled",
+    "meshforge_default",
+    "step_breakdown",
+    "transformers_compiled",
+]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from meshforge.checkpoint.dequant import FP4_VALUES, quantization_method
 from meshforge.checkpoint.hf import find_hf_weights, load_hf_weights, save_hf
+from meshforge.models.common.dequant import FP4_VALUES, quantization_method
 from meshforge.models.registry import resolve_family
 
 E4M3_MAX = 448.0

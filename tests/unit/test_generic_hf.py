@@ -196,7 +196,7 @@ def test_unknown_transformers_family_and_remote_code_are_named(tmp_path: Path) -
 
 def test_fsdp_module_patterns_are_checked_against_the_model(hf_mistral: Path) -> None:
     from meshforge.parallel.fsdp import apply_fsdp_patterns
-    from meshforge.parallel.patterns import match_modules
+    from meshforge.utils.patterns import match_modules
 
     model = _load_ours(hf_mistral)
     names = [name for name, _ in match_modules(model, ["model.layers.{}", "lm_head"], key_path="p")]

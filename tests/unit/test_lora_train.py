@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from meshforge.checkpoint.lora_base import is_adapter_parameter, weights_digest
 from meshforge.checkpoint.readers import read_dcp_metadata
 from meshforge.config import ConfigError, load_config
-from meshforge.lora.base_ref import weights_digest
-from meshforge.lora.layer import is_adapter_parameter
 from meshforge.train.trainer import Trainer
 from tests._compare import rel_error
 from tests.conftest import read_metrics, write_corpus

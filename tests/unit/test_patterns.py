@@ -1,4 +1,4 @@
-"""Module-pattern semantics (`meshforge.parallel.patterns`: `{*}`, ranges, globs) and error messages."""
+"""Module-pattern semantics (`meshforge.utils.patterns`: `{*}`, ranges, globs) and error messages."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from meshforge.parallel.patterns import compile_pattern, is_pattern, match_modules, suggest_names
+from meshforge.utils.patterns import compile_pattern, is_pattern, match_modules, suggest_names
 
 CASES = [
     # pattern, name, expected
@@ -130,7 +130,7 @@ def test_match_modules_on_real_module() -> None:
 
 @pytest.mark.slow
 def test_patterns_module_is_light() -> None:
-    code = "import sys, meshforge.parallel.patterns; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, meshforge.utils.patterns; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -44,13 +44,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshforge.checkpoint.dequant import quantized_view
 from meshforge.checkpoint.readers import open_safetensors, read_json_object
+from meshforge.models.common.dequant import quantized_view
 from meshforge.models.generic_hf import bind_generic, persistent_buffers, state_tensors
 
 if TYPE_CHECKING:
     from meshforge.models.registry import FamilySpec
-    from meshforge.models.spec import FamilyArgs, HFStateDictAdapter
+    from meshforge.models.spec import HFStateDictAdapter, ModelArgs
     from meshforge.models.vocab import VocabPlan
 
 SINGLE_FILE = "model.safetensors"
@@ -129,7 +129,7 @@ def find_hf_weights(path: str | Path) -> dict[str, Path]:
 
 
 # --------------------------------------------------------------------------------------- adapter
-def hf_adapter(family: FamilySpec, args: FamilyArgs | None = None) -> HFStateDictAdapter:
+def hf_adapter(family: FamilySpec, args: ModelArgs | None = None) -> HFStateDictAdapter:
     """The HF state-dict adapter of ``family`` (``FamilySpec.hf_adapter``), bound to ``args`` if given."""
     return family.hf_adapter(args)
 
@@ -449,7 +449,7 @@ def save_hf(
         flush()
         _finish_files(out, written, shards, total_bytes)
         # A family's model keeps the args it was built from as `config`.
-        config = adapter.to_hf_config(cast("FamilyArgs", model.config))
+        config = adapter.to_hf_config(cast("ModelArgs", model.config))
         sample = next(iter(model.parameters()), None)
         weights_dtype = dtype or (sample.dtype if sample is not None else torch.float32)
         config.setdefault("dtype", str(weights_dtype).removeprefix("torch."))

@@ -8,7 +8,7 @@ step. DCP stores global tensor shapes, so a checkpoint saved with N ranks loads 
 
 A LoRA run (`lora_base` given) saves only what trains: the adapters, their optimizer state and
 the trainer state, plus `lora.base` in `trainer_state.json` (the base folder and a hash of its
-weights, `meshforge.lora.base_ref`). Loading a full run's step into a LoRA run takes its weights
+weights, `meshforge.checkpoint.lora_base`). Loading a full run's step into a LoRA run takes its weights
 as the frozen base and starts fresh adapters at step 0.
 
 With `checkpoint.async_save`, `save()` only hands the state to DCP: one background thread copies
@@ -378,7 +378,7 @@ class CheckpointManager:
         return StateDictOptions(strict=not lora, ignore_frozen_params=lora)
 
     def _base_reference(self) -> dict[str, Any]:
-        from meshforge.lora.base_ref import base_reference
+        from meshforge.checkpoint.lora_base import base_reference
 
         if self._lora_ref is None:
             assert self.lora_base is not None
@@ -398,7 +398,7 @@ class CheckpointManager:
 
     def _load_recorded_base(self, lora: dict[str, Any], path: Path, model: nn.Module) -> None:
         """Check (and for a DCP base, load) the base a LoRA step was trained on."""
-        from meshforge.lora.base_ref import check_base
+        from meshforge.checkpoint.lora_base import check_base
 
         recorded = lora.get("base")
         if not isinstance(recorded, dict) or recorded.get("kind") == "init":
@@ -412,7 +412,7 @@ class CheckpointManager:
 
 def _load_base_weights(model: nn.Module, path: Path) -> None:
     """Load every base (non-adapter) weight of `model` from a full DCP step folder, in place."""
-    from meshforge.lora.base_ref import base_state_dict
+    from meshforge.checkpoint.lora_base import base_state_dict
 
     state = {"model": base_state_dict(get_model_state_dict(model))}
     dcp.load(state, checkpoint_id=str(path))

@@ -1,8 +1,12 @@
 """`train_dataset:` section: the data loader and its data (light: pydantic only).
 
 `train_dataset.dataloader` keeps undeclared keys for the loader named by its `type`; they are parsed
-once, at validation, with that loader's options model (`meshforge.data.specs` registers them) and
-kept typed in `DataloaderConfig.options`. The SFT fields of MindSpeed-LLM DataArguments live directly under
+once, at validation, with that loader's options model and kept typed in `DataloaderConfig.options`.
+The parsing is the loader registry's (`meshforge.data.specs.parse_section_options`): this module
+imports no other data module, so the registry, the options models and the builders may all name
+`TrainDatasetConfig`. The registry hands its parser over with `use_options_parser` when it is
+imported, and `meshforge/data/__init__.py` imports it, so that no section of this module is ever
+validated without it. The SFT fields of MindSpeed-LLM DataArguments live directly under
 `train_dataset`, with the `__post_init__` rules of that class, one of them done better:
 `interleave_probs` is checked against the real number of datasets, not the characters of a string.
 """
@@ -10,9 +14,11 @@ kept typed in `DataloaderConfig.options`. The SFT fields of MindSpeed-LLM DataAr
 from __future__ import annotations
 
 import builtins
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
 
-from pydantic import PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, PrivateAttr, field_validator, model_validator
 
 from meshforge.config.base import (
     Bool,
@@ -25,13 +31,59 @@ from meshforge.config.base import (
     rule_error,
 )
 
-if TYPE_CHECKING:
-    from meshforge.data.options import LoaderOptions
-
-    OptionsT = TypeVar("OptionsT", bound=LoaderOptions)
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
 SFT_LOADER = "SFTDataLoader"
 MEGATRON_LOADER = "BlendedMegatronDatasetDataLoader"
+
+# Built chat templates (`train_dataset.template`; null = the tokenizer's own chat_template) and tool
+# formats, listed here so the section checks names without importing the templates module.
+TEMPLATE_NAMES = ("qwen3", "qwen3_nothink", "chatml", "llama3", "empty", "gpt", "gpt_oss")
+TOOL_FORMATS = ("qwen",)
+
+
+class LoaderOptionsModel(Protocol):
+    """What this section asks of a loader's options (`meshforge.data.options.LoaderOptions`)."""
+
+    def sequence(self, data: TrainDatasetConfig) -> tuple[int, str]: ...
+
+
+@dataclass(frozen=True)
+class ParsedOptions:
+    """The registry's reading of one `dataloader` section's passthrough keys.
+
+    Attributes:
+        options: the typed options of the loader named by `type`; None when they do not parse.
+        sequence: the options, or only their sequence-length part when the others do not parse
+            (yet); None when neither parses.
+        issues: (key relative to the section, reason) for each problem of `type` and its options.
+    """
+
+    options: LoaderOptionsModel | None
+    sequence: LoaderOptionsModel | None
+    issues: tuple[tuple[str, str], ...] = ()
+
+
+OptionsParser = Callable[[str | None, Mapping[str, Any]], ParsedOptions]
+_PARSER: list[OptionsParser] = []
+
+
+def use_options_parser(parser: OptionsParser) -> None:
+    """Install the loader registry's parser (called once, by `meshforge.data.specs`).
+
+    The default `dataloader` section, built with this module before any parser existed, is
+    parsed now, so that it equals a section validated from the same (empty) keys.
+    """
+    _PARSER[:] = [parser]
+    default = TrainDatasetConfig.model_fields["dataloader"].default
+    if isinstance(default, DataloaderConfig):
+        default._parsed = parser(default.type, default.model_extra or {})
+
+
+def _parse(type_name: str | None, extra: Mapping[str, Any]) -> ParsedOptions:
+    if not _PARSER:
+        raise RuntimeError("meshforge.data.specs was not imported: no loader options parser")
+    return _PARSER[0](type_name, extra)
 
 
 class DataloaderConfig(PassthroughSection):
@@ -44,53 +96,37 @@ class DataloaderConfig(PassthroughSection):
     column_names: list[str] = describe(["input_ids", "labels"], "Columns produced by the dataset.")
     python_multiprocessing: Bool = describe(False, "Load with Python worker processes.")
 
-    _options: LoaderOptions | None = PrivateAttr(default=None)
-    _sequence: LoaderOptions | None = PrivateAttr(default=None)
-    _issues: list[tuple[str, str]] = PrivateAttr(default_factory=list)
+    _parsed: ParsedOptions | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _parse_options(self) -> DataloaderConfig:
-        # The options of a built loader are parsed here, once. When they do not parse (a fragment
-        # such as a reference example without data_path), the config still loads: the problems are
-        # reported by `check_dataloader_options` (warnings in `config validate`, errors in
-        # `train`), and only the sequence length is read, where a bad value is an error now. A type
-        # that names no built loader is reported there too ("not supported yet").
-        from meshforge.data.specs import LOADERS, options_or_issues, sequence_or_issues
-
-        extra = self.model_extra or {}
-        # The enclosing section's field names, once it exists (its own default is built before it).
-        section = globals().get("TrainDatasetConfig")
-        fields = section.model_fields if section is not None else ()
-        parsed = options_or_issues(self.type, extra, section_fields=fields)
-        kind = LOADERS.get(self.type) if self.type is not None else None
-        if not isinstance(parsed, list):
-            self._options = self._sequence = parsed
-            return self
-        self._issues = parsed
-        if kind is None:
-            return self
-        sequence = sequence_or_issues(kind, extra)
-        if isinstance(sequence, list):
-            (key, reason), *more = sequence
-            also = "".join(f"; also train_dataset.dataloader.{k}: {r}" for k, r in more)
-            raise rule_error(key, reason + also)
-        self._sequence = sequence
+        # The options of a built loader are parsed here, once (by the registry, which raises a
+        # bad sequence length as an error now and returns the other problems as issues). Only the
+        # field default of `TrainDatasetConfig.dataloader`, built while the registry itself is
+        # being imported, finds no parser; `use_options_parser` parses it.
+        if _PARSER:
+            self._parsed = _parse(self.type, self.model_extra or {})
         return self
 
+    def _result(self) -> ParsedOptions:
+        if self._parsed is None:
+            self._parsed = _parse(self.type, self.model_extra or {})
+        return self._parsed
+
     @property
-    def options(self) -> LoaderOptions | None:
+    def options(self) -> LoaderOptionsModel | None:
         """The parsed options of the loader named by `type`; None when it names no built loader."""
-        return self._options
+        return self._result().options
 
     def option_issues(self) -> list[tuple[str, str]]:
         """(key relative to this section, reason) for each problem of `type` and its options,
         found when the section was validated; empty when the options parsed."""
-        return list(self._issues)
+        return list(self._result().issues)
 
     @property
-    def sequence_options(self) -> LoaderOptions | None:
+    def sequence_options(self) -> LoaderOptionsModel | None:
         """The options, or only their sequence-length part when the others do not parse (yet)."""
-        return self._sequence
+        return self._result().sequence
 
     def options_as(self, model: builtins.type[OptionsT]) -> OptionsT:
         """The parsed options, which must be of `model` (the builder of that loader asks).
@@ -99,13 +135,14 @@ class DataloaderConfig(PassthroughSection):
             ValueError: the options do not parse (every problem, with its key path), or `type`
                 names another loader (or none).
         """
-        if self._options is None and self._issues:
-            raise ValueError("\n".join(f"train_dataset.dataloader.{k}: {r}" for k, r in self._issues))
-        if not isinstance(self._options, model):
+        parsed = self._result()
+        if parsed.options is None and parsed.issues:
+            raise ValueError("\n".join(f"train_dataset.dataloader.{k}: {r}" for k, r in parsed.issues))
+        if not isinstance(parsed.options, model):
             raise ValueError(
                 f"train_dataset.dataloader.type: {self.type!r} does not take {model.__name__} options"
             )
-        return self._options
+        return parsed.options
 
 
 def count_datasets(dataset: Any) -> int:
@@ -220,8 +257,6 @@ class TrainDatasetConfig(StrictSection):
     @field_validator("template")
     @classmethod
     def _known_template(cls, value: str | None) -> str | None:
-        from meshforge.data.sft.specs import TEMPLATE_NAMES
-
         if value is not None and value not in TEMPLATE_NAMES:
             raise ValueError(f"unknown template {value!r} (built: {', '.join(TEMPLATE_NAMES)}, or null)")
         return value
@@ -229,8 +264,6 @@ class TrainDatasetConfig(StrictSection):
     @field_validator("tool_format")
     @classmethod
     def _known_tool_format(cls, value: str | None) -> str | None:
-        from meshforge.data.sft.specs import TOOL_FORMATS
-
         if value is not None and value not in TOOL_FORMATS:
             raise ValueError(f"tool format {value!r} is not built (built: {', '.join(TOOL_FORMATS)})")
         return value

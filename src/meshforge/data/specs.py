@@ -10,7 +10,8 @@ builder. Builders are small functions that import their module on call, so impor
     BlendedMegatronDatasetDataLoader  data/megatron/specs.py         data/megatron/loader.py
     SFTDataLoader                     data/sft/specs.py              data/sft/loader.py
 
-`DataloaderConfig` parses the options once when the config is validated and keeps them typed; a
+`DataloaderConfig` has the options parsed once when the config is validated (by
+`parse_section_options`, handed to it when this module is imported) and keeps them typed; a
 config fragment whose options do not parse yet (a reference example without `data_path`) still
 loads, its problems are what `check_dataloader_options` reports (warnings in `config validate`,
 errors in `train`), and only its sequence length is read (with the `sequence` model), where a bad
@@ -26,13 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from meshforge.config.base import rule_error
+from meshforge.data.config import ParsedOptions, TrainDatasetConfig, use_options_parser
 from meshforge.data.megatron.specs import MegatronDataLoaderOptions, MegatronSequenceOptions
 from meshforge.data.options import Issue, LoaderOptions, issues_from
 from meshforge.data.sft.specs import SFTDataLoaderOptions, SFTSequenceOptions
 from meshforge.data.text_specs import TextDataLoaderOptions, TextSequenceOptions
 
 if TYPE_CHECKING:
-    from meshforge.data.config import TrainDatasetConfig
     from meshforge.data.context import LoaderContext
     from meshforge.data.loader import EvalLoader, StatefulLoader, StreamLoader
 
@@ -183,3 +185,31 @@ def parse_dataloader_options(type_name: str | None, options: Mapping[str, Any]) 
     if isinstance(parsed, list):
         raise ValueError("\n".join(f"train_dataset.dataloader.{key}: {reason}" for key, reason in parsed))
     return parsed
+
+
+def parse_section_options(type_name: str | None, options: Mapping[str, Any]) -> ParsedOptions:
+    """Read the passthrough keys of one `train_dataset.dataloader` section (at its validation).
+
+    A config fragment whose options do not parse (a reference example without data_path) still
+    loads: its problems are returned as issues (warnings in `config validate`, errors in `train`),
+    and only the sequence length is read, where a bad value is an error now. A type that names no
+    built loader is an issue too ("not supported yet").
+
+    Raises:
+        PydanticCustomError: the sequence length of a built loader is invalid (at its key path).
+    """
+    parsed = options_or_issues(type_name, options, section_fields=TrainDatasetConfig.model_fields)
+    if not isinstance(parsed, list):
+        return ParsedOptions(parsed, parsed)
+    kind = LOADERS.get(type_name) if type_name is not None else None
+    if kind is None:
+        return ParsedOptions(None, None, tuple(parsed))
+    sequence = sequence_or_issues(kind, options)
+    if isinstance(sequence, list):
+        (key, reason), *more = sequence
+        also = "".join(f"; also train_dataset.dataloader.{k}: {r}" for k, r in more)
+        raise rule_error(key, reason + also)
+    return ParsedOptions(None, sequence, tuple(parsed))
+
+
+use_options_parser(parse_section_options)

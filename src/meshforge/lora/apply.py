@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from meshforge.lora.layer import add_adapters, init_adapter_, is_adapter_parameter, lora_linears
+from meshforge.checkpoint.lora_base import is_adapter_parameter
+from meshforge.lora.layer import add_adapters, init_adapter_, lora_linears
 
 KEY = "lora_config.target_modules"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

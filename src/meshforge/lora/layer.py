@@ -32,12 +32,6 @@ def is_lora_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and hasattr(module, _SCALING)
 
 
-def is_adapter_parameter(name: str) -> bool:
-    """Whether a parameter name (any prefix) is an adapter matrix."""
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B") and parts[-1] == "weight"
-
-
 def adapter_placements(base: DTensor) -> tuple[list[Placement], list[Placement]]:
     """Placements of A and B for a base weight `[out, in]` sharded over a TP mesh.
 

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from meshforge.checkpoint.lora_base import adapter_state_dict, base_state_dict, check_base
 from meshforge.lora.apply import LoraSettings, with_adapter_init
-from meshforge.lora.base_ref import adapter_state_dict, base_state_dict, check_base
 from meshforge.lora.layer import adapters_detached
 
 if TYPE_CHECKING:

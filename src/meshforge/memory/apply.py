@@ -87,6 +87,7 @@ def apply_activation_memory(
     *,
     num_layers: int,
     tp_mesh: DeviceMesh | None,
+    sequence_parallel: bool = False,
 ) -> ActivationMemory:
     """Wrap the selected modules of ``model`` (this rank's layers) in place.
 
@@ -95,6 +96,8 @@ def apply_activation_memory(
             pipeline stage holds only some of them).
         tp_mesh: The TP mesh when tensor parallelism was applied (communication recompute
             needs it), else None.
+        sequence_parallel: Whether TP splits the hidden states along the sequence (the caller,
+            which applied TP, knows; without it communication recompute has nothing to gather).
 
     Raises:
         ValueError: A layer spec or module key names nothing (the message names the key).
@@ -106,7 +109,11 @@ def apply_activation_memory(
     applied = ActivationMemory()
     if settings.recompute_comm.enable:
         applied.comm_recomputed = apply_comm_recompute(
-            model, settings.recompute_comm, num_layers=num_layers, tp_mesh=tp_mesh
+            model,
+            settings.recompute_comm,
+            num_layers=num_layers,
+            tp_mesh=tp_mesh,
+            sequence_parallel=sequence_parallel,
         )
     if settings.swap.enable:
         applied.swapped, applied.swap_bytes = apply_swap(model, settings.swap, num_layers=num_layers)

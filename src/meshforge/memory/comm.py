@@ -182,23 +182,28 @@ def _wrap(module: nn.Module, chain: list[nn.Module], key: str) -> None:
 
 
 def apply_comm_recompute(
-    model: nn.Module, cfg: RecomputeCommConfig, *, num_layers: int, tp_mesh: DeviceMesh | None
+    model: nn.Module,
+    cfg: RecomputeCommConfig,
+    *,
+    num_layers: int,
+    tp_mesh: DeviceMesh | None,
+    sequence_parallel: bool = False,
 ) -> dict[int, list[str]]:
     """Re-gather instead of saving the inputs of the modules ``cfg`` selects; ``layer -> paths``.
 
     Args:
         tp_mesh: the TP mesh, or None (no TP: the keys are checked, nothing is gathered).
+        sequence_parallel: whether TP splits the hidden states along the sequence (the
+            caller applied TP and says so); without it nothing is gathered either.
 
     Raises:
         ValueError: a layer beyond ``num_layers`` or a module key that matches nothing in a
             listed layer (naming ``recompute_comm.select_module.<key>``); on a module's first
             forward, when its input is not the all-gathered sequence.
     """
-    from meshforge.parallel.tensor import sequence_shards
-
     layers = dict(decoder_layers(model))
     # TP without sequence parallelism (the generic path) gathers nothing: only check the keys.
-    gathered = tp_mesh is not None and sequence_shards(model) > 1
+    gathered = tp_mesh is not None and sequence_parallel
     applied: dict[int, list[str]] = {}
     recorders: set[int] = set()
     for key, specs in (cfg.select_module or {}).items():

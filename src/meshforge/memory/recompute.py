@@ -243,7 +243,7 @@ def recompute_plan(
             layer (held by this rank), a module pattern that matches nothing, a layer both fully
             recomputed and selected. Each message names the key.
     """
-    from meshforge.parallel.patterns import match_modules
+    from meshforge.utils.patterns import match_modules
 
     layers = dict(decoder_layers(model))
     stage = len(layers) < num_layers  # a pipeline stage holds some of the layers

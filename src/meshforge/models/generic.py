@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from meshforge.models.generic_hf import GenericHFAdapter
-from meshforge.models.spec import GENERIC, CPForward, FamilyArgs, FamilySpec, HFStateDictAdapter
+from meshforge.models.spec import GENERIC, CPForward, FamilySpec, HFStateDictAdapter, ModelArgs
 
 # transformers' normalisation modules have family-specific class names (MistralRMSNorm, ...).
 _NORM_MARKERS = ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")
@@ -95,15 +95,15 @@ class GenericFamily(FamilySpec):
         return wrap_generic(model)
 
 
-def _refuse_options(options: dict[str, object]) -> FamilyArgs:
+def _refuse_options(options: dict[str, object]) -> ModelArgs:
     raise TypeError("GenericFamily.parse_options reads the folder's config; call it on the family")
 
 
-def _refuse_build(args: FamilyArgs, device: str | torch.device) -> nn.Module:
+def _refuse_build(args: ModelArgs, device: str | torch.device) -> nn.Module:
     raise TypeError("GenericFamily.build builds from the folder; call it on the family")
 
 
-def _generic_adapter(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
+def _generic_adapter(spec: FamilySpec, args: ModelArgs | None) -> HFStateDictAdapter:
     return GenericHFAdapter(spec, args)
 
 

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.core_model_loading import WeightConverter, WeightRenaming, WeightTransform
 
-    from meshforge.models.spec import FamilyArgs
+    from meshforge.models.spec import ModelArgs
 
 
 def state_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -216,7 +216,7 @@ class GenericHFAdapter(HFAdapterBase):
     before exporting.
     """
 
-    def __init__(self, spec: Any, args: FamilyArgs | None = None) -> None:
+    def __init__(self, spec: Any, args: ModelArgs | None = None) -> None:
         super().__init__(spec, args)
         self._load: CheckpointConversion | None = None
         self._export: ExportConversion | None = None
@@ -243,7 +243,7 @@ class GenericHFAdapter(HFAdapterBase):
     def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         return self._export.to_hf(name, tensor) if self._export is not None else {name: tensor}
 
-    def to_hf_config(self, args: FamilyArgs) -> dict[str, object]:
+    def to_hf_config(self, args: ModelArgs) -> dict[str, object]:
         body = to_hf_config(args)
         body.setdefault("model_type", self.spec.name)
         body.setdefault("architectures", [self.architecture])

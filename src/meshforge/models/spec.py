@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from meshforge.models.common.model_args import ModelArgs
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -29,19 +31,6 @@ if TYPE_CHECKING:
 
 #: ``model_type`` of the generic transformers path (any ``AutoModelForCausalLM`` from a folder).
 GENERIC = "generic"
-
-
-class FamilyArgs(Protocol):
-    """What every family's args dataclass offers (``models/<family>/args.py``)."""
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the embedding table."""
-        ...
-
-    def to_hf_dict(self) -> dict[str, object]:
-        """The transformers ``config.json`` fields of these args."""
-        ...
 
 
 class HFStateDictAdapter(Protocol):
@@ -78,7 +67,7 @@ class HFStateDictAdapter(Protocol):
         """HF key -> tensor for one full parameter (the inverse of ``from_hf``)."""
         ...
 
-    def to_hf_config(self, args: FamilyArgs) -> dict[str, object]:
+    def to_hf_config(self, args: ModelArgs) -> dict[str, object]:
         """The ``config.json`` body for ``args`` (``model_type`` and ``architectures`` included)."""
         ...
 
@@ -189,7 +178,7 @@ class MoESpec:
     aux_reduce: Callable[[nn.Module, DeviceMesh], None] | None = None
 
 
-def _no_adapter(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
+def _no_adapter(spec: FamilySpec, args: ModelArgs | None) -> HFStateDictAdapter:
     from meshforge.models.common.hf_adapter import HFAdapterBase
 
     return HFAdapterBase(spec, args)
@@ -222,9 +211,9 @@ class FamilySpec:
     hf_architectures: tuple[str, ...]
     model_ids: tuple[str, ...]
     option_keys: frozenset[str]
-    from_options: Callable[[dict[str, object]], FamilyArgs]
-    builder: Callable[[FamilyArgs, str | torch.device], nn.Module]
-    adapter: Callable[[FamilySpec, FamilyArgs | None], HFStateDictAdapter] = field(default=_no_adapter)
+    from_options: Callable[[dict[str, object]], ModelArgs]
+    builder: Callable[[ModelArgs, str | torch.device], nn.Module]
+    adapter: Callable[[FamilySpec, ModelArgs | None], HFStateDictAdapter] = field(default=_no_adapter)
     tp_plan: TPPlan | None = None
     stage_preparation: Callable[[StageBatch], LayerRunner] | None = None
     cp_modules: Callable[[], CPModules] | None = None
@@ -249,7 +238,7 @@ class FamilySpec:
             return "parallelism.context_parallel_method", f"{method} (runs {runs}): {self.cp_refusal}"
         return None
 
-    def parse_options(self, options: dict[str, object]) -> FamilyArgs:
+    def parse_options(self, options: dict[str, object]) -> ModelArgs:
         """Validate ``options`` into the family's args dataclass (imports no torch)."""
         return self.from_options(options)
 
@@ -261,7 +250,7 @@ class FamilySpec:
         """
         return self.builder(self.parse_options(options), device)
 
-    def hf_adapter(self, args: FamilyArgs | None = None) -> HFStateDictAdapter:
+    def hf_adapter(self, args: ModelArgs | None = None) -> HFStateDictAdapter:
         """The family's HF state-dict adapter, bound to the model's ``args`` when given."""
         return self.adapter(self, args)
 
@@ -280,7 +269,7 @@ __all__ = [
     "GENERIC",
     "CPForward",
     "CPModules",
-    "FamilyArgs",
+    "ModelArgs",
     "FamilySpec",
     "HFStateDictAdapter",
     "KVCacheModules",

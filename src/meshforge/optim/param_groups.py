@@ -15,7 +15,7 @@ Rule, in order:
 
 An entry matches a parameter's full dotted name as a substring (`bias`, `norm`,
 `embed_tokens`), or, when it contains `*`, `?` or `{`, as an anchored module pattern
-(`meshforge.parallel.patterns`): `*.bias`, `model.layers.{0-3}.*`. Wrapper segments that
+(`meshforge.utils.patterns`): `*.bias`, `model.layers.{0-3}.*`. Wrapper segments that
 torch inserts (`_orig_mod.` from `torch.compile`, `_checkpoint_wrapped_module.` from activation
 checkpointing, `_fsdp_wrapped_module.`) are removed before matching, so the names are those of
 the unwrapped model. FSDP2 keeps parameter names, and a DTensor's dimensions are its global
@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from meshforge.parallel.patterns import ModulePattern, compile_pattern, is_pattern, suggest_names
+from meshforge.utils.patterns import ModulePattern, compile_pattern, is_pattern, suggest_names
 
 if TYPE_CHECKING:
     from torch import nn

@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from meshforge.parallel.patterns import match_modules
+from meshforge.utils.patterns import match_modules
 
 _STATS = ("last_aux_stats", "last_tokens_per_expert")
 

@@ -232,7 +232,7 @@ def _select_experts(
         ValueError: naming ``parallelism.ep_modules`` for a pattern that matches nothing or a
             module that is not an experts container.
     """
-    from meshforge.parallel.patterns import match_modules
+    from meshforge.utils.patterns import match_modules
 
     containers = {id(m): m for _, m in experts}
     chosen = []

@@ -96,7 +96,7 @@ def quant_settings(model: ModelConfig) -> QuantSettings | None:
         ValueError: naming the key, for an unknown converter, one that does not fit the recipe,
             or patterns that do not compile.
     """
-    from meshforge.parallel.patterns import compile_pattern
+    from meshforge.utils.patterns import compile_pattern
 
     recipe = model.quant_recipe_name
     if recipe is None:
@@ -201,7 +201,7 @@ def _selected(
     """The `nn.Linear` modules inside an apply pattern's match and outside every ignored one."""
     import torch.nn as nn
 
-    from meshforge.parallel.patterns import compile_pattern, match_modules
+    from meshforge.utils.patterns import compile_pattern, match_modules
 
     roots = match_modules(
         model, settings.apply_modules, key_path=f"{_K}.quant_apply_modules", allow_unmatched=allow_unmatched

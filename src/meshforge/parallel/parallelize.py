@@ -166,9 +166,14 @@ def parallelize_model(
         )
     if activation is not None and activation.active:
         from meshforge.memory.apply import apply_activation_memory
+        from meshforge.parallel.tensor import sequence_shards
 
         activation_applied = apply_activation_memory(
-            model, activation, num_layers=num_layers, tp_mesh=mesh.view("tp") if dims.tp > 1 else None
+            model,
+            activation,
+            num_layers=num_layers,
+            tp_mesh=mesh.view("tp") if dims.tp > 1 else None,
+            sequence_parallel=sequence_shards(model) > 1,
         )
     if par.enable_chunk_batch:
         from meshforge.parallel.chunk_batch import apply_chunk_batch

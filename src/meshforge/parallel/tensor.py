@@ -296,7 +296,7 @@ def generic_tp_plan(
         NotImplementedError: a norm over the whole (split) projection output, which would need
             the full features on every rank.
     """
-    from meshforge.parallel.patterns import match_modules
+    from meshforge.utils.patterns import match_modules
 
     plan: dict[str, ParallelStyle] = {}
     col = match_modules(model, list(colwise), key_path="parallelism.tp_colwise") if colwise else []

@@ -11,15 +11,13 @@ from typing import TYPE_CHECKING
 
 from pydantic import ConfigDict
 
+from meshforge.data.config import TEMPLATE_NAMES, TOOL_FORMATS
 from meshforge.data.options import LoaderOptions
 
 if TYPE_CHECKING:
     from meshforge.data.config import TrainDatasetConfig
 
-# Built chat templates (`train_dataset.template`; null = the tokenizer's own chat_template) and tool
-# formats, listed here so the config can check names without importing the templates module.
-TEMPLATE_NAMES = ("qwen3", "qwen3_nothink", "chatml", "llama3", "empty", "gpt", "gpt_oss")
-TOOL_FORMATS = ("qwen",)
+__all__ = ["TEMPLATE_NAMES", "TOOL_FORMATS", "SFTDataLoaderOptions", "SFTSequenceOptions"]
 
 
 class SFTSequenceOptions(LoaderOptions):

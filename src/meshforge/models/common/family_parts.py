@@ -25,10 +25,10 @@ if TYPE_CHECKING:
     from meshforge.models.common.stage import LayerRunner, StageBatch
     from meshforge.models.spec import (
         CPModules,
-        FamilyArgs,
         FamilySpec,
         HFStateDictAdapter,
         KVCacheModules,
+        ModelArgs,
         RecurrentState,
         TPPlan,
     )
@@ -46,7 +46,7 @@ def load(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def builder(path: str, args_type: type) -> Callable[[FamilyArgs, str | torch.device], nn.Module]:
+def builder(path: str, args_type: type) -> Callable[[ModelArgs, str | torch.device], nn.Module]:
     """``FamilySpec.builder``: calls ``path(args, device=device)`` with the family's own args.
 
     Args:
@@ -54,7 +54,7 @@ def builder(path: str, args_type: type) -> Callable[[FamilyArgs, str | torch.dev
         args_type: The family's args dataclass (anything else is a caller's bug: TypeError).
     """
 
-    def build(args: FamilyArgs, device: str | torch.device) -> nn.Module:
+    def build(args: ModelArgs, device: str | torch.device) -> nn.Module:
         if not isinstance(args, args_type):
             raise TypeError(f"{path} builds from {args_type.__name__}, got {type(args).__name__}")
         model: nn.Module = load(path)(args, device=device)
@@ -78,10 +78,10 @@ def tp_plan(module: str) -> TPPlan:
     return plan
 
 
-def adapter(path: str) -> Callable[[FamilySpec, FamilyArgs | None], HFStateDictAdapter]:
+def adapter(path: str) -> Callable[[FamilySpec, ModelArgs | None], HFStateDictAdapter]:
     """``FamilySpec.adapter``: ``path(spec, args)`` (an adapter class or a factory function)."""
 
-    def make(spec: FamilySpec, args: FamilyArgs | None) -> HFStateDictAdapter:
+    def make(spec: FamilySpec, args: ModelArgs | None) -> HFStateDictAdapter:
         made: HFStateDictAdapter = load(path)(spec, args)
         return made
 

@@ -5,17 +5,34 @@ the same layout (qwen3, llama, gpt_oss), uses this class as it is. Families with
 (qwen3_moe, qwen3_next, deepseek_v3) override ``hf_sources`` / ``from_hf`` / ``to_hf`` and set
 ``renames_only = False`` (the loader then reads whole source tensors instead of each rank's
 slice). Light: torch is imported only for type checking.
+
+The adapter reads three names of its family (``AdapterFamily``, which ``FamilySpec`` satisfies)
+rather than importing ``models/spec.py``: the spec builds this class as its default adapter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from meshforge.models.common.model_args import ModelArgs
 
 if TYPE_CHECKING:
     import torch
 
-    from meshforge.models.spec import FamilyArgs, FamilySpec
+
+class AdapterFamily(Protocol):
+    """The names of a family (a ``FamilySpec``) that the adapter's defaults come from."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def hf_architectures(self) -> tuple[str, ...]: ...
+
+    @property
+    def option_keys(self) -> frozenset[str]: ...
+
 
 #: Buffers a checkpoint may carry that no model parameter needs.
 DEFAULT_IGNORED_KEYS: tuple[str, ...] = ("*.rotary_emb.inv_freq",)
@@ -35,7 +52,7 @@ class HFAdapterBase:
     extra_ignored_keys: ClassVar[tuple[str, ...]] = ()
     renames_only: ClassVar[bool] = True
 
-    def __init__(self, spec: FamilySpec, args: FamilyArgs | None = None) -> None:
+    def __init__(self, spec: AdapterFamily, args: ModelArgs | None = None) -> None:
         self.spec = spec
         self.args = args
 
@@ -57,7 +74,7 @@ class HFAdapterBase:
     def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: tensor}
 
-    def to_hf_config(self, args: FamilyArgs) -> dict[str, object]:
+    def to_hf_config(self, args: ModelArgs) -> dict[str, object]:
         body = dict(args.to_hf_dict())
         body.setdefault("model_type", self.spec.name)
         body.setdefault("architectures", [self.architecture])
@@ -67,4 +84,4 @@ class HFAdapterBase:
         return {k: v for k, v in config.items() if k in self.spec.option_keys}
 
 
-__all__ = ["DEFAULT_IGNORED_KEYS", "HFAdapterBase"]
+__all__ = ["DEFAULT_IGNORED_KEYS", "AdapterFamily", "HFAdapterBase"]

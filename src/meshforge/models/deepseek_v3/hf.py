@@ -63,10 +63,10 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
             published block-wise FP8 is), or a routing variant other than the one transformers
             implements (``scoring_func``, ``topk_method``, ``moe_layer_freq``).
     """
-    from meshforge.checkpoint.dequant import quantization_method
+    from meshforge.models.common.dequant import quantization_method
     from meshforge.models.deepseek_v3.args import OPTION_KEYS
 
-    # The published FP8 weights are dequantised at load (checkpoint/dequant.py); other formats fail here.
+    # The published FP8 weights are dequantised at load (models/common/dequant.py); other formats fail here.
     quantization_method(config)
     for key, expected in _FIXED_HF_KEYS.items():
         if key in config and config[key] != expected:

@@ -20,7 +20,7 @@ So ``hf_sources``/``from_hf``/``to_hf`` keep the protocol defaults (which also l
 FSDP loader read only each rank's slice). What this module adds is the config
 mapping. OpenAI's MXFP4 release format (``*_blocks``/``*_scales`` expert tensors,
 ``quantization_config`` in config.json) is dequantised at load by
-:mod:`meshforge.checkpoint.dequant`.
+:mod:`meshforge.models.common.dequant`.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: For a ``quantization_config`` format the loader does not dequantise (MXFP4 is).
     """
-    from meshforge.checkpoint.dequant import quantization_method
+    from meshforge.models.common.dequant import quantization_method
     from meshforge.models.gpt_oss.args import OPTION_KEYS
 
-    # OpenAI's MXFP4 experts are dequantised at load (checkpoint/dequant.py); other formats fail here.
+    # OpenAI's MXFP4 experts are dequantised at load (models/common/dequant.py); other formats fail here.
     quantization_method(config)
     return {k: v for k, v in config.items() if k in OPTION_KEYS and k != "flavor"}
 

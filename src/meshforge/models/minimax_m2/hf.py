@@ -32,7 +32,7 @@ from meshforge.models.minimax_m2.args import MiniMaxM2Args
 if TYPE_CHECKING:
     import torch
 
-    from meshforge.models.spec import FamilyArgs, FamilySpec
+    from meshforge.models.spec import FamilySpec, ModelArgs
 
 HF_ARCHITECTURE = "MiniMaxM2ForCausalLM"
 
@@ -67,7 +67,7 @@ class MiniMaxM2StateDictAdapter(HFAdapterBase):
     hf_architecture = HF_ARCHITECTURE
     renames_only = False
 
-    def __init__(self, spec: FamilySpec, args: FamilyArgs | None = None) -> None:
+    def __init__(self, spec: FamilySpec, args: ModelArgs | None = None) -> None:
         super().__init__(spec, args)
         self.num_experts = args.num_local_experts if isinstance(args, MiniMaxM2Args) else None
 
@@ -112,7 +112,7 @@ class MiniMaxM2StateDictAdapter(HFAdapterBase):
                 out[key] = part.contiguous().clone()
         return out
 
-    def to_hf_config(self, args: FamilyArgs) -> dict[str, object]:
+    def to_hf_config(self, args: ModelArgs) -> dict[str, object]:
         return {"model_type": "minimax_m2", "architectures": [HF_ARCHITECTURE], **args.to_hf_dict()}
 
     def from_hf_config(self, config: Mapping[str, object]) -> dict[str, object]:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from meshforge.models.qwen3_moe.args import Qwen3MoeArgs
-    from meshforge.models.spec import FamilyArgs, FamilySpec
+    from meshforge.models.spec import FamilySpec, ModelArgs
 
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 
@@ -197,7 +197,7 @@ class Qwen3MoeStateDictAdapter(HFAdapterBase):
     renames_only = False
 
     def __init__(
-        self, spec: FamilySpec, args: FamilyArgs | None = None, *, num_experts: int | None = None
+        self, spec: FamilySpec, args: ModelArgs | None = None, *, num_experts: int | None = None
     ) -> None:
         super().__init__(spec, args)
         self.experts = Qwen3MoeHFAdapter(num_experts=num_experts) if num_experts is not None else None

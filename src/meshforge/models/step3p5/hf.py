@@ -30,7 +30,7 @@ from meshforge.models.step3p5.args import OPTION_KEYS, Step3p5Args
 if TYPE_CHECKING:
     import torch
 
-    from meshforge.models.spec import FamilyArgs, FamilySpec
+    from meshforge.models.spec import FamilySpec, ModelArgs
 
 HF_ARCHITECTURE = "Step3p5ForCausalLM"
 
@@ -79,7 +79,7 @@ class Step3p5StateDictAdapter(HFAdapterBase):
             return {keys[0]: gate.contiguous().clone(), keys[1]: up.contiguous().clone()}
         return {keys[0]: tensor}
 
-    def to_hf_config(self, args: FamilyArgs) -> dict[str, object]:
+    def to_hf_config(self, args: ModelArgs) -> dict[str, object]:
         return {"model_type": "step3p5", "architectures": [HF_ARCHITECTURE], **args.to_hf_dict()}
 
     def from_hf_config(self, config: Mapping[str, object]) -> dict[str, object]:

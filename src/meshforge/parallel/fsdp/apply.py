@@ -140,7 +140,7 @@ def _check_patterns_over_stages(model: nn.Module, patterns: Sequence[str], key_p
     Raises:
         ValueError: `<key_path>[i]` for a pattern that matches no module on any rank.
     """
-    from meshforge.parallel.patterns import match_modules
+    from meshforge.utils.patterns import match_modules
 
     hits = torch.tensor(
         [float(bool(match_modules(model, [p], key_path=key_path, allow_unmatched=True))) for p in patterns]
@@ -167,7 +167,7 @@ def _prefetch_chain(
     """
     if hook_modules is None:
         return default
-    from meshforge.parallel.patterns import match_modules
+    from meshforge.utils.patterns import match_modules
 
     key = "parallelism.hook_modules"
     if pipeline_parallel:
@@ -295,7 +295,7 @@ def apply_fsdp_patterns(
         ValueError: `<key_path>[i]: ...` for a pattern that is invalid or matches no module;
             `parallelism.ignored_modules[i]` / `parallelism.shard_placement_fn` likewise.
     """
-    from meshforge.parallel.patterns import match_modules
+    from meshforge.utils.patterns import match_modules
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if reshard_policy == "default":

@@ -41,7 +41,7 @@ def mark_ignored(
             matches only modules without parameters; `<key_path>` when every parameter would
             be ignored (nothing left to shard).
     """
-    from meshforge.parallel.patterns import compile_pattern, match_modules
+    from meshforge.utils.patterns import compile_pattern, match_modules
 
     if not patterns:
         setattr(model, IGNORED_ATTR, ())

@@ -4,6 +4,9 @@ A LoRA step folder holds only what trains (adapters, optimizer, trainer state); 
 `trainer_state.json` carries `lora.base`: the folder the base weights came from (a Hugging Face
 folder or a full meshforge DCP step) and a SHA-256 over its weight files, so that resuming or
 exporting against a changed base is caught instead of silently training another model.
+
+The checkpoint keeps adapters and base weights apart by name (`is_adapter_parameter`), so the
+naming rule of the adapter matrices (`lora/layer.py` creates them) is stated here, below both.
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ from typing import Any
 
 import torch.nn as nn
 
-from meshforge.lora.layer import is_adapter_parameter
-
 _CHUNK = 1 << 22
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether a parameter name (any prefix) is an adapter matrix (`...lora_A.weight`, `lora_B`)."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B") and parts[-1] == "weight"
 
 
 def _weight_files(folder: Path, kind: str) -> list[Path]:
