@@ -44,6 +44,9 @@ SPECS: tuple[FamilySpec, ...] = (
     STEP3P5,
 )
 _FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in SPECS}
+# By a model class' `family`: the built-in families, and the transformers path's wrapped models
+# (their spec is built per folder, so `FAMILY` holds its pieces without one).
+_MODEL_FAMILIES: dict[str, FamilySpec] = {**_FAMILIES, GENERIC: GENERIC_FAMILY}
 
 
 def _families() -> dict[str, FamilySpec]:
@@ -172,9 +175,7 @@ def spec_of_model_class(cls: type) -> FamilySpec | None:
     (``models/generic/spec.py``: ``FAMILY``, the same for every folder).
     """
     name = getattr(cls, "family", None)
-    if name == GENERIC:
-        return GENERIC_FAMILY
-    return _FAMILIES.get(name) if isinstance(name, str) else None
+    return _MODEL_FAMILIES.get(name) if isinstance(name, str) else None
 
 
 def spec_of_model(model: nn.Module) -> FamilySpec | None:

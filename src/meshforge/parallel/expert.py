@@ -180,8 +180,8 @@ def apply_ep(
     if not experts:
         if not type(model).__module__.startswith("meshforge."):
             raise NotImplementedError(
-                f"not supported yet: parallelism.expert_parallel > 1 for {type(model).__name__}, a model "
-                f"of no family spec with experts; built-in MoE families: {', '.join(sorted(count_keys))}"
+                f"not supported yet: parallelism.expert_parallel > 1 for transformers models (the generic "
+                f"path; {type(model).__name__}); built-in MoE families: {', '.join(sorted(count_keys))}"
             )
         if callable(getattr(model, "moe_layers", None)):  # a MoE family without the token_exchange seam
             raise NotImplementedError(f"not supported yet: parallelism.expert_parallel > 1 for {family_name}")

@@ -278,8 +278,8 @@ def _refuse_custom_patterns(family: str, colwise: list[str] | None, rowwise: lis
     ):
         if given is not None and list(given) != list(default):
             raise ValueError(
-                f"parallelism.{key}: module patterns drive tensor parallelism on the transformers path "
-                f"(a model folder of no built-in family) only; the built-in {family} family has its own plan "
+                f"parallelism.{key}: module patterns drive tensor parallelism on the generic transformers "
+                f"path only; the built-in {family} family has its own plan "
                 f"(meshforge/models/{family}/parallelize.py); leave {key} at its default"
             )
 

@@ -88,7 +88,7 @@ def apply_cp(
     if not decoders or not (attentions or mixers):
         raise NotImplementedError(
             f"not supported yet: parallelism.context_parallel > 1 for {name} (CP runs on the built-in "
-            f"families {', '.join(built_families())} and, through transformers, models of a local folder)"
+            f"families {', '.join(built_families())} and the generic transformers path)"
         )
     u = _ulysses_size(cp_mesh, method, ulysses_degree)
     for attn in attentions:
