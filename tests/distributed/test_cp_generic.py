@@ -74,7 +74,7 @@ def _build(folder: Path) -> torch.nn.Module:
 
     from safetensors.torch import load_file
 
-    from meshforge.models.generic import generic_family
+    from meshforge.models.generic.spec import generic_family
 
     hf_config = json.loads((folder / "config.json").read_text())
     model = generic_family(folder, hf_config, trust_remote_code=False).build({}, device="cpu")

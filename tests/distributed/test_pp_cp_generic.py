@@ -86,7 +86,7 @@ def _build(folder: Path) -> torch.nn.Module:
     """The folder's model as meshforge's generic path builds it, with the saved weights."""
     from safetensors.torch import load_file
 
-    from meshforge.models.generic import generic_family
+    from meshforge.models.generic.spec import generic_family
 
     hf_config = json.loads((folder / "config.json").read_text())
     model = generic_family(folder, hf_config, trust_remote_code=False).build({}, device="cpu")

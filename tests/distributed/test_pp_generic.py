@@ -73,7 +73,7 @@ def build_generic(folder: Path) -> torch.nn.Module:
     """The folder's model through meshforge's generic path, on cpu, with the saved weights."""
     from safetensors.torch import load_file
 
-    from meshforge.models.generic import generic_family
+    from meshforge.models.generic.spec import generic_family
 
     config = json.loads((folder / "config.json").read_text())
     model = generic_family(folder, config, trust_remote_code=False).build({}, device="cpu")
@@ -166,7 +166,7 @@ def test_pp2_generic_qwen3_equals_one_process(tmp_path: Path) -> None:
 
 def test_generic_refusals(tmp_path: Path) -> None:
     """Model types and layouts the stages cannot reproduce are refused by name."""
-    from meshforge.models.generic import wrap_generic
+    from meshforge.models.generic.model import wrap_generic
     from meshforge.parallel.pipeline import split_model
 
     config = transformers.GemmaConfig(**{**QWEN3, "num_hidden_layers": 2})

@@ -177,7 +177,8 @@ def _check_generic(mesh) -> None:
     """transformers' Qwen3 (per-head q/k norms, GQA) through the pattern-driven plan."""
     import transformers
 
-    from meshforge.models.generic import wrap_generic
+    from meshforge.models.generic.model import wrap_generic
+    from meshforge.models.generic.spec import FAMILY as GENERIC
     from meshforge.parallel.config import MS_TP_COLWISE, MS_TP_ROWWISE
     from meshforge.parallel.tensor import apply_tp
 
@@ -207,7 +208,7 @@ def _check_generic(mesh) -> None:
     ):
         ref.zero_grad(set_to_none=True)
         tp = copy.deepcopy(ref)
-        apply_tp(tp, mesh, family="generic", **kwargs)
+        apply_tp(tp, mesh, family=GENERIC, **kwargs)
         assert type(tp.model.layers[0].self_attn.q_norm.weight).__name__ == "DTensor"
         _compare(case, ref, tp, _batch(128, packed=True))
 
@@ -218,11 +219,11 @@ def _check_generic(mesh) -> None:
     assert ref.lm_head.weight is ref.model.embed_tokens.weight
     tp = copy.deepcopy(ref)
     with pytest.raises(ValueError, match="lm_head.weight is tied to model.embed_tokens.weight"):
-        apply_tp(copy.deepcopy(ref), mesh, family="generic", colwise=["lm_head"], rowwise=[])
+        apply_tp(copy.deepcopy(ref), mesh, family=GENERIC, colwise=["lm_head"], rowwise=[])
     apply_tp(
         tp,
         mesh,
-        family="generic",
+        family=GENERIC,
         colwise=[*MS_TP_COLWISE, "lm_head"],
         rowwise=[*MS_TP_ROWWISE, "model.embed_tokens"],
         loss_parallel=True,

@@ -18,7 +18,7 @@ from meshforge.models.common.causal_lm import MoECausalLM
 from meshforge.models.common.moe import ExpertsBase
 from meshforge.models.common.stage import StageBatch
 from meshforge.models.registry import SPECS, built_families, kv_cache_families, resolve_family, spec_of_model
-from meshforge.models.spec import CPModules, FamilySpec, HFStateDictAdapter, KVCacheModules
+from meshforge.models.spec import GENERIC, CPModules, FamilySpec, HFStateDictAdapter, KVCacheModules
 from meshforge.models.vocab import vocab_plan
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -32,7 +32,9 @@ def _build(spec: FamilySpec) -> nn.Module:
 
 def test_registry_lists_one_spec_per_family_folder():
     folders = sorted(p.parent.name for p in (PACKAGE / "models").glob("*/spec.py"))
-    assert folders == FAMILIES
+    # The transformers path's spec is built per model folder (generic_family), so the registry
+    # holds only its folder-less FAMILY, for spec_of_model, outside SPECS.
+    assert folders == sorted([*FAMILIES, GENERIC])
     assert [spec.name for spec in SPECS] == [resolve_family(model_type=s.name).name for s in SPECS]
 
 
@@ -165,6 +167,71 @@ def test_config_refuses_the_cp_methods_the_spec_refuses(spec: FamilySpec):
         assert f"{key}: not supported yet: context_parallel > 1 for {spec.name}: " in str(err.value)
         assert spec.cp_refusal in str(err.value)
     assert runs == list(spec.cp_methods), (runs, spec.cp_methods)
+
+
+def test_generic_spec_gives_every_piece_parallel_asks(tmp_path: Path):
+    """The transformers path's spec: one per folder, the same pieces as the registry's ``FAMILY``."""
+    transformers = pytest.importorskip("transformers")
+    from meshforge.models.generic.spec import FAMILY, generic_family
+    from meshforge.utils.patterns import match_modules
+
+    config = transformers.MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=None,
+        architectures=["MistralForCausalLM"],
+    )
+    config.save_pretrained(tmp_path)
+    family = generic_family(tmp_path, config.to_dict(), trust_remote_code=False)
+    assert family.name == "mistral" and family.hf_architectures == ("MistralForCausalLM",)
+    torch.manual_seed(0)
+    model = family.build({}, device="cpu")
+    assert spec_of_model(model) is FAMILY and FAMILY.name == GENERIC
+    pieces = ("pattern_tp_plan", "stage_check", "stage_preparation", "cp_apply", "ep_adapter", "adapter")
+    assert all(getattr(family, p) is getattr(FAMILY, p) is not None for p in pieces)
+    assert family.tp_plan is None and family.cp_modules is None and not family.fsdp_layer_units
+
+    # TP: styles for exactly the matched modules; a module matched both ways is refused by key.
+    assert family.pattern_tp_plan is not None
+    col = match_modules(model, ["*.q_proj"], key_path="parallelism.tp_colwise")
+    row = match_modules(model, ["*.o_proj"], key_path="parallelism.tp_rowwise")
+    plan = family.pattern_tp_plan(model, tp=2, colwise=col, rowwise=row, loss_parallel=False)
+    assert sorted(plan) == sorted(name for name, _ in col + row)
+    assert all(isinstance(style, ParallelStyle) for style in plan.values())
+    with pytest.raises(ValueError, match="tp_colwise and parallelism.tp_rowwise both match"):
+        family.pattern_tp_plan(model, tp=2, colwise=col, rowwise=col, loss_parallel=False)
+
+    # PP: the layout is accepted, and a stage runs the layers as the model's own forward does.
+    assert family.stage_check is not None and family.stage_preparation is not None
+    family.stage_check(model)
+    ids = torch.randint(0, 64, (1, 8))
+    inner = model.model
+    layers = list(inner.layers)
+    inner.layers = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
+    h = inner.embed_tokens(ids)
+    run = family.stage_preparation(StageBatch(inner, ids, h, None, None, 8, layers, model))
+    for layer in layers:
+        h = run(layer, h)
+    got = model.lm_head(inner.norm(h))
+    inner.layers = torch.nn.ModuleList(layers)
+    expected = model(ids)
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-6
+
+    # EP: the adapter refuses a module that is not transformers' fused experts, naming it.
+    assert family.ep_adapter is not None
+    adapter = family.ep_adapter()
+    with pytest.raises(
+        NotImplementedError, match=r"MistralMLP \(model\.layers\.0\.mlp, parallelism\.ep_modules\)"
+    ):
+        adapter.check("model.layers.0.mlp", model.model.layers[0].mlp)
+    with pytest.raises(NotImplementedError, match="alltoall_deredundancy.*use alltoall"):
+        adapter.check_dispatcher("alltoall_deredundancy")
+    adapter.check_dispatcher("alltoall")
 
 
 def test_cp_method_refusal_comes_from_the_spec():

@@ -161,7 +161,11 @@ def test_export_reloads_in_transformers_with_equal_logits(hf_moe: Path, tmp_path
 
 
 def test_ep_takes_the_fused_layout_and_refuses_others_by_class(hf_mixtral: Path) -> None:
-    from meshforge.parallel.expert_generic import generic_experts
+    from meshforge.models.generic.experts import FusedExpertsAdapter
+    from meshforge.parallel.expert import adapted_experts
+
+    def generic_experts(model: torch.nn.Module, patterns: list[str]) -> list[tuple[str, torch.nn.Module]]:
+        return adapted_experts(model, FusedExpertsAdapter(), patterns)
 
     model = _load_ours(hf_mixtral)
     chosen = generic_experts(model, ["model.layers.{*}.mlp.experts"])
@@ -177,7 +181,7 @@ def test_ep_takes_the_fused_layout_and_refuses_others_by_class(hf_mixtral: Path)
 
 
 def test_qwen3_moe_experts_of_transformers_have_the_known_layout() -> None:
-    from meshforge.parallel.expert_generic import layout_problem
+    from meshforge.models.generic.experts import layout_problem
 
     config = transformers.Qwen3MoeConfig(
         vocab_size=64,

@@ -19,8 +19,6 @@ The rules (docs/architecture.md, "Layers"), one test each, every failure naming 
 - no two packages import each other, arrows into the shared contracts aside (the config base
   classes, the section models `config/` composes, the trainer's two contracts).
 
-Entries of the `KNOWN_UNTIL_*` sets are findings that another change removes (each names it);
-an entry that no longer occurs fails too, so the sets only shrink.
 """
 
 from __future__ import annotations
@@ -68,17 +66,6 @@ CONFIG_READS = {
     f"{PACKAGE}.parallel.float8": "the model.quant_* recipe checks (torchao imported on use)",
     f"{PACKAGE}.optim.specs": "each optimizer's and schedule's passthrough keys",
     f"{PACKAGE}.memory.ops": "the operator words of recompute exclude_op",
-}
-
-# Findings that the generic family's move to `models/generic/` removes (`parallel/` then has
-# no generic branch). The integrator deletes these entries with that merge.
-KNOWN_UNTIL_GENERIC_FAMILY = {
-    "typed circle": {
-        f"{PACKAGE}.parallel.expert <-> {PACKAGE}.parallel.expert_generic",
-    },
-    "parallel -> model module": {
-        f"{PACKAGE}.parallel.pipeline.generic_stage -> {PACKAGE}.models.generic",
-    },
 }
 
 
@@ -258,16 +245,9 @@ def package_circles(edges: list[tuple[str, str]], allowed: frozenset[frozenset[s
 BOTH_WAYS: frozenset[frozenset[str]] = frozenset()
 
 
-def _check(problems: list[str], known: set[str], what: str) -> None:
-    """Fail on every problem that is not known, and on every known entry that no longer occurs."""
-    new = [p for p in problems if p.split(" (")[0] not in known]
-    gone = sorted(known - {p.split(" (")[0] for p in problems})
-    message = ""
-    if new:
-        message += f"{what}:\n" + "\n".join(new)
-    if gone:
-        message += "\nno longer found (delete from its KNOWN_UNTIL_* set):\n" + "\n".join(gone)
-    assert not message, message
+def _check(problems: list[str], what: str) -> None:
+    """Fail naming every problem."""
+    assert not problems, f"{what}:\n" + "\n".join(problems)
 
 
 def test_every_module_is_seen() -> None:
@@ -283,7 +263,7 @@ def test_no_import_circles() -> None:
 
 def test_no_type_level_circles() -> None:
     cycles = [" <-> ".join(c) for c in find_cycles(internal_graph(typed=True))]
-    _check(cycles, KNOWN_UNTIL_GENERIC_FAMILY["typed circle"], "import circles with TYPE_CHECKING imports")
+    _check(cycles, "import circles with TYPE_CHECKING imports")
 
 
 def test_only_cli_imports_cli_and_components_never_import_the_trainer() -> None:
@@ -308,9 +288,7 @@ def test_parallel_reaches_models_through_the_spec() -> None:
         and not any(_in(target, a) for a in allowed)
         and not is_section_model(target)
     ]
-    _check(
-        problems, KNOWN_UNTIL_GENERIC_FAMILY["parallel -> model module"], "parallel imports a model module"
-    )
+    _check(problems, "parallel imports a model module")
 
 
 def test_models_and_data_never_import_each_other() -> None:

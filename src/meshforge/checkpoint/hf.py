@@ -12,7 +12,7 @@ Each family's spec gives its adapter (``FamilySpec.hf_adapter(args)``, the
 ``to_hf_config``, ``from_hf_config``, ``architecture``, ``ignored_keys``, ``renames_only``).
 ``meshforge.models.common.hf_adapter.HFAdapterBase`` is the identity mapping (parameter names
 are the HF safetensors keys, as for qwen3); families with fused experts subclass it. The generic
-path's adapter is bound to the model and the folder's keys first (``models/generic_hf.py``:
+path's adapter is bound to the model and the folder's keys first (``models/generic/hf.py``:
 transformers' own conversion mapping), and its persistent buffers load and export too.
 
 Families whose adapter only renames (``renames_only``) get a cheaper sharded load: each FSDP rank
@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshforge.checkpoint.readers import open_safetensors, read_json_object
 from meshforge.models.common.dequant import quantized_view
-from meshforge.models.generic_hf import bind_generic, persistent_buffers, state_tensors
+from meshforge.models.generic.hf import bind_generic, persistent_buffers, state_tensors
 
 if TYPE_CHECKING:
     from meshforge.models.registry import FamilySpec

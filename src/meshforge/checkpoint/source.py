@@ -123,7 +123,7 @@ def _generic_source(
     emit: Callable[[str], None],
 ) -> ModelSource:
     """No built-in family: transformers' ``AutoModelForCausalLM`` from the folder (the generic path)."""
-    from meshforge.models.generic import generic_family
+    from meshforge.models.generic.spec import generic_family
 
     family = generic_family(hf_dir, config, trust_remote_code=model_cfg.trust_remote_code)
     try:

@@ -37,7 +37,7 @@ def _transformers_builds(family: str) -> bool:
     """Whether transformers has a model of this family (the generic path is transformers' own)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    from meshforge.models.generic import GENERIC
+    from meshforge.models.spec import GENERIC
 
     return family == GENERIC or family in CONFIG_MAPPING_NAMES
 

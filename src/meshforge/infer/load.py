@@ -148,7 +148,7 @@ def as_transformers(loaded: GenerationModel, log: Log) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from meshforge.checkpoint.hf import save_hf
-    from meshforge.models.generic import GENERIC
+    from meshforge.models.spec import GENERIC
 
     if loaded.family.name == GENERIC:
         return loaded.model

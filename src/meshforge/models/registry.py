@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from meshforge.models.deepseek_v3.spec import FAMILY as DEEPSEEK_V3
+from meshforge.models.generic.spec import FAMILY as GENERIC_FAMILY
 from meshforge.models.gpt_oss.spec import FAMILY as GPT_OSS
 from meshforge.models.llama.spec import FAMILY as LLAMA
 from meshforge.models.mamba3.spec import FAMILY as MAMBA3
@@ -22,7 +23,7 @@ from meshforge.models.minimax_m2.spec import FAMILY as MINIMAX_M2
 from meshforge.models.qwen3.spec import FAMILY as QWEN3
 from meshforge.models.qwen3_moe.spec import FAMILY as QWEN3_MOE
 from meshforge.models.qwen3_next.spec import FAMILY as QWEN3_NEXT
-from meshforge.models.spec import FamilySpec
+from meshforge.models.spec import GENERIC, FamilySpec
 from meshforge.models.step3p5.spec import FAMILY as STEP3P5
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ SPECS: tuple[FamilySpec, ...] = (
     STEP3P5,
 )
 _FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in SPECS}
+# By a model class' `family`: the built-in families, and the transformers path's wrapped models
+# (their spec is built per folder, so `FAMILY` holds its pieces without one).
+_MODEL_FAMILIES: dict[str, FamilySpec] = {**_FAMILIES, GENERIC: GENERIC_FAMILY}
 
 
 def _families() -> dict[str, FamilySpec]:
@@ -174,13 +178,17 @@ def build_model(
 
 
 def spec_of_model_class(cls: type) -> FamilySpec | None:
-    """The spec of a built-in model class (its ``family`` class attribute), else None."""
+    """The spec of a model class (its ``family`` class attribute), else None.
+
+    A wrapped transformers model (``family`` = ``GENERIC``) gets the transformers path's pieces
+    (``models/generic/spec.py``: ``FAMILY``, the same for every folder).
+    """
     name = getattr(cls, "family", None)
-    return _FAMILIES.get(name) if isinstance(name, str) else None
+    return _MODEL_FAMILIES.get(name) if isinstance(name, str) else None
 
 
 def spec_of_model(model: nn.Module) -> FamilySpec | None:
-    """The spec of a built-in family's model (or pipeline stage of one), else None (generic, other)."""
+    """The spec of a family's model (or pipeline stage of one), else None."""
     return spec_of_model_class(type(model))
 
 

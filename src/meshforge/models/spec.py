@@ -15,9 +15,9 @@ implementations (``hf_adapter.HFAdapterBase``, ``stage.decoder_stage``, ``tp_pla
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from meshforge.models.common.model_args import ModelArgs
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
+    from meshforge.models.common.moe import TokenExchange
     from meshforge.models.common.stage import LayerRunner, StageBatch
 
 #: ``model_type`` of the generic transformers path (any ``AutoModelForCausalLM`` from a folder).
@@ -85,6 +86,29 @@ class TPPlan(Protocol):
 
     def __call__(
         self, model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool
+    ) -> dict[str, ParallelStyle]: ...
+
+
+class PatternTPPlan(Protocol):
+    """A tensor-parallel plan from the modules ``parallelism.tp_colwise`` / ``tp_rowwise`` match.
+
+    For a family whose module tree meshforge does not write (the transformers path): ``parallel/``
+    matches the patterns (errors name the key) and the plan turns the matched modules into
+    styles. It runs without sequence parallelism (a residual stream meshforge does not own cannot
+    be annotated from outside).
+
+    Raises ``ValueError`` naming the key for a module that cannot be split or a size not divisible
+    by ``tp``, ``NotImplementedError`` for a split the plan cannot keep exact.
+    """
+
+    def __call__(
+        self,
+        model: nn.Module,
+        *,
+        tp: int,
+        colwise: Sequence[tuple[str, nn.Module]],
+        rowwise: Sequence[tuple[str, nn.Module]],
+        loss_parallel: bool,
     ) -> dict[str, ParallelStyle]: ...
 
 
@@ -161,6 +185,58 @@ class KVCacheModules(NamedTuple):
     mixer_attributes: tuple[str, ...] = ("self_attn",)
 
 
+class CPPlan(Protocol):
+    """What model code calls on the context-parallel plan ``apply_cp`` hands it.
+
+    ``meshforge.parallel.context.ContextParallel`` implements it; a family that switches its
+    model to the plan itself (``FamilySpec.cp_apply``) sees only this.
+    """
+
+    method: str
+    ulysses_size: int
+
+    def prepare(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, segment_ids: torch.Tensor | None
+    ) -> tuple[Any, torch.Tensor]:
+        """This forward's CP mask object and the local tokens' global positions."""
+        ...
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Any,
+        *,
+        scale: float,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Attention of the local queries ``[B, H, S_local, Dv]`` over the whole rows."""
+        ...
+
+
+class ExpertsAdapter(Protocol):
+    """Expert parallelism on experts modules that are no family container (``MoESpec.expert_type``).
+
+    The transformers path's fused experts modules, chosen by ``parallelism.ep_modules``:
+    ``parallel.expert.apply_ep`` matches the patterns, asks the adapter to check each module,
+    shards its ``[num_experts, ...]`` weights and hands it the token exchange.
+    """
+
+    def check_dispatcher(self, token_dispatcher: str) -> None:
+        """Refuse (``NotImplementedError``) a ``moe_token_dispatcher_type`` the EP forward cannot run."""
+        ...
+
+    def check(self, name: str, module: nn.Module) -> None:
+        """Refuse (``NotImplementedError``, naming ``module`` and why) a module of another layout."""
+        ...
+
+    def use_exchange(self, module: nn.Module, exchange: TokenExchange) -> None:
+        """Give a module whose weights EP sharded the forward that routes tokens through ``exchange``."""
+        ...
+
+
 @dataclass(frozen=True)
 class MoESpec:
     """What expert parallelism and the router aux loss need of a mixture-of-experts family.
@@ -205,6 +281,19 @@ class FamilySpec:
         moe: Expert parallelism and aux-loss hooks of a MoE family (None: dense).
         kv_cache: Returns the module classes meshforge's generation cache hooks into, or None
             when generation recomputes the whole sequence every step (no cache built).
+
+
+        pattern_tp_plan: The TP plan from the ``tp_colwise`` / ``tp_rowwise`` module patterns,
+            for a family without a plan of its own (``tp_plan`` None); runs without SP.
+        fsdp_layer_units: FSDP wraps one unit per decoder layer; False: the units come from the
+            ``parallelism.fsdp_modules`` patterns (module trees that vary), except under expert
+            parallelism, whose experts need the per-layer units on the expert mesh.
+        stage_check: Refuses, naming what is missing, a model the stage preparation cannot split
+            (None: the usual ``model.layers`` ModuleList check only).
+        cp_apply: Switches the model to a CP plan itself, for a family whose attention is no
+            module class it owns (None: ``cp_modules`` names the classes CP switches).
+        ep_adapter: Returns the adapter for experts modules that are no family container
+            (None: only ``moe.expert_type`` containers are sharded).
     """
 
     name: str
@@ -221,6 +310,12 @@ class FamilySpec:
     cp_refusal: str = ""
     moe: MoESpec | None = None
     kv_cache: Callable[[], KVCacheModules] | None = None
+
+    pattern_tp_plan: PatternTPPlan | None = None
+    fsdp_layer_units: bool = True
+    stage_check: Callable[[nn.Module], None] | None = None
+    cp_apply: Callable[[nn.Module, CPPlan], None] | None = None
+    ep_adapter: Callable[[], ExpertsAdapter] | None = None
 
     def cp_refused(self, method: str) -> tuple[str, str] | None:
         """``(key, reason)`` when context parallelism with ``method`` is refused, else None.
@@ -255,27 +350,18 @@ class FamilySpec:
         return self.adapter(self, args)
 
 
-def is_generic_class(cls: type) -> bool:
-    """Whether ``cls`` is a model class of the generic transformers path (its ``family``)."""
-    return getattr(cls, "family", None) == GENERIC
-
-
-def is_generic_model(model: nn.Module) -> bool:
-    """Whether ``model`` came through the generic transformers path (asks the model's class)."""
-    return is_generic_class(type(model))
-
-
 __all__ = [
-    "GENERIC",
     "CPForward",
     "CPModules",
-    "ModelArgs",
+    "CPPlan",
+    "ExpertsAdapter",
     "FamilySpec",
+    "GENERIC",
     "HFStateDictAdapter",
     "KVCacheModules",
     "MoESpec",
+    "ModelArgs",
+    "PatternTPPlan",
     "RecurrentState",
     "TPPlan",
-    "is_generic_class",
-    "is_generic_model",
 ]

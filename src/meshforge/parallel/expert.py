@@ -82,10 +82,11 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from meshforge.models.common.moe import ExpertCompute, ExpertsBase
-from meshforge.models.spec import is_generic_model
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from meshforge.models.spec import ExpertsAdapter, FamilySpec
 
 
 def expert_types() -> tuple[type[nn.Module], ...]:
@@ -112,8 +113,8 @@ def expert_modules(model: nn.Module) -> list[tuple[str, ExpertsBase]]:
 def is_expert_parallel(module: nn.Module) -> bool:
     """Whether ``module`` is an experts container whose weights are sharded over an ep mesh.
 
-    The built-in families' containers and, on the generic path, transformers' experts modules that
-    `apply_ep` gave an exchange (``meshforge.parallel.expert_generic``).
+    The families' containers and the experts modules a spec's ``ep_adapter`` handed an exchange
+    (transformers' fused experts: ``meshforge.models.generic.experts``).
     """
     # A plain attribute (nn.Module keeps it in __dict__); unset on other modules.
     return isinstance(module.__dict__.get("token_exchange"), AllToAllExchange)
@@ -126,6 +127,7 @@ def apply_ep(
     token_dispatcher: str = "alltoall",
     dispatcher: str = "eager",
     modules: Sequence[str] | None = None,
+    family: FamilySpec | None = None,
 ) -> None:
     """Shard every MoE block's experts over ``ep_mesh`` and route tokens to them by all-to-all.
 
@@ -133,17 +135,18 @@ def apply_ep(
     sliced locally (every rank holds the same full tensor), meta ones just get DTensor metadata.
 
     Args:
-        model: A built-in MoE family model (qwen3_moe, qwen3_next, deepseek_v3, gpt_oss), or a
-            transformers model of the generic path whose experts modules have the fused
-            Mixtral / Qwen3-MoE layout (``meshforge.parallel.expert_generic``).
+        model: A MoE family model (qwen3_moe, qwen3_next, deepseek_v3, gpt_oss, ...), or a
+            model whose spec has an ``ep_adapter`` for its experts modules (the transformers
+            path's fused Mixtral / Qwen3-MoE layout).
         ep_mesh: 1-D mesh of the ranks that share one copy of the experts.
         token_dispatcher: ``parallelism.moe_token_dispatcher_type``: ``alltoall`` (one row per
             (token, expert)) or ``alltoall_deredundancy`` (one row per (token, rank), see
             :class:`DeduplicatedExchange`).
         dispatcher: ``parallelism.ep_dispatcher``; only ``eager``.
         modules: ``parallelism.ep_modules`` patterns choosing which experts containers are
-            sharded (None = all of them); the others stay whole on every rank, sharded by FSDP
-            with their decoder layer.
+            sharded (None = all of them; with an ``ep_adapter``, the default patterns); the
+            others stay whole on every rank, sharded by FSDP with their decoder layer.
+        family: The model's spec (None: the registry's ``spec_of_model``).
 
     Raises:
         ValueError: the mesh is not 1-D, the model has no MoE experts, the expert count is
@@ -165,20 +168,14 @@ def apply_ep(
     from meshforge.models.registry import expert_count_keys
 
     count_keys = expert_count_keys()
-    family = str(getattr(model, "family", type(model).__name__))
+    family_name = str(getattr(model, "family", type(model).__name__))
     experts: Sequence[tuple[str, nn.Module]] = expert_modules(model)
-    generic = not experts and is_generic_model(model)
-    if generic:
-        # transformers' own experts modules, chosen by parallelism.ep_modules (layout checked).
-        from meshforge.parallel.config import MS_EP_MODULES
-        from meshforge.parallel.expert_generic import generic_experts
-
-        if token_dispatcher != "alltoall":
-            raise NotImplementedError(
-                f"not supported yet: parallelism.moe_token_dispatcher_type={token_dispatcher!r} on the generic "
-                "transformers path (its experts take the expert-sorted tokens only); use alltoall"
-            )
-        experts = generic_experts(model, modules if modules is not None else MS_EP_MODULES)
+    adapter = None if experts else _experts_adapter(model, family)
+    if adapter is not None:
+        # Experts modules that are no family container (transformers' own), chosen by
+        # parallelism.ep_modules and checked by the spec's adapter.
+        adapter.check_dispatcher(token_dispatcher)
+        experts = adapted_experts(model, adapter, modules)
         modules = None
     if not experts:
         if not type(model).__module__.startswith("meshforge."):
@@ -187,10 +184,10 @@ def apply_ep(
                 f"path; {type(model).__name__}); built-in MoE families: {', '.join(sorted(count_keys))}"
             )
         if callable(getattr(model, "moe_layers", None)):  # a MoE family without the token_exchange seam
-            raise NotImplementedError(f"not supported yet: parallelism.expert_parallel > 1 for {family}")
+            raise NotImplementedError(f"not supported yet: parallelism.expert_parallel > 1 for {family_name}")
         raise ValueError(
             f"parallelism.expert_parallel: {ep_mesh.size()} needs a mixture-of-experts model, but "
-            f"{family} has no routed experts; set it to 1"
+            f"{family_name} has no routed experts; set it to 1"
         )
     if modules is not None:
         experts = _select_experts(model, expert_modules(model), modules)
@@ -202,17 +199,15 @@ def apply_ep(
         # Both experts containers (GroupedExperts, GptOssExperts) store their expert count as an int.
         num_experts = cast(int, module.num_experts)
         if num_experts % ep:
-            key = count_keys.get(family, "model.num_experts")
+            key = count_keys.get(family_name, "model.num_experts")
             raise ValueError(
                 f"parallelism.expert_parallel: {ep} does not divide {key} = {num_experts} "
                 f"(each rank holds num_experts / expert_parallel experts of {name})"
             )
     for _, module in experts:
         _shard_experts(module, ep_mesh)
-        if generic:
-            from meshforge.parallel.expert_generic import use_ep_forward
-
-            use_ep_forward(module, exchange)
+        if adapter is not None:
+            adapter.use_exchange(module, exchange)
             continue
         cast(ExpertsBase, module).token_exchange = exchange
         if deduplicate:
@@ -221,6 +216,37 @@ def apply_ep(
             # Swapped per instance through nn.Module's own `forward: Callable[..., Any]` slot.
             target: nn.Module = module
             target.forward = types.MethodType(_deduplicated_forward, module)
+
+
+def _experts_adapter(model: nn.Module, family: FamilySpec | None) -> ExpertsAdapter | None:
+    """The adapter ``family`` (or the model's spec) gives for experts modules, else None."""
+    if family is None:
+        from meshforge.models.registry import spec_of_model
+
+        family = spec_of_model(model)
+    if family is None or family.ep_adapter is None:
+        return None
+    return family.ep_adapter()
+
+
+def adapted_experts(
+    model: nn.Module, adapter: ExpertsAdapter, patterns: Sequence[str] | None = None
+) -> list[tuple[str, nn.Module]]:
+    """The modules ``parallelism.ep_modules`` names (None: its default), each checked by ``adapter``.
+
+    Raises:
+        ValueError: A pattern matches nothing (``parallelism.ep_modules``).
+        NotImplementedError: The adapter refuses a matched module (naming its class and why).
+    """
+    from meshforge.parallel.config import MS_EP_MODULES
+    from meshforge.utils.patterns import match_modules
+
+    chosen = match_modules(
+        model, list(patterns if patterns is not None else MS_EP_MODULES), key_path="parallelism.ep_modules"
+    )
+    for name, module in chosen:
+        adapter.check(name, module)
+    return chosen
 
 
 def _select_experts(
@@ -482,6 +508,7 @@ __all__ = [
     "expert_types",
     "AllToAllExchange",
     "DeduplicatedExchange",
+    "adapted_experts",
     "apply_ep",
     "expert_modules",
     "is_expert_parallel",

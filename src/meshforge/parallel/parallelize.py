@@ -27,6 +27,7 @@ from meshforge.utils.dtype import parse_dtype
 
 if TYPE_CHECKING:
     from meshforge.lora.apply import LoraApplied, LoraSettings
+    from meshforge.models.spec import FamilySpec
     from meshforge.parallel.float8 import QuantPlan, QuantSettings
 
 
@@ -45,7 +46,7 @@ class ParallelizedModel:
 def parallelize_model(
     model: nn.Module,
     *,
-    family: str,
+    family: FamilySpec,
     dims: ParallelDims,
     mesh: ParallelMesh,
     parallelism: ParallelismConfig,
@@ -62,7 +63,8 @@ def parallelize_model(
     """Split, shard and wrap `model` (on the meta device) for this rank.
 
     Args:
-        family: the model family name (`"generic"` for the transformers path).
+        family: the model's family spec; every step asks it for its piece (TP plan, stage
+            preparation, CP modules, experts, FSDP units).
         parallelism: the `parallelism` config section.
         param_dtype: dtype the parameters are stored in; `compute_dtype` the forward's dtype.
         compile_blocks: `kernels.compile`; `apply_compile` does it (before FSDP).
@@ -110,6 +112,7 @@ def parallelize_model(
             layers_per_stage=par.pipeline_parallel_layers_per_stage,
             interleave=par.pipeline_parallel_interleave_num,
             schedule=par.pipeline_parallel_schedule,
+            family=family,
         )
         model = split.model
     if dims.tp > 1:
@@ -143,17 +146,21 @@ def parallelize_model(
             token_dispatcher=par.moe_token_dispatcher_type,
             dispatcher=par.ep_dispatcher,
             modules=ep_modules,
+            family=family,
         )
     if dims.cp > 1:
         from meshforge.parallel.context import apply_cp
 
-        apply_cp(model, mesh.view("cp"), method=par.cp_method(), ulysses_degree=par.ulysses_degree_in_cp)
-        from meshforge.models.registry import spec_of_model
-
-        spec = spec_of_model(model)
-        if spec is not None and spec.moe is not None and spec.moe.aux_reduce is not None:
+        apply_cp(
+            model,
+            mesh.view("cp"),
+            method=par.cp_method(),
+            ulysses_degree=par.ulysses_degree_in_cp,
+            family=family,
+        )
+        if family.moe is not None and family.moe.aux_reduce is not None:
             # The router aux loss is a product of sums over the whole sequence: sum over the CP ranks.
-            spec.moe.aux_reduce(model, mesh.view("cp"))
+            family.moe.aux_reduce(model, mesh.view("cp"))
     lora_applied = None
     if lora is not None:
         from meshforge.lora.apply import apply_lora
@@ -206,12 +213,12 @@ def parallelize_model(
         # Parameters of a CPU run already live in host memory; offloading is for accelerators
         # (CPUOffloadPolicy moves them to the device for compute, which a CPU run has not).
         cpu_offload = par.cpu_offload and mesh.view("fsdp").device_type != "cpu"
-        # The generic path with expert parallelism takes the decoder-layer units below, which
-        # give the sharded experts their own units on the expert mesh.
-        generic_units = family == "generic" and dims.ep == 1
-        if generic_units or _custom_units(par.fsdp_modules):
-            # transformers' module trees vary, and a user may want other units than one per
-            # decoder layer: place units by the parallelism.fsdp_modules patterns.
+        # A family without per-layer units still takes them under expert parallelism: they give
+        # the sharded experts their own units on the expert mesh.
+        pattern_units = not family.fsdp_layer_units and dims.ep == 1
+        if pattern_units or _custom_units(par.fsdp_modules):
+            # Module trees that vary (the transformers path), or a user who wants other units
+            # than one per decoder layer: place units by the parallelism.fsdp_modules patterns.
             if dims.ep > 1:
                 raise NotImplementedError(
                     "not supported yet: custom parallelism.fsdp_modules together with expert_parallel > 1 "

@@ -15,7 +15,7 @@ PyTorch's `parallelize_module`, the Megatron layout torchtitan uses:
 
 Without SP the norms stay plain modules on replicated activations and the row-wise outputs are
 all-reduced (Replicate). The MindFormers reference requires `sequence_parallel` with TP, and the
-trainer always passes `sequence_parallel=True`; `False` is kept for tests and the generic path.
+trainer always passes `sequence_parallel=True`; `False` is kept for tests and pattern plans.
 
 Tied input/output embeddings work: the embedding's RowwiseParallel and the head's ColwiseParallel
 both shard the `[vocab, hidden]` weight on dim 0, so one DTensor serves both (re-tied after
@@ -29,12 +29,10 @@ routed experts whole on every rank, see its module). Every built-in family has a
 (gated attention and Gated DeltaNet by heads) start from the same plan, keep their MoE blocks
 whole like qwen3_moe, and give their token mixers a `SplitHeads` style: local head counts set
 on the module, per-head parameters that no `nn.Linear` owns split with the heads or kept whole
-with their gradients summed over TP. The generic
-transformers path (`family="generic"`) is driven by the `parallelism.tp_colwise` / `tp_rowwise`
-module patterns instead, without SP. transformers 5.24's Qwen3 and Llama attention reshape the
-projections with `view(*input_shape, -1, head_dim)` and keep no head-count attribute in forward
-(`num_key_value_groups` is a ratio, unchanged when q and k/v heads are split alike), so a
-column-split projection just yields the local heads.
+with their gradients summed over TP. A family without a plan of its own (the transformers path,
+`models/generic/`) gives `FamilySpec.pattern_tp_plan` instead: `apply_tp` matches the
+`parallelism.tp_colwise` / `tp_rowwise` module patterns and the spec turns the matched modules
+into styles, without SP.
 
 Two fix-ups keep the result usable downstream: every gradient is brought back to its parameter's
 layout (DTensor leaves the embedding's Replicate and the norms' Partial), and the embedding output
@@ -50,17 +48,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
@@ -74,7 +68,7 @@ from meshforge.models.common.tp_plan import (
 )
 
 if TYPE_CHECKING:
-    from meshforge.models.spec import FamilySpec, TPPlan
+    from meshforge.models.spec import FamilySpec, PatternTPPlan
 
 __all__ = [
     "SplitHeads",
@@ -82,13 +76,10 @@ __all__ = [
     "attention_input",
     "check_divisible",
     "decoder_tp_plan",
-    "generic_tp_plan",
     "loss_parallel_context",
     "sequence_shards",
 ]
 
-# transformers' normalisation modules have family-specific class names (Qwen3RMSNorm, ...).
-_NORM_MARKERS = ("LayerNorm", "RMSNorm", "GroupNorm")
 _TP_KEY = TP_KEY
 # Set on the inner model by `apply_tp` under SP: how many ranks split the sequence dim of the
 # hidden states between blocks (`sequence_shards`).
@@ -183,7 +174,7 @@ def _replicate_leftover_parameters(model: nn.Module, tp_mesh: DeviceMesh) -> lis
     """Turn the parameters the plan left plain into replicated DTensors on the TP mesh.
 
     Some modules run whole on every TP rank over replicated activations: qwen3_moe's routed
-    experts and router, and on the generic path whatever the patterns do not split (embedding,
+    experts and router, and under a pattern plan whatever the patterns do not split (embedding,
     norms, head). Their gradients are the same on every rank, so their math needs no DTensor;
     but every parameter must be one for the rest of the stack: the fused optimizer refuses a
     mix of plain tensors and DTensors, and FSDP then shards all of them on one 2-D mesh. Each
@@ -277,93 +268,8 @@ def _sequence_check_hook(tp: int):
     return hook
 
 
-def generic_tp_plan(
-    model: nn.Module, tp: int, *, colwise: Sequence[str], rowwise: Sequence[str], loss_parallel: bool
-) -> dict[str, ParallelStyle]:
-    """The plan of the generic transformers path, from the `tp_colwise` / `tp_rowwise` patterns.
-
-    Column-wise modules split their output features, row-wise ones their input features; both
-    take and give replicated activations (no SP: a transformers layer's residual stream cannot be
-    annotated from outside). An `nn.Embedding` matched row-wise splits the vocabulary. A matched
-    `lm_head` stays vocab-sharded for the loss under `loss_parallel`. Per-head norms next to a
-    column-split projection (transformers' Qwen3 `q_norm`/`k_norm`, weight of `head_dim`
-    elements) get replicated DTensor weights so their gradients are summed over the TP ranks.
-
-    Raises:
-        ValueError: a pattern matches nothing or a module that is neither `nn.Linear` nor
-            `nn.Embedding`, a module is matched by both lists, or a split size or the head counts
-            are not divisible by the TP degree.
-        NotImplementedError: a norm over the whole (split) projection output, which would need
-            the full features on every rank.
-    """
-    from meshforge.utils.patterns import match_modules
-
-    plan: dict[str, ParallelStyle] = {}
-    col = match_modules(model, list(colwise), key_path="parallelism.tp_colwise") if colwise else []
-    row = match_modules(model, list(rowwise), key_path="parallelism.tp_rowwise") if rowwise else []
-    both = {n for n, _ in col} & {n for n, _ in row}
-    if both:
-        raise ValueError(
-            f"parallelism.tp_colwise and parallelism.tp_rowwise both match {sorted(both)[0]}; "
-            "a module is split one way only"
-        )
-    config = getattr(model, "config", None)
-    heads = {
-        key: int(getattr(config, key))
-        for key in ("num_attention_heads", "num_key_value_heads")
-        if isinstance(getattr(config, key, None), int)
-    }
-    check_divisible(heads, tp)
-    for key_path, matches in (("parallelism.tp_colwise", col), ("parallelism.tp_rowwise", row)):
-        colwise_side = key_path.endswith("colwise")
-        for name, module in matches:
-            if isinstance(module, nn.Linear):
-                size = module.out_features if colwise_side else module.in_features
-                what = "out_features" if colwise_side else "in_features"
-            elif isinstance(module, nn.Embedding):
-                size = module.embedding_dim if colwise_side else module.num_embeddings
-                what = "embedding_dim" if colwise_side else "num_embeddings"
-            else:
-                raise ValueError(
-                    f"{key_path}: {name} is a {type(module).__name__}; only nn.Linear and nn.Embedding "
-                    "modules can be split"
-                )
-            if size % tp:
-                raise ValueError(f"{key_path}: {name}.{what} ({size}) is not divisible by {_TP_KEY} ({tp})")
-            if isinstance(module, nn.Embedding) and not colwise_side:
-                plan[name] = RowwiseParallel(input_layouts=Replicate())
-            elif colwise_side and name == "lm_head" and loss_parallel:
-                plan[name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-            else:
-                plan[name] = ColwiseParallel() if colwise_side else RowwiseParallel()
-    plan.update(_generic_head_norms(model, {n for n, m in col if isinstance(m, nn.Linear)}))
-    return plan
-
-
-def _generic_head_norms(model: nn.Module, colwise_linears: set[str]) -> dict[str, ParallelStyle]:
-    """Norm modules that sit beside a column-split projection and so see only the local heads."""
-    plan: dict[str, ParallelStyle] = {}
-    parents = {name.rpartition(".")[0] for name in colwise_linears}
-    for parent in sorted(parents):
-        owner = model.get_submodule(parent)
-        head_dim = getattr(owner, "head_dim", None)
-        for child_name, child in owner.named_children():
-            if not any(marker in type(child).__name__ for marker in _NORM_MARKERS):
-                continue
-            weight = getattr(child, "weight", None)
-            path = f"{parent}.{child_name}" if parent else child_name
-            if weight is not None and head_dim is not None and weight.numel() == head_dim:
-                plan[path] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            else:
-                raise NotImplementedError(
-                    f"not supported yet: {_TP_KEY} > 1 with {path} ({type(child).__name__}), a norm over "
-                    "a column-split projection's whole output (only per-head norms of head_dim work)"
-                )
-    return plan
-
-
 def _refuse_custom_patterns(family: str, colwise: list[str] | None, rowwise: list[str] | None) -> None:
-    """Built-in families use their own plan: custom `tp_colwise`/`tp_rowwise` would be ignored."""
+    """A family with its own plan: custom `tp_colwise`/`tp_rowwise` would be ignored."""
     from meshforge.parallel.config import MS_TP_COLWISE, MS_TP_ROWWISE
 
     for key, given, default in (
@@ -378,27 +284,44 @@ def _refuse_custom_patterns(family: str, colwise: list[str] | None, rowwise: lis
             )
 
 
-def _family_plan(family: str | FamilySpec) -> tuple[str, TPPlan]:
-    """The name and TP plan of a built-in family.
+def _family_spec(family: str | FamilySpec) -> FamilySpec:
+    """The spec of `family` (a built-in family's name, or a spec).
 
     Raises:
-        NotImplementedError: an unknown family, or one without a plan.
+        NotImplementedError: an unknown family name.
     """
     from meshforge.models.registry import built_families, resolve_family
 
-    if isinstance(family, str):
-        try:
-            family = resolve_family(model_type=family)
-        except ValueError:
-            raise NotImplementedError(
-                f"not supported yet: {_TP_KEY} > 1 for family {family!r} (built: "
-                f"{', '.join(built_families())}, or 'generic' with parallelism.tp_colwise/tp_rowwise)"
-            ) from None
-    if family.tp_plan is None:
+    if not isinstance(family, str):
+        return family
+    try:
+        return resolve_family(model_type=family)
+    except ValueError:
         raise NotImplementedError(
-            f"not supported yet: {_TP_KEY} > 1 for {family.name} (no tensor-parallel plan)"
-        )
-    return family.name, family.tp_plan
+            f"not supported yet: {_TP_KEY} > 1 for family {family!r} (built: "
+            f"{', '.join(built_families())}, or the transformers path's spec with parallelism.tp_colwise/tp_rowwise)"
+        ) from None
+
+
+def _pattern_plan(
+    model: nn.Module,
+    plan: PatternTPPlan,
+    tp: int,
+    *,
+    colwise: list[str],
+    rowwise: list[str],
+    loss_parallel: bool,
+) -> dict[str, ParallelStyle]:
+    """A spec's plan of the modules the `tp_colwise` / `tp_rowwise` patterns match.
+
+    Raises:
+        ValueError: a pattern matches nothing (naming its key), or what the plan raises.
+    """
+    from meshforge.utils.patterns import match_modules
+
+    col = match_modules(model, list(colwise), key_path="parallelism.tp_colwise") if colwise else []
+    row = match_modules(model, list(rowwise), key_path="parallelism.tp_rowwise") if rowwise else []
+    return plan(model, tp=tp, colwise=col, rowwise=row, loss_parallel=loss_parallel)
 
 
 def _disable_shared_autograd_cache() -> None:
@@ -429,18 +352,18 @@ def apply_tp(
     """Shard `model` in place over `tp_mesh` (1-D) with tensor parallelism.
 
     Args:
-        model: a built-in family's `*ForCausalLM` (meta or real tensors) or a generic
-            transformers model; a pipeline stage with some modules removed works too.
+        model: a family's `*ForCausalLM` (meta or real tensors); a pipeline stage with some
+            modules removed works too.
         tp_mesh: the "tp" mesh view.
-        family: a built-in family (its name or spec: the plan is `FamilySpec.tp_plan`) or
-            `generic` for the pattern-driven path.
+        family: the model's family: its spec (`FamilySpec.tp_plan`, or `pattern_tp_plan`
+            driven by the patterns), or a built-in family's name.
         sequence_parallel: sequence-split activations between the attention and MLP blocks
-            (built-in families; the generic path has none).
+            (plans of the family's own; a pattern plan has none).
         loss_parallel: keep the logits vocab-sharded (`Shard(-1)` DTensor) for
             `meshforge.loss.cross_entropy.cross_entropy_sum`, instead of gathering them.
-        colwise: `parallelism.tp_colwise` patterns (generic path; a built-in family refuses
-            anything but the default, which its own plan stands for).
-        rowwise: `parallelism.tp_rowwise` patterns (generic path; likewise).
+        colwise: `parallelism.tp_colwise` patterns (a pattern plan; a family with its own plan
+            refuses anything but the default, which that plan stands for).
+        rowwise: `parallelism.tp_rowwise` patterns (likewise).
 
     Raises:
         NotImplementedError: an unknown family, or one with no TP plan.
@@ -449,15 +372,24 @@ def apply_tp(
     """
     tp = tp_mesh.size()
     aliases = _shared_parameters(model)
-    if family == "generic":
-        plan = generic_tp_plan(
-            model, tp, colwise=colwise or [], rowwise=rowwise or [], loss_parallel=loss_parallel
+    spec = _family_spec(family)
+    if spec.tp_plan is None and spec.pattern_tp_plan is not None:
+        plan = _pattern_plan(
+            model,
+            spec.pattern_tp_plan,
+            tp,
+            colwise=colwise or [],
+            rowwise=rowwise or [],
+            loss_parallel=loss_parallel,
         )
         sequence_parallel = False
+    elif spec.tp_plan is not None:
+        _refuse_custom_patterns(spec.name, colwise, rowwise)
+        plan = spec.tp_plan(model, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     else:
-        name, tp_plan = _family_plan(family)
-        _refuse_custom_patterns(name, colwise, rowwise)
-        plan = tp_plan(model, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        raise NotImplementedError(
+            f"not supported yet: {_TP_KEY} > 1 for {spec.name} (no tensor-parallel plan)"
+        )
     parallelize_module(model, tp_mesh, plan)
     _disable_shared_autograd_cache()
     _replicate_leftover_parameters(model, tp_mesh)

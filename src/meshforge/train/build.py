@@ -139,7 +139,6 @@ class TrainerBuild:
         from meshforge.lora.apply import with_adapter_init
         from meshforge.lora.layer import adapters_detached
         from meshforge.lora.settings import lora_settings
-        from meshforge.models.generic import GenericFamily
         from meshforge.models.materialize import materialize_and_init
         from meshforge.models.vocab import init_new_rows, vocab_plan
         from meshforge.monitor.throughput import peak_flops
@@ -188,7 +187,7 @@ class TrainerBuild:
         lora = lora_settings(self.cfg.lora_config) if self.cfg.lora_config is not None else None
         parallel = parallelize_model(
             model,
-            family="generic" if isinstance(family, GenericFamily) else family.name,
+            family=family,
             dims=self.dims,
             mesh=self.mesh,
             parallelism=self.cfg.parallelism,

@@ -33,6 +33,9 @@ class StageBatch:
         position_ids, segment_ids: The micro-batch's, as ``CausalLM.forward`` takes them.
         seq_len: Tokens per row (under sequence parallelism ``h`` holds only a slice).
         layers: The stage's decoder layers, in order.
+        model: The pruned causal LM the stage belongs to, for a preparation that reads state the
+            model keeps outside ``inner`` (the CP plan a transformers wrapper holds); None when a
+            stage runs alone.
     """
 
     inner: Any
@@ -42,6 +45,7 @@ class StageBatch:
     segment_ids: torch.Tensor | None
     seq_len: int
     layers: list[nn.Module]
+    model: Any = None
 
 
 def decoder_stage(b: StageBatch) -> LayerRunner:

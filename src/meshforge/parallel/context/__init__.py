@@ -61,11 +61,13 @@ Seams: ``apply_cp`` sets ``cp`` on every attention module of the spec's ``CPModu
 their single-device attention), on its token mixers (Gated DeltaNet: it calls the plan's
 ``seq_to_heads``/``heads_to_seq``) and on the inner model (``DecoderModel``, gpt_oss'
 ``GptOssModel``: its ``prepare`` builds the per-forward :class:`CPMask` and global
-positions); ``shard_batch_for_cp`` gives each rank its tokens. No extra model keyword
-is needed (``CP_MODEL_KWARGS`` is empty). Modules: ``layout.py`` (method names, token layout, batch
-sharding, ``CPMask``), ``plan.py`` (``ContextParallel``), ``blocks.py`` (the per-block masks and
-kernels, the fused CPU ring and the ulysses all-to-alls), ``generic.py`` (the generic transformers
-path's attention function), ``apply.py`` (``apply_cp``).
+positions); a family whose attention is no module class of its own switches the model itself
+(``FamilySpec.cp_apply``: the transformers path registers the plan as an attention
+implementation, ``models/generic/cp.py``); ``shard_batch_for_cp`` gives each rank its tokens. No
+extra model keyword is needed (``CP_MODEL_KWARGS`` is empty). Modules: ``layout.py`` (method
+names, token layout, batch sharding, ``CPMask``), ``plan.py`` (``ContextParallel``), ``blocks.py``
+(the per-block masks and kernels, the fused CPU ring and the ulysses all-to-alls), ``apply.py``
+(``apply_cp``).
 """
 
 from meshforge.parallel.context.apply import apply_cp

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshforge.models.spec import is_generic_model
 from meshforge.parallel.context.layout import resolve_method
 from meshforge.parallel.context.plan import ContextParallel
+
+if TYPE_CHECKING:
+    from meshforge.models.spec import FamilySpec
 
 
 def _ulysses_size(cp_mesh: DeviceMesh, method: str, ulysses_degree: int | None) -> int:
@@ -35,7 +37,12 @@ def _ulysses_size(cp_mesh: DeviceMesh, method: str, ulysses_degree: int | None) 
 
 
 def apply_cp(
-    model: nn.Module, cp_mesh: DeviceMesh, *, method: str, ulysses_degree: int | None = None
+    model: nn.Module,
+    cp_mesh: DeviceMesh,
+    *,
+    method: str,
+    ulysses_degree: int | None = None,
+    family: FamilySpec | None = None,
 ) -> None:
     """Switch every attention module of ``model`` to the context-parallel algorithm, in place.
 
@@ -43,14 +50,15 @@ def apply_cp(
     :func:`shard_batch_for_cp` using the same ``method``.
 
     Args:
-        model: A built-in causal LM whose family spec gives CP modules (``FamilySpec.cp_modules``,
-            limited to ``cp_methods``), or a transformers model on the generic path
-            (:mod:`meshforge.parallel.context.generic`).
+        model: A causal LM whose family spec gives CP modules (``FamilySpec.cp_modules``,
+            limited to ``cp_methods``) or switches the model itself (``FamilySpec.cp_apply``:
+            the transformers path's attention implementation).
         cp_mesh: The 1-D context-parallel mesh (every CP rank calls this: hybrid creates
             sub-groups).
         method: ``colossal`` (alias ``ring``), ``ulysses``, ``hybrid`` or ``kvallgather``.
         ulysses_degree: ``parallelism.ulysses_degree_in_cp``: for ulysses None or the CP
             degree; for hybrid ``1 < u < cp`` dividing cp.
+        family: The model's spec (None: the registry's ``spec_of_model``).
 
     Raises:
         NotImplementedError: For a model without CP modules, or a method its family refuses
@@ -58,22 +66,20 @@ def apply_cp(
         ValueError: For a bad method, ulysses degree or head count.
     """
     method = resolve_method(method)
-    if is_generic_model(model):
-        # The generic transformers path: the plan runs as the model's attention implementation.
-        from meshforge.parallel.context.generic import apply_generic_cp
-
-        u = _ulysses_size(cp_mesh, method, ulysses_degree)
-        apply_generic_cp(model, ContextParallel(cp_mesh, method, u))
-        return
     from meshforge.models.registry import built_families, spec_of_model
 
-    spec = spec_of_model(model)
-    family = spec.name if spec is not None else type(model).__name__
+    spec = family if family is not None else spec_of_model(model)
+    name = spec.name if spec is not None else type(model).__name__
     if spec is not None and spec.cp_methods is not None and method not in spec.cp_methods:
         raise NotImplementedError(
-            f"not supported yet: parallelism.context_parallel > 1 for {family}: context_parallel_method "
+            f"not supported yet: parallelism.context_parallel > 1 for {name}: context_parallel_method "
             f"{method}: {spec.cp_refusal}"
         )
+    if spec is not None and spec.cp_apply is not None:
+        # A family whose attention is no module class of its own switches the model itself
+        # (the transformers path: the plan as the model's attention implementation).
+        spec.cp_apply(model, ContextParallel(cp_mesh, method, _ulysses_size(cp_mesh, method, ulysses_degree)))
+        return
     targets = spec.cp_modules() if spec is not None and spec.cp_modules is not None else None
     decoders = [m for m in model.modules() if targets and isinstance(m, targets.decoders)]
     attentions = [m for m in model.modules() if targets and isinstance(m, targets.attentions)]
@@ -81,7 +87,7 @@ def apply_cp(
     mixers = [m for m in model.modules() if targets and targets.mixers and isinstance(m, targets.mixers)]
     if not decoders or not (attentions or mixers):
         raise NotImplementedError(
-            f"not supported yet: parallelism.context_parallel > 1 for {family} (CP runs on the built-in "
+            f"not supported yet: parallelism.context_parallel > 1 for {name} (CP runs on the built-in "
             f"families {', '.join(built_families())} and the generic transformers path)"
         )
     u = _ulysses_size(cp_mesh, method, ulysses_degree)

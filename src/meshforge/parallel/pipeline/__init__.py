@@ -1,8 +1,7 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: layer split, stage modules, schedules.
 
 Modules: ``layout.py`` (schedule names, the stage layout arithmetic), ``split.py`` (pruning the
-model to a rank's stages), ``stage.py`` (the stage forward and ``StageModule``),
-``generic_stage.py`` (the stage preparation of the generic transformers path), ``runtime.py``
+model to a rank's stages), ``stage.py`` (the stage forward and ``StageModule``), ``runtime.py``
 (``Pipeline``: the schedule, its step and evaluation; ``build_pipeline``).
 
 The trainer calls this in two places (see ``Trainer._build_model``):
@@ -30,11 +29,11 @@ over the two ranks, so both copies get the same update as the single tied weight
 
 Families: every family whose spec has a stage preparation (``FamilySpec.stage_preparation``:
 what a stage builds before its layers, masks and RoPE); ``stage.py`` holds the stage forward.
-The generic transformers path (``models/generic.py``) splits the same way when the model has
-the usual layout (``model.embed_tokens``, ``model.layers`` ModuleList, ``model.norm``,
-``model.rotary_emb``, ``lm_head``) and a model type whose forward a stage reproduces
-(``GENERIC_MASK_RULES``); a tied head is the same shared Parameter there, so it is detected by
-identity, and the copy on the last rank is kept equal as for the built-in families.
+A spec's ``stage_check`` refuses a model its preparation cannot split: the transformers path
+(``models/generic/stage.py``) splits models with the usual layout (``model.embed_tokens``,
+``model.layers`` ModuleList, ``model.norm``, ``model.rotary_emb``, ``lm_head``) and a model type
+whose forward a stage reproduces. A tied head is detected by the family's args or, where
+transformers ties, by the shared Parameter, and the copy on the last rank is kept equal alike.
 
 MoE router aux loss (``aux_coef`` of ``build_pipeline``): transformers' loss is one product
 over the statistics of *all* MoE layers, which live on different stages. Each stage therefore

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
-from meshforge.models.spec import is_generic_model
-from meshforge.parallel.pipeline.generic_stage import check_generic_layout
 from meshforge.parallel.pipeline.layout import (
     SCHEDULE_KEY,
     SCHEDULES,
@@ -15,23 +14,44 @@ from meshforge.parallel.pipeline.layout import (
     assign_layers,
     canonical_schedule,
 )
-from meshforge.parallel.pipeline.stage import _PipelinedCausalLM, pipelined_class, stage_preparation
+from meshforge.parallel.pipeline.stage import _PipelinedCausalLM, pipelined_class
+
+if TYPE_CHECKING:
+    from meshforge.models.common.stage import LayerRunner, StageBatch
+    from meshforge.models.spec import FamilySpec
 
 
-def _check_supported(model: nn.Module) -> None:
-    """Refuse a model whose family has no stage preparation (``FamilySpec.stage_preparation``)."""
+def _check_supported(model: nn.Module, spec: FamilySpec | None) -> Callable[[StageBatch], LayerRunner]:
+    """The stage preparation of ``model``'s family (``FamilySpec.stage_preparation``), or refuse.
+
+    Raises:
+        NotImplementedError: The family has none, or its ``stage_check`` refuses the model.
+        ValueError: The model is already split.
+    """
     if isinstance(model, _PipelinedCausalLM):
         raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
-    if is_generic_model(model):
-        check_generic_layout(model)
-        return
+    if spec is not None and spec.stage_check is not None and spec.stage_preparation is not None:
+        spec.stage_check(model)
+        return spec.stage_preparation
     family = getattr(model, "family", None) or getattr(getattr(model, "config", None), "model_type", None)
     family = family or type(model).__name__
     inner = getattr(model, "model", None)
-    if inner is None or stage_preparation(type(model)) is None:
+    prepare = spec.stage_preparation if spec is not None else None
+    if inner is None or prepare is None:
         raise NotImplementedError(f"not supported yet: parallelism.pipeline_parallel > 1 for {family}")
     if not isinstance(inner.layers, nn.ModuleList):
         raise ValueError("split_model: the model is already split (model.layers is not a ModuleList)")
+    return prepare
+
+
+def _tied(model: nn.Module, inner: Any) -> bool:
+    """Whether ``lm_head`` shares the embedding's weight: the family's args say so, or the two
+    modules hold one Parameter (transformers ties that way, by ``tie_word_embeddings`` or its
+    own rules)."""
+    if bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False)):
+        return True
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    return head is not None and head is getattr(inner.embed_tokens, "weight", None)
 
 
 def split_model(
@@ -42,20 +62,22 @@ def split_model(
     layers_per_stage: Any = "auto",
     interleave: int = 1,
     schedule: str = "1f1b",
+    family: FamilySpec | None = None,
 ) -> PipelineSplit:
     """Decide every stage's layers and prune ``model`` in place to what ``pp_rank`` runs.
 
     Call it on the meta model, before TP, FSDP and materialisation.
 
     Args:
-        model: A built-in ``CausalLM`` of a family with a stage preparation, or a generic
-            transformers model (``wrap_generic``) laid out as ``check_generic_layout`` describes.
+        model: A ``CausalLM`` of a family with a stage preparation (and a layout its
+            ``stage_check`` accepts, for the transformers path).
         pp_rank: This rank's index on the pp mesh.
         pp_size: Pipeline ranks (``parallelism.pipeline_parallel``).
         layers_per_stage: ``parallelism.pipeline_parallel_layers_per_stage`` (see ``assign_layers``).
         interleave: ``parallelism.pipeline_parallel_interleave_num`` (stages per rank).
         schedule: ``parallelism.pipeline_parallel_schedule`` (decides the stage placement and
             whether several stages per rank are allowed).
+        family: The model's spec (None: the registry's ``spec_of_model``).
 
     Returns:
         The split; ``split.model`` is ``model``, pruned: ``model.layers`` is a ModuleDict keyed by
@@ -66,7 +88,11 @@ def split_model(
         NotImplementedError: for families without pipeline support.
         ValueError: naming the config key for an invalid layout.
     """
-    _check_supported(model)
+    if family is None:
+        from meshforge.models.registry import spec_of_model
+
+        family = spec_of_model(model)
+    prepare = _check_supported(model, family)
     name = canonical_schedule(schedule)
     _, stages_per_rank, placement = SCHEDULES[name]
     if pp_size < 1 or not 0 <= pp_rank < pp_size:
@@ -89,11 +115,7 @@ def split_model(
     decoder_layers = getattr(inner, "num_decoder_layers", num_layers)
     mtp = list(range(decoder_layers, num_layers))
     num_layers = decoder_layers
-    if is_generic_model(model):
-        # transformers ties by sharing one Parameter (``tie_word_embeddings``; or its own rules).
-        tied_model = model.get_parameter("lm_head.weight") is inner.embed_tokens.weight
-    else:
-        tied_model = bool(getattr(model.args, "tie_word_embeddings", False))
+    tied_model = _tied(model, inner)
     all_stages = assign_layers(
         num_layers,
         pp_size=pp_size,
@@ -115,7 +137,7 @@ def split_model(
         model.lm_head = None  # type: ignore[assignment]
     # With the embedding gone, a tied lm_head.weight is now a parameter of its own on this rank.
     tied = tied_model and first_rank != last_rank
-    model.__class__ = pipelined_class(type(model))
+    model.__class__ = pipelined_class(type(model), prepare)
     # The class just swapped puts _PipelinedCausalLM in front.
     cast(_PipelinedCausalLM, model)._pp_stages = {s.index: s for s in local}
     return PipelineSplit(

@@ -8,8 +8,9 @@
 Each family's inner model builds masks and RoPE tables once before its layers; a stage does the
 same for its own layers from the micro-batch's ``position_ids``/``segment_ids`` (tiny next to one
 layer's compute), with the preparation its family spec names (``FamilySpec.stage_preparation``:
-``meshforge.models.common.stage.decoder_stage`` for the ``DecoderModel`` families, gpt_oss' and
-qwen3_next's own ``stage.py``); the generic transformers path uses ``generic_stage.py``.
+``meshforge.models.common.stage.decoder_stage`` for the ``DecoderModel`` families, gpt_oss',
+qwen3_next's and the transformers path's own ``stage.py``). The preparation gets the pruned
+model too (``StageBatch.model``), for state a model keeps outside its inner model.
 
 The MoE router aux loss (see the package docstring): with it on, every stage also
 returns a ``carry`` of running aux totals, ``[prob_sum (E), assignments (E), rows]`` over the
@@ -26,8 +27,6 @@ import torch
 from torch import nn
 
 from meshforge.models.common.stage import LayerRunner, StageBatch
-from meshforge.models.spec import is_generic_class
-from meshforge.parallel.pipeline.generic_stage import generic_cp_stage, generic_stage
 
 if TYPE_CHECKING:
     from meshforge.models.common.moe import RouterStats
@@ -121,7 +120,9 @@ class _PipelinedCausalLM:
             seq_len = h.shape[1] * sequence_shards(cast(nn.Module, self))
         layers = [inner.layers[key] for key in stage.layer_keys]
         ids = inputs if stage.is_first else h[..., 0]
-        run = self._layer_runner(StageBatch(inner, ids, h, position_ids, segment_ids, seq_len, layers))
+        # The mixin always sits in front of an nn.Module class (see pipelined_class).
+        model = cast(nn.Module, self)
+        run = self._layer_runner(StageBatch(inner, ids, h, position_ids, segment_ids, seq_len, layers, model))
         for layer in layers:
             h = run(layer, h)
         if stage.is_last:
@@ -151,12 +152,15 @@ class _PipelinedCausalLM:
         assert prepare is not None, "pipelined_class sets the stage preparation"
         return prepare(b)
 
-    def tie_weights(self) -> None:
-        """Tie only where this rank holds both ends; otherwise the copies are kept equal by hand."""
+    def tie_weights(self, *args: Any, **kwargs: Any) -> None:
+        """Tie only where this rank holds both ends; otherwise the copies are kept equal by hand.
+
+        The arguments are the model class' own (transformers' ``tie_weights`` takes some).
+        """
         inner: Any = self.model  # type: ignore[attr-defined]
         head = self.lm_head  # type: ignore[attr-defined]
         if inner.embed_tokens is not None and head is not None:
-            super().tie_weights()  # type: ignore[misc]
+            super().tie_weights(*args, **kwargs)  # type: ignore[misc]
 
     def num_params(self, **kwargs: Any) -> int:
         """Parameters held by this rank (the pruned model; see ``CausalLM.num_params``)."""
@@ -175,57 +179,21 @@ class _PipelinedMoECausalLM(_PipelinedCausalLM):
         return {int(k): layer.mlp for k, layer in layers.items() if getattr(layer, "is_moe", True)}
 
 
-class _PipelinedGenericCausalLM(_PipelinedCausalLM):
-    """The stage forward in front of a generic transformers model (``GenericCausalLMMixin``)."""
-
-    def _layer_runner(self, b: StageBatch) -> LayerRunner:
-        """``generic_stage``, or under context parallelism (``meshforge_cp``) ``generic_cp_stage``."""
-        hook = getattr(self, "meshforge_cp", None)
-        # The mixin always sits in front of an nn.Module class (see pipelined_class).
-        return generic_stage(b) if hook is None else generic_cp_stage(cast(nn.Module, self), hook.plan, b)
-
-    def tie_weights(self, *args: Any, **kwargs: Any) -> None:
-        """transformers' tying, only where this rank holds both ends (see ``_PipelinedCausalLM``)."""
-        inner: Any = self.model  # type: ignore[attr-defined]
-        if inner.embed_tokens is not None and self.lm_head is not None:  # type: ignore[attr-defined]
-            super(_PipelinedCausalLM, self).tie_weights(*args, **kwargs)  # type: ignore[misc]
-
-    def num_params(self, **kwargs: Any) -> int:
-        """Parameters held by this rank (transformers models have no ``num_params`` of their own)."""
-        inner: Any = self.model  # type: ignore[attr-defined]
-        skip = set()
-        if kwargs.get("exclude_embedding") and inner.embed_tokens is not None:
-            skip.add(id(inner.embed_tokens.weight))
-        params = {id(p): p for p in self.parameters()}  # type: ignore[attr-defined]
-        return sum(p.numel() for key, p in params.items() if key not in skip)
+_PIPELINED_CLASSES: dict[tuple[type, Callable[[StageBatch], LayerRunner]], type] = {}
 
 
-_PIPELINED_CLASSES: dict[type, type] = {}
+def pipelined_class(cls: type, prepare: Callable[[StageBatch], LayerRunner]) -> type:
+    """``cls`` with the stage forward in front, running ``prepare`` (the family's stage preparation).
 
-
-def stage_preparation(cls: type) -> Any:
-    """The stage preparation of a model class (its family spec's), or None when PP is not built for it."""
-    from meshforge.models.registry import spec_of_model_class
-
-    if is_generic_class(cls):
-        return generic_stage
-    spec = spec_of_model_class(cls)
-    return None if spec is None else spec.stage_preparation
-
-
-def pipelined_class(cls: type) -> type:
-    """``cls`` with the stage forward in front (cached: one subclass per model class)."""
-    if cls not in _PIPELINED_CLASSES:
-        body: dict[str, Any] = {}
-        if is_generic_class(cls):
-            mixin: type = _PipelinedGenericCausalLM
-            # As wrap_generic: the class keeps transformers' module (its save code looks there).
-            body["__module__"] = cls.__module__
-        else:
-            mixin = _PipelinedMoECausalLM if hasattr(cls, "moe_layers") else _PipelinedCausalLM
-            body["_pp_prepare"] = staticmethod(stage_preparation(cls))
-        _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (mixin, cls), body)
-    return _PIPELINED_CLASSES[cls]
+    Cached: one subclass per model class. It keeps ``cls``' module, as the wrapper classes of
+    ``memory/`` do (transformers' save code looks there for a model's own code).
+    """
+    key = (cls, prepare)
+    if key not in _PIPELINED_CLASSES:
+        mixin: type = _PipelinedMoECausalLM if hasattr(cls, "moe_layers") else _PipelinedCausalLM
+        body: dict[str, Any] = {"__module__": cls.__module__, "_pp_prepare": staticmethod(prepare)}
+        _PIPELINED_CLASSES[key] = type(f"Pipelined{cls.__name__}", (mixin, cls), body)
+    return _PIPELINED_CLASSES[key]
 
 
 class StageModule(nn.Module):
@@ -296,5 +264,4 @@ __all__ = [
     "StageModule",
     "pipelined_class",
     "router_aux_experts",
-    "stage_preparation",
 ]

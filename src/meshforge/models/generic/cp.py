@@ -1,17 +1,17 @@
-"""Context parallelism on the generic transformers path (any ``AutoModelForCausalLM`` meshforge wraps).
+"""Context parallelism on the transformers path (any ``AutoModelForCausalLM`` meshforge wraps).
 
 Built-in families carry a ``cp`` attribute on their own attention modules; a transformers model's
 attention instead calls whatever ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` names
 with ``(module, query, key, value, attention_mask, scaling=..., dropout=..., sliding_window=...,
-**kwargs)``. So CP plugs in there: :func:`apply_generic_cp` registers :func:`cp_attention` as the
+**kwargs)``. So CP plugs in there: :func:`apply_generic_cp` (the spec's ``cp_apply``, called by
+``meshforge.parallel.context.apply_cp`` with the plan) registers :func:`cp_attention` as the
 attention implementation ``"meshforge_cp"`` and switches the model to it, and the wrapper's forward
-(:class:`meshforge.models.generic.GenericCausalLMMixin`) builds one :class:`GenericCPState` per
-forward (:func:`prepare_generic_cp`: the shared :class:`~meshforge.parallel.context.CPMask` with
-the full row's document ids, and the local tokens' global positions for RoPE) and hands it down
-as the keyword ``meshforge_cp``: transformers forwards unknown keywords from the causal LM through
-the decoder layers to the attention function unchanged, and activation recompute replays them. A pipeline stage
-(``meshforge.parallel.pipeline.generic_stage``) runs its decoder layers without that forward, so it does
-the same itself: ``prepare_generic_cp`` per stage forward, the global positions to the model's
+(:class:`meshforge.models.generic.model.GenericCausalLMMixin`) builds one :class:`GenericCPState`
+per forward (:func:`prepare_generic_cp`: the plan's shared CP mask with the full row's document
+ids, and the local tokens' global positions for RoPE) and hands it down as the keyword
+``meshforge_cp``: transformers forwards unknown keywords from the causal LM through the decoder
+layers to the attention function unchanged, and activation recompute replays them. A pipeline
+stage (``stage.py``) runs its decoder layers without that forward, so it does the same itself: ``prepare_generic_cp`` per stage forward, the global positions to the model's
 ``rotary_emb``, the state as each layer's ``meshforge_cp`` keyword, and ``check_generic_cp`` on the
 attention types of the layers it ran.
 
@@ -40,11 +40,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from meshforge.parallel.context.layout import CPMask
-from meshforge.parallel.context.plan import ContextParallel
-
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from meshforge.models.spec import CPPlan
 
 #: The name :func:`cp_attention` is registered under in transformers' ``AttentionInterface``.
 ATTN_IMPLEMENTATION = "meshforge_cp"
@@ -59,16 +58,16 @@ class GenericCPState:
     """What one forward's attention calls share: the plan, the mask and a call count.
 
     Attributes:
-        plan: The model's :class:`~meshforge.parallel.context.ContextParallel`.
-        mask: This forward's :class:`~meshforge.parallel.context.CPMask`.
+        plan: The model's CP plan (``meshforge.parallel.context.ContextParallel``).
+        mask: This forward's CP mask object (``CPPlan.prepare``; ``narrow_batch`` slices its rows).
         calls: How many attention calls reached :func:`cp_attention` (checked after the forward).
         windowed: How many of them carried a ``sliding_window``.
         parent: The whole batch's state when this one holds some of its rows (chunked
             micro-batches, ``parallelism.enable_chunk_batch``): calls count there too.
     """
 
-    plan: ContextParallel
-    mask: CPMask
+    plan: CPPlan
+    mask: Any
     calls: int = 0
     windowed: int = 0
     parent: GenericCPState | None = None
@@ -183,7 +182,7 @@ def _check_config(config: Any, ulysses_size: int, method: str) -> None:
         )
 
 
-def apply_generic_cp(model: nn.Module, plan: ContextParallel) -> None:
+def apply_generic_cp(model: nn.Module, plan: CPPlan) -> None:
     """Switch a wrapped transformers model to context-parallel attention, in place.
 
     Registers ``"meshforge_cp"``, sets it as the model's attention implementation and stores
@@ -191,7 +190,7 @@ def apply_generic_cp(model: nn.Module, plan: ContextParallel) -> None:
     it, and a pipeline stage's forward reads its plan). Works on the meta device.
 
     Args:
-        model: A model wrapped by :func:`meshforge.models.generic.wrap_generic`, whole or split
+        model: A model wrapped by :func:`meshforge.models.generic.model.wrap_generic`, whole or split
             into pipeline stages (``meshforge.parallel.pipeline.split_model``).
         plan: The CP plan (built by :func:`meshforge.parallel.context.apply_cp`).
 
@@ -219,12 +218,12 @@ class GenericCPForward:
     """The ``CPForward`` a wrapped model's forward calls (``model.meshforge_cp``).
 
     Args:
-        plan: The model's :class:`~meshforge.parallel.context.ContextParallel`.
+        plan: The model's CP plan.
     """
 
     keyword = CP_KWARG
 
-    def __init__(self, plan: ContextParallel) -> None:
+    def __init__(self, plan: CPPlan) -> None:
         self.plan = plan
 
     def prepare(
@@ -240,7 +239,7 @@ class GenericCPForward:
 
 
 def prepare_generic_cp(
-    plan: ContextParallel,
+    plan: CPPlan,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor | None,
     segment_ids: torch.Tensor | None,

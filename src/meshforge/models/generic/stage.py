@@ -1,11 +1,11 @@
-"""The pipeline stage preparation of the generic transformers path (``models/generic.py``).
+"""The pipeline stage of the transformers path: the spec's ``stage_check`` and ``stage_preparation``.
 
-A stage reproduces what the wrapper's forward builds for its layers: the masks transformers' own
-mask functions build for each layer's attention type, the RoPE tables of the model's
-``rotary_emb`` and the positions, for the model types in ``GENERIC_MASK_RULES``
-(``check_generic_layout`` refuses the rest by name). Under context parallelism
-(``meshforge_cp``, see ``parallel.context.generic``) no mask, RoPE from the global positions and
-the per-forward CP state as each layer's keyword, as the wrapper's CP forward.
+A stage reproduces what the wrapper's forward (``model.py``) builds for its layers: the masks
+transformers' own mask functions build for each layer's attention type, the RoPE tables of the
+model's ``rotary_emb`` and the positions, for the model types in ``GENERIC_MASK_RULES``
+(``check_generic_layout`` refuses the rest by name). Under context parallelism (the model's
+``meshforge_cp``, see ``cp.py``) no mask, RoPE from the global positions and the per-forward CP
+state as each layer's keyword, as the wrapper's CP forward.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from torch import nn
 
 from meshforge.models.common.attention import positions_from_segments
 from meshforge.models.common.stage import LayerRunner, StageBatch
+from meshforge.models.generic.cp import CP_KWARG, check_generic_cp, prepare_generic_cp
+from meshforge.models.generic.model import packed_masks
 
 # The generic transformers path: model types whose ``*Model.forward`` (transformers 5.24) is the
 # plain recipe a stage reproduces (embed -> masks + RoPE -> layers -> norm, no embedding scale or
@@ -105,7 +107,7 @@ def generic_stage(b: StageBatch) -> LayerRunner:
     """A transformers ``*Model.forward``'s preparation, as ``GenericCausalLMMixin.forward`` calls it.
 
     The one-process generic forward passes ``segment_ids`` as the block-diagonal causal mask(s) of
-    ``meshforge.models.generic.packed_masks`` (``attention_mask``; sliding windows included) and, when no ``position_ids`` are given, positions that restart at every
+    ``meshforge.models.generic.model.packed_masks`` (``attention_mask``; sliding windows included) and, when no ``position_ids`` are given, positions that restart at every
     document (without ``segment_ids`` transformers counts ``0..S-1``); the masks come from the functions the model's own module calls, with the same
     arguments, so a stage's layers see exactly the masks and RoPE tables they would see there.
     """
@@ -117,8 +119,6 @@ def generic_stage(b: StageBatch) -> LayerRunner:
     kinds = generic_layer_types(inner, [index_of[id(layer)] for layer in layers])
     attention_mask: Any = None
     if segment_ids is not None:
-        from meshforge.models.generic import packed_masks
-
         # As the wrapper: the block-diagonal mask with the model's sliding window added (a 4-D
         # mask reaches the attention as it is), one per layer type when the model has them.
         attention_mask = packed_masks(inner.config, segment_ids)
@@ -183,7 +183,7 @@ def generic_cp_stage(model: nn.Module, plan: Any, b: StageBatch) -> LayerRunner:
 
     Args:
         model: The pruned wrapped model (its ``meshforge_cp`` holds ``plan``).
-        plan: The :class:`~meshforge.parallel.context.ContextParallel` plan.
+        plan: The model's CP plan (``CPPlan``).
         b: The stage's batch (its ``ids`` may be a view of the hidden states: the plan reads only
             their shape and device).
 
@@ -192,8 +192,6 @@ def generic_cp_stage(model: nn.Module, plan: Any, b: StageBatch) -> LayerRunner:
             its attention).
     """
     import inspect
-
-    from meshforge.parallel.context.generic import CP_KWARG, check_generic_cp, prepare_generic_cp
 
     inner: Any = model.model
     index_of = {id(layer): int(key) for key, layer in inner.layers.items()}
@@ -231,10 +229,18 @@ def generic_cp_stage(model: nn.Module, plan: Any, b: StageBatch) -> LayerRunner:
     return run
 
 
+def stage_preparation(b: StageBatch) -> LayerRunner:
+    """The spec's ``stage_preparation``: :func:`generic_stage`, or with a CP plan on the pruned
+    model ``b.model`` (``meshforge_cp``, set by ``cp.apply_generic_cp``) :func:`generic_cp_stage`."""
+    hook = getattr(b.model, "meshforge_cp", None)
+    return generic_stage(b) if hook is None else generic_cp_stage(b.model, hook.plan, b)
+
+
 __all__ = [
     "GENERIC_MASK_RULES",
     "check_generic_layout",
     "generic_cp_stage",
-    "generic_stage",
     "generic_layer_types",
+    "generic_stage",
+    "stage_preparation",
 ]

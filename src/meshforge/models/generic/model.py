@@ -1,128 +1,57 @@
-"""The generic Hugging Face path: any local ``AutoModelForCausalLM`` trained through meshforge's loop.
+"""The transformers path's model: any local ``AutoModelForCausalLM`` trained through meshforge's loop.
 
 When ``model.model_name_or_path`` names a folder whose config.json is no built-in family,
 transformers builds the model (on the meta device, SDPA attention) and meshforge wraps it so the
 trainer's contract holds: ``forward(input_ids, position_ids=None, segment_ids=None) -> logits``,
-``init_full_parameter_`` (per-parameter, seeded) and ``reset_buffers`` after materialisation.
+``init_full_parameter_`` (per-parameter, seeded), ``reset_buffers`` after materialisation and
+``num_params``.
 
 The wrapper is the transformers model itself with a mixin placed in front of its class (the
 instance's class is swapped for a subclass), not a module that holds it: parameter names stay
 transformers' in-memory names, so FSDP module patterns such as ``model.layers.{*}`` name the real
 tree, ``load_hf_weights`` / ``save_hf`` convert between them and the checkpoint keys with
-transformers' own conversion mapping (``models/generic_hf.py``: fused MoE experts), and
-transformers' own ``_init_weights`` and ``save_pretrained`` stay available.
+transformers' own conversion mapping (``hf.py``: fused MoE experts), and transformers' own
+``_init_weights`` and ``save_pretrained`` stay available.
 
-``GenericFamily`` is the path's ``FamilySpec`` (name, ``build``, the HF adapter), so the trainer
-and the checkpoint code treat it like a built-in family. Its parallel pieces are driven by module
-patterns and transformers' own functions instead (``meshforge.parallel``: ``generic_tp_plan``, the
-generic stage preparation, ``parallel.context.generic``); parallel code recognises such a model by its
-class' ``family`` (``meshforge.models.spec.GENERIC``).
+The path's ``FamilySpec`` is ``spec.py`` (``GenericFamily``); the class' ``family``
+(``meshforge.models.spec.GENERIC``) is how the registry finds it for a wrapped model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from meshforge.models.generic_hf import GenericHFAdapter
-from meshforge.models.spec import GENERIC, CPForward, FamilySpec, HFStateDictAdapter, ModelArgs
+from meshforge.models.spec import GENERIC, CPForward
 
 # transformers' normalisation modules have family-specific class names (MistralRMSNorm, ...).
 _NORM_MARKERS = ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")
 
 
-def load_auto_config(hf_dir: Path, *, trust_remote_code: bool) -> Any:
-    """``AutoConfig`` of a local folder; transformers' errors re-raised naming the meshforge keys.
+def build_generic(
+    config: Any, device: str | torch.device, *, hf_dir: Path, trust_remote_code: bool
+) -> nn.Module:
+    """transformers' causal LM of ``config`` (SDPA attention) on ``device``, wrapped in place.
 
     Raises:
-        ValueError: transformers cannot read the folder's config (unknown ``model_type``, or
-            remote code that needs ``model.trust_remote_code: true``).
+        ValueError: transformers cannot build it (naming ``model.model_name_or_path``), or the
+            model cannot take a 4-D attention mask (``wrap_generic``).
     """
-    from transformers import AutoConfig
+    from transformers import AutoModelForCausalLM
 
     kwargs = {"trust_remote_code": True} if trust_remote_code else {}
     try:
-        return AutoConfig.from_pretrained(str(hf_dir), local_files_only=True, **kwargs)
-    except (ValueError, KeyError, OSError) as err:
-        hint = (
-            "; the folder ships its own modelling code: set model.trust_remote_code: true if you trust it"
-            if not trust_remote_code and "trust_remote_code" in str(err)
-            else ""
-        )
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **kwargs)
+    except (ValueError, KeyError, ImportError) as err:
         raise ValueError(
-            f"model.model_name_or_path: transformers cannot build {hf_dir} through the generic "
-            f"transformers path ({type(err).__name__}: {str(err).strip().splitlines()[0]}){hint}"
+            f"model.model_name_or_path: transformers cannot build a causal LM with SDPA attention from "
+            f"{hf_dir} ({type(err).__name__}: {str(err).strip().splitlines()[0]})"
         ) from None
-
-
-@dataclass(frozen=True)
-class GenericFamily(FamilySpec):
-    """A ``FamilySpec`` for a transformers model meshforge does not build itself.
-
-    Attributes:
-        hf_dir: The local folder with config.json.
-        trust_remote_code: Passed to transformers only when True (``model.trust_remote_code``).
-    """
-
-    hf_dir: Path = field(default=Path("."))
-    trust_remote_code: bool = False
-
-    def parse_options(self, options: dict[str, object]) -> Any:
-        """The folder's ``AutoConfig`` with ``options`` (passthrough ``model:`` keys) set on it."""
-        config = load_auto_config(self.hf_dir, trust_remote_code=self.trust_remote_code)
-        for key, value in options.items():
-            setattr(config, key, value)
-        return config
-
-    def build(self, options: dict[str, object], *, device: str | torch.device = "meta") -> nn.Module:
-        """Build the transformers model (SDPA attention) on ``device`` and wrap it in place."""
-        from transformers import AutoModelForCausalLM
-
-        config = self.parse_options(options)
-        kwargs = {"trust_remote_code": True} if self.trust_remote_code else {}
-        try:
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **kwargs)
-        except (ValueError, KeyError, ImportError) as err:
-            raise ValueError(
-                f"model.model_name_or_path: transformers cannot build a causal LM with SDPA attention from "
-                f"{self.hf_dir} ({type(err).__name__}: {str(err).strip().splitlines()[0]})"
-            ) from None
-        return wrap_generic(model)
-
-
-def _refuse_options(options: dict[str, object]) -> ModelArgs:
-    raise TypeError("GenericFamily.parse_options reads the folder's config; call it on the family")
-
-
-def _refuse_build(args: ModelArgs, device: str | torch.device) -> nn.Module:
-    raise TypeError("GenericFamily.build builds from the folder; call it on the family")
-
-
-def _generic_adapter(spec: FamilySpec, args: ModelArgs | None) -> HFStateDictAdapter:
-    return GenericHFAdapter(spec, args)
-
-
-def generic_family(hf_dir: Path, hf_config: dict[str, Any], *, trust_remote_code: bool) -> GenericFamily:
-    """The ``GenericFamily`` for a folder whose config.json (``hf_config``) names no built family."""
-    architectures = hf_config.get("architectures") or []
-    if isinstance(architectures, str):
-        architectures = [architectures]
-    return GenericFamily(
-        name=str(hf_config.get("model_type") or "generic"),
-        hf_architectures=tuple(architectures),
-        model_ids=(),
-        option_keys=frozenset(),
-        from_options=_refuse_options,
-        builder=_refuse_build,
-        adapter=_generic_adapter,
-        hf_dir=Path(hf_dir),
-        trust_remote_code=trust_remote_code,
-    )
+    return wrap_generic(model)
 
 
 class GenericCausalLMMixin:
@@ -180,6 +109,21 @@ class GenericCausalLMMixin:
             padding = getattr(owner, "padding_idx", None)
             if isinstance(owner, nn.Embedding) and padding is not None:
                 tensor[padding].zero_()
+
+    def num_params(self, *, exclude_embedding: bool = False, active: bool = False) -> int:
+        """Parameters (a tied one once), without the input embedding's when ``exclude_embedding``.
+
+        transformers models have no such method; a pipeline stage (embedding on the first stage
+        only) counts what this rank holds. ``active`` counts them all (the routing of a
+        transformers MoE is not known here).
+        """
+        inner: Any = getattr(self, "model", None)
+        embed = getattr(inner, "embed_tokens", None)
+        skip = set()
+        if exclude_embedding and embed is not None:
+            skip.add(id(embed.weight))
+        params = {id(p): p for p in self.parameters()}  # type: ignore[attr-defined]
+        return sum(p.numel() for key, p in params.items() if key not in skip)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:

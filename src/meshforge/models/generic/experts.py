@@ -1,4 +1,4 @@
-"""Expert parallelism for the generic path: transformers' fused experts modules with a known layout.
+"""Expert parallelism on the transformers path: its fused experts modules with a known layout.
 
 transformers 5.x builds the experts of its MoE models as one module with fused weights, decorated
 with ``integrations.moe.use_experts_implementation``, which records the weight layout on the
@@ -9,16 +9,15 @@ instance (``has_gate``, ``has_bias``, ``is_transposed``, ``is_concatenated``,
 ``experts(hidden_states, top_k_index, top_k_weights)`` gets the same treatment as a built-in one:
 ``apply_ep`` makes its two weights ``Shard(0)`` DTensors on the ep mesh and its forward becomes the sort /
 all-to-all / local experts / all-to-all back of ``meshforge.models.common.moe.dispatch_to_experts``
-and :class:`~meshforge.parallel.expert.AllToAllExchange`. Any other experts module (biases,
-interleaved or transposed weights, a post-expert norm, or an undecorated class) is refused,
-naming its class.
+and the token exchange ``apply_ep`` hands over. Any other experts module (biases, interleaved or
+transposed weights, a post-expert norm, or an undecorated class) is refused, naming its class.
+:class:`FusedExpertsAdapter` is the spec's ``ep_adapter`` (``models/spec.py``: ``ExpertsAdapter``).
 """
 
 from __future__ import annotations
 
 import inspect
 import types
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from meshforge.models.common.moe import dispatch_to_experts
 
 if TYPE_CHECKING:
-    from meshforge.parallel.expert import AllToAllExchange
+    from meshforge.models.common.moe import TokenExchange
 
 #: The layout flags ``use_experts_implementation`` sets, and the values the EP forward handles.
 KNOWN_LAYOUT = {
@@ -65,17 +64,27 @@ def layout_problem(module: nn.Module) -> str | None:
     return None
 
 
-def generic_experts(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str, nn.Module]]:
-    """The modules ``parallelism.ep_modules`` names in a transformers model, each of the known layout.
+class FusedExpertsAdapter:
+    """The ``ExpertsAdapter`` of transformers' fused experts (the modules ``parallelism.ep_modules`` names)."""
 
-    Raises:
-        ValueError: A pattern matches nothing (``parallelism.ep_modules``).
-        NotImplementedError: A matched module is not of the known layout, naming its class and why.
-    """
-    from meshforge.parallel.patterns import match_modules
+    def check_dispatcher(self, token_dispatcher: str) -> None:
+        """Only ``alltoall``: the experts take the expert-sorted tokens, not each token with its k experts.
 
-    chosen = match_modules(model, list(patterns), key_path="parallelism.ep_modules")
-    for name, module in chosen:
+        Raises:
+            NotImplementedError: For any other ``parallelism.moe_token_dispatcher_type``.
+        """
+        if token_dispatcher != "alltoall":
+            raise NotImplementedError(
+                f"not supported yet: parallelism.moe_token_dispatcher_type={token_dispatcher!r} on the generic "
+                "transformers path (its experts take the expert-sorted tokens only); use alltoall"
+            )
+
+    def check(self, name: str, module: nn.Module) -> None:
+        """Refuse a matched module that is not of the known layout, naming its class and why.
+
+        Raises:
+            NotImplementedError: See :func:`layout_problem`.
+        """
         problem = layout_problem(module)
         if problem is not None:
             raise NotImplementedError(
@@ -83,16 +92,14 @@ def generic_experts(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str
                 f"parallelism.ep_modules): {problem}; the generic path shards transformers' fused experts "
                 "of the Mixtral / Qwen3-MoE layout (gate_up_proj [E, 2F, H], down_proj [E, H, F], no bias)"
             )
-    return chosen
 
-
-def use_ep_forward(module: nn.Module, exchange: AllToAllExchange) -> None:
-    """Give an experts module whose weights ``apply_ep`` sharded the all-to-all forward (in place)."""
-    # A plain attribute, where nn.Module keeps it (``is_expert_parallel`` looks there).
-    module.__dict__["token_exchange"] = exchange
-    target: nn.Module = module
-    # Per instance, through nn.Module's own `forward: Callable[..., Any]` slot.
-    target.forward = types.MethodType(_ep_forward, module)
+    def use_exchange(self, module: nn.Module, exchange: TokenExchange) -> None:
+        """Give an experts module whose weights ``apply_ep`` sharded the all-to-all forward (in place)."""
+        # A plain attribute, where nn.Module keeps it (``is_expert_parallel`` looks there).
+        module.__dict__["token_exchange"] = exchange
+        target: nn.Module = module
+        # Per instance, through nn.Module's own `forward: Callable[..., Any]` slot.
+        target.forward = types.MethodType(_ep_forward, module)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -115,7 +122,7 @@ def _ep_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers' experts forward with the experts spread over the ep ranks."""
-    exchange: AllToAllExchange = self.token_exchange  # type: ignore[assignment]
+    exchange: TokenExchange = self.token_exchange  # type: ignore[assignment]
     experts = int(self.num_experts)  # type: ignore[arg-type]
     counts = torch.bincount(top_k_index.reshape(-1), minlength=experts)
 
@@ -126,4 +133,4 @@ def _ep_forward(
     return dispatch_to_experts(hidden_states, top_k_index, weights, compute)
 
 
-__all__ = ["KNOWN_LAYOUT", "generic_experts", "layout_problem", "use_ep_forward"]
+__all__ = ["KNOWN_LAYOUT", "FusedExpertsAdapter", "layout_problem"]
