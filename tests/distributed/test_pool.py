@@ -63,6 +63,12 @@ def _env(rank: int, world: int) -> tuple[str | None, str]:
     return os.environ.get("MESHFORGE_POOL_TEST"), os.getcwd()
 
 
+def _many_groups(rank: int, world: int) -> int:
+    for _ in range(_pool._MAX_GROUPS):
+        dist.new_group(list(range(world)))
+    return os.getpid()
+
+
 def _destroy_default(rank: int, world: int) -> int:
     dist.destroy_process_group()
     return os.getpid()
@@ -100,12 +106,14 @@ def test_hung_rank_times_out_and_the_pool_restarts() -> None:
 
 def test_state_a_task_leaves_is_put_back() -> None:
     fresh = run_workers(_see_state, 2, fresh=True)
+    before = run_workers(_see_state, 2)
     pids = run_workers(_leave_state, 2)
     seen = run_workers(_see_state, 2)
     assert [s[0] for s in seen] == pids, "the pool was restarted instead of reset"
-    # Same dtype, flags, variables and group count as a fresh process.
-    assert [s[1:5] for s in seen] == [s[1:5] for s in fresh]
-    assert seen[0][1:5] == ("torch.float32", False, None, 1)
+    # Same dtype, flags and variables as a fresh process; the task's group stays (module docstring).
+    assert [s[1:4] for s in seen] == [s[1:4] for s in fresh]
+    assert seen[0][1:4] == ("torch.float32", False, None)
+    assert [s[4] for s in seen] == [s[4] + 1 for s in before]
     # The RNG is reseeded (from the OS, as in a new process), not left at the task's seed.
     after_123 = float(torch.rand(1, generator=torch.Generator().manual_seed(123)))
     assert all(s[5] != after_123 for s in seen)
@@ -115,6 +123,11 @@ def test_task_sees_the_tests_environment_and_folder(tmp_path, monkeypatch: pytes
     monkeypatch.setenv("MESHFORGE_POOL_TEST", "seen")
     monkeypatch.chdir(tmp_path)
     assert run_workers(_env, 2) == [("seen", str(tmp_path))] * 2
+
+
+def test_too_many_groups_restart_the_pool() -> None:
+    pids = run_workers(_many_groups, 2)
+    assert not set(pids) & set(run_workers(_pid, 2))
 
 
 def test_destroyed_default_group_restarts_the_pool() -> None:
