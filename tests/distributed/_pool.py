@@ -131,20 +131,23 @@ def _serve(rank: int, world: int, init_file: str, conn: multiprocessing.connecti
     baseline = _Baseline()
     conn.send(("ready", None))
     while True:
-        task = conn.recv()
-        if task is None:
-            break
-        fn, args, environ, cwd = task
         try:
+            task = conn.recv()
+            if task is None:
+                break
+            fn, args, environ, cwd = task
             baseline.before_task(environ, cwd)
             result = fn(rank, world, *args)
             if dist.is_initialized():
                 dist.barrier()
             restart = baseline.after_task()
+            conn.send(("ok", (result, restart)))
+        except EOFError:
+            break  # the test process is gone
         except BaseException:
+            # Also a task that cannot be unpickled here, or a result that cannot be sent back.
             conn.send(("error", f"rank {rank}:\n{traceback.format_exc()}"))
             break  # the parent kills the pool: the other ranks may be inside a collective
-        conn.send(("ok", (result, restart)))
     leave_worker()
 
 
@@ -162,7 +165,8 @@ class WorkerPool:
         init = os.path.join(self._tmp, "init")
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, world, init, child), daemon=True)
+            # Not daemonic: a task may start processes of its own (data-loader workers).
+            proc = ctx.Process(target=_serve, args=(rank, world, init, child), daemon=False)
             proc.start()
             child.close()
             self._procs.append(proc)

@@ -74,6 +74,10 @@ def _destroy_default(rank: int, world: int) -> int:
     return os.getpid()
 
 
+def _unpicklable(rank: int, world: int) -> object:
+    return lambda: rank
+
+
 def _pid(rank: int, world: int) -> int:
     return os.getpid()
 
@@ -92,6 +96,11 @@ def test_failing_rank_fails_with_its_traceback_and_the_pool_restarts() -> None:
     assert "rank 1:" in message and "ValueError: rank one says no" in message
     after = run_workers(_pid, 2)
     assert not set(before) & set(after), "a failed task's ranks were reused"
+
+
+def test_a_result_that_cannot_be_sent_back_fails_the_test() -> None:
+    with pytest.raises(AssertionError, match="rank 0:(.|\n)*pickle"):
+        run_workers(_unpicklable, 2)
 
 
 def test_hung_rank_times_out_and_the_pool_restarts() -> None:
