@@ -44,7 +44,9 @@ from tests.distributed._exit import leave_worker
 # How long the other ranks get to report once one rank failed (they may be inside a collective
 # that will never complete; their tracebacks help when they do arrive).
 _GRACE_S = 5.0
-_START_TIMEOUT_S = 120.0
+# Starting is an interpreter, the torch import and the rendezvous per rank: seconds on a quiet
+# machine, minutes on a loaded one (a spawn before the pool had no limit of its own either).
+_START_TIMEOUT_S = 600.0
 # The process groups tasks created stay alive (see the module docstring); past this many (each
 # holds gloo threads and sockets) the pool starts afresh.
 _MAX_GROUPS = 64
@@ -173,7 +175,10 @@ class WorkerPool:
             self._conns.append(parent)
         replies = self._collect(_START_TIMEOUT_S)
         failed = [f"rank {rank}: {msg}" for rank, (kind, msg) in replies.items() if kind != "ready"]
-        if failed or len(replies) != world:
+        failed += [
+            f"rank {r}: not ready after {_START_TIMEOUT_S:.0f} s" for r in range(world) if r not in replies
+        ]
+        if failed:
             self.close()
             raise AssertionError(f"the {world}-rank test pool did not start:\n" + "\n".join(failed))
 
