@@ -158,7 +158,9 @@ def train_here(config: Path, overrides: list[str], *, log: Callable[[str], None]
     from meshforge.train.trainer import Trainer
 
     existed = dist.is_initialized()
-    trainer = Trainer(load_config(str(config), overrides), log=log or (lambda _line: None))
+    log = log or (lambda _line: None)
+    # The config's own notes first, as `meshforge train` prints them before the trainer's lines.
+    trainer = Trainer(load_config(str(config), overrides, log=log), log=log)
     try:
         trainer.setup()
         trainer.train()

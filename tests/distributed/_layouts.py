@@ -8,6 +8,8 @@ the next run of that spawn, or by a later group.
 
 * `train_all`: whole `meshforge train` runs (`Run`), each with its metrics.jsonl (and, when
   asked, the log lines `meshforge train` prints) left in its output folder for the test to read;
+* `train_one`: one such run, called like `tests.conftest.run_train` (its `stdout` holds rank 0's
+  log lines), for a test that checks what a run logs and writes rather than the CLI around it;
 * `assert_layouts_equal_one_process`: the trainer's steps of each layout against one process,
   every layout checked and every mismatch reported together;
 * `run_checks`: module-level checks (a name and a function of the rank and a 1-D mesh) in one
@@ -16,8 +18,10 @@ the next run of that spawn, or by a later group.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +78,28 @@ def train_all(runs: Sequence[Run], *, timeout: float = 600) -> None:
                 _train(run, 0)
         else:
             run_workers(_train_worker, nproc, batch, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What `train_one` leaves for the test: rank 0's log lines (`meshforge train`'s output, less
+    the CLI's closing summary)."""
+
+    stdout: str
+
+
+def train_one(
+    config: Path, overrides: list[str], *, nproc: int = 1, cwd: Path | None = None, timeout: float = 600
+) -> Trained:
+    """One whole trainer run in `cwd`: here for one process, in the shared rank pool for more.
+
+    The in-process counterpart of `tests.conftest.run_train` (no interpreter, torch import or
+    torchrun launch per run); a failing rank fails the test with its traceback.
+    """
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(cwd or Path.cwd()):
+        log = Path(tmp) / "train.log"
+        train_all([Run(config, overrides, nproc, log)], timeout=timeout)
+        return Trained(log.read_text())
 
 
 def _compare_worker(

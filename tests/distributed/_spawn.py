@@ -1,89 +1,43 @@
-"""Start spawned gloo workers and fail the test with the failing ranks' tracebacks.
+"""Run a function on spawned gloo ranks and fail the test with the failing ranks' tracebacks.
 
 A worker is a module-level function `worker(rank, world, *extra)`. It runs inside a gloo process
-group that `run_workers` has already joined (file rendezvous, one thread per process), and it
-just raises to fail: the failing rank's traceback is sent back and becomes the test's failure
-message, and the other ranks, which may wait forever in a collective, are stopped 5 s later.
-After the worker returns, all ranks meet at a barrier and leave through `_exit.leave_worker`.
+group that the ranks have already joined (file rendezvous, one thread per process), and it just
+raises to fail: the failing rank's traceback is sent back and becomes the test's failure message,
+and the other ranks, which may wait forever in a collective, are stopped 5 s later. After the
+worker returns, all ranks meet at a barrier.
+
+The ranks are those of a persistent pool per world size (`tests.distributed._pool`): torch is
+imported and the group joined once per session, not once per test, and what a task changes in
+its processes is put back before the next. `fresh=True` runs one task in ranks of its own, for a
+test whose state the pool cannot put back.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
-import time
-import traceback
 from collections.abc import Callable
-from multiprocessing.queues import SimpleQueue
 from pathlib import Path
+from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from tests.distributed._exit import leave_worker
+from tests.distributed._pool import WorkerPool, pool
 
 
-def _entry(
-    rank: int,
-    world: int,
-    init_file: str,
-    worker: Callable[..., None],
-    extra: tuple[object, ...],
-    errors: SimpleQueue,
-) -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        worker(rank, world, *extra)
-        dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_worker()
+def run_workers(
+    worker: Callable[..., Any], world: int, *extra: object, timeout: float = 300, fresh: bool = False
+) -> list[Any]:
+    """Run `worker(rank, world, *extra)` on `world` ranks; assert every rank passed.
 
-
-def run_workers(worker: Callable[..., None], world: int, *extra: object, timeout: float = 300) -> None:
-    """Run `worker(rank, world, *extra)` on `world` spawned processes; assert every rank passed.
-
-    A rank that raises, exits non-zero or outlives `timeout` seconds fails the test, with the
-    tracebacks of the ranks that raised.
+    Returns each rank's return value (picklable), in rank order. A rank that raises, crashes or
+    outlives `timeout` seconds fails the test, with the tracebacks of the ranks that raised; the
+    pool is then replaced, so a hung or failed task cannot spoil the next test.
     """
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "init")
-        procs = [
-            ctx.Process(target=_entry, args=(r, world, init, worker, extra, errors), daemon=False)
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (0, None) for p in procs):
-                # One rank failed: the others may wait forever in a collective; give them a moment.
-                deadline = min(deadline, time.monotonic() + 5)
-            time.sleep(0.05)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        messages = []
-        while not errors.empty():
-            messages.append(errors.get())
-        for rank, p in enumerate(procs):
-            if p.exitcode != 0 and not any(m.startswith(f"rank {rank}:") for m in messages):
-                messages.append(
-                    f"rank {rank}: exit code {p.exitcode} (crashed, or killed after {timeout} s or once another rank failed)"
-                )
-        assert not messages, "\n".join(messages)
+    if fresh:
+        own = WorkerPool(world)
+        try:
+            return own.run(worker, extra, timeout)
+        finally:
+            own.close()
+    return pool(world).run(worker, extra, timeout)
 
 
 def train_runs(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> None:

@@ -291,7 +291,8 @@ def test_router_aux_loss_pp2_cp2_equals_one_process() -> None:
 def test_trainer_aux_loss_under_pp2_and_cp2_equals_one_process(tmp_path) -> None:
     """`meshforge train` on qwen3_moe with the router aux loss on: pp2 (1f1b) and cp2 (colossal)
     log the single-process loss, aux loss and grad norm at every step."""
-    from tests.conftest import read_metrics, run_train
+    from tests.conftest import read_metrics
+    from tests.distributed._layouts import train_one
     from tests.distributed.test_ep import REPO, TRAIN, _assert_same_steps
 
     config = REPO / "configs" / "qwen3_moe" / "tiny.yaml"
@@ -302,7 +303,7 @@ def test_trainer_aux_loss_under_pp2_and_cp2_equals_one_process(tmp_path) -> None
         "cp2": (2, ["--parallelism.context_parallel=2"]),
     }
     for name, (nproc, extra) in layouts.items():
-        run_train(
+        train_one(
             config, [*common, *extra, f"--training.output_dir={tmp_path / name}"], nproc=nproc, cwd=tmp_path
         )
     one = read_metrics(tmp_path / "one")

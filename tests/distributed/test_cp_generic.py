@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from tests._compare import assert_close, rel_error
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics
+from tests.distributed._layouts import train_one
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -188,7 +189,7 @@ def test_generic_train_cp2_equals_one_process(tmp_path: Path) -> None:
     build_tokenizer("meshforge://assets/tokenizer").save_pretrained(hf_dir)
     config = _config(tmp_path, hf_dir)
     common = ["--checkpoint.enable_save=false"]
-    run_train(config, [*common, f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
+    train_one(config, [*common, f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
     one = read_metrics(tmp_path / "one")
     assert len(one) == 3
     # colossal also runs each decoder layer on one row at a time (chunked micro-batches: the CP
@@ -199,7 +200,7 @@ def test_generic_train_cp2_equals_one_process(tmp_path: Path) -> None:
     }
     for method in ("ulysses", "colossal"):
         out = tmp_path / method
-        proc = run_train(
+        proc = train_one(
             config,
             [
                 *common,

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from tests._compare import rel_error
-from tests.conftest import read_metrics, run_train, write_corpus
+from tests.conftest import read_metrics, write_corpus
+from tests.distributed._layouts import train_one
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -238,7 +239,7 @@ def test_train_qwen3_next_cp2_ulysses_equals_one_process(tmp_path: Path) -> None
     layouts = (("one", 1, []), ("cp2", 2, cp2), ("tp2_cp2", 4, [*tp2, *cp2]), ("pp2_cp2", 4, [*pp2, *cp2]))
     for name, nproc, extra in layouts:
         out = tmp_path / name
-        proc = run_train(config, [*common, *extra, f"--training.output_dir={out}"], nproc=nproc, cwd=tmp_path)
+        proc = train_one(config, [*common, *extra, f"--training.output_dir={out}"], nproc=nproc, cwd=tmp_path)
         if nproc > 1:
             assert "CP (ulysses) over 2 ranks" in proc.stdout, proc.stdout
         runs[name] = [m for m in read_metrics(out) if "loss" in m]

@@ -3,7 +3,8 @@
 Resume protocol: A trains 2k steps; B trains k steps; C resumes B to 2k steps. C's
 losses for steps k+1..2k must equal A's bitwise (deterministic mode, CPU). The 2-process run A
 must match the 1-process run A within 1e-5 relative (same global batch and seed). B saves
-asynchronously, so the background path is held to the same standard.
+asynchronously, so the background path is held to the same standard. The runs are whole trainer
+runs in-process (`train_all`: here for 1 process, in the shared rank pool for 2).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics
+from tests.distributed._layouts import Run, train_all
 
 pytestmark = pytest.mark.slow
 
@@ -21,29 +23,26 @@ K = 3
 
 def _protocol(config: Path, root: Path, nproc: int) -> tuple[list[dict], list[dict]]:
     a, b, c = root / f"a{nproc}", root / f"b{nproc}", root / f"c{nproc}"
-    run_train(config, [f"--training.steps={2 * K}", f"--training.output_dir={a}"], nproc=nproc, cwd=root)
+    log = root / f"b{nproc}.log"
     # B saves in the background (checkpoint.async_save): its checkpoint must resume exactly too.
-    saving = run_train(
-        config,
-        [f"--training.steps={K}", f"--training.output_dir={b}", "--checkpoint.async_save=true"],
-        nproc=nproc,
-        cwd=root,
+    saving = [f"--training.steps={K}", f"--training.output_dir={b}", "--checkpoint.async_save=true"]
+    resuming = [
+        f"--training.steps={2 * K}",
+        f"--training.output_dir={c}",
+        f"--checkpoint.load_path={b / 'checkpoints'}",
+    ]
+    train_all(
+        [
+            Run(config, [f"--training.steps={2 * K}", f"--training.output_dir={a}"], nproc),
+            Run(config, saving, nproc, log),
+            Run(config, resuming, nproc),
+        ]
     )
     # The save was handed to the background writer and completed before the run ended (the
     # thread itself is checked in tests/unit/test_checkpoint_resume.py).
-    assert f"checkpoint: started saving step {K}" in saving.stdout
-    assert f"checkpoint: background save of step {K} finished" in saving.stdout
+    assert f"checkpoint: started saving step {K}" in log.read_text()
+    assert f"checkpoint: background save of step {K} finished" in log.read_text()
     assert (b / "checkpoints" / f"checkpoint-{K:08d}" / "COMPLETE").is_file()
-    run_train(
-        config,
-        [
-            f"--training.steps={2 * K}",
-            f"--training.output_dir={c}",
-            f"--checkpoint.load_path={b / 'checkpoints'}",
-        ],
-        nproc=nproc,
-        cwd=root,
-    )
     return read_metrics(a), read_metrics(c)
 
 

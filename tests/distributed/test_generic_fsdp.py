@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests._compare import max_rel_error, rel_error
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics
+from tests.distributed._layouts import train_one
 from tests.unit.test_generic_hf import MISTRAL, _config
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ def test_generic_fsdp_two_ranks_equal_one_process(tmp_path: Path, tied: bool) ->
         # Same global batch of 2: 2 x 1 on two ranks.
         args = [f"--training.output_dir={out}", "--checkpoint.save_hf_weights=true"]
         args.append(f"--training.local_batch_size={2 // nproc}")
-        proc = run_train(config, args, nproc=nproc, cwd=tmp_path)
+        proc = train_one(config, args, nproc=nproc, cwd=tmp_path)
         assert "generic transformers path" in proc.stdout
         runs[nproc] = out
     one, two = read_metrics(runs[1]), read_metrics(runs[2])

@@ -93,7 +93,8 @@ def test_torchrun_training_from_hf_folder_equals_one_process(tmp_path: Path) -> 
     """`meshforge train` on 2 ranks from a HF folder: same losses and exported weights as 1 process."""
     from safetensors.torch import load_file
 
-    from tests.conftest import read_metrics, run_train
+    from tests.conftest import read_metrics
+    from tests.distributed._layouts import train_one
     from tests.unit.test_hf_interop import _config, _save_hf_model
 
     hf_dir = _save_hf_model(tmp_path / "hf", tied=True, shard="100KB")
@@ -102,7 +103,7 @@ def test_torchrun_training_from_hf_folder_equals_one_process(tmp_path: Path) -> 
     runs = {}
     for nproc in (1, 2):
         out = tmp_path / f"run{nproc}"
-        run_train(cfg, [*common, f"--training.output_dir={out}"], nproc=nproc, cwd=tmp_path)
+        train_one(cfg, [*common, f"--training.output_dir={out}"], nproc=nproc, cwd=tmp_path)
         runs[nproc] = out
     one, two = (read_metrics(runs[n]) for n in (1, 2))
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)

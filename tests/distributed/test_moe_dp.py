@@ -1,4 +1,7 @@
-"""Qwen3-MoE with its router loss: 2-process FSDP equals one process with accumulation."""
+"""Qwen3-MoE with its router loss: 2-process FSDP equals one process with accumulation.
+
+Whole trainer runs in-process (`train_all`: the 2-rank run in the shared rank pool).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, read_metrics, run_train
+from tests.conftest import REPO, read_metrics
+from tests.distributed._layouts import Run, train_all
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +23,12 @@ def test_moe_two_ranks_equal_one(tmp_path: Path) -> None:
         "--model.num_hidden_layers=2",
         "--checkpoint.enable_save=false",
     ]
-    run_train(config, [*common, f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
-    run_train(config, [*common, f"--training.output_dir={tmp_path / 'two'}"], nproc=2, cwd=tmp_path)
+    train_all(
+        [
+            Run(config, [*common, f"--training.output_dir={tmp_path / 'one'}"]),
+            Run(config, [*common, f"--training.output_dir={tmp_path / 'two'}"], nproc=2),
+        ]
+    )
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     for a, b in zip(one, two, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)

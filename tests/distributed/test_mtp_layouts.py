@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics
+from tests.distributed._layouts import train_one
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -82,7 +83,7 @@ def _worker(rank: int, world: int, root: str) -> None:
 
 def test_mtp_layouts_equal_one_process(tmp_path: Path) -> None:
     (tmp_path / "mtp.yaml").write_text(CONFIG)
-    run_train(tmp_path / "mtp.yaml", [f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
+    train_one(tmp_path / "mtp.yaml", [f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
     one = read_metrics(tmp_path / "one")
     assert [r["step"] for r in one] == [1, 2, 3] and all(r["mtp_loss"] > 0 for r in one)
     run_workers(_worker, 2, str(tmp_path))

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from tests._compare import assert_close
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics
+from tests.distributed._layouts import train_one
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -179,12 +180,12 @@ def test_train_pp2_cp2_generic_equals_one_process(tmp_path: Path) -> None:
     # model.embed_tokens and lm_head exist only on the first and the last stage (checked over
     # all stages, not per stage).
     fsdp: list[str] = []
-    run_train(config, [*common, f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
+    train_one(config, [*common, f"--training.output_dir={tmp_path / 'one'}"], cwd=tmp_path)
     one = read_metrics(tmp_path / "one")
     assert len(one) == 3 and one[0]["loss"] != one[2]["loss"]  # it trains
     for method, schedule in LAYOUTS:
         out = tmp_path / method
-        proc = run_train(
+        proc = train_one(
             config,
             [
                 *common,

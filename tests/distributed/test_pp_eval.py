@@ -1,4 +1,8 @@
-"""Pipeline parallelism in the trainer: evaluation through the schedule, and the dx/dw split."""
+"""Pipeline parallelism in the trainer: evaluation through the schedule, and the dx/dw split.
+
+The runs are whole trainer runs in-process (`train_all`: one process here, the 2-rank layouts in
+the shared rank pool); the CLI around them is tested in tests/unit/test_train_cli.py.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, read_metrics, run_train
+from tests.conftest import REPO, read_metrics
+from tests.distributed._layouts import Run, train_all
 
 pytestmark = pytest.mark.slow
 
@@ -24,25 +29,23 @@ COMMON = [
 
 def test_pp2_evaluates_and_zero_bubble_equals_one_process(tmp_path: Path) -> None:
     one, pp, zb = tmp_path / "one", tmp_path / "pp", tmp_path / "zb"
-    run_train(SFT, [*COMMON, f"--training.output_dir={one}"], cwd=tmp_path)
-    run_train(
-        SFT,
-        [*COMMON, "--parallelism.pipeline_parallel=2", f"--training.output_dir={pp}"],
-        nproc=2,
-        cwd=tmp_path,
-    )
-    run_train(
-        SFT,
+    train_all(
         [
-            *COMMON,
-            "--parallelism.pipeline_parallel=2",
-            "--parallelism.pipeline_parallel_schedule=interleaved",
-            "--parallelism.pipeline_parallel_interleave_num=2",
-            "--parallelism.pipeline_parallel_enable_dxdw_split=true",
-            f"--training.output_dir={zb}",
-        ],
-        nproc=2,
-        cwd=tmp_path,
+            Run(SFT, [*COMMON, f"--training.output_dir={one}"]),
+            Run(SFT, [*COMMON, "--parallelism.pipeline_parallel=2", f"--training.output_dir={pp}"], nproc=2),
+            Run(
+                SFT,
+                [
+                    *COMMON,
+                    "--parallelism.pipeline_parallel=2",
+                    "--parallelism.pipeline_parallel_schedule=interleaved",
+                    "--parallelism.pipeline_parallel_interleave_num=2",
+                    "--parallelism.pipeline_parallel_enable_dxdw_split=true",
+                    f"--training.output_dir={zb}",
+                ],
+                nproc=2,
+            ),
+        ]
     )
     ref = read_metrics(one)
     assert [r["step"] for r in ref if "eval_loss" in r] == [1, 2]
@@ -61,19 +64,21 @@ def test_tied_embeddings_resume_across_pipeline_layouts(tiny_config: Path, tmp_p
     common = ["--training.steps=4", "--checkpoint.save_interleaved_steps=2"]
     pp2 = ["--parallelism.pipeline_parallel=2"]
     one, pp, to_pp, to_one = (tmp_path / n for n in ("one", "pp", "to_pp", "to_one"))
-    run_train(tiny_config, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
-    run_train(tiny_config, [*common, *pp2, f"--training.output_dir={pp}"], nproc=2, cwd=tmp_path)
     step2 = "checkpoints/checkpoint-00000002"
-    run_train(
-        tiny_config,
-        [*common, *pp2, f"--training.output_dir={to_pp}", f"--checkpoint.load_path={one / step2}"],
-        nproc=2,
-        cwd=tmp_path,
-    )
-    run_train(
-        tiny_config,
-        [*common, f"--training.output_dir={to_one}", f"--checkpoint.load_path={pp / step2}"],
-        cwd=tmp_path,
+    train_all(
+        [
+            Run(tiny_config, [*common, f"--training.output_dir={one}"]),
+            Run(tiny_config, [*common, *pp2, f"--training.output_dir={pp}"], nproc=2),
+            Run(
+                tiny_config,
+                [*common, *pp2, f"--training.output_dir={to_pp}", f"--checkpoint.load_path={one / step2}"],
+                nproc=2,
+            ),
+            Run(
+                tiny_config,
+                [*common, f"--training.output_dir={to_one}", f"--checkpoint.load_path={pp / step2}"],
+            ),
+        ]
     )
     ref = read_metrics(one)
     for resumed in (to_pp, to_one):
@@ -105,9 +110,11 @@ checkpoint: {{enable_save: false}}
 """
     )
     one, pp = tmp_path / "one", tmp_path / "pp"
-    run_train(config, [f"--training.output_dir={one}"], cwd=tmp_path)
-    run_train(
-        config, ["--parallelism.pipeline_parallel=2", f"--training.output_dir={pp}"], nproc=2, cwd=tmp_path
+    train_all(
+        [
+            Run(config, [f"--training.output_dir={one}"]),
+            Run(config, ["--parallelism.pipeline_parallel=2", f"--training.output_dir={pp}"], nproc=2),
+        ]
     )
     for x, y in zip(read_metrics(one), read_metrics(pp), strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)

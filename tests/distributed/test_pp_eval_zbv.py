@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests._compare import assert_close
-from tests.conftest import REPO, read_metrics, run_train
+from tests.conftest import REPO, read_metrics
+from tests.distributed._layouts import train_one
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -171,8 +172,8 @@ def test_trainer_pp2_zbv_eval_loss_equals_one_process(tmp_path: Path) -> None:
         "--checkpoint.enable_save=false",
     ]
     one, zbv = tmp_path / "one", tmp_path / "zbv"
-    run_train(sft, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
-    run_train(
+    train_one(sft, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
+    train_one(
         sft,
         [
             *common,

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from tests._compare import assert_close
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics
+from tests.distributed._layouts import train_one
 from tests.distributed._spawn import run_workers
 
 pytestmark = pytest.mark.slow
@@ -219,7 +220,7 @@ def test_train_pp2_generic_equals_one_process(tmp_path: Path) -> None:
         ("resumed", 1, ["--training.steps=4", f"--checkpoint.load_path={tmp_path / 'pp2' / 'checkpoints'}"]),
     ):
         out = tmp_path / name
-        proc = run_train(config, [f"--training.output_dir={out}", *common, *args], nproc=nproc, cwd=tmp_path)
+        proc = train_one(config, [f"--training.output_dir={out}", *common, *args], nproc=nproc, cwd=tmp_path)
         assert "generic transformers path" in proc.stdout
         assert ("pipeline stage(s) 0 of 2" in proc.stdout) == (name == "pp2"), proc.stdout
         runs[name] = read_metrics(out)

@@ -313,9 +313,10 @@ def test_tp2_families_equal_one_process() -> None:
 
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", "qwen3_next"])
 def test_trainer_tp2_equals_one_process(family: str, tmp_path: Path) -> None:
-    """`meshforge train` with tensor_parallel=2 on unpacked text rows (RoPE over the whole row while
+    """A trainer run with tensor_parallel=2 on unpacked text rows (RoPE over the whole row while
     the hidden states hold half of it) logs the one-process loss and grad norm."""
-    from tests.conftest import read_metrics, run_train, write_corpus
+    from tests.conftest import read_metrics, write_corpus
+    from tests.distributed._layouts import Run, train_all
 
     config = Path(__file__).resolve().parents[2] / "configs" / family / "tiny.yaml"
     corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=40)
@@ -326,12 +327,13 @@ def test_trainer_tp2_equals_one_process(family: str, tmp_path: Path) -> None:
         "--train_dataset.dataloader.seq_length=32",
     ]
     one, tp2 = tmp_path / "one", tmp_path / "tp2"
-    run_train(config, [*common, f"--training.output_dir={one}"], cwd=tmp_path)
-    run_train(
-        config,
-        [*common, "--parallelism.tensor_parallel=2", f"--training.output_dir={tp2}"],
-        nproc=2,
-        cwd=tmp_path,
+    train_all(
+        [
+            Run(config, [*common, f"--training.output_dir={one}"]),
+            Run(
+                config, [*common, "--parallelism.tensor_parallel=2", f"--training.output_dir={tp2}"], nproc=2
+            ),
+        ]
     )
     want, got = read_metrics(one), read_metrics(tp2)
     assert len(want) == len(got) == 3

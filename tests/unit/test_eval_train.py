@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, read_metrics, run_train
+from tests.distributed._layouts import train_one
 
 pytestmark = pytest.mark.slow  # every test here runs meshforge in a subprocess
 
@@ -19,8 +20,8 @@ SMALL = ["--training.log_interval=1", "--checkpoint.enable_save=false"]
 def test_sft_validation_split_is_evaluated_without_changing_training(tmp_path: Path) -> None:
     common = [*SMALL, "--training.steps=4", "--train_dataset.val_size=0.1"]
     plain, evaluated = tmp_path / "plain", tmp_path / "eval"
-    run_train(SFT, [*common, f"--training.output_dir={plain}"], cwd=tmp_path)
-    proc = run_train(
+    train_one(SFT, [*common, f"--training.output_dir={plain}"], cwd=tmp_path)
+    proc = train_one(
         SFT, [*common, "--training.eval_interval=2", f"--training.output_dir={evaluated}"], cwd=tmp_path
     )
     a, b = read_metrics(plain), read_metrics(evaluated)
@@ -28,7 +29,7 @@ def test_sft_validation_split_is_evaluated_without_changing_training(tmp_path: P
     assert all(math.isfinite(r["eval_loss"]) and r["eval_tokens"] > 0 for r in b if "eval_loss" in r)
     # Evaluating touches neither the data order, the RNG nor the weights the next step uses.
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    assert "eval step 2: eval_loss" in proc.stdout + proc.stderr
+    assert "eval step 2: eval_loss" in proc.stdout
     # Without eval_interval the validation split is still evaluated once, at the end.
     assert [r["step"] for r in a if "eval_loss" in r] == [4]
 
@@ -44,7 +45,7 @@ def test_megatron_validation_split_and_missing_validation_data(tmp_path: Path) -
         f"--train_dataset.dataloader.config.path_to_cache={tmp_path / 'cache'}",
         f"--training.output_dir={out}",
     ]
-    run_train(MEGATRON, overrides, cwd=tmp_path)
+    train_one(MEGATRON, overrides, cwd=tmp_path)
     records = read_metrics(out)
     assert [r["step"] for r in records if "eval_loss" in r] == [1, 2]
     # eval_iters: 2 batches of 16 rows x 128 tokens per evaluation.
@@ -65,12 +66,12 @@ def test_eval_interval_without_validation_data_is_an_error(tmp_path: Path) -> No
 def test_epochs_size_the_run_from_the_data(tmp_path: Path) -> None:
     out = tmp_path / "epochs"
     # 48 examples packed into 256-token rows: a few steps of 8 rows make one epoch.
-    proc = run_train(
+    proc = train_one(
         SFT,
         [*SMALL, "--training.epochs=1", "--train_dataset.max_samples=48", f"--training.output_dir={out}"],
         cwd=tmp_path,
     )
-    text = proc.stdout + proc.stderr
+    text = proc.stdout
     line = next(x for x in text.splitlines() if "training.epochs 1 x" in x)
     steps = int(line.split("=")[1].split("steps")[0].replace(",", "").strip())
     assert steps >= 1

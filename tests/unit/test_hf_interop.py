@@ -206,6 +206,7 @@ def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Pa
     from safetensors.torch import load_file
 
     from meshforge.cli.main import main
+    from tests.distributed._layouts import train_one
 
     # 1) model_name_or_path only: family, shapes and tokenizer from the folder; one override.
     cfg = _config(
@@ -238,7 +239,7 @@ def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Pa
 
     # model.train_from_scratch: the folder's config and tokenizer, random weights.
     scratch = tmp_path / "scratch"
-    proc = run_train(
+    proc = train_one(
         cfg,
         [f"--training.output_dir={scratch}", "--model.train_from_scratch=true", "--training.steps=1"],
         cwd=tmp_path,
@@ -259,7 +260,7 @@ def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Pa
     with pytest.raises(AssertionError, match="is a Hugging Face checkpoint; resuming optimizer state"):
         run_train(explicit, [f"--checkpoint.load_path={hf_untied_sharded}"], cwd=tmp_path)
     run_hf = tmp_path / "run_hf"
-    run_train(
+    train_one(
         explicit,
         [
             f"--training.output_dir={run_hf}",
@@ -275,7 +276,7 @@ def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Pa
     assert main(["convert", "--to", "dcp", str(hf_untied_sharded), str(dcp_dir)]) == 0
     assert (dcp_dir / "COMPLETE").is_file() and (dcp_dir / "model.yaml").is_file()
     run_dcp = tmp_path / "run_dcp"
-    run_train(
+    train_one(
         explicit,
         [
             f"--training.output_dir={run_dcp}",

@@ -29,6 +29,7 @@ from meshforge.models.qwen3_moe.args import Qwen3MoeArgs  # noqa: E402
 from meshforge.models.qwen3_moe.model import build_qwen3_moe  # noqa: E402
 from tests._compare import assert_close  # noqa: E402
 from tests.conftest import read_metrics, run_train  # noqa: E402
+from tests.distributed._layouts import train_one  # noqa: E402
 
 CPU = torch.device("cpu")
 COMMON = dict(vocab_size=96, hidden_size=32, max_position_embeddings=128, rope_theta=10_000.0)
@@ -421,7 +422,7 @@ def test_chunked_loss_under_fsdp_matches_one_process(tiny_config: Path, tmp_path
     losses = {}
     for name, nproc in (("fsdp2", 2), ("single", 1)):
         out = tmp_path / name
-        run_train(
+        train_one(
             tiny_config,
             [
                 "--training.steps=3",

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics
+from tests.distributed._layouts import train_one
 
 pytestmark = pytest.mark.slow  # every test here runs meshforge in a subprocess
 
@@ -16,7 +17,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3" / "pretrain_m
 
 def test_tiny_megatron_config_trains(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = run_train(
+    proc = train_one(
         CONFIG,
         ["--training.steps=3", f"--training.output_dir={out}"],
         cwd=tmp_path,

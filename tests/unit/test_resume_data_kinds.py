@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, read_metrics, run_train
+from tests.conftest import REPO, read_metrics
+from tests.distributed._layouts import train_one
 
 CONFIGS = [
     REPO / "configs" / "qwen3" / "pretrain_megatron_tiny.yaml",
@@ -19,11 +20,11 @@ CONFIGS = [
 def test_restart_from_checkpoint_continues_exactly(config: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     common = ["--training.steps=4", "--training.deterministic=true", "--checkpoint.save_interleaved_steps=2"]
-    run_train(config, [*common, f"--training.output_dir={run}"], cwd=tmp_path)
+    train_one(config, [*common, f"--training.output_dir={run}"], cwd=tmp_path)
     full = read_metrics(run)
     again = tmp_path / "again"
     step2 = run / "checkpoints" / "checkpoint-00000002"
-    run_train(
+    train_one(
         config, [*common, f"--training.output_dir={again}", f"--checkpoint.load_path={step2}"], cwd=tmp_path
     )
     resumed = read_metrics(again)
