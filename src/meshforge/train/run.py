@@ -5,7 +5,8 @@ The parts are grouped by purpose, each group a frozen dataclass: who and where t
 updates and saves the weights (`OptimParts`) and what watches the steps (`Watchers`). Frozen
 means a part is never replaced once built; the parts themselves (an optimizer, a loader) keep
 their own state. The one mutable piece is `Progress`, the loop's position, which the checkpoint
-saver reads when it writes `trainer_state.json`. `TrainSummary` is what the loop reports at the end.
+saver reads when it writes `trainer_state.json`. `TrainSummary` is what the loop reports at the
+end.
 """
 
 from __future__ import annotations
