@@ -135,6 +135,7 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
     flops_per_token = _flops_per_token(model, cfg.training, seq=seq)
     peak = peak_flops(env.device, compute_dtype) if flops_per_token is not None else None
     aux_coef = _router_aux_coef(cfg.training, model_config)
+    aux_loss_enabled = aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
     mtp_coef = mtp_factor(
         model, cfg.training.mtp_loss_scaling_factor, family=family.name, context_parallel=dims.cp
     )
@@ -211,7 +212,7 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
         kernel_options=kernel_options,
         lm_loss=lm_loss,
         aux_coef=aux_coef,
-        aux_loss_enabled=aux_coef != 0.0 and callable(getattr(model, "aux_loss", None)),
+        aux_loss_enabled=aux_loss_enabled,
         mtp_coef=mtp_coef,
         pipeline_split=split,
         fsdp=parallel.fsdp,
