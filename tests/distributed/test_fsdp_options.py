@@ -273,7 +273,11 @@ def _effects_worker(rank: int, world: int, root: str) -> None:
     try:
         model = resolve_family("qwen3").build(OFFLOADED, device="cpu")
         fsdp.apply_fsdp(
-            model, trainer.mesh.view("fsdp"), param_dtype=None, reduce_dtype=torch.float32, cpu_offload=True
+            model,
+            trainer.run.env.mesh.view("fsdp"),
+            param_dtype=None,
+            reduce_dtype=torch.float32,
+            cpu_offload=True,
         )
     finally:
         fsdp.fully_shard = real_shard

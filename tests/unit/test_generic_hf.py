@@ -102,7 +102,7 @@ def _first_batch(config: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     cfg = load_config(config, [f"--training.output_dir={tmp_path / 'probe'}"])
     trainer = Trainer(cfg, log=lambda _msg: None)
     trainer.setup()
-    return next(iter(trainer.loader))
+    return next(iter(trainer.run.data.loader))
 
 
 @pytest.mark.slow

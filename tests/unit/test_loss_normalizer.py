@@ -12,8 +12,9 @@ from meshforge.train.trainer import Trainer
 def _fake(disable: bool, dp: int) -> SimpleNamespace:
     return SimpleNamespace(
         cfg=SimpleNamespace(parallelism=SimpleNamespace(disable_gradient_division=disable)),
-        dims=SimpleNamespace(cp=1, dp=dp),
-        device=torch.device("cpu"),
+        run=SimpleNamespace(
+            env=SimpleNamespace(dims=SimpleNamespace(cp=1, dp=dp), device=torch.device("cpu"))
+        ),
     )
 
 

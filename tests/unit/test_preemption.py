@@ -88,4 +88,4 @@ def test_a_signal_during_a_run_stops_after_that_step_with_a_checkpoint(tiny_conf
     assert summary.last_checkpoint == where
     assert (where / "COMPLETE").is_file()
     assert lines[-1] == f"preempted at step 3: checkpoint {where}"
-    assert signal.getsignal(signal.SIGTERM) != trainer.preemption._handle
+    assert signal.getsignal(signal.SIGTERM) != trainer.run.watch.preemption._handle

@@ -112,7 +112,12 @@ def test_trainer_ramp_counts_samples_and_resumes_bitwise(tiny_config: Path, tmp_
     assert [r["lr"] for r in full] == pytest.approx([0.0, lr * 0.125, lr * 0.25, lr * 0.5, lr])
     # Data order: exactly the micro-batch stream of a fresh loader, nothing skipped or repeated
     # while the accumulation changes.
-    stream = iter(trainer._build_data())
+    from meshforge.train.build import build_train_data
+
+    run = trainer.run
+    stream = iter(
+        build_train_data(trainer.cfg.train_dataset, trainer.cfg.training, run.env, run.model.tokenizer)[0]
+    )
     assert all(torch.equal(a, next(stream)["input_ids"]) for a in seen)
     # Resume from the step-2 checkpoint, in the middle of the ramp: bitwise the same steps 3-5.
     step2 = tmp_path / "full" / "checkpoints" / "checkpoint-00000002"

@@ -46,7 +46,7 @@ def test_log_throughput_adds_model_flops_per_second(tiny_config: Path) -> None:
     seq = trainer.cfg.train_dataset.seq_length()
     assert seq is not None
     expected_per_token = trainer.model.flops_per_token(seq)  # the built-in family's own count
-    assert trainer.flops_per_token == pytest.approx(expected_per_token)
+    assert trainer.run.model.flops_per_token == pytest.approx(expected_per_token)
     for record in trainer.records:
         assert record["tflops"] == pytest.approx(expected_per_token * record["tokens_per_s"] / 1e12)
         assert record["tflops_per_rank"] == pytest.approx(record["tflops"])  # one process
@@ -56,7 +56,7 @@ def test_log_throughput_adds_model_flops_per_second(tiny_config: Path) -> None:
 
 def test_without_log_throughput_the_record_has_no_flops(tiny_config: Path) -> None:
     trainer, _ = _run(tiny_config)
-    assert trainer.flops_per_token is None
+    assert trainer.run.model.flops_per_token is None
     assert all("tflops" not in r for r in trainer.records)
     assert "TFLOP/s" not in format_step_line(trainer.records[0], 2)
 

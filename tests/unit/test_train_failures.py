@@ -112,13 +112,13 @@ def test_a_non_finite_step_is_not_applied(tiny_config: Path) -> None:
     trainer = Trainer(load_config(str(tiny_config), overrides), log=lambda _msg: None)
     trainer.setup()
     applied: list[int] = []
-    original = trainer.optimizer.step
+    original = trainer.run.optim.optimizer.step
 
     def counting_step(*args: object, **kwargs: object) -> object:
         applied.append(trainer.step + 1)
         return original(*args, **kwargs)
 
-    trainer.optimizer.step = counting_step  # type: ignore[method-assign]
+    trainer.run.optim.optimizer.step = counting_step  # type: ignore[method-assign]
     with pytest.raises(HealthStopError, match=r"^monitor\.health_checkpoint: 10 consecutive steps skipped"):
         trainer.train()
     assert issubclass(HealthStopError, TrainingDivergedError)
@@ -128,7 +128,7 @@ def test_a_non_finite_step_is_not_applied(tiny_config: Path) -> None:
     assert len(skipped) >= 10
     assert sorted(applied + skipped) == list(range(1, trainer.step + 1))
     # The optimizer applied exactly the steps that were not skipped, and the weights are finite.
-    counts = {int(state["step"]) for state in trainer.optimizer.state.values()}
+    counts = {int(state["step"]) for state in trainer.run.optim.optimizer.state.values()}
     assert counts == {len(applied)}
     for name, param in trainer.model.named_parameters():
         assert torch.isfinite(param).all(), name
@@ -156,7 +156,7 @@ def test_a_threshold_skip_leaves_the_weights_and_warns_about_the_embedding(tiny_
     assert trainer.step == 4
     for name, param in trainer.model.named_parameters():
         assert torch.equal(param, before[name]), name
-    assert trainer.scheduler.last_epoch == 0
+    assert trainer.run.optim.scheduler.last_epoch == 0
     records = read_metrics(tiny_config.parent / "threshold")
     assert [(r["step"], r["skipped"]) for r in records] == [(s, True) for s in range(1, 5)]
     assert all(r["skip_reason"].startswith("gradient norm ") for r in records)

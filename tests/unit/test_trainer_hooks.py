@@ -48,7 +48,7 @@ def test_a_subclass_overrides_forward_backward_clip_grads_and_log_step(tiny_conf
     trainer.setup()
     trainer.train()
     # global 4 = dp 1 x local 2 x accumulation 2: two micro-batches per step, each through the hook.
-    assert trainer.plan.grad_accum_steps == 2
+    assert trainer.run.env.plan.grad_accum_steps == 2
     assert trainer.micro_batches == 4
     assert [r["step"] for r in trainer.records] == [1, 2]
     # The step reports what the overridden hooks returned.

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
     from meshforge.models.config import LoraConfig, ModelConfig
     from meshforge.models.registry import FamilySpec
+    from meshforge.train.run import Run
 
 Log = Callable[[str], None]
 
@@ -104,6 +105,42 @@ def export_lora_from_memory(
         )
         return out
     return adapter
+
+
+def export_run_hf(run: Run, out_dir: Path, *, log: Log) -> Path:
+    """A run's Hugging Face folder of its current weights (collective; rank 0 writes the tokenizer).
+
+    A pipeline run's comes from its final checkpoint (`export_hf_from_checkpoint`).
+    """
+    env, parts = run.env, run.model
+    if parts.pipeline_split is not None:
+        return export_hf_from_checkpoint(
+            run.watch.checkpoint_saver.last_path,
+            out_dir,
+            config_path=env.output_dir / "config.yaml",
+            is_main=env.dist.is_main,
+            log=log,
+        )
+    return export_hf_from_memory(
+        parts.module, parts.family, out_dir, tokenizer=parts.tokenizer if env.dist.is_main else None, log=log
+    )
+
+
+def export_run_lora(run: Run, *, merged: bool, log: Log) -> Path | None:
+    """A LoRA run's PEFT adapter folder, and with `merged` the merged HF folder (returned; else None)."""
+    env, parts, section = run.env, run.model, run.env.cfg.lora_config
+    assert section is not None
+    out = export_lora_from_memory(
+        parts.module,
+        parts.family,
+        env.output_dir,
+        section=section,
+        base_model=run.optim.checkpointer.lora_base_path() or env.cfg.model.model_name_or_path,
+        merged=merged,
+        tokenizer=parts.tokenizer if env.dist.is_main else None,
+        log=log,
+    )
+    return out if merged else None
 
 
 def dcp_to_hf(
