@@ -181,3 +181,14 @@ def test_mamba3_prompt_state_continues_the_recurrence() -> None:
     alone, _ = final_state(k[1:, 2:], v[1:, 2:], adt[1:, 2:], dt[1:, 2:], lam[1:, 2:])
     full, _ = final_state(k[1:], v[1:], adt[1:], dt[1:], lam[1:], doc[1:])
     assert_close(full, alone)
+
+
+def test_a_window_in_a_one_mask_decoder_is_refused() -> None:
+    """One mask per forward cannot serve a full and a windowed layer: the cache says so."""
+    spec = next(s for s in SPECS if s.name == "minimax_m2")
+    with torch.device("meta"):
+        model = spec.builder(TINY["minimax_m2"], "meta")  # type: ignore[arg-type]
+    assert cache_support(model) is None
+    model.model.layers[1].self_attn.sliding_window = 3
+    reason = cache_support(model)
+    assert reason is not None and "sliding-window layer in a decoder that takes one mask" in reason
