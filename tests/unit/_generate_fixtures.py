@@ -76,9 +76,61 @@ FAMILY_CONFIGS = {
             "shared_expert_intermediate_size": 16,
         },
     ),
+    # Half of each head rotated (partial RoPE after the width q/k norms).
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "rotary_dim": 4},
+    ),
     # Not a built-in family: the generic transformers path.
     GENERIC: ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
 }
+
+
+def own_only_args() -> dict[str, object]:
+    """Tiny args of the cached families transformers has no causal LM for (no folder to compare).
+
+    Their cached generation is compared with the whole-sequence one (``test_kv_cache_own.py``).
+    step3p5: a full then a sliding layer (window 4, shorter than the prompts, other head counts),
+    the second sparse, head-wise gates; mamba3: MIMO rank 2 with chunks of 4.
+    """
+    from meshforge.models.mamba3.args import Mamba3Args
+    from meshforge.models.step3p5.args import Step3p5Args
+
+    step3p5 = Step3p5Args(
+        vocab_size=96,
+        hidden_size=24,
+        intermediate_size=40,
+        num_attention_heads=4,
+        num_attention_groups=2,
+        num_hidden_layers=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        moe_intermediate_size=12,
+        moe_num_experts=4,
+        moe_top_k=2,
+        share_expert_dim=16,
+        moe_layers_enum="1",
+        rope_theta=[10_000.0, 500.0],
+        partial_rotary_factors=[0.5, 1.0],
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=4,
+        attention_other_setting={"num_attention_heads": 6, "num_attention_groups": 3},
+        use_head_wise_attn_gate=True,
+    )
+    mamba3 = Mamba3Args(
+        vocab_size=96,
+        hidden_size=16,
+        num_hidden_layers=2,
+        state_size=8,
+        head_dim=8,
+        is_mimo=True,
+        mimo_rank=2,
+        chunk_size=4,
+    )
+    return {"step3p5": step3p5, "mamba3": mamba3}
+
+
 PROMPTS = ["the model reads a file", "and returns", "the value of each key in order while the loader"]
 
 

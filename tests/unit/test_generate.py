@@ -21,22 +21,31 @@ from tests.unit._generate_fixtures import (
     PROMPTS,
     generate,
     hf_greedy,
+    own_only_args,
     save_family,
     write_config,
 )
 
 transformers = pytest.importorskip("transformers")
 
-# Every family meshforge's cache runs (its spec's `kv_cache`), and a generic-path model.
-FAMILIES = [*kv_cache_families(), GENERIC]
+# Every family meshforge's cache runs (its spec's `kv_cache`) that transformers builds too, and a
+# generic-path model; the others are compared with their own whole-sequence forward
+# (test_kv_cache_own.py).
+FAMILIES = [*(name for name in kv_cache_families() if name in FAMILY_CONFIGS), GENERIC]
 _CACHES = {spec.name: spec.kv_cache() for spec in SPECS if spec.kv_cache is not None}
 # The families whose decoder asks for one mask per forward (the mask-free fast path applies).
 ONE_MASK = [name for name, modules in sorted(_CACHES.items()) if not modules.masks_by_layer_kind]
 
 
 def test_every_cached_family_has_a_tiny_folder() -> None:
-    """A family given a KV cache gets token equality with transformers here: it needs its folder."""
-    assert set(FAMILY_CONFIGS) - {GENERIC} == set(kv_cache_families())
+    """A family given a KV cache gets token equality with transformers here: it needs its folder
+    (or, where transformers has no such model, tiny args of its own)."""
+    from meshforge.infer.generate import _transformers_builds
+
+    own_only = own_only_args()
+    assert not set(own_only) & set(FAMILY_CONFIGS)
+    assert set(FAMILY_CONFIGS) - {GENERIC} | set(own_only) == set(kv_cache_families())
+    assert not any(_transformers_builds(name) for name in own_only)
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +97,32 @@ def _variants(family: str) -> list[torch.nn.Module]:
         return [cls(args) for args in CONFIGS.values()]
 
 
+def _own_args_variants(family: str) -> list[torch.nn.Module]:
+    """step3p5 and mamba3: their tests' configs, their flavors and the generation tests' args."""
+    if family == "step3p5":
+        from meshforge.models.step3p5.args import FLAVORS
+        from meshforge.models.step3p5.model import Step3p5ForCausalLM as cls
+        from tests.unit.test_step3p5 import ARGS
+
+        configs = [ARGS, *FLAVORS.values()]
+    else:
+        from meshforge.models.mamba3.args import FLAVORS  # type: ignore[no-redef]
+        from meshforge.models.mamba3.model import Mamba3ForCausalLM as cls  # type: ignore[assignment]
+        from tests.unit.test_mamba3 import CASES
+
+        configs = [*CASES.values(), *FLAVORS.values()]
+    with torch.device("meta"):
+        return [cls(args) for args in [*configs, own_only_args()[family]]]  # type: ignore[arg-type]
+
+
 # The families whose cache modules are their own (not the DecoderModel ones): their layer-kind
 # variants, keyed by family (a new such family fails below until it has its entry).
-OWN_CACHE_VARIANTS = {"gpt_oss": _variants, "qwen3_next": _variants}
+OWN_CACHE_VARIANTS = {
+    "gpt_oss": _variants,
+    "qwen3_next": _variants,
+    "step3p5": _own_args_variants,
+    "mamba3": _own_args_variants,
+}
 
 
 @pytest.mark.parametrize("family", sorted(OWN_CACHE_VARIANTS))

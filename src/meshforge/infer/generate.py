@@ -34,12 +34,16 @@ Log = Callable[[str], None]
 
 
 def _transformers_builds(family: str) -> bool:
-    """Whether transformers has a model of this family (the generic path is transformers' own)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    """Whether transformers has a causal LM of this family (the generic path is transformers' own).
+
+    The causal-LM table, not the config table: transformers 5.24 names ``step3p5`` among its
+    configs (a vision model's text part) but builds no ``Step3p5ForCausalLM``.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from meshforge.models.spec import GENERIC
 
-    return family == GENERIC or family in CONFIG_MAPPING_NAMES
+    return family == GENERIC or family in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ sink attention, MLA's full mode), ``latent_cache`` on MLA, ``state_cache`` on Ga
 ``decode_mask`` on the inner model. Per layer kind:
 
 * full attention: keys and values of every slot in a preallocated ``[B, kv_heads, capacity, D]``;
-* sliding-window attention (gpt-oss ``sliding_attention``): only the last ``sliding_window`` slots
-  (a query at slot ``t`` sees keys ``t - window < j <= t``), so the layer's cache stops growing;
+* sliding-window attention (gpt-oss and step3p5 ``sliding_attention``: an attention whose
+  ``sliding_window`` attribute is an int): only the last ``sliding_window`` slots (a query at slot
+  ``t`` sees keys ``t - window < j <= t``), so the layer's cache stops growing;
 * multi-head latent attention (deepseek_v3), ``compressed`` (default): the normed ``kv_latent``
   (``kv_lora_rank``) and the rotated key part shared by the heads (``qk_rope_head_dim``) per
   token, re-expanded through ``kv_b_proj`` at every forward; else the full per-head keys/values.
@@ -15,9 +16,10 @@ sink attention, MLA's full mode), ``latent_cache`` on MLA, ``state_cache`` on Ga
   arithmetic of the uncached forward, so tokens equal transformers'; its price is one
   ``[T, rank] x [rank, heads * (nope + v)]`` matmul per layer and step over the ``T`` cached
   tokens, which the absorbed form would avoid for long contexts;
-* a recurrent mixer (qwen3_next's Gated DeltaNet on its ``linear_attention`` layers): the state
-  its family's spec makes (``KVCacheModules.new_state``: the conv's last ``K - 1`` inputs and the
-  delta rule's ``[Hv, Dk, Dv]`` state).
+* a recurrent mixer (qwen3_next's Gated DeltaNet on its ``linear_attention`` layers, mamba3's
+  mixer on every layer): the state its family's spec makes (``KVCacheModules.new_state``; the
+  DeltaNet's conv window and ``[Hv, Dk, Dv]`` rule state, Mamba-3's ``[H, P, N]`` SSM state with
+  the pending look-back term and the rotary angle).
 
 Which families have a cache, their inner models and their recurrent mixers are facts of each
 family's spec (``FamilySpec.kv_cache``); this module imports no family's code.
@@ -68,9 +70,19 @@ def cache_support(model: nn.Module) -> str | None:
     inner = getattr(model, "model", None)
     if not isinstance(inner, modules.decoders):
         return f"{type(model).__name__}: the inner model is not one the cache knows"
-    if any(not isinstance(m, _ATTENTIONS + modules.recurrent) for m in _mixers(model, modules)):
+    mixers = _mixers(model, modules)
+    if any(not isinstance(m, _ATTENTIONS + modules.recurrent) for m in mixers):
         return f"{type(model).__name__}: a layer's token mixer has no cache"
+    if not modules.masks_by_layer_kind and any(_window(m) is not None for m in mixers):
+        # One mask for every layer cannot be both the full and the windowed one.
+        return f"{type(model).__name__}: a sliding-window layer in a decoder that takes one mask"
     return None
+
+
+def _window(mixer: nn.Module | None) -> int | None:
+    """The window of a sliding attention layer (its int ``sliding_window``), else None."""
+    window = getattr(mixer, "sliding_window", None)
+    return window if isinstance(mixer, _ATTENTIONS) and isinstance(window, int) else None
 
 
 def _mixers(model: nn.Module, modules: KVCacheModules) -> list[nn.Module | None]:
@@ -188,6 +200,7 @@ class KVCache:
     def masks(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The ``decode_mask`` hook of an inner model with one mask per layer kind (full, sliding)."""
         new = input_ids.shape[1]
+        self._state_masks(new)
         out = {"full_attention": self._mask(new, input_ids.device)}
         for window in self.windows:
             out["sliding_attention"] = self._mask(new, input_ids.device, window)
@@ -214,20 +227,17 @@ class KVCache:
             state.reorder(index)
 
     def nbytes(self) -> int:
-        """Bytes the layers' caches hold (DeltaNet conv windows and states included, the padding mask not)."""
-        total = sum(layer.nbytes() for layer in self.layers)
-        for state in self.states:
-            total += sum(t.numel() * t.element_size() for t in (state.conv, state.recurrent) if t is not None)
-        return total
+        """Bytes the layers' caches hold (recurrent states included, the padding mask not)."""
+        return sum(layer.nbytes() for layer in self.layers) + sum(state.nbytes() for state in self.states)
 
     def _build(self, mixers: list[nn.Module], modules: KVCacheModules) -> None:
         for mixer in mixers:
             if isinstance(mixer, modules.recurrent):
                 assert modules.new_state is not None, "KVCacheModules.recurrent needs new_state"
                 self.states.append(modules.new_state())
-            elif isinstance(mixer, SinkAttention) and mixer.sliding_window is not None:
-                self.windows.add(mixer.sliding_window)
-                self.layers.append(_WindowCache(self, mixer.sliding_window))
+            elif (window := _window(mixer)) is not None:
+                self.windows.add(window)
+                self.layers.append(_WindowCache(self, window))
             elif isinstance(mixer, MultiHeadLatentAttention) and self.compressed_mla:
                 self.layers.append(_LatentCache(self))
             else:

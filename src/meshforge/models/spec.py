@@ -152,14 +152,16 @@ class RecurrentState(Protocol):
 
     ``infer/kv_cache.py`` sets ``token_mask`` before each forward (``[B, S_new]`` bool, False on
     left padding; None when every token is real), keeps the rows a beam search continues with
-    ``reorder`` and counts the bytes of ``conv`` and ``recurrent``.
+    ``reorder`` and reports the memory with ``nbytes``. What the state holds is the mixer's own
+    (Gated DeltaNet: conv window and delta-rule state; Mamba-3: SSM state, pending look-back,
+    rotary angle).
     """
 
-    conv: torch.Tensor | None
-    recurrent: torch.Tensor | None
     token_mask: torch.Tensor | None
 
     def reorder(self, index: torch.Tensor) -> None: ...
+
+    def nbytes(self) -> int: ...
 
 
 class KVCacheModules(NamedTuple):
@@ -172,7 +174,8 @@ class KVCacheModules(NamedTuple):
     Attributes:
         decoders: Inner models with a ``decode_mask`` hook (the cache's mask of each forward).
         masks_by_layer_kind: The decoders' ``decode_mask`` returns ``{layer kind: mask}`` (full
-            and sliding layers) instead of one mask.
+            and sliding layers) instead of one mask. Only such decoders may have sliding layers:
+            an attention mixer whose ``sliding_window`` attribute is an int keeps that many slots.
         recurrent: Token mixers with a ``state_cache`` hook instead of keys and values.
         new_state: A fresh state for one ``recurrent`` mixer (before the prompt).
         mixer_attributes: Decoder-layer attributes that may hold the token mixer, in order.

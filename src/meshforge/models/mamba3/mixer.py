@@ -17,11 +17,17 @@ order, so its ``in_proj.weight`` loads as it is). Then:
 
 Under tensor parallelism each rank keeps whole heads (``parallelize.py``); the attributes
 ``num_heads`` and ``n_groups`` are then the local counts.
+
+Generation (``state_cache``, a :class:`Mamba3State` set by ``meshforge.infer.kv_cache``): the
+prompt runs the training forward and leaves the state after its last token; each later forward
+continues it token by token. The state is what the recurrence carries: ``h``, the last token's
+input (the trapezoid's look-back end) and the cumulative rotary angle.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +35,52 @@ from torch import nn
 
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.mamba3.args import Mamba3Args
-from meshforge.models.mamba3.scan import chunked_scan, heavy_tail, recurrent_scan, rotary_angles, rotate_pairs
+from meshforge.models.mamba3.scan import (
+    chunked_scan,
+    continue_scan,
+    final_state,
+    heavy_tail,
+    recurrent_scan,
+    rotary_angles,
+    rotate_pairs,
+)
 
 SCANS = ("chunked", "recurrent")
+
+
+@dataclass
+class Mamba3State:
+    """One mixer's generation state between forwards (``Mamba3Mixer.state_cache``).
+
+    Left padding needs no mask here: its positions make it a document of its own
+    (``document_index``), so the prompt's state starts at its first real token and
+    ``token_mask`` is not read.
+
+    Attributes:
+        recurrent: ``[B, H, P, N]`` ``h`` after the last token (None before the prompt).
+        look_back: ``[B, H, P, N]`` the last token's input ``sum_r v k^T``.
+        angle: ``[B, H, A]`` the rotary angle ``theta`` of the last token.
+        token_mask: Set by the cache (``[B, S_new]``, False on padding); unused.
+    """
+
+    recurrent: torch.Tensor | None = None
+    look_back: torch.Tensor | None = None
+    angle: torch.Tensor | None = None
+    token_mask: torch.Tensor | None = None
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.recurrent, self.look_back, self.angle) if t is not None)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (beam search)."""
+        if self.recurrent is not None and self.look_back is not None and self.angle is not None:
+            self.recurrent = self.recurrent.index_select(0, index)
+            self.look_back = self.look_back.index_select(0, index)
+            self.angle = self.angle.index_select(0, index)
+
+    def nbytes(self) -> int:
+        """Bytes of the three tensors."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
 
 class Mamba3Mixer(nn.Module):
@@ -74,6 +123,8 @@ class Mamba3Mixer(nn.Module):
         if self.is_outproj_norm:
             self.norm = RMSNorm(h * p, self.eps)
         self.out_proj = nn.Linear(h * p, args.hidden_size, bias=False)
+        # Set by meshforge.infer.kv_cache during generation; None in training.
+        self.state_cache: Mamba3State | None = None
 
     def forward(self, x: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         """Mix ``x`` ``[B, S, hidden]`` along time; ``doc`` ``[B, S]`` restarts the state per document."""
@@ -85,16 +136,13 @@ class Mamba3Mixer(nn.Module):
         dt = F.softplus(dd_dt.to(work) + self.dt_bias.to(work))
         adt = -heavy_tail(dd_a.to(work)).clamp_min(self.A_floor) * dt
         lam = torch.sigmoid(trap.to(work))
-        theta = rotary_angles(angles, dt, doc)[:, :, None]  # [B, S, 1, H, A]
+        theta = self._angles(angles, dt, doc)[:, :, None]  # [B, S, 1, H, A]
         cos, sin = theta.cos(), theta.sin()
         k = self._keys(b, self.B_norm, self.B_bias, cos, sin)
         q = self._keys(c, self.C_norm, self.C_bias, cos, sin)
         xs = xs.reshape(batch, seq, 1, h, p).to(work)
         v = xs * self.mimo_x.transpose(0, 1).to(work) if self.is_mimo else xs
-        if self.scan == "recurrent":
-            y = recurrent_scan(q, k, v, adt, dt, lam, doc)
-        else:
-            y = chunked_scan(q, k, v, adt, dt, lam, doc, chunk_size=self.chunk_size)
+        y = self._scan(q, k, v, adt, dt, lam, doc)
         y = y + self.D.to(work)[:, None] * v
         gate = z.reshape(batch, seq, 1, h, p).to(work)
         if self.is_mimo:
@@ -105,6 +153,40 @@ class Mamba3Mixer(nn.Module):
         y = y * F.silu(gate)
         y = (y * self.mimo_o.transpose(0, 1).to(work)).sum(2) if self.is_mimo else y[:, :, 0]
         return self.out_proj(y.reshape(batch, seq, h * p).to(x.dtype))
+
+    def _angles(self, angles: torch.Tensor, dt: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
+        """``theta`` ``[B, S, H, A]``, continuing the cached angle after the prompt."""
+        state = self.state_cache
+        if state is None or state.angle is None:
+            theta = rotary_angles(angles, dt, doc)
+        else:
+            theta = state.angle[:, None] + rotary_angles(angles, dt, None)
+        if state is not None:
+            state.angle = theta[:, -1]
+        return theta
+
+    def _scan(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        adt: torch.Tensor,
+        dt: torch.Tensor,
+        lam: torch.Tensor,
+        doc: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The recurrence's outputs; with a cache, entered with (and leaving) its state."""
+        state = self.state_cache
+        if state is not None and state.recurrent is not None and state.look_back is not None:
+            y, state.recurrent, state.look_back = continue_scan(
+                q, k, v, adt, dt, lam, state.recurrent, state.look_back
+            )
+            return y
+        if state is not None:  # the prompt: the training forward, then the state it ends in
+            state.recurrent, state.look_back = final_state(k, v, adt, dt, lam, doc)
+        if self.scan == "recurrent":
+            return recurrent_scan(q, k, v, adt, dt, lam, doc)
+        return chunked_scan(q, k, v, adt, dt, lam, doc, chunk_size=self.chunk_size)
 
     def _keys(
         self, t: torch.Tensor, norm: RMSNorm, bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -137,4 +219,4 @@ def init_dt_bias_(tensor: torch.Tensor, args: Mamba3Args, generator: torch.Gener
         tensor.copy_(dt + torch.log(-torch.expm1(-dt)))
 
 
-__all__ = ["SCANS", "Mamba3Mixer", "init_dt_bias_"]
+__all__ = ["SCANS", "Mamba3Mixer", "Mamba3State", "init_dt_bias_"]

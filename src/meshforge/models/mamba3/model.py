@@ -13,6 +13,8 @@ document starts; every mixer restarts its state, look-back and rotary angle ther
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -42,6 +44,10 @@ class Mamba3Block(nn.Module):
 
 class Mamba3Model(InnerModel):
     """The inner model: embedding, blocks, final norm (no positional table: the angles are learned)."""
+
+    # Set by meshforge.infer.kv_cache during cached generation (the hook every cached decoder
+    # carries); not called: the mixers keep their own state and the positions mark the padding.
+    decode_mask: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def __init__(self, args: Mamba3Args) -> None:
         super().__init__()

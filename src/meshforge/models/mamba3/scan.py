@@ -16,6 +16,9 @@ with ``decay(s, t) = exp(sum_{s < r <= t} A_r dt_r)``. Inside a chunk that is a 
 attention-like product; between chunks a ``P x N`` state per head is carried, holding the
 pending look-back term of the chunk's last token so the next chunk needs nothing else.
 
+Generation continues a prompt's state (:func:`final_state`) token by token
+(:func:`continue_scan`), the mixer's ``state_cache`` holding it between forwards.
+
 Packed documents: ``doc`` (``[B, S]``, non-decreasing document numbers, :func:`document_index`)
 cuts every path between tokens of different documents, so each document starts from a zero
 state with no look-back, exactly as if it were run alone. Both functions compute in float32
@@ -123,14 +126,93 @@ def recurrent_scan(
         if doc is not None and t > 0:
             keep = (doc[:, t] == doc[:, t - 1]).to(work)[:, None, None, None]
             h, prev = h * keep, prev * keep
-        cur = torch.einsum("brhp,brhn->bhpn", v[:, t], k[:, t])
-        alpha = adt[:, t].exp()[..., None, None]
-        step = dt[:, t][..., None, None]
-        weight = lam[:, t][..., None, None]
-        h = alpha * h + (1 - weight) * step * alpha * prev + weight * step * cur
-        out.append(torch.einsum("bhpn,brhn->brhp", h, q[:, t]))
-        prev = cur
+        y, h, prev = _token(h, prev, q[:, t], k[:, t], v[:, t], adt[:, t], dt[:, t], lam[:, t])
+        out.append(y)
     return torch.stack(out, dim=1)
+
+
+def _token(
+    h: torch.Tensor,
+    prev: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    adt: torch.Tensor,
+    dt: torch.Tensor,
+    lam: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of the recurrence: ``(y [B, R, H, P], h, this token's input sum_r v k^T)``."""
+    cur = torch.einsum("brhp,brhn->bhpn", v, k)
+    alpha = adt.exp()[..., None, None]
+    step = dt[..., None, None]
+    weight = lam[..., None, None]
+    h = alpha * h + (1 - weight) * step * alpha * prev + weight * step * cur
+    return torch.einsum("bhpn,brhn->brhp", h, q), h, cur
+
+
+def continue_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    adt: torch.Tensor,
+    dt: torch.Tensor,
+    lam: torch.Tensor,
+    state: torch.Tensor,
+    look_back: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recurrence over new tokens of one document, from the state its earlier tokens left.
+
+    Generation feeds one token per forward, so the token-by-token form is the whole cost.
+
+    Args:
+        q, k, v, adt, dt, lam: The new tokens, as for :func:`recurrent_scan`.
+        state: ``[B, H, P, N]`` ``h`` after the last earlier token.
+        look_back: ``[B, H, P, N]`` that token's input ``sum_r v k^T`` (the trapezoid's other end).
+
+    Returns:
+        ``(y [B, S, R, H, P], state, look_back)`` after the new tokens.
+    """
+    work = state.dtype
+    q, k, v, adt, dt, lam = (t.to(work) for t in (q, k, v, adt, dt, lam))
+    out = []
+    for t in range(q.shape[1]):
+        y, state, look_back = _token(
+            state, look_back, q[:, t], k[:, t], v[:, t], adt[:, t], dt[:, t], lam[:, t]
+        )
+        out.append(y)
+    return torch.stack(out, dim=1), state, look_back
+
+
+def final_state(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    adt: torch.Tensor,
+    dt: torch.Tensor,
+    lam: torch.Tensor,
+    doc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state after each row's last token and that token's input, in closed form.
+
+    ``h_T = sum_s decay(s, T) w_s sum_r v_{s,r} k_{s,r}^T`` over the tokens ``s`` of the last
+    document, with ``w_s = lambda_s dt_s + (1 - lambda_{s+1}) dt_{s+1}`` (``lambda_T dt_T`` for the
+    last token): what :func:`recurrent_scan` holds at the end, without the loop over tokens (a
+    prompt's state for :func:`continue_scan`). ``decay(s, T)`` is summed from the end, so no large
+    partial sums cancel.
+
+    Returns:
+        ``(h [B, H, P, N], look_back [B, H, P, N])`` in the scan's precision.
+    """
+    work = _work_dtype(k)
+    k, v, adt, dt, lam = (t.to(work) for t in (k, v, adt, dt, lam))
+    same = torch.ones(adt.shape[:2], dtype=work, device=adt.device)
+    if doc is not None:
+        same = (doc == doc[:, -1:]).to(work)
+    look = torch.nn.functional.pad(((1 - lam) * dt)[:, 1:], (0, 0, 0, 1))  # token s+1's look-back at s
+    weight = (lam * dt + look) * same[..., None]
+    after = adt.flip(1).cumsum(1).flip(1) - adt  # sum of A dt over the tokens after s
+    coef = after.exp() * weight
+    h = torch.einsum("bsh,bsrhp,bsrhn->bhpn", coef, v, k)
+    return h, torch.einsum("brhp,brhn->bhpn", v[:, -1], k[:, -1])
 
 
 def chunked_scan(
@@ -214,7 +296,9 @@ def heavy_tail(x: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "chunked_scan",
+    "continue_scan",
     "document_index",
+    "final_state",
     "heavy_tail",
     "recurrent_scan",
     "rotary_angles",

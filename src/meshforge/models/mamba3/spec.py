@@ -2,12 +2,12 @@
 
 Light: imports only ``args.py``; each piece imports its torch module when called
 (``models/common/family_parts.py``). Context parallelism is refused (``cp_methods`` empty): see
-``CP_REFUSAL``. No generation cache: each step runs the whole sequence.
+``CP_REFUSAL``. Generation keeps each mixer's recurrent state (``Mamba3State``) between steps.
 """
 
 from __future__ import annotations
 
-from meshforge.models.common.family_parts import adapter, builder, stage, tp_plan
+from meshforge.models.common.family_parts import adapter, builder, kv_cache_modules, stage, tp_plan
 from meshforge.models.mamba3.args import OPTION_KEYS, Mamba3Args, from_options
 from meshforge.models.spec import FamilySpec
 
@@ -31,4 +31,10 @@ FAMILY = FamilySpec(
     cp_modules=None,
     cp_methods=(),
     cp_refusal=CP_REFUSAL,
+    kv_cache=kv_cache_modules(
+        "meshforge.models.mamba3.model:Mamba3Model",
+        recurrent="meshforge.models.mamba3.mixer:Mamba3Mixer",
+        new_state="meshforge.models.mamba3.mixer:Mamba3State",
+        mixer_attributes=("mixer",),
+    ),
 )

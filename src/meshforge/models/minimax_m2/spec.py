@@ -2,8 +2,8 @@
 
 Light: imports only ``args.py``; each piece imports its torch module when called
 (``models/common/family_parts.py``). MindSpeed names the model ``minimax_m27`` (its
-``model_id``). No generation cache is declared (no transformers model to check its tokens
-against): each step runs the whole sequence.
+``model_id``). Its attention derives from the common one (width norms and partial RoPE before
+the cache hook), so the ``DecoderModel`` cache modules serve it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from meshforge.models.common.family_parts import (
     aux_reduce,
     builder,
     decoder_cp_modules,
+    decoder_kv_cache,
     decoder_stage,
     grouped_experts,
     tp_plan,
@@ -34,4 +35,5 @@ FAMILY = FamilySpec(
     moe=MoESpec(
         expert_type=grouped_experts, expert_count_key="model.num_local_experts", aux_reduce=aux_reduce
     ),
+    kv_cache=decoder_kv_cache,
 )

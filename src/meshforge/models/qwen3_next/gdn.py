@@ -284,6 +284,10 @@ class DeltaNetState:
             self.conv = self.conv.index_select(0, index)
             self.recurrent = self.recurrent.index_select(0, index)
 
+    def nbytes(self) -> int:
+        """Bytes of the conv window and the rule's state."""
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent) if t is not None)
+
 
 class GatedRMSNorm(RMSNorm):
     """RMSNorm of the core output, times ``silu(gate)`` (transformers' ``Qwen3NextRMSNormGated``).

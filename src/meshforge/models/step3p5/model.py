@@ -24,10 +24,16 @@ parallelism and the grouped GEMM; ``hf.py`` maps them to the published ``moe.gat
 
 No router aux loss exists in the published code (``aux_loss()`` is None); the assignment counts
 are recorded for the monitor. Context parallelism is not built for this family.
+
+Generation (``meshforge.infer.kv_cache``) caches each layer's rotated keys and values: every slot
+on full layers, the last ``sliding_window`` on sliding ones (``Step3p5Attention.sliding_window``);
+the decoder then takes one mask per layer kind from the cache. The head-wise gate reads only the
+current token, so it needs nothing cached.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -200,6 +206,10 @@ class Step3p5Attention(Attention):
         self.rotary_emb = RotaryEmbedding(
             self.rotary_dim, args.layer_theta(layer), rope_parameters=_rope_parameters(args, layer)
         )
+        # The keys a sliding layer's queries see (None on full layers, and on sliding layers
+        # without a window, which attend like full ones); the generation cache keeps as many.
+        sliding = args.layer_kind(layer) == "sliding_attention"
+        self.sliding_window = args.sliding_window if sliding else None
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor
@@ -212,6 +222,8 @@ class Step3p5Attention(Attention):
         cos, sin = self.rotary_emb(positions, seq_len=seq_len, device=x.device, dtype=x.dtype)
         q = apply_partial_rotary(q, cos, sin, self.rotary_dim).transpose(1, 2)
         k = apply_partial_rotary(k, cos, sin, self.rotary_dim).transpose(1, 2)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache(k, v)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=q.shape[1] != k.shape[1]
         ).transpose(1, 2)
@@ -291,6 +303,10 @@ def layer_masks(
 class Step3p5Model(InnerModel):
     """Embedding, decoder layers and final norm (the published ``Step3p5Model``)."""
 
+    # Set by meshforge.infer.kv_cache during cached generation: this forward's boolean masks by
+    # layer kind over every cached key (a sliding layer's over its window); None in training.
+    decode_mask: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
+
     def __init__(self, args: Step3p5Args) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, args.pad_token_id)
@@ -308,7 +324,12 @@ class Step3p5Model(InnerModel):
         if segment_ids is not None and position_ids is None:
             position_ids = positions_from_segments(segment_ids)
         layers = list(self.layers)
-        masks = layer_masks(layers, segment_ids, input_ids.shape[-1], h.device, self.sliding_window)
+        if self.decode_mask is not None:
+            masks = self.decode_mask(input_ids)
+            # Sliding layers without a window attend like full ones (as in layer_masks).
+            masks.setdefault("sliding_attention", masks["full_attention"])
+        else:
+            masks = layer_masks(layers, segment_ids, input_ids.shape[-1], h.device, self.sliding_window)
         for layer in layers:
             h = layer(h, position_ids, masks)
         return self.norm(h)

@@ -2,12 +2,20 @@
 
 Light: imports only ``args.py``; each piece imports its torch module when called
 (``models/common/family_parts.py``). Context parallelism is not built for this family
-(sliding-window layers with their own head counts and RoPE per layer); no generation cache.
+(sliding-window layers with their own head counts and RoPE per layer). The generation cache
+hands its inner model one mask per layer kind (full, sliding).
 """
 
 from __future__ import annotations
 
-from meshforge.models.common.family_parts import adapter, builder, module_class, stage, tp_plan
+from meshforge.models.common.family_parts import (
+    adapter,
+    builder,
+    kv_cache_modules,
+    module_class,
+    stage,
+    tp_plan,
+)
 from meshforge.models.spec import FamilySpec, MoESpec
 from meshforge.models.step3p5.args import OPTION_KEYS, Step3p5Args, from_options
 
@@ -27,4 +35,5 @@ FAMILY = FamilySpec(
         expert_type=module_class("meshforge.models.step3p5.model:Step3p5Experts"),
         expert_count_key="model.moe_num_experts",
     ),
+    kv_cache=kv_cache_modules("meshforge.models.step3p5.model:Step3p5Model", masks_by_layer_kind=True),
 )
