@@ -115,4 +115,24 @@ class LMLoss:
         return loss(output, head_weight, labels, chunk_size=self.chunk_size, steps=steps)
 
 
-__all__ = ["LMLoss", "LossMode", "fused_chunk_size"]
+def select_lm_loss(
+    *, fused: bool, chunk_loss_size: int | None, vocab_size: int | None, compile_backend: str | None = None
+) -> LMLoss:
+    """The formulation a run of these settings trains with (the trainer's and the planner's).
+
+    Args:
+        fused: The fused linear cross-entropy is on (``kernels.fused_linear_cross_entropy``,
+            decided by :func:`meshforge.models.common.kernels.fused_loss_on`).
+        chunk_loss_size: ``kernels.chunk_loss_size``: the fused loss's chunk when it is on,
+            else the recomputing chunked loss; None: the fused default chunk or full logits.
+        vocab_size: The model's vocabulary (the fused loss's default chunk).
+        compile_backend: The backend of compiled loss steps, or None for eager.
+    """
+    if fused:
+        return LMLoss("fused", chunk_loss_size or fused_chunk_size(vocab_size or 0), compile_backend)
+    if chunk_loss_size is not None:
+        return LMLoss("chunked", chunk_loss_size, compile_backend)
+    return LMLoss("logits", None, compile_backend)
+
+
+__all__ = ["LMLoss", "LossMode", "fused_chunk_size", "select_lm_loss"]
