@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,13 @@ from torch import nn
 
 from meshforge.config import config_from_dict
 from meshforge.loss.lm import LMLoss
+from meshforge.models.common.compile import (
+    CPU_PAYBACK_SECONDS,
+    FASTEST_MATMUL_RATE,
+    SLOWEST_MATMUL_RATE,
+    RunLength,
+    decide_compile,
+)
 from meshforge.models.common.kernels import (
     FUSED_CE_MIN_VOCAB,
     configure_model_kernels,
@@ -104,3 +112,73 @@ def test_the_planner_keeps_full_logits_for_a_model_without_hidden_output() -> No
     cfg = config_from_dict({})
     assert plan_lm_loss(cfg, _LogitsOnly(151_936)) == LMLoss()
     assert plan_lm_loss(cfg, _qwen3(151_936)) == LMLoss("fused", 512)
+
+
+def _probe(rate: float, calls: list[float]):
+    def measure() -> float:
+        calls.append(rate)
+        return rate
+
+    return measure
+
+
+def test_the_matmul_probe_runs_only_when_the_rate_decides() -> None:
+    # Work at which the run takes exactly the payback time at each bound of the rate.
+    at_slowest = CPU_PAYBACK_SECONDS * SLOWEST_MATMUL_RATE * 0.5
+    at_fastest = CPU_PAYBACK_SECONDS * FASTEST_MATMUL_RATE * 0.5
+    works = [at_slowest * 0.5, at_slowest * 1.01, 3e13, at_fastest * 0.99, at_fastest, at_fastest * 4]
+    for work, rate in itertools.product(works, [SLOWEST_MATMUL_RATE, 1e11, FASTEST_MATMUL_RATE]):
+        calls: list[float] = []
+        run = RunLength(steps=1000, tokens_per_step=1000, flops_per_token=work / 1e6)
+        decision = decide_compile("auto", device_type="cpu", run=run, matmul_rate=_probe(rate, calls))
+        # Whether measured or not, the verdict is the one the probe gives at any plausible rate.
+        assert decision.on == (work / (0.5 * rate) >= CPU_PAYBACK_SECONDS), (work, rate, decision)
+        assert bool(calls) == (at_slowest <= work < at_fastest), (work, decision)
+        assert decision.reason.startswith(f"kernels.compile: auto -> {'on' if decision.on else 'off'} (cpu; ")
+    calls = []
+    short = decide_compile(
+        "auto", device_type="cpu", run=RunLength(2, 64, 1e6), matmul_rate=_probe(1e11, calls)
+    )
+    assert not calls and short.reason == (
+        "kernels.compile: auto -> off (cpu; the run is estimated at 1 s eager at most, even at 1 GFLOP/s; "
+        "compiling pays back from about 10 min)"
+    )
+
+
+def test_the_trainer_counts_the_flops_of_a_token_once(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed as dist
+
+    import meshforge.monitor.throughput as throughput
+    from meshforge.config import load_config
+    from meshforge.train.trainer import Trainer
+
+    counted: list[int] = []
+    count = throughput.model_flops_per_token
+
+    def counting(model: nn.Module, seq_len: int) -> float:
+        counted.append(seq_len)
+        return count(model, seq_len)
+
+    monkeypatch.setattr(throughput, "model_flops_per_token", counting)
+    cfg = load_config(
+        str(tiny_config),
+        [
+            "--training.steps=2",
+            "--training.log_throughput=true",
+            f"--training.output_dir={tmp_path / 'out'}",
+            "--checkpoint.enable_save=false",
+        ],
+    )
+    lines: list[str] = []
+    trainer = Trainer(cfg, log=lines.append)
+    try:
+        trainer.setup()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert counted == [32]  # the compile rule and the throughput log share one count
+    assert trainer.flops_per_token == count(trainer.model, 32)
+    decision = [line for line in lines if line.startswith("kernels.compile: auto -> ")]
+    assert decision and "eager at most" in decision[0]  # two tiny steps: decided without the probe

@@ -23,6 +23,7 @@ from meshforge.models.common.kernels import (
     apply_compile,
     configure_model_kernels,
     resolve_kernel_options,
+    supports_hidden_output,
 )
 from meshforge.monitor.console import ConsoleProgress
 from meshforge.monitor.metrics import JsonlMetrics, TensorBoardMetrics
@@ -171,10 +172,11 @@ class TrainerBuild:
         with torch.device("meta"):
             model = family.build(options)
         model.to(dtype=params_dtype)
-        self.kernel_options = self._configure_kernels(model, family.name, compute_dtype)
+        run = self._run_length(model)  # the FLOPs of a token, counted once for compile and throughput
+        self.kernel_options = self._configure_kernels(model, family.name, compute_dtype, run)
         model_config = getattr(model, "config", None)
         self._check_model_fits_data(model_config)
-        self.flops_per_token = self._flops_per_token(model)
+        self.flops_per_token = self._flops_per_token(run.flops_per_token)
         self.peak_flops = peak_flops(self.device, compute_dtype) if self.flops_per_token is not None else None
         self.aux_coef = self._router_aux_coef(model_config)
         self._aux_loss_enabled = self.aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
@@ -301,7 +303,9 @@ class TrainerBuild:
             self.log(f"optimizer: {accum.describe()}")
         return accum
 
-    def _configure_kernels(self, model: nn.Module, family: str, compute_dtype: torch.dtype) -> KernelOptions:
+    def _configure_kernels(
+        self, model: nn.Module, family: str, compute_dtype: torch.dtype, run: RunLength
+    ) -> KernelOptions:
         """Resolve the `kernels` section for this device and hand it to the model (errors name the key)."""
         options = resolve_kernel_options(
             self.cfg.kernels,
@@ -309,8 +313,9 @@ class TrainerBuild:
             compute_dtype=compute_dtype,
             warn=self.log,
             vocab_size=_output_vocab(model),
-            run=self._run_length(model),
+            run=run,
             loss_parallel=self.dims.tp > 1 and self.cfg.parallelism.enable_loss_parallel,
+            hidden_output=supports_hidden_output(model),
         )
         options = configure_model_kernels(model, options, family=family)
         self.lm_loss = options.lm_loss()
@@ -327,10 +332,13 @@ class TrainerBuild:
 
         seq = self.cfg.train_dataset.seq_length() or self.cfg.model.seq_length
         training = self.cfg.training
-        if seq is None or training.epochs is not None:
+        if seq is None:
             return RunLength(None, 0, None)
+        flops = model_flops_per_token(model, int(seq))
+        if training.epochs is not None:
+            return RunLength(None, 0, flops)
         tokens = self.plan.global_batch_size * int(seq) // max(1, self.dims.world_size)
-        return RunLength(int(training.steps), tokens, model_flops_per_token(model, int(seq)))
+        return RunLength(int(training.steps), tokens, flops)
 
     def _sharding_note(self) -> str:
         d = self.dims
@@ -377,19 +385,16 @@ class TrainerBuild:
             return training.router_aux_loss_coef
         return float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
 
-    def _flops_per_token(self, model: nn.Module) -> float | None:
+    def _flops_per_token(self, flops: float | None) -> float | None:
         """Model FLOPs of one token for `training.log_throughput` (counted on the whole model)."""
         if not self.cfg.training.log_throughput:
             return None
-        from meshforge.monitor.throughput import model_flops_per_token
-
-        seq = self.cfg.train_dataset.seq_length() or self.cfg.model.seq_length
-        if seq is None:
+        if flops is None:
             raise ValueError(
                 "training.log_throughput: the FLOPs of a token depend on the sequence length, which "
                 "neither the data nor model.seq_length gives"
             )
-        return model_flops_per_token(model, seq)
+        return flops
 
     def _check_model_fits_data(self, model_config: object) -> None:
         """Refuse a tokenizer bigger than the embedding, or samples longer than the positions."""
