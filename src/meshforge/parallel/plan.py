@@ -335,6 +335,8 @@ def measure_plan_activations(
     cfg: TrainConfig, micro: int, tokens: int, *, log: Callable[[str], None] | None = None
 ) -> ActivationEstimate:
     """One micro-batch ``[micro, tokens]`` of the configured model traced with its memory settings."""
+    import torch
+
     from meshforge.checkpoint.source import resolve_model_source
     from meshforge.memory.apply import ActivationSettings
     from meshforge.memory.estimate import measure_activations
@@ -343,7 +345,8 @@ def measure_plan_activations(
     source = resolve_model_source(cfg.model, log=log)
     params_dtype = parse_dtype(cfg.model.params_dtype, key="model.params_dtype")
     dtype = parse_dtype(cfg.model.compute_dtype, key="model.compute_dtype", default=params_dtype)
-    model = source.family.build(source.options)  # on the meta device: the loss rule asks the model
+    with torch.device("meta"):  # built once: the loss rule asks the model, then it is traced
+        model = source.family.build(source.options)
     lm_loss = plan_lm_loss(cfg, model)
     estimate = measure_activations(
         lambda: model,
