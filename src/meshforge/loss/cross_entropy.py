@@ -10,7 +10,9 @@ the final hidden states and the LM-head weight, `chunk_size` tokens at a time, s
 full-vocabulary logits of the whole micro-batch never exist: at vocab 151,936 they are
 0.6 MB per token in float32 (logits, their float32 copy, softmax and gradient each that
 size in the plain path). Backward recomputes each chunk's logits instead of keeping them,
-so peak memory holds one chunk's logits.
+so peak memory holds one chunk's logits. `fused_linear_cross_entropy_sum` walks the same chunks
+and takes each one's gradient in the forward instead. Both, and the evaluation-only sum, run the
+one chunk loop `_walk_chunks`, and every formulation's softmax is `token_cross_entropy_sum`'s.
 
 Under tensor parallelism with loss parallelism (`parallelism.enable_loss_parallel`) the logits
 arrive as a DTensor sharded on the vocabulary (`Shard(-1)` over the TP ranks).
@@ -24,6 +26,7 @@ float32 tensor, equal on every TP rank.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -72,9 +75,17 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
         if vocab_dim is not None:
             return _vocab_parallel_cross_entropy_sum(dlogits, labels, vocab_dim)
         logits = dlogits.full_tensor()
-    vocab = logits.shape[-1]
+    return token_cross_entropy_sum(logits, labels)
+
+
+def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of plain (local) logits ``[..., V]``, the softmax in float32.
+
+    Every formulation ends here (the full-logits loss, each chunk of the chunked loss, and their
+    compiled copies), so they round alike: logits of any dtype are upcast before the softmax.
+    """
     return F.cross_entropy(
-        logits.reshape(-1, vocab).float(),
+        logits.reshape(-1, logits.shape[-1]).float(),
         labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
@@ -154,8 +165,7 @@ def _vocab_parallel_cross_entropy_sum(logits: DTensor, labels: torch.Tensor, mes
 
 def chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of one chunk's logits ``hidden @ weight.T`` (softmax in float32)."""
-    logits = F.linear(hidden, weight).float()
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return token_cross_entropy_sum(F.linear(hidden, weight), labels)
 
 
 def chunk_loss_and_grad(
@@ -183,6 +193,80 @@ def chunk_loss_and_grad(
     return loss, grad.to(hidden.dtype)
 
 
+@dataclass(frozen=True)
+class LossSteps:
+    """The loss functions the formulations call: these eager ones, or ``torch.compile``d copies.
+
+    Attributes:
+        plain: Summed cross-entropy of plain logits (:func:`token_cross_entropy_sum`).
+        loss: One chunk's summed cross-entropy from the hidden states (:func:`chunk_loss_sum`).
+        grad: One chunk's loss and scaled logits gradient (:func:`chunk_loss_and_grad`).
+    """
+
+    plain: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy_sum
+    loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = chunk_loss_sum
+    grad: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+    ] = chunk_loss_and_grad
+
+
+EAGER_STEPS = LossSteps()
+
+
+@dataclass
+class _ChunkSums:
+    """What one walk over the chunks returns: the loss sum, and the gradients when asked."""
+
+    total: torch.Tensor
+    grad_hidden: torch.Tensor | None = None
+    grad_weight: torch.Tensor | None = None  # float32, whatever the weight's dtype
+
+
+def _walk_chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int,
+    dtype: torch.dtype,
+    steps: LossSteps,
+    scale: torch.Tensor | None = None,
+    need_hidden: bool = False,
+    need_weight: bool = False,
+) -> _ChunkSums:
+    """The one loop over row chunks of ``hidden @ weight.T`` that every chunked path runs.
+
+    Without ``scale`` it sums ``steps.loss`` (the forward of the recomputing loss, evaluation);
+    with it, ``steps.grad`` also gives each chunk's ``scale * (softmax - one_hot)``, which
+    becomes the chunk's rows of ``d hidden`` and its share of ``d weight`` (float32) before the
+    next chunk's logits exist, so one chunk's logits and gradient are alive at a time.
+
+    Matmuls run in ``dtype`` (the autocast dtype of the caller's forward, else the inputs'
+    promoted dtype), like the plain path's ``lm_head`` under autocast; autocast is off inside,
+    so that a backward (which runs outside the autocast region) rounds exactly where the
+    forward did.
+    """
+    sums = _ChunkSums(torch.zeros((), dtype=torch.float32, device=hidden.device))
+    if scale is not None:
+        sums.grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        if need_weight:
+            # The head gradient accumulates over chunks in float32; the caller casts it once.
+            sums.grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        h_all, w = hidden.to(dtype), weight.to(dtype)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            h = h_all[rows]
+            if scale is None:
+                sums.total += steps.loss(h, w, labels[rows])
+                continue
+            loss, grad = steps.grad(h, w, labels[rows], scale)
+            sums.total += loss
+            _add_chunk_grads(grad, h, w, sums.grad_hidden, sums.grad_weight, rows)
+            del grad  # freed before the next chunk's logits are allocated
+    return sums
+
+
 def _add_chunk_grads(
     grad: torch.Tensor,
     h: torch.Tensor,
@@ -204,21 +288,13 @@ def _add_chunk_grads(
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Sum cross-entropy of ``hidden @ weight.T`` over row chunks, logits recomputed in backward.
 
-    Matmuls run in ``dtype`` (the autocast dtype of the forward, else the hidden states'
-    dtype), like the plain path's ``lm_head`` under autocast; the softmax is in float32 as
-    in :func:`cross_entropy_sum`. Autocast is turned off inside so that backward (which
-    runs outside the autocast region) rounds exactly where forward did. ``steps`` are
-    :func:`chunk_loss_sum` and :func:`chunk_loss_and_grad`, or compiled copies of them.
+    The forward keeps only its inputs; backward walks the chunks again with the incoming
+    gradient as the scale (:func:`_walk_chunks`).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, dtype, steps):
-        loss_step = steps[0]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            h_all, w = hidden.to(dtype), weight.to(dtype)
-            for start in range(0, hidden.shape[0], chunk_size):
-                total += loss_step(h_all[start : start + chunk_size], w, labels[start : start + chunk_size])
+        total = _walk_chunks(hidden, weight, labels, chunk_size=chunk_size, dtype=dtype, steps=steps).total
         ctx.save_for_backward(hidden, weight, labels)
         ctx.chunk_size, ctx.dtype, ctx.steps = chunk_size, dtype, steps
         return total
@@ -226,20 +302,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         hidden, weight, labels = ctx.saved_tensors
-        chunk_size, dtype, grad_step = ctx.chunk_size, ctx.dtype, ctx.steps[1]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        # Accumulate the head gradient over chunks in float32, then cast once.
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        with torch.autocast(hidden.device.type, enabled=False):
-            h_all, w = hidden.to(dtype), weight.to(dtype)
-            for start in range(0, hidden.shape[0], chunk_size):
-                rows = slice(start, start + chunk_size)
-                h = h_all[rows]
-                _, grad = grad_step(h, w, labels[rows], grad_total)
-                _add_chunk_grads(grad, h, w, grad_h, grad_w, rows)
-                del grad
-        return grad_h, grad_w.to(weight.dtype) if grad_w is not None else None, None, None, None, None
+        sums = _walk_chunks(
+            hidden,
+            weight,
+            labels,
+            chunk_size=ctx.chunk_size,
+            dtype=ctx.dtype,
+            steps=ctx.steps,
+            scale=grad_total,
+            need_hidden=ctx.needs_input_grad[0],
+            need_weight=ctx.needs_input_grad[1],
+        )
+        grad_w = sums.grad_weight.to(weight.dtype) if sums.grad_weight is not None else None
+        return sums.grad_hidden, grad_w, None, None, None, None
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -254,24 +329,21 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, dtype, grad_step):
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        one = torch.ones((), dtype=torch.float32, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            h_all, w = hidden.to(dtype), weight.to(dtype)
-            for start in range(0, hidden.shape[0], chunk_size):
-                rows = slice(start, start + chunk_size)
-                h = h_all[rows]
-                loss, grad = grad_step(h, w, labels[rows], one)
-                total += loss
-                _add_chunk_grads(grad, h, w, grad_h, grad_w, rows)
-                del grad
-        ctx.save_for_backward(grad_h, grad_w)
+    def forward(ctx, hidden, weight, labels, chunk_size, dtype, steps):
+        sums = _walk_chunks(
+            hidden,
+            weight,
+            labels,
+            chunk_size=chunk_size,
+            dtype=dtype,
+            steps=steps,
+            scale=torch.ones((), dtype=torch.float32, device=hidden.device),
+            need_hidden=ctx.needs_input_grad[0],
+            need_weight=ctx.needs_input_grad[1],
+        )
+        ctx.save_for_backward(sums.grad_hidden, sums.grad_weight)
         ctx.weight_dtype = weight.dtype
-        return total
+        return sums.total
 
     @staticmethod
     def backward(ctx, grad_total):
@@ -290,7 +362,18 @@ def _head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
-_EAGER_STEPS = (chunk_loss_sum, chunk_loss_and_grad)
+def _flat_head_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]:
+    """``hidden`` as ``[N, H]``, the whole weight, ``labels`` as ``[N]`` and the head's matmul dtype.
+
+    Raises:
+        ValueError: ``chunk_size`` is not positive (named as ``kernels.chunk_loss_size``).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"kernels.chunk_loss_size: must be a positive number of tokens, got {chunk_size}")
+    hidden, weight = _whole(hidden), _whole(weight)
+    return hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), _head_dtype(hidden, weight)
 
 
 def fused_linear_cross_entropy_sum(
@@ -299,30 +382,19 @@ def fused_linear_cross_entropy_sum(
     labels: torch.Tensor,
     *,
     chunk_size: int,
-    grad_step: Callable[..., tuple[torch.Tensor, torch.Tensor]] = chunk_loss_and_grad,
-    loss_step: Callable[..., torch.Tensor] = chunk_loss_sum,
+    steps: LossSteps = EAGER_STEPS,
 ) -> torch.Tensor:
     """`cross_entropy_sum(hidden @ weight.T, labels)`, gradients taken chunk by chunk in the forward.
 
-    Same arguments as :func:`chunked_cross_entropy_sum`; ``grad_step``/``loss_step`` may be
-    compiled copies of :func:`chunk_loss_and_grad` / :func:`chunk_loss_sum`. Without grad
-    mode (evaluation), or when neither input needs a gradient, only the loss is computed.
+    Same arguments as :func:`chunked_cross_entropy_sum`. Without grad mode (evaluation), or
+    when neither input needs a gradient, only the loss is computed.
     """
-    hidden, weight = _whole(hidden), _whole(weight)
-    if chunk_size < 1:
-        raise ValueError(f"kernels.chunk_loss_size: must be a positive number of tokens, got {chunk_size}")
-    dtype = _head_dtype(hidden, weight)
-    flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            h_all, w = flat.to(dtype), weight.to(dtype)
-            for start in range(0, flat.shape[0], chunk_size):
-                total = total + loss_step(
-                    h_all[start : start + chunk_size], w, flat_labels[start : start + chunk_size]
-                )
-        return total
-    return _FusedLinearCrossEntropy.apply(flat, weight, flat_labels, int(chunk_size), dtype, grad_step)
+    flat, weight, flat_labels, dtype = _flat_head_inputs(hidden, weight, labels, chunk_size)
+    if not torch.is_grad_enabled() or not (flat.requires_grad or weight.requires_grad):
+        return _walk_chunks(
+            flat, weight, flat_labels, chunk_size=int(chunk_size), dtype=dtype, steps=steps
+        ).total
+    return _FusedLinearCrossEntropy.apply(flat, weight, flat_labels, int(chunk_size), dtype, steps)
 
 
 def chunked_cross_entropy_sum(
@@ -331,9 +403,7 @@ def chunked_cross_entropy_sum(
     labels: torch.Tensor,
     *,
     chunk_size: int,
-    steps: tuple[
-        Callable[..., torch.Tensor], Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    ] = _EAGER_STEPS,
+    steps: LossSteps = EAGER_STEPS,
 ) -> torch.Tensor:
     """`cross_entropy_sum(hidden @ weight.T, labels)` without the full logits tensor.
 
@@ -342,6 +412,7 @@ def chunked_cross_entropy_sum(
         weight: LM-head weight ``[V, H]`` (no bias).
         labels: ``[B, S]`` (or ``[N]``) targets, -100 ignored.
         chunk_size: Tokens per chunk (over the flattened batch and sequence).
+        steps: The per-chunk steps (compiled copies under ``kernels.compile``).
 
     Under tensor parallelism ``hidden`` (sequence-sharded) and ``weight`` (vocabulary-sharded)
     are DTensors: they are gathered whole (differentiably: their backward hands each rank its
@@ -351,12 +422,8 @@ def chunked_cross_entropy_sum(
         The float32 scalar sum over valid positions; its backward recomputes one chunk's
         logits at a time.
     """
-    hidden, weight = _whole(hidden), _whole(weight)
-    if chunk_size < 1:
-        raise ValueError(f"kernels.chunk_loss_size: must be a positive number of tokens, got {chunk_size}")
-    dtype = _head_dtype(hidden, weight)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    return _ChunkedLinearCrossEntropy.apply(flat, weight, labels.reshape(-1), int(chunk_size), dtype, steps)
+    flat, weight, flat_labels, dtype = _flat_head_inputs(hidden, weight, labels, chunk_size)
+    return _ChunkedLinearCrossEntropy.apply(flat, weight, flat_labels, int(chunk_size), dtype, steps)
 
 
 def count_valid_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -384,7 +451,6 @@ def mtp_cross_entropy_sum(
     segment_ids: torch.Tensor | None = None,
     *,
     head_weight: torch.Tensor | None = None,
-    chunk_size: int | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The mean over MTP depths of each depth's summed cross-entropy against ``mtp_labels``.
@@ -395,13 +461,14 @@ def mtp_cross_entropy_sum(
     ``mtp_loss_scaling_factor / mtp_num_layers`` per depth).
 
     Args:
-        outputs: Per depth (1..n), logits ``[B, S, V]``, or normed hidden states when
-            ``chunk_size`` is given (then ``head_weight`` is the LM head's).
+        outputs: Per depth (1..n), what the main forward returned: logits ``[B, S, V]``, or
+            normed hidden states when ``loss_fn`` applies the head itself.
         labels: The main targets ``[B, S]`` (already shifted by one).
         segment_ids: ``[B, S]`` document ids of packed rows, or None.
-        loss_fn: ``(output, targets, head_weight) -> summed CE`` of one depth (the run's
-            :class:`meshforge.loss.lm.LMLoss`); by default the plain or chunked loss that
-            ``chunk_size`` selects.
+        head_weight: The LM head's weight, handed to ``loss_fn`` (hidden-state losses).
+        loss_fn: ``(output, targets, head_weight) -> summed CE`` of one depth: the run's
+            :class:`meshforge.loss.lm.LMLoss`, so each depth takes the main loss's formulation;
+            by default :func:`cross_entropy_sum` of logits.
     """
     if not outputs:
         raise ValueError("mtp_cross_entropy_sum: no MTP outputs (did the forward run the MTP depths?)")
@@ -410,9 +477,6 @@ def mtp_cross_entropy_sum(
         target = mtp_labels(labels, depth, segment_ids)
         if loss_fn is not None:
             total = total + loss_fn(out, target, head_weight)
-        elif chunk_size is not None:
-            assert head_weight is not None, "the chunked loss applies the head itself"
-            total = total + chunked_cross_entropy_sum(out, head_weight, target, chunk_size=chunk_size)
         else:
             total = total + cross_entropy_sum(out, target)
     return total / len(outputs)

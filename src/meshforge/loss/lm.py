@@ -17,21 +17,21 @@ their graphs; a chunk of another length (the last one) costs one recompile with 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from meshforge.loss.cross_entropy import (
-    IGNORE_INDEX,
+    EAGER_STEPS,
+    LossSteps,
     _as_dtensor,
     chunk_loss_and_grad,
     chunk_loss_sum,
     chunked_cross_entropy_sum,
     cross_entropy_sum,
     fused_linear_cross_entropy_sum,
+    token_cross_entropy_sum,
 )
 
 LossMode = Literal["logits", "chunked", "fused"]
@@ -47,28 +47,11 @@ def fused_chunk_size(vocab_size: int) -> int:
     return max(_FUSED_MIN_CHUNK, min(_FUSED_MAX_CHUNK, _FUSED_LOGITS_PER_CHUNK // max(1, vocab_size)))
 
 
-def _plain_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    return F.cross_entropy(
-        logits.reshape(-1, vocab).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
-@dataclass(frozen=True)
-class _Steps:
-    plain: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    loss: Callable[..., torch.Tensor]
-    grad: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-_EAGER = _Steps(_plain_sum, chunk_loss_sum, chunk_loss_and_grad)
-
-
 @functools.cache
-def _compiled_steps(backend: str) -> _Steps:
+def _compiled_steps(backend: str) -> LossSteps:
     """Compiled copies of the loss steps, one set per backend in this process."""
-    return _Steps(
-        torch.compile(_plain_sum, backend=backend),
+    return LossSteps(
+        torch.compile(token_cross_entropy_sum, backend=backend),
         torch.compile(chunk_loss_sum, backend=backend),
         torch.compile(chunk_loss_and_grad, backend=backend),
     )
@@ -105,8 +88,8 @@ class LMLoss:
         name = "fused linear cross-entropy" if self.mode == "fused" else "chunked loss"
         return f"{name} ({self.chunk_size} tokens per chunk{compiled})"
 
-    def _steps(self) -> _Steps:
-        return _compiled_steps(self.compile_backend) if self.compile_backend else _EAGER
+    def _steps(self) -> LossSteps:
+        return _compiled_steps(self.compile_backend) if self.compile_backend else EAGER_STEPS
 
     def __call__(
         self, output: torch.Tensor, labels: torch.Tensor, head_weight: torch.Tensor | None = None
@@ -121,24 +104,35 @@ class LMLoss:
         """
         steps = self._steps()
         if self.mode == "logits":
+            # DTensor logits (tensor parallelism) take the eager path, which gathers or splits them.
             if _as_dtensor(output) is not None or _as_dtensor(labels) is not None or not self.compile_backend:
                 return cross_entropy_sum(output, labels)
             return steps.plain(output, labels)
         if head_weight is None:
             raise ValueError(f"the {self.mode} loss applies the LM head itself: pass head_weight")
         assert self.chunk_size is not None
-        if self.mode == "fused":
-            return fused_linear_cross_entropy_sum(
-                output,
-                head_weight,
-                labels,
-                chunk_size=self.chunk_size,
-                grad_step=steps.grad,
-                loss_step=steps.loss,
-            )
-        return chunked_cross_entropy_sum(
-            output, head_weight, labels, chunk_size=self.chunk_size, steps=(steps.loss, steps.grad)
-        )
+        loss = fused_linear_cross_entropy_sum if self.mode == "fused" else chunked_cross_entropy_sum
+        return loss(output, head_weight, labels, chunk_size=self.chunk_size, steps=steps)
 
 
-__all__ = ["LMLoss", "LossMode", "fused_chunk_size"]
+def select_lm_loss(
+    *, fused: bool, chunk_loss_size: int | None, vocab_size: int | None, compile_backend: str | None = None
+) -> LMLoss:
+    """The formulation a run of these settings trains with (the trainer's and the planner's).
+
+    Args:
+        fused: The fused linear cross-entropy is on (``kernels.fused_linear_cross_entropy``,
+            decided by :func:`meshforge.models.common.kernels.fused_loss_on`).
+        chunk_loss_size: ``kernels.chunk_loss_size``: the fused loss's chunk when it is on,
+            else the recomputing chunked loss; None: the fused default chunk or full logits.
+        vocab_size: The model's vocabulary (the fused loss's default chunk).
+        compile_backend: The backend of compiled loss steps, or None for eager.
+    """
+    if fused:
+        return LMLoss("fused", chunk_loss_size or fused_chunk_size(vocab_size or 0), compile_backend)
+    if chunk_loss_size is not None:
+        return LMLoss("chunked", chunk_loss_size, compile_backend)
+    return LMLoss("logits", None, compile_backend)
+
+
+__all__ = ["LMLoss", "LossMode", "fused_chunk_size", "select_lm_loss"]

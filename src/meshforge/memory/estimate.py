@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from meshforge.loss.lm import LMLoss
+from meshforge.loss.lm import LMLoss, select_lm_loss
 from meshforge.loss.mtp import MTPModel
 from meshforge.memory.ledger import SavedTensorLedger
 
@@ -202,7 +202,7 @@ def measure_activations(
         else:
             mtp = False
         if lm_loss is None:
-            lm_loss = LMLoss("chunked", chunk_loss_size) if chunk_loss_size else LMLoss()
+            lm_loss = select_lm_loss(fused=False, chunk_loss_size=chunk_loss_size, vocab_size=None)
         estimate.loss = lm_loss.describe()
         replaced, ran = _trace(model, layers, kinds, estimate, micro_batch, seq, lm_loss, mtp=mtp)
         tokens = micro_batch * seq

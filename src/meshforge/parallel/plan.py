@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from meshforge.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from meshforge.config.root import TrainConfig
     from meshforge.loss.lm import LMLoss
     from meshforge.memory.estimate import ActivationEstimate
@@ -333,6 +335,8 @@ def measure_plan_activations(
     cfg: TrainConfig, micro: int, tokens: int, *, log: Callable[[str], None] | None = None
 ) -> ActivationEstimate:
     """One micro-batch ``[micro, tokens]`` of the configured model traced with its memory settings."""
+    import torch
+
     from meshforge.checkpoint.source import resolve_model_source
     from meshforge.memory.apply import ActivationSettings
     from meshforge.memory.estimate import measure_activations
@@ -341,9 +345,11 @@ def measure_plan_activations(
     source = resolve_model_source(cfg.model, log=log)
     params_dtype = parse_dtype(cfg.model.params_dtype, key="model.params_dtype")
     dtype = parse_dtype(cfg.model.compute_dtype, key="model.compute_dtype", default=params_dtype)
-    lm_loss = plan_lm_loss(cfg, int(source.family.parse_options(source.options).vocab_size))
+    with torch.device("meta"):  # built once: the loss rule asks the model, then it is traced
+        model = source.family.build(source.options)
+    lm_loss = plan_lm_loss(cfg, model)
     estimate = measure_activations(
-        lambda: source.family.build(source.options),
+        lambda: model,
         ActivationSettings(cfg.recompute, cfg.recompute_comm, cfg.swap),
         micro_batch=micro,
         seq=tokens,
@@ -355,17 +361,23 @@ def measure_plan_activations(
     return estimate
 
 
-def plan_lm_loss(cfg: TrainConfig, vocab_size: int) -> LMLoss:
-    """The loss formulation a run of ``cfg`` uses (eager: compiling changes no saved tensor)."""
-    from meshforge.loss.lm import LMLoss, fused_chunk_size
-    from meshforge.models.common.kernels import FUSED_CE_MIN_VOCAB
+def plan_lm_loss(cfg: TrainConfig, model: nn.Module) -> LMLoss:
+    """The loss formulation a run of ``cfg`` trains ``model`` with, by the trainer's own rule.
+
+    Eager: compiling the loss steps changes no saved tensor.
+    """
+    from meshforge.loss.lm import select_lm_loss
+    from meshforge.models.common.kernels import fused_loss_on, supports_hidden_output
 
     kernels = cfg.kernels
-    chunk = kernels.chunk_loss_size
-    fused = kernels.fused_linear_cross_entropy
-    loss_parallel = cfg.parallelism.tensor_parallel > 1 and cfg.parallelism.enable_loss_parallel
-    if fused is True or (
-        fused == "auto" and chunk is None and not loss_parallel and vocab_size >= FUSED_CE_MIN_VOCAB
-    ):
-        return LMLoss("fused", chunk or fused_chunk_size(vocab_size))
-    return LMLoss("chunked", chunk) if chunk else LMLoss()
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    vocab_size = int(weight.shape[0]) if weight is not None else None
+    fused = fused_loss_on(
+        kernels.fused_linear_cross_entropy,
+        vocab_size=vocab_size,
+        chunk_loss_size=kernels.chunk_loss_size,
+        loss_parallel=cfg.parallelism.tensor_parallel > 1 and cfg.parallelism.enable_loss_parallel,
+        hidden_output=supports_hidden_output(model),
+    )
+    return select_lm_loss(fused=fused, chunk_loss_size=kernels.chunk_loss_size, vocab_size=vocab_size)

@@ -21,6 +21,7 @@ from meshforge.models.common.kernels import (
     apply_compile,
     configure_model_kernels,
     resolve_kernel_options,
+    supports_hidden_output,
 )
 from meshforge.train.run import ModelParts, tied_aliases
 from meshforge.utils.dtype import parse_dtype
@@ -121,17 +122,12 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
         model = family.build(options)
     model.to(dtype=params_dtype)
     seq = cfg.train_dataset.seq_length() or model_cfg.seq_length
-    kernel_options, lm_loss = _configure_kernels(
-        cfg,
-        model,
-        family.name,
-        compute_dtype,
-        env=env,
-        run=_run_length(model, cfg.training, seq=seq, env=env),
-    )
+    # The FLOPs of a token, counted once for the compile decision and the throughput log.
+    run = _run_length(model, cfg.training, seq=seq, env=env)
+    kernel_options, lm_loss = _configure_kernels(cfg, model, family.name, compute_dtype, env=env, run=run)
     model_config = getattr(model, "config", None)
     _check_model_fits_data(model_config, tokenizer, data_seq=cfg.train_dataset.seq_length())
-    flops_per_token = _flops_per_token(model, cfg.training, seq=seq)
+    flops_per_token = _flops_per_token(run.flops_per_token, cfg.training)
     peak = peak_flops(env.device, compute_dtype) if flops_per_token is not None else None
     aux_coef = _router_aux_coef(cfg.training, model_config)
     aux_loss_enabled = aux_coef != 0.0 and callable(getattr(model, "aux_loss", None))
@@ -263,6 +259,7 @@ def _configure_kernels(
         vocab_size=_output_vocab(model),
         run=run,
         loss_parallel=env.dims.tp > 1 and cfg.parallelism.enable_loss_parallel,
+        hidden_output=supports_hidden_output(model),
     )
     options = configure_model_kernels(model, options, family=family)
     lm_loss = options.lm_loss()
@@ -278,10 +275,13 @@ def _run_length(model: nn.Module, training: TrainingConfig, *, seq: int | None, 
     from meshforge.models.common.compile import RunLength
     from meshforge.monitor.throughput import model_flops_per_token
 
-    if seq is None or training.epochs is not None:
+    if seq is None:
         return RunLength(None, 0, None)
+    flops = model_flops_per_token(model, int(seq))
+    if training.epochs is not None:
+        return RunLength(None, 0, flops)
     tokens = env.plan.global_batch_size * int(seq) // max(1, env.dims.world_size)
-    return RunLength(int(training.steps), tokens, model_flops_per_token(model, int(seq)))
+    return RunLength(int(training.steps), tokens, flops)
 
 
 def _sharding_note(
@@ -330,18 +330,16 @@ def _router_aux_coef(training: TrainingConfig, model_config: object) -> float:
     return float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
-def _flops_per_token(model: nn.Module, training: TrainingConfig, *, seq: int | None) -> float | None:
+def _flops_per_token(flops: float | None, training: TrainingConfig) -> float | None:
     """Model FLOPs of one token for `training.log_throughput` (counted on the whole model)."""
     if not training.log_throughput:
         return None
-    from meshforge.monitor.throughput import model_flops_per_token
-
-    if seq is None:
+    if flops is None:
         raise ValueError(
             "training.log_throughput: the FLOPs of a token depend on the sequence length, which "
             "neither the data nor model.seq_length gives"
         )
-    return model_flops_per_token(model, seq)
+    return flops
 
 
 def _check_model_fits_data(

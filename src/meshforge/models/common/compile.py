@@ -19,6 +19,11 @@ The ``auto`` rule (:func:`decide_compile`):
   rate)`` (training steps reach about half the matmul peak here). Short runs (tests, the
   demo, smoke runs) therefore stay eager unless they ask for ``true``.
 
+  The matmul probe is skipped when the work alone decides: the rate it measures lies between
+  :data:`SLOWEST_MATMUL_RATE` and :data:`FASTEST_MATMUL_RATE`, so a run that even the slowest
+  machine finishes under the threshold stays eager, and one that even the fastest cannot is
+  compiled, without measuring (most test runs are the first kind).
+
 A layer that fails to compile (dynamo or the backend raising while tracing or generating
 code) runs eagerly from then on, and so do the other layers of its class, with one warning
 naming the layer and the reason: never a silent slowdown, never a crash of a run that eager
@@ -41,6 +46,14 @@ from torch import nn
 
 CPU_PAYBACK_SECONDS = 600.0
 _STEP_SHARE_OF_MATMUL_PEAK = 0.5
+# The bounds of a plausible probe result (fp32 FLOP/s), wide enough that they never decide a
+# run the probe would decide otherwise. Slowest: 1 GFLOP/s, one core without vector units
+# doing one multiply-add a cycle at 500 MHz (this project's 2-core machines measure 67 to 320
+# GFLOP/s). Fastest: 100 TFLOP/s, above the fp32 peak of any CPU server (two 192-core
+# AVX-512 sockets peak near 55 at their 2.25 GHz base clock, under 100 at full boost); a
+# 512 x 512 product reaches only a fraction of a peak.
+SLOWEST_MATMUL_RATE = 1e9
+FASTEST_MATMUL_RATE = 1e14
 
 
 @dataclass(frozen=True)
@@ -103,13 +116,27 @@ def decide_compile(
             False,
             "kernels.compile: auto -> off (cpu; no FLOP count for this model to estimate the run length)",
         )
-    rate = matmul_rate() * _STEP_SHARE_OF_MATMUL_PEAK
-    seconds = run.steps * run.tokens_per_step * run.flops_per_token / rate
+    work = run.steps * run.tokens_per_step * run.flops_per_token
+    payback = f"compiling pays back from about {_duration(CPU_PAYBACK_SECONDS)}"
+    longest = work / (SLOWEST_MATMUL_RATE * _STEP_SHARE_OF_MATMUL_PEAK)
+    if longest < CPU_PAYBACK_SECONDS:
+        return CompileDecision(
+            False,
+            f"kernels.compile: auto -> off (cpu; the run is estimated at {_duration(max(1.0, longest))} "
+            f"eager at most, even at {SLOWEST_MATMUL_RATE / 1e9:g} GFLOP/s; {payback})",
+        )
+    shortest = work / (FASTEST_MATMUL_RATE * _STEP_SHARE_OF_MATMUL_PEAK)
+    if shortest >= CPU_PAYBACK_SECONDS:
+        return CompileDecision(
+            True,
+            f"kernels.compile: auto -> on (cpu; the run is estimated at {_duration(shortest)} eager "
+            f"at least, even at {FASTEST_MATMUL_RATE / 1e12:g} TFLOP/s; {payback})",
+        )
+    seconds = work / (matmul_rate() * _STEP_SHARE_OF_MATMUL_PEAK)
     verdict = "on" if seconds >= CPU_PAYBACK_SECONDS else "off"
     return CompileDecision(
         verdict == "on",
-        f"kernels.compile: auto -> {verdict} (cpu; the run is estimated at {_duration(seconds)} eager, "
-        f"compiling pays back from about {_duration(CPU_PAYBACK_SECONDS)})",
+        f"kernels.compile: auto -> {verdict} (cpu; the run is estimated at {_duration(seconds)} eager, {payback})",
     )
 
 
@@ -220,6 +247,8 @@ def apply_compile(
 
 __all__ = [
     "CPU_PAYBACK_SECONDS",
+    "FASTEST_MATMUL_RATE",
+    "SLOWEST_MATMUL_RATE",
     "CompileDecision",
     "RunLength",
     "apply_compile",

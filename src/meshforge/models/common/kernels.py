@@ -38,10 +38,8 @@ What each switch does, and which path is the default:
 * ``chunk_loss_size``: cross-entropy over sequence chunks, logits recomputed in backward
   (``meshforge.loss.cross_entropy``).
 * ``fused_linear_cross_entropy``: the LM head and the loss chunk by chunk with the gradient
-  taken in the forward (``meshforge.loss.lm``); ``auto`` turns it on for vocabularies of at
-  least :data:`FUSED_CE_MIN_VOCAB` entries when the model can return its hidden states,
-  ``chunk_loss_size`` does not ask for the recomputing chunked loss and TP's loss parallelism
-  does not already split the logits by vocabulary.
+  taken in the forward (``meshforge.loss.lm``); when ``auto`` turns it on is
+  :func:`fused_loss_on`'s rule, which the trainer and the memory planner both ask.
 
 Light module: torch is imported inside the functions that need it.
 """
@@ -51,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -126,15 +124,55 @@ class KernelOptions:
 
     def lm_loss(self) -> LMLoss:
         """The run's loss formulation (:class:`meshforge.loss.lm.LMLoss`)."""
-        from meshforge.loss.lm import LMLoss, fused_chunk_size
+        from meshforge.loss.lm import select_lm_loss
 
-        backend = self.compile_backend if self.compile else None
-        if self.fused_ce:
-            chunk = self.chunk_loss_size or fused_chunk_size(self.vocab_size or 0)
-            return LMLoss("fused", chunk, backend)
-        if self.chunk_loss_size is not None:
-            return LMLoss("chunked", self.chunk_loss_size, backend)
-        return LMLoss("logits", None, backend)
+        return select_lm_loss(
+            fused=self.fused_ce,
+            chunk_loss_size=self.chunk_loss_size,
+            vocab_size=self.vocab_size,
+            compile_backend=self.compile_backend if self.compile else None,
+        )
+
+
+def fused_loss_on(
+    setting: bool | Literal["auto"],
+    *,
+    vocab_size: int | None,
+    chunk_loss_size: int | None,
+    loss_parallel: bool,
+    hidden_output: bool = True,
+) -> bool:
+    """Whether a run computes its loss with the fused linear cross-entropy.
+
+    ``true`` and ``false`` are taken as written (``true`` on a model without hidden output is
+    refused by :func:`configure_model_kernels`). ``auto`` is on when all of these hold:
+
+    * the vocabulary has at least :data:`FUSED_CE_MIN_VOCAB` entries (below it the logits are
+      small enough that the plain loss costs little memory);
+    * the model returns its normed hidden states and has a bias-free ``lm_head``
+      (:func:`supports_hidden_output`), since the fused loss applies the head itself;
+    * TP's loss parallelism is off: with it each rank already holds only its vocabulary slice
+      of the logits, and the fused loss would gather the whole head;
+    * ``chunk_loss_size`` is unset: written alone it asks for the recomputing chunked loss.
+
+    Args:
+        setting: ``kernels.fused_linear_cross_entropy``.
+        vocab_size: The model's output vocabulary; None (unknown) keeps ``auto`` off.
+        chunk_loss_size: ``kernels.chunk_loss_size``.
+        loss_parallel: ``parallelism.tensor_parallel > 1`` with ``enable_loss_parallel``.
+        hidden_output: What :func:`supports_hidden_output` says of the model; True when the
+            model is not known yet (:func:`configure_model_kernels` then turns ``auto`` off
+            for a model that cannot).
+    """
+    if setting != "auto":
+        return bool(setting)
+    return (
+        vocab_size is not None
+        and vocab_size >= FUSED_CE_MIN_VOCAB
+        and hidden_output
+        and not loss_parallel
+        and chunk_loss_size is None
+    )
 
 
 def _flash_reason(device: torch.device, compute_dtype: torch.dtype) -> str | None:
@@ -159,6 +197,7 @@ def resolve_kernel_options(
     vocab_size: int | None = None,
     run: RunLength | None = None,
     loss_parallel: bool = False,
+    hidden_output: bool = True,
 ) -> KernelOptions:
     """Turn the ``kernels`` config section into :class:`KernelOptions` for ``device``.
 
@@ -170,8 +209,9 @@ def resolve_kernel_options(
             that cannot run on ``device`` (it is then off).
         vocab_size: The model's vocabulary (``fused_linear_cross_entropy: auto``); None: off.
         run: The run's length, for ``compile: auto`` on the CPU; None: auto is off there.
-        loss_parallel: TP with ``enable_loss_parallel``: each rank already holds only its
-            vocabulary slice of the logits, so ``fused_linear_cross_entropy: auto`` stays off.
+        loss_parallel: TP with ``enable_loss_parallel`` (:func:`fused_loss_on`).
+        hidden_output: Whether the model returns its hidden states (:func:`fused_loss_on`);
+            True when the model is not known yet.
 
     Returns:
         The options with every ``auto`` decided.
@@ -215,12 +255,12 @@ def resolve_kernel_options(
             kernels.compile, device_type=device.type, run=run or RunLength(None, 0, None)
         )
     fused = kernels.fused_linear_cross_entropy
-    fused_on = fused is True or (
-        fused == "auto"
-        and not loss_parallel
-        and kernels.chunk_loss_size is None
-        and vocab_size is not None
-        and vocab_size >= FUSED_CE_MIN_VOCAB
+    fused_on = fused_loss_on(
+        fused,
+        vocab_size=vocab_size,
+        chunk_loss_size=kernels.chunk_loss_size,
+        loss_parallel=loss_parallel,
+        hidden_output=hidden_output,
     )
     return KernelOptions(
         flash_attn=flash_on,
@@ -289,7 +329,8 @@ def configure_model_kernels(model: nn.Module, options: KernelOptions, *, family:
 
     Returns:
         The options the run uses: ``fused_linear_cross_entropy: auto`` is turned off for a
-        model that cannot return its hidden states, and ``compile: auto`` for one without
+        model that cannot return its hidden states (:func:`fused_loss_on`'s clause, for
+        options resolved before the model was known), and ``compile: auto`` for one without
         ``model.layers``.
 
     Raises:
@@ -357,6 +398,7 @@ __all__ = [
     "apply_compile",
     "apply_kernel_options",
     "configure_model_kernels",
+    "fused_loss_on",
     "resolve_kernel_options",
     "supports_hidden_output",
 ]
