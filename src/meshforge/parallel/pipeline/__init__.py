@@ -4,7 +4,7 @@ Modules: ``layout.py`` (schedule names, the stage layout arithmetic), ``split.py
 model to a rank's stages), ``stage.py`` (the stage forward and ``StageModule``), ``runtime.py``
 (``Pipeline``: the schedule, its step and evaluation; ``build_pipeline``).
 
-The trainer calls this in two places (see ``Trainer._build_model``):
+The trainer calls this in two places (see ``meshforge.train.build_model.build_model``):
 
 1. ``split_model`` on the meta model, before TP/FSDP/materialisation: it decides which decoder
    layers every (virtual) stage runs and prunes the model in place to what this pp rank hosts.
