@@ -8,10 +8,11 @@ the tiniest model runs one eager forward that records what the model passes to e
 ``torch._dynamo.explain`` traces one layer of each distinct kind (dense, MoE, linear attention,
 sliding window, mamba, ...) with exactly those inputs.
 
-The same holds with the MoE switches (``moe_grouped_gemm``, ``fix_router``), inside full
-recompute (the checkpoint wraps the compiled call), under ulysses and kvallgather context
-parallelism on a one-rank CP mesh (``tests/distributed/test_cp_compile.py`` runs two ranks),
-and across rows of varying length (at most two graphs per layer kind). The ring methods
+The same holds with the ``kernels.pre_tokens`` window on every family with attention layers,
+with the MoE switches (``moe_grouped_gemm``, ``fix_router``), inside full recompute (the
+checkpoint wraps the compiled call), under ulysses and kvallgather context parallelism on a
+one-rank CP mesh (``tests/distributed/test_cp_compile.py`` runs two ranks), and across rows of
+varying length (at most two graphs per layer kind). The ring methods
 (colossal, hybrid) run their block plan eagerly: their only breaks are around that call.
 
 The per-expert loop of the MoE layers needs its group sizes as Python ints: under compile they
@@ -156,6 +157,24 @@ def assert_one_graph(layer: nn.Module, args: tuple, kwargs: dict) -> None:
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
 def test_every_layer_kind_is_one_graph(family: str, packed: bool):
     model = _build(SPEC_BY_NAME[family])
+    for layer, args, kwargs in layer_calls(model, packed=packed):
+        assert_one_graph(layer, args, kwargs)
+
+
+def _has_attention(name: str) -> bool:
+    from meshforge.models.common.attention import AttentionBase
+
+    model = SPEC_BY_NAME[name].build({"flavor": "tiny"}, device="meta")
+    return any(isinstance(m, AttentionBase) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", [name for name in FAMILIES if _has_attention(name)])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_pre_tokens_window_keeps_one_graph(family: str, packed: bool):
+    # The band mask is built inside each attention call (from the shapes), on top of the
+    # packed-document mask or of none.
+    model = _build(SPEC_BY_NAME[family])
+    model.configure_kernels(KernelOptions(pre_tokens=3))
     for layer, args, kwargs in layer_calls(model, packed=packed):
         assert_one_graph(layer, args, kwargs)
 
