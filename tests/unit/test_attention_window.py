@@ -228,3 +228,30 @@ def test_families_without_configure_kernels_refuse_the_window() -> None:
 
     with pytest.raises(ValueError, match=r"kernels\.pre_tokens: not supported by the generic model family"):
         configure_model_kernels(nn.Linear(2, 2), KernelOptions(pre_tokens=PRE), family="generic")
+
+
+def test_the_cp_plan_gets_the_narrower_window_in_its_own_rule() -> None:
+    # The CP plan takes transformers' window (i - window < j <= i): pre_tokens p is window p + 1.
+    calls: list[dict[str, object]] = []
+
+    def plan(q, k, v, mask, **kw):
+        calls.append(kw)
+        return torch.zeros_like(q)
+
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    for window, pre_tokens, expected in ((None, 3, 4), (8, 3, 4), (3, 5, 3), (6, None, 6)):
+        calls.clear()
+        attend(q, k, v, object(), scale=0.3, cp=plan, window=window, pre_tokens=pre_tokens)
+        assert calls[0]["window"] == expected, (window, pre_tokens, calls)
+    calls.clear()
+    attend(q, k, v, object(), scale=0.3, cp=plan)
+    assert calls == [{"scale": 0.3}]
+
+
+def test_strict_flash_refuses_a_window_and_auto_runs_masked_sdpa() -> None:
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, SEQ, 8, generator=g) for _ in range(3))
+    with pytest.raises(ValueError, match=r"kernels\.use_flash_attn: true: .*takes no window"):
+        attend(q, k, v, None, scale=0.3, flash=True, flash_strict=True, pre_tokens=PRE)
+    got = attend(q, k, v, None, scale=0.3, flash=True, pre_tokens=PRE)
+    assert rel_error(got, _reference(q, k, v, band(SEQ, SEQ, PRE), 0.3)) <= TOL
