@@ -273,6 +273,21 @@ def test_context_parallel_layers_are_one_graph(family: str, method: str, cp_mesh
 
 
 @pytest.mark.slow  # several seconds of tracing per case: the full suite runs it
+@pytest.mark.parametrize("method", ["ulysses", "kvallgather"])
+def test_context_parallel_window_is_one_graph(method: str, cp_mesh: Any):
+    """``pre_tokens`` under CP: the window the plan gets is a Python int, its mask built in the graph."""
+    from meshforge.parallel.context import apply_cp, shard_batch_for_cp
+
+    model = _build(SPEC_BY_NAME["qwen3"])
+    model.configure_kernels(KernelOptions(pre_tokens=3))
+    apply_cp(model, cp_mesh, method=method)
+    for layer, args, kwargs in layer_calls(
+        model, shard_batch_for_cp(packed_batch(model), cp_mesh, method=method)
+    ):
+        assert_one_graph(layer, args, kwargs)
+
+
+@pytest.mark.slow  # several seconds of tracing per case: the full suite runs it
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
 def test_ring_context_parallel_breaks_only_at_the_ring(family: str, cp_mesh: Any):
     """The ring (colossal) runs its block plan eagerly: the only breaks are that call's, one per
