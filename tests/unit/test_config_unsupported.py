@@ -36,8 +36,6 @@ TRIGGERS: dict[str, dict] = {
     "kernels.use_triton_gdn": {"kernels": {"use_triton_gdn": True}},
     "kernels.use_flash_gdn": {"kernels": {"use_flash_gdn": True}},
     "kernels.use_triton_rmsnormgated": {"kernels": {"use_triton_rmsnormgated": True}},
-    "kernels.pre_tokens": {"kernels": {"pre_tokens": 4096}},
-    "kernels.next_tokens": {"kernels": {"next_tokens": 1}},
     "kernels.use_ascend_mhc": {"model": {"model_id": "deepseek_v4"}, "kernels": {"use_ascend_mhc": True}},
     "kernels.use_triton_swiglu_limit": {
         "model": {"model_id": "deepseek_v4"},

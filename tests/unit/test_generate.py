@@ -328,6 +328,11 @@ def test_bad_inputs_name_the_key_flag_or_file(
     assert generate(lora, out, prompts=["x"])[0] == 2
     assert "lora_config.target_modules: empty" in capsys.readouterr().err  # nothing to adapt
 
+    window = tmp_path / "window.yaml"
+    window.write_text(config.read_text() + "kernels:\n  pre_tokens: 16\n")
+    assert generate(window, out, prompts=["x"])[0] == 2
+    assert "kernels.pre_tokens: not supported yet by meshforge generate" in capsys.readouterr().err
+
     assert generate(config, out)[0] == 2
     assert "no prompt" in capsys.readouterr().err
 

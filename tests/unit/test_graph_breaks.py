@@ -8,10 +8,11 @@ the tiniest model runs one eager forward that records what the model passes to e
 ``torch._dynamo.explain`` traces one layer of each distinct kind (dense, MoE, linear attention,
 sliding window, mamba, ...) with exactly those inputs.
 
-The same holds with the MoE switches (``moe_grouped_gemm``, ``fix_router``), inside full
-recompute (the checkpoint wraps the compiled call), under ulysses and kvallgather context
-parallelism on a one-rank CP mesh (``tests/distributed/test_cp_compile.py`` runs two ranks),
-and across rows of varying length (at most two graphs per layer kind). The ring methods
+The same holds with the ``kernels.pre_tokens`` window on every family with attention layers,
+with the MoE switches (``moe_grouped_gemm``, ``fix_router``), inside full recompute (the
+checkpoint wraps the compiled call), under ulysses and kvallgather context parallelism on a
+one-rank CP mesh (``tests/distributed/test_cp_compile.py`` runs two ranks), and across rows of
+varying length (at most two graphs per layer kind). The ring methods
 (colossal, hybrid) run their block plan eagerly: their only breaks are around that call.
 
 The per-expert loop of the MoE layers needs its group sizes as Python ints: under compile they
@@ -160,6 +161,24 @@ def test_every_layer_kind_is_one_graph(family: str, packed: bool):
         assert_one_graph(layer, args, kwargs)
 
 
+def _has_attention(name: str) -> bool:
+    from meshforge.models.common.attention import AttentionBase
+
+    model = SPEC_BY_NAME[name].build({"flavor": "tiny"}, device="meta")
+    return any(isinstance(m, AttentionBase) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", [name for name in FAMILIES if _has_attention(name)])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_pre_tokens_window_keeps_one_graph(family: str, packed: bool):
+    # The band mask is built inside each attention call (from the shapes), on top of the
+    # packed-document mask or of none.
+    model = _build(SPEC_BY_NAME[family])
+    model.configure_kernels(KernelOptions(pre_tokens=3))
+    for layer, args, kwargs in layer_calls(model, packed=packed):
+        assert_one_graph(layer, args, kwargs)
+
+
 @pytest.mark.slow  # several seconds of tracing per case: the full suite runs it
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("switch", ["grouped_mm", "fix_router"])
@@ -250,6 +269,21 @@ def _cp_layer_calls(family: str, method: str, mesh: Any) -> list[tuple[nn.Module
 def test_context_parallel_layers_are_one_graph(family: str, method: str, cp_mesh: Any):
     """Under ulysses and kvallgather CP the layer's attention (exchanges included) stays in its graph."""
     for layer, args, kwargs in _cp_layer_calls(family, method, cp_mesh):
+        assert_one_graph(layer, args, kwargs)
+
+
+@pytest.mark.slow  # several seconds of tracing per case: the full suite runs it
+@pytest.mark.parametrize("method", ["ulysses", "kvallgather"])
+def test_context_parallel_window_is_one_graph(method: str, cp_mesh: Any):
+    """``pre_tokens`` under CP: the window the plan gets is a Python int, its mask built in the graph."""
+    from meshforge.parallel.context import apply_cp, shard_batch_for_cp
+
+    model = _build(SPEC_BY_NAME["qwen3"])
+    model.configure_kernels(KernelOptions(pre_tokens=3))
+    apply_cp(model, cp_mesh, method=method)
+    for layer, args, kwargs in layer_calls(
+        model, shard_batch_for_cp(packed_batch(model), cp_mesh, method=method)
+    ):
         assert_one_graph(layer, args, kwargs)
 
 

@@ -411,7 +411,14 @@ def test_compiled_decoder_layers_match_eager(tmp_path: Path, monkeypatch):
 def test_options_object_is_plain_data():
     opts = KernelOptions()
     assert opts.model_switches() == dict.fromkeys(
-        ("use_flash_attn", "use_fused_rmsnorm", "use_fused_rotary_pos_emb", "moe_grouped_gemm", "fix_router"),
+        (
+            "use_flash_attn",
+            "use_fused_rmsnorm",
+            "use_fused_rotary_pos_emb",
+            "moe_grouped_gemm",
+            "fix_router",
+            "pre_tokens",
+        ),
         False,
     )
 

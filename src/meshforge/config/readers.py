@@ -103,6 +103,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "recompute.modules",
     ),
     "meshforge.memory.comm": ("recompute_comm.select_module",),
+    "meshforge.models.config": ("kernels.next_tokens",),
     "meshforge.models.common.kernels": (
         "kernels.use_flash_attn",
         "kernels.use_fused_rmsnorm",
@@ -114,6 +115,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "kernels.chunk_loss_size",
         "kernels.compile",
         "kernels.compile_backend",
+        "kernels.pre_tokens",
     ),
     "meshforge.optim.build": (
         "optimizer.type",

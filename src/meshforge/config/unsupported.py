@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from pydantic import BaseModel
 
 from meshforge.data.config import SFT_FIELDS, SFT_LOADER, TrainDatasetConfig
-from meshforge.models.config import KernelsConfig, ModelConfig
+from meshforge.models.config import ModelConfig
 from meshforge.parallel.config import (
     MS_TP_COLWISE,
     MS_TP_ROWWISE,
@@ -231,12 +231,6 @@ ENTRIES: list[Unsupported] = [
             "use_triton_swiglu_limit",
         )
     ],
-    Unsupported(
-        "kernels.pre_tokens",
-        lambda c: c.kernels.pre_tokens != KernelsConfig.model_fields["pre_tokens"].default,
-        "sparse (windowed) flash attention",
-    ),
-    Unsupported("kernels.next_tokens", lambda c: c.kernels.next_tokens != 0, "non-causal flash attention"),
     Unsupported(
         "checkpoint.remove_redundancy", lambda c: c.checkpoint.remove_redundancy, "redundancy-free saving"
     ),

@@ -113,11 +113,24 @@ def resolve_options(cfg: TrainConfig, args: GenerateArgs) -> InferenceConfig:
 def _refuse(cfg: TrainConfig) -> None:
     from meshforge.config.base import ConfigError
     from meshforge.config.unsupported import unsupported_entries
+    from meshforge.models.common.kernels import PRE_TOKENS_ALL
 
     # Adapters would change the model that generates; the other refusals concern training.
     refused = [e for e in unsupported_entries(cfg) if e.path == "lora_config"]
     if refused:
         raise ConfigError([(e.path, f"not supported yet: {e.path} ({e.note})") for e in refused])
+    # The window of training (models/common/kernels.py) is not applied by the KV-cache path:
+    # generating without it would attend tokens the trained model never saw together.
+    if cfg.kernels.pre_tokens < PRE_TOKENS_ALL:
+        raise ConfigError(
+            [
+                (
+                    "kernels.pre_tokens",
+                    "not supported yet by meshforge generate (the KV cache attends every cached token); "
+                    "pass --kernels.pre_tokens=1048576 to generate without the window",
+                )
+            ]
+        )
 
 
 def _batches(items: list[int], size: int) -> Iterable[list[int]]:

@@ -134,8 +134,13 @@ class KernelsConfig(StrictSection):
     use_ascend_mhc: Bool = describe(False, "Ascend multi-head compression kernel (deepseek_v4 only).")
     use_triton_swiglu_limit: Bool = describe(False, "Triton clamped SwiGLU kernel (deepseek_v4 only).")
     fix_router: Bool = describe(False, "Fix the expert assignment to balance load (performance tuning only).")
-    pre_tokens: PosInt = describe(1048576, "Flash-attention sparse window: tokens before each query.")
-    next_tokens: NonNegInt = describe(0, "Flash-attention sparse window: tokens after each query.")
+    pre_tokens: PosInt = describe(
+        1048576,
+        "Banded causal window on every attention layer: earlier tokens each query attends (1048576: all).",
+    )
+    next_tokens: NonNegInt = describe(
+        0, "Later tokens each query attends: only 0 (causal) trains a causal LM; others are refused."
+    )
     compile: Bool | Literal["auto"] = describe(
         "auto",
         "torch.compile each decoder layer and the loss: true, false, or auto (on CUDA/NPU; on the CPU "
@@ -150,6 +155,18 @@ class KernelsConfig(StrictSection):
         "LM head and cross-entropy computed together, chunk by chunk, with the gradient taken in the forward "
         "(no full-vocabulary logits): true, false, or auto (on when the vocabulary has at least 32768 entries).",
     )
+
+    @field_validator("next_tokens")
+    @classmethod
+    def _causal(cls, value: int) -> int:
+        # Read here and nowhere else: 0 is the only value a causal LM trains with.
+        if value != 0:
+            raise ValueError(
+                f"must be 0 for causal LM training, got {value}: with later tokens visible a token "
+                "would see the tokens it is trained to predict (kernels.pre_tokens sets the window "
+                "over earlier tokens)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _exclusive(self) -> KernelsConfig:

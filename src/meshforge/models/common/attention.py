@@ -27,6 +27,14 @@ forward is unchanged.
 :func:`attend` is that dispatch (CP plan, flash switch, masked SDPA, per-head sinks) written
 once: every attention module of the package (this one and its subclasses, MLA, sink
 attention) projects and rotates its own q/k/v and then calls it.
+
+``pre_tokens`` (the ``kernels.pre_tokens`` switch, MindSpeed's flash-attention argument) is a
+banded causal window on every layer: query i attends keys j with ``i - pre_tokens <= j <= i``,
+on top of whatever the mask already says (documents of a packed row, a family's own sliding
+window: the narrower window wins). On one process :func:`attend` adds the band to the mask
+(:func:`window_mask`); under context parallelism it hands the CP plan the narrower of the
+two windows, applied there in global positions. Torch's flash SDPA kernel takes no window,
+so a windowed forward runs masked SDPA (``use_flash_attn: auto``) or is refused (``true``).
 """
 
 from __future__ import annotations
@@ -78,6 +86,40 @@ def segment_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=segment_ids.device).tril_()
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     return (same & causal)[:, None]
+
+
+def window_mask(
+    mask: torch.Tensor | None, q_len: int, k_len: int, pre_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """``mask`` narrowed to the band of ``pre_tokens`` earlier keys: ``[B or 1, 1, S_q, S_k]``.
+
+    Query i (the queries are the last ``S_q`` of the ``S_k`` key positions, so a training
+    forward has ``S_q = S_k``) keeps key j when ``i - pre_tokens <= j <= i``.
+
+    Args:
+        mask: A boolean mask (True = may attend), or None for plain causal attention.
+        q_len: Queries ``S_q``.
+        k_len: Keys ``S_k``.
+        pre_tokens: Earlier keys a query may attend besides itself.
+        device: Where to build the band.
+
+    Returns:
+        ``mask & band`` (the band alone when ``mask`` is None).
+    """
+    q_pos = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    band = ((k_pos <= q_pos) & (k_pos >= q_pos - pre_tokens))[None, None]
+    return band if mask is None else mask & band
+
+
+def narrower_window(window: int | None, pre_tokens: int | None) -> int | None:
+    """The sliding window (transformers' rule: ``i - window < j <= i``) of both limits together.
+
+    ``pre_tokens`` earlier keys plus the query itself are a window of ``pre_tokens + 1``.
+    """
+    if pre_tokens is None:
+        return window
+    return pre_tokens + 1 if window is None else min(window, pre_tokens + 1)
 
 
 def positions_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -150,6 +192,7 @@ def attend(
     flash_strict: bool = False,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    pre_tokens: int | None = None,
 ) -> torch.Tensor:
     """The attention core every attention module calls once its q/k/v are projected and rotated.
 
@@ -176,22 +219,34 @@ def attend(
         sinks: Per-head sink logits ``[H]`` (gpt-oss), or None for plain softmax attention.
         window: The layer's sliding window, handed to the CP plan (which applies it in global
             positions); on one process ``mask`` already encodes it.
+        pre_tokens: ``kernels.pre_tokens``: earlier keys each query may attend (a band on top
+            of ``mask``), or None for no such limit.
 
     Returns:
         ``[B, H, S_q, D_v]``.
 
     Raises:
         ValueError: ``attention_dropout`` under context parallelism, or
-            ``kernels.use_flash_attn: true`` with a masked (packed) batch.
+            ``kernels.use_flash_attn: true`` with a masked (packed) batch or a window.
     """
     if cp is not None:
         if dropout:
             raise ValueError(
                 "attention_dropout: not supported yet with parallelism.context_parallel > 1 (set it to 0)"
             )
+        window = narrower_window(window, pre_tokens)
         if sinks is None and window is None:
             return cp(q, k, v, mask, scale=scale)
         return cp(q, k, v, mask, scale=scale, sinks=sinks, window=window)
+    # A band at least as wide as the keys cuts nothing: the mask-free causal path stays.
+    if pre_tokens is not None and pre_tokens < k.shape[2] - 1:
+        if flash and flash_strict:
+            raise ValueError(
+                f"kernels.use_flash_attn: true: torch's flash attention kernel takes no window, and "
+                f"kernels.pre_tokens ({pre_tokens}) asks for one; set use_flash_attn to auto to run "
+                "SDPA with the band mask"
+            )
+        mask = window_mask(mask, q.shape[2], k.shape[2], pre_tokens, q.device)
     if sinks is not None:
         if mask is None:
             raise ValueError(
@@ -238,7 +293,7 @@ def attend(
 class AttentionBase(nn.Module):
     """What every attention module carries besides its projections: the seams others set.
 
-    The kernel switches (``flash``, ``flash_strict``: ``meshforge.models.common.kernels``), the
+    The kernel switches (``flash``, ``flash_strict``, ``pre_tokens``: ``meshforge.models.common.kernels``), the
     context-parallel plan (``cp``: ``meshforge.parallel.context.apply_cp``) and the KV cache of
     generation (``kv_cache``: ``meshforge.infer.kv_cache``), declared once, and :meth:`_attend`,
     the module's call of :func:`attend` with them.
@@ -255,6 +310,8 @@ class AttentionBase(nn.Module):
         # Set by the `use_flash_attn` kernel switch (meshforge.models.common.kernels).
         self.flash = False
         self.flash_strict = False
+        # Set by the `pre_tokens` kernel switch: earlier keys each query may attend (None: all).
+        self.pre_tokens: int | None = None
         # Set by meshforge.parallel.context.apply_cp: (q, k, v, mask, scale[, sinks, window]) -> output.
         self.cp: Callable[..., torch.Tensor] | None = None
         # Set by meshforge.infer.kv_cache during generation: (k, v) ``[B, KV, S_new, D]`` of the new
@@ -284,6 +341,7 @@ class AttentionBase(nn.Module):
             flash_strict=self.flash_strict,
             sinks=sinks,
             window=window,
+            pre_tokens=self.pre_tokens,
         )
 
 

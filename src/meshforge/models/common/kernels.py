@@ -29,6 +29,14 @@ What each switch does, and which path is the default:
 * ``use_fused_rotary_pos_emb``: torch ships no fused rotary kernel, so ``true`` is a warned
   no-op on every device and ``auto`` keeps the plain ``rotate_half`` formulation.
 * ``moe_grouped_gemm``: MoE experts as one ``F.grouped_mm`` per projection (same numbers).
+* ``pre_tokens``: a banded causal window on every attention layer: query i attends keys j
+  with ``i - pre_tokens <= j <= i`` (within its document in packed rows; a family's own
+  sliding window and this one: the narrower applies). The default, 1048576, is MindSpeed's
+  "every earlier token": no window. Torch's flash SDPA kernel takes no window, so with one
+  ``use_flash_attn: true`` is refused and ``auto`` runs SDPA with the band mask. Families
+  without attention layers (mamba3) and the generic path refuse it. ``next_tokens`` (later
+  keys) stays 0: a causal LM token must not see the tokens it is trained to predict
+  (``models/config.py`` refuses any other value).
 * ``fix_router``: fixed, balanced routing for performance tuning: token ``i`` (flattened over
   batch and sequence) goes to experts ``(i * k + j) mod E`` for ``j < k``; the routing weights
   are the router probabilities of those experts (renormalised when ``norm_topk_prob``), so
@@ -65,6 +73,9 @@ if TYPE_CHECKING:
 # hidden size a model of that vocabulary has, and the fused loss is as fast as the plain one.
 FUSED_CE_MIN_VOCAB = 32768
 
+# kernels.pre_tokens' default, MindSpeed's "every earlier token": no window at or above it.
+PRE_TOKENS_ALL = 1048576
+
 _AUTO_HINT = "set it to auto to use it only where available, without this warning"
 
 
@@ -94,6 +105,8 @@ class KernelOptions:
         vocab_size: The model's vocabulary (the fused loss's default chunk), or None.
         gdn_chunk_size: Chunk length of the chunked Gated DeltaNet (qwen3_next), or None when
             the config does not set it (the layers' default, 64).
+        pre_tokens: Earlier keys each query attends (``kernels.pre_tokens``), or None at the
+            default (every earlier key).
     """
 
     flash_attn: bool = False
@@ -111,6 +124,7 @@ class KernelOptions:
     fused_ce_auto: bool = False
     vocab_size: int | None = None
     gdn_chunk_size: int | None = None
+    pre_tokens: int | None = None
 
     def model_switches(self) -> dict[str, bool]:
         """Config key -> on, for the switches a model must honour in ``configure_kernels``."""
@@ -120,6 +134,7 @@ class KernelOptions:
             "use_fused_rotary_pos_emb": self.fused_rope,
             "moe_grouped_gemm": self.grouped_mm,
             "fix_router": self.fix_router,
+            "pre_tokens": self.pre_tokens is not None,
         }
 
     def lm_loss(self) -> LMLoss:
@@ -278,6 +293,7 @@ def resolve_kernel_options(
         fused_ce_auto=fused == "auto",
         vocab_size=vocab_size,
         gdn_chunk_size=kernels.gdn_chunk_size if "gdn_chunk_size" in kernels.model_fields_set else None,
+        pre_tokens=kernels.pre_tokens if kernels.pre_tokens < PRE_TOKENS_ALL else None,
     )
 
 
@@ -295,9 +311,10 @@ def apply_kernel_options(model: nn.Module, options: KernelOptions, *, family: st
 
     Raises:
         ValueError: ``kernels.fix_router`` or ``kernels.moe_grouped_gemm`` on a model
-            without MoE blocks.
+            without MoE blocks, ``kernels.pre_tokens`` on one without attention layers or
+            with ``kernels.use_flash_attn: true``.
     """
-    from meshforge.models.common.attention import Attention
+    from meshforge.models.common.attention import Attention, AttentionBase
     from meshforge.models.common.moe import GroupedExperts, TopKRouter
     from meshforge.models.common.norms import RMSNorm
 
@@ -308,6 +325,15 @@ def apply_kernel_options(model: nn.Module, options: KernelOptions, *, family: st
         raise ValueError(f"kernels.fix_router: {family} has no MoE router (a dense model); unset it")
     if options.grouped_mm and not experts:
         raise ValueError(f"kernels.moe_grouped_gemm: {family} has no MoE experts (a dense model); unset it")
+    attention = [m for m in modules if isinstance(m, AttentionBase)]
+    if options.pre_tokens is not None and not attention:
+        raise ValueError(f"kernels.pre_tokens: {family} has no attention layers; unset it")
+    if options.pre_tokens is not None and options.flash_attn_strict:
+        raise ValueError(
+            f"kernels.use_flash_attn: true: torch's flash attention kernel takes no window, and "
+            f"kernels.pre_tokens ({options.pre_tokens}) asks for one; set use_flash_attn to auto to run "
+            "SDPA with the band mask"
+        )
     if options.gdn_chunk_size is not None and not any(type(m).__name__ == "GatedDeltaNet" for m in modules):
         raise ValueError(
             f"kernels.gdn_chunk_size: {family} has no Gated DeltaNet layers (only qwen3_next has); unset it"
@@ -318,6 +344,8 @@ def apply_kernel_options(model: nn.Module, options: KernelOptions, *, family: st
         elif isinstance(module, Attention):
             module.flash = options.flash_attn
             module.flash_strict = options.flash_attn_strict
+    for module in attention:
+        module.pre_tokens = options.pre_tokens
     for module in experts:
         module.use_grouped_mm = options.grouped_mm
     for module in routers:
@@ -394,6 +422,7 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", warn: Callable
 
 __all__ = [
     "FUSED_CE_MIN_VOCAB",
+    "PRE_TOKENS_ALL",
     "KernelOptions",
     "apply_compile",
     "apply_kernel_options",

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.common.attention import Attention, positions_from_segments, segment_causal_mask
+from meshforge.models.common.attention import Attention, attend, positions_from_segments, segment_causal_mask
 from meshforge.models.common.causal_lm import InnerModel, MoECausalLM, build_causal_lm
 from meshforge.models.common.moe import (
     GroupedExperts,
@@ -224,9 +224,9 @@ class Step3p5Attention(Attention):
         k = apply_partial_rotary(k, cos, sin, self.rotary_dim).transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache(k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=q.shape[1] != k.shape[1]
-        ).transpose(1, 2)
+        # The shared core without the flash switch (the mask is always a tensor here) or CP
+        # (refused for step3p5); it adds the kernels.pre_tokens band to the layer's mask.
+        out = attend(q, k, v, mask, scale=self.scaling, pre_tokens=self.pre_tokens).transpose(1, 2)
         if self.g_proj is not None:
             out = out * self.g_proj(x).sigmoid().unsqueeze(-1)
         return self.o_proj(out.reshape(batch, seq_len, -1))
