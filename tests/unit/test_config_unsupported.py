@@ -202,11 +202,12 @@ def test_sft_fields_are_accepted_with_the_sft_loader():
         }
     )
     assert unsupported_features(streaming) == []
-    # Not built yet: refused with any loader.
-    shared = config_from_dict(
-        {"train_dataset": {"dataloader": {"type": "SFTDataLoader"}, "eval_on_each_dataset": True}}
-    )
-    assert unsupported_features(shared) == ["train_dataset.eval_on_each_dataset"]
+    # Per-dataset evaluation: read by the SFT loader, refused with another (it would be ignored).
+    each = {"eval_dataset": "a,b", "eval_on_each_dataset": True}
+    sft_each = config_from_dict({"train_dataset": {"dataloader": {"type": "SFTDataLoader"}, **each}})
+    assert unsupported_features(sft_each) == []
+    text_each = config_from_dict({"train_dataset": {"dataloader": {"type": "TextDataLoader"}, **each}})
+    assert "train_dataset.eval_on_each_dataset" in unsupported_features(text_each)
     # The beams of `meshforge generate`: accepted (a warned no-op in training) with any loader.
     beams = config_from_dict({"train_dataset": {"eval_num_beams": 4}})
     assert unsupported_features(beams) == []

@@ -149,6 +149,12 @@ ENTRIES: list[NoOp] = [
         "separate (with packing, packed examples do not attend to each other, as with neat_packing)",
     ),
     NoOp(
+        "train_dataset.eval_on_each_dataset",
+        lambda c, d: c.train_dataset.eval_on_each_dataset and c.train_dataset.eval_dataset is None,
+        "applies to the datasets of train_dataset.eval_dataset only: a val_size split is taken from the "
+        "mixed training data, so it is one validation set (as in LLaMA-Factory)",
+    ),
+    NoOp(
         "checkpoint.load_balanced",
         lambda c, d: c.checkpoint.load_balanced,
         "DCP already reads in parallel on every rank, each rank only the chunks of its own shards; "

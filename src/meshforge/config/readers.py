@@ -71,6 +71,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "train_dataset.reset_attention_mask",
         "train_dataset.template",
         "train_dataset.eval_dataset",
+        "train_dataset.eval_on_each_dataset",
         "train_dataset.dataset_dir",
         "train_dataset.cutoff_len",
         "train_dataset.train_on_prompt",

@@ -112,7 +112,7 @@ def _sft_default(name: str) -> object:
 
 # SFT fields not built yet; the others are read by the SFTDataLoader (no_shared_storage by the
 # Megatron loader too).
-SFT_NOT_BUILT = ("eval_on_each_dataset",)
+SFT_NOT_BUILT: tuple[str, ...] = ()
 
 
 SFT_NOT_BUILT_NOTES: dict[str, str] = {}

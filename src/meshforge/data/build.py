@@ -10,7 +10,9 @@ Evaluation: `build_eval_loader` returns an `EvalLoader` over the validation data
 (SFT `val_size` / `eval_dataset`, the Megatron split's second part) or None when there is none; the
 text loader has no validation data. The trainer iterates it with `for batch in loader:` at each
 evaluation (every iteration starts from the first sample) and passes it to
-`meshforge.train.evaluation.evaluate`.
+`meshforge.train.evaluation.evaluate`. `build_eval_loaders` returns the same data as named loaders:
+`{MIXED_EVAL: loader}` for one validation set, or one loader per evaluation dataset under its name
+(SFT `eval_on_each_dataset`); the trainer evaluates each and logs their token-weighted mean too.
 
 Run length by epochs (`training.epochs`, MindSpeed's num_train_epochs with max_steps -1): set
 `ctx.epochs`; the loader's `total_steps` is then the number of optimizer steps (`steps_for_epochs`
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from meshforge.data.context import LoaderContext
+from meshforge.data.context import MIXED_EVAL, LoaderContext
 from meshforge.data.epochs import steps_for_epochs
 from meshforge.data.specs import LOADERS, check_dataloader_options
 
@@ -32,7 +34,14 @@ if TYPE_CHECKING:
     from meshforge.data.config import TrainDatasetConfig
     from meshforge.data.loader import EvalLoader, StatefulLoader, StreamLoader
 
-__all__ = ["LoaderContext", "build_eval_loader", "build_train_loader", "ignored_settings_note"]
+__all__ = [
+    "MIXED_EVAL",
+    "LoaderContext",
+    "build_eval_loader",
+    "build_eval_loaders",
+    "build_train_loader",
+    "ignored_settings_note",
+]
 
 # train_dataset fields that tune MindSpore's multi-worker input pipeline; the in-memory loaders here
 # have no worker pool, so an explicit value is reported rather than silently ignored.
@@ -111,3 +120,17 @@ def build_eval_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> Ev
     if kind is None or kind.eval is None:
         return None
     return kind.eval(dataset_cfg, ctx)
+
+
+def build_eval_loaders(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> dict[str, EvalLoader]:
+    """This rank's evaluation loaders by name; empty when there is no validation data.
+
+    One validation set is the one entry `MIXED_EVAL` (the loader of `build_eval_loader`); with
+    SFT `eval_on_each_dataset` and `eval_dataset`, each dataset has its own loader under its name
+    (a name from dataset_info.json, or the key path of an inline dataset), in the order given.
+    """
+    kind = LOADERS.get(dataset_cfg.dataloader.type or "")
+    if kind is not None and kind.eval_each is not None:
+        return kind.eval_each(dataset_cfg, ctx)
+    loader = build_eval_loader(dataset_cfg, ctx)
+    return {} if loader is None else {MIXED_EVAL: loader}

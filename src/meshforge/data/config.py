@@ -234,7 +234,9 @@ class TrainDatasetConfig(StrictSection):
     eval_num_beams: PosInt | None = describe(None, "Beams used by generation during evaluation.")
     ignore_pad_token_for_loss: Bool = describe(True, "Exclude padding from the loss.")
     val_size: NonNegFloat = describe(0.0, "Validation split: a fraction in (0, 1) or a number of examples.")
-    eval_on_each_dataset: Bool = describe(False, "Evaluate each dataset separately.")
+    eval_on_each_dataset: Bool = describe(
+        False, "Encode and evaluate each eval_dataset on its own (eval_loss/<name>); no effect with val_size."
+    )
     packing: Bool = describe(False, "Pack several examples per row (greedy knapsack).")
     neat_packing: Bool = describe(False, "Packing without cross-example attention (forces packing on).")
     tool_format: str | None = describe(None, "Tool-call format used by the template.")

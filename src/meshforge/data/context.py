@@ -3,6 +3,9 @@
 One `LoaderContext` is made per run and handed to both `build_train_loader` and
 `build_eval_loader`; builders that run one data pipeline for both loaders (SFT) keep its result in
 `shared`, so the pipeline runs once per context, not once per call.
+
+`build_eval_loaders` returns its loaders by name: one validation set (the usual case) under
+`MIXED_EVAL`, or one per evaluation dataset (SFT `eval_on_each_dataset`) under its dataset name.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+# The name of the one (mixed) validation set among the named evaluation loaders: it has no
+# per-dataset metrics of its own, only `eval_loss` / `eval_tokens`.
+MIXED_EVAL = ""
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ class LoaderKind:
         train: builds this rank's training loader.
         eval: builds the evaluation loader (None when there is no validation data), or None for a
             loader type that never has validation data.
+        eval_each: builds the named evaluation loaders (`MIXED_EVAL` for one validation set, else
+            one per evaluation dataset), for a loader type that can split its validation data by
+            dataset; None = the one loader of `eval`.
         column_aware: the builder reads `dataloader.column_names` itself (else a non-default value
             is reported as without effect).
     """
@@ -68,6 +71,7 @@ class LoaderKind:
     train: Callable[[TrainDatasetConfig, LoaderContext], TrainLoader]
     eval: Callable[[TrainDatasetConfig, LoaderContext], EvalLoader | None] | None = None
     column_aware: bool = False
+    eval_each: Callable[[TrainDatasetConfig, LoaderContext], dict[str, EvalLoader]] | None = None
 
 
 def _text_train(data: TrainDatasetConfig, ctx: LoaderContext) -> TrainLoader:
@@ -100,12 +104,20 @@ def _sft_eval(data: TrainDatasetConfig, ctx: LoaderContext) -> EvalLoader | None
     return build_sft_eval_loader(data, ctx)
 
 
+def _sft_eval_each(data: TrainDatasetConfig, ctx: LoaderContext) -> dict[str, EvalLoader]:
+    from meshforge.data.sft.loader import build_sft_eval_loaders
+
+    return build_sft_eval_loaders(data, ctx)
+
+
 LOADERS: dict[str, LoaderKind] = {
     "TextDataLoader": LoaderKind(TextDataLoaderOptions, TextSequenceOptions, _text_train),
     "BlendedMegatronDatasetDataLoader": LoaderKind(
         MegatronDataLoaderOptions, MegatronSequenceOptions, _megatron_train, _megatron_eval, column_aware=True
     ),
-    "SFTDataLoader": LoaderKind(SFTDataLoaderOptions, SFTSequenceOptions, _sft_train, _sft_eval),
+    "SFTDataLoader": LoaderKind(
+        SFTDataLoaderOptions, SFTSequenceOptions, _sft_train, _sft_eval, eval_each=_sft_eval_each
+    ),
 }
 
 

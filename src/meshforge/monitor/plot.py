@@ -1,7 +1,8 @@
 """`meshforge plot RUN_DIR [RUN_DIR ...] [-o FILE]`: the curves of one or more runs in one PNG.
 
-Four panels against the step: loss (eval loss dashed), learning rate, gradient norm and tokens/s,
-one colour per run. Read from each run's `metrics.jsonl`; a skipped step's null values leave a
+Four panels against the step: loss (eval loss dashed, and with per-dataset evaluation each
+dataset's `eval_loss/<name>` in thinner dash patterns of the run's colour), learning rate, gradient
+norm and tokens/s, one colour per run. Read from each run's `metrics.jsonl`; a skipped step's null values leave a
 gap. Drawn with matplotlib's headless Agg backend, so it works on a machine without a display.
 """
 
@@ -55,6 +56,18 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return steps, values
 
 
+# Dash patterns of the per-dataset eval curves, in turn (the overall eval loss is "--o").
+DATASET_DASHES = ((0, (4, 2)), (0, (1, 1.5)), (0, (6, 2, 1, 2)), (0, (2, 3)))
+
+
+def eval_curves(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(metrics key, legend suffix) of every eval curve in `records`: the overall one, then each dataset's."""
+    names = dict.fromkeys(
+        key.removeprefix("eval_loss/") for record in records for key in record if key.startswith("eval_loss/")
+    )
+    return [("eval_loss", "eval")] + [(f"eval_loss/{name}", f"eval {name}") for name in names]
+
+
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     """Draw `run_dirs` into `out` (PNG); returns `out`."""
     runs = [read_run(run_dir) for run_dir in run_dirs]
@@ -74,11 +87,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
             steps, values = _series(records, key)
             ax.plot(steps, values, color=colour, label=label, linewidth=1.2)
             if key == "loss":
-                eval_steps, eval_values = _series(records, "eval_loss")
-                if eval_steps:
-                    ax.plot(
-                        eval_steps, eval_values, "--o", color=colour, markersize=3, label=f"{label} (eval)"
-                    )
+                _plot_eval(ax, records, label, colour)
             ax.set_title(title)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
@@ -87,6 +96,19 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _plot_eval(ax: Any, records: list[dict[str, Any]], label: str, colour: str) -> None:
+    """The run's eval losses on the loss panel (nothing for a run without evaluation)."""
+    for i, (key, suffix) in enumerate(eval_curves(records)):
+        steps, values = _series(records, key)
+        if not steps:
+            continue
+        if i == 0:
+            ax.plot(steps, values, "--o", color=colour, markersize=3, label=f"{label} ({suffix})")
+        else:
+            dashes = DATASET_DASHES[(i - 1) % len(DATASET_DASHES)]
+            ax.plot(steps, values, linestyle=dashes, color=colour, linewidth=0.9, label=f"{label} ({suffix})")
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:

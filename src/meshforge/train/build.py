@@ -80,8 +80,8 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
     model = build_model(cfg, env, tokenizer)
     loader, loader_context = build_train_data(cfg.train_dataset, cfg.training, env, tokenizer)
     total_steps = resolve_total_steps(cfg.training, loader, log)
-    eval_loader = build_eval_data(cfg.train_dataset, cfg.training.eval_interval, loader_context, log)
-    data = RunData(loader, eval_loader, loader_context, total_steps, rampup)
+    eval_loaders = build_eval_data(cfg.train_dataset, cfg.training.eval_interval, loader_context, log)
+    data = RunData(loader, eval_loaders, loader_context, total_steps, rampup)
     optimizer, scheduler = build_optimizer(cfg.optimizer, cfg.lr_scheduler, model, data)
     grad_accum = build_grad_accumulation(cfg.optimizer, model, log)
     pipeline = build_pipeline(cfg.parallelism, env, model)
@@ -175,24 +175,25 @@ def resolve_total_steps(training: TrainingConfig, loader: StatefulLoader | Strea
 
 def build_eval_data(
     dataset: TrainDatasetConfig, interval: int | None, context: LoaderContext, log: Log
-) -> Iterable[Batch] | None:
-    """The validation loader (val_size, eval_dataset, Megatron split), or None without one.
+) -> dict[str, Iterable[Batch]]:
+    """The validation loaders by name (val_size, eval_dataset, Megatron split); empty without any.
 
     `interval` is `training.eval_interval`: set without validation data, it is an error.
     """
-    from meshforge.data.build import build_eval_loader
+    from meshforge.data.build import MIXED_EVAL, build_eval_loaders
 
-    loader = build_eval_loader(dataset, context)
-    if loader is None and interval is not None:
+    loaders = build_eval_loaders(dataset, context)
+    if not loaders and interval is not None:
         raise ValueError(
             "training.eval_interval: there is no validation data: set train_dataset.val_size or "
             "train_dataset.eval_dataset (SFT), or a Megatron split with a validation part "
             "(e.g. split: '98,2,0')"
         )
-    if loader is not None:
+    if loaders:
         when = f"every {interval} steps and at the end" if interval else "at the end of training"
-        log(f"evaluation: {when} (training.eval_interval)")
-    return loader
+        each = "" if MIXED_EVAL in loaders else f", each of {len(loaders)} datasets on its own"
+        log(f"evaluation: {when} (training.eval_interval){each}")
+    return dict(loaders)
 
 
 def build_optimizer(

@@ -94,7 +94,8 @@ class Callback:
         """After each step, with its `metrics.jsonl` record."""
 
     def on_eval_end(self, metrics: dict[str, float]) -> None:
-        """After an evaluation, with `eval_loss` and `eval_tokens`."""
+        """After an evaluation, with `eval_loss` and `eval_tokens` (and, when each evaluation dataset
+        is evaluated on its own, `eval_loss/<name>` and `eval_tokens/<name>` per dataset)."""
 
     def on_save(self, path: Path) -> None:
         """After a checkpoint was written (with async saving: handed to the background writer)."""

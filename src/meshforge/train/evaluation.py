@@ -11,6 +11,12 @@ same normalisation as the training loss and independent of how the samples are s
 Putting the model in eval mode (dropout off) and back is the caller's job: `model_forward` is a
 plain callable here. Under pipeline parallelism `evaluate_pipeline` runs the schedule's forward
 instead, with the same sums and the same single all-reduce.
+
+Several named loaders (one per evaluation dataset, `train_dataset.eval_on_each_dataset`): the local
+sums of each loader are stacked and all-reduced together (`eval_metrics`), giving `eval_loss/<name>`
+and `eval_tokens/<name>` per dataset and, as `eval_loss`, the token-weighted mean over all of
+them: total CE over total valid tokens, the number one evaluation over the datasets mixed (concat,
+unpacked) gives.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshforge.data.context import MIXED_EVAL
 from meshforge.data.loader import IGNORE_INDEX
 from meshforge.loss.cross_entropy import count_valid_tokens
 from meshforge.utils import distributed as dist_utils
@@ -39,11 +46,79 @@ def _process_group(loss_group: dist.ProcessGroup | DeviceMesh) -> dist.ProcessGr
     return loss_group.get_group() if isinstance(loss_group, DeviceMesh) else loss_group
 
 
+ModelForward = Callable[[Batch], torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]]
+
+
+def eval_sums(
+    model_forward: ModelForward,
+    loader: Iterable[Batch],
+    *,
+    device: torch.device | str,
+    max_batches: int | None = None,
+) -> torch.Tensor:
+    """This rank's `[CE sum, valid tokens]` (float64) over `loader`; see `evaluate` for the arguments."""
+    if max_batches is not None and max_batches < 0:
+        raise ValueError(f"max_batches must be >= 0 or None, got {max_batches}")
+    # float64 sums: a long evaluation adds many float32 batch sums, and token counts stay exact.
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+            out = model_forward(batch)
+            if isinstance(out, tuple):
+                ce_sum, tokens = out
+            else:
+                ce_sum, tokens = out, (batch["labels"] != IGNORE_INDEX).sum()
+            totals[0] += torch.as_tensor(ce_sum, device=device).detach().to(torch.float64)
+            totals[1] += torch.as_tensor(tokens, device=device).to(torch.float64)
+    return totals
+
+
+def eval_metrics(
+    sums: dict[str, torch.Tensor], *, loss_group: dist.ProcessGroup | DeviceMesh | None
+) -> dict[str, float]:
+    """The evaluation metrics of every named loader's local `[CE sum, tokens]`, one all-reduce for all.
+
+    Returns:
+        `eval_loss` (total CE / total valid tokens; nan without any) and `eval_tokens` over all
+        loaders, and `eval_loss/<name>`, `eval_tokens/<name>` for each loader with a name (the
+        `MIXED_EVAL` loader has none).
+    """
+    names = list(sums)
+    totals = torch.stack([sums[name] for name in names])
+    if loss_group is not None:
+        totals = dist_utils.all_reduce_sum(totals, _process_group(loss_group))
+    rows = totals.cpu().tolist()
+    loss_total = math.fsum(row[0] for row in rows)
+    token_total = math.fsum(row[1] for row in rows)
+    metrics = {"eval_loss": _mean(loss_total, token_total), "eval_tokens": float(int(token_total))}
+    for name, (loss_sum, tokens) in zip(names, rows, strict=True):
+        if name != MIXED_EVAL:
+            metrics[f"eval_loss/{name}"] = _mean(loss_sum, tokens)
+            metrics[f"eval_tokens/{name}"] = float(int(tokens))
+    return metrics
+
+
+def eval_line(metrics: dict[str, float]) -> str:
+    """The console text of `eval_metrics`: the overall loss, then each dataset's."""
+    names = [key.removeprefix("eval_loss/") for key in metrics if key.startswith("eval_loss/")]
+    parts = [
+        f"{key} {metrics[key]:.4f} over {int(metrics[tokens]):,} tokens"
+        for key, tokens in [("eval_loss", "eval_tokens")]
+        + [(f"eval_loss/{name}", f"eval_tokens/{name}") for name in names]
+    ]
+    return "; ".join(parts)
+
+
+def _mean(loss_sum: float, tokens: float) -> float:
+    return loss_sum / tokens if tokens > 0 else math.nan
+
+
 def evaluate(
-    model_forward: Callable[
-        [dict[str, torch.Tensor]], torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]
-    ],
-    loader: Iterable[dict[str, torch.Tensor]],
+    model_forward: ModelForward,
+    loader: Iterable[Batch],
     *,
     device: torch.device | str,
     loss_group: dist.ProcessGroup | DeviceMesh | None = None,
@@ -65,48 +140,25 @@ def evaluate(
     Returns:
         `{"eval_loss": global mean CE per valid token (nan when there is none), "eval_tokens": count}`.
     """
-    from meshforge.utils.distributed import all_reduce_sum
-
-    if max_batches is not None and max_batches < 0:
-        raise ValueError(f"max_batches must be >= 0 or None, got {max_batches}")
-    # float64 sums: a long evaluation adds many float32 batch sums, and token counts stay exact.
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for i, batch in enumerate(loader):
-            if max_batches is not None and i >= max_batches:
-                break
-            batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
-            out = model_forward(batch)
-            if isinstance(out, tuple):
-                ce_sum, tokens = out
-            else:
-                ce_sum, tokens = out, (batch["labels"] != IGNORE_INDEX).sum()
-            totals[0] += torch.as_tensor(ce_sum, device=device).detach().to(torch.float64)
-            totals[1] += torch.as_tensor(tokens, device=device).to(torch.float64)
-    if loss_group is not None:
-        totals = all_reduce_sum(totals, _process_group(loss_group))
-    loss_total, token_total = (float(v) for v in totals.cpu())
-    return {
-        "eval_loss": loss_total / token_total if token_total > 0 else math.nan,
-        "eval_tokens": float(int(token_total)),
-    }
+    sums = eval_sums(model_forward, loader, device=device, max_batches=max_batches)
+    return eval_metrics({MIXED_EVAL: sums}, loss_group=loss_group)
 
 
-def evaluate_pipeline(
+def pipeline_eval_sums(
     pipeline: Pipeline,
     loader: Iterable[Batch],
     *,
     group_size: int,
     max_batches: int | None,
     device: torch.device,
-    loss_group: dist.ProcessGroup,
     to_device: Callable[[Batch], Batch],
-) -> dict[str, float]:
-    """Global valid-token mean CE over `loader`, `group_size` batches per schedule call.
+) -> torch.Tensor:
+    """This rank's `[CE sum, valid tokens]` over `loader`, `group_size` batches per schedule call.
 
     The schedule was built for `group_size` micro-batches (the training accumulation), so the
     last group is filled up with copies whose labels are all ignored (they add no loss and no
-    tokens).
+    tokens). Only the last stage's sums are non-zero; the all-reduce over the loss group (which
+    holds the pipeline ranks) is the caller's.
     """
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     group: list[Batch] = []
@@ -130,9 +182,24 @@ def evaluate_pipeline(
             flush()
     if group:
         flush()
-    totals = dist_utils.all_reduce_sum(totals, loss_group)
-    loss_sum, tokens = (float(v) for v in totals.cpu())
-    return {"eval_loss": loss_sum / tokens if tokens > 0 else math.nan, "eval_tokens": float(int(tokens))}
+    return totals
+
+
+def evaluate_pipeline(
+    pipeline: Pipeline,
+    loader: Iterable[Batch],
+    *,
+    group_size: int,
+    max_batches: int | None,
+    device: torch.device,
+    loss_group: dist.ProcessGroup,
+    to_device: Callable[[Batch], Batch],
+) -> dict[str, float]:
+    """Global valid-token mean CE over `loader` under pipeline parallelism (`pipeline_eval_sums`)."""
+    sums = pipeline_eval_sums(
+        pipeline, loader, group_size=group_size, max_batches=max_batches, device=device, to_device=to_device
+    )
+    return eval_metrics({MIXED_EVAL: sums}, loss_group=loss_group)
 
 
 def reshard_fsdp(model: nn.Module) -> None:

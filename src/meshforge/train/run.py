@@ -126,10 +126,14 @@ class ModelParts:
 
 @dataclass(frozen=True)
 class RunData:
-    """The train and validation loaders, their shared context, and the run's length."""
+    """The train and validation loaders, their shared context, and the run's length.
+
+    `eval_loaders` is empty without validation data; one validation set is its `MIXED_EVAL` ("")
+    entry, per-dataset evaluation (`train_dataset.eval_on_each_dataset`) one entry per dataset.
+    """
 
     loader: StatefulLoader | StreamLoader
-    eval_loader: Iterable[Batch] | None
+    eval_loaders: dict[str, Iterable[Batch]]
     loader_context: LoaderContext
     total_steps: int
     rampup: BatchRampUp | None

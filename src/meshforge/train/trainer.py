@@ -33,7 +33,7 @@ from meshforge.train.batches import (
 )
 from meshforge.train.build import build_run
 from meshforge.train.callbacks import TrainInfo
-from meshforge.train.evaluation import evaluate_pipeline, reshard_fsdp
+from meshforge.train.evaluation import eval_line, reshard_fsdp
 from meshforge.train.export import export_run_hf, export_run_lora
 from meshforge.train.health import HealthStopError, TrainingDivergedError, finite_or_none
 from meshforge.train.run import Progress, Run, TrainSummary
@@ -404,9 +404,7 @@ class Trainer:
         if self._eval_due(total):
             eval_metrics = self.evaluate()
             record.update(eval_metrics)
-            self.log(
-                f"eval step {self.step}: eval_loss {record['eval_loss']:.4f} over {int(record['eval_tokens']):,} tokens"
-            )
+            self.log(f"eval step {self.step}: {eval_line(eval_metrics)}")
             watch.callbacks.call("on_eval_end", eval_metrics)
         self.log_step(record)
         watch.callbacks.call("on_step_end", record)
@@ -427,38 +425,42 @@ class Trainer:
         raise HealthStopError(self.run.watch.health.stop_message(str(path)))
 
     def _eval_due(self, total: int) -> bool:
-        if self.run.data.eval_loader is None:
+        if not self.run.data.eval_loaders:
             return False
         interval = self.cfg.training.eval_interval
         return self.step == total or (interval is not None and self.step % interval == 0)
 
     def evaluate(self) -> dict[str, float]:
-        """Validation loss (global valid-token mean CE) over the whole validation loader."""
-        from meshforge.train.evaluation import evaluate
+        """Validation loss (global valid-token mean CE) over every validation loader, whole.
+
+        Each named loader (one per evaluation dataset) is read in turn; their local sums are
+        all-reduced together (`eval_metrics`). `training.eval_iters` limits each loader.
+        """
+        from meshforge.train.evaluation import eval_metrics, eval_sums, pipeline_eval_sums
 
         env, pipeline = self.run.env, self.run.optim.pipeline
-        loader = self.run.data.eval_loader
-        if loader is None:
+        loaders = self.run.data.eval_loaders
+        if not loaders:
             raise RuntimeError("evaluate: the run has no validation data")
+        max_batches = self.cfg.training.eval_iters
         self.model.eval()
         try:
-            if pipeline is not None:
-                return evaluate_pipeline(
-                    pipeline,
-                    loader,
-                    group_size=env.plan.grad_accum_steps,
-                    max_batches=self.cfg.training.eval_iters,
-                    device=env.device,
-                    loss_group=env.mesh.view("loss").get_group(),
-                    to_device=self._to_device,
-                )
-            return evaluate(
-                self._eval_forward,
-                loader,
-                device=env.device,
-                loss_group=env.mesh.view("loss").get_group(),
-                max_batches=self.cfg.training.eval_iters,
-            )
+            sums = {}
+            for name, loader in loaders.items():
+                if pipeline is not None:
+                    sums[name] = pipeline_eval_sums(
+                        pipeline,
+                        loader,
+                        group_size=env.plan.grad_accum_steps,
+                        max_batches=max_batches,
+                        device=env.device,
+                        to_device=self._to_device,
+                    )
+                else:
+                    sums[name] = eval_sums(
+                        self._eval_forward, loader, device=env.device, max_batches=max_batches
+                    )
+            return eval_metrics(sums, loss_group=env.mesh.view("loss").get_group())
         finally:
             self.model.train()
             # A forward without backward leaves FSDP's root unsharded; the next training forward

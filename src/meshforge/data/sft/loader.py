@@ -3,7 +3,8 @@
 The data comes from the pipeline of `pipeline.py` (in-memory rows) or, with `streaming: true`,
 from `stream.py` (rows encoded on the fly). With `tokenized_path`, the in-memory result is saved
 there on the first run and loaded afterwards, and then every other data option is ignored (said in
-the log); `tokenized_path` saves and loads both parts (`train` and `validation`).
+the log); `tokenized_path` saves and loads both parts (`train` and `validation`, or with
+`eval_on_each_dataset` one validation split per dataset and the file naming them).
 
 The train and the eval loader of one run come from one pipeline run: the builders keep it in the
 run's `LoaderContext.shared`, keyed by the section and tokenizer they were built for.
@@ -11,11 +12,14 @@ run's `LoaderContext.shared`, keyed by the section and tokenizer they were built
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshforge.data.context import MIXED_EVAL
 from meshforge.data.prepare import preparers_first
 from meshforge.data.sft.pipeline import (
     SFTDataset,
@@ -23,6 +27,7 @@ from meshforge.data.sft.pipeline import (
     build_sft_splits,
     is_rank0,
     pad_rows,
+    parts_summary,
     rows_summary,
     say,
     split_validation,
@@ -39,17 +44,27 @@ if TYPE_CHECKING:
     from meshforge.data.loader import EvalLoader, StatefulLoader, StreamLoader
 
 
-def build_sft_data(
+Parts = dict[str, SFTDataset]
+
+# In a `tokenized_path` folder with one validation part per dataset, the parts are the splits
+# `validation_0`, `validation_1`, ... (split names allow no paths or dashes, dataset names do)
+# and this file lists their dataset names in that order.
+PART_NAMES_FILE = "eval_dataset_names.json"
+
+
+def build_sft_parts(
     cfg: TrainDatasetConfig,
     tokenizer: PreTrainedTokenizerBase,
     *,
     seed: int,
     log: Callable[[str], None] | None = None,
-) -> tuple[SFTDataset | SFTStream, SFTDataset | None]:
-    """(train, validation) of `train_dataset` (`cfg`): in-memory rows, or a stream when streaming.
+) -> tuple[SFTDataset | SFTStream, Parts]:
+    """(train, validation parts) of `train_dataset` (`cfg`): in-memory rows, or a stream when streaming.
 
-    With `tokenized_path` holding saved data, that data is loaded (its `validation` part, if any,
-    is the validation set) and every other data option is ignored (said in the log).
+    The parts are empty without validation data, `{MIXED_EVAL: rows}` for one validation set, and
+    dataset name -> rows with `eval_on_each_dataset`. With `tokenized_path` holding saved data,
+    that data is loaded (its validation part or parts, if any) and every other data option is
+    ignored (said in the log).
     """
     import datasets
 
@@ -64,12 +79,31 @@ def build_sft_data(
     with preparers_first(per_node=not cfg.data_shared_file_system) as preparer:
         train, valid, from_disk = _prepare_splits(cfg, tokenizer, seed=seed, preparer=preparer, log=log)
     train_rows = to_rows(train, cfg, tokenizer, from_disk=from_disk)
-    valid_rows = to_rows(valid, cfg, tokenizer, from_disk=from_disk) if valid is not None else None
-    text = rows_summary(train_rows, "train")
-    if valid_rows is not None:
-        text += "; " + rows_summary(valid_rows, "validation")
+    parts = {name: to_rows(ds, cfg, tokenizer, from_disk=from_disk) for name, ds in valid.items()}
+    text = rows_summary(train_rows, "train") + (f"; {parts_summary(parts)}" if parts else "")
     say(log, f"sft data: {text}; {time.perf_counter() - start:.1f}s")
-    return train_rows, valid_rows
+    return train_rows, parts
+
+
+def build_sft_data(
+    cfg: TrainDatasetConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int,
+    log: Callable[[str], None] | None = None,
+) -> tuple[SFTDataset | SFTStream, SFTDataset | None]:
+    """(train, the one validation set or None) of `build_sft_parts`.
+
+    Raises:
+        ValueError: the validation data is one part per dataset (use `build_sft_parts`).
+    """
+    train, parts = build_sft_parts(cfg, tokenizer, seed=seed, log=log)
+    if parts and MIXED_EVAL not in parts:
+        raise ValueError(
+            f"train_dataset.eval_on_each_dataset: the validation data is {len(parts)} separate part(s) "
+            f"({', '.join(parts)}), not one set; read them with build_sft_parts"
+        )
+    return train, parts.get(MIXED_EVAL)
 
 
 def _prepare_splits(
@@ -79,37 +113,67 @@ def _prepare_splits(
     seed: int,
     preparer: bool,
     log: Callable[[str], None] | None,
-) -> tuple[Any, Any, bool]:
-    """(train, validation, whether they came from `tokenized_path`) as `datasets` objects.
+) -> tuple[Any, dict[str, Any], bool]:
+    """(train, validation parts, whether they came from `tokenized_path`) as `datasets` objects.
 
     A preparing rank saves `tokenized_path` when it is set and empty; the ranks after it then find
     that folder filled and load it.
     """
-    import datasets
-
     path = resolve_path(cfg.tokenized_path) if cfg.tokenized_path else None
     from_disk = path is not None and path.is_dir() and any(path.iterdir())
     if from_disk:
-        loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.DatasetDict):
-            train, valid = loaded["train"], loaded.get("validation")
-        else:
-            train, valid = loaded, None
+        assert path is not None
+        train, valid = _load_tokenized(path)
         say(
             log,
             f"sft data: loaded tokenized data from {path}; all other data options (dataset, template, "
-            "cutoff_len, packing, val_size, eval_dataset, ...) are ignored; delete that folder to rebuild",
+            "cutoff_len, packing, val_size, eval_dataset, eval_on_each_dataset, ...) are ignored; delete "
+            "that folder to rebuild",
         )
     else:
         train, valid = build_sft_splits(cfg, tokenizer, seed=seed, log=log)
         if path is not None and preparer:
-            parts = {"train": train, **({"validation": valid} if valid is not None else {})}
-            datasets.DatasetDict(parts).save_to_disk(str(path))
+            _save_tokenized(path, train, valid)
             say(
                 log,
                 f"sft data: tokenized data saved to {path} (later runs load it and ignore other data options)",
             )
     return train, valid, from_disk
+
+
+def _save_tokenized(path: Path, train: Any, valid: dict[str, Any]) -> None:
+    """`train` and the validation part(s) as one `DatasetDict` (see `PART_NAMES_FILE`)."""
+    import datasets
+
+    if set(valid) <= {MIXED_EVAL}:
+        splits = {"train": train, **({"validation": valid[MIXED_EVAL]} if valid else {})}
+        datasets.DatasetDict(splits).save_to_disk(str(path))
+        return
+    names = list(valid)
+    splits = {"train": train, **{f"validation_{i}": valid[name] for i, name in enumerate(names)}}
+    datasets.DatasetDict(splits).save_to_disk(str(path))
+    (path / PART_NAMES_FILE).write_text(json.dumps(names, indent=1) + "\n", encoding="utf-8")
+
+
+def _load_tokenized(path: Path) -> tuple[Any, dict[str, Any]]:
+    """What `_save_tokenized` wrote (or a plain saved `Dataset`, read as train data only)."""
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if not isinstance(loaded, datasets.DatasetDict):
+        return loaded, {}
+    names_file = path / PART_NAMES_FILE
+    if names_file.is_file():
+        names = json.loads(names_file.read_text(encoding="utf-8"))
+        missing = [f"validation_{i}" for i in range(len(names)) if f"validation_{i}" not in loaded]
+        if missing:
+            raise ValueError(
+                f"train_dataset.tokenized_path: {path} names {len(names)} validation parts in "
+                f"{PART_NAMES_FILE} but has no split {', '.join(missing)}; delete that folder to rebuild"
+            )
+        return loaded["train"], {name: loaded[f"validation_{i}"] for i, name in enumerate(names)}
+    valid = loaded.get("validation")
+    return loaded["train"], ({MIXED_EVAL: valid} if valid is not None else {})
 
 
 def build_sft_dataset(
@@ -122,7 +186,7 @@ def build_sft_dataset(
     """The SFT training rows of `train_dataset` (`cfg`), via `tokenized_path` when set."""
     if cfg.streaming:
         raise ValueError("train_dataset.streaming: a stream has no in-memory rows; use build_sft_data")
-    train, _ = build_sft_data(cfg, tokenizer, seed=seed, log=log)
+    train, _ = build_sft_parts(cfg, tokenizer, seed=seed, log=log)
     assert isinstance(train, SFTDataset)
     return train
 
@@ -136,19 +200,17 @@ class _Built:
 
     dataset_cfg: TrainDatasetConfig
     tokenizer: PreTrainedTokenizerBase | None
-    data: tuple[SFTDataset | SFTStream, SFTDataset | None]
+    data: tuple[SFTDataset | SFTStream, Parts]
 
 
-def _shared_data(
-    dataset_cfg: TrainDatasetConfig, ctx: LoaderContext
-) -> tuple[SFTDataset | SFTStream, SFTDataset | None]:
-    """The run's (train, validation) data, built on the first call for this context."""
+def _shared_data(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> tuple[SFTDataset | SFTStream, Parts]:
+    """The run's (train, validation parts) data, built on the first call for this context."""
     kept = ctx.shared.get(SHARED_KEY)
     if isinstance(kept, _Built) and kept.dataset_cfg is dataset_cfg and kept.tokenizer is ctx.tokenizer:
         return kept.data
     if ctx.tokenizer is None:
         raise ValueError("SFTDataLoader: the run has no tokenizer; set model.tokenizer_name_or_path")
-    data = build_sft_data(dataset_cfg, ctx.tokenizer, seed=ctx.seed, log=ctx.log)
+    data = build_sft_parts(dataset_cfg, ctx.tokenizer, seed=ctx.seed, log=ctx.log)
     ctx.shared[SHARED_KEY] = _Built(dataset_cfg, ctx.tokenizer, data)
     return data
 
@@ -181,13 +243,31 @@ def build_sft_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> Sta
 
 
 def build_sft_eval_loader(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> EvalLoader | None:
-    """The `EvalLoader` of the validation rows (`val_size`, `eval_dataset`, or saved ones), or None."""
+    """The `EvalLoader` of the one validation set (`val_size`, `eval_dataset`, or saved), or None.
+
+    Raises:
+        ValueError: the validation data is one part per dataset (use `build_sft_eval_loaders`).
+    """
+    loaders = build_sft_eval_loaders(dataset_cfg, ctx)
+    if loaders and MIXED_EVAL not in loaders:
+        raise ValueError(
+            "train_dataset.eval_on_each_dataset: the validation data is one part per dataset; "
+            "build its loaders with build_eval_loaders"
+        )
+    return loaders.get(MIXED_EVAL)
+
+
+def build_sft_eval_loaders(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> dict[str, EvalLoader]:
+    """One `EvalLoader` per validation part (see `build_sft_parts`); empty without validation data."""
     from meshforge.data.loader import EvalLoader
 
-    _, valid = _shared_data(dataset_cfg, ctx)
-    if valid is None:
-        return None
-    return EvalLoader(valid, local_batch_size=ctx.local_batch_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+    _, parts = _shared_data(dataset_cfg, ctx)
+    return {
+        name: EvalLoader(
+            rows, local_batch_size=ctx.local_batch_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size
+        )
+        for name, rows in parts.items()
+    }
 
 
 __all__ = [
@@ -197,7 +277,9 @@ __all__ = [
     "build_sft_data",
     "build_sft_dataset",
     "build_sft_eval_loader",
+    "build_sft_eval_loaders",
     "build_sft_loader",
+    "build_sft_parts",
     "build_sft_splits",
     "pad_rows",
     "split_validation",

@@ -11,7 +11,10 @@ Validation data (LLaMA-Factory's `split_dataset`): `val_size` splits the mixed, 
 examples before encoding with `Dataset.train_test_split(test_size=val_size, seed=training.seed)`
 (a fraction in (0, 1), or a number of examples when > 1), so the train rows never contain a
 validation example; `eval_dataset` names other datasets (as `dataset` does, same mixing), encoded
-the same way.
+the same way. With `eval_on_each_dataset` (LLaMA-Factory's rule) each `eval_dataset` is converted and
+encoded (packed within itself) on its own and kept as one part per dataset name, never mixed; a
+`val_size` split stays one part, as it is taken from the mixed training data. The parts are keyed by
+dataset name, the one mixed validation set by `MIXED_EVAL` ("").
 
 The rows are held in memory as one flat id array plus offsets (`SFTDataset`); `get_batch` pads
 every row to `cutoff_len` and shifts the labels into the batch contract (labels[i] = target of
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from meshforge.data.context import MIXED_EVAL
 from meshforge.data.sft.converters import check_columns, convert_batch
 from meshforge.data.sft.dataset_info import DatasetAttr, load_raw, resolve_datasets
 from meshforge.data.sft.packing import pack_batch
@@ -216,7 +220,23 @@ def converted_datasets(
     spec: Any, cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None, key: str
 ) -> Any:
     """The named datasets loaded, converted (broken records reported) and mixed: one `Dataset`."""
+    return mix_datasets(list(converted_each(spec, cfg, seed, log, key).values()), cfg, seed)
+
+
+def converted_each(
+    spec: Any, cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None, key: str
+) -> dict[str, Any]:
+    """The named datasets loaded and converted, each on its own: dataset name -> `Dataset`.
+
+    Raises:
+        ValueError: a dataset with no usable example, or one named twice (its parts would share
+            one name).
+    """
     attrs = resolve_attrs(spec, cfg, key)
+    names = [attr.name for attr in attrs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"{key}: {', '.join(twice)} named more than once")
     converted = [prepare_dataset(attr, cfg, seed, key) for attr in attrs]
     for attr, ds in zip(attrs, converted, strict=True):
         counts = Counter(e for e in ds["_error"] if e)
@@ -231,7 +251,7 @@ def converted_datasets(
                 f"{key}: {attr.name} ({attr.files[0]}) has no usable example"
                 + (f" ({dict(counts)})" if counts else "")
             )
-    return mix_datasets(converted, cfg, seed)
+    return dict(zip(names, converted, strict=True))
 
 
 def encoder(
@@ -301,24 +321,50 @@ def build_sft_splits(
     *,
     seed: int,
     log: Callable[[str], None] | None = None,
-) -> tuple[Any, Any]:
-    """Run the pipeline (no tokenized_path logic): processed (train, validation or None) `Dataset`s.
+) -> tuple[Any, dict[str, Any]]:
+    """Run the pipeline (no tokenized_path logic): the processed train `Dataset` and validation parts.
+
+    The parts are empty without validation data, `{MIXED_EVAL: dataset}` for one validation set,
+    and dataset name -> `Dataset` with `eval_on_each_dataset` and `eval_dataset`.
 
     Raises:
         ValueError / FileNotFoundError: bad dataset entries, missing columns, an empty result.
     """
     template = build_template(cfg, tokenizer)
     mixed = converted_datasets(cfg.dataset, cfg, seed, log, "train_dataset.dataset")
-    valid = None
+    converted: dict[str, Any] = {}
+    what = "train_dataset.eval_dataset"
     if cfg.val_size > 1e-6:
-        mixed, valid = split_validation(mixed, float(cfg.val_size), seed)
+        mixed, converted[MIXED_EVAL] = split_validation(mixed, float(cfg.val_size), seed)
+        what = "train_dataset.val_size"
     elif cfg.eval_dataset is not None:
-        valid = converted_datasets(cfg.eval_dataset, cfg, seed, log, "train_dataset.eval_dataset")
+        converted = validation_converted(cfg, seed, log)
     train = encode_dataset(mixed, cfg, tokenizer, template, "train_dataset.dataset")
-    if valid is not None:
-        what = "train_dataset.val_size" if cfg.val_size > 1e-6 else "train_dataset.eval_dataset"
-        valid = encode_dataset(valid, cfg, tokenizer, template, what)
-    return train, valid
+    return train, encode_parts(converted, cfg, tokenizer, template, what)
+
+
+def validation_converted(
+    cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None
+) -> dict[str, Any]:
+    """The converted `eval_dataset`: one mixed part, or one part per dataset (eval_on_each_dataset)."""
+    key = "train_dataset.eval_dataset"
+    if cfg.eval_on_each_dataset:
+        return converted_each(cfg.eval_dataset, cfg, seed, log, key)
+    return {MIXED_EVAL: converted_datasets(cfg.eval_dataset, cfg, seed, log, key)}
+
+
+def encode_parts(
+    parts: dict[str, Any],
+    cfg: TrainDatasetConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    template: Template,
+    what: str,
+) -> dict[str, Any]:
+    """Each validation part encoded (packed within itself) on its own; messages name the part."""
+    return {
+        name: encode_dataset(ds, cfg, tokenizer, template, f"{what} ({name})" if name else what)
+        for name, ds in parts.items()
+    }
 
 
 def build_sft_columns(
@@ -362,3 +408,10 @@ def rows_summary(dataset: SFTDataset, what: str) -> str:
     kind = "neat-packed" if "segment_ids" in flat else ("packed" if "position_ids" in flat else "unpacked")
     fill = tokens / max(1, len(dataset) * dataset.row_length)
     return f"{len(dataset):,} {kind} {what} rows of {dataset.row_length} tokens, {tokens:,} tokens ({fill:.0%} fill)"
+
+
+def parts_summary(parts: dict[str, SFTDataset]) -> str:
+    """The validation rows of every part, each named (the mixed one as plain "validation")."""
+    return "; ".join(
+        rows_summary(rows, f"validation ({name})" if name else "validation") for name, rows in parts.items()
+    )

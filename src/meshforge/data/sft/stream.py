@@ -2,7 +2,8 @@
 
 Each file is read with `datasets.load_dataset(..., streaming=True)`, converted and mixed lazily,
 then `shuffle(buffer_size, seed)`; the first `val_size` examples of that stream are the validation
-set (held in memory) and the rest are encoded on the fly, one `preprocessing_batch_size` batch at a
+set (held in memory; `eval_dataset` is read whole instead, one part per dataset with
+`eval_on_each_dataset`) and the rest are encoded on the fly, one `preprocessing_batch_size` batch at a
 time (packing included), and served by a `StreamLoader`. Each epoch reshuffles the stream
 (`set_epoch`); validation examples are left out of every epoch.
 
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from meshforge.data.context import MIXED_EVAL
 from meshforge.data.sft.converters import check_columns, convert_batch
 from meshforge.data.sft.pipeline import (
     COLUMNS,
@@ -27,16 +29,17 @@ from meshforge.data.sft.pipeline import (
     SFTDataset,
     build_template,
     convert_kwargs,
-    converted_datasets,
     encode_dataset,
+    encode_parts,
     encoder,
     mix_datasets,
     pad_ids,
     pad_rows,
+    parts_summary,
     resolve_attrs,
-    rows_summary,
     say,
     to_rows,
+    validation_converted,
 )
 
 if TYPE_CHECKING:
@@ -147,8 +150,8 @@ def build_sft_stream(
     *,
     seed: int,
     log: Callable[[str], None] | None = None,
-) -> tuple[SFTStream, SFTDataset | None]:
-    """The streamed training rows and the in-memory validation rows (see the module docstring).
+) -> tuple[SFTStream, dict[str, SFTDataset]]:
+    """The streamed training rows and the in-memory validation parts (name -> rows, see the module docstring).
 
     Raises:
         ValueError: options a stream cannot honour (tokenized_path), missing columns, no data.
@@ -197,7 +200,7 @@ def build_sft_stream(
     indexed = mix_datasets(streams, cfg, seed)
     pad_id, label_pad = pad_ids(cfg, tokenizer)
     encode = encoder(cfg, tokenizer, template)
-    valid_rows = None
+    parts: dict[str, SFTDataset] = {}
     held_out: frozenset[int] = frozenset()
     stream = SFTStream(
         indexed,
@@ -222,17 +225,18 @@ def build_sft_stream(
         stream.held_out = frozenset(int(r["_row"]) for r in taken)
         valid = datasets.Dataset.from_list([{k: r[k] for k in CONVERTED} for r in taken])
         valid = encode_dataset(valid, cfg, tokenizer, template, "train_dataset.val_size")
-        valid_rows = to_rows(valid, cfg, tokenizer, from_disk=False)
+        parts[MIXED_EVAL] = to_rows(valid, cfg, tokenizer, from_disk=False)
     elif cfg.eval_dataset is not None:
-        # Evaluation data is read whole (not streamed): it is meant to be small and is read repeatedly.
-        converted = converted_datasets(cfg.eval_dataset, cfg, seed, log, "train_dataset.eval_dataset")
-        valid = encode_dataset(converted, cfg, tokenizer, template, "train_dataset.eval_dataset")
-        valid_rows = to_rows(valid, cfg, tokenizer, from_disk=False)
+        # Evaluation data is read whole (not streamed): it is meant to be small and is read
+        # repeatedly; with eval_on_each_dataset, one part per dataset, as without streaming.
+        converted = validation_converted(cfg, seed, log)
+        encoded = encode_parts(converted, cfg, tokenizer, template, "train_dataset.eval_dataset")
+        parts = {name: to_rows(ds, cfg, tokenizer, from_disk=False) for name, ds in encoded.items()}
     say(
         log,
         f"sft data: streaming {len(attrs)} dataset(s) with a shuffle buffer of {cfg.buffer_size}, encoded "
         f"on the fly into rows of {cfg.cutoff_len} tokens"
-        + (f"; {rows_summary(valid_rows, 'validation')}" if valid_rows is not None else "")
+        + (f"; {parts_summary(parts)}" if parts else "")
         + "; broken records are counted and reported at the end of each epoch",
     )
-    return stream, valid_rows
+    return stream, parts
