@@ -16,3 +16,14 @@ def leave_no_process_group() -> Iterator[None]:
     yield
     if not existed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A one-rank gloo group for the test (a group that already exists is used and left alone)."""
+    started_here = not dist.is_initialized()
+    if started_here:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if started_here:
+        dist.destroy_process_group()

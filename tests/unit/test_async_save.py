@@ -8,29 +8,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from meshforge.checkpoint.manager import CheckpointManager, is_complete, list_complete_steps
-from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
+from tests._process_group import leave_no_process_group, one_rank  # noqa: F401 (fixtures)
 from tests.conftest import read_metrics
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    started_here = not dist.is_initialized()
-    if started_here:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if started_here:
-        dist.destroy_process_group()
 
 
 def _manager(root: Path) -> CheckpointManager:

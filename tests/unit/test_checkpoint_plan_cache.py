@@ -7,27 +7,16 @@ cache off must leave DCP's cache untouched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from meshforge.checkpoint.manager import CheckpointManager
 from tests._compare import rel_error
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    started_here = not dist.is_initialized()
-    if started_here:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if started_here:
-        dist.destroy_process_group()
+from tests._process_group import one_rank  # noqa: F401 (a fixture)
 
 
 def _manager(root: Path, *, cache: bool) -> CheckpointManager:
@@ -50,8 +39,9 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad()
 
 
+@pytest.mark.usefixtures("one_rank")
 @pytest.mark.parametrize("cache", [True, False])
-def test_later_saves_hold_their_own_step(tmp_path: Path, one_rank: None, cache: bool) -> None:
+def test_later_saves_hold_their_own_step(tmp_path: Path, cache: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
