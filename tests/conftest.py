@@ -1,8 +1,11 @@
 """Shared test fixtures: offline Hugging Face, a tiny training config, and a run launcher.
 
-Tiers are by speed: a test that starts a process (a subprocess, torchrun, `python -m meshforge`,
-spawned workers) costs seconds of start-up alone, so it must be marked `slow`; the autouse
-fixture below fails one that is not, so `make test-fast` stays fast.
+Tiers are by speed and by cores. A test that starts a process (a subprocess, torchrun,
+`python -m meshforge`, spawned workers) costs seconds of start-up alone and its processes take
+both cores: it is marked `procs` (which implies `slow`; every test under `tests/distributed/` has
+it), and `make test` runs those one at a time. A long test that starts no process is marked
+`slow` only and runs on the xdist workers with the fast ones. The autouse fixture below fails a
+test without `procs` as soon as it starts a process, so neither tier can hide one.
 """
 
 from __future__ import annotations
@@ -26,15 +29,28 @@ os.environ.setdefault("MESHFORGE_PLOT", "0")
 REPO = Path(__file__).resolve().parent.parent
 
 
+DISTRIBUTED = REPO / "tests" / "distributed"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/distributed/ starts ranks: `procs`; and every `procs` test is `slow`."""
+    for item in items:
+        if item.path.is_relative_to(DISTRIBUTED) and item.get_closest_marker("procs") is None:
+            item.add_marker(pytest.mark.procs)
+        if item.get_closest_marker("procs") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
-def _processes_need_the_slow_mark(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail a test without the `slow` mark as soon as it starts a process."""
-    if request.node.get_closest_marker("slow") is not None:
+def _processes_need_the_procs_mark(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail a test without the `procs` mark as soon as it starts a process."""
+    if request.node.get_closest_marker("procs") is not None:
         return
 
     def refuse(*_args: object, **_kwargs: object) -> None:
         raise pytest.fail.Exception(
-            f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow (tests/conftest.py)",
+            f"{request.node.nodeid} starts a process: mark it @pytest.mark.procs (tests/conftest.py)",
             pytrace=False,
         )
 

@@ -147,7 +147,7 @@ def test_a_bad_callback_fails_before_the_model_is_built(
     assert not hasattr(trainer, "model")
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_callback_from_the_working_directory_sees_every_hook_and_can_save_and_stop(tmp_path: Path) -> None:
     (tmp_path / "my_callbacks.py").write_text(RECORDER)
     out, events = tmp_path / "run", tmp_path / "events.jsonl"
@@ -192,7 +192,7 @@ def test_plot_curves_needs_matplotlib_when_built(monkeypatch: pytest.MonkeyPatch
         build_callback(_item(type="PlotCurves"), 0)
 
 
-@pytest.mark.slow  # matplotlib may start a process (its font cache)
+@pytest.mark.procs  # matplotlib may start a process (its font cache)
 @pytest.mark.usefixtures("leave_no_process_group")
 def test_the_built_in_plot_callback_draws_the_run_at_its_end(tiny_config: Path) -> None:
     pytest.importorskip("matplotlib")

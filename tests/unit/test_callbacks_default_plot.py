@@ -56,7 +56,7 @@ def test_matplotlib_is_a_core_dependency() -> None:
     assert any(dep.split("==")[0].strip() == "matplotlib" for dep in project["dependencies"])
 
 
-@pytest.mark.slow  # matplotlib may start a process (its font cache) on first use
+@pytest.mark.procs  # matplotlib may start a process (its font cache) on first use
 @pytest.mark.usefixtures("leave_no_process_group")
 def test_a_run_ends_with_its_plot(tiny_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     image = pytest.importorskip("matplotlib.image")

@@ -76,7 +76,7 @@ def _refused(config: Path, out: Path, load_path: Path) -> str:
     return proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_resume_with_dropout_is_exact_only_with_the_rng_state(base: tuple[Path, Path, list[dict]]) -> None:
     config, run, full = base
     resumed_dir = run.parent / "resumed"
@@ -98,7 +98,7 @@ def test_resume_with_dropout_is_exact_only_with_the_rng_state(base: tuple[Path, 
     assert fresh[0]["loss"] != full[2]["loss"]
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_incomplete_step_folder_is_skipped_and_replaced(base: tuple[Path, Path, list[dict]]) -> None:
     config, run, full = base
     copy = run.parent / "crashed"
@@ -117,7 +117,7 @@ def test_incomplete_step_folder_is_skipped_and_replaced(base: tuple[Path, Path, 
     assert (_step(copy, 4) / "COMPLETE").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_damaged_checkpoint_files_are_named(base: tuple[Path, Path, list[dict]]) -> None:
     config, run, _ = base
     for name, damage, expected in (

@@ -156,7 +156,7 @@ def test_import_unknown_key_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("text", "code"), [(GOOD, 0), ("training:\n  steps: x\n", 2)])
-@pytest.mark.slow
+@pytest.mark.procs
 def test_module_entry_point_subprocess(tmp_path, text, code):
     path = _write(tmp_path, text)
     proc = subprocess.run(

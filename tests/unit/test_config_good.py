@@ -345,7 +345,7 @@ def test_forced_mindspeed_format(tmp_path):
     assert native.training.local_batch_size == 1
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_config_load_does_not_import_torch(tmp_path):
     import subprocess
 
@@ -388,7 +388,7 @@ SECTION_MODULES = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_each_section_module_imports_first_without_torch():
     """Components import their own section first: no circular import, no torch."""
     import subprocess

@@ -126,7 +126,7 @@ def test_dataset_info_reader_names_the_broken_file(tmp_path, content, fragment):
     assert message.startswith(str(tmp_path / "dataset_info.json")) and fragment in message
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_cli_reports_a_corrupt_index_in_one_line(tmp_path):
     prefix, idx, _ = _corpus(tmp_path)
     Path(f"{prefix}.idx").write_bytes(_corrupt_pointer(idx))

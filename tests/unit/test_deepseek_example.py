@@ -24,7 +24,7 @@ def test_example_opens_with_its_launch_command() -> None:
     assert "meshforge train --config configs/examples/deepseek_v3_671b.yaml" in head
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_published_config_validates_and_plans_at_256_ranks_within_80gb(tmp_path: Path) -> None:
     folder = tmp_path / "DeepSeek-V3"
     folder.mkdir()

@@ -358,7 +358,7 @@ def test_init_meta_build_and_counts():
     assert real.flops_per_token(64) > 6 * real.num_params(exclude_embedding=True, active=True) * 0.5
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_spec_and_args_import_no_torch():
     code = (
         "import sys; import meshforge.models.deepseek_v3.spec, meshforge.models.deepseek_v3.args; "

@@ -27,7 +27,7 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_single_process_mesh_creates_one_group() -> None:
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True)
     assert int(out.stdout.strip().splitlines()[-1]) <= 1

@@ -54,6 +54,7 @@ def test_megatron_validation_split_and_missing_validation_data(tmp_path: Path) -
     assert records[1]["eval_loss"] != records[0]["eval_loss"]
 
 
+@pytest.mark.procs
 def test_eval_interval_without_validation_data_is_an_error(tmp_path: Path) -> None:
     try:
         run_train(SFT, [*SMALL, "--training.steps=1", "--training.eval_interval=1"], cwd=tmp_path)

@@ -28,7 +28,7 @@ DEVICE_BYTES = 80e9
 
 
 @pytest.mark.parametrize("config", EXAMPLES, ids=lambda p: str(p.relative_to(REPO / "configs")))
-@pytest.mark.slow
+@pytest.mark.procs
 def test_example_config_trains(config: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     run_train(

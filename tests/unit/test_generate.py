@@ -392,7 +392,7 @@ def test_unpadded_batches_take_the_mask_free_path_with_the_same_tokens(
         assert [r["token_ids"] for r in rows] == hf_greedy(folder, _encode(folder, prompts), 10)
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_interactive_command_reads_stdin(folders: dict[str, Path], tmp_path: Path) -> None:
     import os
     import subprocess

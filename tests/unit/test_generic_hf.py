@@ -105,7 +105,7 @@ def _first_batch(config: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     return next(iter(trainer.run.data.loader))
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_generic_family_trains_with_transformers_first_loss_and_exports(
     hf_mistral: Path, tmp_path: Path
 ) -> None:

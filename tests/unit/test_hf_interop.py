@@ -201,7 +201,7 @@ def _config(tmp_path: Path, name: str, model_lines: str) -> Path:
     return path
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -316,7 +316,7 @@ def _truncate(file: Path) -> None:
     file.write_bytes(data[: len(data) // 2])
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_truncated_safetensors_in_model_name_or_path_is_one_line(hf_tied: Path, tmp_path: Path) -> None:
     import subprocess
     import sys

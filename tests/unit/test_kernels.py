@@ -327,7 +327,7 @@ def test_flash_attention_equals_plain_sdpa_on_cuda():
 
 
 # ----------------------------------------------------------------------------- through the trainer
-@pytest.mark.slow
+@pytest.mark.procs
 def test_trainer_chunk_loss_size_gives_the_same_losses_and_flash_true_is_a_warned_no_op_on_cpu(
     tiny_config: Path, tmp_path: Path
 ):
@@ -423,7 +423,7 @@ def test_options_object_is_plain_data():
     )
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_chunked_loss_under_fsdp_matches_one_process(tiny_config: Path, tmp_path: Path):
     """Two FSDP ranks with the chunked loss (lm_head read after the root forward) = one process."""
     losses = {}

@@ -358,7 +358,7 @@ def test_options_overrides_and_refusals():
         FAMILY.build({"flavor": "debug", "hidden_act": "tanhh"})
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_options_and_spec_do_not_import_torch():
     import subprocess
     import sys
@@ -404,7 +404,7 @@ def test_save_pretrained_weights_load_by_name(tmp_path):
             assert _rel(ours(ids), hf(input_ids=ids).logits) <= 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_example_config_trains_five_steps(tmp_path):
     """configs/llama/tiny.yaml through `meshforge train`."""
     import json

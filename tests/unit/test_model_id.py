@@ -10,7 +10,7 @@ from meshforge.models.registry import resolve_family
 from tests.conftest import TINY_CONFIG, read_metrics, run_train, write_corpus
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_model_id_trains_the_built_in_family(tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=50)
     config = tmp_path / "by_id.yaml"

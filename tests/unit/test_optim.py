@@ -325,7 +325,7 @@ def test_clip_edge_cases() -> None:
             clip_grad_norm_([p], bad)
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_specs_module_is_light() -> None:
     code = (
         "import sys, meshforge.optim.specs, meshforge.optim.schedulers, meshforge.optim.param_groups;"

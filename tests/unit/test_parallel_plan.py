@@ -108,7 +108,7 @@ def test_stage_layers_auto_and_explicit():
     assert stage_layers(6, 2, 2, ["0-1,4-5", "2-3"]) == [[0, 1, 4, 5], [2, 3]]
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_cli_prints_the_plan(tmp_path):
     path = tmp_path / "big.yaml"
     path.write_text(BIG)

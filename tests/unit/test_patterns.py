@@ -128,7 +128,7 @@ def test_match_modules_on_real_module() -> None:
     assert [n for n, _ in match_modules(model, ["{1-2}"], key_path="k")] == ["1", "2"]
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_patterns_module_is_light() -> None:
     code = "import sys, meshforge.utils.patterns; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -33,7 +33,7 @@ def _run(
     return folder
 
 
-@pytest.mark.slow  # matplotlib may start a process (its font cache) on first use
+@pytest.mark.procs  # matplotlib may start a process (its font cache) on first use
 def test_two_runs_are_drawn_into_one_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     image = pytest.importorskip("matplotlib.image")
     a = _run(tmp_path / "a", 20, 1.0, skipped=7)

@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_second_signal_exits_at_once() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT],

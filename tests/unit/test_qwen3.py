@@ -237,7 +237,7 @@ def test_options_accept_yaml_number_spellings_but_not_bools():
             from_options({"flavor": "debug", **bad})
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_config_modules_do_not_import_torch():
     import subprocess
     import sys

@@ -330,7 +330,7 @@ def test_args_validation_names_keys():
     assert from_options({"mlp_only_layers": ["1"], "num_hidden_layers": 2}).mlp_only_layers == [1]
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_spec_and_args_import_no_torch():
     code = (
         "import sys; from meshforge.models.qwen3_moe.spec import FAMILY; "

@@ -489,7 +489,7 @@ def test_args_validation_names_keys():
     assert deeper.resolved_layer_types == ["linear_attention", "full_attention"] * 2
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_spec_and_args_import_no_torch():
     code = (
         "import sys; from meshforge.models.qwen3_next.spec import FAMILY; "

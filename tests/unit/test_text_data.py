@@ -137,7 +137,7 @@ def test_loader_type_issues():
     assert "did you mean 'TextDataLoader'" in reason
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_specs_import_is_light():
     code = "import sys, meshforge.data.specs; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

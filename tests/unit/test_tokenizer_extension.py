@@ -371,7 +371,7 @@ def test_extension_options_from_the_model_section(tmp_path: Path) -> None:
     assert tokenizer_extension(tok).new_ids == {"<a>": 8192, "<think>": 8193} and tok.split_special_tokens
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_meshforge_train_with_added_tokens_exports_a_grown_model(
     hf_dirs: dict[bool, Path], tmp_path: Path
 ) -> None:

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 EXPLODE = ["--lr_scheduler.learning_rate=1e6", "--training.max_norm=1e30", "--lr_scheduler.warmup_steps=0"]
 
 
+@pytest.mark.procs
 def test_save_max_null_keeps_every_checkpoint(tiny_config: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     run_train(
@@ -41,6 +42,7 @@ def test_save_max_null_keeps_every_checkpoint(tiny_config: Path, tmp_path: Path)
     assert all((out / "checkpoints" / name / "COMPLETE").is_file() for name in saved)
 
 
+@pytest.mark.procs
 def test_exploding_run_skips_then_stops_with_one_line_and_the_last_good_state(
     tiny_config: Path, tmp_path: Path
 ) -> None:
