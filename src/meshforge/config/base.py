@@ -48,7 +48,7 @@ class ConfigError(Exception):
 # --- numbers and booleans ---------------------------------------------------------------------
 
 
-def _reject_bool(value: Any) -> Any:
+def _reject_bool(value: object) -> object:
     if isinstance(value, bool):
         raise PydanticCustomError(
             "bool_not_number", "a boolean is not a number (got {value})", {"value": str(value).lower()}
@@ -56,7 +56,7 @@ def _reject_bool(value: Any) -> Any:
     return value
 
 
-def _strip_numeric_string(value: Any) -> Any:
+def _strip_numeric_string(value: object) -> object:
     value = _reject_bool(value)
     if isinstance(value, str):
         return value.strip()
@@ -107,7 +107,7 @@ DTYPE_ALIASES = {
 }
 
 
-def _dtype_name(value: Any) -> Any:
+def _dtype_name(value: object) -> object:
     if isinstance(value, str):
         key = value.strip().lower()
         if key not in DTYPE_ALIASES:
@@ -121,8 +121,12 @@ def _dtype_name(value: Any) -> Any:
 DtypeName = Annotated[Literal["float32", "bfloat16", "float16"], BeforeValidator(_dtype_name)]
 
 
-def describe(default: Any, description: str, **kwargs: Any) -> Any:
-    """A field with its default and the one-line description shown by `config schema`/`show`."""
+def describe(default: object, description: str, **kwargs: Any) -> Any:
+    """A field with its default and the one-line description shown by `config schema`/`show`.
+
+    Untyped like pydantic's `Field` (whose result it is), so `x: int = describe(1, ...)`
+    type-checks; `kwargs` go to `Field` verbatim.
+    """
     return Field(default, description=description, **kwargs)
 
 
@@ -167,7 +171,7 @@ class _Section(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _require_mapping(cls, data: Any) -> Any:
+    def _require_mapping(cls, data: object) -> object:
         if isinstance(data, BaseModel):
             return data
         if not isinstance(data, dict):
@@ -186,7 +190,7 @@ class StrictSection(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _reject_unknown(cls, data: Any) -> Any:
+    def _reject_unknown(cls, data: object) -> object:
         if isinstance(data, dict):
             known = set(cls.model_fields)
             unknown = [str(k) for k in data if k not in known]
@@ -209,7 +213,7 @@ class PassthroughSection(_Section):
     model_config = ConfigDict(frozen=True, extra="allow", populate_by_name=True)
 
     @property
-    def extra(self) -> dict[str, Any]:
+    def extra(self) -> dict[str, object]:
         """The undeclared (passthrough) keys, as written in the YAML."""
         return dict(self.model_extra or {})
 
@@ -217,7 +221,7 @@ class PassthroughSection(_Section):
 # --- error formatting -------------------------------------------------------------------------
 
 
-def key_path(loc: Iterable[Any], prefix: str = "") -> str:
+def key_path(loc: Iterable[int | str], prefix: str = "") -> str:
     """Turn a pydantic location `('callbacks', 0, 'type')` into `callbacks[0].type`."""
     text = prefix
     for part in loc:
@@ -233,9 +237,9 @@ def key_path(loc: Iterable[Any], prefix: str = "") -> str:
 _UNION_TAGS = ("function-", "list[", "dict[", "union[", "tagged-union[", "nullable[", "lax-or-strict[")
 
 
-def _clean_loc(loc: tuple[Any, ...]) -> list[Any]:
+def _clean_loc(loc: tuple[int | str, ...]) -> list[int | str]:
     """Drop pydantic's internal tags (`int`, `literal['auto']`, `function-after[...]`): they are not keys."""
-    out = []
+    out: list[int | str] = []
     for part in loc:
         if isinstance(part, str) and (
             part.startswith(_UNION_TAGS) or "[" in part or part in ("int", "str", "float", "bool", "none")

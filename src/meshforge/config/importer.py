@@ -12,8 +12,8 @@ what it meant.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TypeVar, cast
 
 from meshforge.config import mindspeed_checks
 from meshforge.config.base import ConfigError, Issue, suggest
@@ -28,6 +28,8 @@ from meshforge.config.mindspeed_args import BY_NAME
 from meshforge.config.mindspeed_checks import Origins
 from meshforge.config.recompute_import import megatron_recompute
 from meshforge.data.config import SFT_FIELDS
+
+T = TypeVar("T")
 
 GROUPS = ("model", "data", "parallel", "training", "optimization", "inference")
 
@@ -198,7 +200,7 @@ MEGATRON_DATA_KEYS = frozenset(
 CP_METHODS = {"ulysses": "ulysses", "ring": "colossal", "kvallgather": "kvallgather"}
 
 # MindSpeed defaults that change what a run does relative to meshforge's: applied when absent.
-MS_DEFAULTS: dict[str, Any] = {
+MS_DEFAULTS: dict[str, object] = {
     "deterministic": True,
     "lr_scheduler_type": "cosine",
     "warmup_ratio": 0.03,
@@ -220,18 +222,18 @@ MS_DEFAULTS: dict[str, Any] = {
 }
 
 
-def flatten(raw: dict[str, Any], say: Say | None = None) -> tuple[dict[str, Any], list[Issue]]:
+def flatten(raw: dict[str, object], say: Say | None = None) -> tuple[Flat, list[Issue]]:
     """Flatten grouped MindSpeed YAML into {key: value}.
 
     Names outside MindSpeed's argument list become issues with a suggestion; MindSpeed arguments
     that meshforge does not map are logged at their default and issues otherwise.
     """
-    flat: dict[str, Any] = {}
+    flat: Flat = {}
     issues: list[Issue] = []
     where: dict[str, str] = {}
     tell = say or (lambda _line: None)
 
-    def put(key: str, value: Any, path: str) -> None:
+    def put(key: str, value: object, path: str) -> None:
         if key not in ALL_KEYS:
             if key in BY_NAME:
                 issue = mindspeed_checks.unbuilt_argument(path, key, value, tell)
@@ -270,25 +272,27 @@ def flatten(raw: dict[str, Any], say: Say | None = None) -> tuple[dict[str, Any]
     return flat, issues
 
 
-def _set(native: dict[str, Any], path: str, value: Any) -> None:
+def _set(native: dict[str, object], path: str, value: object) -> None:
     node = native
     parts = path.split(".")
     for part in parts[:-1]:
-        node = node.setdefault(part, {})
+        # `native` is written only here, and a native path is never also a prefix of another,
+        # so an inner node is always one of the dicts made by this line.
+        node = cast("dict[str, object]", node.setdefault(part, {}))
     node[parts[-1]] = value
 
 
-def _comma_list(value: Any) -> Any:
+def _comma_list(value: object) -> object:
     if isinstance(value, str) and "," in value:
         return [part.strip() for part in value.split(",") if part.strip()]
     return value
 
 
 def import_mindspeed(
-    raw: dict[str, Any],
+    raw: dict[str, object],
     log: Callable[[str], None] | None = None,
     origins: Origins | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Map a MindSpeed-format config to a native config dict.
 
     Args:
@@ -309,25 +313,25 @@ def import_mindspeed(
         family = mindspeed_checks.model_family_issue(flat["model_id"], bool(flat.get("model_name_or_path")))
         if family is not None:
             issues.append(family)
-    native: dict[str, Any] = {}
+    native: dict[str, object] = {}
     given = dict(flat)
     where = origins if origins is not None else {}
     for key, value in MS_DEFAULTS.items():
         if key not in flat:
             flat[key] = value
 
-    def to(path: str, value: Any, key: str) -> None:
+    def to(path: str, value: object, key: str) -> None:
         _set(native, path, value)
         where[path] = (key, flat.get(key, value))
         origin = "" if key in given else " (MindSpeed default)"
         say(f"{key} -> {path} = {value!r}{origin}")
 
-    def choice(key: str, table: dict[str, Any]) -> Any:
+    def choice(key: str, table: Mapping[str, T]) -> T | None:
         value = flat[key]
         if value not in table:
             issues.append((key, f"must be one of {sorted(table)}, got {value!r}"))
             return None
-        return table[value]
+        return table[cast(str, value)]  # found among the table's str keys
 
     for key in MODEL_KEYS:
         if key in flat:
@@ -337,7 +341,8 @@ def import_mindspeed(
     if loader:
         to("train_dataset.dataloader.type", loader, "data_manager_type")
     megatron = flat["data_manager_type"] == "mg"
-    pair = DATA_MANAGER_STAGE.get(flat["data_manager_type"])
+    manager = flat["data_manager_type"]
+    pair = DATA_MANAGER_STAGE.get(manager) if isinstance(manager, str) else None
     if pair is not None and flat["stage"] != pair:
         key = "stage" if "stage" in given else "data_manager_type"
         issues.append(
@@ -382,7 +387,7 @@ def import_mindspeed(
     return native
 
 
-def _megatron_dataset(value: Any, issues: list[Issue]) -> Any:
+def _megatron_dataset(value: object, issues: list[Issue]) -> object:
     """MindSpeed's mg `dataset`: a path string (comma list) or `{file_name: <path, comma list or list>}`."""
     if isinstance(value, dict):
         extra = sorted(str(k) for k in value if k != "file_name")
@@ -468,7 +473,7 @@ def _parallel(flat: Flat, given: Flat, to: To, choice: Choice, say: Say, issues:
         method = choice("cp_type", CP_METHODS)
         if method:
             to("parallelism.context_parallel_method", method, "cp_type")
-    elif isinstance(flat.get("cp_size"), int) and flat["cp_size"] > 1:
+    elif isinstance(cp_size := flat.get("cp_size"), int) and cp_size > 1:
         to("parallelism.context_parallel_method", "ulysses", "cp_type")
     if flat.get("cp_size", 1) != 1 and flat.get("cp_type", "ulysses") == "ulysses":
         to("parallelism.ulysses_degree_in_cp", flat["cp_size"], "cp_size")

@@ -3,15 +3,22 @@ schedule, run length, saving and profiling keys."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Protocol, TypeVar
 
 from meshforge.config.base import Issue
 
-Flat = dict[str, Any]
-To = Callable[[str, Any, str], None]  # (native path, value, MindSpeed key)
-Choice = Callable[[str, dict[str, Any]], Any]  # (MindSpeed key, table) -> mapped value or None
+Flat = dict[str, object]
+To = Callable[[str, object, str], None]  # (native path, value, MindSpeed key)
 Say = Callable[[str], None]
+T = TypeVar("T")
+
+
+class Choice(Protocol):
+    """(MindSpeed key, table) -> the table's value for the key's value, or None (an issue is recorded)."""
+
+    def __call__(self, key: str, table: Mapping[str, T], /) -> T | None: ...
+
 
 SCHEDULERS = {"cosine": "CosineWithWarmUpLR", "linear": "LinearWithWarmUpLR", "constant": "ConstantWarmUpLR"}
 OPTIMIZERS = {"adamw": "AdamW", "muon": "Muon", "fused_adamw": "FusedAdamW"}
@@ -103,8 +110,8 @@ def training(flat: Flat, given: Flat, to: To, choice: Choice, say: Say, issues: 
         if level is not None:
             to("profiler.profiler_level", level, "profile_level")
     if "profile_ranks" in flat:
-        ranks = flat["profile_ranks"]
-        ranks = ranks if isinstance(ranks, list) else [ranks]
+        given_ranks = flat["profile_ranks"]
+        ranks = given_ranks if isinstance(given_ranks, list) else [given_ranks]
         to("profiler.profiler_rank", None if -1 in ranks else ranks, "profile_ranks")
     _profile_window(flat, to, issues)
 
@@ -144,7 +151,12 @@ def _profile_window(flat: Flat, to: To, issues: list[Issue]) -> None:
         return
     start = flat.get("profile_step_start", 0)
     end = flat.get("profile_step_end", -1)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end)):
+    if not (
+        isinstance(start, int)
+        and not isinstance(start, bool)
+        and isinstance(end, int)
+        and not isinstance(end, bool)
+    ):
         issues.append(
             (
                 "profile_step_start",

@@ -9,7 +9,7 @@ is known (`check_layer_specs`), since the config can be validated without the mo
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, NamedTuple
 
 from pydantic import AfterValidator, BeforeValidator, PlainSerializer, WithJsonSchema
 from pydantic_core import PydanticCustomError
@@ -31,7 +31,7 @@ class LayerRange(NamedTuple):
         return range(self.lo, self.hi + 1)
 
 
-def parse_layer_spec(value: Any) -> LayerRange:
+def parse_layer_spec(value: object) -> LayerRange:
     """Parse `'0-3'`, `'5'` or `5` into a LayerRange.
 
     Raises:

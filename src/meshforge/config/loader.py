@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -35,8 +34,8 @@ _Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_i
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789"))
 
 
-def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    seen: dict[Any, int] = {}
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, object]:
+    seen: dict[object, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
         line = key_node.start_mark.line + 1
@@ -59,7 +58,7 @@ _Dumper.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeDumper.yaml_i
 _Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789"))
 
 
-def parse_yaml(text: str, source: str = "<string>") -> Any:
+def parse_yaml(text: str, source: str = "<string>") -> object:
     """Parse YAML text with meshforge's loader; malformed input raises ConfigError naming file:line."""
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
@@ -74,7 +73,7 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
         raise ConfigError([(source, f"YAML nesting is too deep (limit {MAX_DEPTH} levels)")]) from None
 
 
-def dump_yaml(data: Any) -> str:
+def dump_yaml(data: object) -> str:
     """Dump plain data as block YAML that `parse_yaml` reads back to the same values."""
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
 
@@ -87,7 +86,7 @@ def _line_map(text: str) -> dict[str, int]:
     except yaml.YAMLError:
         return lines
 
-    def walk(node: Any, path: str, depth: int) -> None:
+    def walk(node: yaml.Node, path: str, depth: int) -> None:
         if depth > MAX_DEPTH:
             return
         if isinstance(node, yaml.MappingNode):
@@ -106,7 +105,7 @@ def _line_map(text: str) -> dict[str, int]:
     return lines
 
 
-def _depth(value: Any, level: int = 0) -> int:
+def _depth(value: object, level: int = 0) -> int:
     if level > MAX_DEPTH:
         return level
     if isinstance(value, dict):
@@ -116,7 +115,7 @@ def _depth(value: Any, level: int = 0) -> int:
     return level
 
 
-def read_config_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, int]]:
+def read_config_file(path: str | os.PathLike) -> tuple[dict[str, object], dict[str, int]]:
     """Read a YAML config file into a dict plus a key-path -> line map.
 
     Raises:
@@ -151,7 +150,7 @@ _TRAINING_NATIVE = frozenset(TrainingConfig.model_fields) - set(importer.TRAININ
 _TRAINING_MS = frozenset(importer.TRAINING_KEYS) - set(TrainingConfig.model_fields)
 
 
-def _ms_key(key: str, value: Any) -> bool:
+def _ms_key(key: str, value: object) -> bool:
     """Whether a top-level entry can only be MindSpeed (a group, or a flat MindSpeed key)."""
     if key in ("data", "parallel", "optimization"):
         return True
@@ -163,7 +162,7 @@ def _ms_key(key: str, value: Any) -> bool:
     return (key in importer.ALL_KEYS or key in MINDSPEED_ARGUMENTS) and key not in SECTIONS
 
 
-def detect_format(data: dict[str, Any]) -> str:
+def detect_format(data: Mapping[str, object]) -> str:
     """Return 'native' or 'mindspeed' for parsed YAML; a mixture raises ConfigError naming one key of each."""
     native_keys = [k for k, v in data.items() if k in NATIVE_ONLY and not _ms_key(k, v)]
     ms_keys = [k for k, v in data.items() if _ms_key(k, v)]
@@ -206,7 +205,7 @@ def _list_value(items: list[str]) -> str:
     """Several values after one `--a.b` (MindSpeed's list arguments) as one YAML flow list."""
     import json
 
-    values: list[Any] = []
+    values: list[object] = []
     for item in items:
         try:
             value = yaml.load(item, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
@@ -264,7 +263,7 @@ def split_cli_overrides(tokens: Sequence[str]) -> list[str]:
 
 def _field_wants_string(parts: list[str]) -> bool:
     """True when the schema types the overridden key as a string (so `--checkpoint.prefix=123` stays text)."""
-    model: Any = TrainConfig
+    model: object = TrainConfig
     info = None
     for part in parts:
         if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
@@ -276,9 +275,9 @@ def _field_wants_string(parts: list[str]) -> bool:
     return info.annotation in (str, str | None)
 
 
-def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+def apply_overrides(data: dict[str, object], overrides: Sequence[str]) -> dict[str, object]:
     """Return a copy of `data` with each `--section.key=value` applied (values parsed as YAML)."""
-    out = _copy(data)
+    out = {k: _copy(v) for k, v in data.items()}
     for text in overrides:
         parts, raw = parse_override(text)
         value = (
@@ -299,7 +298,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return out
 
 
-def _copy(value: Any) -> Any:
+def _copy(value: object) -> object:
     if isinstance(value, dict):
         return {k: _copy(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -322,13 +321,15 @@ def _split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def _section_fields(section: str) -> set[str]:
     annotation = TrainConfig.model_fields[section].annotation
-    return set(getattr(annotation, "model_fields", {}))
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return set(annotation.model_fields)
+    return set()
 
 
 # --- entry points ----------------------------------------------------------------------------
 
 
-def config_from_dict(data: dict[str, Any], *, source: str = "<dict>") -> TrainConfig:
+def config_from_dict(data: dict[str, object], *, source: str = "<dict>") -> TrainConfig:
     """Validate a native config dict into a frozen TrainConfig.
 
     Raises:
@@ -356,8 +357,8 @@ def load_native_dict(
     *,
     fmt: str | None = None,
     log: Callable[[str], None] | None = None,
-    origins: dict[str, tuple[str, Any]] | None = None,
-) -> tuple[dict[str, Any], dict[str, int], str]:
+    origins: dict[str, tuple[str, object]] | None = None,
+) -> tuple[dict[str, object], dict[str, int], str]:
     """Read, detect the format, import if MindSpeed, apply overrides: (native dict, line map, format).
 
     `origins` (MindSpeed files) receives native path -> (MindSpeed key, value) for the error
@@ -380,7 +381,7 @@ def load_native_dict(
 
 
 def validate_imported(
-    data: dict[str, Any], origins: dict[str, tuple[str, Any]], *, source: str = "<dict>"
+    data: dict[str, object], origins: dict[str, tuple[str, object]], *, source: str = "<dict>"
 ) -> TrainConfig:
     """`config_from_dict` for an imported MindSpeed file: errors name the MindSpeed key they came
     from, and a value MindSpeed accepts that is not built here is `not supported yet: <key>=<value>`."""
@@ -422,7 +423,7 @@ def load_config(
     Raises:
         ConfigError: every problem found, each with its key path.
     """
-    origins: dict[str, tuple[str, Any]] = {}
+    origins: dict[str, tuple[str, object]] = {}
     data, lines, _ = load_native_dict(path, overrides, fmt=fmt, log=log, origins=origins)
     try:
         return validate_imported(data, origins, source=str(path))

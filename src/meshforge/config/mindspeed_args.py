@@ -15,7 +15,7 @@ error with a suggestion; a `choice` value MindSpeed accepts that meshforge does 
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 from meshforge.models.config import MS_MODEL_IDS
 
@@ -30,8 +30,8 @@ class MsArg(NamedTuple):
     group: str
     name: str
     kind: Kind
-    default: Any
-    choices: tuple[Any, ...] = ()
+    default: object
+    choices: tuple[object, ...] = ()
 
 
 class _Required:
@@ -39,11 +39,11 @@ class _Required:
         return "REQUIRED"
 
 
-REQUIRED: Any = _Required()
+REQUIRED = _Required()
 _REQUIRED = REQUIRED
 
 
-def _arg(group: str, name: str, kind: Kind, default: Any, choices: tuple[Any, ...] = ()) -> MsArg:
+def _arg(group: str, name: str, kind: Kind, default: object, choices: tuple[object, ...] = ()) -> MsArg:
     return MsArg(group, name, kind, default, choices)
 
 
@@ -237,7 +237,7 @@ TRUE_WORDS = frozenset({"yes", "true", "t", "y", "1"})
 FALSE_WORDS = frozenset({"no", "false", "f", "n", "0"})
 
 
-def as_bool(value: Any) -> bool | None:
+def as_bool(value: object) -> bool | None:
     """`value` read as MindSpeed reads a boolean argument, or None when it would refuse it.
 
     YAML values reach MindSpeed's parser as `str(value)`, so the integers 1 and 0 and the words

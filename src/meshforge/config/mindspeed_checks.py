@@ -14,17 +14,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from meshforge.config.base import ConfigError, Issue
 from meshforge.config.mindspeed_args import BY_NAME, as_bool
 
 Say = Callable[[str], None]
 # native path -> (MindSpeed argument, the value given for it)
-Origins = dict[str, tuple[str, Any]]
+Origins = dict[str, tuple[str, object]]
 
 
-def coerce_booleans(flat: dict[str, Any], say: Say, issues: list[Issue]) -> None:
+def coerce_booleans(flat: dict[str, object], say: Say, issues: list[Issue]) -> None:
     """Replace each boolean argument's value by the bool MindSpeed reads from it, in place."""
     for key, value in list(flat.items()):
         arg = BY_NAME.get(key)
@@ -42,7 +41,7 @@ def coerce_booleans(flat: dict[str, Any], say: Say, issues: list[Issue]) -> None
         say(f"{key}: {value!r} read as {read} (MindSpeed reads 1/0, yes/no, t/f as booleans)")
 
 
-def unbuilt_argument(path: str, key: str, value: Any, say: Say) -> Issue | None:
+def unbuilt_argument(path: str, key: str, value: object, say: Say) -> Issue | None:
     """A MindSpeed argument meshforge does not map: None (logged) at its default, else an issue."""
     arg = BY_NAME[key]
     read = as_bool(value) if arg.kind == "bool" else value
@@ -56,7 +55,7 @@ def unbuilt_argument(path: str, key: str, value: Any, say: Say) -> Issue | None:
     )
 
 
-def model_family_issue(model_id: Any, has_folder: bool) -> Issue | None:
+def model_family_issue(model_id: object, has_folder: bool) -> Issue | None:
     """`not supported yet: model family <id>` for a model_id no built family answers to."""
     if not isinstance(model_id, str):
         return None

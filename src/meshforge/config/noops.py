@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+from pydantic import BaseModel
+
 if TYPE_CHECKING:
     from meshforge.config.base import Issue
     from meshforge.config.root import TrainConfig
@@ -33,7 +35,7 @@ def _written(cfg: TrainConfig, path: str) -> bool:
     node: object = cfg
     for name in sections:
         node = getattr(node, name)
-    return leaf in getattr(node, "model_fields_set", set())
+    return isinstance(node, BaseModel) and leaf in node.model_fields_set
 
 
 def _entry(path: str, note: str, *, devices: tuple[str, ...] | None = None) -> NoOp:

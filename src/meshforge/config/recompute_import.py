@@ -7,12 +7,11 @@ in a YAML file they are written by their argument names (`recompute_granularity`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from meshforge.config.base import Issue
 
-Flat = dict[str, Any]
-To = Callable[[str, Any, str], None]  # (native path, value, MindSpeed key)
+Flat = dict[str, object]
+To = Callable[[str, object, str], None]  # (native path, value, MindSpeed key)
 Say = Callable[[str], None]
 
 

@@ -6,8 +6,6 @@ module only composes them. Unlike the MindFormers code, unknown top-level keys a
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import model_validator
 
 from meshforge.checkpoint.config import CheckpointConfig
@@ -52,7 +50,7 @@ class TrainConfig(StrictSection):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_sections_are_defaults(cls, data: Any) -> Any:
+    def _null_sections_are_defaults(cls, data: object) -> object:
         # `recompute:` with every child commented out is YAML null: treat it as "all defaults".
         if isinstance(data, dict):
             data = {
@@ -65,7 +63,7 @@ class TrainConfig(StrictSection):
         return data
 
 
-def _flash_alias(data: dict[str, Any]) -> dict[str, Any]:
+def _flash_alias(data: dict[str, object]) -> dict[str, object]:
     """Carry `model.use_flash_attention` into `kernels.use_flash_attn` unless the latter is written.
 
     One switch, two spellings (the MindFormers model key and the MindSpeed kernel flag): the
@@ -82,7 +80,7 @@ def _flash_alias(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def _param_dtype_alias(data: dict[str, Any]) -> dict[str, Any]:
+def _param_dtype_alias(data: dict[str, object]) -> dict[str, object]:
     """Carry MindSpeed's `parallelism.param_dtype` into `model.compute_dtype` unless that is written.
 
     MindSpeed's FSDP `param_dtype` is the dtype the unsharded parameters compute in, while the

@@ -7,12 +7,11 @@ Passthrough sections allow additional properties; every other section forbids th
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from meshforge.config.root import TrainConfig
 
 
-def config_schema() -> dict[str, Any]:
+def config_schema() -> dict[str, object]:
     """The JSON schema (draft 2020-12) of TrainConfig, with a one-line description per field."""
     schema = TrainConfig.model_json_schema(mode="validation")
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"

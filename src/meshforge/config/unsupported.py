@@ -45,12 +45,7 @@ def is_generic_model(cfg: TrainConfig) -> bool:
     from meshforge.utils.resources import resolve_path
 
     model = cfg.model
-    if (
-        not model.model_name_or_path
-        or model.model_type
-        or model.architectures
-        or getattr(model, "model_id", None)
-    ):
+    if not model.model_name_or_path or model.model_type or model.architectures or model.model_id:
         return False
     try:
         config = json.loads(

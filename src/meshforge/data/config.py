@@ -16,7 +16,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, PrivateAttr, field_validator, model_validator
 
@@ -64,7 +64,7 @@ class ParsedOptions:
     issues: tuple[tuple[str, str], ...] = ()
 
 
-OptionsParser = Callable[[str | None, Mapping[str, Any]], ParsedOptions]
+OptionsParser = Callable[[str | None, Mapping[str, object]], ParsedOptions]
 _PARSER: list[OptionsParser] = []
 
 
@@ -80,7 +80,7 @@ def use_options_parser(parser: OptionsParser) -> None:
         default._parsed = parser(default.type, default.model_extra or {})
 
 
-def _parse(type_name: str | None, extra: Mapping[str, Any]) -> ParsedOptions:
+def _parse(type_name: str | None, extra: Mapping[str, object]) -> ParsedOptions:
     if not _PARSER:
         raise RuntimeError("meshforge.data.specs was not imported: no loader options parser")
     return _PARSER[0](type_name, extra)
@@ -145,7 +145,7 @@ class DataloaderConfig(PassthroughSection):
         return parsed.options
 
 
-def count_datasets(dataset: Any) -> int:
+def count_datasets(dataset: object) -> int:
     """How many datasets `dataset` names: a list, comma-separated names, or one inline dict."""
     if dataset is None:
         return 0
@@ -205,10 +205,10 @@ class TrainDatasetConfig(StrictSection):
     persistent_workers: Bool = describe(False, "Keep loader workers alive between epochs.")
     # SFT data (MindSpeed-LLM / LLaMA-Factory DataArguments).
     template: str | None = describe(None, "Chat template name (e.g. qwen3); null = from the tokenizer.")
-    dataset: dict[str, Any] | str | list[str] | None = describe(
+    dataset: dict[str, object] | str | list[str] | None = describe(
         None, "SFT dataset(s): comma-separated names from dataset_info.json, a list, or an inline dict."
     )
-    eval_dataset: dict[str, Any] | str | list[str] | None = describe(
+    eval_dataset: dict[str, object] | str | list[str] | None = describe(
         None, "Evaluation dataset(s); exclusive with val_size."
     )
     dataset_dir: str = describe("./configs/fsdp2/data", "Folder holding dataset_info.json and data files.")
@@ -272,12 +272,12 @@ class TrainDatasetConfig(StrictSection):
 
     @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
-    def _empty_is_none(cls, value: Any) -> Any:
+    def _empty_is_none(cls, value: object) -> object:
         return None if value == {} else value
 
     @model_validator(mode="before")
     @classmethod
-    def _neat_forces_packing(cls, data: Any) -> Any:
+    def _neat_forces_packing(cls, data: object) -> object:
         if isinstance(data, dict) and data.get("neat_packing") is True and "packing" not in data:
             data = {**data, "packing": True}
         return data

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +46,8 @@ import torch
 if TYPE_CHECKING:
     from meshforge.data.config import TrainDatasetConfig
     from meshforge.data.context import LoaderContext
+
+R = TypeVar("R")  # one row of a stream, as its `collate` takes it
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 IGNORE_INDEX = -100
@@ -289,7 +291,7 @@ class EvalLoader:
             yield to_tensors(arrays)
 
 
-class StreamLoader:
+class StreamLoader(Generic[R]):
     """Infinite, DP-sharded micro-batches from a row stream of unknown length, resumable exactly.
 
     `rows(epoch)` gives a fresh iterator over one epoch of rows (the stream reshuffles per epoch);
@@ -316,8 +318,8 @@ class StreamLoader:
 
     def __init__(
         self,
-        rows: Callable[[int], Iterable[Any]],
-        collate: Callable[[list[Any]], dict[str, np.ndarray]],
+        rows: Callable[[int], Iterable[R]],
+        collate: Callable[[list[R]], dict[str, np.ndarray]],
         *,
         local_batch_size: int,
         dp_rank: int,
@@ -338,8 +340,8 @@ class StreamLoader:
         self._round = dp_size * local_batch_size
         self._start = (0, 0)  # (epoch, rows of that epoch before the current unit)
         self._rounds_done = 0  # rounds of the current unit already served
-        self._unit_rows: list[Any] | None = None
-        self._iter: Iterator[Any] | None = None
+        self._unit_rows: list[R] | None = None
+        self._iter: Iterator[R] | None = None
         self._cursor = (0, 0)  # (epoch, rows read) of the open iterator
         self.dropped_rows = 0  # rows left out at epoch ends so far (drop_remainder)
 
@@ -366,7 +368,7 @@ class StreamLoader:
     def _fill(self) -> None:
         if self._iter is None or self._cursor != self._start:
             self._open(*self._start)
-        rows: list[Any] = []
+        rows: list[R] = []
         while len(rows) < self._unit:
             try:
                 row = next(self._iter)  # type: ignore[arg-type]
@@ -389,7 +391,7 @@ class StreamLoader:
             self._cursor = (self._cursor[0], self._cursor[1] + 1)
         self._unit_rows = rows
 
-    def __iter__(self) -> StreamLoader:
+    def __iter__(self) -> StreamLoader[R]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:

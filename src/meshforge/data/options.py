@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
@@ -32,14 +32,14 @@ class LoaderOptions(BaseModel):
         raise NotImplementedError(f"{type(self).__name__} does not say where its sequence length is")
 
 
-def key_path(loc: tuple[Any, ...]) -> str:
+def key_path(loc: tuple[int | str, ...]) -> str:
     path = ""
     for part in loc:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path
 
 
-def _owner(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel]:
+def _owner(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel]:
     """The (possibly nested) options model that holds the last key of `loc`."""
     for part in loc[:-1]:
         field: FieldInfo | None = model.model_fields.get(part) if isinstance(part, str) else None

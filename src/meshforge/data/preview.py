@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterable
-from typing import IO, TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Iterable, Mapping
+from typing import IO, TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from meshforge.config.root import TrainConfig
     from meshforge.data.config import TrainDatasetConfig
-    from meshforge.data.loader import StatefulLoader, StreamLoader
+    from meshforge.data.loader import SampleSource, StatefulLoader, StreamLoader
 
 IGNORE_INDEX = -100
 MASK_OPEN = "[MASKED]"
@@ -149,11 +149,17 @@ def masked_text(tokenizer: PreTrainedTokenizerBase, input_ids: Iterable[int], la
     return "".join(parts)
 
 
-def _row_length(dataset: Any, index: int, width: int) -> int:
+@runtime_checkable
+class _RowSource(Protocol):
+    """A dataset that also gives one row unpadded (`SFTDataset`)."""
+
+    def row(self, index: int) -> Mapping[str, np.ndarray]: ...
+
+
+def _row_length(dataset: SampleSource, index: int, width: int) -> int:
     # SFT rows know their own length (packed ones include their padding); the batch pads the rest.
-    row = getattr(dataset, "row", None)
-    if callable(row):
-        return min(width, len(row(index)["input_ids"]))
+    if isinstance(dataset, _RowSource):
+        return min(width, len(dataset.row(index)["input_ids"]))
     return width
 
 

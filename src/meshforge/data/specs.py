@@ -23,7 +23,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -138,7 +138,7 @@ def _type_issue(type_name: str | None) -> Issue:
 
 
 def _parse(
-    kind: LoaderKind, options: Mapping[str, Any], section_fields: Collection[str]
+    kind: LoaderKind, options: Mapping[str, object], section_fields: Collection[str]
 ) -> LoaderOptions | list[Issue]:
     """The parsed options, or the (key, reason) problems that stop them parsing."""
     own = {k: v for k, v in options.items() if k not in DECLARED_DATALOADER_KEYS}
@@ -149,7 +149,7 @@ def _parse(
 
 
 def check_dataloader_options(
-    type_name: str | None, options: Mapping[str, Any], *, section_fields: Collection[str] = ()
+    type_name: str | None, options: Mapping[str, object], *, section_fields: Collection[str] = ()
 ) -> list[Issue]:
     """Check a loader's passthrough options without opening any file.
 
@@ -167,7 +167,7 @@ def check_dataloader_options(
 
 
 def options_or_issues(
-    type_name: str | None, options: Mapping[str, Any], *, section_fields: Collection[str] = ()
+    type_name: str | None, options: Mapping[str, object], *, section_fields: Collection[str] = ()
 ) -> LoaderOptions | list[Issue]:
     """The typed options of loader `type_name`, or every problem as (key, reason) pairs."""
     kind = LOADERS.get(type_name) if type_name is not None else None
@@ -176,7 +176,7 @@ def options_or_issues(
     return _parse(kind, options, section_fields)
 
 
-def sequence_or_issues(kind: LoaderKind, options: Mapping[str, Any]) -> LoaderOptions | list[Issue] | None:
+def sequence_or_issues(kind: LoaderKind, options: Mapping[str, object]) -> LoaderOptions | list[Issue] | None:
     """The sequence part of the options (`kind.sequence`), its problems, or None when it is absent."""
     own = {k: v for k, v in options.items() if k not in DECLARED_DATALOADER_KEYS}
     try:
@@ -187,7 +187,7 @@ def sequence_or_issues(kind: LoaderKind, options: Mapping[str, Any]) -> LoaderOp
         return [issue for issue in issues_from(exc, kind.sequence) if not issue[1].startswith("required")]
 
 
-def parse_dataloader_options(type_name: str | None, options: Mapping[str, Any]) -> LoaderOptions:
+def parse_dataloader_options(type_name: str | None, options: Mapping[str, object]) -> LoaderOptions:
     """The typed options of loader `type_name`, raising one ValueError that lists every problem.
 
     Raises:
@@ -199,7 +199,7 @@ def parse_dataloader_options(type_name: str | None, options: Mapping[str, Any]) 
     return parsed
 
 
-def parse_section_options(type_name: str | None, options: Mapping[str, Any]) -> ParsedOptions:
+def parse_section_options(type_name: str | None, options: Mapping[str, object]) -> ParsedOptions:
     """Read the passthrough keys of one `train_dataset.dataloader` section (at its validation).
 
     A config fragment whose options do not parse (a reference example without data_path) still

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -135,7 +135,7 @@ def _txt_docs(path: Path) -> Iterator[str]:
                 yield text
 
 
-def _text_of(record: Any, text_key: str, where: str) -> str:
+def _text_of(record: object, text_key: str, where: str) -> str:
     if not isinstance(record, dict):
         raise ValueError(
             f"{where}: expected a JSON object with key {text_key!r}, got {type(record).__name__}"

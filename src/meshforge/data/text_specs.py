@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import ConfigDict, Field, StrictBool, StringConstraints, field_validator
 
@@ -21,7 +21,7 @@ class TextSequenceOptions(LoaderOptions):
 
     @field_validator("seq_length", mode="before")
     @classmethod
-    def _no_bool(cls, value: Any) -> Any:
+    def _no_bool(cls, value: object) -> object:
         # pydantic would read `true` as 1; a bool is never a number in meshforge configs.
         if isinstance(value, bool):
             raise ValueError(f"must be a positive integer, got {value!r}")
@@ -47,7 +47,7 @@ class TextDataLoaderOptions(TextSequenceOptions):
 
     @field_validator("data_path", mode="before")
     @classmethod
-    def _one_or_many(cls, value: Any) -> Any:
+    def _one_or_many(cls, value: object) -> object:
         # A single path is the common case in YAML; keep one internal shape.
         if isinstance(value, str):
             value = [value]

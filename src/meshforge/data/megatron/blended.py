@@ -50,14 +50,14 @@ class Blend:
     weights: list[float] | None
 
 
-def _as_weight(value: Any) -> float | None:
+def _as_weight(value: str | float) -> float | None:
     try:
         return float(value)
     except (TypeError, ValueError):
         return None
 
 
-def parse_blend(data_path: Sequence[Any], key: str = "data_path") -> Blend:
+def parse_blend(data_path: Sequence[str | float], key: str = "data_path") -> Blend:
     """Parse a Megatron blend list (see the module docstring).
 
     Raises:
@@ -273,7 +273,7 @@ class BlendedDataset:
 
 
 def build_datasets(
-    data_path: Sequence[Any],
+    data_path: Sequence[str | float],
     split: str,
     sizes: Sequence[int | None],
     config: GPTDatasetConfig,

@@ -27,7 +27,7 @@ folded into `labels` (-100), `attention_mask` / `actual_seq_len` become `segment
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
@@ -109,7 +109,7 @@ class MegatronDatasetOptions(MegatronSequenceSettings):
 
     @field_validator("data_path", mode="before")
     @classmethod
-    def _blend_list(cls, value: Any) -> Any:
+    def _blend_list(cls, value: object) -> object:
         # YAML gives weights as numbers or strings; Megatron reads them with float() either way.
         if isinstance(value, str):
             value = [value]

@@ -13,29 +13,31 @@ also counted as broken, so that an empty answer is never trained on.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 USER, ASSISTANT, SYSTEM, FUNCTION, OBSERVATION = "user", "assistant", "system", "function", "observation"
 
 
-def _aligned(prompt: list, response: list, system: Any, tools: Any, error: str) -> dict[str, Any]:
+def _aligned(
+    prompt: list[dict[str, str]], response: list[dict[str, str]], system: object, tools: object, error: str
+) -> dict[str, object]:
     if error:
         prompt, response = [], []
     elif not (len(prompt) % 2 == 1 and len(response) == 1):
         error = "not one prompt ending in a user turn and one response"
         prompt, response = [], []
-    if tools is not None and not isinstance(tools, str):
-        tools = json.dumps(tools, ensure_ascii=False)
+    tools_text = tools if tools is None or isinstance(tools, str) else json.dumps(tools, ensure_ascii=False)
     return {
         "_prompt": prompt,
         "_response": response,
         "_system": system if isinstance(system, str) else "",
-        "_tools": tools or "",
+        "_tools": tools_text or "",
         "_error": error,
     }
 
 
-def convert_alpaca(example: dict[str, Any], columns: dict[str, str | None]) -> dict[str, Any]:
+def convert_alpaca(example: dict[str, Any], columns: dict[str, str | None]) -> dict[str, object]:
     """One alpaca record -> aligned example (see the module docstring)."""
     prompt: list[dict[str, str]] = []
     error = ""
@@ -69,7 +71,7 @@ def convert_sharegpt(
     columns: dict[str, str | None],
     tags: dict[str, str | None],
     ranking: bool = False,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """One sharegpt (or openai messages) record -> aligned example (see the module docstring)."""
     role_tag, content_tag = tags["role_tag"], tags["content_tag"]
     roles = {
@@ -105,14 +107,14 @@ def convert_sharegpt(
     return _aligned(aligned[:-1], aligned[-1:], system, tools, error)
 
 
-def _content(message: dict[str, Any], content_tag: str | None) -> str | None:
+def _content(message: Mapping[str, object], content_tag: str | None) -> str | None:
     content = message.get(content_tag) if content_tag else None
     return content if isinstance(content, str) or content is None else json.dumps(content, ensure_ascii=False)
 
 
 def convert_openai(
     example: dict[str, Any], columns: dict[str, str | None], tags: dict[str, str | None]
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """One OpenAI `messages` record, as LLaMA-Factory's OpenAI converter reads it.
 
     Differences from sharegpt: an assistant message with `tool_calls` becomes a function turn whose
@@ -169,7 +171,12 @@ def convert_openai(
 
 
 def convert_batch(
-    batch: dict[str, list], *, formatting: str, columns: dict, tags: dict, ranking: bool
+    batch: dict[str, list],
+    *,
+    formatting: str,
+    columns: dict[str, str | None],
+    tags: dict[str, str | None],
+    ranking: bool,
 ) -> dict[str, list]:
     """`datasets.map(batched=True)` entry point: convert every record of a column batch."""
     size = len(next(iter(batch.values()))) if batch else 0

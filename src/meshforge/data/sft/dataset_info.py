@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from meshforge.utils.resources import resolve_path
+
+if TYPE_CHECKING:
+    from meshforge.data.sft.arrow import ArrowDataset
 
 COLUMN_DEFAULTS: dict[str, str | None] = {
     "prompt": "instruction",
@@ -79,7 +82,7 @@ class DatasetAttr:
     tags: dict[str, str | None] = field(default_factory=lambda: dict(TAG_DEFAULTS))
 
 
-def dataset_entries(dataset: Any) -> list[tuple[str, Any]]:
+def dataset_entries(dataset: object) -> list[tuple[str, object]]:
     """(key path, name or inline dict) for each dataset `train_dataset.dataset` names."""
     if dataset is None:
         return []
@@ -91,7 +94,7 @@ def dataset_entries(dataset: Any) -> list[tuple[str, Any]]:
     return [(f"train_dataset.dataset[{i}]", name) for i, name in enumerate(names)]
 
 
-def _read_info(dataset_dir: Path) -> dict[str, Any]:
+def _read_info(dataset_dir: Path) -> dict[str, object]:
     path = dataset_dir / "dataset_info.json"
     if not path.is_file():
         raise FileNotFoundError(
@@ -109,7 +112,9 @@ def _read_info(dataset_dir: Path) -> dict[str, Any]:
     return info
 
 
-def _mapping(info: dict[str, Any], key: str, defaults: dict[str, str | None], where: str) -> dict:
+def _mapping(
+    info: dict[str, object], key: str, defaults: dict[str, str | None], where: str
+) -> dict[str, str | None]:
     if key not in info:
         return dict(defaults)
     given = info[key]
@@ -150,7 +155,7 @@ def _files(file_name: str, base: Path, where: str) -> tuple[list[Path], str]:
     return files, types.pop()
 
 
-def resolve_datasets(dataset: Any, dataset_dir: str) -> list[DatasetAttr]:
+def resolve_datasets(dataset: object, dataset_dir: str) -> list[DatasetAttr]:
     """The `DatasetAttr` of every dataset `train_dataset.dataset` names.
 
     Raises:
@@ -160,9 +165,10 @@ def resolve_datasets(dataset: Any, dataset_dir: str) -> list[DatasetAttr]:
     if not entries:
         raise ValueError("train_dataset.dataset: SFTDataLoader needs at least one dataset (a name or dict)")
     base = resolve_path(dataset_dir)
-    info_file: dict[str, Any] | None = None
+    info_file: dict[str, object] | None = None
     attrs = []
     for where, item in entries:
+        info: object
         if isinstance(item, dict):
             name, info = where, item
         else:
@@ -171,13 +177,14 @@ def resolve_datasets(dataset: Any, dataset_dir: str) -> list[DatasetAttr]:
             if item not in info_file:
                 known = ", ".join(sorted(info_file)) or "none"
                 raise ValueError(f"{where}: {item!r} is not in {base / 'dataset_info.json'} (known: {known})")
-            name, info = str(item), info_file[item]
+            name = str(item)  # `item` is one of the file's (str) keys
+            info = info_file[name]
             where = f"{base / 'dataset_info.json'}: {item}"
         attrs.append(_attr(name, info, base, where))
     return attrs
 
 
-def _attr(name: str, info: Any, base: Path, where: str) -> DatasetAttr:
+def _attr(name: str, info: object, base: Path, where: str) -> DatasetAttr:
     if not isinstance(info, dict):
         raise ValueError(f"{where}: a dataset must be an object with file_name, got {type(info).__name__}")
     remote = [key for key in REMOTE_KEYS if info.get(key)]
@@ -220,7 +227,7 @@ def _attr(name: str, info: Any, base: Path, where: str) -> DatasetAttr:
     )
 
 
-def load_raw(attr: DatasetAttr, *, cache_dir: str | None = None) -> Any:
+def load_raw(attr: DatasetAttr, *, cache_dir: str | None = None) -> ArrowDataset:
     """The attr's files as a `datasets.Dataset` (split `attr.split`)."""
     import datasets
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshforge.data.context import MIXED_EVAL
 from meshforge.data.prepare import preparers_first
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from meshforge.data.config import TrainDatasetConfig
     from meshforge.data.context import LoaderContext
     from meshforge.data.loader import EvalLoader, StatefulLoader, StreamLoader
+    from meshforge.data.sft.arrow import ArrowDataset
 
 
 Parts = dict[str, SFTDataset]
@@ -113,7 +114,7 @@ def _prepare_splits(
     seed: int,
     preparer: bool,
     log: Callable[[str], None] | None,
-) -> tuple[Any, dict[str, Any], bool]:
+) -> tuple[ArrowDataset, dict[str, ArrowDataset], bool]:
     """(train, validation parts, whether they came from `tokenized_path`) as `datasets` objects.
 
     A preparing rank saves `tokenized_path` when it is set and empty; the ranks after it then find
@@ -141,7 +142,7 @@ def _prepare_splits(
     return train, valid, from_disk
 
 
-def _save_tokenized(path: Path, train: Any, valid: dict[str, Any]) -> None:
+def _save_tokenized(path: Path, train: ArrowDataset, valid: dict[str, ArrowDataset]) -> None:
     """`train` and the validation part(s) as one `DatasetDict` (see `PART_NAMES_FILE`)."""
     import datasets
 
@@ -155,7 +156,7 @@ def _save_tokenized(path: Path, train: Any, valid: dict[str, Any]) -> None:
     (path / PART_NAMES_FILE).write_text(json.dumps(names, indent=1) + "\n", encoding="utf-8")
 
 
-def _load_tokenized(path: Path) -> tuple[Any, dict[str, Any]]:
+def _load_tokenized(path: Path) -> tuple[ArrowDataset, dict[str, ArrowDataset]]:
     """What `_save_tokenized` wrote (or a plain saved `Dataset`, read as train data only)."""
     import datasets
 

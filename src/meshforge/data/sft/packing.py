@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshforge.data.sft.processor import IGNORE_INDEX, encode_example
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from meshforge.data.sft.templates import Template
 
 
 def greedy_knapsack(numbers: list[int], capacity: int) -> list[list[int]]:
@@ -81,7 +83,7 @@ def pack_examples(
 def pack_batch(
     batch: dict[str, list],
     *,
-    template: Any,
+    template: Template,
     tokenizer: PreTrainedTokenizerBase,
     cutoff_len: int,
     train_on_prompt: bool,

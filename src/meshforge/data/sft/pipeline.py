@@ -26,12 +26,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import numpy as np
 
 from meshforge.data.context import MIXED_EVAL
+from meshforge.data.sft.arrow import ArrowDataset
 from meshforge.data.sft.converters import check_columns, convert_batch
 from meshforge.data.sft.dataset_info import DatasetAttr, load_raw, resolve_datasets
 from meshforge.data.sft.packing import pack_batch
@@ -46,12 +47,16 @@ if TYPE_CHECKING:
 COLUMNS = ("input_ids", "labels", "position_ids", "segment_ids")
 CONVERTED = ("_prompt", "_response", "_system", "_tools", "_error")
 STOPPING = {"interleave_under": "first_exhausted", "interleave_over": "all_exhausted"}
+D = TypeVar("D")  # a `datasets.Dataset` or `IterableDataset` (`arrow.ArrowDataset` / `ArrowStream`)
+Encoder = Callable[..., dict[str, list]]
 
 
 class SFTDataset:
     """Encoded SFT rows as a loader `SampleSource` (see the module docstring)."""
 
-    def __init__(self, columns: dict[str, list[list[int]]], *, row_length: int, pad_id: int, label_pad: int):
+    def __init__(
+        self, columns: Mapping[str, Sequence[Sequence[int]]], *, row_length: int, pad_id: int, label_pad: int
+    ):
         self.num_rows = len(columns["input_ids"])
         self.row_length = row_length
         self.pad_id = pad_id
@@ -110,7 +115,12 @@ class SFTDataset:
 
 
 def pad_rows(
-    rows: list[dict[str, Any]], *, keys: list[str], row_length: int, pad_id: int, label_pad: int
+    rows: Sequence[Mapping[str, Sequence[int] | np.ndarray]],
+    *,
+    keys: list[str],
+    row_length: int,
+    pad_id: int,
+    label_pad: int,
 ) -> dict[str, np.ndarray]:
     """Encoded rows (unshifted, as stored) as one batch in the batch contract.
 
@@ -155,7 +165,7 @@ def build_template(cfg: TrainDatasetConfig, tokenizer: PreTrainedTokenizerBase) 
     return template
 
 
-def convert_kwargs(attr: DatasetAttr) -> dict[str, Any]:
+def convert_kwargs(attr: DatasetAttr) -> dict[str, object]:
     return {
         "formatting": attr.formatting,
         "columns": attr.columns,
@@ -166,7 +176,7 @@ def convert_kwargs(attr: DatasetAttr) -> dict[str, Any]:
 
 def prepare_dataset(
     attr: DatasetAttr, cfg: TrainDatasetConfig, seed: int, key: str = "train_dataset.dataset"
-) -> Any:
+) -> ArrowDataset:
     """Load, subsample and convert one dataset; returns the converted `datasets.Dataset`."""
     ds = load_raw(attr)
     where = f"{key} ({attr.name}: {', '.join(map(str, attr.files))})"
@@ -191,7 +201,7 @@ def prepare_dataset(
     )
 
 
-def mix_datasets(converted: list[Any], cfg: TrainDatasetConfig, seed: int) -> Any:
+def mix_datasets(converted: list[D], cfg: TrainDatasetConfig, seed: int) -> D:
     import datasets
 
     if len(converted) == 1:
@@ -204,7 +214,7 @@ def mix_datasets(converted: list[Any], cfg: TrainDatasetConfig, seed: int) -> An
     )
 
 
-def resolve_attrs(spec: Any, cfg: TrainDatasetConfig, key: str) -> list[DatasetAttr]:
+def resolve_attrs(spec: object, cfg: TrainDatasetConfig, key: str) -> list[DatasetAttr]:
     # resolve_datasets names `train_dataset.dataset` in its messages; say `eval_dataset` for that key.
     if key == "train_dataset.dataset":
         return resolve_datasets(spec, cfg.dataset_dir)
@@ -217,15 +227,15 @@ def resolve_attrs(spec: Any, cfg: TrainDatasetConfig, key: str) -> list[DatasetA
 
 
 def converted_datasets(
-    spec: Any, cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None, key: str
-) -> Any:
+    spec: object, cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None, key: str
+) -> ArrowDataset:
     """The named datasets loaded, converted (broken records reported) and mixed: one `Dataset`."""
     return mix_datasets(list(converted_each(spec, cfg, seed, log, key).values()), cfg, seed)
 
 
 def converted_each(
-    spec: Any, cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None, key: str
-) -> dict[str, Any]:
+    spec: object, cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None, key: str
+) -> dict[str, ArrowDataset]:
     """The named datasets loaded and converted, each on its own: dataset name -> `Dataset`.
 
     Raises:
@@ -256,8 +266,8 @@ def converted_each(
 
 def encoder(
     cfg: TrainDatasetConfig, tokenizer: PreTrainedTokenizerBase, template: Template
-) -> tuple[Callable[..., dict], dict[str, Any]]:
-    common = {
+) -> tuple[Encoder, dict[str, object]]:
+    common: dict[str, object] = {
         "template": template,
         "tokenizer": tokenizer,
         "cutoff_len": cfg.cutoff_len,
@@ -272,8 +282,12 @@ def encoder(
 
 
 def encode_dataset(
-    ds: Any, cfg: TrainDatasetConfig, tokenizer: PreTrainedTokenizerBase, template: Template, what: str
-) -> Any:
+    ds: ArrowDataset,
+    cfg: TrainDatasetConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    template: Template,
+    what: str,
+) -> ArrowDataset:
     fn, kwargs = encoder(cfg, tokenizer, template)
     processed = ds.map(
         fn,
@@ -290,7 +304,7 @@ def encode_dataset(
     return processed
 
 
-def split_validation(mixed: Any, val_size: float, seed: int) -> tuple[Any, Any]:
+def split_validation(mixed: ArrowDataset, val_size: float, seed: int) -> tuple[ArrowDataset, ArrowDataset]:
     """LLaMA-Factory's split of the converted examples: (train, validation) `Dataset`s.
 
     `val_size` in (0, 1) is a fraction; above 1 it is a number of examples (`int(val_size)`). The
@@ -321,7 +335,7 @@ def build_sft_splits(
     *,
     seed: int,
     log: Callable[[str], None] | None = None,
-) -> tuple[Any, dict[str, Any]]:
+) -> tuple[ArrowDataset, dict[str, ArrowDataset]]:
     """Run the pipeline (no tokenized_path logic): the processed train `Dataset` and validation parts.
 
     The parts are empty without validation data, `{MIXED_EVAL: dataset}` for one validation set,
@@ -332,7 +346,7 @@ def build_sft_splits(
     """
     template = build_template(cfg, tokenizer)
     mixed = converted_datasets(cfg.dataset, cfg, seed, log, "train_dataset.dataset")
-    converted: dict[str, Any] = {}
+    converted: dict[str, ArrowDataset] = {}
     what = "train_dataset.eval_dataset"
     if cfg.val_size > 1e-6:
         mixed, converted[MIXED_EVAL] = split_validation(mixed, float(cfg.val_size), seed)
@@ -345,7 +359,7 @@ def build_sft_splits(
 
 def validation_converted(
     cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None
-) -> dict[str, Any]:
+) -> dict[str, ArrowDataset]:
     """The converted `eval_dataset`: one mixed part, or one part per dataset (eval_on_each_dataset)."""
     key = "train_dataset.eval_dataset"
     if cfg.eval_on_each_dataset:
@@ -354,12 +368,12 @@ def validation_converted(
 
 
 def encode_parts(
-    parts: dict[str, Any],
+    parts: dict[str, ArrowDataset],
     cfg: TrainDatasetConfig,
     tokenizer: PreTrainedTokenizerBase,
     template: Template,
     what: str,
-) -> dict[str, Any]:
+) -> dict[str, ArrowDataset]:
     """Each validation part encoded (packed within itself) on its own; messages name the part."""
     return {
         name: encode_dataset(ds, cfg, tokenizer, template, f"{what} ({name})" if name else what)
@@ -373,7 +387,7 @@ def build_sft_columns(
     *,
     seed: int,
     log: Callable[[str], None] | None = None,
-) -> Any:
+) -> ArrowDataset:
     """The processed training `Dataset` of `build_sft_splits` (validation examples left out)."""
     return build_sft_splits(cfg, tokenizer, seed=seed, log=log)[0]
 
@@ -393,9 +407,14 @@ def pad_ids(cfg: TrainDatasetConfig, tokenizer: PreTrainedTokenizerBase) -> tupl
 
 
 def to_rows(
-    processed: Any, cfg: TrainDatasetConfig, tokenizer: PreTrainedTokenizerBase, *, from_disk: bool
+    processed: ArrowDataset, cfg: TrainDatasetConfig, tokenizer: PreTrainedTokenizerBase, *, from_disk: bool
 ) -> SFTDataset:
-    columns = {key: processed[key] for key in COLUMNS if key in processed.column_names}
+    # The encoders wrote these columns: lists of token ids (arrow.EncodedRow).
+    columns = {
+        key: cast("Sequence[Sequence[int]]", processed[key])
+        for key in COLUMNS
+        if key in processed.column_names
+    }
     longest = max((len(r) for r in columns["input_ids"]), default=0)
     row_length = max(cfg.cutoff_len, longest) if from_disk else cfg.cutoff_len
     pad_id, label_pad = pad_ids(cfg, tokenizer)

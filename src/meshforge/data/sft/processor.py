@@ -10,10 +10,12 @@ stores them); the loader shifts them into the batch contract.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from meshforge.data.sft.templates import Template
 
 IGNORE_INDEX = -100
 
@@ -32,7 +34,7 @@ def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int
 
 
 def encode_example(
-    template: Any,
+    template: Template,
     tokenizer: PreTrainedTokenizerBase,
     prompt: list[dict],
     response: list[dict],
@@ -82,7 +84,7 @@ def encode_example(
 def encode_batch(
     batch: dict[str, list],
     *,
-    template: Any,
+    template: Template,
     tokenizer: PreTrainedTokenizerBase,
     cutoff_len: int,
     train_on_prompt: bool,

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -43,9 +43,13 @@ from meshforge.data.sft.pipeline import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from transformers import PreTrainedTokenizerBase
 
     from meshforge.data.config import TrainDatasetConfig
+    from meshforge.data.sft.arrow import ArrowStream, EncodedRow
+    from meshforge.data.sft.pipeline import Encoder
 
 
 class SFTStream:
@@ -57,12 +61,12 @@ class SFTStream:
 
     def __init__(
         self,
-        indexed: Any,
+        indexed: ArrowStream,
         *,
         cfg: TrainDatasetConfig,
         seed: int,
         held_out: frozenset[int],
-        encode: tuple[Callable[..., dict], dict[str, Any]],
+        encode: tuple[Encoder, dict[str, object]],
         row_length: int,
         pad_id: int,
         label_pad: int,
@@ -81,22 +85,23 @@ class SFTStream:
         self.pad_id = pad_id
         self.label_pad = label_pad
 
-    def shuffled(self, epoch: int) -> Any:
+    def shuffled(self, epoch: int) -> ArrowStream:
         """The converted examples in epoch `epoch`'s order (LLaMA-Factory's `shuffle(buffer_size, seed)`)."""
         stream = self.indexed.shuffle(seed=self.seed, buffer_size=self.buffer_size)
         stream.set_epoch(epoch)  # the epoch of the dataset that is iterated counts: see rows()
         return stream
 
-    def rows(self, epoch: int) -> Iterator[dict[str, Any]]:
+    def rows(self, epoch: int) -> Iterator[EncodedRow]:
         stream = self.shuffled(epoch)
         if self.held_out:
             held = self.held_out
             stream = stream.filter(lambda b: [r not in held for r in b["_row"]], batched=True)
         skipped = self.skipped = Counter()
 
-        def count_broken(batch: dict[str, list]) -> list[bool]:
+        def count_broken(batch: dict[str, list[object]]) -> list[bool]:
             # Keeps every row: the encoder drops the broken ones; this only counts them by reason.
-            skipped.update(error for error in batch.get("_error", []) if error)
+            reasons = cast("list[str]", batch.get("_error", []))  # the converters' reasons
+            skipped.update(error for error in reasons if error)
             return [True] * len(batch["_row"])
 
         stream = stream.filter(count_broken, batched=True)
@@ -111,9 +116,10 @@ class SFTStream:
         # `datasets` reseeds the shuffle buffer from the epoch of the dataset being iterated, which
         # `filter`/`map` do not carry over: set it on the last one.
         encoded.set_epoch(epoch)
-        return self._reporting(iter(encoded), epoch)
+        # Only the encoder's columns are left: lists of token ids.
+        return self._reporting(cast("Iterator[EncodedRow]", iter(encoded)), epoch)
 
-    def _reporting(self, rows: Iterator[dict[str, Any]], epoch: int) -> Iterator[dict[str, Any]]:
+    def _reporting(self, rows: Iterator[EncodedRow], epoch: int) -> Iterator[EncodedRow]:
         """Yield the rows, then report the broken records the epoch skipped (never silently)."""
         yield from rows
         if self.skipped and self.log is not None:
@@ -122,7 +128,7 @@ class SFTStream:
                 f"sft stream epoch {epoch}: skipped {sum(self.skipped.values())} broken record(s): {reasons}"
             )
 
-    def collate(self, rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    def collate(self, rows: list[EncodedRow]) -> dict[str, np.ndarray]:
         keys = [key for key in COLUMNS if rows and key in rows[0]]
         return pad_rows(
             rows, keys=keys, row_length=self.row_length, pad_id=self.pad_id, label_pad=self.label_pad
@@ -131,7 +137,7 @@ class SFTStream:
 
 def _numbered_records(
     file_type: str, files: tuple[str, ...], split: str, base: int
-) -> Iterator[dict[str, Any]]:
+) -> Iterator[dict[str, object]]:
     """The records of `files` in order, streamed, each with `_row` = base + its position."""
     import datasets
 
@@ -222,7 +228,7 @@ def build_sft_stream(
                 f"train_dataset.val_size: {int(cfg.val_size)} validation examples, but the stream has "
                 f"only {len(taken)}"
             )
-        stream.held_out = frozenset(int(r["_row"]) for r in taken)
+        stream.held_out = frozenset(cast(int, r["_row"]) for r in taken)  # set by _numbered_records
         valid = datasets.Dataset.from_list([{k: r[k] for k in CONVERTED} for r in taken])
         valid = encode_dataset(valid, cfg, tokenizer, template, "train_dataset.val_size")
         parts[MIXED_EVAL] = to_rows(valid, cfg, tokenizer, from_disk=False)
