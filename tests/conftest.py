@@ -156,6 +156,31 @@ def run_train(
     return proc
 
 
+def meshforge_here(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`meshforge ARGS` in this process, in `cwd`: its exit code, stdout and stderr as a process's.
+
+    The same `meshforge.cli.main.main` that `python -m meshforge` runs, without the interpreter
+    and torch start-up; for tests of what a command prints and returns. An exception the command
+    lets escape (a traceback a user would see) fails the test with that traceback. The process
+    entry itself (`python -m meshforge`, torchrun, signals) keeps real processes.
+    """
+    import contextlib
+    import io
+
+    from meshforge.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    return subprocess.CompletedProcess(["meshforge", *args], code, out.getvalue(), err.getvalue())
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]

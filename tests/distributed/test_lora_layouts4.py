@@ -28,6 +28,10 @@ from tests.distributed._spawn import run_workers
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+# Rounding-sized reorderings move a trained adapter by ~5e-6 of its norm; a wrong term (a missing
+# reduction, replicas that drift apart) moves every element, and changes the losses and gradient
+# norms checked at 1e-5 as well.
+NOISE_BOUND = 1e-4
 ONE = ["--training.global_batch_size=4", "--training.local_batch_size=4"]
 # The same rows in one process as 4 micro-batches of 1: only the order of the additions changes.
 ONE_ACCUMULATED = ["--training.global_batch_size=4", "--training.local_batch_size=1"]
@@ -142,6 +146,9 @@ def test_lora_four_rank_layouts_equal_one_process(tmp_path: Path) -> None:
     # one process already moves a trained adapter by ~5e-6 of its norm. A layout may be off by
     # a few times that; a wrong term (a missing reduction, replicas that drift apart) moves every
     # element and is off by a large fraction of the norm.
-    assert noise <= 1e-4, f"one process with 4 micro-batches of 1 trains other adapters ({noise:.2e})"
-    weight_tol = max(RTOL, ROUNDING_FACTOR * noise)
+    # One reordering is one sample of that noise, not its bound (another CPU's kernels or another
+    # layout's order land elsewhere: 8 x 5e-6 was exceeded at 5e-5 once), so the bound is never
+    # below what the check above allows one process.
+    assert noise <= NOISE_BOUND, f"one process with 4 micro-batches of 1 trains other adapters ({noise:.2e})"
+    weight_tol = max(RTOL, ROUNDING_FACTOR * noise, NOISE_BOUND)
     run_workers(_worker, 4, str(tmp_path), want, weight_tol, timeout=600)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.conftest import TINY_CONFIG, read_metrics, run_train, write_corpus
+from tests.conftest import TINY_CONFIG, meshforge_here, read_metrics, write_corpus
 
 DROPOUT = "--model.attention_dropout=0.2"
 
@@ -31,7 +30,8 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dic
     config = root / "tiny.yaml"
     config.write_text(TINY_CONFIG.format(data=write_corpus(root / "corpus.jsonl")))
     run = root / "full"
-    run_train(config, ["--training.steps=4", f"--training.output_dir={run}", DROPOUT], cwd=root)
+    proc = _train(config, run)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     return config, run, read_metrics(run)
 
 
@@ -39,44 +39,34 @@ def _step(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"checkpoint-{step:08d}"
 
 
-def _resume(config: Path, out: Path, load_path: Path) -> subprocess.CompletedProcess[str]:
-    return run_train(
-        config,
-        [
-            "--training.steps=4",
-            f"--training.output_dir={out}",
-            f"--checkpoint.load_path={load_path}",
-            DROPOUT,
-        ],
+def _train(config: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """`meshforge train` of four steps into `out` (in this process: see `meshforge_here`)."""
+    return meshforge_here(
+        "train",
+        "--config",
+        str(config),
+        "--training.steps=4",
+        f"--training.output_dir={out}",
+        DROPOUT,
+        *overrides,
         cwd=out.parent,
     )
+
+
+def _resume(config: Path, out: Path, load_path: Path) -> subprocess.CompletedProcess[str]:
+    proc = _train(config, out, f"--checkpoint.load_path={load_path}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
 
 
 def _refused(config: Path, out: Path, load_path: Path) -> str:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshforge",
-            "train",
-            "--config",
-            str(config),
-            "--training.steps=4",
-            f"--training.output_dir={out}",
-            f"--checkpoint.load_path={load_path}",
-            DROPOUT,
-        ],
-        cwd=out.parent,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _train(config, out, f"--checkpoint.load_path={load_path}")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     return proc.stderr
 
 
-@pytest.mark.procs
+@pytest.mark.slow  # whole trainings
 def test_resume_with_dropout_is_exact_only_with_the_rng_state(base: tuple[Path, Path, list[dict]]) -> None:
     config, run, full = base
     resumed_dir = run.parent / "resumed"
@@ -98,7 +88,7 @@ def test_resume_with_dropout_is_exact_only_with_the_rng_state(base: tuple[Path, 
     assert fresh[0]["loss"] != full[2]["loss"]
 
 
-@pytest.mark.procs
+@pytest.mark.slow  # whole trainings
 def test_incomplete_step_folder_is_skipped_and_replaced(base: tuple[Path, Path, list[dict]]) -> None:
     config, run, full = base
     copy = run.parent / "crashed"
@@ -117,7 +107,7 @@ def test_incomplete_step_folder_is_skipped_and_replaced(base: tuple[Path, Path, 
     assert (_step(copy, 4) / "COMPLETE").is_file()
 
 
-@pytest.mark.procs
+@pytest.mark.slow  # whole trainings
 def test_damaged_checkpoint_files_are_named(base: tuple[Path, Path, list[dict]]) -> None:
     config, run, _ = base
     for name, damage, expected in (

@@ -1,5 +1,7 @@
-"""Every runnable example under configs/ trains a few steps through `meshforge train`; the real-size
-examples under configs/examples/ plan on their world size and fit an 80 GB device.
+"""Every runnable example under configs/ trains a few steps as `meshforge train` runs it (config
+loading with overrides, then the trainer, in this process: the command line itself is
+`test_train_cli.py`'s); the real-size examples under configs/examples/ plan on their world size and
+fit an 80 GB device.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, read_metrics, run_train
+from tests.conftest import REPO, read_metrics
+from tests.distributed._layouts import train_one
 
 REAL_SIZE = REPO / "configs" / "examples"
 # configs/examples/ name published models and GPU clusters: they are planned below, not trained here.
@@ -28,10 +31,10 @@ DEVICE_BYTES = 80e9
 
 
 @pytest.mark.parametrize("config", EXAMPLES, ids=lambda p: str(p.relative_to(REPO / "configs")))
-@pytest.mark.procs
+@pytest.mark.slow  # twelve whole trainings
 def test_example_config_trains(config: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run_train(
+    train_one(
         config,
         [
             "--training.steps=5",
