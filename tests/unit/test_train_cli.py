@@ -10,11 +10,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import read_metrics, run_train
+from tests.conftest import meshforge_here, read_metrics
 
-pytestmark = pytest.mark.slow  # every test here runs meshforge in a subprocess
+# Every test here runs a meshforge command: the entry point itself (`python -m meshforge`) in a
+# process, the others in this one (`meshforge_here`: the same `main`, its exit code and output).
+pytestmark = pytest.mark.slow
 
 
+def _train(config: Path, overrides: list[str], *, cwd: Path) -> subprocess.CompletedProcess[str]:
+    proc = meshforge_here("train", "--config", str(config), *overrides, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.mark.procs
 def test_demo_runs_from_any_directory_and_writes_its_outputs(tmp_path: Path) -> None:
     out = tmp_path / "demo-out"
     proc = subprocess.run(
@@ -43,7 +52,7 @@ def test_demo_runs_from_any_directory_and_writes_its_outputs(tmp_path: Path) -> 
 
 def test_training_loss_falls_and_checkpoints_are_pruned(tiny_config: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run_train(
+    _train(
         tiny_config,
         ["--training.steps=12", f"--training.output_dir={out}", "--checkpoint.save_max=2"],
         cwd=tmp_path,
@@ -55,20 +64,8 @@ def test_training_loss_falls_and_checkpoints_are_pruned(tiny_config: Path, tmp_p
 
 
 def test_unsupported_feature_is_refused_at_start(tiny_config: Path, tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshforge",
-            "train",
-            "--config",
-            str(tiny_config),
-            "--parallelism.enable_mc2=true",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = meshforge_here(
+        "train", "--config", str(tiny_config), "--parallelism.enable_mc2=true", cwd=tmp_path
     )
     assert proc.returncode == 2
     assert "not supported yet: parallelism.enable_mc2" in proc.stderr
@@ -76,13 +73,7 @@ def test_unsupported_feature_is_refused_at_start(tiny_config: Path, tmp_path: Pa
 
 
 def _refused(config: Path, cwd: Path, *overrides: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshforge", "train", "--config", str(config), *overrides],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = meshforge_here("train", "--config", str(config), *overrides, cwd=cwd)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     return proc.stderr
@@ -107,7 +98,7 @@ def test_model_must_fit_the_data(tiny_config: Path, tmp_path: Path) -> None:
 def test_resume_into_the_same_folder_and_weights_only_loading(tiny_config: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     tb = tmp_path / "tb"
-    run_train(
+    _train(
         tiny_config,
         ["--training.steps=4", f"--training.output_dir={run}", f"--monitor.tensorboard.output_dir={tb}"],
         cwd=tmp_path,
@@ -118,7 +109,7 @@ def test_resume_into_the_same_folder_and_weights_only_loading(tiny_config: Path,
     # Resume from the step-2 folder into the same run folder: metrics.jsonl keeps steps 1-2 and
     # continues; the resumed steps reproduce the original ones.
     step2 = run / "checkpoints" / "checkpoint-00000002"
-    run_train(
+    _train(
         tiny_config,
         ["--training.steps=4", f"--training.output_dir={run}", f"--checkpoint.load_path={step2}"],
         cwd=tmp_path,
@@ -129,7 +120,7 @@ def test_resume_into_the_same_folder_and_weights_only_loading(tiny_config: Path,
 
     # Weights only: a fresh run (step 1, fresh schedule) starting from the trained weights.
     fresh = tmp_path / "fresh"
-    proc = run_train(
+    proc = _train(
         tiny_config,
         [
             "--training.steps=1",
@@ -147,27 +138,19 @@ def test_resume_into_the_same_folder_and_weights_only_loading(tiny_config: Path,
 
 def test_checkpoint_without_optimizer_cannot_be_resumed_exactly(tiny_config: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    run_train(
+    _train(
         tiny_config,
         ["--training.steps=2", f"--training.output_dir={run}", "--checkpoint.no_save_optim=true"],
         cwd=tmp_path,
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshforge",
-            "train",
-            "--config",
-            str(tiny_config),
-            "--training.steps=3",
-            f"--training.output_dir={tmp_path / 'again'}",
-            f"--checkpoint.load_path={run / 'checkpoints'}",
-        ],
+    proc = meshforge_here(
+        "train",
+        "--config",
+        str(tiny_config),
+        "--training.steps=3",
+        f"--training.output_dir={tmp_path / 'again'}",
+        f"--checkpoint.load_path={run / 'checkpoints'}",
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
     assert proc.returncode == 2
     assert "checkpoint.load_path" in proc.stderr and "no_load_optim" in proc.stderr
@@ -176,7 +159,7 @@ def test_checkpoint_without_optimizer_cannot_be_resumed_exactly(tiny_config: Pat
 
 def test_disabled_saving_writes_no_checkpoint(tiny_config: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = run_train(
+    proc = _train(
         tiny_config,
         ["--training.steps=2", f"--training.output_dir={run}", "--checkpoint.enable_save=false"],
         cwd=tmp_path,
@@ -188,23 +171,16 @@ def test_disabled_saving_writes_no_checkpoint(tiny_config: Path, tmp_path: Path)
 def test_preprocess_is_a_meshforge_command(tmp_path: Path) -> None:
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text('{"text": "hello world"}\n{"text": "a second document"}\n')
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshforge",
-            "preprocess",
-            "--input",
-            str(corpus),
-            "--output-prefix",
-            str(tmp_path / "out"),
-            "--tokenizer",
-            "meshforge://assets/tokenizer",
-            "--append-eod",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = meshforge_here(
+        "preprocess",
+        "--input",
+        str(corpus),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--tokenizer",
+        "meshforge://assets/tokenizer",
+        "--append-eod",
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "out_text_document.idx").is_file() and (tmp_path / "out_text_document.bin").is_file()
