@@ -181,6 +181,16 @@ def meshforge_here(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(["meshforge", *args], code, out.getvalue(), err.getvalue())
 
 
+def train_cli(config: Path, overrides: list[str], *, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`run_train` in this process (`meshforge_here`): for tests of a run, not of its process."""
+    proc = meshforge_here("train", "--config", str(config), *overrides, cwd=cwd)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
+    return proc
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, read_metrics, run_train
+from tests.conftest import REPO, read_metrics, train_cli
 from tests.distributed._layouts import train_one
 
-pytestmark = pytest.mark.slow  # every test here runs meshforge in a subprocess
+pytestmark = pytest.mark.slow  # whole trainings, in this process
 
 SFT = REPO / "configs" / "qwen3" / "sft_alpaca_tiny.yaml"
 MEGATRON = REPO / "configs" / "qwen3" / "pretrain_megatron_tiny.yaml"
@@ -54,10 +54,10 @@ def test_megatron_validation_split_and_missing_validation_data(tmp_path: Path) -
     assert records[1]["eval_loss"] != records[0]["eval_loss"]
 
 
-@pytest.mark.procs
+@pytest.mark.slow  # whole trainings
 def test_eval_interval_without_validation_data_is_an_error(tmp_path: Path) -> None:
     try:
-        run_train(SFT, [*SMALL, "--training.steps=1", "--training.eval_interval=1"], cwd=tmp_path)
+        train_cli(SFT, [*SMALL, "--training.steps=1", "--training.eval_interval=1"], cwd=tmp_path)
     except AssertionError as err:
         assert "training.eval_interval: needs evaluation data" in str(err)
     else:

@@ -17,7 +17,7 @@ from meshforge.checkpoint.hf import load_hf_weights
 from meshforge.checkpoint.source import resolve_model_source
 from meshforge.config import config_from_dict
 from tests._compare import assert_close
-from tests.conftest import read_metrics, run_train, write_corpus
+from tests.conftest import read_metrics, train_cli, write_corpus
 
 transformers = pytest.importorskip("transformers")
 
@@ -105,13 +105,13 @@ def _first_batch(config: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     return next(iter(trainer.run.data.loader))
 
 
-@pytest.mark.procs
+@pytest.mark.slow  # whole trainings
 def test_generic_family_trains_with_transformers_first_loss_and_exports(
     hf_mistral: Path, tmp_path: Path
 ) -> None:
     config = _config(tmp_path, hf_mistral)
     run = tmp_path / "run"
-    proc = run_train(
+    proc = train_cli(
         config, [f"--training.output_dir={run}", "--checkpoint.save_hf_weights=true"], cwd=tmp_path
     )
     assert "generic transformers path" in proc.stdout

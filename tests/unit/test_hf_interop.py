@@ -19,7 +19,7 @@ from meshforge.checkpoint.hf import INDEX_FILE, find_hf_weights, load_hf_weights
 from meshforge.checkpoint.source import resolve_model_source
 from meshforge.config import config_from_dict
 from meshforge.models.registry import resolve_family
-from tests.conftest import read_metrics, run_train, write_corpus
+from tests.conftest import read_metrics, train_cli, write_corpus
 
 transformers = pytest.importorskip("transformers")
 
@@ -201,7 +201,7 @@ def _config(tmp_path: Path, name: str, model_lines: str) -> Path:
     return path
 
 
-@pytest.mark.procs
+@pytest.mark.slow  # whole trainings
 def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -213,7 +213,7 @@ def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Pa
         tmp_path, "from_hf", f"  model_name_or_path: {hf_untied_sharded}\n  max_position_embeddings: 64"
     )
     run = tmp_path / "run"
-    proc = run_train(cfg, [f"--training.output_dir={run}", "--checkpoint.save_hf_weights=true"], cwd=tmp_path)
+    proc = train_cli(cfg, [f"--training.output_dir={run}", "--checkpoint.save_hf_weights=true"], cwd=tmp_path)
     assert "model.max_position_embeddings: 64 overrides 128" in proc.stdout
     assert "loaded 25 Hugging Face weights" in proc.stdout
     assert f"Hugging Face export in {run / 'hf'}" in proc.stdout
@@ -258,7 +258,7 @@ def test_train_from_hf_folder_export_convert_and_load_path(hf_untied_sharded: Pa
         + "  tie_word_embeddings: false",
     )
     with pytest.raises(AssertionError, match="is a Hugging Face checkpoint; resuming optimizer state"):
-        run_train(explicit, [f"--checkpoint.load_path={hf_untied_sharded}"], cwd=tmp_path)
+        train_cli(explicit, [f"--checkpoint.load_path={hf_untied_sharded}"], cwd=tmp_path)
     run_hf = tmp_path / "run_hf"
     train_one(
         explicit,

@@ -7,16 +7,16 @@ from pathlib import Path
 import pytest
 
 from meshforge.models.registry import resolve_family
-from tests.conftest import TINY_CONFIG, read_metrics, run_train, write_corpus
+from tests.conftest import TINY_CONFIG, read_metrics, train_cli, write_corpus
 
 
-@pytest.mark.procs
+@pytest.mark.slow  # whole trainings
 def test_model_id_trains_the_built_in_family(tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "corpus.jsonl", num_docs=50)
     config = tmp_path / "by_id.yaml"
     config.write_text(TINY_CONFIG.format(data=corpus).replace("model_type: qwen3", "model_id: qwen3"))
     out = tmp_path / "run"
-    proc = run_train(config, ["--training.steps=2", f"--training.output_dir={out}"], cwd=tmp_path)
+    proc = train_cli(config, ["--training.steps=2", f"--training.output_dir={out}"], cwd=tmp_path)
     assert "model: qwen3 with" in proc.stdout + proc.stderr
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 

@@ -371,7 +371,7 @@ def test_extension_options_from_the_model_section(tmp_path: Path) -> None:
     assert tokenizer_extension(tok).new_ids == {"<a>": 8192, "<think>": 8193} and tok.split_special_tokens
 
 
-@pytest.mark.procs
+@pytest.mark.slow  # whole trainings
 def test_meshforge_train_with_added_tokens_exports_a_grown_model(
     hf_dirs: dict[bool, Path], tmp_path: Path
 ) -> None:
@@ -381,7 +381,7 @@ def test_meshforge_train_with_added_tokens_exports_a_grown_model(
     import transformers
     import yaml
 
-    from tests.conftest import read_metrics, run_train, write_corpus
+    from tests.conftest import read_metrics, train_cli, write_corpus
 
     descriptions = tmp_path / "special.yaml"
     descriptions.write_text(yaml.safe_dump(DESCRIPTIONS))
@@ -402,7 +402,7 @@ checkpoint: {{save_hf_weights: true, save_interleaved_steps: 2}}
 """
     )
     out = tmp_path / "run"
-    proc = run_train(config, [f"--training.output_dir={out}"], cwd=tmp_path)
+    proc = train_cli(config, [f"--training.output_dir={out}"], cwd=tmp_path)
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
     assert "8256" in proc.stdout + proc.stderr  # the plan is logged with the padded size
     exported = out / "hf"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
-from tests.conftest import read_metrics, run_train
+from tests.conftest import read_metrics, train_cli
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +24,10 @@ pytestmark = pytest.mark.slow
 EXPLODE = ["--lr_scheduler.learning_rate=1e6", "--training.max_norm=1e30", "--lr_scheduler.warmup_steps=0"]
 
 
-@pytest.mark.procs
+@pytest.mark.slow  # whole trainings
 def test_save_max_null_keeps_every_checkpoint(tiny_config: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run_train(
+    train_cli(
         tiny_config,
         [
             "--training.steps=5",
