@@ -250,9 +250,9 @@ class GenericHFAdapter(HFAdapterBase):
         return body
 
 
-def to_hf_config(config: Any) -> dict[str, Any]:
+def to_hf_config(config: Any) -> dict[str, object]:
     """config.json body of a generic model: transformers' own config, as ``save_pretrained`` writes it."""
-    body: dict[str, Any] = config.to_dict()
+    body: dict[str, object] = config.to_dict()
     body.pop("_name_or_path", None)
     return body
 

@@ -128,7 +128,7 @@ def generic_stage(b: StageBatch) -> LayerRunner:
     if position_ids is None:
         position_ids = torch.arange(b.seq_len, device=h.device).unsqueeze(0)
     module = sys.modules[type(inner).__module__]
-    masks: dict[str, Any] = {}
+    masks: dict[str, object] = {}
     for kind in dict.fromkeys(kinds):
         if isinstance(attention_mask, dict):
             # transformers' decoders take such a mapping in place of building their masks.
@@ -156,7 +156,7 @@ def generic_stage(b: StageBatch) -> LayerRunner:
         if cls not in accepted:
             accepted[cls] = set(inspect.signature(cls.forward).parameters)
         names = accepted[cls]
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, object] = {
             "attention_mask": masks[by_layer[id(layer)]],
             "position_embeddings": rope,
             "position_ids": position_ids,
@@ -213,7 +213,7 @@ def generic_cp_stage(model: nn.Module, plan: Any, b: StageBatch) -> LayerRunner:
                 )
             accepted[cls] = set(params)
         names = accepted[cls]
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, object] = {
             "attention_mask": None,
             "position_embeddings": rope,
             "position_ids": position_ids,

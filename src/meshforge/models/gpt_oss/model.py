@@ -24,7 +24,7 @@ padding, ``segment_ids == 0``, excluded) and ``tokens_per_expert()``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, cast
 
@@ -149,7 +149,7 @@ class GptOssModel(InnerModel):
         h = self.embed_tokens(input_ids)
         token_mask = None
         seq_len = input_ids.shape[-1]
-        masks: dict[str, Any]
+        masks: dict[str, object]
         if self.decode_mask is not None:
             return self._layers(h, position_ids, self.decode_mask(input_ids), None, seq_len)
         if self.cp is not None:
@@ -177,7 +177,7 @@ class GptOssModel(InnerModel):
         self,
         h: torch.Tensor,
         position_ids: torch.Tensor | None,
-        masks: dict[str, Any],
+        masks: Mapping[str, object],
         token_mask: torch.Tensor | None,
         seq_len: int,
     ) -> torch.Tensor:
