@@ -19,13 +19,10 @@ import math
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping
-from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
-if TYPE_CHECKING:
-    from meshforge.models.common.family_args import FamilyArgs
-
-#: The ``*Args`` type a parse starts from (a flavor or the defaults).
-ArgsT = TypeVar("ArgsT", bound="FamilyArgs")
+#: The ``*Args`` type a parse starts from (a flavor or the defaults; a family's ``FamilyArgs``).
+ArgsT = TypeVar("ArgsT")
 
 
 def close_match(key: str, known: Collection[str]) -> str | None:
