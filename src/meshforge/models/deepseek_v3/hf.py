@@ -23,7 +23,7 @@ loads it. Each MTP block's copies of the embedding and head (``embed_tokens``,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from meshforge.models.qwen3_moe import hf as _fused
 from meshforge.models.qwen3_moe.hf import Qwen3MoeStateDictAdapter, from_hf, hf_sources, to_hf
@@ -90,7 +90,7 @@ def from_hf_config(config: dict[str, object]) -> dict[str, object]:
     return options
 
 
-def mtp_fit(options: dict[str, object], keys: set[str]) -> dict[str, tuple[Any, str]]:
+def mtp_fit(options: dict[str, object], keys: set[str]) -> dict[str, tuple[object, str]]:
     """``{"num_nextn_predict_layers": (0, why)}`` when config.json asks for MTP blocks the weights lack.
 
     transformers builds no MTP block and its ``save_pretrained`` writes none, yet keeps the
@@ -132,7 +132,7 @@ class DeepseekV3StateDictAdapter(Qwen3MoeStateDictAdapter):
     def from_hf_config(self, config: Mapping[str, object]) -> dict[str, object]:
         return from_hf_config(dict(config))
 
-    def fit_to_weights(self, options: dict[str, object], keys: set[str]) -> dict[str, tuple[Any, str]]:
+    def fit_to_weights(self, options: dict[str, object], keys: set[str]) -> dict[str, tuple[object, str]]:
         """Options to change for a folder whose weights hold no MTP block (``fit_to_weights`` hook)."""
         return mtp_fit(options, keys)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Self
+from typing import ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
@@ -215,7 +215,7 @@ class LlamaArgs(FamilyArgs):
         return cls.apply_overrides(base, overrides)
 
 
-def _positive_number(key: str, value: Any) -> None:
+def _positive_number(key: str, value: object) -> None:
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)

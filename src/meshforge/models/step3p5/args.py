@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Self
+from typing import ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
-from meshforge.models.common.options import ParsedOptions, as_int, positive_int, require_positive
+from meshforge.models.common.options import ParsedOptions, as_float, as_int, positive_int, require_positive
 
 LAYER_KINDS = ("full_attention", "sliding_attention")
 # config.json keys with the only value the published modelling code implements.
@@ -124,7 +124,7 @@ class Step3p5Args(FamilyArgs):
         self._check_lists()
         self._check_attention()
 
-    def _per_layer(self, name: str, value: object) -> list[Any] | None:
+    def _per_layer(self, name: str, value: object) -> list[object] | None:
         if value is None:
             return None
         if not isinstance(value, list | tuple) or len(value) < self.num_hidden_layers:
@@ -152,7 +152,7 @@ class Step3p5Args(FamilyArgs):
                 )
         for name in ("swiglu_limits", "swiglu_limits_shared"):
             for i, limit in enumerate(self._per_layer(name, getattr(self, name)) or []):
-                if limit is not None and (isinstance(limit, bool) or float(limit) < 0):
+                if limit is not None and (isinstance(limit, bool) or as_float(limit) < 0):
                     raise ValueError(f"{name}[{i}]: must be >= 0 or null, got {limit!r}")
         uses = self._per_layer("use_rope_layers", self.use_rope_layers or None)
         if uses is not None and not all(uses[: self.num_hidden_layers]):
