@@ -324,7 +324,7 @@ class Qwen3NextForCausalLM(MoECausalLM[Qwen3NextArgs]):
                     "(chunked form, kernels.gdn_chunk_size); unset it"
                 )
         apply_kernel_options(self, options, family=self.family)
-        chunk = getattr(options, "gdn_chunk_size", None)
+        chunk = options.gdn_chunk_size
         if chunk is not None:
             if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
                 raise ValueError(f"kernels.gdn_chunk_size: must be a positive integer, got {chunk!r}")
