@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshforge.models.deepseek_v3.spec import FAMILY as DEEPSEEK_V3
 from meshforge.models.generic.spec import FAMILY as GENERIC_FAMILY
@@ -133,7 +133,7 @@ def check_model_options(
     model_type: str | None,
     architectures: str | Sequence[str] | None,
     model_id: str | None,
-    options: dict[str, Any],
+    options: dict[str, object],
 ) -> list[tuple[str, str]]:
     """List problems with the ``model:`` passthrough keys, without raising.
 
@@ -170,7 +170,7 @@ def check_model_options(
 
 
 def build_model(
-    family: str | FamilySpec, options: dict[str, Any], *, device: str | torch.device = "meta"
+    family: str | FamilySpec, options: dict[str, object], *, device: str | torch.device = "meta"
 ) -> nn.Module:
     """Build a model of ``family`` (a name or spec) from its passthrough ``options``."""
     spec = family if isinstance(family, FamilySpec) else resolve_family(model_type=family)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from meshforge.models.common.model_args import ModelArgs
 
@@ -200,7 +200,7 @@ class CPPlan(Protocol):
 
     def prepare(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, segment_ids: torch.Tensor | None
-    ) -> tuple[Any, torch.Tensor]:
+    ) -> tuple[object, torch.Tensor]:
         """This forward's CP mask object and the local tokens' global positions."""
         ...
 
@@ -209,7 +209,7 @@ class CPPlan(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        mask: Any,
+        mask: object,
         *,
         scale: float,
         sinks: torch.Tensor | None = None,

@@ -77,7 +77,7 @@ class VocabPlan:
     def num_new_rows(self) -> int:
         return self.new_vocab_size - self.old_vocab_size
 
-    def model_options(self, options: dict[str, Any]) -> dict[str, Any]:
+    def model_options(self, options: dict[str, object]) -> dict[str, object]:
         """``options`` (the family's ``model:`` options) with ``vocab_size`` set to the new size."""
         return {**options, "vocab_size": self.new_vocab_size} if self.resized else dict(options)
 

@@ -13,7 +13,8 @@ not import torch (``args.py`` files must load without it).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+from meshforge.models.common.options import as_float
 
 #: Keys of a yarn ``rope_parameters`` dict: what ``meshforge.models.common.yarn`` reads (and
 #: transformers writes). Here, not in ``yarn.py``, so that ``args.py`` files check them without torch.
@@ -34,24 +35,24 @@ YARN_KEYS: tuple[str, ...] = (
 
 
 def rope_base(
-    rope_parameters: Mapping[str, Any] | None, rope_theta: float | None, *, default: float
+    rope_parameters: Mapping[str, object] | None, rope_theta: float | None, *, default: float
 ) -> float:
     """The RoPE base: ``rope_parameters.rope_theta``, else the top-level ``rope_theta``, else ``default``."""
     if rope_parameters and "rope_theta" in rope_parameters:
-        return float(rope_parameters["rope_theta"])
+        return as_float(rope_parameters["rope_theta"])
     if rope_theta is not None:
         return float(rope_theta)
     return default
 
 
-def rotary_share(rope_parameters: Mapping[str, Any] | None, *, fallback: float) -> float:
+def rotary_share(rope_parameters: Mapping[str, object] | None, *, fallback: float) -> float:
     """Share of a head that is rotated: ``rope_parameters.partial_rotary_factor``, else ``fallback``.
 
     ``fallback`` is the family's older spelling (a top-level factor, ``rotary_dim / head_dim``)
     or its default when that is absent too.
     """
     if rope_parameters and rope_parameters.get("partial_rotary_factor") is not None:
-        return float(rope_parameters["partial_rotary_factor"])
+        return as_float(rope_parameters["partial_rotary_factor"])
     return fallback
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -183,7 +182,7 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | Any | None,
+    mask: torch.Tensor | object,
     *,
     scale: float,
     dropout: float = 0.0,
@@ -238,6 +237,8 @@ def attend(
         if sinks is None and window is None:
             return cp(q, k, v, mask, scale=scale)
         return cp(q, k, v, mask, scale=scale, sinks=sinks, window=window)
+    # Only the CP plan takes its own mask object; on one process it is a tensor or None.
+    assert mask is None or isinstance(mask, torch.Tensor), f"attention mask: got {type(mask).__name__}"
     # A band at least as wide as the keys cuts nothing: the mask-free causal path stays.
     if pre_tokens is not None and pre_tokens < k.shape[2] - 1:
         if flash and flash_strict:
@@ -323,7 +324,7 @@ class AttentionBase(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        mask: torch.Tensor | Any | None,
+        mask: torch.Tensor | object,
         *,
         sinks: torch.Tensor | None = None,
         window: int | None = None,
@@ -393,7 +394,7 @@ class Attention(AttentionBase):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | Any | None,
+        mask: torch.Tensor | object,
     ) -> torch.Tensor:
         """Attend over ``x`` ([B, S, hidden]).
 

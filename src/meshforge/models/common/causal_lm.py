@@ -16,7 +16,7 @@ take one mask (embedding, per-document mask and positions, RoPE, layers, norm).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from torch import nn
 from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
 from meshforge.models.common.kernels import KernelOptions, apply_kernel_options
 from meshforge.models.common.moe import ExpertsBase, RouterStats, load_balancing_loss
+
+if TYPE_CHECKING:
+    from meshforge.models.spec import CPPlan
 
 
 class CausalLMArgs(Protocol):
@@ -92,7 +95,7 @@ class DecoderModel(InnerModel):
     pass_token_mask: ClassVar[bool] = False
     # Set by meshforge.parallel.context.apply_cp: builds the per-forward CP mask object
     # (and global positions) instead of the local [S, S] mask; None without CP.
-    cp: Any = None
+    cp: CPPlan | None = None
     # Set by meshforge.infer.kv_cache during cached generation: a callable giving the boolean
     # mask [B, 1, S_new, S_total] of this forward's queries over every cached key (or None: no
     # padding, nothing to mask); the hook itself is None in training.
@@ -105,7 +108,9 @@ class DecoderModel(InnerModel):
         segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        mask = token_mask = None
+        # A boolean mask tensor, None (plain causal) or the CP plan's own mask object.
+        mask: torch.Tensor | object = None
+        token_mask = None
         if self.decode_mask is not None:
             mask = self.decode_mask(input_ids)
         elif self.cp is not None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ FP8_SUFFIX = "_scale_inv"
 MXFP4_SUFFIXES = ("_blocks", "_scales")
 
 
-def quantization_method(config: Mapping[str, Any]) -> str | None:
+def quantization_method(config: Mapping[str, object]) -> str | None:
     """The handled ``quant_method`` of a ``config.json`` (None when it is not quantised).
 
     Raises:
@@ -68,7 +68,7 @@ def quantization_method(config: Mapping[str, Any]) -> str | None:
     )
 
 
-def _block_size(quant: Mapping[str, Any]) -> tuple[int, int]:
+def _block_size(quant: Mapping[str, object]) -> tuple[int, int]:
     block = quant.get("weight_block_size", [128, 128])
     if (
         not isinstance(block, list | tuple)
@@ -111,7 +111,7 @@ class QuantizedView:
         return dequantize_mxfp4(tensor(first), tensor(second))
 
 
-def quantized_view(config: Mapping[str, Any], stored: Mapping[str, Path]) -> QuantizedView:
+def quantized_view(config: Mapping[str, object], stored: Mapping[str, Path]) -> QuantizedView:
     """The logical view of a folder's stored keys (the keys themselves without quantisation).
 
     Raises:
@@ -132,7 +132,9 @@ def quantized_view(config: Mapping[str, Any], stored: Mapping[str, Path]) -> Qua
                 parts[weight] = (weight, key)
             else:
                 key_files[key] = file
-        return QuantizedView(method, key_files, parts, _block_size(config["quantization_config"]))
+        quant = config["quantization_config"]
+        assert isinstance(quant, Mapping)  # quantization_method checked it
+        return QuantizedView(method, key_files, parts, _block_size(quant))
     blocks, scales = MXFP4_SUFFIXES
     for key, file in stored.items():
         if key.endswith(blocks):

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Self
+from dataclasses import Field
+from typing import ClassVar, Self
 
 from meshforge.models.common.options import (
     ParsedOptions,
@@ -24,7 +25,7 @@ from meshforge.models.common.options import (
 )
 
 # One coercer per args class: field_coercer reads the type hints, which is worth doing once.
-_COERCERS: dict[type, Callable[[str, Any], Any]] = {}
+_COERCERS: dict[type, Callable[[str, object], object]] = {}
 
 
 class FamilyArgs:
@@ -42,6 +43,10 @@ class FamilyArgs:
             you mean ...``) instead of giving only the did-you-mean.
     """
 
+    # Set by ``@dataclass`` on every subclass; declared so ``dataclasses.fields`` / ``replace``
+    # accept the base (it makes the class a typeshed ``DataclassInstance``).
+    __dataclass_fields__: ClassVar[dict[str, Field[object]]]
+
     label: ClassVar[str] = ""
     aliases: ClassVar[Mapping[str, str]] = {}
     lenient_aliases: ClassVar[bool] = False
@@ -51,16 +56,16 @@ class FamilyArgs:
     @classmethod
     def option_keys(cls) -> frozenset[str]:
         """Every accepted ``model:`` key: the fields, ``flavor``, the aliases and the extra keys."""
-        names = frozenset(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+        names = frozenset(f.name for f in dataclasses.fields(cls))
         return names | {"flavor"} | set(cls.aliases) | cls.extra_option_keys
 
     @classmethod
-    def flavors(cls) -> Mapping[str, FamilyArgs]:
+    def flavors(cls) -> Mapping[str, Self]:
         """The named starting points (``tiny``, ``debug``); a family returns its ``FLAVORS``."""
         return {}
 
     @classmethod
-    def coerce_option(cls, key: str, value: Any) -> Any:
+    def coerce_option(cls, key: str, value: object) -> object:
         """One option value read by its field's type (``field_coercer``); a family may add rules."""
         coerce = _COERCERS.get(cls)
         if coerce is None:
@@ -68,22 +73,27 @@ class FamilyArgs:
         return coerce(key, value)
 
     @classmethod
-    def prepare_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+    def prepare_options(cls, options: dict[str, object]) -> dict[str, object]:
         """Hook before the parse, on a copy of the options: take out keys that are no fields."""
         return options
 
     @classmethod
-    def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
+    def apply_overrides(cls, base: Self, overrides: Mapping[str, object]) -> Self:
+        """``replace(base, **overrides)``: each value is checked by the dataclass (``__post_init__``)."""
+        return dataclasses.replace(base, **overrides)
+
+    @classmethod
+    def finish_options(cls, parsed: ParsedOptions[Self], options: Mapping[str, object]) -> Self:
         """Hook after the parse: the flavor (or defaults) with the overrides applied.
 
         Args:
             parsed: The starting args, the coerced overrides and the flavor name.
             options: The options as given (before ``prepare_options``).
         """
-        return dataclasses.replace(parsed.base, **parsed.overrides)
+        return cls.apply_overrides(parsed.base, parsed.overrides)
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
+    def from_options(cls, options: Mapping[str, object]) -> Self:
         """Build the args from the ``model:`` passthrough keys.
 
         ``flavor`` picks a named starting point; the other keys override its fields. Without

@@ -37,7 +37,6 @@ decoder passes global positions, so the (interleaved) RoPE is that of one proces
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -128,7 +127,7 @@ class MultiHeadLatentAttention(AttentionBase):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | Any | None,
+        mask: torch.Tensor | object,
     ) -> torch.Tensor:
         """Attend over ``x`` ([B, S, hidden]).
 

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,10 @@ from torch import nn
 
 from meshforge.models.common.mlp import activation
 from meshforge.utils.distributed import local_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -100,10 +104,10 @@ class RouterStats:
     assignments: torch.Tensor
     prob_sum: torch.Tensor
     rows: torch.Tensor
-    group: Any = None
+    group: ProcessGroup | None = None
 
 
-def set_aux_reduce_group(model: torch.nn.Module, group: Any) -> int:
+def set_aux_reduce_group(model: torch.nn.Module, group: ProcessGroup | DeviceMesh | None) -> int:
     """Make the router aux loss of ``model`` sum its statistics over ``group`` (the CP group).
 
     Call it after ``apply_cp`` with the context-parallel group (or mesh): every rank of it
@@ -117,19 +121,21 @@ def set_aux_reduce_group(model: torch.nn.Module, group: Any) -> int:
     Returns:
         The number of MoE blocks that now reduce over ``group``.
     """
-    if group is not None and hasattr(group, "get_group"):
-        group = group.get_group()
+    from torch.distributed.device_mesh import DeviceMesh
+
+    process_group = group.get_group() if isinstance(group, DeviceMesh) else group
     count = 0
+    # setattr: torch types nn.Module.__setattr__'s value Tensor | Module; a group is a plain attribute.
     for module in model.modules():
         if hasattr(module, "last_aux_stats"):
-            module.aux_reduce_group = group
+            setattr(module, "aux_reduce_group", process_group)  # noqa: B010
             count += 1
-    model.aux_reduce_group = group
+    setattr(model, "aux_reduce_group", process_group)  # noqa: B010
     return count
 
 
 def reduce_router_totals(
-    assignments: torch.Tensor, prob_sum: torch.Tensor, rows: torch.Tensor, group: Any
+    assignments: torch.Tensor, prob_sum: torch.Tensor, rows: torch.Tensor, group: ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum the aux-loss totals over ``group``: ``prob_sum`` differentiably, the counts plainly.
 
@@ -471,7 +477,7 @@ class MoEBlock(nn.Module):
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.last_aux_stats: RouterStats | None = None
         # Set by `set_aux_reduce_group` under context parallelism; travels with the stats.
-        self.aux_reduce_group: Any = None
+        self.aux_reduce_group: ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the MoE to ``x`` ``[B, S, hidden]``.
@@ -513,7 +519,7 @@ def router_stats(
     token_mask: torch.Tensor | None,
     *,
     num_experts: int,
-    group: Any,
+    group: ProcessGroup | None,
 ) -> RouterStats:
     """One layer's router statistics for the aux loss, padding left out.
 

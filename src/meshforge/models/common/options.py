@@ -19,7 +19,10 @@ import math
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, NamedTuple
+from typing import Generic, NamedTuple, TypeVar
+
+#: The ``*Args`` type a parse starts from (a flavor or the defaults; a family's ``FamilyArgs``).
+ArgsT = TypeVar("ArgsT")
 
 
 def close_match(key: str, known: Collection[str]) -> str | None:
@@ -36,7 +39,7 @@ def unknown_option_message(key: str, known: Collection[str], label: str) -> str:
 
 
 def reject_unknown(
-    options: Mapping[str, Any],
+    options: Mapping[str, object],
     known: Collection[str],
     label: str,
     *,
@@ -67,7 +70,7 @@ def reject_unknown(
     raise ValueError(f"unknown {label} model option(s): {', '.join(parts)}")
 
 
-def fold_aliases(options: dict[str, Any], aliases: Mapping[str, str], *, lenient: bool = False) -> None:
+def fold_aliases(options: dict[str, object], aliases: Mapping[str, str], *, lenient: bool = False) -> None:
     """Rename alias keys of ``options`` in place to the field they stand for.
 
     Args:
@@ -99,7 +102,7 @@ def fold_aliases(options: dict[str, Any], aliases: Mapping[str, str], *, lenient
             options[name] = options.pop(alias)
 
 
-def number(key: str, value: Any, *, integer: bool) -> int | float:
+def number(key: str, value: object, *, integer: bool) -> int | float:
     """A YAML number spelling (``"1e-6"``, ``"10"``) as int or float; never a bool.
 
     Raises:
@@ -120,14 +123,36 @@ def number(key: str, value: Any, *, integer: bool) -> int | float:
     return float(parsed)
 
 
+def as_float(value: object) -> float:
+    """``float(value)`` for a value already checked to be a number (or a number's string spelling).
+
+    Raises:
+        TypeError: For anything else (what ``float`` raises for None or a list).
+    """
+    if isinstance(value, str | int | float):
+        return float(value)
+    raise TypeError(f"must be a number, got {value!r}")
+
+
+def as_int(value: object) -> int:
+    """``int(value)`` for a value already checked to be an integer (or its string spelling).
+
+    Raises:
+        TypeError: For anything else (what ``int`` raises for None or a list).
+    """
+    if isinstance(value, str | int | float):
+        return int(value)
+    raise TypeError(f"must be an integer, got {value!r}")
+
+
 def coerce_scalar(
     key: str,
-    value: Any,
+    value: object,
     *,
     ints: Collection[str],
     floats: Collection[str],
     bools: Collection[str],
-) -> Any:
+) -> object:
     """Normalise one option value by its field's kind; other fields pass through.
 
     None stays None; a bool field takes only true/false; int and float fields take
@@ -156,7 +181,7 @@ class FieldKinds(NamedTuple):
     int_lists: frozenset[str]
 
 
-def _kind(hint: Any) -> str | None:
+def _kind(hint: object) -> str | None:
     """``int``, ``float``, ``bool`` or ``list[int]`` for a field type (``None`` allowed), else None."""
     origin = typing.get_origin(hint)
     members = typing.get_args(hint) if origin in (types.UnionType, typing.Union) else (hint,)
@@ -182,7 +207,7 @@ def field_kinds(args_class: type) -> FieldKinds:
     return FieldKinds(*(frozenset(found[k]) for k in ("int", "float", "bool", "list[int]")))
 
 
-def field_coercer(args_class: type) -> Callable[[str, Any], Any]:
+def field_coercer(args_class: type) -> Callable[[str, object], object]:
     """``(key, value) -> value`` reading an option by the type of its field in ``args_class``.
 
     ``int``/``float`` fields take numbers or their string spellings, ``bool`` fields only
@@ -191,7 +216,7 @@ def field_coercer(args_class: type) -> Callable[[str, Any], Any]:
     """
     kinds = field_kinds(args_class)
 
-    def coerce(key: str, value: Any) -> Any:
+    def coerce(key: str, value: object) -> object:
         if key in kinds.int_lists and value is not None:
             if not isinstance(value, list | tuple):
                 raise ValueError(f"{key}: must be a list of integers, got {value!r}")
@@ -217,26 +242,26 @@ def positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name}: must be a positive integer, got {value!r}")
 
 
-class ParsedOptions(NamedTuple):
+class ParsedOptions(NamedTuple, Generic[ArgsT]):
     """What ``parse_options`` hands back for the family to finish with ``replace(base, **overrides)``."""
 
-    base: Any
-    overrides: dict[str, Any]
+    base: ArgsT
+    overrides: dict[str, object]
     flavor: str | None
 
 
 def parse_options(
-    options: Mapping[str, Any],
+    options: Mapping[str, object],
     *,
     label: str,
     known: Collection[str],
-    flavors: Mapping[str, Any],
-    default: Callable[[], Any],
-    coerce: Callable[[str, Any], Any],
+    flavors: Mapping[str, ArgsT],
+    default: Callable[[], ArgsT],
+    coerce: Callable[[str, object], object],
     aliases: Mapping[str, str] | None = None,
     lenient_aliases: bool = False,
     unknown_reason: Callable[[str], str] | None = None,
-) -> ParsedOptions:
+) -> ParsedOptions[ArgsT]:
     """The common steps of a family's ``from_options``, in order.
 
     Unknown keys are refused (``reject_unknown``), aliases folded (``fold_aliases``),
@@ -267,9 +292,11 @@ def parse_options(
         fold_aliases(overrides, aliases, lenient=lenient_aliases)
     overrides = {k: coerce(k, v) for k, v in overrides.items()}
     flavor = overrides.pop("flavor", None)
+    base: ArgsT
     if flavor is None:
         base = default()
     elif flavor in flavors:
+        assert isinstance(flavor, str)  # the flavors' keys are names
         base = flavors[flavor]
     else:
         raise ValueError(f"flavor: unknown {label} flavor {flavor!r}; use one of {sorted(flavors)}")
@@ -279,6 +306,8 @@ def parse_options(
 __all__ = [
     "FieldKinds",
     "ParsedOptions",
+    "as_float",
+    "as_int",
     "close_match",
     "coerce_scalar",
     "field_coercer",

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import nn
+
+from meshforge.models.common.options import as_float, as_int
 
 #: RoPE types (transformers' ``rope_type``) that :func:`inv_freq_from_parameters` builds.
 ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
@@ -97,13 +98,13 @@ def llama3_inv_freq(
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_type_of(rope_parameters: Mapping[str, Any]) -> str:
+def rope_type_of(rope_parameters: Mapping[str, object]) -> str:
     """The RoPE type of a transformers parameter dict (``rope_type``, legacy ``type``, else default)."""
     return str(rope_parameters.get("rope_type", rope_parameters.get("type", "default")))
 
 
 def inv_freq_from_parameters(
-    head_dim: int, rope_parameters: Mapping[str, Any], *, theta: float | None = None
+    head_dim: int, rope_parameters: Mapping[str, object], *, theta: float | None = None
 ) -> torch.Tensor:
     """Inverse frequencies for a transformers ``rope_parameters`` dict.
 
@@ -126,13 +127,13 @@ def inv_freq_from_parameters(
             f"rope_parameters.rope_type: not supported yet: rope_type {rope_type} (built: {', '.join(ROPE_TYPES)})"
         )
     partial = rope_parameters.get("partial_rotary_factor", 1.0)
-    if partial is not None and float(partial) != 1.0:
+    if partial is not None and as_float(partial) != 1.0:
         raise ValueError(f"rope_parameters.partial_rotary_factor: not supported yet: {partial} (only 1.0)")
     base = rope_parameters.get("rope_theta", theta)
     if base is None:
         raise ValueError("rope_parameters.rope_theta: missing (the RoPE base wavelength, e.g. 10000.0)")
     if rope_type == "default":
-        return default_inv_freq(head_dim, float(base))
+        return default_inv_freq(head_dim, as_float(base))
     missing = [key for key in LLAMA3_KEYS if rope_parameters.get(key) is None]
     if missing:
         raise ValueError(
@@ -140,11 +141,11 @@ def inv_freq_from_parameters(
         )
     return llama3_inv_freq(
         head_dim,
-        float(base),
-        factor=float(rope_parameters["factor"]),
-        low_freq_factor=float(rope_parameters["low_freq_factor"]),
-        high_freq_factor=float(rope_parameters["high_freq_factor"]),
-        original_max_position_embeddings=int(rope_parameters["original_max_position_embeddings"]),
+        as_float(base),
+        factor=as_float(rope_parameters["factor"]),
+        low_freq_factor=as_float(rope_parameters["low_freq_factor"]),
+        high_freq_factor=as_float(rope_parameters["high_freq_factor"]),
+        original_max_position_embeddings=as_int(rope_parameters["original_max_position_embeddings"]),
     )
 
 
@@ -166,7 +167,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         theta: float | None = None,
         *,
-        rope_parameters: Mapping[str, Any] | None = None,
+        rope_parameters: Mapping[str, object] | None = None,
     ) -> None:
         super().__init__()
         if head_dim % 2:
@@ -181,7 +182,7 @@ class RotaryEmbedding(nn.Module):
         else:
             self.rope_type = rope_type_of(rope_parameters)
             self._inv_freq = inv_freq_from_parameters(head_dim, rope_parameters, theta=theta)
-            self.theta = float(rope_parameters.get("rope_theta", theta))
+            self.theta = as_float(rope_parameters.get("rope_theta", theta))
         # (device, dtype) -> (cos, sin) for positions 0..len-1; grown on demand.
         self._table: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 

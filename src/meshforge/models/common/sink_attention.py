@@ -30,8 +30,6 @@ the boolean mask), the sinks of this rank's heads and the layer's ``sliding_wind
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -106,7 +104,7 @@ class SinkAttention(AttentionBase):
         self.sinks = nn.Parameter(torch.empty(num_heads))
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | Any
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | object
     ) -> torch.Tensor:
         """Attend over ``x`` ``[B, S, hidden]`` with the boolean ``mask`` ``[B or 1, 1, S, S]``.
 

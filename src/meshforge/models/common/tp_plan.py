@@ -238,7 +238,7 @@ class SplitHeads(ParallelStyle):
                     f"{type(module).__name__}.{attr} ({value}) is not divisible by {_TP_KEY} ({tp})"
                 )
             setattr(module, attr, value // tp)
-        local: list[tuple[str, Any]] = []
+        local: list[tuple[str, torch.Tensor | None]] = []
         for name in (*self.sharded, *self.summed):
             owner_path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_path)
@@ -263,7 +263,7 @@ class SplitHeads(ParallelStyle):
         return module
 
 
-def _swap_in_split(module: nn.Module, _args: Any) -> None:
+def _swap_in_split(module: nn.Module, _args: tuple[object, ...]) -> None:
     """Forward pre-hook of `SplitHeads`: plain local tensors in place of its DTensor parameters."""
     stash: list[tuple[nn.Module, str, DTensor]] = []
     split: list[tuple[str, torch.Tensor | None]] = module.__dict__["_meshforge_tp_split"]
@@ -288,7 +288,7 @@ def _swap_in_split(module: nn.Module, _args: Any) -> None:
     module.__dict__["_meshforge_tp_split_stash"] = stash
 
 
-def _swap_back_split(module: nn.Module, _args: Any, _output: Any) -> None:
+def _swap_back_split(module: nn.Module, _args: tuple[object, ...], _output: object) -> None:
     for owner, leaf, param in module.__dict__.pop("_meshforge_tp_split_stash", ()):
         owner._parameters[leaf] = param
 
@@ -308,8 +308,11 @@ class _GatherSequence(ParallelStyle):
         module.register_forward_pre_hook(functools.partial(self._prepare, mesh=device_mesh))
         return module
 
-    def _prepare(self, _module: nn.Module, args: tuple[Any, ...], *, mesh: DeviceMesh) -> tuple[Any, ...]:
+    def _prepare(
+        self, _module: nn.Module, args: tuple[object, ...], *, mesh: DeviceMesh
+    ) -> tuple[object, ...]:
         x = args[0]
+        assert isinstance(x, torch.Tensor)  # the module's first input: the hidden states
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
         if x.placements != (Replicate(),):

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
 from meshforge.models.common.arg_rules import YARN_KEYS
+from meshforge.models.common.options import as_float, as_int
 from meshforge.models.common.rope import RotaryEmbedding
 
 
@@ -92,9 +92,13 @@ def yarn_inv_freq(
     return inv_freq, float(attention_factor)
 
 
+def _optional_float(value: object) -> float | None:
+    return None if value is None else as_float(value)
+
+
 def yarn_from_parameters(
     head_dim: int,
-    rope_parameters: Mapping[str, Any],
+    rope_parameters: Mapping[str, object],
     *,
     theta: float | None = None,
     max_position_embeddings: int | None = None,
@@ -110,7 +114,7 @@ def yarn_from_parameters(
     """
     p = rope_parameters
     partial = p.get("partial_rotary_factor", 1.0)
-    if partial is not None and float(partial) != 1.0:
+    if partial is not None and as_float(partial) != 1.0:
         raise ValueError(f"rope_parameters.partial_rotary_factor: not supported yet: {partial} (only 1.0)")
     base = p.get("rope_theta", theta)
     if base is None:
@@ -122,18 +126,18 @@ def yarn_from_parameters(
     if factor is None:
         if max_position_embeddings is None:
             raise ValueError("rope_parameters.factor: required for rope_type yarn")
-        factor = max_position_embeddings / original
+        factor = max_position_embeddings / as_float(original)
     return yarn_inv_freq(
         head_dim,
-        float(base),
-        factor=float(factor),
-        original_max_position_embeddings=int(original),
-        beta_fast=p.get("beta_fast") or 32.0,
-        beta_slow=p.get("beta_slow") or 1.0,
+        as_float(base),
+        factor=as_float(factor),
+        original_max_position_embeddings=as_int(original),
+        beta_fast=as_float(p.get("beta_fast") or 32.0),
+        beta_slow=as_float(p.get("beta_slow") or 1.0),
         truncate=bool(p.get("truncate", True)),
-        attention_factor=p.get("attention_factor"),
-        mscale=p.get("mscale"),
-        mscale_all_dim=p.get("mscale_all_dim"),
+        attention_factor=_optional_float(p.get("attention_factor")),
+        mscale=_optional_float(p.get("mscale")),
+        mscale_all_dim=_optional_float(p.get("mscale_all_dim")),
     )
 
 
@@ -150,13 +154,13 @@ class YarnRotaryEmbedding(RotaryEmbedding):
     def __init__(
         self,
         head_dim: int,
-        rope_parameters: Mapping[str, Any],
+        rope_parameters: Mapping[str, object],
         *,
         theta: float | None = None,
         max_position_embeddings: int | None = None,
     ) -> None:
         base = rope_parameters.get("rope_theta", theta)
-        super().__init__(head_dim, base)
+        super().__init__(head_dim, _optional_float(base))
         self.rope_type = "yarn"
         self._inv_freq, self.attention_scaling = yarn_from_parameters(
             head_dim, rope_parameters, theta=theta, max_position_embeddings=max_position_embeddings

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, ClassVar, Self
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
-from meshforge.models.common.options import ParsedOptions, positive_int, require_positive
+from meshforge.models.common.options import ParsedOptions, as_float, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -75,7 +75,7 @@ class DeepseekV3Args(FamilyArgs):
     eos_token_id: int | list[int] | None = field(default=1)
     pretraining_tp: int = 1
     tie_word_embeddings: bool = False
-    rope_parameters: dict[str, Any] | None = None
+    rope_parameters: dict[str, object] | None = None
     rope_theta: float | None = None
     rope_interleave: bool = True
     attention_bias: bool = False
@@ -183,8 +183,8 @@ class DeepseekV3Args(FamilyArgs):
         params = self.rope_parameters or {}
         all_dim = params.get("mscale_all_dim") or 0
         if self.rope_type != "default" and all_dim:
-            factor = float(params["factor"])
-            mscale = 1.0 if factor <= 1 else 0.1 * float(all_dim) * math.log(factor) + 1.0
+            factor = as_float(params["factor"])
+            mscale = 1.0 if factor <= 1 else 0.1 * as_float(all_dim) * math.log(factor) + 1.0
             scale *= mscale * mscale
         return scale
 
@@ -202,7 +202,7 @@ class DeepseekV3Args(FamilyArgs):
         """Whether decoder layer ``layer`` (0-based) is sparse: from ``first_k_dense_replace`` on."""
         return layer >= self.first_k_dense_replace
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, object]:
         """Keyword arguments for ``transformers.DeepseekV3Config`` that describe the same model."""
         out = asdict(self)
         out.pop("rope_theta")
@@ -213,24 +213,24 @@ class DeepseekV3Args(FamilyArgs):
         return out
 
     @classmethod
-    def flavors(cls) -> Mapping[str, FamilyArgs]:
+    def flavors(cls) -> Mapping[str, DeepseekV3Args]:
         return FLAVORS
 
     @classmethod
-    def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
+    def finish_options(cls, parsed: ParsedOptions[Self], options: Mapping[str, object]) -> Self:
         """``num_attention_heads`` given without ``num_key_value_heads`` sets both (MLA needs them equal)."""
         overrides = parsed.overrides
         if "num_attention_heads" in overrides and "num_key_value_heads" not in overrides:
             # MLA admits one value (every query head gets its own expanded key/value), so a config
             # that sets the heads alone, as the MindFormers skeleton does, means that value.
             overrides["num_key_value_heads"] = overrides["num_attention_heads"]
-        return replace(parsed.base, **overrides)
+        return cls.apply_overrides(parsed.base, overrides)
 
 
 _YARN_KEYS = frozenset(rules.YARN_KEYS)
 
 
-def _rope_type(params: dict[str, Any] | None) -> str:
+def _rope_type(params: dict[str, object] | None) -> str:
     if not params:
         return "default"
     return str(params.get("rope_type", params.get("type", "default")))

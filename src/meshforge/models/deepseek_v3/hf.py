@@ -23,7 +23,7 @@ loads it. Each MTP block's copies of the embedding and head (``embed_tokens``,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from meshforge.models.qwen3_moe import hf as _fused
 from meshforge.models.qwen3_moe.hf import Qwen3MoeStateDictAdapter, from_hf, hf_sources, to_hf
@@ -47,10 +47,14 @@ IGNORED_HF_KEYS: tuple[str, ...] = (
 # config.json keys of DeepSeek's own modelling code (transformers < 4.50 era files) that
 # transformers' port does not read: the values its port hard-codes are the only ones accepted,
 # so a checkpoint that needs something else is refused instead of silently changed.
-_FIXED_HF_KEYS: dict[str, Any] = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+_FIXED_HF_KEYS: dict[str, object] = {
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "moe_layer_freq": 1,
+}
 
 
-def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+def from_hf_config(config: dict[str, object]) -> dict[str, object]:
     """``model:`` options from a DeepSeek-V3 ``config.json`` (transformers' or DeepSeek's own).
 
     Keys that are family options pass through; a legacy ``rope_scaling`` becomes
@@ -76,6 +80,8 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     options = {k: v for k, v in config.items() if k in OPTION_KEYS}
     scaling = config.get("rope_scaling")
     if scaling and not options.get("rope_parameters"):
+        if not isinstance(scaling, Mapping):
+            raise ValueError(f"config.json rope_scaling: must be a mapping, got {scaling!r}")
         rope = dict(scaling)
         rope.setdefault("rope_type", rope.pop("type", "default"))
         if config.get("rope_theta") is not None:
@@ -84,7 +90,7 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def mtp_fit(options: dict[str, Any], keys: set[str]) -> dict[str, tuple[Any, str]]:
+def mtp_fit(options: dict[str, object], keys: set[str]) -> dict[str, tuple[object, str]]:
     """``{"num_nextn_predict_layers": (0, why)}`` when config.json asks for MTP blocks the weights lack.
 
     transformers builds no MTP block and its ``save_pretrained`` writes none, yet keeps the
@@ -107,7 +113,7 @@ def mtp_fit(options: dict[str, Any], keys: set[str]) -> dict[str, tuple[Any, str
     }
 
 
-def to_hf_config(args: DeepseekV3Args) -> dict[str, Any]:
+def to_hf_config(args: DeepseekV3Args) -> dict[str, object]:
     """``config.json`` content transformers loads as the same model (model_type, architectures, fields)."""
     return {"model_type": "deepseek_v3", "architectures": [HF_ARCHITECTURE], **args.to_hf_dict()}
 
@@ -126,7 +132,7 @@ class DeepseekV3StateDictAdapter(Qwen3MoeStateDictAdapter):
     def from_hf_config(self, config: Mapping[str, object]) -> dict[str, object]:
         return from_hf_config(dict(config))
 
-    def fit_to_weights(self, options: dict[str, Any], keys: set[str]) -> dict[str, tuple[Any, str]]:
+    def fit_to_weights(self, options: dict[str, object], keys: set[str]) -> dict[str, tuple[object, str]]:
         """Options to change for a folder whose weights hold no MTP block (``fit_to_weights`` hook)."""
         return mtp_fit(options, keys)
 

@@ -68,7 +68,7 @@ class DeepseekV3Model(DecoderModel):
         segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        mask = None
+        mask: torch.Tensor | object = None  # or the CP plan's mask object
         if self.decode_mask is not None:
             mask = self.decode_mask(input_ids)
         elif self.cp is not None:

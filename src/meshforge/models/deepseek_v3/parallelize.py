@@ -49,12 +49,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from meshforge.models.common.tp_plan import SplitHeads, attention_input, checked_plan, decoder_tp_plan
+from meshforge.models.deepseek_v3.args import DeepseekV3Args
 
 if TYPE_CHECKING:
     from meshforge.models.common.mla import MultiHeadLatentAttention
 
 
-def tp_sizes(args) -> dict[str, int]:
+def tp_sizes(args: DeepseekV3Args) -> dict[str, int]:
     """The `model.*` sizes tensor parallelism splits (each must be a multiple of the TP degree)."""
     sizes = {"num_attention_heads": args.num_attention_heads, "vocab_size": args.vocab_size}
     if any(not args.is_moe_layer(i) for i in range(args.num_hidden_layers)):
@@ -89,7 +90,7 @@ class _SumRopeKeyGrad(ParallelStyle):
         self.rope_dim = rope_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def hook(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+        def hook(_module: nn.Module, _args: tuple[object, ...], output: torch.Tensor) -> torch.Tensor:
             return _SumTailGrad.apply(output, self.rope_dim, device_mesh)
 
         module.register_forward_hook(hook)

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.core_model_loading import WeightConverter, WeightRenaming, WeightTransform
 
+    from meshforge.models.common.hf_adapter import AdapterFamily
     from meshforge.models.spec import ModelArgs
 
 
@@ -216,7 +217,7 @@ class GenericHFAdapter(HFAdapterBase):
     before exporting.
     """
 
-    def __init__(self, spec: Any, args: ModelArgs | None = None) -> None:
+    def __init__(self, spec: AdapterFamily, args: ModelArgs | None = None) -> None:
         super().__init__(spec, args)
         self._load: CheckpointConversion | None = None
         self._export: ExportConversion | None = None
@@ -250,9 +251,9 @@ class GenericHFAdapter(HFAdapterBase):
         return body
 
 
-def to_hf_config(config: Any) -> dict[str, Any]:
+def to_hf_config(config: Any) -> dict[str, object]:
     """config.json body of a generic model: transformers' own config, as ``save_pretrained`` writes it."""
-    body: dict[str, Any] = config.to_dict()
+    body: dict[str, object] = config.to_dict()
     body.pop("_name_or_path", None)
     return body
 

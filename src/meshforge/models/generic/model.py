@@ -58,6 +58,8 @@ class GenericCausalLMMixin:
     """Placed in front of a transformers ``*ForCausalLM`` class: meshforge's model contract."""
 
     family = GENERIC
+    # Set by ``cp.apply_generic_cp`` (context parallelism); None without CP.
+    meshforge_cp: CPForward | None = None
 
     def forward(
         self,
@@ -70,7 +72,7 @@ class GenericCausalLMMixin:
         if kwargs:
             # transformers' own calling convention (labels=, attention_mask=, ...): its forward.
             return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)  # type: ignore[misc]
-        plan: CPForward | None = getattr(self, "meshforge_cp", None)
+        plan = self.meshforge_cp
         if plan is not None:
             # Context parallel (set by apply_cp): this rank holds a slice of each row; the CP
             # attention builds its own mask and RoPE reads the tokens' global positions.

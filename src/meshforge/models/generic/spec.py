@@ -159,13 +159,18 @@ def _family(
     )
 
 
-def generic_family(hf_dir: Path, hf_config: dict[str, Any], *, trust_remote_code: bool) -> GenericFamily:
+def generic_family(hf_dir: Path, hf_config: dict[str, object], *, trust_remote_code: bool) -> GenericFamily:
     """The ``GenericFamily`` for a folder whose config.json (``hf_config``) names no built family."""
     architectures = hf_config.get("architectures") or []
     if isinstance(architectures, str):
         architectures = [architectures]
+    if not isinstance(architectures, list | tuple):
+        raise TypeError(f"config.json architectures: must be a list of names, got {architectures!r}")
     return _family(
-        str(hf_config.get("model_type") or GENERIC), tuple(architectures), Path(hf_dir), trust_remote_code
+        str(hf_config.get("model_type") or GENERIC),
+        tuple(str(name) for name in architectures),
+        Path(hf_dir),
+        trust_remote_code,
     )
 
 

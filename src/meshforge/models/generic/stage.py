@@ -10,7 +10,7 @@ state as each layer's keyword, as the wrapper's CP forward.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from meshforge.models.common.attention import positions_from_segments
 from meshforge.models.common.stage import LayerRunner, StageBatch
 from meshforge.models.generic.cp import CP_KWARG, check_generic_cp, prepare_generic_cp
 from meshforge.models.generic.model import packed_masks
+
+if TYPE_CHECKING:
+    from meshforge.models.spec import CPPlan
 
 # The generic transformers path: model types whose ``*Model.forward`` (transformers 5.24) is the
 # plain recipe a stage reproduces (embed -> masks + RoPE -> layers -> norm, no embedding scale or
@@ -128,7 +131,7 @@ def generic_stage(b: StageBatch) -> LayerRunner:
     if position_ids is None:
         position_ids = torch.arange(b.seq_len, device=h.device).unsqueeze(0)
     module = sys.modules[type(inner).__module__]
-    masks: dict[str, Any] = {}
+    masks: dict[str, object] = {}
     for kind in dict.fromkeys(kinds):
         if isinstance(attention_mask, dict):
             # transformers' decoders take such a mapping in place of building their masks.
@@ -156,7 +159,7 @@ def generic_stage(b: StageBatch) -> LayerRunner:
         if cls not in accepted:
             accepted[cls] = set(inspect.signature(cls.forward).parameters)
         names = accepted[cls]
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, object] = {
             "attention_mask": masks[by_layer[id(layer)]],
             "position_embeddings": rope,
             "position_ids": position_ids,
@@ -169,7 +172,7 @@ def generic_stage(b: StageBatch) -> LayerRunner:
     return run
 
 
-def generic_cp_stage(model: nn.Module, plan: Any, b: StageBatch) -> LayerRunner:
+def generic_cp_stage(model: nn.Module, plan: CPPlan, b: StageBatch) -> LayerRunner:
     """The generic stage's preparation under context parallelism, as the wrapper's CP forward.
 
     ``GenericCausalLMMixin.forward`` with a CP plan calls ``prepare_generic_cp`` (the local
@@ -213,7 +216,7 @@ def generic_cp_stage(model: nn.Module, plan: Any, b: StageBatch) -> LayerRunner:
                 )
             accepted[cls] = set(params)
         names = accepted[cls]
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, object] = {
             "attention_mask": None,
             "position_embeddings": rope,
             "position_ids": position_ids,

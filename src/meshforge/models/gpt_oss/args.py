@@ -19,18 +19,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
-from meshforge.models.common.options import positive_int, require_positive
+from meshforge.models.common.options import as_float, positive_int, require_positive
 
 DEFAULT_ROPE_THETA = 150_000.0
 #: RoPE types the built-in model computes (transformers' ``rope_type``).
 ROPE_TYPES: tuple[str, ...] = ("default", "yarn")
 LAYER_TYPES: tuple[str, ...] = ("sliding_attention", "full_attention")
 #: gpt-oss' YaRN parameters, what ``GptOssConfig`` fills in when ``rope_parameters`` is None.
-DEFAULT_YARN: dict[str, Any] = {
+DEFAULT_YARN: dict[str, object] = {
     "rope_type": "yarn",
     "factor": 32.0,
     "beta_fast": 32.0,
@@ -66,7 +66,7 @@ class GptOssArgs(FamilyArgs):
     initializer_range: float = 0.02
     max_position_embeddings: int = 131072
     rms_norm_eps: float = 1e-5
-    rope_parameters: dict[str, Any] | None = None
+    rope_parameters: dict[str, object] | None = None
     rope_theta: float | None = None
     attention_dropout: float = 0.0
     num_experts_per_tok: int = 4
@@ -134,7 +134,7 @@ class GptOssArgs(FamilyArgs):
                 f"rope_parameters.rope_type: not supported yet: rope_type {rope_type} (built: {', '.join(ROPE_TYPES)})"
             )
         partial = self.rope.get("partial_rotary_factor", 1.0)
-        if partial is not None and float(partial) != 1.0:
+        if partial is not None and as_float(partial) != 1.0:
             raise ValueError(
                 f"rope_parameters.partial_rotary_factor: not supported yet: {partial} (only 1.0)"
             )
@@ -154,7 +154,7 @@ class GptOssArgs(FamilyArgs):
         ]
 
     @property
-    def rope(self) -> dict[str, Any]:
+    def rope(self) -> dict[str, object]:
         """The complete ``rope_parameters`` transformers ends up with (type, base and type keys)."""
         params = dict(DEFAULT_YARN if self.rope_parameters is None else self.rope_parameters)
         params["rope_type"] = params.pop("type", None) or params.get("rope_type") or "default"
@@ -166,7 +166,7 @@ class GptOssArgs(FamilyArgs):
             params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
         return params
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, object]:
         """Keyword arguments for ``transformers.GptOssConfig`` that describe the same model."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rope_theta"}
         out["head_dim"] = self.attn_head_dim
@@ -175,11 +175,11 @@ class GptOssArgs(FamilyArgs):
         return out
 
     @classmethod
-    def flavors(cls) -> Mapping[str, FamilyArgs]:
+    def flavors(cls) -> Mapping[str, GptOssArgs]:
         return FLAVORS
 
     @classmethod
-    def coerce_option(cls, key: str, value: Any) -> Any:
+    def coerce_option(cls, key: str, value: object) -> object:
         """Accept YAML spellings of numbers (``"1e-5"``); never a bool as a number."""
         if key == "layer_types" and value is not None:
             if not isinstance(value, list | tuple):

@@ -26,7 +26,7 @@ mapping. OpenAI's MXFP4 release format (``*_blocks``/``*_scales`` expert tensors
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshforge.models.common.hf_adapter import HFAdapterBase
 
@@ -36,12 +36,12 @@ if TYPE_CHECKING:
 HF_ARCHITECTURE = "GptOssForCausalLM"
 
 
-def to_hf_config(args: GptOssArgs) -> dict[str, Any]:
+def to_hf_config(args: GptOssArgs) -> dict[str, object]:
     """``config.json`` content transformers loads as the same model (model_type, architectures, fields)."""
     return {"model_type": "gpt_oss", "architectures": [HF_ARCHITECTURE], **args.to_hf_dict()}
 
 
-def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+def from_hf_config(config: dict[str, object]) -> dict[str, object]:
     """``model:`` options from a gpt-oss ``config.json`` (keys the args know; the rest dropped).
 
     Raises:

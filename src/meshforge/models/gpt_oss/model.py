@@ -24,9 +24,9 @@ padding, ``segment_ids == 0``, excluded) and ``tokens_per_expert()``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,9 @@ from meshforge.models.common.sink_attention import SinkAttention, causal_mask, s
 from meshforge.models.common.yarn import YarnRotaryEmbedding
 from meshforge.models.gpt_oss.args import GptOssArgs
 from meshforge.models.gpt_oss.moe import GptOssMLP
+
+if TYPE_CHECKING:
+    from meshforge.models.spec import CPPlan
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -126,7 +129,7 @@ class GptOssModel(InnerModel):
 
     # Set by meshforge.parallel.context.apply_cp: builds the per-forward CP mask object
     # (and global positions) instead of the local [S, S] masks; None without CP.
-    cp: Any = None
+    cp: CPPlan | None = None
     # Set by meshforge.infer.kv_cache during cached generation: the boolean masks of this
     # forward's queries over the keys each kind of layer attends (``full_attention``: every
     # cached slot; ``sliding_attention``: the slots its window cache holds); None in training.
@@ -149,7 +152,7 @@ class GptOssModel(InnerModel):
         h = self.embed_tokens(input_ids)
         token_mask = None
         seq_len = input_ids.shape[-1]
-        masks: dict[str, Any]
+        masks: dict[str, object]
         if self.decode_mask is not None:
             return self._layers(h, position_ids, self.decode_mask(input_ids), None, seq_len)
         if self.cp is not None:
@@ -177,7 +180,7 @@ class GptOssModel(InnerModel):
         self,
         h: torch.Tensor,
         position_ids: torch.Tensor | None,
-        masks: dict[str, Any],
+        masks: Mapping[str, object],
         token_mask: torch.Tensor | None,
         seq_len: int,
     ) -> torch.Tensor:

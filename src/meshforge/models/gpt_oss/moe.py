@@ -24,7 +24,7 @@ common experts (see ``common/moe.py``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,9 @@ from meshforge.models.common.moe import (
     router_stats,
     skip_empty,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class GptOssTopKRouter(nn.Module):
@@ -187,7 +190,7 @@ class GptOssMLP(nn.Module):
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.last_aux_stats: RouterStats | None = None
         # Set by `common.moe.set_aux_reduce_group` under context parallelism.
-        self.aux_reduce_group: Any = None
+        self.aux_reduce_group: ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the MoE to ``x`` ``[B, S, hidden]``; ``token_mask`` ``[B, S]`` is False for padding."""

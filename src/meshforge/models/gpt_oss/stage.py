@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 from meshforge.models.common.attention import positions_from_segments, segment_causal_mask
 from meshforge.models.common.stage import LayerRunner, StageBatch
@@ -14,7 +14,7 @@ def gpt_oss_stage(b: StageBatch) -> LayerRunner:
     from meshforge.models.common.sink_attention import causal_mask, sliding_window_mask
 
     token_mask = None
-    masks: dict[str, Any]
+    masks: dict[str, object]
     cp = getattr(inner, "cp", None)
     if cp is not None:
         # Context parallel (GptOssModel.cp): one mask object for both kinds of layer; each

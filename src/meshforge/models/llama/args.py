@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, ClassVar, Self
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
-from meshforge.models.common.options import ParsedOptions, number, require_positive
+from meshforge.models.common.options import ParsedOptions, as_float, as_int, number, require_positive
 
 DEFAULT_ROPE_THETA = 10_000.0
 # The RoPE types the model can build (``meshforge.models.common.rope.ROPE_TYPES``,
@@ -58,13 +58,13 @@ class LlamaArgs(FamilyArgs):
     eos_token_id: int | list[int] | None = field(default=2)
     pretraining_tp: int | None = 1
     tie_word_embeddings: bool = False
-    rope_parameters: dict[str, Any] | None = None
+    rope_parameters: dict[str, object] | None = None
     attention_bias: bool = False
     attention_dropout: float = 0.0
     mlp_bias: bool = False
     head_dim: int | None = None
     rope_theta: float | None = None
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: dict[str, object] | None = None
 
     def __post_init__(self) -> None:
         require_positive(self, ("hidden_size", "num_attention_heads"))
@@ -113,7 +113,7 @@ class LlamaArgs(FamilyArgs):
         self._check_rope(self.rope)
 
     @staticmethod
-    def _check_rope(rope: dict[str, Any]) -> None:
+    def _check_rope(rope: dict[str, object]) -> None:
         rope_type = rope["rope_type"]
         if rope_type not in ROPE_TYPES:
             raise ValueError(
@@ -135,7 +135,7 @@ class LlamaArgs(FamilyArgs):
                 )
             _positive_number(f"rope_parameters.{key}", rope[key])
         original = rope["original_max_position_embeddings"]
-        if float(original) != int(original):
+        if as_float(original) != as_int(original):
             raise ValueError(
                 f"rope_parameters.original_max_position_embeddings: must be an integer, got {original!r}"
             )
@@ -146,7 +146,7 @@ class LlamaArgs(FamilyArgs):
             )
 
     @property
-    def rope(self) -> dict[str, Any]:
+    def rope(self) -> dict[str, object]:
         """The resolved transformers ``rope_parameters`` dict.
 
         ``rope_scaling`` entries are the base, ``rope_parameters`` entries win over
@@ -167,9 +167,9 @@ class LlamaArgs(FamilyArgs):
     @property
     def theta(self) -> float:
         """The RoPE base wavelength."""
-        return float(self.rope["rope_theta"])
+        return as_float(self.rope["rope_theta"])
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, object]:
         """Keyword arguments for ``transformers.LlamaConfig`` that describe the same model."""
         out = asdict(self)
         out.pop("rope_theta")
@@ -178,11 +178,11 @@ class LlamaArgs(FamilyArgs):
         return out
 
     @classmethod
-    def flavors(cls) -> Mapping[str, FamilyArgs]:
+    def flavors(cls) -> Mapping[str, LlamaArgs]:
         return FLAVORS
 
     @classmethod
-    def coerce_option(cls, key: str, value: Any) -> Any:
+    def coerce_option(cls, key: str, value: object) -> object:
         """Normalise one option value: numbers from strings, bools strict, RoPE dict entries too."""
         if key in ("rope_parameters", "rope_scaling") and isinstance(value, dict):
             out = dict(value)
@@ -197,7 +197,7 @@ class LlamaArgs(FamilyArgs):
         return super().coerce_option(key, value)
 
     @classmethod
-    def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
+    def finish_options(cls, parsed: ParsedOptions[Self], options: Mapping[str, object]) -> Self:
         """A flavor's ``rope_parameters`` is replaced as a whole when the options give one."""
         base, overrides, flavor = parsed
         if flavor is not None:
@@ -207,14 +207,15 @@ class LlamaArgs(FamilyArgs):
             if "rope_parameters" not in overrides and {"rope_theta", "rope_scaling"} & overrides.keys():
                 # The legacy spellings replace the flavor's RoPE instead of being shadowed by it.
                 overrides["rope_parameters"] = None
-                if overrides.get("rope_theta") is None and "rope_theta" not in (
-                    overrides.get("rope_scaling") or {}
+                scaling = overrides.get("rope_scaling")
+                if overrides.get("rope_theta") is None and not (
+                    isinstance(scaling, dict) and "rope_theta" in scaling
                 ):
                     overrides["rope_theta"] = base.theta
-        return replace(base, **overrides)
+        return cls.apply_overrides(base, overrides)
 
 
-def _positive_number(key: str, value: Any) -> None:
+def _positive_number(key: str, value: object) -> None:
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)

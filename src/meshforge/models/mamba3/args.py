@@ -10,8 +10,8 @@ here reads like one of those. This module does not import torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
-from typing import Any, ClassVar, Self
+from dataclasses import asdict, dataclass
+from typing import ClassVar, Self
 
 from meshforge.models.common.family_args import FamilyArgs
 from meshforge.models.common.options import ParsedOptions, require_positive
@@ -113,26 +113,26 @@ class Mamba3Args(FamilyArgs):
         rotated = int(self.state_size * float(self.rope_fraction))
         return (rotated - rotated % 2) // 2
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, object]:
         """The ``config.json`` fields (every field, plus the derived ``num_heads``)."""
         body = asdict(self)
         body["num_heads"] = self.num_heads
         return body
 
     @classmethod
-    def flavors(cls) -> Mapping[str, FamilyArgs]:
+    def flavors(cls) -> Mapping[str, Mamba3Args]:
         return FLAVORS
 
     @classmethod
-    def prepare_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+    def prepare_options(cls, options: dict[str, object]) -> dict[str, object]:
         """``num_heads`` (written to ``config.json``) is no field: it is checked after the parse."""
         options.pop("num_heads", None)
         return options
 
     @classmethod
-    def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
+    def finish_options(cls, parsed: ParsedOptions[Self], options: Mapping[str, object]) -> Self:
         """``num_heads``, when given, must agree with the sizes it follows from."""
-        args = replace(parsed.base, **parsed.overrides)
+        args = cls.apply_overrides(parsed.base, parsed.overrides)
         heads = options.get("num_heads")
         if heads is not None and heads != args.num_heads:
             raise ValueError(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -94,8 +93,11 @@ class _WholeInput(ParallelStyle):
         module.register_forward_pre_hook(functools.partial(self._prepare, mesh=device_mesh))
         return module
 
-    def _prepare(self, _module: nn.Module, args: tuple[Any, ...], *, mesh: DeviceMesh) -> tuple[Any, ...]:
+    def _prepare(
+        self, _module: nn.Module, args: tuple[object, ...], *, mesh: DeviceMesh
+    ) -> tuple[object, ...]:
         x = args[0]
+        assert isinstance(x, torch.Tensor)  # the module's first input: the hidden states
         if not isinstance(x, DTensor):
             layout = Shard(1) if self.sequence_parallel else Replicate()
             x = DTensor.from_local(x, mesh, (layout,), run_check=False)

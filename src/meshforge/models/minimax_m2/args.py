@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
@@ -54,7 +54,7 @@ class MiniMaxM2Args(FamilyArgs):
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
     router_jitter_noise: float = 0.0
-    rope_parameters: dict[str, Any] | None = None
+    rope_parameters: dict[str, object] | None = None
     rope_theta: float | None = None
     rotary_dim: int | None = None
 
@@ -119,7 +119,7 @@ class MiniMaxM2Args(FamilyArgs):
         """Rotated dimensions per head: ``int(head_dim * rotary_factor)``, as transformers computes it."""
         return int(self.head_dim * self.rotary_factor)
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, object]:
         """Keyword arguments for ``transformers.MiniMaxM2Config`` that describe the same model."""
         out = asdict(self)
         out.pop("rope_theta")
@@ -132,7 +132,7 @@ class MiniMaxM2Args(FamilyArgs):
         return out
 
     @classmethod
-    def flavors(cls) -> Mapping[str, FamilyArgs]:
+    def flavors(cls) -> Mapping[str, MiniMaxM2Args]:
         return FLAVORS
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshforge.models.common.hf_adapter import HFAdapterBase
 from meshforge.models.minimax_m2.args import MiniMaxM2Args
@@ -40,7 +40,7 @@ _MOE = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.(?P<rest>gate\.weight|e
 _EXPERTS = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
 
 # config.json keys of MiniMax's own modelling code, with the only value transformers implements.
-_FIXED_HF_KEYS: dict[str, Any] = {
+_FIXED_HF_KEYS: dict[str, object] = {
     "scoring_func": "sigmoid",
     "use_routing_bias": True,
     "use_qk_norm": True,
@@ -119,7 +119,7 @@ class MiniMaxM2StateDictAdapter(HFAdapterBase):
         return from_hf_config(dict(config))
 
 
-def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+def from_hf_config(config: dict[str, object]) -> dict[str, object]:
     """``model:`` options from a MiniMax-M2 ``config.json`` (transformers' or MiniMax's own).
 
     Raises:

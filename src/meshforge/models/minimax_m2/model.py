@@ -24,7 +24,7 @@ the family's plan) before normalising, which gives one process's numbers.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from meshforge.models.common.moe import GroupedExperts, RouterStats, TopKRouter,
 from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding, apply_partial_rotary
 from meshforge.models.minimax_m2.args import MiniMaxM2Args
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class WidthRMSNorm(RMSNorm):
@@ -54,7 +57,7 @@ class WidthRMSNorm(RMSNorm):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__(dim, eps)
         self.full_dim = dim
-        self.group: Any = None
+        self.group: ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.flatten(-2)
@@ -93,7 +96,7 @@ class MiniMaxM2Attention(Attention):
         self.rotary_dim = args.attn_rotary_dim
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | Any | None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | object
     ) -> torch.Tensor:
         """Attend over ``x`` ``[B, S, hidden]`` (mask and CP as in the common attention)."""
         batch, seq_len, _ = x.shape
@@ -164,7 +167,7 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.last_aux_stats: RouterStats | None = None
         # Set by `set_aux_reduce_group` under context parallelism; travels with the stats.
-        self.aux_reduce_group: Any = None
+        self.aux_reduce_group: ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the MoE to ``x`` ``[B, S, hidden]``; ``token_mask`` ``[B, S]`` is False on padding."""

@@ -13,17 +13,16 @@ splits the experts.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from meshforge.models.common.tp_plan import SplitHeads, checked_plan, decoder_tp_plan
+from meshforge.models.minimax_m2.args import MiniMaxM2Args
 from meshforge.models.minimax_m2.model import MiniMaxM2Attention
 
 
-def tp_sizes(args: Any) -> dict[str, int]:
+def tp_sizes(args: MiniMaxM2Args) -> dict[str, int]:
     """The `model.*` sizes tensor parallelism splits (each must be a multiple of the TP degree)."""
     return {
         "num_attention_heads": args.num_attention_heads,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
@@ -52,7 +52,7 @@ class Qwen3Args(FamilyArgs):
     rms_norm_eps: float = 1e-6
     use_cache: bool = True
     tie_word_embeddings: bool = False
-    rope_parameters: dict[str, Any] | None = None
+    rope_parameters: dict[str, object] | None = None
     rope_theta: float | None = None
     attention_bias: bool = False
     use_sliding_window: bool = False
@@ -94,7 +94,7 @@ class Qwen3Args(FamilyArgs):
             and self.max_window_layers < self.num_hidden_layers
         )
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, object]:
         """Keyword arguments for ``transformers.Qwen3Config`` that describe the same model."""
         out = asdict(self)
         out.pop("rope_theta")
@@ -102,7 +102,7 @@ class Qwen3Args(FamilyArgs):
         return out
 
     @classmethod
-    def flavors(cls) -> Mapping[str, FamilyArgs]:
+    def flavors(cls) -> Mapping[str, Qwen3Args]:
         return FLAVORS
 
 

@@ -23,8 +23,9 @@ from the model's args by the adapter, or by :func:`adapter`).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshforge.models.common.hf_adapter import HFAdapterBase
 
@@ -75,7 +76,7 @@ def hf_sources(name: str, num_experts: int | None = None) -> list[str]:
     return [key for e in range(num_experts) for key in _expert_keys(*parts, e)]
 
 
-def _expert_count(name: str, prefix: str, kind: str, tensors: dict[str, Any]) -> int:
+def _expert_count(name: str, prefix: str, kind: str, tensors: Mapping[str, object]) -> int:
     """Number of consecutive experts 0.. whose keys are all present; every key must be used."""
     count = 0
     while all(key in tensors for key in _expert_keys(prefix, kind, count)):
@@ -148,7 +149,7 @@ def to_hf(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_hf_config(args: Qwen3MoeArgs) -> dict[str, Any]:
+def to_hf_config(args: Qwen3MoeArgs) -> dict[str, object]:
     """``config.json`` content transformers loads as the same model (model_type, architectures, fields)."""
     return {"model_type": "qwen3_moe", "architectures": [HF_ARCHITECTURE], **args.to_hf_dict()}
 

@@ -16,10 +16,12 @@ from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from meshforge.models.common.tp_plan import checked_plan, decoder_tp_plan
+from meshforge.models.qwen3_moe.args import Qwen3MoeArgs
 
 
-def tp_sizes(args) -> dict[str, int]:
+def tp_sizes(args: Qwen3MoeArgs) -> dict[str, int]:
     """The `model.*` sizes tensor parallelism splits (each must be a multiple of the TP degree)."""
+    assert args.num_key_value_heads is not None  # __post_init__ resolves a None
     sizes = {
         "num_attention_heads": args.num_attention_heads,
         "num_key_value_heads": args.num_key_value_heads,

@@ -13,8 +13,8 @@ This module does not import torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, ClassVar, Self
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
@@ -28,7 +28,7 @@ LAYER_TYPES: tuple[str, ...] = ("linear_attention", "full_attention")
 
 # Keys of published config.json files that carry no information for this model when they hold
 # the value given here (anything else is refused by name in `from_options`).
-_NEUTRAL_KEYS: dict[str, Any] = {"rope_scaling": None, "use_sliding_window": False}
+_NEUTRAL_KEYS: dict[str, object] = {"rope_scaling": None, "use_sliding_window": False}
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Qwen3NextArgs(FamilyArgs):
     rms_norm_eps: float = 1e-6
     use_cache: bool = True
     tie_word_embeddings: bool = False
-    rope_parameters: dict[str, Any] | None = None
+    rope_parameters: dict[str, object] | None = None
     rope_theta: float | None = None
     partial_rotary_factor: float | None = None
     attention_bias: bool = False
@@ -184,7 +184,7 @@ class Qwen3NextArgs(FamilyArgs):
             decoder_sparse_step=self.decoder_sparse_step,
         )
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, object]:
         """Keyword arguments for ``transformers.Qwen3NextConfig`` that describe the same model."""
         out = asdict(self)
         for key in ("rope_theta", "partial_rotary_factor", "full_attention_interval"):
@@ -200,11 +200,11 @@ class Qwen3NextArgs(FamilyArgs):
         return out
 
     @classmethod
-    def flavors(cls) -> Mapping[str, FamilyArgs]:
+    def flavors(cls) -> Mapping[str, Qwen3NextArgs]:
         return FLAVORS
 
     @classmethod
-    def prepare_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+    def prepare_options(cls, options: dict[str, object]) -> dict[str, object]:
         """``rope_scaling`` must be null and ``use_sliding_window`` false (Qwen3-Next has neither).
 
         ``sliding_window`` is then ignored, as transformers ignores it.
@@ -216,14 +216,14 @@ class Qwen3NextArgs(FamilyArgs):
         return options
 
     @classmethod
-    def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
+    def finish_options(cls, parsed: ParsedOptions[Self], options: Mapping[str, object]) -> Self:
         """A new layer count or interval re-derives the layer kinds unless they are given too."""
         overrides = dict(parsed.overrides)
         if "layer_types" not in overrides and {"num_hidden_layers", "full_attention_interval"} & set(
             overrides
         ):
             overrides["layer_types"] = None
-        return replace(parsed.base, **overrides)
+        return cls.apply_overrides(parsed.base, overrides)
 
 
 OPTION_KEYS: frozenset[str] = Qwen3NextArgs.option_keys()

@@ -47,7 +47,7 @@ value head, so it stays local with the output gate ``z``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,25 @@ from torch import nn
 
 from meshforge.models.common.mlp import activation
 from meshforge.models.common.norms import RMSNorm
+
+
+class UlyssesPlan(Protocol):
+    """What the Gated DeltaNet reads of its CP plan (``meshforge.parallel.context.ContextParallel``)."""
+
+    ulysses_size: int
+    rank: int
+
+    def seq_to_heads(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class RowMask(Protocol):
+    """What the Gated DeltaNet reads of the CP mask (``meshforge.parallel.context.CPMask``)."""
+
+    seq_len: int
+    segments: torch.Tensor | None
+
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -366,7 +385,7 @@ class GatedDeltaNet(nn.Module):
         self.chunk_size = DEFAULT_CHUNK_SIZE
         # Set by meshforge.parallel.context.apply_cp (ulysses only): the CP plan whose group
         # exchanges heads for sequence (see _mix_ulysses); None without CP.
-        self.cp: Any = None
+        self.cp: UlyssesPlan | None = None
         # Set by meshforge.infer.kv_cache during generation: the conv and recurrent state carried
         # from one forward to the next (see _forward_cached); None in training.
         self.state_cache: DeltaNetState | None = None
@@ -386,7 +405,7 @@ class GatedDeltaNet(nn.Module):
         return q, k, v, z, b.reshape(batch, seq_len, -1), a.reshape(batch, seq_len, -1)
 
     def forward(
-        self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, cp_mask: Any = None
+        self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, cp_mask: object = None
     ) -> torch.Tensor:
         """Mix ``x`` ``[B, S, hidden]`` along time; ``segment_ids`` ``[B, S]`` resets at document starts.
 
@@ -484,7 +503,7 @@ class GatedDeltaNet(nn.Module):
         v: torch.Tensor,
         b: torch.Tensor,
         a: torch.Tensor,
-        cp_mask: Any,
+        cp_mask: object,
     ) -> torch.Tensor:
         """:meth:`_mix` under CP ulysses: whole rows for a slice of the key-head groups, then back.
 
@@ -498,19 +517,21 @@ class GatedDeltaNet(nn.Module):
         (FSDP over the cp mesh) is the single-process gradient.
         """
         plan = self.cp
+        assert plan is not None  # forward calls this only under CP
         if getattr(cp_mask, "seq_len", None) is None:
             raise TypeError(
                 "context-parallel Gated DeltaNet needs the CPMask that Qwen3NextModel builds when "
                 f"parallelism.context_parallel > 1, got {type(cp_mask).__name__}"
             )
+        row = cast(RowMask, cp_mask)  # a CPMask (parallel/'s type, which models/ does not import)
         u = plan.ulysses_size
         batch, local_len, k_heads, _ = q.shape
         v_heads = v.shape[2]
         per_group = v_heads // k_heads
-        if k_heads % u or local_len * u != cp_mask.seq_len:
+        if k_heads % u or local_len * u != row.seq_len:
             raise ValueError(
                 f"context parallel Gated DeltaNet: {k_heads} key heads of {local_len} tokens cannot be "
-                f"split over {u} ranks of a {cp_mask.seq_len}-token row; model.linear_num_key_heads "
+                f"split over {u} ranks of a {row.seq_len}-token row; model.linear_num_key_heads "
                 "must divide by parallelism.context_parallel"
             )
         dv = self.head_v_dim
@@ -548,7 +569,7 @@ class GatedDeltaNet(nn.Module):
             self.conv1d.weight.index_select(0, channels),
             self.A_log[heads],
             self.dt_bias[heads],
-            cp_mask.segments,
+            row.segments,
         )
         out = plan.heads_to_seq(out.transpose(1, 2))  # [B, Hv, S / u, Dv]
         return out.transpose(1, 2)

@@ -14,7 +14,7 @@ reused here. Published Qwen3-Next checkpoints also carry multi-token-prediction 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshforge.models.qwen3_moe.hf import (
     Qwen3MoeHFAdapter,
@@ -35,7 +35,7 @@ HF_ARCHITECTURE = "Qwen3NextForCausalLM"
 IGNORED_HF_KEYS: tuple[str, ...] = ("mtp.*",)
 
 
-def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+def from_hf_config(config: dict[str, object]) -> dict[str, object]:
     """``model:`` options from a ``config.json``: the family's keys, ``layer_types`` as an interval.
 
     transformers writes ``layer_types`` out per layer. When it follows the
@@ -56,7 +56,7 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def to_hf_config(args: Qwen3NextArgs) -> dict[str, Any]:
+def to_hf_config(args: Qwen3NextArgs) -> dict[str, object]:
     """``config.json`` content transformers loads as the same model (model_type, architectures, fields)."""
     return {"model_type": "qwen3_next", "architectures": [HF_ARCHITECTURE], **args.to_hf_dict()}
 

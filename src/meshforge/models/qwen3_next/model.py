@@ -24,7 +24,7 @@ trade sequence for key-head groups with their own all-to-alls (``gdn.py``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,9 @@ from meshforge.models.common.norms import RMSNorm
 from meshforge.models.common.rope import RotaryEmbedding, apply_partial_rotary
 from meshforge.models.qwen3_next.args import Qwen3NextArgs
 from meshforge.models.qwen3_next.gdn import GatedDeltaNet
+
+if TYPE_CHECKING:
+    from meshforge.models.spec import CPPlan
 
 # Kernel switches of the `kernels:` section that need kernels this package does not have.
 _UNBUILT_GDN_KERNELS = {
@@ -113,7 +116,7 @@ class GatedAttention(Attention):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | object,
     ) -> torch.Tensor:
         """Attend over ``x`` ``[B, S, hidden]``; ``mask`` is None (causal) or boolean ``[B, 1, S, S]``.
 
@@ -233,7 +236,7 @@ class Qwen3NextModel(InnerModel):
     """
 
     # Set by meshforge.parallel.context.apply_cp; None without CP.
-    cp: Any = None
+    cp: CPPlan | None = None
     # Set by meshforge.infer.kv_cache during cached generation: the attention layers' boolean mask
     # over every cached key (or None); the Gated DeltaNet layers read their padding from their own
     # state cache. None in training.
@@ -254,7 +257,7 @@ class Qwen3NextModel(InnerModel):
         segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        mask = None
+        mask: torch.Tensor | object = None  # or the CP plan's mask object
         if self.decode_mask is not None:
             mask = self.decode_mask(input_ids)
         elif self.cp is not None:
@@ -321,7 +324,7 @@ class Qwen3NextForCausalLM(MoECausalLM[Qwen3NextArgs]):
                     "(chunked form, kernels.gdn_chunk_size); unset it"
                 )
         apply_kernel_options(self, options, family=self.family)
-        chunk = getattr(options, "gdn_chunk_size", None)
+        chunk = options.gdn_chunk_size
         if chunk is not None:
             if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
                 raise ValueError(f"kernels.gdn_chunk_size: must be a positive integer, got {chunk!r}")

@@ -39,9 +39,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from meshforge.models.common.tp_plan import SplitHeads, attention_input, checked_plan, decoder_tp_plan
+from meshforge.models.qwen3_next.args import Qwen3NextArgs
 
 
-def tp_sizes(args) -> dict[str, int]:
+def tp_sizes(args: Qwen3NextArgs) -> dict[str, int]:
     """The `model.*` sizes tensor parallelism splits (each must be a multiple of the TP degree)."""
     kinds = set(args.resolved_layer_types)
     sizes = {"vocab_size": args.vocab_size}

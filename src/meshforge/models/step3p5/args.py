@@ -25,16 +25,16 @@ not import torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, ClassVar, Self
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Self
 
 from meshforge.models.common import arg_rules as rules
 from meshforge.models.common.family_args import FamilyArgs
-from meshforge.models.common.options import ParsedOptions, positive_int, require_positive
+from meshforge.models.common.options import ParsedOptions, as_float, as_int, positive_int, require_positive
 
 LAYER_KINDS = ("full_attention", "sliding_attention")
 # config.json keys with the only value the published modelling code implements.
-FIXED_KEYS: dict[str, Any] = {
+FIXED_KEYS: dict[str, object] = {
     "att_impl_type": "GQA",
     "use_qk_norm": True,
     "zero_centered": True,
@@ -73,13 +73,13 @@ class Step3p5Args(FamilyArgs):
     share_expert_dim: int = 1280
     moe_layers_enum: str | int | list[int] | None = None
     rope_theta: float | list[float] = 10000.0
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: dict[str, object] | None = None
     yarn_only_types: list[str] | None = None
     partial_rotary_factors: list[float] | None = None
     use_rope_layers: list[bool] | None = None
     layer_types: list[str] | None = None
     sliding_window: int | None = None
-    attention_other_setting: dict[str, Any] | None = None
+    attention_other_setting: dict[str, object] | None = None
     use_head_wise_attn_gate: bool = False
     swiglu_limits: list[float | None] | None = None
     swiglu_limits_shared: list[float | None] | None = None
@@ -124,7 +124,7 @@ class Step3p5Args(FamilyArgs):
         self._check_lists()
         self._check_attention()
 
-    def _per_layer(self, name: str, value: object) -> list[Any] | None:
+    def _per_layer(self, name: str, value: object) -> list[object] | None:
         if value is None:
             return None
         if not isinstance(value, list | tuple) or len(value) < self.num_hidden_layers:
@@ -152,7 +152,7 @@ class Step3p5Args(FamilyArgs):
                 )
         for name in ("swiglu_limits", "swiglu_limits_shared"):
             for i, limit in enumerate(self._per_layer(name, getattr(self, name)) or []):
-                if limit is not None and (isinstance(limit, bool) or float(limit) < 0):
+                if limit is not None and (isinstance(limit, bool) or as_float(limit) < 0):
                     raise ValueError(f"{name}[{i}]: must be >= 0 or null, got {limit!r}")
         uses = self._per_layer("use_rope_layers", self.use_rope_layers or None)
         if uses is not None and not all(uses[: self.num_hidden_layers]):
@@ -200,8 +200,8 @@ class Step3p5Args(FamilyArgs):
         """``(heads, kv heads)`` of the sliding layers: ``attention_other_setting``, else the full ones."""
         other = self.attention_other_setting or {}
         return (
-            int(other.get("num_attention_heads", self.num_attention_heads)),
-            int(other.get("num_attention_groups", self.num_attention_groups)),
+            as_int(other.get("num_attention_heads", self.num_attention_heads)),
+            as_int(other.get("num_attention_groups", self.num_attention_groups)),
         )
 
     def layer_kind(self, layer: int) -> str:
@@ -227,7 +227,7 @@ class Step3p5Args(FamilyArgs):
         factor = 1.0 if self.partial_rotary_factors is None else float(self.partial_rotary_factors[layer])
         return int(self.head_dim * factor)
 
-    def layer_rope_scaling(self, layer: int) -> dict[str, Any] | None:
+    def layer_rope_scaling(self, layer: int) -> dict[str, object] | None:
         """``rope_scaling`` when it applies to ``layer``'s type (``yarn_only_types``), else None."""
         if self.yarn_only_types is not None and self.layer_kind(layer) not in self.yarn_only_types:
             return None
@@ -262,16 +262,16 @@ class Step3p5Args(FamilyArgs):
         value = None if not limits else limits[layer]
         return None if value is None or float(value) == 0.0 else float(value)
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, object]:
         """The published ``config.json`` fields of these args."""
         return {**asdict(self), **FIXED_KEYS}
 
     @classmethod
-    def flavors(cls) -> Mapping[str, FamilyArgs]:
+    def flavors(cls) -> Mapping[str, Step3p5Args]:
         return FLAVORS
 
     @classmethod
-    def coerce_option(cls, key: str, value: Any) -> Any:
+    def coerce_option(cls, key: str, value: object) -> object:
         if key in FIXED_KEYS:
             if value != FIXED_KEYS[key]:
                 raise ValueError(
@@ -281,10 +281,10 @@ class Step3p5Args(FamilyArgs):
         return super().coerce_option(key, value)
 
     @classmethod
-    def finish_options(cls, parsed: ParsedOptions, options: Mapping[str, Any]) -> Self:
+    def finish_options(cls, parsed: ParsedOptions[Self], options: Mapping[str, object]) -> Self:
         """The ``FIXED_KEYS`` (checked by the coercion) are no fields: they are dropped here."""
         overrides = {k: v for k, v in parsed.overrides.items() if k not in FIXED_KEYS}
-        return replace(parsed.base, **overrides)
+        return cls.apply_overrides(parsed.base, overrides)
 
 
 OPTION_KEYS: frozenset[str] = Step3p5Args.option_keys()

@@ -34,7 +34,7 @@ current token, so it needs nothing cached.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -232,7 +232,7 @@ class Step3p5Attention(Attention):
         return self.o_proj(out.reshape(batch, seq_len, -1))
 
 
-def _rope_parameters(args: Step3p5Args, layer: int) -> dict[str, Any] | None:
+def _rope_parameters(args: Step3p5Args, layer: int) -> dict[str, object] | None:
     scaling = args.layer_rope_scaling(layer)
     if scaling is None:
         return None

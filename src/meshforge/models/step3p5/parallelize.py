@@ -16,8 +16,6 @@ RoPE.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
@@ -26,10 +24,11 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from meshforge.models.common.attention import positions_from_segments
 from meshforge.models.common.stage import LayerRunner, StageBatch
 from meshforge.models.common.tp_plan import checked_plan, decoder_tp_plan
+from meshforge.models.step3p5.args import Step3p5Args
 from meshforge.models.step3p5.model import layer_masks
 
 
-def tp_sizes(args: Any) -> dict[str, int]:
+def tp_sizes(args: Step3p5Args) -> dict[str, int]:
     """The `model.*` sizes tensor parallelism splits (each must be a multiple of the TP degree)."""
     sizes = {
         "num_attention_heads": args.num_attention_heads,
