@@ -220,7 +220,7 @@ def test_mindspeed_dataset_file_name_forms_import_to_the_blend(tmp_path):
         load_config(path)
 
 
-@pytest.mark.slow  # spawns tokenizer worker processes
+@pytest.mark.procs  # spawns tokenizer worker processes
 def test_worker_processes_write_the_same_files(tmp_path, tokenizer, texts):
     raw = _write(tmp_path / "train.jsonl", texts * 3)
     [one] = _convert([str(raw)], tokenizer, tokenized_path=str(tmp_path / "w1"))

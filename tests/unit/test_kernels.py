@@ -379,7 +379,7 @@ def test_trainer_chunk_loss_size_gives_the_same_losses_and_flash_true_is_a_warne
 
 
 # ----------------------------------------------------------------------------- compile (slow)
-@pytest.mark.slow
+@pytest.mark.procs  # inductor compiles its C++ kernels in processes
 def test_compiled_decoder_layers_match_eager(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     eager, compiled = _qwen3(), _qwen3()

@@ -122,7 +122,7 @@ def test_compiled_loss_steps_match_eager(mode: str) -> None:
         assert_close(a, b, rtol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.procs  # inductor compiles its C++ kernels in processes
 def test_inductor_fused_loss_matches_float64_and_recompiles_once_for_the_short_chunk() -> None:
     from torch._dynamo.utils import counters
 

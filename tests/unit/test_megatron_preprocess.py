@@ -124,7 +124,7 @@ def test_txt_json_keys_and_tokenizer_type(tmp_path, tok, capsys):
     assert rc == 2 and "--eod-token: '<nope>' is not a token" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.procs  # worker processes
 def test_workers_give_the_same_files(tmp_path, capsys):
     records = [{"text": f"document {i} " + "word " * (i % 17)} for i in range(1500)]
     src = _jsonl(tmp_path / "in.jsonl", records)

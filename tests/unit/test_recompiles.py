@@ -45,7 +45,7 @@ MOE = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.procs  # inductor compiles its C++ kernels in processes
 def test_packed_steps_reuse_the_compiled_layers(tmp_path: Path):
     # qwen3_moe: its layers hold everything a dense layer has, plus the data-dependent expert loop.
     out = tmp_path / "run"

@@ -145,7 +145,7 @@ def test_recompute_composes_with_chunked_micro_batches_and_the_chunked_loss(
     assert_same_runs(tiny_config, ["--model.num_hidden_layers=4", *loss], modes, tmp_path / "l", what="loss")
 
 
-@pytest.mark.slow
+@pytest.mark.procs  # inductor compiles its C++ kernels in processes
 def test_recompute_composes_with_compile(tiny_config: Path, tmp_path: Path) -> None:
     # A cold torch.compile of the blocks takes most of a minute here: one mode.
     assert_same_runs(

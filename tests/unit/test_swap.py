@@ -362,7 +362,7 @@ def test_a_layer_both_swapped_and_fully_recomputed_is_refused_at_load() -> None:
     config_from_dict({"recompute": select, "swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}})
 
 
-@pytest.mark.slow
+@pytest.mark.procs  # inductor compiles its C++ kernels in processes
 def test_swap_composes_with_compiled_layers() -> None:
     """``kernels.compile`` compiles each layer after swap wrapped it: same numbers, bytes still moved."""
     from meshforge.models.common.kernels import apply_compile

@@ -149,7 +149,7 @@ def _item_key(item: Any) -> str:
     return item.key or "/".join(item.nested_key)
 
 
-@pytest.mark.slow
+@pytest.mark.procs  # a tracker's writer process
 @pytest.mark.usefixtures("leave_no_process_group")
 def test_a_run_logs_every_step_to_both_trackers_finishes_them_and_a_resumed_run_continues_them(
     tiny_config: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
