@@ -10,6 +10,8 @@ test without `procs` as soon as it starts a process, so neither tier can hide on
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import multiprocessing.process
 import os
@@ -162,11 +164,9 @@ def meshforge_here(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     The same `meshforge.cli.main.main` that `python -m meshforge` runs, without the interpreter
     and torch start-up; for tests of what a command prints and returns. An exception the command
     lets escape (a traceback a user would see) fails the test with that traceback. The process
-    entry itself (`python -m meshforge`, torchrun, signals) keeps real processes.
+    entry itself (`python -m meshforge`, torchrun, signals) keeps real processes. The command
+    leaves no process group behind (`meshforge train` destroys its own on every path).
     """
-    import contextlib
-    import io
-
     from meshforge.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -175,9 +175,6 @@ def meshforge_here(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
             code = main(list(args))
         except SystemExit as exit_:  # argparse's usage errors
             code = exit_.code if isinstance(exit_.code, int) else 1
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_initialized():
-        dist.destroy_process_group()
     return subprocess.CompletedProcess(["meshforge", *args], code, out.getvalue(), err.getvalue())
 
 

@@ -24,7 +24,6 @@ pytestmark = pytest.mark.slow
 EXPLODE = ["--lr_scheduler.learning_rate=1e6", "--training.max_norm=1e30", "--lr_scheduler.warmup_steps=0"]
 
 
-@pytest.mark.slow  # whole trainings
 def test_save_max_null_keeps_every_checkpoint(tiny_config: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     train_cli(

@@ -123,15 +123,19 @@ def number(key: str, value: object, *, integer: bool) -> int | float:
     return float(parsed)
 
 
+def _scalar(value: object, what: str) -> str | int | float:
+    if isinstance(value, str | int | float):
+        return value
+    raise TypeError(f"must be {what}, got {value!r}")
+
+
 def as_float(value: object) -> float:
     """``float(value)`` for a value already checked to be a number (or a number's string spelling).
 
     Raises:
         TypeError: For anything else (what ``float`` raises for None or a list).
     """
-    if isinstance(value, str | int | float):
-        return float(value)
-    raise TypeError(f"must be a number, got {value!r}")
+    return float(_scalar(value, "a number"))
 
 
 def as_int(value: object) -> int:
@@ -140,9 +144,7 @@ def as_int(value: object) -> int:
     Raises:
         TypeError: For anything else (what ``int`` raises for None or a list).
     """
-    if isinstance(value, str | int | float):
-        return int(value)
-    raise TypeError(f"must be an integer, got {value!r}")
+    return int(_scalar(value, "an integer"))
 
 
 def coerce_scalar(
