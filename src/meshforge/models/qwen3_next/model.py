@@ -43,14 +43,6 @@ from meshforge.models.qwen3_next.gdn import GatedDeltaNet
 if TYPE_CHECKING:
     from meshforge.models.spec import CPPlan
 
-# Kernel switches of the `kernels:` section that need kernels this package does not have.
-_UNBUILT_GDN_KERNELS = {
-    "use_triton_gdn": "triton_gdn",
-    "use_flash_gdn": "flash_gdn",
-    "use_triton_rmsnormgated": "triton_rmsnormgated",
-}
-
-
 # The chunk length the FLOPs estimate assumes (the default of kernels.gdn_chunk_size).
 _FLOPS_GDN_CHUNK = 64
 
@@ -313,16 +305,12 @@ class Qwen3NextForCausalLM(MoECausalLM[Qwen3NextArgs]):
     def configure_kernels(self, options: KernelOptions) -> None:
         """The common switches, plus ``gdn_chunk_size`` on every Gated DeltaNet layer.
 
+        The Triton/Ascend Gated DeltaNet switches never reach here: the config refuses them as
+        "not supported yet" (config/unsupported.py).
+
         Raises:
-            ValueError: ``kernels.use_triton_gdn`` / ``use_flash_gdn`` / ``use_triton_rmsnormgated``
-                on (no such kernel here), or a ``gdn_chunk_size`` that is not positive.
+            ValueError: a ``gdn_chunk_size`` that is not positive.
         """
-        for key, attr in _UNBUILT_GDN_KERNELS.items():
-            if getattr(options, attr, False):
-                raise ValueError(
-                    f"kernels.{key}: not available: meshforge runs Gated DeltaNet in plain PyTorch "
-                    "(chunked form, kernels.gdn_chunk_size); unset it"
-                )
         apply_kernel_options(self, options, family=self.family)
         chunk = options.gdn_chunk_size
         if chunk is not None:
