@@ -48,16 +48,16 @@ $(LF_STAMP): $(STAMP)
 	  llamafactory==0.9.5 peft==0.21.2 omegaconf==2.4.0 accelerate==1.15.0
 	touch $(LF_STAMP)
 
-# The tests that start no process, fast and `slow` alike, run on two xdist workers (they use one
-# core each); the `procs` ones after them in one process, where each test's own processes or ranks
-# (a shared pool, see tests/README.md) already take both cores.
+# Two xdist workers: one runs the `procs` tests (the xdist group `procs`, one test at a time: their
+# ranks, a shared pool, see tests/README.md, wait on each other's messages and leave most of a core
+# idle), the other takes the tests that start no process beside it, and the first joins it once the
+# group is done.
 PYTEST := $(VENV)/bin/pytest -q
 LF_TESTS := tests/unit/test_sft_llamafactory.py tests/unit/test_sft_llamafactory_eval.py
 NO_LF := $(foreach t,$(LF_TESTS),--ignore=$(t))
 
 test: $(STAMP) lint $(LF_STAMP)
-	$(test_env) $(PYTEST) -n 2 -m "not procs" --durations=25 tests $(NO_LF)
-	$(test_env) $(PYTEST) -m procs --durations=25 tests $(NO_LF)
+	$(test_env) $(PYTEST) -n 2 --dist loadgroup --durations=25 tests $(NO_LF)
 	$(test_env) PYTHONPATH=$(LF_REF) $(PYTEST) $(LF_TESTS) \
 	  "tests/unit/test_tokenizer_extension.py::test_desc_init_cross_check_with_llamafactory"
 

@@ -22,6 +22,13 @@ from pathlib import Path
 
 import pytest
 
+from tests._procs_group import (  # noqa: F401  (hooks of this conftest)
+    pytest_configure,
+    pytest_unconfigure,
+    pytest_xdist_make_scheduler,
+    record_group,
+)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # No end-of-run plot (monitor.plot_curves) in the many short test runs: drawing costs seconds
@@ -35,13 +42,15 @@ DISTRIBUTED = REPO / "tests" / "distributed"
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test under tests/distributed/ starts ranks: `procs`; and every `procs` test is `slow`."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test under tests/distributed/ starts ranks: `procs`; every `procs` test is `slow`;
+    under `--dist loadgroup` the `procs` tests are one group (tests/_procs_group.py)."""
     for item in items:
         if item.path.is_relative_to(DISTRIBUTED) and item.get_closest_marker("procs") is None:
             item.add_marker(pytest.mark.procs)
         if item.get_closest_marker("procs") is not None and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+    record_group(config, items)
 
 
 @pytest.fixture(autouse=True)

@@ -194,7 +194,29 @@ class ParallelDims:
         return (self.pp, self.dp_replicate, self.dp_shard_mod_ep, self.dp_shard_in_ep, self.cp, self.tp)
 
     def build_mesh(self, device_type: str) -> ParallelMesh:
-        """Create the DeviceMesh with every named axis (size 1 allowed) and one view per purpose."""
+        """The DeviceMesh with every named axis (size 1 allowed) and one view per purpose.
+
+        A process that builds several runs (a sweep in a notebook, a test process) gets the
+        mesh of an earlier run with the same degrees back instead of a new one: each mesh makes
+        about a dozen process groups, each with its own gloo threads and sockets, which live
+        until the default group is destroyed (DTensor caches its plans by mesh equality, so an
+        equal mesh must not be torn down while the process runs). The reuse ends with the
+        default group: a new default group gets new meshes.
+        """
+        import torch.distributed as dist
+
+        key = (self, device_type)
+        built = _BUILT_MESHES.get(key)
+        if built is not None and dist.is_initialized() and built[0] is dist.group.WORLD:
+            return built[1]
+        mesh = self._new_mesh(device_type)  # initialises the default group when there is none
+        world = dist.group.WORLD
+        for stale in [k for k, (group, _) in _BUILT_MESHES.items() if group is not world]:
+            del _BUILT_MESHES[stale]
+        _BUILT_MESHES[key] = (world, mesh)
+        return mesh
+
+    def _new_mesh(self, device_type: str) -> ParallelMesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.world_size == 1:
@@ -252,3 +274,8 @@ class ParallelMesh:
             return self.views[purpose]
         except KeyError:
             raise KeyError(f"unknown mesh purpose {purpose!r}; known: {', '.join(self.views)}") from None
+
+
+# The meshes this process built, by degrees and device type, with the default group they were
+# built in (see `ParallelDims.build_mesh`).
+_BUILT_MESHES: dict[tuple[ParallelDims, str], tuple[object, ParallelMesh]] = {}
