@@ -347,7 +347,7 @@ class _Calls:
         self.skipped: set[int] = set()
         self.ran: set[int] = set()
 
-    def passed_through(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object | None:
+    def passed_through(self, index: int, args: tuple[Any, ...], kwargs: dict[str, object]) -> object | None:
         """The layer's input in its representative's output structure, or None to run it."""
         rep = self.kinds[index]
         if rep == index or rep not in self.outputs:

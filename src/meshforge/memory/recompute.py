@@ -182,7 +182,7 @@ def _recomputed_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def _checkpointed_call(
-    module: nn.Module, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: nn.Module, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, object]
 ) -> Any:
     if not torch.is_grad_enabled() or in_recomputed_region():
         # Evaluation saves nothing; inside another region (or its recomputation) the outer

@@ -109,14 +109,15 @@ def _chunked_forward(
 
 
 def _batch_size(
-    args: tuple[Any, ...], kwargs: dict[str, Any], indices: frozenset[int], names: frozenset[str], dim: int
+    args: tuple[Any, ...], kwargs: dict[str, object], indices: frozenset[int], names: frozenset[str], dim: int
 ) -> int | None:
     for i in sorted(indices):
         if i < len(args) and isinstance(args[i], torch.Tensor):
             return int(args[i].shape[dim])
     for name in sorted(names):
-        if isinstance(kwargs.get(name), torch.Tensor):
-            return int(kwargs[name].shape[dim])
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[dim])
     return None
 
 

@@ -257,7 +257,7 @@ class Pipeline:
         self._shape = shape
         schedule = self._schedule_for(len(micro))
         batch = {k: torch.cat([mb[k] for mb in micro]).to(self.device) for k in keys}
-        kwargs: dict[str, Any] = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+        kwargs: dict[str, object] = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
         kwargs["seq_len"] = int(batch["input_ids"].shape[-1])  # not a tensor: every micro-batch gets it
         args = (batch["input_ids"],) if self.split.has_first else ()
         target = batch["labels"] if self.split.has_last else None
