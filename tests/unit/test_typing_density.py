@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "meshforge"
-ANY_PER_1000_CEILING = 9.5
+ANY_PER_1000_CEILING = 4.6
 IGNORE_PER_1000_CEILING = 1.1
 
 

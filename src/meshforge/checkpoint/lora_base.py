@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch.nn as nn
 
 _CHUNK = 1 << 22
+V = TypeVar("V")  # a state dict's values (tensors, DTensors, DCP's nested values)
 
 
 def is_adapter_parameter(name: str) -> bool:
@@ -45,12 +46,12 @@ def weights_digest(folder: Path, kind: str) -> str:
     return digest.hexdigest()
 
 
-def base_reference(folder: Path, kind: str) -> dict[str, Any]:
+def base_reference(folder: Path, kind: str) -> dict[str, object]:
     """`{"kind": "hf" | "dcp", "path", "sha256"}` for `trainer_state.json`'s `lora.base`."""
     return {"kind": kind, "path": str(folder), "sha256": weights_digest(folder, kind)}
 
 
-def check_base(recorded: dict[str, Any], where: Path) -> Path:
+def check_base(recorded: dict[str, object], where: Path) -> Path:
     """The recorded base folder, after checking it still holds the same weights.
 
     Raises:
@@ -69,12 +70,12 @@ def check_base(recorded: dict[str, Any], where: Path) -> Path:
     return folder
 
 
-def base_state_dict(model_sd: dict[str, Any]) -> dict[str, Any]:
+def base_state_dict(model_sd: dict[str, V]) -> dict[str, V]:
     """The entries of a model state dict that are base weights (adapters left out)."""
     return {k: v for k, v in model_sd.items() if not is_adapter_parameter(k)}
 
 
-def adapter_state_dict(model_sd: dict[str, Any]) -> dict[str, Any]:
+def adapter_state_dict(model_sd: dict[str, V]) -> dict[str, V]:
     """The adapter entries of a model state dict."""
     return {k: v for k, v in model_sd.items() if is_adapter_parameter(k)}
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from meshforge.checkpoint.readers import read_dcp_metadata, read_json_object
 from meshforge.optim.muon import optimizer_family
 from meshforge.utils.distributed import barrier
+from meshforge.utils.seed import RNGState
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -56,14 +57,31 @@ if TYPE_CHECKING:
 COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE_FILE = "trainer_state.json"
 
+StateDict = dict[str, object]
+
+
+class TrainerState(TypedDict, total=False):
+    """`trainer_state.json`: the trainer's part of a step (`train.build.trainer_state`) and what
+    the manager adds (`has_optimizer`, `optimizer_type`, `lora`). Empty for a weights-only load."""
+
+    step: int
+    tokens_seen: int
+    scheduler: StateDict
+    data: dict[str, int]  # the loader's position (bools as ints: shuffle, stream)
+    world_size: int
+    global_batch_size: int
+    has_optimizer: bool
+    optimizer_type: str
+    lora: StateDict
+
 
 @dataclass
 class LoadedState:
     """What a resume restores besides model/optimizer tensors (those are loaded in place)."""
 
     path: Path
-    trainer_state: dict[str, Any]
-    rng_state: dict[str, Any] | None
+    trainer_state: TrainerState
+    rng_state: RNGState | None
     optimizer_loaded: bool
 
 
@@ -160,7 +178,7 @@ class CheckpointManager:
         self._staging: Future | None = None
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self.lora_base = lora_base
-        self._lora_ref: dict[str, Any] | None = None
+        self._lora_ref: StateDict | None = None
         self._stager = _background_stager() if async_save else None
 
     def lora_base_path(self) -> str | None:
@@ -180,8 +198,8 @@ class CheckpointManager:
         step: int,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        trainer_state: dict[str, Any],
-        rng_state: dict[str, Any],
+        trainer_state: TrainerState,
+        rng_state: RNGState,
     ) -> Path:
         """Write one step folder collectively (every rank must call this).
 
@@ -377,7 +395,7 @@ class CheckpointManager:
         lora = self.lora_base is not None
         return StateDictOptions(strict=not lora, ignore_frozen_params=lora)
 
-    def _base_reference(self) -> dict[str, Any]:
+    def _base_reference(self) -> StateDict:
         from meshforge.checkpoint.lora_base import base_reference
 
         if self._lora_ref is None:
@@ -396,7 +414,7 @@ class CheckpointManager:
             barrier()
         return LoadedState(path=path, trainer_state={}, rng_state=None, optimizer_loaded=False)
 
-    def _load_recorded_base(self, lora: dict[str, Any], path: Path, model: nn.Module) -> None:
+    def _load_recorded_base(self, lora: StateDict, path: Path, model: nn.Module) -> None:
         """Check (and for a DCP base, load) the base a LoRA step was trained on."""
         from meshforge.checkpoint.lora_base import check_base
 
@@ -437,7 +455,7 @@ def _background_stager() -> DefaultStager:
     )
 
 
-def read_trainer_state(step_dir: Path) -> dict[str, Any]:
+def read_trainer_state(step_dir: Path) -> TrainerState:
     """`trainer_state.json` of a step folder (step, tokens seen, schedule and data position).
 
     Raises:
@@ -453,10 +471,11 @@ def read_trainer_state(step_dir: Path) -> dict[str, Any]:
     step = state.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"{file}: `step` must be a non-negative integer, got {step!r}")
-    return state
+    # The file is this module's own writing; only `step` is checked (older checkpoints lack keys).
+    return cast("TrainerState", state)
 
 
-def _read_rng_state(file: Path) -> dict[str, Any] | None:
+def _read_rng_state(file: Path) -> RNGState | None:
     """One rank's saved RNG states, or None when that rank saved none (another world size)."""
     if not file.is_file():
         return None
@@ -519,7 +538,7 @@ def _restore_extra_groups(optim_sd: dict[str, Any], extra: list[dict[str, Any]])
     optim_sd["param_groups"] = loaded + extra
 
 
-def _json_default(value: Any) -> Any:
+def _json_default(value: object) -> object:
     if isinstance(value, torch.Tensor):
         return value.tolist()
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ def one_rank_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def build_on_cpu(family: FamilySpec, options: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
+def build_on_cpu(family: FamilySpec, options: dict[str, object], dtype: torch.dtype) -> torch.nn.Module:
     with torch.device("meta"):
         model = family.build(options)
     model.to(dtype=dtype)

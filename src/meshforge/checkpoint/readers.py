@@ -11,7 +11,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from safetensors import safe_open as SafeOpen
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 DCP_METADATA_FILE = ".metadata"
 
 
-def read_json_object(file: Path) -> dict[str, Any]:
+def read_json_object(file: Path) -> dict[str, object]:
     """The JSON object in `file`.
 
     Raises:

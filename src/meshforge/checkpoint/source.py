@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshforge.checkpoint.hf import (
     CONFIG_FILE,
@@ -33,7 +33,7 @@ class ModelSource:
     """Which family to build with which options, and the HF folder it came from (if any)."""
 
     family: FamilySpec
-    options: dict[str, Any]
+    options: dict[str, object]
     hf_dir: Path | None
 
 
@@ -96,8 +96,8 @@ def resolve_model_source(model_cfg: ModelConfig, *, log: Callable[[str], None] |
 
 def _fit_to_weights(
     family: FamilySpec,
-    options: dict[str, Any],
-    extra: dict[str, Any],
+    options: dict[str, object],
+    extra: dict[str, object],
     hf_dir: Path,
     emit: Callable[[str], None],
 ) -> None:
@@ -117,8 +117,8 @@ def _fit_to_weights(
 def _generic_source(
     model_cfg: ModelConfig,
     hf_dir: Path,
-    config: dict[str, Any],
-    extra: dict[str, Any],
+    config: dict[str, object],
+    extra: dict[str, object],
     unbuilt: str,
     emit: Callable[[str], None],
 ) -> ModelSource:
@@ -140,7 +140,7 @@ def _generic_source(
 
 
 def _refit_layer_types(
-    options: dict[str, Any], base: dict[str, Any], extra: dict[str, Any], emit: Callable[[str], None]
+    options: dict[str, object], base: dict[str, object], extra: dict[str, object], emit: Callable[[str], None]
 ) -> None:
     """Keep config.json's per-layer ``layer_types`` valid when ``num_hidden_layers`` is overridden.
 
@@ -162,7 +162,7 @@ def grown_options(
     source: ModelSource,
     tokenizer: PreTrainedTokenizerBase | None,
     log: Callable[[str], None],
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The model options with the vocabulary the run trained: tokens added by the config grow it."""
     if tokenizer is None:
         return dict(source.options)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -216,7 +216,7 @@ class StatefulLoader:
     def _to_tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return to_tensors(arrays)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, int]:
         """Small JSON-able position; the same on every rank."""
         return {
             "epoch": self._epoch,
@@ -227,7 +227,7 @@ class StatefulLoader:
             "shuffle": self.shuffle,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue exactly where `state` was taken, without reading the skipped data.
 
         Raises:
@@ -405,7 +405,7 @@ class StreamLoader(Generic[R]):
             self._start, self._rounds_done, self._unit_rows = self._cursor, 0, None
         return to_tensors(self._collate(chunk))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, int]:
         """Small JSON-able position; the same on every rank."""
         return {
             "stream": True,
@@ -416,7 +416,7 @@ class StreamLoader(Generic[R]):
             "seed": self.seed,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue where `state` was taken; the skipped rows are re-read on the next batch.
 
         Raises:

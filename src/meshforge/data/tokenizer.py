@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from meshforge.utils.resources import resolve_path
 
@@ -179,7 +179,16 @@ class TokenizerOptions(Protocol):
     def new_special_tokens_config(self) -> str | None: ...
 
 
-def extension_options(model_cfg: TokenizerOptions) -> dict[str, Any]:
+class ExtensionOptions(TypedDict):
+    """The keyword arguments of `build_tokenizer` that extend the vocabulary."""
+
+    split_special_tokens: bool
+    add_tokens: str | Sequence[str] | None
+    add_special_tokens: str | Sequence[str] | None
+    new_special_tokens_config: str | Mapping[str, str] | None
+
+
+def extension_options(model_cfg: TokenizerOptions) -> ExtensionOptions:
     """`build_tokenizer` keyword arguments from the `model:` section's tokenizer options.
 
     ``build_tokenizer(path, use_fast=..., **extension_options(cfg.model), log=...)`` extends the
@@ -227,7 +236,7 @@ def load_special_token_descriptions(source: str | Mapping[str, str]) -> dict[str
     """
     where = "model.new_special_tokens_config"
     if isinstance(source, Mapping):
-        data: Any = dict(source)
+        data: object = dict(source)
     else:
         import yaml
 

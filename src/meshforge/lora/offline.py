@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    ValueType,
     get_model_state_dict,
     set_model_state_dict,
 )
@@ -27,19 +28,20 @@ from meshforge.lora.apply import LoraSettings, with_adapter_init
 from meshforge.lora.layer import adapters_detached
 
 if TYPE_CHECKING:
+    from meshforge.checkpoint.manager import TrainerState
     from meshforge.checkpoint.source import ModelSource
     from meshforge.config.root import TrainConfig
     from meshforge.models.materialize import InitFn
     from meshforge.models.registry import FamilySpec
 
 
-def lora_record(trainer_state: dict[str, Any]) -> dict[str, Any] | None:
+def lora_record(trainer_state: TrainerState) -> dict[str, object] | None:
     """The `lora` entry of a step's trainer state (None: a full-model step)."""
     record = trainer_state.get("lora")
     return record if isinstance(record, dict) else None
 
 
-def _dcp_load(state: dict[str, Any], step: Path) -> None:
+def _dcp_load(state: dict[str, dict[str, ValueType]], step: Path) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(step), no_dist=not dist.is_initialized())
@@ -50,7 +52,7 @@ def load_lora_step(
     model: nn.Module,
     family: FamilySpec,
     step: Path,
-    record: dict[str, Any],
+    record: dict[str, object],
     *,
     settings: LoraSettings,
     seed: int,
@@ -96,7 +98,7 @@ def load_lora_step(
 
 def build_adapted(
     family: FamilySpec,
-    options: dict[str, Any],
+    options: dict[str, object],
     settings: LoraSettings,
     *,
     dtype: torch.dtype,
@@ -120,7 +122,7 @@ def build_adapted(
 def load_for_generation(
     cfg: TrainConfig,
     source: ModelSource,
-    options: dict[str, Any],
+    options: dict[str, object],
     step: Path | None,
     *,
     dtype: torch.dtype,

@@ -74,7 +74,7 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return tensor.cpu()
 
 
-def adapter_config(settings: LoraSettings, targets: list[str], base_model: str) -> dict[str, Any]:
+def adapter_config(settings: LoraSettings, targets: list[str], base_model: str) -> dict[str, object]:
     """The `adapter_config.json` body PEFT reads (`peft.LoraConfig` fields)."""
     return {
         "peft_type": "LORA",
@@ -119,7 +119,7 @@ def save_peft_adapter(
     return out
 
 
-def _read_adapter_config(folder: Path) -> dict[str, Any]:
+def _read_adapter_config(folder: Path) -> dict[str, object]:
     from meshforge.checkpoint.readers import read_json_object
 
     file = folder / ADAPTER_CONFIG
@@ -128,7 +128,7 @@ def _read_adapter_config(folder: Path) -> dict[str, Any]:
     return read_json_object(file)
 
 
-def check_adapter_config(folder: Path, settings: LoraSettings) -> dict[str, Any]:
+def check_adapter_config(folder: Path, settings: LoraSettings) -> dict[str, object]:
     """The folder's adapter config, checked against `lora_config` (rank, alpha, plain LoRA).
 
     Raises:

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from meshforge.memory.config import RecomputeCommConfig
 from meshforge.memory.ledger import active_ledger
@@ -51,7 +52,7 @@ class _Regather:
     storage: int
     size: torch.Size
     stride: tuple[int, ...]
-    _full: Any = field(default=None, repr=False)
+    _full: weakref.ref[torch.Tensor] | None = field(default=None, repr=False)
 
     def full(self) -> torch.Tensor:
         """The gathered tensor again (shared by the unpacks that are alive at the same time)."""
@@ -77,11 +78,11 @@ class _Packed:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
-    spec: Any  # the DTensor spec of the saved tensor, or None for a plain tensor
+    spec: DTensorSpec | None  # the DTensor spec of the saved tensor, or None for a plain tensor
 
 
-def _pack_hook(regather: _Regather) -> Any:
-    def pack(tensor: torch.Tensor) -> Any:
+def _pack_hook(regather: _Regather) -> Callable[[torch.Tensor], _Packed | torch.Tensor]:
+    def pack(tensor: torch.Tensor) -> _Packed | torch.Tensor:
         ledger = active_ledger()
         local = _local(tensor)
         if local.device.type != "meta" and local.untyped_storage().data_ptr() == regather.storage:
@@ -96,7 +97,7 @@ def _pack_hook(regather: _Regather) -> Any:
     return pack
 
 
-def _unpack(packed: Any) -> torch.Tensor:
+def _unpack(packed: _Packed | torch.Tensor) -> torch.Tensor:
     if not isinstance(packed, _Packed):
         return packed
     view = packed.regather.full().as_strided(packed.size, packed.stride, packed.offset)
@@ -109,7 +110,7 @@ def _unpack(packed: Any) -> torch.Tensor:
         )
 
 
-def _record(module: nn.Module, args: tuple[Any, ...]) -> None:
+def _record(module: nn.Module, args: tuple[object, ...]) -> None:
     """Pre-hook ahead of TP's: remember a sequence-split first input (what TP will gather)."""
     x = args[0] if args else None
     if isinstance(x, DTensor) and any(isinstance(p, Shard) and p.dim == 1 for p in x.placements):
@@ -118,11 +119,11 @@ def _record(module: nn.Module, args: tuple[Any, ...]) -> None:
         module.__dict__.pop(_RECORD, None)
 
 
-def _forget(module: nn.Module, _args: Any, _output: Any) -> None:
+def _forget(module: nn.Module, _args: object, _output: object) -> None:
     module.__dict__.pop(_RECORD, None)
 
 
-def _regather_for(chain: list[nn.Module], x: Any, key: str, verified: list[bool]) -> _Regather | None:
+def _regather_for(chain: list[nn.Module], x: object, key: str, verified: list[bool]) -> _Regather | None:
     """The shard the nearest recording module got, when ``x`` is its gathered form."""
     if not isinstance(x, torch.Tensor):
         return None
@@ -164,7 +165,7 @@ def _wrap(module: nn.Module, chain: list[nn.Module], key: str) -> None:
     verified = [False]
 
     @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: object, **kwargs: object) -> object:
         if not torch.is_grad_enabled() or in_recomputed_region() or not args:
             return original(*args, **kwargs)
         regather = _regather_for(chain, args[0], key, verified)

@@ -7,7 +7,7 @@ by `meshforge.config.rules` when `num_hidden_layers` is known.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import field_validator, model_validator
 
@@ -15,7 +15,7 @@ from meshforge.config.base import AtLeastOne, Bool, StrictSection, describe, rul
 from meshforge.config.layer_spec import LayerSpecList
 
 
-def _check_select_module(value: Any) -> Any:
+def _check_select_module(value: object) -> object:
     if value is None:
         return value
     if not isinstance(value, dict):
@@ -54,7 +54,7 @@ class RecomputeConfig(StrictSection):
 
     @field_validator("mode", mode="before")
     @classmethod
-    def _mode(cls, value: Any) -> Any:
+    def _mode(cls, value: object) -> object:
         if value is None:
             raise ValueError(
                 "must be one of 'None', 'full', 'select' (quote 'None' in YAML; null is not a mode)"

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -83,7 +83,7 @@ class ActivationEstimate:
 
 
 class _PassThrough(nn.Module):
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         return x
 
 
@@ -347,7 +347,9 @@ class _Calls:
         self.skipped: set[int] = set()
         self.ran: set[int] = set()
 
-    def passed_through(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object | None:
+    def passed_through(
+        self, index: int, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> object | None:
         """The layer's input in its representative's output structure, or None to run it."""
         rep = self.kinds[index]
         if rep == index or rep not in self.outputs:
@@ -383,7 +385,7 @@ def _measure_calls(
     """
     cls = type(layer)
 
-    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self: nn.Module, *args: object, **kwargs: object) -> object:
         calls.ran.add(index)
         skipped = calls.passed_through(index, args, kwargs)
         if skipped is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from typing import Any
+from typing import TypeAlias
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from meshforge.memory.config import RecomputeConfig
 from meshforge.memory.ledger import SavedTensorLedger, active_ledger
 from meshforge.memory.names import decoder_layers, layer_indices, match_submodules, no_match_error
 from meshforge.memory.ops import OP_ALIASES
+
+# What `recompute.exclude_op` names: one overload (`aten.mm.default`) or all of them (`aten.mm`).
+AtenOp: TypeAlias = torch._ops.OpOverload | torch._ops.OpOverloadPacket
 
 
 class _Depth(threading.local):
@@ -61,7 +64,7 @@ def _region() -> Iterator[None]:
         _DEPTH.value -= 1
 
 
-def resolve_ops(names: Sequence[str] | None) -> list[Any]:
+def resolve_ops(names: Sequence[str] | None) -> list[AtenOp]:
     """The aten operators (``OpOverload`` or ``OpOverloadPacket``) that ``recompute.exclude_op`` names.
 
     Accepted: ``aten.mm.default`` (one overload), ``aten.mm`` or ``mm`` (every overload), and
@@ -70,7 +73,7 @@ def resolve_ops(names: Sequence[str] | None) -> list[Any]:
     Raises:
         ValueError: ``recompute.exclude_op[i]`` names no operator.
     """
-    ops: list[Any] = []
+    ops: list[AtenOp] = []
     for i, raw in enumerate(names or ()):
         name = raw.strip()
         targets = OP_ALIASES.get(name.lower(), (name,))
@@ -87,7 +90,7 @@ def resolve_ops(names: Sequence[str] | None) -> list[Any]:
     return ops
 
 
-def _aten(name: str) -> Any:
+def _aten(name: str) -> AtenOp | None:
     parts = name.split(".")
     if parts[0] == "aten":
         parts = parts[1:]
@@ -105,11 +108,13 @@ def _aten(name: str) -> Any:
         return None
 
 
-def _policy(ops: Sequence[Any]) -> Callable[..., CheckpointPolicy]:
+def _policy(ops: Sequence[AtenOp]) -> Callable[..., CheckpointPolicy]:
     overloads = frozenset(op for op in ops if isinstance(op, torch._ops.OpOverload))
     packets = frozenset(op for op in ops if not isinstance(op, torch._ops.OpOverload))
 
-    def policy(_ctx: Any, func: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+    def policy(
+        _ctx: object, func: torch._ops.OpOverload, *_args: object, **_kwargs: object
+    ) -> CheckpointPolicy:
         if func in overloads or func.overloadpacket in packets:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -125,7 +130,13 @@ class _KeptOutputs(TorchDispatchMode):
         self.ledger = ledger
         self.policy = policy
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         out = func(*args, **(kwargs or {}))
         if self.policy(None, func, *args) == CheckpointPolicy.MUST_SAVE:
             for tensor in tree_leaves(out):
@@ -135,11 +146,11 @@ class _KeptOutputs(TorchDispatchMode):
 
 
 def _context_fn(
-    ops: Sequence[Any],
-) -> Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]:
+    ops: Sequence[AtenOp],
+) -> Callable[[], tuple[AbstractContextManager[object], AbstractContextManager[object]]]:
     policy = _policy(ops)
 
-    def context() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    def context() -> tuple[AbstractContextManager[object], AbstractContextManager[object]]:
         forward, recompute = create_selective_checkpoint_contexts(policy)
         ledger = active_ledger()
         if ledger is None or in_recomputed_region():
@@ -173,7 +184,7 @@ def _recomputed_class(cls: type[nn.Module]) -> type[nn.Module]:
     if made is None:
         base_call = cls.__call__
 
-        def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        def __call__(self: nn.Module, *args: object, **kwargs: object) -> object:
             return _checkpointed_call(self, base_call, args, kwargs)
 
         made = type(f"Recomputed{cls.__name__}", (cls,), {"__call__": __call__, "__module__": cls.__module__})
@@ -182,8 +193,8 @@ def _recomputed_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def _checkpointed_call(
-    module: nn.Module, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+    module: nn.Module, call: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
     if not torch.is_grad_enabled() or in_recomputed_region():
         # Evaluation saves nothing; inside another region (or its recomputation) the outer
         # checkpoint already recomputes this module.
@@ -198,7 +209,7 @@ def _checkpointed_call(
             if isinstance(leaf, torch.Tensor):
                 ledger.add(leaf)
 
-    def run(*inputs: Any) -> Any:
+    def run(*inputs: object) -> object:
         with _region():
             return call(module, *inputs, **kwargs)
 
@@ -208,7 +219,7 @@ def _checkpointed_call(
     return checkpoint(run, *args, use_reentrant=False, context_fn=module.__dict__[_OPS], early_stop=False)
 
 
-def checkpoint_module(module: nn.Module, *, ops: Sequence[Any] = ()) -> None:
+def checkpoint_module(module: nn.Module, *, ops: Sequence[AtenOp] = ()) -> None:
     """Make every call of ``module`` a non-reentrant checkpointed region, in place (idempotent).
 
     The module's class becomes a subclass of its class (as FSDP2's ``fully_shard`` does): the

@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -49,6 +49,9 @@ from meshforge.memory.config import SwapConfig
 from meshforge.memory.ledger import active_ledger
 from meshforge.memory.names import decoder_layers, layer_indices, match_submodules, no_match_error
 from meshforge.memory.recompute import in_recomputed_region
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 #: Saved tensors smaller than this stay on the device.
 MIN_SWAP_BYTES = 1024
@@ -73,7 +76,7 @@ class _Saved:
         self.layer_pass = layer_pass
         self.uses = 0
         self.device_copy: torch.Tensor | None = None
-        self.event: Any = None
+        self.event: torch.Event | None = None
         if storage.device.type == "meta":
             # Meta or fake tensors (the planner's trace): only the size matters.
             self.host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="meta")
@@ -133,7 +136,7 @@ class _View:
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    spec: Any  # the DTensor spec when a DTensor was saved, else None
+    spec: DTensorSpec | None  # the DTensor spec when a DTensor was saved, else None
 
     def unpack(self) -> torch.Tensor:
         storage = self.saved.take()
@@ -154,10 +157,10 @@ class _View:
             )
 
 
-_STREAMS: dict[torch.device, Any] = {}
+_STREAMS: dict[torch.device, torch.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> Any:
+def _side_stream(device: torch.device) -> torch.Stream:
     if device not in _STREAMS:
         _STREAMS[device] = torch.get_device_module(device).Stream(device)
     return _STREAMS[device]
@@ -299,7 +302,7 @@ def _wrap(module: nn.Module, runtime: SwapRuntime, layer: int, path: str) -> Non
     inner = module.forward
 
     @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: object, **kwargs: object) -> object:
         if not torch.is_grad_enabled() or in_recomputed_region():
             # Inside a recomputed region the checkpoint owns the saved tensors (it keeps only
             # the region's inputs, and its recomputation must see its own hooks).

@@ -8,7 +8,7 @@ an int > 0, a list of ints >= 0, or null.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import field_validator
 
@@ -46,7 +46,7 @@ class TensorboardConfig(StrictSection):
     queue_size: PosInt = describe(1000, "Event queue size of the writer.")
 
 
-def _no_bool(value: Any, field: str) -> Any:
+def _no_bool(value: object, field: str) -> object:
     if isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value)):
         raise ValueError(f"a boolean is not allowed for {field}, got {value!r}")
     return value
@@ -64,12 +64,12 @@ class MoeMonitorConfig(StrictSection):
 
     @field_validator("save_tokens_per_expert_interval", mode="before")
     @classmethod
-    def _interval_type(cls, value: Any) -> Any:
+    def _interval_type(cls, value: object) -> object:
         return _no_bool(value, "save_tokens_per_expert_interval")
 
     @field_validator("target_layers", mode="before")
     @classmethod
-    def _layers_type(cls, value: Any) -> Any:
+    def _layers_type(cls, value: object) -> object:
         return _no_bool(value, "target_layers")
 
     @field_validator("save_tokens_per_expert_interval")

@@ -13,15 +13,18 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BeforeValidator, model_validator
 
 from meshforge.config.base import Bool, Int, PosInt, StrictSection, describe, rule_error
 from meshforge.train.callbacks import BuiltinCallback
 
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
-def _level(value: Any) -> Any:
+
+def _level(value: object) -> object:
     # Numbers may be written as strings ("1"), as everywhere in the config; a bool is not a level.
     if isinstance(value, bool):
         raise ValueError(f"a boolean is not a profiler level (got {str(value).lower()}); use 0, 1 or 2")
@@ -108,7 +111,7 @@ class StepProfiler(BuiltinCallback):
         self._stem = output_dir / f"rank{rank}_step{self.first}-{self.last}"
         suffix = ".db" if cfg.export_type == "db" else ".pt.trace.json.gz"
         self.trace = self._stem.with_name(self._stem.name + suffix)
-        self._prof: Any = None
+        self._prof: profile | None = None
         self._nvtx = cfg.mstx and device_type == "cuda"
         self._memory = cfg.profile_memory and device_type == "cuda"
 
@@ -185,7 +188,7 @@ class StepProfiler(BuiltinCallback):
     def on_step_close(self, step: int, *, save: bool, stop: bool) -> None:
         self.step_end(step)
 
-    def phase(self, name: str) -> AbstractContextManager[Any]:
+    def phase(self, name: str) -> AbstractContextManager[object]:
         """A named range inside the window (`record_function`, plus NVTX with mstx); else nothing."""
         if self._prof is None:
             return contextlib.nullcontext()
@@ -226,7 +229,7 @@ class StepProfiler(BuiltinCallback):
         )
         self._prof.start()
 
-    def _export(self, prof: Any) -> None:
+    def _export(self, prof: profile) -> None:
         if self.cfg.export_type == "db":
             import torch
 
@@ -256,7 +259,7 @@ class StepProfiler(BuiltinCallback):
             f"{self._summary(prof)}"
         )
 
-    def _summary(self, prof: Any) -> str:
+    def _summary(self, prof: profile) -> str:
         try:
             return f"top operators by self time: {top_operators(prof, self.device_type)}"
         except UnicodeDecodeError:
@@ -276,7 +279,7 @@ class StepProfiler(BuiltinCallback):
             prof.stop()
 
 
-def top_operators(prof: Any, device_type: str, count: int = 5) -> str:
+def top_operators(prof: profile, device_type: str, count: int = 5) -> str:
     """`aten::mm 12.3 ms (41%), ...`: the operators with the most self time in the window.
 
     On the CPU only operators (`namespace::name`) count, not the step and phase ranges or the

@@ -26,7 +26,10 @@ import json
 import math
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);
@@ -58,7 +61,7 @@ def _step_at(start: float, bounds: list[tuple[float, float, int]]) -> int | None
     return None
 
 
-def export_sqlite(prof: Any, path: Path, meta: dict[str, object], *, first_step: int) -> int:
+def export_sqlite(prof: profile, path: Path, meta: dict[str, object], *, first_step: int) -> int:
     """Write the window of `prof` (a finished `torch.profiler.profile` over the steps from
     `first_step` on) to `path`; return the number of events written.
 
@@ -83,7 +86,7 @@ def export_sqlite(prof: Any, path: Path, meta: dict[str, object], *, first_step:
     return len(rows)
 
 
-def _event_list_rows(prof: Any, first_step: int) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+def _event_list_rows(prof: profile, first_step: int) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
     events = list(prof.events())
     ids = {id(event): number for number, event in enumerate(events, start=1)}
     ranges = sorted((e for e in events if _is_step(e)), key=lambda e: e.time_range.start)
@@ -131,7 +134,7 @@ _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation
 
 
 def _chrome_trace_rows(
-    prof: Any, trace: Path, first_step: int
+    prof: profile, trace: Path, first_step: int
 ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
     """The rows of the database from the Chrome trace torch writes for `prof` (then removed)."""
     prof.export_chrome_trace(str(trace))

@@ -112,7 +112,7 @@ class WandbSink(TrackerSink):
         *,
         run_name: str,
         output_dir: Path,
-        config: dict[str, Any],
+        config: dict[str, object],
         resume_id: str | None = None,
     ) -> None:
         super().__init__(cfg.log_interval)
@@ -149,7 +149,7 @@ class SwanLabSink(TrackerSink):
         *,
         run_name: str,
         output_dir: Path,
-        config: dict[str, Any],
+        config: dict[str, object],
         resume_id: str | None = None,
     ) -> None:
         super().__init__(cfg.log_interval)
@@ -197,7 +197,7 @@ def _saved_runs(output_dir: Path) -> dict[str, str]:
 
 
 def build_trackers(
-    monitor: MonitorConfig, *, output_dir: Path, config: dict[str, Any], resuming: bool = False
+    monitor: MonitorConfig, *, output_dir: Path, config: dict[str, object], resuming: bool = False
 ) -> list[TrackerSink]:
     """The W&B and SwanLab sinks the config asks for (TensorBoard is built with the other sinks).
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ def _check_hparams(
 ) -> tuple[float, float]:
     # The config system checks these too; the builder repeats the checks so that it can be used
     # (and unit-tested) on its own with the same messages.
-    def num(x: Any) -> bool:
+    def num(x: object) -> bool:
         return isinstance(x, int | float) and not isinstance(x, bool)
 
     if not num(learning_rate) or learning_rate < 0:
@@ -65,7 +65,14 @@ def _check_hparams(
     return float(betas[0]), float(betas[1])
 
 
-def _implementation(params: list[nn.Parameter], fused: bool | None, foreach: bool | None) -> dict[str, Any]:
+class _Implementation(TypedDict, total=False):
+    """AdamW's kernel choice: None leaves it to torch."""
+
+    fused: bool | None
+    foreach: bool | None
+
+
+def _implementation(params: list[nn.Parameter], fused: bool | None, foreach: bool | None) -> _Implementation:
     if fused and foreach:
         raise ValueError("optimizer.fused: conflicts with optimizer.foreach; set at most one of them to true")
     if fused is not None or foreach is not None:
@@ -86,7 +93,7 @@ def build_optimizer(
     weight_decay: float,
     weight_decay_include: Sequence[str] | None,
     weight_decay_exclude: Sequence[str] | None,
-    options: Mapping[str, Any],
+    options: Mapping[str, object],
 ) -> torch.optim.Optimizer:
     """Build the optimizer.
 
@@ -187,7 +194,7 @@ def _build_muon(
         (split_by_tensor_kind([p for p in params if id(p) not in muon_ids]), wd)
         for params, wd in ((decay, float(weight_decay)), (no_decay, 0.0))
     ]
-    adamw_groups: list[dict[str, Any]] = [
+    adamw_groups: list[dict[str, object]] = [
         {"params": split_[0], "weight_decay": wd} for split_, wd in adamw_parts
     ]
     adamw_groups += [
@@ -229,7 +236,7 @@ def _build_muon(
     return optimizer
 
 
-def _impl_name(impl: Mapping[str, Any]) -> str:
+def _impl_name(impl: Mapping[str, object]) -> str:
     if impl.get("fused"):
         return "fused"
     if impl.get("foreach"):

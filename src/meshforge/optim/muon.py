@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor
@@ -86,6 +86,16 @@ def update_scale(rows: int, cols: int, *, match_rms_adamw: bool, matched_adamw_r
     return math.sqrt(max(1.0, rows / cols))
 
 
+class AdamWArgs(TypedDict, total=False):
+    """The `torch.optim.AdamW` keyword arguments of the AdamW part (lr and groups aside)."""
+
+    betas: tuple[float, float]
+    eps: float
+    amsgrad: bool
+    fused: bool | None
+    foreach: bool | None
+
+
 class MeshMuon(torch.optim.Optimizer):
     """Muon for the groups marked `muon: True`, `torch.optim.AdamW` for the others.
 
@@ -101,11 +111,11 @@ class MeshMuon(torch.optim.Optimizer):
 
     def __init__(
         self,
-        muon_groups: list[dict[str, Any]],
-        adamw_groups: list[dict[str, Any]],
+        muon_groups: list[dict[str, object]],
+        adamw_groups: list[dict[str, object]],
         *,
         lr: float,
-        adamw: dict[str, Any],
+        adamw: AdamWArgs,
         momentum: float,
         nesterov: bool,
         ns_coefficients: tuple[float, float, float],
@@ -138,7 +148,7 @@ class MeshMuon(torch.optim.Optimizer):
         self._adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
         self._adamw.state = self.state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
         """Load, then point the AdamW part at the loaded group dicts and state again.
 
         A group without parameters (Muon's no-decay group, usually) has no entry in a DCP
@@ -170,7 +180,7 @@ class MeshMuon(torch.optim.Optimizer):
                 self._muon_group(group)
         return loss
 
-    def _muon_group(self, group: dict[str, Any]) -> None:
+    def _muon_group(self, group: dict[str, Any]) -> None:  # one of torch's param_groups
         params = [p for p in group["params"] if p.grad is not None]
         updates: list[Tensor] = []
         for p in params:

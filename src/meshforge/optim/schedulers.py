@@ -123,7 +123,7 @@ class _Ctx:
     canon: str
     lr: float
     opts: SchedulerOptions  # the options dataclass of `canon` (optim/options.py)
-    raw: Mapping[str, Any]  # the options as written, to tell an explicit lr_end from a default
+    raw: Mapping[str, object]  # the options as written, to tell an explicit lr_end from a default
     total: _Total
     warmup: int = 0
     init: float = 0.0
@@ -345,7 +345,7 @@ def lr_schedule(
     type: str | None,  # noqa: A002 - mirrors the config key
     learning_rate: float,
     total_steps: int | None,
-    options: Mapping[str, Any],
+    options: Mapping[str, object],
 ) -> Callable[[int], float]:
     """The pure schedule `lr_at(t)` for 0-based step index t (see the module docstring).
 
@@ -439,7 +439,7 @@ def build_lr_scheduler(
     type: str | None,  # noqa: A002 - mirrors the config key
     learning_rate: float,
     total_steps: int | None,
-    options: Mapping[str, Any],
+    options: Mapping[str, object],
     position: Callable[[int], float] | None = None,
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """Build the torch scheduler for `lr_scheduler:`.

@@ -268,11 +268,11 @@ def _unknown_key(key: str, allowed: list[str], owner: str) -> str:
 
 def _check(
     table: Mapping[str, OptionSpec],
-    options: Mapping[str, Any],
+    options: Mapping[str, object],
     owner: str,
     exclusive: tuple[tuple[str, str], ...],
-) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    values: dict[str, Any] = {}
+) -> tuple[dict[str, object], list[tuple[str, str]]]:
+    values: dict[str, object] = {}
     problems: list[tuple[str, str]] = []
     for key, raw in options.items():
         spec = table.get(key)
@@ -296,7 +296,7 @@ def _check(
 # ----------------------------------------------------------------------------- public checks
 
 
-def check_optimizer_options(type_name: str, options: Mapping[str, Any]) -> list[tuple[str, str]]:
+def check_optimizer_options(type_name: str, options: Mapping[str, object]) -> list[tuple[str, str]]:
     """Problems with the `optimizer:` passthrough keys for `type_name`.
 
     Args:
@@ -316,7 +316,7 @@ def check_optimizer_options(type_name: str, options: Mapping[str, Any]) -> list[
     return _check(OPTIMIZER_SPECS[canon], options, f"optimizer type {canon}", ())[1]
 
 
-def check_scheduler_options(type_name: str | None, options: Mapping[str, Any]) -> list[tuple[str, str]]:
+def check_scheduler_options(type_name: str | None, options: Mapping[str, object]) -> list[tuple[str, str]]:
     """Problems with the `lr_scheduler:` passthrough keys for `type_name`.
 
     `type_name=None` means a constant learning rate, which takes no options: every key is then
@@ -346,7 +346,7 @@ def _raise_first(section: str, problems: list[tuple[str, str]]) -> None:
 
 
 def resolve_optimizer_options(
-    type_name: str, options: Mapping[str, Any]
+    type_name: str, options: Mapping[str, object]
 ) -> tuple[str, AdamWOptions | FusedAdamWOptions | MuonOptions]:
     """Validate and convert `optimizer:` passthrough keys for a built optimizer.
 
@@ -369,7 +369,7 @@ def resolve_optimizer_options(
 
 
 def resolve_scheduler_options(
-    type_name: str | None, options: Mapping[str, Any]
+    type_name: str | None, options: Mapping[str, object]
 ) -> tuple[str | None, SchedulerOptions]:
     """Validate and convert `lr_scheduler:` passthrough keys for a built scheduler.
 
@@ -394,7 +394,7 @@ def resolve_scheduler_options(
     return canon, SCHEDULER_OPTIONS[canon](**_folded(SCHEDULER_SPECS[canon], values))
 
 
-def _folded(table: Mapping[str, OptionSpec], values: Mapping[str, Any]) -> dict[str, Any]:
+def _folded(table: Mapping[str, OptionSpec], values: Mapping[str, object]) -> dict[str, object]:
     """Checked values by field name: an alias given counts for its field; absent keys are left out."""
     out = {name: values[name] for name, spec in table.items() if spec.alias_of is None and name in values}
     for name, spec in table.items():

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, Self, runtime_checkable
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ _STATS = ("last_aux_stats", "last_tokens_per_expert")
 class BatchNarrowable(Protocol):
     """A per-forward argument that holds per-row data and knows how to give a slice of its rows."""
 
-    def narrow_batch(self, dim: int, start: int, stop: int) -> Any:
+    def narrow_batch(self, dim: int, start: int, stop: int) -> Self:
         """The same object for rows ``start:stop`` of the batch (``dim``: the batch dim of the tensors)."""
         ...
 
@@ -83,15 +83,15 @@ def apply_chunk_batch(
 
 
 def _chunked_forward(
-    forward: Any,
-    *args: Any,
+    forward: Callable[..., object],
+    *args: object,
     chunks: int,
     dim: int,
     arg_indices: frozenset[int],
     kwarg_names: frozenset[str],
     holders: tuple[nn.Module, ...],
-    **kwargs: Any,
-) -> Any:
+    **kwargs: object,
+) -> object:
     batch = _batch_size(args, kwargs, arg_indices, kwarg_names, dim)
     if batch is None or batch < 2 or chunks == 1:
         return forward(*args, **kwargs)
@@ -109,14 +109,20 @@ def _chunked_forward(
 
 
 def _batch_size(
-    args: tuple[Any, ...], kwargs: dict[str, Any], indices: frozenset[int], names: frozenset[str], dim: int
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    indices: frozenset[int],
+    names: frozenset[str],
+    dim: int,
 ) -> int | None:
     for i in sorted(indices):
-        if i < len(args) and isinstance(args[i], torch.Tensor):
-            return int(args[i].shape[dim])
+        arg = args[i] if i < len(args) else None
+        if isinstance(arg, torch.Tensor):
+            return int(arg.shape[dim])
     for name in sorted(names):
-        if isinstance(kwargs.get(name), torch.Tensor):
-            return int(kwargs[name].shape[dim])
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[dim])
     return None
 
 
@@ -131,7 +137,7 @@ def _bounds(batch: int, chunks: int) -> list[tuple[int, int]]:
     return out
 
 
-def _slice(value: Any, start: int, stop: int, dim: int, batch: int, *, force: bool) -> Any:
+def _slice(value: object, start: int, stop: int, dim: int, batch: int, *, force: bool) -> object:
     if isinstance(value, BatchNarrowable) and not isinstance(value, torch.Tensor):
         return value.narrow_batch(dim, start, stop)
     if isinstance(value, torch.Tensor):
@@ -143,7 +149,7 @@ def _slice(value: Any, start: int, stop: int, dim: int, batch: int, *, force: bo
     return value
 
 
-def _join(outputs: list[Any], dim: int) -> Any:
+def _join(outputs: list[Any], dim: int) -> object:
     first = outputs[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(outputs, dim=dim)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.nn as nn
@@ -29,6 +29,19 @@ if TYPE_CHECKING:
     from meshforge.lora.apply import LoraApplied, LoraSettings
     from meshforge.models.spec import FamilySpec
     from meshforge.parallel.float8 import QuantPlan, QuantSettings
+    from meshforge.parallel.fsdp.apply import ReshardPolicy
+    from meshforge.parallel.pipeline import PipelineSplit
+
+
+class _FsdpOptions(TypedDict):
+    """The arguments `apply_fsdp` and `apply_fsdp_patterns` share."""
+
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype
+    reshard_policy: ReshardPolicy
+    ignored_modules: list[str] | None
+    shard_placement: str | None
+    hook_modules: list[str] | None
 
 
 @dataclass
@@ -36,7 +49,7 @@ class ParallelizedModel:
     """The model this rank trains, and the pipeline split when pp > 1 (else None)."""
 
     model: nn.Module
-    pipeline_split: Any = None
+    pipeline_split: PipelineSplit | None = None
     fsdp: bool = False
     activation: ActivationMemory | None = None
     lora: LoraApplied | None = None
@@ -53,7 +66,7 @@ def parallelize_model(
     param_dtype: torch.dtype,
     compute_dtype: torch.dtype,
     compile_blocks: bool,
-    apply_compile: Callable[[nn.Module], Any] | None = None,
+    apply_compile: Callable[[nn.Module], object] | None = None,
     activation: ActivationSettings | None = None,
     lora: LoraSettings | None = None,
     reduce_dtype: torch.dtype | None = None,
@@ -200,7 +213,7 @@ def parallelize_model(
     if fsdp:
         from meshforge.parallel.fsdp import apply_fsdp, apply_fsdp_patterns
 
-        kwargs: dict[str, Any] = {
+        kwargs: _FsdpOptions = {
             "param_dtype": compute_dtype if compute_dtype != param_dtype else None,
             "reduce_dtype": reduce_dtype
             if reduce_dtype is not None
@@ -235,11 +248,10 @@ def parallelize_model(
                 **kwargs,
             )
         else:
-            if dims.ep > 1:
-                kwargs["expert_mesh"] = mesh.view("efsdp")
             apply_fsdp(
                 model,
                 mesh.view("fsdp"),
+                expert_mesh=mesh.view("efsdp") if dims.ep > 1 else None,
                 pipeline_parallel=dims.pp > 1,
                 cpu_offload=cpu_offload,
                 forward_prefetch=par.num_to_forward_prefetch,

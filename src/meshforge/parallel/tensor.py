@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -152,7 +153,7 @@ def _retie(model: nn.Module, aliases: list[tuple[str, str]], tp: int) -> None:
         setattr(module, name, theirs)
 
 
-def _swap_in_local(module: nn.Module, _args: Any) -> None:
+def _swap_in_local(module: nn.Module, _args: tuple[object, ...]) -> None:
     """Forward pre-hook: the module computes with the local (full) tensors of its replicated weights."""
     stash: dict[str, DTensor] = {}
     names: tuple[str, ...] = module.__dict__["_meshforge_tp_local"]
@@ -165,7 +166,7 @@ def _swap_in_local(module: nn.Module, _args: Any) -> None:
     module.__dict__["_meshforge_tp_stash"] = stash
 
 
-def _swap_back(module: nn.Module, _args: Any, _output: Any) -> None:
+def _swap_back(module: nn.Module, _args: tuple[object, ...], _output: object) -> None:
     for name, param in module.__dict__.pop("_meshforge_tp_stash", {}).items():
         module._parameters[name] = param
 
@@ -214,7 +215,7 @@ def _grad_to_layout(grad: torch.Tensor, *, mesh: DeviceMesh, placements: tuple) 
     return grad
 
 
-def _hook_new_parameters(module: nn.Module, _args: Any) -> None:
+def _hook_new_parameters(module: nn.Module, _args: tuple[object, ...]) -> None:
     for param in module.parameters():
         if isinstance(param, DTensor) and param.requires_grad and not getattr(param, _GRAD_HOOK_FLAG, False):
             param.register_hook(
@@ -240,7 +241,7 @@ def _match_grad_layouts(model: nn.Module) -> None:
     model.register_forward_pre_hook(_hook_new_parameters)
 
 
-def _copy_local_output(_module: nn.Module, _args: Any, output: Any) -> Any:
+def _copy_local_output(_module: nn.Module, _args: tuple[object, ...], output: object) -> object:
     """Forward hook on the embedding: hand the layers a copy of the TP output, not `to_local()`'s alias.
 
     With `torch.compile`d decoder layers (`kernels.compile`), a compiled region whose input is
@@ -253,10 +254,10 @@ def _copy_local_output(_module: nn.Module, _args: Any, output: Any) -> Any:
     return output
 
 
-def _sequence_check_hook(tp: int):
+def _sequence_check_hook(tp: int) -> Callable[[nn.Module, tuple[object, ...]], None]:
     """Forward pre-hook on the embedding: SP splits the sequence evenly over the TP ranks."""
 
-    def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+    def hook(_module: nn.Module, args: tuple[object, ...]) -> None:
         ids = args[0] if args else None
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] % tp:
             raise ValueError(

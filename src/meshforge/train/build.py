@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from meshforge.checkpoint.config import CheckpointConfig
+    from meshforge.checkpoint.manager import TrainerState
     from meshforge.config import TrainConfig
     from meshforge.data.build import LoaderContext
     from meshforge.data.config import TrainDatasetConfig
@@ -451,7 +452,7 @@ def build_watchers(
     )
 
 
-def trainer_state(progress: Progress, env: RunEnv, data: RunData, optim: OptimParts) -> dict[str, Any]:
+def trainer_state(progress: Progress, env: RunEnv, data: RunData, optim: OptimParts) -> TrainerState:
     """What `trainer_state.json` of a checkpoint holds besides model and optimizer."""
     return {
         "step": progress.step,

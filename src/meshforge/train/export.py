@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -213,7 +213,7 @@ def dcp_to_hf(
 def _lora_step_to_hf(
     cfg: TrainConfig,
     source: ModelSource,
-    options: dict[str, Any],
+    options: dict[str, object],
     step: Path,
     out: Path,
     tokenizer: PreTrainedTokenizerBase | None,

@@ -19,7 +19,7 @@ from meshforge.utils.seed import rng_state
 if TYPE_CHECKING:
     import torch
 
-    from meshforge.checkpoint.manager import CheckpointManager
+    from meshforge.checkpoint.manager import CheckpointManager, TrainerState
 
 
 class CheckpointSaver(BuiltinCallback):
@@ -33,7 +33,7 @@ class CheckpointSaver(BuiltinCallback):
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        trainer_state: Callable[[], dict[str, Any]],
+        trainer_state: Callable[[], TrainerState],
         preempted: Callable[[], bool],
         total_steps: int,
         log: Callable[[str], None],

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 
@@ -32,9 +33,22 @@ def set_deterministic(enabled: bool) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def rng_state() -> dict[str, Any]:
+# What np.random.get_state() returns and set_state() takes: the legacy Mersenne Twister tuple.
+NumpyState = dict[str, object] | tuple[str, npt.NDArray[np.uint32], int, int, float]
+
+
+class RNGState(TypedDict, total=False):
+    """One process's RNG states (`torch_cuda` only once CUDA is initialised)."""
+
+    python: tuple[object, ...]
+    numpy: NumpyState
+    torch_cpu: torch.Tensor
+    torch_cuda: list[torch.Tensor]
+
+
+def rng_state() -> RNGState:
     """Every RNG this process uses, in a form `torch.save` can write."""
-    state: dict[str, Any] = {
+    state: RNGState = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch_cpu": torch.get_rng_state(),
@@ -44,7 +58,7 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: RNGState) -> None:
     """Restore what `rng_state` captured."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])

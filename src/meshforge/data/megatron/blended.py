@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 
@@ -257,7 +257,7 @@ class BlendedDataset:
     def __len__(self) -> int:
         return len(self.dataset_index)
 
-    def sample(self, index: int) -> dict[str, Any]:
+    def sample(self, index: int) -> dict[str, object]:
         """`{"dataset_id": k, **member_k.sample(i)}` (Megatron's BlendedDataset item)."""
         k = int(self.dataset_index[index])
         return {"dataset_id": k, **self.datasets[k].sample(int(self.dataset_sample_index[index]))}

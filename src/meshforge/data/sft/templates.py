@@ -34,7 +34,7 @@ QWEN_TOOL_PROMPT = (
 )
 
 
-def qwen_tool_text(tools: list[dict[str, Any]]) -> str:
+def qwen_tool_text(tools: list[dict[str, object]]) -> str:
     """The system-prompt tool block of the `qwen` tool format."""
     text = ""
     for tool in tools:

@@ -57,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -413,8 +413,10 @@ def supports_hidden_output(model: nn.Module) -> bool:
     return "return_hidden" in inspect.signature(model.forward).parameters
 
 
-def apply_compile(model: nn.Module, *, backend: str = "inductor", warn: Callable[[str], None] = print) -> Any:
-    """``torch.compile`` every decoder layer in place, before FSDP (``models/common/compile.py``)."""
+def apply_compile(
+    model: nn.Module, *, backend: str = "inductor", warn: Callable[[str], None] = print
+) -> list[str]:
+    """``torch.compile`` every decoder layer in place, before FSDP (``models/common/compile.py``); the layer names."""
     from meshforge.models.common.compile import apply_compile as compile_layers
 
     return compile_layers(model, backend=backend, warn=warn)

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from meshforge.parallel.fsdp.ignored import all_ignored, mark_ignored
 from meshforge.parallel.fsdp.placement import PlacementFn, log_fallbacks, resolve_shard_placement, shard_size
 
 ReshardPolicy = Literal["always", "never", "default"]
+
+
+class _ShardExtra(TypedDict, total=False):
+    """The `fully_shard` arguments given only when set: CPU offload and the ignored parameters."""
+
+    offload_policy: OffloadPolicy
+    ignored_params: set[nn.Parameter]
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -74,7 +87,7 @@ def apply_fsdp(
         ValueError: naming `parallelism.ignored_modules[i]` or `parallelism.shard_placement_fn`.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    extra: dict[str, Any] = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+    extra: _ShardExtra = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
     ignored = mark_ignored(model, ignored_modules, param_dtype=param_dtype)
     if ignored:
         extra["ignored_params"] = ignored
@@ -303,7 +316,7 @@ def apply_fsdp_patterns(
     else:
         reshard = reshard_policy == "always"
     ignored = mark_ignored(model, ignored_modules, param_dtype=param_dtype)
-    extra: dict[str, Any] = {"ignored_params": ignored} if ignored else {}
+    extra: _ShardExtra = {"ignored_params": ignored} if ignored else {}
     if cpu_offload:
         extra["offload_policy"] = CPUOffloadPolicy()
     tied = _tied_parameter_ids(model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, overload
+from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -81,10 +81,12 @@ def _add_cast_hooks(module: nn.Module, compute_dtype: torch.dtype) -> None:
     def cast(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda t: t.to(dtype) if t.is_floating_point() else t
 
-    def before(_module: nn.Module, args: Any, kwargs: Any) -> Any:
+    def before(
+        _module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         return tree_map_only(torch.Tensor, cast(stored), (args, kwargs))
 
-    def after(_module: nn.Module, _args: Any, output: Any) -> Any:
+    def after(_module: nn.Module, _args: tuple[object, ...], output: object) -> object:
         return tree_map_only(torch.Tensor, cast(compute_dtype), output)
 
     module.register_forward_pre_hook(before, with_kwargs=True)

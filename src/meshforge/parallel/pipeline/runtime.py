@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -26,12 +26,16 @@ from meshforge.parallel.pipeline.stage import (
 )
 from meshforge.utils.distributed import local_tensor
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining.schedules import _Action, _PipelineSchedule
+
 # Action types a forward-only pass keeps: the forwards, their transfers, FSDP's (un)shards.
 _FORWARD_ACTIONS = ("FORWARD", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
 
 
 @contextmanager
-def _forward_only(schedule: Any, enabled: bool) -> Iterator[None]:
+def _forward_only(schedule: _PipelineSchedule, enabled: bool) -> Iterator[None]:
     """Run ``schedule`` (a torch runtime schedule) with its backward actions left out, inside the block.
 
     Why zbv needs it: in eval mode torch's runtime skips the backward computations but still hands
@@ -47,10 +51,13 @@ def _forward_only(schedule: Any, enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    assert isinstance(schedule, _PipelineScheduleRuntime), "zbv runs on torch's runtime schedule"
     full = schedule.pipeline_order_with_comms
-    forward_only: dict[int, list[Any]] = {}
+    forward_only: dict[int, list[_Action]] = {}
     for rank, actions in full.items():
-        kept: list[Any] = []
+        kept: list[_Action] = []
         for action in actions:
             subs = getattr(action, "sub_actions", None) or (action,)  # an overlapped F/B pair: its F
             kept.extend(a for a in subs if a.computation_type.name in _FORWARD_ACTIONS)
@@ -142,7 +149,7 @@ class Pipeline:
             PipelineStage(StageModule(model, s), s.index, split.num_stages, self.device, group=pp_group)
             for s in split.stages
         ]
-        self._schedules: dict[int, Any] = {}
+        self._schedules: dict[int, _PipelineSchedule] = {}
         self._global_tokens: torch.Tensor | None = None
         self._ce: list[torch.Tensor] = []
         self._shape: tuple[int, ...] | None = None
@@ -193,7 +200,7 @@ class Pipeline:
         assignments, prob_sum, rows = reduce_router_totals(assignments, prob_sum, rows, group)
         return switch_loss(assignments, prob_sum, rows, e)
 
-    def _schedule_for(self, n_microbatches: int) -> Any:
+    def _schedule_for(self, n_microbatches: int) -> _PipelineSchedule:
         if n_microbatches not in self._schedules:
             import torch.distributed.pipelining.schedules as schedules
 
@@ -400,7 +407,7 @@ class Pipeline:
             return
         param, peer = self._tied_pair()
         info = _describe(param) if param is not None else None
-        infos: list[Any] = [None] * split.pp_size
+        infos: list[tuple[tuple[int, ...], str] | None] = [None] * split.pp_size
         dist.all_gather_object(infos, info, group=self.group)
         if infos[split.first_rank] != infos[split.last_rank]:
             raise ValueError(
@@ -422,7 +429,7 @@ class Pipeline:
 def build_pipeline(
     split: PipelineSplit,
     model: nn.Module,
-    pp_mesh: Any,
+    pp_mesh: DeviceMesh | dist.ProcessGroup,
     *,
     device: torch.device | str,
     n_microbatches: int,
@@ -475,7 +482,7 @@ def build_pipeline(
         raise ValueError(f"{SCHEDULE_KEY}: {name!r} does not match the split made for {split.schedule!r}")
     if model is not split.model:
         raise ValueError("build_pipeline: `model` must be split.model (after FSDP/materialisation)")
-    group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
+    group = pp_mesh if isinstance(pp_mesh, dist.ProcessGroup) else pp_mesh.get_group()
     if dist.get_world_size(group) != split.pp_size or dist.get_rank(group) != split.pp_rank:
         raise ValueError(
             f"build_pipeline: the pp mesh (size {dist.get_world_size(group)}, rank {dist.get_rank(group)}) "

@@ -191,7 +191,7 @@ def pipelined_class(cls: type, prepare: Callable[[StageBatch], LayerRunner]) -> 
     key = (cls, prepare)
     if key not in _PIPELINED_CLASSES:
         mixin: type = _PipelinedMoECausalLM if hasattr(cls, "moe_layers") else _PipelinedCausalLM
-        body: dict[str, Any] = {"__module__": cls.__module__, "_pp_prepare": staticmethod(prepare)}
+        body: dict[str, object] = {"__module__": cls.__module__, "_pp_prepare": staticmethod(prepare)}
         _PIPELINED_CLASSES[key] = type(f"Pipelined{cls.__name__}", (mixin, cls), body)
     return _PIPELINED_CLASSES[key]
 
