@@ -24,17 +24,20 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from meshforge.memory.config import RecomputeCommConfig
 from meshforge.memory.ledger import active_ledger
 from meshforge.memory.names import decoder_layers, layer_indices, match_submodules, no_match_error
 from meshforge.memory.recompute import in_recomputed_region
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 _RECORD = "_meshforge_comm_record"
 _MARK = "_meshforge_comm_recompute"
