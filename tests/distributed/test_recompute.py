@@ -3,14 +3,16 @@
 One spawn of 2 gloo processes runs each case as real trainings through the `Trainer` (two
 steps, deterministic mode): without recompute, then with each mode; the losses and gradient
 norms must be bitwise equal (a recomputed region runs the same kernels and collectives on the
-same inputs). qwen3 runs in every dense layout (with kept matmuls too, but under ZBV): FSDP dp2,
-tp2 with `recompute_comm` (alone, with full and with select recompute on the same layers), cp2
-(Ulysses), pp2 with 1f1b and with the zero-bubble ZBV schedule (split input/weight backward). The
-other families run in the layouts where their own modules meet the wrapping: qwen3_moe under ep2
-(routed experts selected too) and ZBV, deepseek_v3's MLA under tp2, cp2 and ep2, qwen3_next's Gated
-DeltaNet under tp2, dp2 and 1f1b (every family is checked in every mode on one process in
-`tests/unit/test_recompute.py`); the generic transformers path with dp2, tp2 and pp2. A module that does not read
-a gathered input is refused for communication recompute, naming the key.
+same inputs). qwen3 runs in every dense layout in every mode (kept matmuls in all but ZBV,
+where they are refused): FSDP dp2, tp2 with `recompute_comm` (alone, with full, select and
+kept-matmul recompute on the same layers), cp2 (Ulysses), pp2 with 1f1b and with the zero-bubble
+ZBV schedule (split input/weight backward). The other families run where their own modules meet the wrapping, one or
+two modes each (`FAMILY_MODES`): qwen3_moe under ep2 (whole layers, and the routed experts alone)
+and ZBV, deepseek_v3's MLA under tp2 (with `recompute_comm`), cp2 and ep2, qwen3_next's Gated
+DeltaNet under tp2 (with `recompute_comm`), dp2 and 1f1b (every family is checked in every mode
+on one process in `tests/unit/test_recompute.py`); the generic transformers path with dp2, tp2
+and pp2. A module that does not read a gathered input is refused for communication recompute,
+naming the key.
 
 Under tp2 the bytes autograd holds for backward (`SavedTensorLedger`) show the communication
 recompute's saving on qwen3, deepseek_v3 (MLA's first projections) and qwen3_next (Gated
@@ -72,7 +74,8 @@ FAMILY_LAYOUTS: dict[str, tuple[str, ...]] = {
 EXPERTS = ["--recompute.mode=select", "--recompute.select_module={'mlp.experts': ['1-3']}"]
 
 
-def _modes(family: str, layout: str) -> list[tuple[str, list[str]]]:
+def _modes(layout: str) -> list[tuple[str, list[str]]]:
+    """Every mode that applies in the layout (qwen3's set)."""
     if layout == "tp2":
         return [
             ("comm", COMM),
@@ -83,9 +86,22 @@ def _modes(family: str, layout: str) -> list[tuple[str, list[str]]]:
     modes = [("full", FULL), ("select", SELECT)]
     if layout != "pp2 zbv":  # one backward per selective-checkpoint region (refused there)
         modes.append(("keep mm", KEEP_MM))
-    if layout == "ep2":
-        modes.append(("experts", EXPERTS))
     return modes
+
+
+# The other families' modes per layout: each wraps the family's own modules in that layout once
+# (the mode machinery itself is qwen3's, checked above in every mode; every family in every mode
+# on one process in tests/unit/test_recompute.py).
+FAMILY_MODES: dict[tuple[str, str], list[tuple[str, list[str]]]] = {
+    ("qwen3_moe", "ep2"): [("full", FULL), ("experts", EXPERTS)],
+    ("qwen3_moe", "pp2 zbv"): [("select", SELECT)],
+    ("deepseek_v3", "tp2"): [("comm+select", [*COMM, *SELECT])],
+    ("deepseek_v3", "cp2"): [("select", SELECT)],
+    ("deepseek_v3", "ep2"): [("full", FULL), ("experts", EXPERTS)],
+    ("qwen3_next", "tp2"): [("comm+full", [*COMM, *FULL])],
+    ("qwen3_next", "dp2"): [("select", SELECT)],
+    ("qwen3_next", "pp2 1f1b"): [("keep mm", KEEP_MM)],
+}
 
 
 def _cases(root: Path) -> list[tuple[str, Path, list[str], list[tuple[str, list[str]]]]]:
@@ -99,7 +115,8 @@ def _cases(root: Path) -> list[tuple[str, Path, list[str], list[tuple[str, list[
     cases = []
     for family, (config, small) in families.items():
         for layout in FAMILY_LAYOUTS[family]:
-            cases.append((f"{family} {layout}", config, [*small, *LAYOUTS[layout]], _modes(family, layout)))
+            modes = _modes(layout) if family == "qwen3" else FAMILY_MODES[family, layout]
+            cases.append((f"{family} {layout}", config, [*small, *LAYOUTS[layout]], modes))
     # The generic path (2 layers; its TP has no sequence parallelism, so no communication recompute).
     generic = root / "generic.yaml"
     whole = [("full", ["--recompute.mode=full", "--recompute.modules=['model.layers.{*}']"])]
@@ -112,7 +129,7 @@ def _cases(root: Path) -> list[tuple[str, Path, list[str], list[tuple[str, list[
     one_row = ["--training.local_batch_size=1"]
     cases.append(("generic dp2", generic, one_row, [*whole, *select]))
     cases.append(("generic tp2", generic, [*one_row, *TP2], whole))
-    cases.append(("generic pp2 1f1b", generic, [*one_row, *PP2], [*whole, *select]))
+    cases.append(("generic pp2 1f1b", generic, [*one_row, *PP2], select))
     return cases
 
 

@@ -424,3 +424,22 @@ def test_missing_chat_template_is_named_before_the_model_loads(
     assert generate(config, tmp_path / "o.jsonl", prompts=["hi"], chat=True)[0] == 2
     err = capsys.readouterr().err
     assert "--prompt #1" in err and "chat template" in err
+
+
+def test_generate_leaves_a_callers_process_group_and_ends_its_own(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """Run from code with a group already set up (a notebook, a test's ranks), the command uses
+    that group and leaves it; run alone, it sets up its own and tears it down."""
+    import torch.distributed as dist
+
+    config = write_config(tmp_path / "gen.yaml", f"  model_name_or_path: {folders['qwen3']}")
+    assert not dist.is_initialized()
+    assert generate(config, tmp_path / "a.jsonl", prompts=["hi"], max_new_tokens=2)[0] == 0
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert generate(config, tmp_path / "b.jsonl", prompts=["hi"], max_new_tokens=2)[0] == 0
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()

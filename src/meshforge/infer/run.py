@@ -171,6 +171,8 @@ def _run_loaded(
     stdin: TextIO,
     out: TextIO,
 ) -> int:
+    import torch.distributed as dist
+
     from meshforge.infer.generate import Generator
     from meshforge.infer.load import load_generation_model, load_tokenizer
     from meshforge.infer.prompts import encode_prompt
@@ -181,6 +183,13 @@ def _run_loaded(
     info = env_dist_info()
     logger = get_logger("generate")
     log: Log = logger.info if info.is_main else (lambda _m: None)
+    # A group that a caller set up (a notebook, a test's ranks) is the caller's to tear down.
+    owned = not dist.is_initialized()
+
+    def leave(*, synchronize: bool) -> None:
+        if owned:
+            destroy_process_group(synchronize=synchronize)
+
     try:
         device = resolve_device(cfg.context.device_target, local_rank=info.local_rank)
         init_process_group(backend_for(device), info)
@@ -195,13 +204,13 @@ def _run_loaded(
         else:
             _run_batches(gen, prompts, encoded, args.output, out, log, info.is_main)
     except (ValueError, FileNotFoundError) as err:
-        destroy_process_group(synchronize=False)
+        leave(synchronize=False)
         print(f"error: {err}", file=sys.stderr)
         return 2
     except BaseException:
-        destroy_process_group(synchronize=False)
+        leave(synchronize=False)
         raise
-    destroy_process_group()
+    leave(synchronize=True)
     return 0
 
 
