@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# Each `make demo` trains afresh: the earlier demo run in output/demo is replaced, by request.
 demo: $(STAMP)
-	$(VENV)/bin/meshforge train
+	$(VENV)/bin/meshforge train --training.overwrite_output_dir true
 
 define test_env
 	mkdir -p $(TEST_ENV)/tmp $(TEST_ENV)/hf $(TEST_ENV)/inductor $(TEST_ENV)/tiktoken

@@ -382,6 +382,17 @@ def test_error_carries_file_line(tmp_path):
     assert "train.yaml:5" in str(err)
 
 
+def test_an_override_error_names_the_command_line_not_a_line_of_the_file(tmp_path):
+    text = "training:\n  seed: 1\n  steps: 3\n  max_norm: 1.0\n"
+    typo = _error(tmp_path, text, ["--training.stpes=10"])
+    assert "(command line)" in str(typo) and "train.yaml" not in str(typo)
+    written = _error(tmp_path, text, ["--training.max_norm=0"])
+    assert "training.max_norm: must be positive, got 0.0 (command line)" in str(written)
+    # A key the override did not touch keeps its file and line.
+    mixed = _error(tmp_path, "training:\n  seed: 1\n  steps: -3\n", ["--training.max_norm=0"])
+    assert "(command line)" in str(mixed) and "train.yaml:3" in str(mixed)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "nope.yaml")

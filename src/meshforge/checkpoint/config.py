@@ -27,7 +27,9 @@ class CheckpointConfig(StrictSection):
     prefix: str = describe("checkpoint", "Name prefix of each step folder: `{prefix}-{step:08d}`.")
     remove_redundancy: Bool = describe(False, "Drop replicated data across ranks when saving.")
     load_path: str = describe(
-        "", "Checkpoint to start from: a run folder (latest complete step) or a step folder; empty = none."
+        "",
+        "Checkpoint to start from: a run folder (latest complete step) or a step folder; `auto`: the "
+        "latest complete step of this run's own checkpoint folder, if any; empty = none.",
     )
     load_balanced: Bool = describe(False, "Balance checkpoint loading across ranks.")
     no_load_optim: Bool = describe(False, "Load model weights only, not optimizer/scheduler state.")

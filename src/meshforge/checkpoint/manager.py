@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from meshforge.checkpoint.identity import check_same_model
 from meshforge.checkpoint.readers import read_dcp_metadata, read_json_object
 from meshforge.optim.muon import optimizer_family
 from meshforge.utils.distributed import barrier
@@ -293,13 +294,15 @@ class CheckpointManager:
         barrier()
         if self.rank == 0:
             (target / COMPLETE_MARKER).write_text(f"{step}\n")
-            self._prune()
+            self._prune(step)
         barrier()
 
-    def _prune(self) -> None:
+    def _prune(self, newest: int) -> None:
+        """Keep `keep` complete steps up to `newest`, the step just saved: a folder of a later
+        step is another run's (one this run was resumed before), and is never removed."""
         if self.keep is None:
             return
-        steps = list_complete_steps(self.save_dir)
+        steps = [(step, path) for step, path in list_complete_steps(self.save_dir) if step <= newest]
         for _, old in steps[: max(0, len(steps) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
             self.log(f"checkpoint: removed {old} (checkpoint.save_max={self.keep})")
@@ -359,6 +362,7 @@ class CheckpointManager:
             # DCP keeps one rank's copy of the param-group name lists, and pipeline ranks list
             # different names: the loaded lists must be this rank's own.
             own_groups = [list(group.get("params", [])) for group in optim_sd.get("param_groups", [])]
+            check_same_model(path, saved, model_sd)
             moved = _alias_tied_state(optim_sd, tied_aliases or {}, saved)
             extra_groups = _groups_not_saved(optim_sd, saved)
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
@@ -379,6 +383,7 @@ class CheckpointManager:
             trainer_state = meta
         else:
             state = {"model": get_model_state_dict(model, options=options)}
+            check_same_model(path, saved, state["model"])
             dcp.load(state, checkpoint_id=str(path))
             set_model_state_dict(model, state["model"], options=options)
             rng, trainer_state = None, {}

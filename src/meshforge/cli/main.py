@@ -211,6 +211,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
             f"{summary.tokens_per_s:,.0f} tokens/s overall. Outputs in {summary.output_dir} "
             f"(config.yaml, metrics.jsonl); {where}."
             + (f" Hugging Face export in {summary.hf_export}." if summary.hf_export else "")
+            + summary.health_note()
         )
     return 0
 

@@ -358,8 +358,11 @@ def load_native_dict(
     fmt: str | None = None,
     log: Callable[[str], None] | None = None,
     origins: dict[str, tuple[str, object]] | None = None,
-) -> tuple[dict[str, object], dict[str, int], str]:
-    """Read, detect the format, import if MindSpeed, apply overrides: (native dict, line map, format).
+) -> tuple[dict[str, object], dict[str, str], str]:
+    """Read, detect the format, import if MindSpeed, apply overrides: (native dict, where, format).
+
+    `where` maps a key path to where its value was written: `FILE:LINE`, or `command line` for a
+    key an override set (which wins over the file's line for that key and the keys under it).
 
     `origins` (MindSpeed files) receives native path -> (MindSpeed key, value) for the error
     messages of `validate_imported`.
@@ -377,7 +380,12 @@ def load_native_dict(
         data = importer.import_mindspeed(data, log, origins)
         lines = {}
         overrides = native_over
-    return apply_overrides(data, overrides), lines, kind
+    where = {key: f"{source}:{line}" for key, line in lines.items()}
+    for text in overrides:
+        key = ".".join(parse_override(text)[0])
+        where = {k: v for k, v in where.items() if k != key and not k.startswith(key + ".")}
+        where[key] = "command line"
+    return apply_overrides(data, overrides), where, kind
 
 
 def validate_imported(
@@ -393,15 +401,16 @@ def validate_imported(
         raise explain_choices(err, origins) from None
 
 
-def _with_lines(err: ConfigError, lines: dict[str, int], source: str) -> ConfigError:
-    if not lines:
+def _with_places(err: ConfigError, where: dict[str, str]) -> ConfigError:
+    """Each issue with where its key (or the nearest key above it) was written."""
+    if not where:
         return err
     issues: list[Issue] = []
     for path, reason in err.issues:
         probe = path
-        while probe and probe not in lines:
+        while probe and probe not in where:
             probe = probe.rsplit(".", 1)[0] if "." in probe else ""
-        issues.append((path, f"{reason} ({source}:{lines[probe]})" if probe else reason))
+        issues.append((path, f"{reason} ({where[probe]})" if probe else reason))
     return ConfigError(issues)
 
 
@@ -424,8 +433,8 @@ def load_config(
         ConfigError: every problem found, each with its key path.
     """
     origins: dict[str, tuple[str, object]] = {}
-    data, lines, _ = load_native_dict(path, overrides, fmt=fmt, log=log, origins=origins)
+    data, where, _ = load_native_dict(path, overrides, fmt=fmt, log=log, origins=origins)
     try:
         return validate_imported(data, origins, source=str(path))
     except ConfigError as err:
-        raise _with_lines(err, lines, str(path)) from None
+        raise _with_places(err, where) from None

@@ -91,10 +91,7 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
                 )
             )
 
-    if (
-        training.gradient_accumulation_steps is None
-        and training.local_batch_size > training.global_batch_size
-    ):
+    if training.global_batch_size is not None and training.local_batch_size > training.global_batch_size:
         issues.append(
             (
                 "training.global_batch_size",

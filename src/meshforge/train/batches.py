@@ -45,7 +45,7 @@ def plan_batches(training: TrainingConfig, data_parallel: int) -> tuple[BatchPla
     """
     plan = BatchPlan(training.local_batch_size, data_parallel, training.accumulation_steps(data_parallel))
     note = None
-    if training.gradient_accumulation_steps is None and training.global_batch_size != plan.global_batch_size:
+    if training.global_batch_size is not None and training.global_batch_size != plan.global_batch_size:
         note = (
             f"training.global_batch_size {training.global_batch_size} is not a multiple of data-parallel "
             f"ranks ({data_parallel}) x local_batch_size ({training.local_batch_size}); using "

@@ -32,6 +32,7 @@ from meshforge.train.build_model import build_model, build_tokenizer
 from meshforge.train.callback_runner import CallbackRunner
 from meshforge.train.callbacks import BuiltinCallback, build_callbacks, builtin_callbacks
 from meshforge.train.health import StepHealth
+from meshforge.train.output_dir import claim_output_dir, remove_earlier_run
 from meshforge.train.preemption import PreemptionGuard
 from meshforge.train.run import ModelParts, OptimParts, Progress, Run, RunData, RunEnv, Watchers
 from meshforge.train.saver import CheckpointSaver
@@ -113,10 +114,18 @@ def build_env(cfg: TrainConfig, log: Log) -> RunEnv:
     if batch_note:
         log(f"warning: {batch_note}")
     output_dir = resolve_path(cfg.training.output_dir)
+    claim = claim_output_dir(cfg, output_dir)  # every rank decides before rank 0 changes anything
+    dist_utils.barrier()
+    if claim.note:
+        log(claim.note)
     if dist.is_main:
+        remove_earlier_run(claim)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(dump_config(cfg))
-    return RunEnv(cfg, log, get_logger("trainer"), dist, device, dims, mesh, plan, output_dir)
+    dist_utils.barrier()
+    return RunEnv(
+        cfg, log, get_logger("trainer"), dist, device, dims, mesh, plan, output_dir, claim.load_path
+    )
 
 
 def build_rampup(training: TrainingConfig, env: RunEnv) -> BatchRampUp | None:
@@ -125,7 +134,7 @@ def build_rampup(training: TrainingConfig, env: RunEnv) -> BatchRampUp | None:
 
     rampup = build(
         training.rampup_batch_size,
-        global_batch_size=training.global_batch_size,
+        global_batch_size=training.global_batch_size or env.plan.global_batch_size,
         micro_samples=env.plan.data_parallel * env.plan.local_batch_size,
         pipeline_parallel=env.dims.pp,
         epochs=training.epochs is not None,
@@ -295,9 +304,9 @@ def resume(
     """
     from meshforge.checkpoint.hf import is_hf_dir, load_hf_weights
 
-    if not ckpt.load_path:
+    if not env.load_path:
         return Progress()
-    load_path = resolve_path(ckpt.load_path)
+    load_path = resolve_path(env.load_path)
     if is_hf_dir(load_path):
         if not ckpt.no_load_optim:
             raise ValueError(

@@ -30,8 +30,10 @@ class TrainingConfig(StrictSection):
 
     steps: AtLeastOne = describe(1000, "Total number of optimizer steps of the run (also when resuming).")
     local_batch_size: PosInt = describe(1, "Micro-batch size per data-parallel rank.")
-    global_batch_size: PosInt = describe(
-        1, "Samples per optimizer step; accumulation steps = global_batch_size // (dp * local_batch_size)."
+    global_batch_size: PosInt | None = describe(
+        None,
+        "Samples per optimizer step; accumulation steps = global_batch_size // (dp * local_batch_size). "
+        "None: dp x local_batch_size (x gradient_accumulation_steps), so a config scales with the world size.",
     )
     max_norm: PosFloat = describe(1.0, "Clip the global gradient norm to this value every step.")
     seed: Int = describe(42, "Random seed for initialisation, data order and dropout.")
@@ -41,6 +43,11 @@ class TrainingConfig(StrictSection):
     )
     output_dir: str = describe(
         "./output", "Run folder: resolved config, metrics.jsonl, default checkpoint folder."
+    )
+    overwrite_output_dir: Bool = describe(
+        False,
+        "Start over in an output_dir that holds an earlier run, removing its checkpoints and metrics "
+        "(HF Trainer key); without it such a folder is refused unless checkpoint.load_path resumes it.",
     )
     gradient_accumulation_steps: PosInt | None = describe(
         None, "Micro-batches per step; exclusive with an explicit global_batch_size (MindSpeed key)."
@@ -83,13 +90,17 @@ class TrainingConfig(StrictSection):
                     "the ramp sets the accumulation steps of each step; it needs training.global_batch_size, "
                     "not training.gradient_accumulation_steps",
                 )
+            if self.global_batch_size is None:
+                raise rule_error(
+                    "rampup_batch_size", "the ramp ends at training.global_batch_size: set it too"
+                )
             from meshforge.data.rampup import check_ramp
 
             try:
                 check_ramp(ramp[0], ramp[1], self.global_batch_size)
             except ValueError as err:
                 raise rule_error("rampup_batch_size", str(err).split(": ", 1)[1]) from None
-        if self.gradient_accumulation_steps is not None and "global_batch_size" in self.model_fields_set:
+        if self.gradient_accumulation_steps is not None and self.global_batch_size is not None:
             raise rule_error(
                 "gradient_accumulation_steps",
                 "set either training.gradient_accumulation_steps or training.global_batch_size, not both",
@@ -99,11 +110,17 @@ class TrainingConfig(StrictSection):
     def accumulation_steps(self, dp: int) -> int:
         """Micro-batches per optimizer step for `dp` data-parallel ranks.
 
+        Without `global_batch_size` the global batch follows the world size (one micro-batch per
+        rank and step, or `gradient_accumulation_steps` of them), as torchtitan and the HF Trainer
+        do; with it, the world size must fit under it.
+
         Raises:
             ValueError: when `dp * local_batch_size > global_batch_size`.
         """
         if self.gradient_accumulation_steps is not None:
             return self.gradient_accumulation_steps
+        if self.global_batch_size is None:
+            return 1
         per_step = dp * self.local_batch_size
         if per_step > self.global_batch_size:
             raise ValueError(

@@ -74,6 +74,8 @@ class StepHealth:
     thresholds: bool
     device: torch.device
     _run: list[_Skipped] = field(default_factory=list)
+    # Every skipped step of this run by kind of reason, for the closing summary.
+    skipped: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_monitor(
@@ -145,6 +147,8 @@ class StepHealth:
         if not verdict.skip:
             self._run.clear()
             return False
+        kind = "non-finite" if verdict.reason.startswith("non-finite") else "gradient norm above threshold"
+        self.skipped[kind] = self.skipped.get(kind, 0) + 1
         self._run.append(_Skipped(step, verdict.loss, verdict.grad_norm))
         return len(self._run) >= self.config.global_norm_skip_time
 

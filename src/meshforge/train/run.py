@@ -76,6 +76,8 @@ class RunEnv:
     mesh: ParallelMesh
     plan: BatchPlan
     output_dir: Path
+    # `checkpoint.load_path` as this run reads it: `auto` resolved against the folder ("" none).
+    load_path: str = ""
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,19 @@ class TrainSummary:
     losses: list[float] = field(default_factory=list)
     hf_export: Path | None = None
     preempted: bool = False
+    # Steps of this run that never reached the weights, by reason ("non-finite", ...).
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def health_note(self) -> str:
+        """'' for a run without skipped steps, else the sentence the closing line carries."""
+        total = sum(self.skipped.values())
+        if not total:
+            return ""
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(self.skipped.items()))
+        return (
+            f" Warning: {total} of {self.steps} steps skipped ({reasons}); their updates were not "
+            "applied (skip_reason in metrics.jsonl)."
+        )
 
 
 @dataclass(frozen=True)

@@ -336,6 +336,7 @@ class Trainer:
             losses=losses,
             hf_export=self._hf_export,
             preempted=progress.verdict.preempted,
+            skipped=dict(watch.health.skipped),
         )
         for builtin in watch.builtin_callbacks:
             builtin.on_train_end(summary)

@@ -1,0 +1,97 @@
+"""What a run may do with its output folder: start in it, resume the run it holds, or start over.
+
+A folder that holds an earlier run (records in its `metrics.jsonl`, or complete checkpoints) is
+never written over without being asked: `checkpoint.load_path: auto` resumes its latest complete
+checkpoint (torchtitan's habit), a `load_path` inside the folder resumes that step,
+`training.overwrite_output_dir: true` starts over in it (the HF Trainer's key: the earlier
+checkpoints and metrics are removed, and the log says so), and anything else is refused in one
+line that names the folder and these ways on (LLaMA-Factory refuses too). `auto` in a folder
+without a checkpoint starts at step 0.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshforge.checkpoint.manager import list_complete_steps
+from meshforge.config.root import TrainConfig
+from meshforge.utils.resources import resolve_path
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class OutputClaim:
+    """The decision: what to load ("" for nothing), what to remove first, and the line to log."""
+
+    load_path: str
+    remove: tuple[Path, ...] = ()
+    note: str | None = None
+
+
+def checkpoint_folder(cfg: TrainConfig, output_dir: Path) -> Path:
+    """Where the run's step folders go (`checkpoint.save_path`, else `{output_dir}/checkpoints`)."""
+    return resolve_path(cfg.checkpoint.save_path) if cfg.checkpoint.save_path else output_dir / "checkpoints"
+
+
+def _metric_records(output_dir: Path) -> int:
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(1 for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip())
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or path.is_relative_to(folder)
+
+
+def claim_output_dir(cfg: TrainConfig, output_dir: Path) -> OutputClaim:
+    """Decide, reading only, how this run uses `output_dir` (every rank decides the same).
+
+    Raises:
+        ValueError: the folder holds an earlier run and nothing says what to do with it.
+    """
+    save_dir = checkpoint_folder(cfg, output_dir)
+    records = _metric_records(output_dir)
+    steps = list_complete_steps(save_dir)
+    load = cfg.checkpoint.load_path
+    if load == AUTO:
+        if steps:
+            return OutputClaim(str(steps[-1][1]), note=f"checkpoint.load_path auto: resuming {steps[-1][1]}")
+        note = f"checkpoint.load_path auto: no complete checkpoint in {save_dir}; starting at step 0"
+        if not records:
+            return OutputClaim("", note=note)
+        load = ""
+    if not records and not steps:
+        return OutputClaim(load)
+    if load and (_inside(resolve_path(load), output_dir) or _inside(resolve_path(load), save_dir)):
+        return OutputClaim(load)  # resuming this folder's own run
+    if cfg.training.overwrite_output_dir:
+        remove = tuple(path for _, path in steps)
+        metrics = output_dir / "metrics.jsonl"
+        if records:
+            remove += (metrics,)
+        note = (
+            f"training.overwrite_output_dir: starting over in {output_dir}: removing the earlier run's "
+            f"{len(steps)} checkpoint(s) and {records} metrics record(s)"
+        )
+        return OutputClaim(load, remove, note)
+    held = [f"{records} metrics records"] if records else []
+    if steps:
+        held.append(f"checkpoints up to step {steps[-1][0]} in {save_dir}")
+    raise ValueError(
+        f"training.output_dir: {output_dir} holds an earlier run ({', '.join(held)}); resume it with "
+        "--checkpoint.load_path auto, start over in it with --training.overwrite_output_dir true, or "
+        "choose another --training.output_dir"
+    )
+
+
+def remove_earlier_run(claim: OutputClaim) -> None:
+    """Delete what `claim` names (rank 0 only, after every rank decided)."""
+    for path in claim.remove:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

@@ -1,0 +1,65 @@
+"""A checkpoint of another model is refused in one line before any tensor is read.
+
+Another size (a shape differs) used to end in DCP's size error deep in the read; another family
+with the same sizes (llama has no q_norm/k_norm) used to load the shared names silently and say
+"resumed". Both now name the checkpoint and the first difference. The same model still resumes,
+and `no_load_optim` still loads its weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
+from tests.conftest import read_metrics, train_here
+
+pytestmark = [pytest.mark.usefixtures("leave_no_process_group"), pytest.mark.slow]
+
+
+@pytest.fixture
+def saved(tiny_config: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    train_here(tiny_config, ["--training.steps=2", f"--training.output_dir={run}"])
+    return run / "checkpoints"
+
+
+@pytest.mark.parametrize(
+    ("change", "first"),
+    [
+        (
+            ["--model.intermediate_size=96"],
+            "model.layers.0.mlp.down_proj.weight is [64, 128] there and [64, 96] here",
+        ),
+        (
+            ["--model.model_type=llama", "--model.head_dim=null"],
+            "it holds model.layers.0.self_attn.k_norm.weight",
+        ),
+    ],
+    ids=["other-size", "other-family"],
+)
+def test_another_models_checkpoint_is_refused(
+    tiny_config: Path, tmp_path: Path, saved: Path, change: list[str], first: str
+) -> None:
+    out = [f"--training.output_dir={tmp_path / 'other'}", "--training.steps=3"]
+    for optim in ([], ["--checkpoint.no_load_optim=true"]):
+        with pytest.raises(ValueError) as refused:
+            train_here(tiny_config, [*out, *change, *optim, f"--checkpoint.load_path={saved}"])
+        message = str(refused.value)
+        assert message.startswith(
+            f"checkpoint.load_path: {saved / 'checkpoint-00000002'} holds another model: "
+        )
+        assert first in message and str(saved.parent / "config.yaml") in message
+
+
+def test_the_same_model_resumes_and_loads_weights_only(
+    tiny_config: Path, tmp_path: Path, saved: Path
+) -> None:
+    resumed = tmp_path / "resumed"
+    train_here(tiny_config, [f"--training.output_dir={resumed}", f"--checkpoint.load_path={saved}"])
+    assert [r["step"] for r in read_metrics(resumed)] == [3, 4]
+    weights = tmp_path / "weights"
+    args = [f"--training.output_dir={weights}", "--training.steps=1", "--checkpoint.no_load_optim=true"]
+    train_here(tiny_config, [*args, f"--checkpoint.load_path={saved}"])
+    assert [r["step"] for r in read_metrics(weights)] == [1]
