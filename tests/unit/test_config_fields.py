@@ -39,9 +39,7 @@ VALUES: dict[str, dict[str, Any]] = {
     "checkpoint.save_max": {"checkpoint": {"save_max": 2}},
     "training.global_batch_size": {"training": {"global_batch_size": 2}},
     "training.local_batch_size": {"training": {"local_batch_size": 2, "global_batch_size": 2}},
-    "training.gradient_accumulation_steps": {
-        "training": {"gradient_accumulation_steps": 2, "global_batch_size": 2}
-    },
+    "training.gradient_accumulation_steps": {"training": {"gradient_accumulation_steps": 2}},
     "training.rampup_batch_size": {"training": {"rampup_batch_size": [1, 1, 10]}},
     "training.stage": {
         "training": {"stage": "sft"},

@@ -20,9 +20,6 @@ DIVERGING = [
     "--lr_scheduler.warmup_steps=0",
     "--training.steps=10",
     "--model.num_hidden_layers=1",
-    "--kernels.compile=false",
-    "--training.local_batch_size=2",
-    "--train_dataset.dataloader.seq_length=32",
     "--checkpoint.enable_save=false",
     "--monitor.plot_curves=false",
 ]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -30,7 +29,7 @@ def _gathered(names: set[str], found: list[str]) -> tuple[set[str], list[str]]:
     return set().union(*(n for n, _ in every)), sorted({f for _, fs in every for f in fs})
 
 
-def model_differences(saved: Metadata, model_sd: Mapping[str, Any]) -> list[str]:
+def model_differences(saved: Metadata, model_sd: Mapping[str, object]) -> list[str]:
     """The differences between the checkpoint's model tensors and the model's, the same list on
     every rank (collective with several ranks: every rank must call it)."""
     stored = {
@@ -50,7 +49,7 @@ def model_differences(saved: Metadata, model_sd: Mapping[str, Any]) -> list[str]
     return found + [f"it holds {name}, which this model has not" for name in sorted(set(stored) - everywhere)]
 
 
-def check_same_model(path: Path, saved: Metadata, model_sd: Mapping[str, Any]) -> None:
+def check_same_model(path: Path, saved: Metadata, model_sd: Mapping[str, object]) -> None:
     """Raise, naming the checkpoint and its first difference, unless it holds this model.
 
     Raises:

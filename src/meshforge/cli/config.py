@@ -106,6 +106,11 @@ def _validate(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
     cfg = load_config(args.file, overrides, fmt=args.format, log=notes.append)
     report = validate_config(cfg, world_size=args.world_size)
+    if args.world_size and not report.errors:
+        # Imports torch: the model is built on the meta device to meet the layout's rules.
+        from meshforge.parallel.plan import layout_model_issues
+
+        report.errors += layout_model_issues(cfg, args.world_size)
     for line in notes:
         print(f"import: {line}", file=sys.stderr)
     for path, reason in report.warnings:

@@ -243,8 +243,9 @@ READERS: dict[str, tuple[str, ...]] = {
         "lora_config.lora_a_std",
         "lora_config.lora_b_std",
     ),
-    "meshforge.train.batches": ("training.gradient_accumulation_steps",),
+    "meshforge.train.config": ("training.gradient_accumulation_steps",),
     "meshforge.train.saver": ("checkpoint.async_save",),
+    "meshforge.train.output_dir": ("training.overwrite_output_dir",),
     "meshforge.train.build": (
         "training.deterministic",
         "training.output_dir",

@@ -16,6 +16,7 @@ stage's own copy of the embedding they read.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -381,3 +382,37 @@ def plan_lm_loss(cfg: TrainConfig, model: nn.Module) -> LMLoss:
         hidden_output=supports_hidden_output(model),
     )
     return select_lm_loss(fused=fused, chunk_loss_size=kernels.chunk_loss_size, vocab_size=vocab_size)
+
+
+def layout_model_issues(cfg: TrainConfig, world_size: int) -> list[tuple[str, str]]:
+    """The model's divisibility rules against the layout, as `train` meets them while it builds.
+
+    Tensor parallelism splits heads, KV heads, MLP widths and the vocabulary; the family's own TP
+    plan names the first size the degree does not divide (`model.num_attention_heads (4) is not
+    divisible by parallelism.tensor_parallel (3)`). Built on the meta device, as the memory plan is.
+    """
+    import torch
+
+    from meshforge.checkpoint.source import resolve_model_source
+
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    if dims.tp == 1:
+        return []
+    source = resolve_model_source(cfg.model)
+    spec = source.family
+    if spec.tp_plan is None:
+        if spec.pattern_tp_plan is None:
+            return [
+                ("parallelism.tensor_parallel", f"not supported yet: tensor_parallel > 1 for {spec.name}")
+            ]
+        return []
+    with torch.device("meta"):
+        model = spec.build(source.options)
+    try:
+        spec.tp_plan(model, tp=dims.tp, sequence_parallel=True, loss_parallel=False)
+    except ValueError as err:
+        text = str(err)
+        key = text.split(" ", 1)[0].rstrip(":")
+        reason = re.sub(r"^\((\d+)\)", r"\1", text[len(key) :].lstrip(": "))  # "(4) is" -> "4 is"
+        return [(key, reason)]
+    return []

@@ -38,7 +38,8 @@ class BatchPlan:
 
 
 def plan_batches(training: TrainingConfig, data_parallel: int) -> tuple[BatchPlan, str | None]:
-    """The batch plan from `TrainingConfig.accumulation_steps`, and a note when samples are dropped.
+    """The batch plan from `TrainingConfig.accumulation_steps` (`gradient_accumulation_steps`, or
+    what a given global batch leaves), and a note when samples are dropped.
 
     Raises:
         ValueError: when `data_parallel * local_batch_size > global_batch_size`.
