@@ -245,7 +245,7 @@ READERS: dict[str, tuple[str, ...]] = {
     ),
     "meshforge.train.config": ("training.gradient_accumulation_steps",),
     "meshforge.train.saver": ("checkpoint.async_save",),
-    "meshforge.train.output_dir": ("training.overwrite_output_dir",),
+    "meshforge.train.output_dir": ("training.overwrite_output_dir", "checkpoint.save_path"),
     "meshforge.train.build": (
         "training.deterministic",
         "training.output_dir",
@@ -253,7 +253,6 @@ READERS: dict[str, tuple[str, ...]] = {
         "callbacks",
         "checkpoint.enable_save",
         "checkpoint.save_global_layout_cache",
-        "checkpoint.save_path",
         "checkpoint.save_max",
         "checkpoint.save_interleaved_steps",
         "checkpoint.no_save_optim",

@@ -32,7 +32,7 @@ from meshforge.train.build_model import build_model, build_tokenizer
 from meshforge.train.callback_runner import CallbackRunner
 from meshforge.train.callbacks import BuiltinCallback, build_callbacks, builtin_callbacks
 from meshforge.train.health import StepHealth
-from meshforge.train.output_dir import claim_output_dir, remove_earlier_run
+from meshforge.train.output_dir import checkpoint_folder, claim_output_dir, remove_earlier_run
 from meshforge.train.preemption import PreemptionGuard
 from meshforge.train.run import ModelParts, OptimParts, Progress, Run, RunData, RunEnv, Watchers
 from meshforge.train.saver import CheckpointSaver
@@ -278,7 +278,7 @@ def build_pipeline(parallelism: ParallelismConfig, env: RunEnv, model: ModelPart
 
 def build_checkpointer(ckpt: CheckpointConfig, env: RunEnv, model: ModelParts) -> CheckpointManager:
     """The DCP checkpoint manager; an empty `checkpoint.save_path` saves into the run folder."""
-    save_dir = resolve_path(ckpt.save_path) if ckpt.save_path else env.output_dir / "checkpoints"
+    save_dir = checkpoint_folder(ckpt, env.output_dir)
     return CheckpointManager(
         save_dir=save_dir,
         prefix=ckpt.prefix,

@@ -15,6 +15,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshforge.checkpoint.config import CheckpointConfig
 from meshforge.checkpoint.manager import list_complete_steps
 from meshforge.config.root import TrainConfig
 from meshforge.utils.resources import resolve_path
@@ -31,9 +32,9 @@ class OutputClaim:
     note: str | None = None
 
 
-def checkpoint_folder(cfg: TrainConfig, output_dir: Path) -> Path:
+def checkpoint_folder(ckpt: CheckpointConfig, output_dir: Path) -> Path:
     """Where the run's step folders go (`checkpoint.save_path`, else `{output_dir}/checkpoints`)."""
-    return resolve_path(cfg.checkpoint.save_path) if cfg.checkpoint.save_path else output_dir / "checkpoints"
+    return resolve_path(ckpt.save_path) if ckpt.save_path else output_dir / "checkpoints"
 
 
 def _metric_records(output_dir: Path) -> int:
@@ -53,7 +54,7 @@ def claim_output_dir(cfg: TrainConfig, output_dir: Path) -> OutputClaim:
     Raises:
         ValueError: the folder holds an earlier run and nothing says what to do with it.
     """
-    save_dir = checkpoint_folder(cfg, output_dir)
+    save_dir = checkpoint_folder(cfg.checkpoint, output_dir)
     records = _metric_records(output_dir)
     steps = list_complete_steps(save_dir)
     load = cfg.checkpoint.load_path
@@ -66,7 +67,7 @@ def claim_output_dir(cfg: TrainConfig, output_dir: Path) -> OutputClaim:
         load = ""
     if not records and not steps:
         return OutputClaim(load)
-    if load and (_inside(resolve_path(load), output_dir) or _inside(resolve_path(load), save_dir)):
+    if load and any(_inside(resolve_path(load), folder) for folder in (output_dir, save_dir)):
         return OutputClaim(load)  # resuming this folder's own run
     if cfg.training.overwrite_output_dir:
         remove = tuple(path for _, path in steps)
