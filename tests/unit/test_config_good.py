@@ -164,6 +164,18 @@ def test_dump_round_trip_reference_skeleton():
     assert "vocab_size: 129280" in text and "full_recompute_layer: null" in text
 
 
+@pytest.mark.parametrize(
+    "monitor", ["", "monitor:\n  wandb:\n    project: p\n", "monitor:\n  report_to: none\n"]
+)
+def test_a_dumped_config_runs_the_same_trackers(tmp_path, monitor):
+    # A run's config.yaml loads back to the run it describes: an unused tracker section written
+    # out would switch that tracker on (and stop a run without its package).
+    cfg = _load(tmp_path, monitor)
+    again = config_from_dict(parse_yaml(dump_config(cfg)))
+    assert again == cfg
+    assert again.monitor.trackers() == cfg.monitor.trackers()
+
+
 def test_dump_round_trip_with_layer_specs_and_strings(tmp_path):
     text = (
         "recompute:\n  mode: select\n  select_module:\n    attention: ['0-1', 3]\n"
@@ -471,3 +483,13 @@ def test_every_dtype_key_takes_every_spelling() -> None:
             assert getattr(getattr(cfg, section), name) == canonical, (section, name, spelling)
         with pytest.raises(ConfigError, match=rf"{section}\.{name}: must be float32, bfloat16 or float16"):
             config_from_dict({section: {name: "bf61"}})
+
+
+def test_importers_own_zero_workers_default_is_not_reported_as_a_noop(tmp_path):
+    from meshforge.config.noops import noop_notes
+
+    absent = _load(tmp_path, "model_name_or_path: /m\noutput_dir: ./o\n")
+    assert absent.train_dataset.num_parallel_workers == 0
+    assert not [key for key, _ in noop_notes(absent, "cpu") if key == "train_dataset.num_parallel_workers"]
+    given = _load(tmp_path, "model_name_or_path: /m\noutput_dir: ./o\ndataloader_num_workers: 4\n")
+    assert [key for key, _ in noop_notes(given, "cpu") if key == "train_dataset.num_parallel_workers"]

@@ -63,12 +63,15 @@ def test_both_override_forms_lists_json_and_bare_flags():
 
 
 @pytest.mark.parametrize("bad", [["stray"], ["--nodot", "1"], ["--a..b", "1"]])
-def test_a_token_that_is_not_an_override_is_refused(bad):
+def test_a_token_that_is_not_an_override_is_refused(bad, capsys):
     with pytest.raises(ConfigError) as err:
         split_cli_overrides(bad)
     assert err.value.issues[0][0] == bad[0]
-    with pytest.raises(SystemExit, match="unrecognised argument"):
+    with pytest.raises(SystemExit) as exited:
         split_overrides(bad)
+    # The exit code of every user error (argparse's, a config error's), not 1.
+    assert exited.value.code == 2
+    assert "unrecognised argument" in capsys.readouterr().err
 
 
 def test_launch_line_overrides_reach_the_imported_config(tmp_path):

@@ -74,3 +74,18 @@ def test_rotation_keeps_a_later_step_of_another_run(tiny_config: Path, tmp_path:
     step2 = run / "checkpoints" / "checkpoint-00000002"
     train_here(tiny_config, [*common, "--training.steps=4", f"--checkpoint.load_path={step2}"])
     assert _steps(run) == [4, 6]  # step 2 rotated out by this run's step 4; step 6 is kept
+
+
+def test_the_resume_command_repeats_the_launch_and_loads_the_latest_checkpoint():
+    from meshforge.train.output_dir import resume_command
+
+    overrides = ["training.steps=20", "training.overwrite_output_dir=true", "training.output_dir=run x"]
+    one = resume_command("configs/demo.yaml", overrides, fmt=None, world_size=1, local_world_size=1)
+    assert one == (
+        "meshforge train --config configs/demo.yaml --training.steps=20 '--training.output_dir=run x' "
+        "--checkpoint.load_path auto"
+    )
+    two = resume_command(None, ["checkpoint.load_path=x"], fmt="native", world_size=2, local_world_size=2)
+    assert two == "torchrun --nproc-per-node 2 -m meshforge train --format native --checkpoint.load_path auto"
+    nodes = resume_command("c.yaml", [], fmt=None, world_size=16, local_world_size=8)
+    assert nodes.startswith("torchrun --nnodes 2 --nproc-per-node 8 <rendezvous flags> -m meshforge train")

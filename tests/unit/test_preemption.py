@@ -4,6 +4,7 @@ a later one exits at once; a preempted run stops after the step with a checkpoin
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 
 from meshforge.train.preemption import PreemptionGuard
 from tests._process_group import leave_no_process_group  # noqa: F401 (a fixture)
+from tests.conftest import meshforge_here, read_metrics
 
 SCRIPT = textwrap.dedent(
     """
@@ -89,3 +91,20 @@ def test_a_signal_during_a_run_stops_after_that_step_with_a_checkpoint(tiny_conf
     assert (where / "COMPLETE").is_file()
     assert lines[-1] == f"preempted at step 3: checkpoint {where}"
     assert signal.getsignal(signal.SIGTERM) != trainer.run.watch.preemption._handle
+    # The command `meshforge train` prints after this line, run as it is, resumes the run to
+    # its end in the same folder.
+    from meshforge.cli.main import main
+    from meshforge.train.output_dir import resume_command
+
+    command = resume_command(str(tiny_config), overrides, fmt=None, world_size=1, local_world_size=1)
+    assert main([*shlex.split(command)[1:], "--checkpoint.enable_save=true"]) == 0
+    assert [record["step"] for record in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    # Once more, from its final checkpoint: the run is finished, and the command says so rather
+    # than "Done: 0 steps, final loss nan".
+    again = meshforge_here(*shlex.split(command)[1:], cwd=tiny_config.parent)
+    assert again.returncode == 0, again.stderr
+    assert (
+        "Done: nothing to train: the run resumed at step 6, which already reached training.steps"
+        in again.stdout
+    )
+    assert "final loss nan" not in again.stdout

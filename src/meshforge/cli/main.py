@@ -28,7 +28,7 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
     """Turn `--a.b=1`, `--a.b 1` (several values: a list) and `a.b=1` tokens into `a.b=1` strings.
 
     Raises:
-        SystemExit: for a token that is not an override, naming it.
+        SystemExit: code 2 (a user error, as argparse exits) for a token that is not an override, after printing it.
     """
     from meshforge.config.base import ConfigError
     from meshforge.config.loader import split_cli_overrides
@@ -37,10 +37,12 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
         return split_cli_overrides(extra)
     except ConfigError as err:
         token = err.issues[0][0]
-        raise SystemExit(
+        print(
             f"error: unrecognised argument {token!r}: overrides look like --section.key=value or "
-            "--section.key value (e.g. --training.steps 100)"
-        ) from None
+            "--section.key value (e.g. --training.steps 100)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
 
 
 def _positional_config(argv: list[str]) -> tuple[list[str], str | None]:
@@ -200,19 +202,17 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         destroy_process_group(synchronize=False)
         raise
     destroy_process_group()
-    if rank == 0 and not summary.preempted:  # a preempted run said where its checkpoint is
-        where = f"checkpoint {summary.last_checkpoint}" if summary.last_checkpoint else "no checkpoint saved"
-        tail = summary.losses[-10:]
-        smoothed = sum(tail) / len(tail) if tail else float("nan")
-        first = summary.losses[0] if summary.losses else float("nan")
-        logger.info(
-            f"\nDone: {summary.steps} step{'' if summary.steps == 1 else 's'}, final loss {summary.final_loss:.4f} (mean of the last "
-            f"{len(tail)}: {smoothed:.4f}; first step: {first:.4f}), "
-            f"{summary.tokens_per_s:,.0f} tokens/s overall. Outputs in {summary.output_dir} "
-            f"(config.yaml, metrics.jsonl); {where}."
-            + (f" Hugging Face export in {summary.hf_export}." if summary.hf_export else "")
-            + summary.health_note()
+    if rank == 0 and summary.preempted:  # the trainer said where its checkpoint is
+        from meshforge.train.output_dir import resume_command
+
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        command = resume_command(
+            args.config, overrides, fmt=args.format, world_size=world, local_world_size=local
         )
+        logger.info(f"to resume: {command}")
+    elif rank == 0:
+        logger.info("\n" + summary.closing_line())
     return 0
 
 

@@ -11,5 +11,16 @@ from meshforge.config.root import TrainConfig
 
 
 def dump_config(cfg: TrainConfig) -> str:
-    """Resolved YAML of `cfg`, sections in reference order, passthrough keys included."""
-    return dump_yaml(cfg.model_dump(mode="json"))
+    """Resolved YAML of `cfg`, sections in reference order, passthrough keys included.
+
+    A tracker section (`monitor.wandb`, `monitor.swanlab`) switches its tracker on by being
+    written, so one that is off is left out: the file runs the same trackers when loaded back
+    (under `report_to: none` every section stays, since none of them is on).
+    """
+    data = cfg.model_dump(mode="json")
+    monitor = data["monitor"]
+    if cfg.monitor.report_to != "none":
+        for name in ("wandb", "swanlab"):
+            if name not in cfg.monitor.trackers():
+                monitor.pop(name, None)
+    return dump_yaml(data)

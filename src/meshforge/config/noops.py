@@ -98,9 +98,18 @@ ENTRIES: list[NoOp] = [
         lambda c, d: d == "cpu" and c.parallelism.cpu_offload,
         "no effect on cpu: parameters, gradients and optimizer state already live in host memory",
     ),
+    # Zero workers is what the loaders do: MindSpeed's default `dataloader_num_workers: 0`, which
+    # the importer writes, is no setting to warn about.
+    NoOp(
+        "train_dataset.num_parallel_workers",
+        lambda c, d: (
+            _written(c, "train_dataset.num_parallel_workers") and c.train_dataset.num_parallel_workers > 0
+        ),
+        _NO_WORKERS,
+    ),
     *[
         _entry(f"train_dataset.{name}", _NO_WORKERS)
-        for name in ("num_parallel_workers", "prefetch_size", "numa_enable", "persistent_workers")
+        for name in ("prefetch_size", "numa_enable", "persistent_workers")
     ],
     _entry("train_dataset.dataloader.python_multiprocessing", _NO_WORKERS),
     _entry(

@@ -52,7 +52,12 @@ DEFAULT_COLUMNS = ["input_ids", "labels"]
 def ignored_settings_note(dataset_cfg: TrainDatasetConfig) -> str | None:
     """One line naming explicitly set pipeline settings that have no effect on these loaders, or None."""
     explicit = dataset_cfg.model_fields_set
-    names = [f"train_dataset.{name}" for name in PIPELINE_FIELDS if name in explicit]
+    # Zero workers is what these loaders do (MindSpeed's default, written by the importer).
+    names = [
+        f"train_dataset.{name}"
+        for name in PIPELINE_FIELDS
+        if name in explicit and not (name == "num_parallel_workers" and dataset_cfg.num_parallel_workers == 0)
+    ]
     loader_cfg = dataset_cfg.dataloader
     if "python_multiprocessing" in loader_cfg.model_fields_set:
         names.append("train_dataset.dataloader.python_multiprocessing")

@@ -11,6 +11,7 @@ without a checkpoint starts at step 0.
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,37 @@ def claim_output_dir(cfg: TrainConfig, output_dir: Path) -> OutputClaim:
         "--checkpoint.load_path auto, start over in it with --training.overwrite_output_dir true, or "
         "choose another --training.output_dir"
     )
+
+
+# Overrides a resume must not repeat: it loads the latest checkpoint, and keeps what is in the folder.
+_NOT_REPEATED = ("training.overwrite_output_dir", "checkpoint.load_path")
+
+
+def resume_command(
+    config: str | None, overrides: list[str], *, fmt: str | None, world_size: int, local_world_size: int
+) -> str:
+    """The command line that resumes a preempted run: its own launch, loading the latest checkpoint.
+
+    `config` and `overrides` (`key=value` strings) are those of the launch, paths as the user gave
+    them (so the command runs from the same folder); `overwrite_output_dir` and `load_path` are
+    replaced by `--checkpoint.load_path auto`. Several processes launch under torchrun with this
+    launch's per-node count (several nodes keep their own rendezvous flags).
+    """
+    words = ["meshforge", "train"]
+    if config is not None:
+        words += ["--config", config]
+    if fmt is not None:
+        words += ["--format", fmt]
+    words += [f"--{item}" for item in overrides if item.split("=", 1)[0] not in _NOT_REPEATED]
+    words += ["--checkpoint.load_path", AUTO]
+    line = shlex.join(words)
+    if world_size <= 1:
+        return line
+    launcher = f"torchrun --nproc-per-node {local_world_size}"
+    if world_size > local_world_size:
+        nodes = world_size // max(1, local_world_size)
+        launcher = f"torchrun --nnodes {nodes} --nproc-per-node {local_world_size} <rendezvous flags>"
+    return f"{launcher} -m {line}"
 
 
 def remove_earlier_run(claim: OutputClaim) -> None:

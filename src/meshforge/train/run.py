@@ -191,6 +191,29 @@ class TrainSummary:
     preempted: bool = False
     # Steps of this run that never reached the weights, by reason ("non-finite", ...).
     skipped: dict[str, int] = field(default_factory=dict)
+    # The step a resumed run started at when it had already reached `training.steps`.
+    finished_before: int | None = None
+
+    def closing_line(self) -> str:
+        """The `Done:` paragraph the command prints for a run that was not preempted."""
+        where = f"checkpoint {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint saved"
+        if self.finished_before is not None:
+            return (
+                f"Done: nothing to train: the run resumed at step {self.finished_before}, which already "
+                f"reached training.steps (raise --training.steps to train further). Outputs in "
+                f"{self.output_dir}; {where}."
+            )
+        tail = self.losses[-10:]
+        smoothed = sum(tail) / len(tail) if tail else float("nan")
+        first = self.losses[0] if self.losses else float("nan")
+        return (
+            f"Done: {self.steps} step{'' if self.steps == 1 else 's'}, final loss {self.final_loss:.4f} "
+            f"(mean of the last {len(tail)}: {smoothed:.4f}; first step: {first:.4f}), "
+            f"{self.tokens_per_s:,.0f} tokens/s overall. Outputs in {self.output_dir} "
+            f"(config.yaml, metrics.jsonl); {where}."
+            + (f" Hugging Face export in {self.hf_export}." if self.hf_export else "")
+            + self.health_note()
+        )
 
     def health_note(self) -> str:
         """'' for a run without skipped steps, else the sentence the closing line carries."""

@@ -293,7 +293,8 @@ class Trainer:
         """Run from the current step to the last one, saving, evaluating and logging as configured."""
         env, watch, progress = self.run.env, self.run.watch, self.progress
         total = self.run.data.total_steps
-        if self.step >= total:
+        finished_before = self.step if self.step >= total else None
+        if finished_before is not None:
             self.log(f"nothing to do: resumed at step {self.step} >= training.steps {total}")
         start_time = time.perf_counter()
         start_step = self.step
@@ -337,6 +338,7 @@ class Trainer:
             hf_export=self._hf_export,
             preempted=progress.verdict.preempted,
             skipped=dict(watch.health.skipped),
+            finished_before=finished_before,
         )
         for builtin in watch.builtin_callbacks:
             builtin.on_train_end(summary)
