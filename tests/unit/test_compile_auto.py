@@ -41,19 +41,16 @@ def _qwen3(vocab: int = 96):
     return build_qwen3(args, device="cpu")
 
 
-def _rate() -> float:
-    return 1e11  # 100 GFLOP/s: the step runs at half of it
-
-
 def test_auto_rule() -> None:
     # 600 s at 50 GFLOP/s = 3e13 FLOPs.
-    long = RunLength(steps=1000, tokens_per_step=1000, flops_per_token=3e7 + 1)
+    long = RunLength(steps=1000, tokens_per_step=1000, flops_per_token=3e7)
     short = RunLength(steps=10, tokens_per_step=1000, flops_per_token=3e7)
-    assert decide_compile("auto", device_type="cpu", run=long, matmul_rate=_rate).on
-    decision = decide_compile("auto", device_type="cpu", run=short, matmul_rate=_rate)
+    assert decide_compile("auto", device_type="cpu", run=long).on
+    decision = decide_compile("auto", device_type="cpu", run=short)
     assert not decision.on
     assert decision.reason == (
-        "kernels.compile: auto -> off (cpu; the run is estimated at 6 s eager, compiling pays back from about 10 min)"
+        "kernels.compile: auto -> off (cpu; 10 steps to run, estimated at 6 s eager at 50 GFLOP/s; "
+        "compiling pays back from about 10 min)"
     )
     assert CPU_PAYBACK_SECONDS == 600
     assert (
@@ -63,6 +60,42 @@ def test_auto_rule() -> None:
     assert not unknown.on and "depends on the data" in unknown.reason
     assert decide_compile(True, device_type="cpu", run=short).on
     assert not decide_compile(False, device_type="cuda", run=long).on
+
+
+def test_a_resumed_run_counts_only_the_steps_it_has_left(tmp_path: Path) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from meshforge.train.build_model import _run_length
+
+    model = _qwen3()
+    step = tmp_path / "checkpoints" / "checkpoint-00000400"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 400}))
+    (step / "COMPLETE").write_text("")
+    training = config_from_dict({"training": {"steps": 403}}).training
+
+    def length(load_path: str, *, no_load_optim: bool = False) -> RunLength:
+        env = SimpleNamespace(
+            load_path=load_path, plan=SimpleNamespace(global_batch_size=4), dims=SimpleNamespace(world_size=1)
+        )
+        return _run_length(model, training, seq=32, env=env, no_load_optim=no_load_optim)  # type: ignore[arg-type]
+
+    assert length("").steps == 403
+    assert length(str(tmp_path / "checkpoints")).steps == 3  # the run folder: its latest step
+    assert length(str(step)).steps == 3
+    assert length(str(step), no_load_optim=True).steps == 403  # weights only: step 0
+    assert length(str(tmp_path / "missing")).steps == 403  # resume reports the folder
+
+
+def test_the_compile_line_says_how_long_the_first_step_compiles() -> None:
+    lines: list[str] = []
+    names = apply_compile(_qwen3(), backend="inductor", warn=pytest.fail, log=lines.append)
+    assert len(names) == 3
+    assert lines == [
+        "kernels.compile: compiling decoder layers (3 layer(s), 1 graph(s), backend inductor) at the "
+        "first step: about 30 s cold, a few seconds with a warm inductor cache"
+    ]
 
 
 def _options(vocab: int, **kernels: object):
@@ -196,6 +229,6 @@ def test_trainer_logs_the_decision_and_a_short_cpu_run_stays_eager(tiny_config: 
             dist.destroy_process_group()
     decision = [line for line in lines if line.startswith("kernels.compile: auto -> ")]
     assert len(decision) == 1, lines
-    assert decision[0].startswith("kernels.compile: auto -> off (cpu; the run is estimated at ")
+    assert decision[0].startswith("kernels.compile: auto -> off (cpu; 2 steps to run, estimated at ")
     assert decision[0].endswith("; loss: full-logits loss")
     assert all(layer._compiled_call_impl is None for layer in trainer.model.model.layers)

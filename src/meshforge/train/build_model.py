@@ -123,7 +123,7 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
     model.to(dtype=params_dtype)
     seq = cfg.train_dataset.seq_length() or model_cfg.seq_length
     # The FLOPs of a token, counted once for the compile decision and the throughput log.
-    run = _run_length(model, cfg.training, seq=seq, env=env)
+    run = _run_length(model, cfg.training, seq=seq, env=env, no_load_optim=cfg.checkpoint.no_load_optim)
     kernel_options, lm_loss = _configure_kernels(cfg, model, family.name, compute_dtype, env=env, run=run)
     model_config = getattr(model, "config", None)
     _check_model_fits_data(model_config, tokenizer, data_seq=cfg.train_dataset.seq_length())
@@ -145,7 +145,9 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
         param_dtype=params_dtype,
         compute_dtype=compute_dtype,
         compile_blocks=kernel_options.compile,
-        apply_compile=functools.partial(apply_compile, backend=kernel_options.compile_backend, warn=log),
+        apply_compile=functools.partial(
+            apply_compile, backend=kernel_options.compile_backend, warn=log, log=log
+        ),
         activation=ActivationSettings(cfg.recompute, cfg.recompute_comm, cfg.swap),
         lora=lora,
         reduce_dtype=_reduce_dtype(cfg.parallelism, cfg.optimizer, params_dtype, compute_dtype),
@@ -270,7 +272,9 @@ def _configure_kernels(
     return options, lm_loss
 
 
-def _run_length(model: nn.Module, training: TrainingConfig, *, seq: int | None, env: RunEnv) -> RunLength:
+def _run_length(
+    model: nn.Module, training: TrainingConfig, *, seq: int | None, env: RunEnv, no_load_optim: bool
+) -> RunLength:
     """Steps and per-rank work of the run, for `kernels.compile: auto` on the CPU."""
     from meshforge.models.common.compile import RunLength
     from meshforge.monitor.throughput import model_flops_per_token
@@ -281,7 +285,25 @@ def _run_length(model: nn.Module, training: TrainingConfig, *, seq: int | None, 
     if training.epochs is not None:
         return RunLength(None, 0, flops)
     tokens = env.plan.global_batch_size * int(seq) // max(1, env.dims.world_size)
-    return RunLength(int(training.steps), tokens, flops)
+    left = max(0, int(training.steps) - _resume_step(env.load_path, no_load_optim=no_load_optim))
+    return RunLength(left, tokens, flops)
+
+
+def _resume_step(load_path: str, *, no_load_optim: bool) -> int:
+    """The step a full resume of `load_path` starts at, read off its `trainer_state.json` (0 when
+    the run starts fresh; a folder that cannot be read is `resume`'s to report)."""
+    from meshforge.checkpoint.hf import is_hf_dir
+    from meshforge.checkpoint.manager import read_trainer_state, resolve_load_path
+
+    if not load_path or no_load_optim:
+        return 0
+    try:
+        path = resolve_path(load_path)
+        if is_hf_dir(path):
+            return 0
+        return int(read_trainer_state(resolve_load_path(path))["step"])
+    except (OSError, ValueError):
+        return 0
 
 
 def _sharding_note(

@@ -9,20 +9,19 @@ The ``auto`` rule (:func:`decide_compile`):
 
 * CUDA/NPU: on. Kernel launches and elementwise chains are what compile removes there, and
   its cost (tens of seconds) is small next to any real run.
-* CPU: on only when the run's estimated eager length reaches :data:`CPU_PAYBACK_SECONDS`.
-  Measured on this project's 2-core Xeon (``benchmarks/step_throughput.py``, small Qwen3):
-  a cold compile of the layers and the loss takes 33 s (3 s with a warm inductor cache) and
-  the compiled step is 1.27x the eager one (0.54 against 0.68 s), so a cold compile pays back
-  after about 160 s of eager training; at the large shape the gain is 1.1x on steps ten
-  times longer. The threshold keeps a margin of about 4x for bigger models, whose compile
-  takes longer, and for the estimate's error. The estimate is ``steps x tokens per step x FLOPs per token / (0.5 x a measured fp32 matmul
-  rate)`` (training steps reach about half the matmul peak here). Short runs (tests, the
-  demo, smoke runs) therefore stay eager unless they ask for ``true``.
-
-  The matmul probe is skipped when the work alone decides: the rate it measures lies between
-  :data:`SLOWEST_MATMUL_RATE` and :data:`FASTEST_MATMUL_RATE`, so a run that even the slowest
-  machine finishes under the threshold stays eager, and one that even the fastest cannot is
-  compiled, without measuring (most test runs are the first kind).
+* CPU: on only when the eager length of the steps still to run, estimated at a fixed rate,
+  reaches :data:`CPU_PAYBACK_SECONDS`. Measured on this project's 2-core Xeon
+  (``benchmarks/step_throughput.py``, small Qwen3): a cold compile of the layers and the loss
+  takes 33 s (3 s with a warm inductor cache) and the compiled step is 1.27x the eager one
+  (0.54 against 0.68 s), so a cold compile pays back after about 160 s of eager training; at
+  the large shape the gain is 1.1x on steps ten times longer. The threshold keeps a margin of
+  about 4x for bigger models, whose compile takes longer, and for the estimate's error. The
+  estimate is ``steps left x tokens per step on this rank x FLOPs per token /``
+  :data:`CPU_TRAINING_FLOPS`: a fixed rate rather than a measured one, so that one command
+  decides the same way on every machine of a kind, however busy it is. The rate is the demo's
+  eager training rate on the project's quiet 2-core Xeon (1,541 tokens/s x 3.3e7 FLOPs per
+  token = 51 GFLOP/s): the demo (400 steps, 9 minutes) and shorter runs (tests, smoke runs)
+  stay eager unless they ask for ``true``, and a resumed run counts only the steps it has left.
 
 A layer that fails to compile (dynamo or the backend raising while tracing or generating
 code) runs eagerly from then on, and so do the other layers of its class, with one warning
@@ -36,7 +35,6 @@ compiles.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -45,15 +43,11 @@ import torch
 from torch import nn
 
 CPU_PAYBACK_SECONDS = 600.0
-_STEP_SHARE_OF_MATMUL_PEAK = 0.5
-# The bounds of a plausible probe result (fp32 FLOP/s), wide enough that they never decide a
-# run the probe would decide otherwise. Slowest: 1 GFLOP/s, one core without vector units
-# doing one multiply-add a cycle at 500 MHz (this project's 2-core machines measure 67 to 320
-# GFLOP/s). Fastest: 100 TFLOP/s, above the fp32 peak of any CPU server (two 192-core
-# AVX-512 sockets peak near 55 at their 2.25 GHz base clock, under 100 at full boost); a
-# 512 x 512 product reaches only a fraction of a peak.
-SLOWEST_MATMUL_RATE = 1e9
-FASTEST_MATMUL_RATE = 1e14
+# Training FLOP/s of one CPU process for the estimate (see the module docstring).
+CPU_TRAINING_FLOPS = 5e10
+# A cold inductor compile of one decoder-layer graph, forward and backward, with its share of the
+# loss's: 33 s for the small Qwen3's one layer graph and loss on the 2-core machine.
+COLD_COMPILE_SECONDS_PER_GRAPH = 30.0
 
 
 @dataclass(frozen=True)
@@ -69,7 +63,8 @@ class RunLength:
     """What the ``auto`` rule needs to know of a run: its steps and work per step.
 
     Attributes:
-        steps: Optimizer steps, or None when the data decides (``training.epochs``).
+        steps: Optimizer steps still to run (after a resume: those left), or None when the data
+            decides (``training.epochs``).
         tokens_per_step: Tokens in one global batch on this rank's share of the work.
         flops_per_token: Training FLOPs per token (forward + backward), or None if unknown.
     """
@@ -79,26 +74,7 @@ class RunLength:
     flops_per_token: float | None
 
 
-def measure_matmul_rate(size: int = 512, repeats: int = 3) -> float:
-    """FLOP/s of this process's fp32 ``torch.mm`` (best of ``repeats``; about 0.05 s on 2 cores)."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / max(best, 1e-9)
-
-
-def decide_compile(
-    setting: bool | Literal["auto"],
-    *,
-    device_type: str,
-    run: RunLength,
-    matmul_rate: Callable[[], float] = measure_matmul_rate,
-) -> CompileDecision:
+def decide_compile(setting: bool | Literal["auto"], *, device_type: str, run: RunLength) -> CompileDecision:
     """Apply the ``auto`` rule of the module docstring (``true``/``false`` are taken as they are)."""
     if setting is True:
         return CompileDecision(True, "kernels.compile: true")
@@ -116,28 +92,25 @@ def decide_compile(
             False,
             "kernels.compile: auto -> off (cpu; no FLOP count for this model to estimate the run length)",
         )
-    work = run.steps * run.tokens_per_step * run.flops_per_token
-    payback = f"compiling pays back from about {_duration(CPU_PAYBACK_SECONDS)}"
-    longest = work / (SLOWEST_MATMUL_RATE * _STEP_SHARE_OF_MATMUL_PEAK)
-    if longest < CPU_PAYBACK_SECONDS:
-        return CompileDecision(
-            False,
-            f"kernels.compile: auto -> off (cpu; the run is estimated at {_duration(max(1.0, longest))} "
-            f"eager at most, even at {SLOWEST_MATMUL_RATE / 1e9:g} GFLOP/s; {payback})",
-        )
-    shortest = work / (FASTEST_MATMUL_RATE * _STEP_SHARE_OF_MATMUL_PEAK)
-    if shortest >= CPU_PAYBACK_SECONDS:
-        return CompileDecision(
-            True,
-            f"kernels.compile: auto -> on (cpu; the run is estimated at {_duration(shortest)} eager "
-            f"at least, even at {FASTEST_MATMUL_RATE / 1e12:g} TFLOP/s; {payback})",
-        )
-    seconds = work / (matmul_rate() * _STEP_SHARE_OF_MATMUL_PEAK)
+    seconds = run.steps * run.tokens_per_step * run.flops_per_token / CPU_TRAINING_FLOPS
     verdict = "on" if seconds >= CPU_PAYBACK_SECONDS else "off"
     return CompileDecision(
         verdict == "on",
-        f"kernels.compile: auto -> {verdict} (cpu; the run is estimated at {_duration(seconds)} eager, {payback})",
+        f"kernels.compile: auto -> {verdict} (cpu; {run.steps} step{'' if run.steps == 1 else 's'} to run, "
+        f"estimated at {_duration(max(1.0, seconds))} eager at {CPU_TRAINING_FLOPS / 1e9:g} GFLOP/s; "
+        f"compiling pays back from about {_duration(CPU_PAYBACK_SECONDS)})",
     )
+
+
+def compile_estimate(graphs: int, backend: str) -> str:
+    """The start-up line's guess of the first step's compile time, for ``graphs`` distinct layers.
+
+    Only inductor generates code; the other backends (``aot_eager``, ``eager``) trace in seconds.
+    """
+    if backend != "inductor":
+        return "a few seconds"
+    seconds = graphs * COLD_COMPILE_SECONDS_PER_GRAPH
+    return f"about {_duration(seconds)} cold, a few seconds with a warm inductor cache"
 
 
 def _duration(seconds: float) -> str:
@@ -219,9 +192,16 @@ class _GuardedCompiledCall:
 
 
 def apply_compile(
-    model: nn.Module, *, backend: str = "inductor", warn: Callable[[str], None] = print
+    model: nn.Module,
+    *,
+    backend: str = "inductor",
+    warn: Callable[[str], None] = print,
+    log: Callable[[str], None] = lambda line: None,
 ) -> list[str]:
     """Compile every decoder layer of ``model`` in place, before FSDP; returns the layer names.
+
+    ``log`` receives one line before anything compiles: how many graphs the first step compiles
+    and about how long that takes.
 
     The layer stays the same module with the same parameter names (the compiled call is
     installed where ``nn.Module.compile`` puts it), so checkpoints, hooks and module patterns
@@ -242,17 +222,22 @@ def apply_compile(
     for name, layer in layers:
         registry.layers.setdefault(type(layer).__name__, []).append(layer)
         layer._compiled_call_impl = _GuardedCompiledCall(layer, name, backend, registry)
+    graphs = len(registry.layers)
+    log(
+        f"kernels.compile: compiling decoder layers ({len(layers)} layer(s), {graphs} graph(s), backend "
+        f"{backend}) at the first step: {compile_estimate(graphs, backend)}"
+    )
     return [name for name, _ in layers]
 
 
 __all__ = [
+    "COLD_COMPILE_SECONDS_PER_GRAPH",
     "CPU_PAYBACK_SECONDS",
-    "FASTEST_MATMUL_RATE",
-    "SLOWEST_MATMUL_RATE",
+    "CPU_TRAINING_FLOPS",
     "CompileDecision",
     "RunLength",
     "apply_compile",
+    "compile_estimate",
     "decide_compile",
     "decoder_layers",
-    "measure_matmul_rate",
 ]

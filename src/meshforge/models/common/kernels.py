@@ -414,12 +414,16 @@ def supports_hidden_output(model: nn.Module) -> bool:
 
 
 def apply_compile(
-    model: nn.Module, *, backend: str = "inductor", warn: Callable[[str], None] = print
+    model: nn.Module,
+    *,
+    backend: str = "inductor",
+    warn: Callable[[str], None] = print,
+    log: Callable[[str], None] = lambda line: None,
 ) -> list[str]:
     """``torch.compile`` every decoder layer in place, before FSDP (``models/common/compile.py``); the layer names."""
     from meshforge.models.common.compile import apply_compile as compile_layers
 
-    return compile_layers(model, backend=backend, warn=warn)
+    return compile_layers(model, backend=backend, warn=warn, log=log)
 
 
 __all__ = [
