@@ -504,7 +504,7 @@ def test_training_stage_unwritten_follows_the_loader() -> None:
     assert cfg.training.stage == "pt"  # the default is not a contradiction
 
 
-def test_loader_option_typo_is_a_validate_warning_and_a_train_error(tmp_path):
+def test_loader_option_typo_is_an_error_of_validate_and_of_train(tmp_path):
     from meshforge.config import check_trainable, validate_config
 
     path = tmp_path / "c.yaml"
@@ -518,6 +518,6 @@ def test_loader_option_typo_is_a_validate_warning_and_a_train_error(tmp_path):
     [(key, reason)] = cfg.train_dataset.dataloader.option_issues()
     assert key == "text_kye" and "did you mean 'text_key'" in reason
     report = validate_config(cfg)
-    assert ("train_dataset.dataloader.text_kye", reason) in report.warnings
+    assert ("train_dataset.dataloader.text_kye", reason) in report.errors
     with pytest.raises(ConfigError, match=r"train_dataset\.dataloader\.text_kye"):
         check_trainable(cfg)

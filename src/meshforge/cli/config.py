@@ -33,6 +33,12 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
         "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
     )
     validate.add_argument(
+        "--no-path-checks",
+        action="store_true",
+        default=None,
+        help="do not check that the data, model and checkpoint paths exist here (planning a run of another machine)",
+    )
+    validate.add_argument(
         "overrides",
         nargs=argparse.REMAINDER,
         default=[],
@@ -81,6 +87,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
             rest.add_argument(*flags, dest=name, default=None)
     if hasattr(args, "quiet"):
         rest.add_argument("-q", "--quiet", dest="quiet", action="store_true", default=None)
+    if hasattr(args, "no_path_checks"):
+        rest.add_argument("--no-path-checks", dest="no_path_checks", action="store_true", default=None)
     known, remaining = rest.parse_known_args(list(getattr(args, "overrides", None) or []))
     for name, value in vars(known).items():
         if value is not None:
@@ -106,6 +114,10 @@ def _validate(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
     cfg = load_config(args.file, overrides, fmt=args.format, log=notes.append)
     report = validate_config(cfg, world_size=args.world_size)
+    if not args.no_path_checks:
+        from meshforge.data.inputs import input_issues
+
+        report.errors += input_issues(cfg)
     if args.world_size and not report.errors:
         # Imports torch: the model is built on the meta device to meet the layout's rules.
         from meshforge.parallel.plan import layout_model_issues

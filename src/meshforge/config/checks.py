@@ -172,7 +172,11 @@ def _dedupe(issues: list[Issue]) -> list[Issue]:
 
 
 def validate_config(cfg: TrainConfig, *, world_size: int | None = None) -> Report:
-    """Every check that does not open data or checkpoints; unsupported features and passthrough issues warn."""
+    """Every rule `check_trainable` applies, without raising: what it refuses is an error here
+    too (a feature not built yet, a missing model or data loader, a key a component does not
+    take, a layer spec out of range); no-ops and unchecked passthrough keys warn. The paths a
+    run reads are checked by `meshforge.data.inputs` (`config validate` and the trainer call it).
+    """
     report = Report()
     num_layers, source = num_layers_from_model_dir(cfg)
     if num_layers is not None and source != "model.num_hidden_layers":
@@ -183,10 +187,10 @@ def validate_config(cfg: TrainConfig, *, world_size: int | None = None) -> Repor
         report.errors += errors
         report.warnings += warnings
     found, unchecked = _component_issues(cfg)
-    report.warnings += _essentials(cfg)
-    report.warnings += found + unchecked
+    report.errors += _essentials(cfg) + found
+    report.warnings += unchecked
     report.warnings += noop_notes(cfg, cfg.context.device())
-    report.warnings += [(e.path, f"not supported yet: {e.path} ({e.note})") for e in unsupported_entries(cfg)]
+    report.errors += [(e.path, f"not supported yet: {e.path} ({e.note})") for e in unsupported_entries(cfg)]
     report.errors = _dedupe(report.errors)
     report.warnings = _dedupe(report.warnings)
     return report

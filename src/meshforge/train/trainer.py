@@ -17,7 +17,8 @@ from typing import Any, cast
 
 import torch
 
-from meshforge.config import TrainConfig, check_trainable
+from meshforge.config import ConfigError, TrainConfig, check_trainable
+from meshforge.data.inputs import input_issues
 from meshforge.loss.cross_entropy import count_valid_tokens
 from meshforge.loss.mtp import mtp_loss_sum
 from meshforge.monitor.memory import memory_fields
@@ -66,6 +67,10 @@ class Trainer:
         self.cfg = cfg
         self.log = log or get_logger("trainer").info
         check_trainable(cfg, log=self.log)
+        # Missing data, model or checkpoint paths: one error naming each key, as validate says.
+        missing = input_issues(cfg)
+        if missing:
+            raise ConfigError(missing)
         self._hf_export: Path | None = None
         # MESHFORGE_COMM_STATS=1: count each step's collectives (benchmarks/parallel_overhead.py).
         self._count_comms = comm_stats_enabled()
