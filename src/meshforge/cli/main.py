@@ -217,6 +217,9 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from meshforge.utils.quiet import quiet_library_output
+
+    quiet_library_output()  # before any command imports torch, transformers or datasets
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     argv, positional = _positional_config(argv)
