@@ -120,6 +120,21 @@ def test_export_loads_in_transformers_with_the_same_logits(
     assert (single / "model.safetensors").is_file() and not (single / INDEX_FILE).exists()
 
 
+def test_exported_weights_take_the_users_umask(hf_tied: Path, tmp_path: Path) -> None:
+    import os
+    import stat
+
+    ours = _load_ours(hf_tied)
+    before = os.umask(0o027)
+    try:
+        out = save_hf(ours, resolve_family("qwen3"), tmp_path / "export", shard_size="150KB")
+    finally:
+        os.umask(before)
+    # As `open()` makes config.json: the safetensors library alone would make them 0600.
+    for file in [*out.glob("*.safetensors"), out / "config.json"]:
+        assert stat.S_IMODE(file.stat().st_mode) == 0o640, file
+
+
 def test_missing_shard_and_missing_weights_are_named(hf_untied_sharded: Path, tmp_path: Path) -> None:
     import shutil
 

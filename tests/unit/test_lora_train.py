@@ -127,6 +127,21 @@ def test_peft_and_merged_exports_give_our_logits(setup: dict[str, Any]) -> None:
         assert rel_error(ours, merged.eval()(ids).logits) <= 1e-5
         # The adapters change the output: the check above is not the base against itself.
         assert rel_error(plain, ours) > 1e-4
+    # Written with the process's umask (the safetensors library alone would make them 0600).
+    expected = 0o666 & ~_current_umask()
+    for file in [
+        setup["run"] / "adapter" / "adapter_model.safetensors",
+        *(setup["run"] / "hf").glob("*.safetensors"),
+    ]:
+        assert file.stat().st_mode & 0o777 == expected, file
+
+
+def _current_umask() -> int:
+    import os
+
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
 
 
 def test_convert_writes_the_same_merged_folder_and_adapter(setup: dict[str, Any]) -> None:

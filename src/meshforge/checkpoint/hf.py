@@ -405,7 +405,7 @@ def save_hf(
     Returns:
         The output folder.
     """
-    from safetensors.torch import save_file
+    from meshforge.checkpoint.safetensors_file import write_safetensors
 
     out = Path(out_dir)
     limit = parse_size(shard_size)
@@ -427,7 +427,7 @@ def save_hf(
         if current:
             # Temporary names: the number of shards is known only at the end.
             file = out / f"model-part-{len(written):05d}.safetensors"
-            save_file(current, str(file), metadata={"format": "pt"})
+            write_safetensors(current, file, metadata={"format": "pt"})
             written.append(file)
             shards.append(list(current))
         current, current_bytes = {}, 0

@@ -100,7 +100,7 @@ def save_peft_adapter(
     model: nn.Module, family: FamilySpec, out_dir: str | Path, *, settings: LoraSettings, base_model: str
 ) -> Path:
     """Write the adapters as a PEFT folder that `peft.PeftModel.from_pretrained` loads (collective)."""
-    from safetensors.torch import save_file
+    from meshforge.checkpoint.safetensors_file import write_safetensors
 
     paths = hf_module_paths(model, family)
     tensors: dict[str, torch.Tensor] = {}
@@ -112,7 +112,7 @@ def save_peft_adapter(
     out = Path(out_dir)
     if _is_main():
         out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        write_safetensors(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         body = adapter_config(settings, list(paths.values()), base_model)
         (out / ADAPTER_CONFIG).write_text(json.dumps(body, indent=2) + "\n")
     _barrier()
