@@ -30,11 +30,12 @@ def saved(tiny_config: Path, tmp_path: Path) -> Path:
     [
         (
             ["--model.intermediate_size=96"],
-            "model.layers.0.mlp.down_proj.weight is [64, 128] there and [64, 96] here",
+            "model.intermediate_size is 128 there and 96 here "
+            "(model.layers.0.mlp.down_proj.weight is [64, 128] there and [64, 96] here",
         ),
         (
             ["--model.model_type=llama", "--model.head_dim=null"],
-            "it holds model.layers.0.self_attn.k_norm.weight",
+            "it holds a qwen3 model and this run builds llama (",
         ),
     ],
     ids=["other-size", "other-family"],
@@ -51,6 +52,35 @@ def test_another_models_checkpoint_is_refused(
             f"checkpoint.load_path: {saved / 'checkpoint-00000002'} holds another model: "
         )
         assert first in message and str(saved.parent / "config.yaml") in message
+
+
+def test_a_checkpoint_records_the_model_it_holds(saved: Path) -> None:
+    import json
+
+    record = json.loads((saved / "checkpoint-00000002" / "trainer_state.json").read_text())["model"]
+    assert record["family"] == "qwen3"
+    assert record["config"]["hidden_size"] == 64 and "max_position_embeddings" not in record["config"]
+    assert len(record["fingerprint"]) == 16
+
+
+def test_an_older_checkpoint_without_the_record_is_still_checked(
+    tiny_config: Path, tmp_path: Path, saved: Path
+) -> None:
+    import json
+
+    state = saved / "checkpoint-00000002" / "trainer_state.json"
+    payload = json.loads(state.read_text())
+    del payload["model"]
+    state.write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match=r"holds another model: model\.layers\.0\.mlp\.down_proj\.weight is"):
+        train_here(
+            tiny_config,
+            [
+                f"--training.output_dir={tmp_path / 'o'}",
+                "--model.intermediate_size=96",
+                f"--checkpoint.load_path={saved}",
+            ],
+        )
 
 
 def test_the_same_model_resumes_and_loads_weights_only(

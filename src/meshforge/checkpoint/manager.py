@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from meshforge.checkpoint.identity import check_same_model
+from meshforge.checkpoint.identity import check_same_model, model_record, model_shapes
 from meshforge.checkpoint.readers import read_dcp_metadata, read_json_object
 from meshforge.optim.muon import optimizer_family
 from meshforge.utils.distributed import barrier
@@ -63,7 +63,8 @@ StateDict = dict[str, object]
 
 class TrainerState(TypedDict, total=False):
     """`trainer_state.json`: the trainer's part of a step (`train.build.trainer_state`) and what
-    the manager adds (`has_optimizer`, `optimizer_type`, `lora`). Empty for a weights-only load."""
+    the manager adds (`has_optimizer`, `optimizer_type`, `lora`, `model`: what model it holds,
+    `checkpoint/identity.py`). Empty for a weights-only load."""
 
     step: int
     tokens_seen: int
@@ -74,6 +75,7 @@ class TrainerState(TypedDict, total=False):
     has_optimizer: bool
     optimizer_type: str
     lora: StateDict
+    model: StateDict
 
 
 @dataclass
@@ -162,6 +164,7 @@ class CheckpointManager:
         log: Callable[[str], None] = print,
         lora_base: tuple[str, Path | None] | None = None,
         cache_save_plan: bool = True,
+        model_identity: tuple[str, object] | None = None,
     ) -> None:
         self.save_dir = save_dir
         self.prefix = prefix
@@ -181,6 +184,8 @@ class CheckpointManager:
         self.lora_base = lora_base
         self._lora_ref: StateDict | None = None
         self._stager = _background_stager() if async_save else None
+        self.model_identity = model_identity
+        self._record: dict[str, object] | None = None
 
     def lora_base_path(self) -> str | None:
         """The folder a LoRA run's frozen base came from (None: not LoRA, or a seeded init)."""
@@ -222,8 +227,11 @@ class CheckpointManager:
             state = {"model": get_model_state_dict(model, options=options)}
         (target / "rng").mkdir(exist_ok=True)
         torch.save(rng_state, target / "rng" / f"rank_{self.rank:05d}.pt")
+        record = self._model_record(state["model"])
         if self.rank == 0:
             payload = dict(trainer_state, has_optimizer=self.save_optimizer)
+            if record is not None:
+                payload["model"] = record
             if self.save_optimizer:
                 payload["optimizer_type"] = optimizer_family(optimizer)
             if self.lora_base is not None:
@@ -250,6 +258,16 @@ class CheckpointManager:
             self._mark_complete(target, step)
         self.last_saved_step = step
         return target
+
+    def _model_record(self, model_sd: Mapping[str, object]) -> dict[str, object] | None:
+        """This run's `model` record (`checkpoint/identity.py`), made once: the layout of a run
+        never changes (collective with several ranks the first time)."""
+        if self.model_identity is None:
+            return None
+        if self._record is None:
+            family, config = self.model_identity
+            self._record = model_record(family, config, model_shapes(model_sd))
+        return self._record
 
     def _save_planner(self) -> DefaultSavePlanner:
         """DCP's planner, with its save-plan cache on for `checkpoint.save_global_layout_cache`.
@@ -362,7 +380,9 @@ class CheckpointManager:
             # DCP keeps one rank's copy of the param-group name lists, and pipeline ranks list
             # different names: the loaded lists must be this rank's own.
             own_groups = [list(group.get("params", [])) for group in optim_sd.get("param_groups", [])]
-            check_same_model(path, saved, model_sd)
+            check_same_model(
+                path, saved, model_sd, recorded=meta.get("model"), ours=self._model_record(model_sd)
+            )
             moved = _alias_tied_state(optim_sd, tied_aliases or {}, saved)
             extra_groups = _groups_not_saved(optim_sd, saved)
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
@@ -383,7 +403,13 @@ class CheckpointManager:
             trainer_state = meta
         else:
             state = {"model": get_model_state_dict(model, options=options)}
-            check_same_model(path, saved, state["model"])
+            check_same_model(
+                path,
+                saved,
+                state["model"],
+                recorded=meta.get("model"),
+                ours=self._model_record(state["model"]),
+            )
             dcp.load(state, checkpoint_id=str(path))
             set_model_state_dict(model, state["model"], options=options)
             rng, trainer_state = None, {}

@@ -291,6 +291,7 @@ def build_checkpointer(ckpt: CheckpointConfig, env: RunEnv, model: ModelParts) -
         log=env.log,
         lora_base=model.lora_base,
         cache_save_plan=ckpt.save_global_layout_cache,
+        model_identity=(model.family.name, getattr(model.module, "config", None)),
     )
 
 
