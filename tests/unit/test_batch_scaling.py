@@ -45,8 +45,14 @@ def test_a_ramp_needs_the_global_batch_it_ends_at() -> None:
         load_config(str(REPO / "configs" / "demo.yaml"), ["--training.rampup_batch_size=[16, 16, 100]"])
 
 
-@pytest.mark.parametrize("config", FIRST_CONFIGS)
-def test_first_configs_fit_one_two_and_four_processes(config: str) -> None:
+#: Every runnable shipped config (the real-size examples are planned for their own clusters).
+SHIPPED = sorted(
+    str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.yaml") if "examples" not in p.parts
+)
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+def test_shipped_configs_fit_one_two_and_four_processes(config: str) -> None:
     cfg = load_config(str(REPO / config), [])
     for world in (1, 2, 4):
         errors, _ = world_size_issues(cfg, world)

@@ -35,6 +35,7 @@ def test_published_config_validates_and_plans_at_256_ranks_within_80gb(tmp_path:
         str(EXAMPLE),
         "--world-size",
         "256",
+        "--no-path-checks",  # the cluster's data folder
         f"--model.model_name_or_path={folder}",
         "--model.tokenizer_name_or_path=meshforge://assets/tokenizer",
     )
