@@ -15,7 +15,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 LF_REF := build/llamafactory-ref
 LF_STAMP := $(LF_REF)/.installed
 
-.PHONY: install demo test test-fast lint format bench check-pythons clean
+.PHONY: install demo test test-fast lint format bench check-pythons clean readme-check
 
 install: $(STAMP)
 
@@ -64,6 +64,10 @@ test: $(STAMP) lint $(LF_STAMP)
 
 test-fast: $(STAMP) lint
 	$(test_env) $(PYTEST) -n 2 -m "not slow" tests
+
+# Every command of README.md's shell blocks, in order, in a copy of the tracked tree (a fresh clone).
+readme-check: $(STAMP)
+	$(test_env) $(PY) scripts/readme_commands.py
 
 # The other Python versions of requires-python (3.12, 3.13 where installed): the torch-free layer's tests.
 check-pythons:
