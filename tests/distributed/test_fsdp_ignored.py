@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from meshforge.utils.seed import rng_state
 from tests._compare import max_rel_error, rel_error
 from tests.distributed._spawn import run_workers
 
@@ -212,7 +213,7 @@ def _checkpoint_case(mesh, rank: int, save_dir: Path) -> None:
         save_optimizer=True,
         rank=rank,
     )
-    path = manager.save(2, model, opt, {"step": 2}, {"torch": torch.get_rng_state()})
+    path = manager.save(2, model, opt, {"step": 2}, rng_state())
     fresh = apply_fsdp(copy.deepcopy(init), mesh, **kw)
     fresh_opt = _optimizer(fresh)
     manager.load(path, fresh, fresh_opt, load_optimizer=True)

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from meshforge.checkpoint.manager import CheckpointManager, is_complete, list_complete_steps
+from meshforge.utils.seed import rng_state
 from tests._process_group import leave_no_process_group, one_rank  # noqa: F401 (fixtures)
 from tests.conftest import read_metrics
 
@@ -80,7 +81,7 @@ def test_the_copy_runs_in_the_background_and_the_update_waits_for_it(
     release, threads = _hold(monkeypatch, StateDictStager, "stage")
     manager = _manager(tmp_path)
     try:
-        target = manager.save(1, model, optimizer, {"step": 1}, {"python": None})
+        target = manager.save(1, model, optimizer, {"step": 1}, rng_state())
         _wait_for(threads)
         # save() came back while the copy is held on another thread.
         assert threads[0] != threading.get_ident()
@@ -114,13 +115,11 @@ def test_a_save_waits_for_the_one_still_writing(tmp_path: Path, monkeypatch: pyt
     release, writers = _hold(monkeypatch, FileSystemWriter, "write_data")
     manager = _manager(tmp_path)
     try:
-        first = manager.save(1, model, optimizer, {"step": 1}, {"python": None})
+        first = manager.save(1, model, optimizer, {"step": 1}, rng_state())
         _wait_for(writers)
         manager.wait_staging()
         _update(model, optimizer)
-        second = threading.Thread(
-            target=manager.save, args=(2, model, optimizer, {"step": 2}, {"python": None})
-        )
+        second = threading.Thread(target=manager.save, args=(2, model, optimizer, {"step": 2}, rng_state()))
         second.start()
         second.join(timeout=0.3)
         assert second.is_alive(), "the second save started while the first was still writing"

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from meshforge.checkpoint.manager import CheckpointManager
+from meshforge.utils.seed import rng_state
 from tests._compare import rel_error
 from tests._process_group import one_rank  # noqa: F401 (a fixture)
 
@@ -47,11 +48,11 @@ def test_later_saves_hold_their_own_step(tmp_path: Path, cache: bool) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     manager = _manager(tmp_path, cache=cache)
     _step(model, optimizer)
-    manager.save(1, model, optimizer, {"step": 1}, {"python": None})
+    manager.save(1, model, optimizer, {"step": 1}, rng_state())
     assert (manager._planner_key in SavePlanner._cached_global_plan) is cache
     for step in (2, 3):
         _step(model, optimizer)
-        manager.save(step, model, optimizer, {"step": step}, {"python": None})
+        manager.save(step, model, optimizer, {"step": step}, rng_state())
     expected = {k: v.clone() for k, v in model.state_dict().items()}
 
     fresh = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))

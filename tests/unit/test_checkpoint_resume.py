@@ -133,6 +133,7 @@ def test_async_save_writes_in_the_background(tmp_path: Path, monkeypatch: pytest
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     from meshforge.checkpoint.manager import CheckpointManager, is_complete, list_complete_steps
+    from meshforge.utils.seed import rng_state
 
     started_here = not dist.is_initialized()
     if started_here:
@@ -163,7 +164,7 @@ def test_async_save_writes_in_the_background(tmp_path: Path, monkeypatch: pytest
             async_save=True,
             log=lambda _msg: None,
         )
-        target = manager.save(1, model, optimizer, {"step": 1}, {"python": None})
+        target = manager.save(1, model, optimizer, {"step": 1}, rng_state())
         # Back in the caller while the write is held: the save runs in the background.
         assert not is_complete(target)
         deadline = time.monotonic() + 30

@@ -13,6 +13,7 @@ from meshforge.checkpoint.manager import CheckpointManager
 from meshforge.optim.build import build_optimizer
 from meshforge.optim.muon import MeshMuon, newton_schulz
 from meshforge.optim.muon_split import split_muon, takes_muon
+from meshforge.utils.seed import rng_state
 from tests._compare import rel_error
 
 COEFFS = (3.4445, -4.775, 2.0315)
@@ -205,13 +206,13 @@ def test_checkpoint_type_mismatch_names_optimizer_type(tmp_path: Path) -> None:
         options={},
     )
     _train(model, adamw, range(1))
-    step = _manager(tmp_path / "a").save(1, model, adamw, {"step": 1}, {})
+    step = _manager(tmp_path / "a").save(1, model, adamw, {"step": 1}, rng_state())
     muon = _build(model)
     with pytest.raises(ValueError, match="holds AdamW optimizer state, but optimizer.type is Muon"):
         _manager(tmp_path / "a").load(step, model, muon, load_optimizer=True)
     _manager(tmp_path / "a").load(step, model, muon, load_optimizer=False)  # weights only: fine
     _train(model, muon, range(1))
-    step = _manager(tmp_path / "m").save(1, model, muon, {"step": 1}, {})
+    step = _manager(tmp_path / "m").save(1, model, muon, {"step": 1}, rng_state())
     with pytest.raises(ValueError, match="holds Muon optimizer state, but optimizer.type is AdamW"):
         _manager(tmp_path / "m").load(step, model, adamw, load_optimizer=True)
     resumed = _build(model)

@@ -2,9 +2,11 @@
 
 On disk, one folder per saved step: `{save_path}/{prefix}-{step:08d}/` with the DCP shards of the
 model (and optimizer), `trainer_state.json` (step, tokens seen, data position, LR scheduler),
-`rng/rank_XXXXX.pt` (every RNG of every rank) and a `COMPLETE` marker written last. A folder
-without the marker (a crash mid-save) is never loaded and is replaced by the next save of that
-step. DCP stores global tensor shapes, so a checkpoint saved with N ranks loads with M.
+`rng/rank_XXXXX.pt` (every RNG of every rank, as tensors and JSON: `checkpoint/rng_file.py`) and
+a `COMPLETE` marker written last. A folder without the marker (a crash mid-save) is never loaded
+and is replaced by the next save of that step. DCP stores global tensor shapes, so a checkpoint
+saved with N ranks loads with M. Every file is read without unpickling code
+(`checkpoint/dcp_reader.py`, `rng_file.py`; docs/security.md).
 
 A LoRA run (`lora_base` given) saves only what trains: the adapters, their optimizer state and
 the trainer state, plus `lora.base` in `trainer_state.json` (the base folder and a hash of its
@@ -46,8 +48,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from meshforge.checkpoint.dcp_reader import load_dcp
 from meshforge.checkpoint.identity import check_same_model, model_record, model_shapes
 from meshforge.checkpoint.readers import read_dcp_metadata, read_json_object
+from meshforge.checkpoint.rng_file import read_rng_file, write_rng_file
 from meshforge.optim.muon import optimizer_family
 from meshforge.utils.distributed import barrier
 from meshforge.utils.seed import RNGState
@@ -226,7 +230,7 @@ class CheckpointManager:
         else:
             state = {"model": get_model_state_dict(model, options=options)}
         (target / "rng").mkdir(exist_ok=True)
-        torch.save(rng_state, target / "rng" / f"rank_{self.rank:05d}.pt")
+        write_rng_file(target / "rng" / f"rank_{self.rank:05d}.pt", rng_state)
         record = self._model_record(state["model"])
         if self.rank == 0:
             payload = dict(trainer_state, has_optimizer=self.save_optimizer)
@@ -386,7 +390,7 @@ class CheckpointManager:
             moved = _alias_tied_state(optim_sd, tied_aliases or {}, saved)
             extra_groups = _groups_not_saved(optim_sd, saved)
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-            dcp.load(state, checkpoint_id=str(path))
+            load_dcp(state, path)
             for copy, source in moved.items():
                 optim_sd["state"][copy] = optim_sd["state"].pop(source)
             _restore_extra_groups(optim_sd, extra_groups)
@@ -399,7 +403,7 @@ class CheckpointManager:
                 optim_state_dict=state["optimizer"],
                 options=options,
             )
-            rng = _read_rng_state(path / "rng" / f"rank_{self.rank:05d}.pt")
+            rng = read_rng_file(path / "rng" / f"rank_{self.rank:05d}.pt")
             trainer_state = meta
         else:
             state = {"model": get_model_state_dict(model, options=options)}
@@ -410,7 +414,7 @@ class CheckpointManager:
                 recorded=meta.get("model"),
                 ours=self._model_record(state["model"]),
             )
-            dcp.load(state, checkpoint_id=str(path))
+            load_dcp(state, path)
             set_model_state_dict(model, state["model"], options=options)
             rng, trainer_state = None, {}
         if dist.is_initialized():
@@ -464,7 +468,7 @@ def _load_base_weights(model: nn.Module, path: Path) -> None:
     from meshforge.checkpoint.lora_base import base_state_dict
 
     state = {"model": base_state_dict(get_model_state_dict(model))}
-    dcp.load(state, checkpoint_id=str(path))
+    load_dcp(state, path)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
 
 
@@ -504,19 +508,6 @@ def read_trainer_state(step_dir: Path) -> TrainerState:
         raise ValueError(f"{file}: `step` must be a non-negative integer, got {step!r}")
     # The file is this module's own writing; only `step` is checked (older checkpoints lack keys).
     return cast("TrainerState", state)
-
-
-def _read_rng_state(file: Path) -> RNGState | None:
-    """One rank's saved RNG states, or None when that rank saved none (another world size)."""
-    if not file.is_file():
-        return None
-    try:
-        return torch.load(file, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - a damaged pickle/zip can raise almost anything
-        raise ValueError(
-            f"{file}: the saved RNG state cannot be read ({type(err).__name__}: {err}); the "
-            "checkpoint is damaged: load another step folder"
-        ) from None
 
 
 def _alias_tied_state(

@@ -66,19 +66,14 @@ def open_safetensors(file: Path) -> Iterator[SafeOpen]:
 def read_dcp_metadata(step_dir: Path) -> Metadata:
     """The DCP metadata (global shapes and storage layout) of a checkpoint step folder.
 
+    Read by meshforge's restricted unpickler (`checkpoint/dcp_reader.py`), never `pickle.load`.
+
     Raises:
         FileNotFoundError: when the folder has no `.metadata`.
-        ValueError: naming the file, when it cannot be unpickled (a truncated or foreign file).
+        ValueError: naming the file, when it cannot be unpickled (a truncated or foreign file),
+            names a global that is not DCP metadata (a file that would run code), or lists a
+            data file outside the folder.
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from meshforge.checkpoint.dcp_reader import read_metadata_file
 
-    file = step_dir / DCP_METADATA_FILE
-    if not file.is_file():
-        raise FileNotFoundError(f"{step_dir}: no {DCP_METADATA_FILE} (not a DCP checkpoint folder)")
-    try:
-        return FileSystemReader(str(step_dir)).read_metadata()
-    except Exception as err:  # noqa: BLE001 - unpickling a damaged file can raise almost anything
-        raise ValueError(
-            f"{file}: the DCP checkpoint metadata cannot be read ({type(err).__name__}: {err}); the "
-            "checkpoint is damaged (a truncated copy?): load another step folder"
-        ) from None
+    return read_metadata_file(step_dir / DCP_METADATA_FILE)

@@ -68,13 +68,13 @@ def load_generation_model(
             ``model.model_name_or_path``).
         FileNotFoundError: For a missing folder, naming the key.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         set_model_state_dict,
     )
 
+    from meshforge.checkpoint.dcp_reader import load_dcp
     from meshforge.checkpoint.hf import load_hf_weights
     from meshforge.checkpoint.manager import resolve_load_path
     from meshforge.checkpoint.source import grown_options, resolve_model_source
@@ -109,7 +109,7 @@ def load_generation_model(
         state = {"model": get_model_state_dict(model)}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(step), no_dist=not dist.is_initialized())
+            load_dcp(state, step, no_dist=not dist.is_initialized())
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         log(f"generate: weights from {step}")
     else:

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from meshforge.checkpoint.dcp_reader import load_dcp
 from meshforge.checkpoint.lora_base import adapter_state_dict, base_state_dict, check_base
 from meshforge.lora.apply import LoraSettings, with_adapter_init
 from meshforge.lora.layer import adapters_detached
@@ -44,7 +44,7 @@ def lora_record(trainer_state: TrainerState) -> dict[str, object] | None:
 def _dcp_load(state: dict[str, dict[str, ValueType]], step: Path) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(step), no_dist=not dist.is_initialized())
+        load_dcp(state, step, no_dist=not dist.is_initialized())
 
 
 @torch.no_grad()

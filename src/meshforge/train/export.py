@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from meshforge.checkpoint.dcp_reader import load_dcp
 from meshforge.checkpoint.hf import save_hf
 from meshforge.checkpoint.manager import resolve_load_path
 from meshforge.checkpoint.offline import build_on_cpu, one_rank_group
@@ -195,7 +195,7 @@ def dcp_to_hf(
         # Read by this process alone: a training run exports from rank 0 while the others wait.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(step), no_dist=True)
+            load_dcp(state, step, no_dist=True)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         out = save_hf(
             model,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -37,17 +37,20 @@ def set_deterministic(enabled: bool) -> None:
 NumpyState = dict[str, object] | tuple[str, npt.NDArray[np.uint32], int, int, float]
 
 
-class RNGState(TypedDict, total=False):
-    """One process's RNG states (`torch_cuda` only once CUDA is initialised)."""
+class RNGState(TypedDict):
+    """One process's RNG states (`torch_cuda` only once CUDA is initialised).
+
+    On disk as `checkpoint/rng_file.py` writes them: tensors and JSON, no pickled objects.
+    """
 
     python: tuple[object, ...]
     numpy: NumpyState
     torch_cpu: torch.Tensor
-    torch_cuda: list[torch.Tensor]
+    torch_cuda: NotRequired[list[torch.Tensor]]
 
 
 def rng_state() -> RNGState:
-    """Every RNG this process uses, in a form `torch.save` can write."""
+    """Every RNG this process uses (`checkpoint/rng_file.py` writes it as tensors and JSON)."""
     state: RNGState = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),

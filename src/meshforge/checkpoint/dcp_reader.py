@@ -1,0 +1,229 @@
+"""DCP step folders read without unpickling code: meshforge's `StorageReader` and load planner.
+
+A DCP step folder holds two kinds of pickles. torch's `FileSystemReader.read_metadata` reads
+`.metadata` with a plain `pickle.load`, and DCP's default planner reads every non-tensor value of
+a state dict (the optimizer's param-group settings) with `torch.load(weights_only=False)`; either
+file, crafted, would run its code the moment a checkpoint is loaded. torch offers no safe path for
+the metadata: `torch.load(weights_only=True)` reads only `torch.save`'s own formats (`.metadata`
+is a bare pickle), and the restricted unpickler behind it is a private module configured through
+a process-wide allowlist. So meshforge reads them itself:
+
+- `.metadata` through `_MetadataUnpickler`, a `pickle.Unpickler` whose `find_class` answers only
+  DCP's metadata classes, `torch.Size`, torch's dtypes, layouts and memory formats, the path
+  classes DCP records the checkpoint id with, and plain containers; any other global is refused
+  in one line naming the file and the global. The storage file names it lists must name files
+  inside the step folder (no `..`, no absolute path).
+- the non-tensor values through `SafeLoadPlanner.load_bytes`: `torch.load(weights_only=True)`.
+
+Tensor data is read by torch's `FileSystemReader.read_data` itself, already with
+`weights_only=True`. Every DCP load of meshforge goes through `load_dcp` (resume, a LoRA run's
+base, `meshforge convert`, `meshforge generate`); `SafeFileSystemReader` refuses to read data for
+any other planner, so a load that forgets the planner fails instead of reading unsafely.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from pathlib import Path, PurePosixPath
+from typing import TypeVar
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from meshforge.checkpoint.readers import DCP_METADATA_FILE
+
+V = TypeVar("V")  # a state dict's values (tensors, DTensors, nested optimizer state)
+
+NO_CODE = "a checkpoint must not carry code"
+
+_DCP = "torch.distributed.checkpoint"
+# (module, name) of every global a `.metadata` written by DCP refers to.
+_METADATA_GLOBALS = frozenset(
+    {
+        *(
+            (f"{_DCP}.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        # A layout is pickled as a call of this lookup by name (torch.strided, ...).
+        ("torch.serialization", "_get_layout"),
+        # `StorageMeta.checkpoint_id`: the folder DCP was saved to.
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib._local", "PosixPath"),
+        ("pathlib._local", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+)
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle named a global outside the allowlist (`name` is `module.qualname`)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """`pickle.Unpickler` that resolves only the globals DCP's metadata is made of.
+
+    Every way a pickle reaches a callable (`GLOBAL`, `STACK_GLOBAL`, `INST`, the extension
+    registry) goes through `find_class`; with no `persistent_load` a persistent id is an error.
+    The allowed classes only build metadata records: none opens a file or imports a module.
+    """
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
+            return getattr(torch, name)
+        raise RefusedGlobal(f"{module}.{name}")
+
+
+def refusal(file: Path, name: str) -> str:
+    """The one line that refuses a pickled file for the global `name` it tried to load."""
+    return f"{file}: refused to load {name} ({NO_CODE}); do not load this folder"
+
+
+def read_metadata_file(file: Path) -> Metadata:
+    """A `.metadata` file's DCP metadata, read by the restricted unpickler and checked.
+
+    Raises:
+        FileNotFoundError: when `file` does not exist.
+        ValueError: naming the file: a global outside the allowlist (the global named), a file
+            that cannot be unpickled (truncated, foreign), no `Metadata` inside, or a storage file
+            name outside the folder.
+    """
+    if not file.is_file():
+        raise FileNotFoundError(f"{file.parent}: no {file.name} (not a DCP checkpoint folder)")
+    try:
+        with file.open("rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+    except RefusedGlobal as refused:
+        raise ValueError(refusal(file, refused.name)) from None
+    except Exception as err:  # noqa: BLE001 - unpickling a damaged file can raise almost anything
+        raise ValueError(
+            f"{file}: the DCP checkpoint metadata cannot be read ({type(err).__name__}: {err}); the "
+            "checkpoint is damaged (a truncated copy?): load another step folder"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"{file}: holds a {type(metadata).__name__}, not DCP checkpoint metadata")
+    _check_storage_names(file, metadata)
+    return metadata
+
+
+def _check_storage_names(file: Path, metadata: Metadata) -> None:
+    """Every data file the metadata names must be a relative path inside the step folder."""
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise ValueError(f"{file}: `storage_data` is a {type(storage).__name__}, not a mapping")
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not inside_folder(name):
+            raise ValueError(
+                f"{file}: names the data file {name!r}, which is not inside the checkpoint folder "
+                "(a checkpoint's files never point outside it)"
+            )
+
+
+def inside_folder(name: str) -> bool:
+    """Whether a file name read from a checkpoint or model folder stays inside that folder."""
+    path = PurePosixPath(name)
+    return bool(name) and not path.is_absolute() and ".." not in path.parts and "\\" not in name
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading the non-tensor values with `weights_only=True`.
+
+    Args:
+        where: the step folder, for the messages.
+    """
+
+    def __init__(self, where: Path) -> None:
+        super().__init__()
+        self.where = where
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            found = re.search(r"GLOBAL ([\w.]+)", str(err))
+            name = found.group(1) if found else "a global that is not plain data"
+            raise ValueError(refusal(self.where, f"{name} for {fqn}")) from None
+        except Exception as err:  # noqa: BLE001 - a damaged value can raise almost anything
+            raise ValueError(
+                f"{self.where}: the saved value {fqn} cannot be read ({type(err).__name__}: {err}); "
+                "the checkpoint is damaged: load another step folder"
+            ) from None
+        # DCP's planner places the value in the state dict (nested keys, flattening); it is
+        # handed the plain value written again, which `torch.save` produced here and now.
+        plain = io.BytesIO()
+        torch.save(loaded, plain)
+        plain.seek(0)
+        super().load_bytes(read_item, plain)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's `FileSystemReader` with the metadata read by `read_metadata_file`."""
+
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
+        rank = kwargs.get("rank")
+        name = DCP_METADATA_FILE if rank is None else f"__{rank}{DCP_METADATA_FILE}"
+        metadata = read_metadata_file(Path(self.path) / name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if not isinstance(planner, SafeLoadPlanner):
+            raise TypeError(
+                f"{self.path}: a DCP load through SafeFileSystemReader needs SafeLoadPlanner "
+                "(DCP's default planner unpickles non-tensor values unrestricted): use load_dcp"
+            )
+        return super().read_data(plan, planner)
+
+
+def load_dcp(state: dict[str, V], step: Path, *, no_dist: bool = False) -> None:
+    """`dcp.load` of a step folder into `state` in place, through the reader and planner above.
+
+    Raises:
+        ValueError: a refused or damaged file, as the one line this module wrote (DCP gathers a
+            failure of any rank into a `CheckpointException` carrying every rank's traceback).
+    """
+    try:
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(str(step)),
+            planner=SafeLoadPlanner(step),
+            no_dist=no_dist,
+        )
+    except CheckpointException as failed:
+        ours = [exc for _, (exc, _trace) in sorted(failed.failures.items()) if isinstance(exc, ValueError)]
+        if ours:
+            raise ValueError(str(ours[0])) from None
+        raise
