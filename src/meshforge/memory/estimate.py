@@ -155,6 +155,7 @@ def measure_activations(
     mtp: bool = False,
     every_layer: bool = False,
     lm_loss: LMLoss | None = None,
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> ActivationEstimate:
     """Trace one forward and loss of ``build()`` on fake tensors at ``[micro_batch, seq]``.
 
@@ -168,6 +169,9 @@ def measure_activations(
             trace is tested against).
         lm_loss: The run's loss formulation (the fused loss keeps its gradients from forward
             to backward); None: the one ``chunk_loss_size`` selects.
+        prepare: Changes the model after the cast to ``dtype`` and before the memory settings,
+            as the trainer does between them: a LoRA run's adapters, in their own dtype, on a
+            frozen base (a frozen linear saves no input for a weight gradient).
 
     Raises:
         NotImplementedError: A memory feature the settings ask for is not built.
@@ -182,6 +186,8 @@ def measure_activations(
     estimate = ActivationEstimate()
     with torch.device("meta"):
         model = build().to(dtype)
+        if prepare is not None:
+            prepare(model)
     with FakeTensorMode(allow_non_fake_inputs=True):
         # Fake CPU tensors (meta ones would take the math attention path, not the CPU's).
         model.to_empty(device="cpu")

@@ -11,7 +11,9 @@ fake tensors under the saved-tensor ledger (`memory.estimate`), then scaled to t
 in flight. The predicted peak is training state + activations (allocator caches, temporaries of
 one op and communication buffers come on top). Multi-token-prediction blocks (DeepSeek-V3) sit on
 the last pipeline stage with their state, their activations when the run trains them, and the
-stage's own copy of the embedding they read.
+stage's own copy of the embedding they read. A LoRA run's state is its frozen base's weights plus
+its adapters, with gradients and optimizer state for the adapters only (`plan_lora`); its trace
+runs the adapters on the frozen base, as the trainer attaches them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
     from meshforge.loss.lm import LMLoss
     from meshforge.memory.estimate import ActivationEstimate
+    from meshforge.parallel.plan_lora import AdapterCounts
 
 _GIB = 1024**3
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -48,6 +51,7 @@ class ParamCounts:
     experts: list[int]  # routed-expert parameters of each decoder layer (MTP blocks last)
     other: int  # final norm and anything outside the layers
     mtp_layers: int = 0  # trailing entries of `layers` that are MTP blocks (on the last stage)
+    adapters: AdapterCounts | None = None  # a LoRA run's adapters (None: every parameter trains)
 
     @property
     def total(self) -> int:
@@ -61,7 +65,10 @@ class ParamCounts:
 
 
 def count_parameters(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> tuple[str, ParamCounts]:
-    """Build the configured model on the meta device and count its parameters by placement."""
+    """Build the configured model on the meta device and count its parameters by placement.
+
+    The counts are the base model's; a LoRA run's adapters come in ``adapters``.
+    """
     import torch
 
     from meshforge.checkpoint.source import resolve_model_source
@@ -87,6 +94,11 @@ def count_parameters(cfg: TrainConfig, log: Callable[[str], None] | None = None)
     tied = head == 0
     # DeepSeek-V3's MTP blocks follow its decoder layers in model.layers (as split_model reads them).
     decoder = getattr(model.get_submodule("model"), "num_decoder_layers", len(indices))
+    adapters = None
+    if cfg.lora_config is not None:
+        from meshforge.parallel.plan_lora import count_adapters
+
+        adapters = count_adapters(cfg, source.family, model)
     return source.family.name, ParamCounts(
         embedding=embedding,
         head=embedding if tied else head,
@@ -95,6 +107,7 @@ def count_parameters(cfg: TrainConfig, log: Callable[[str], None] | None = None)
         experts=[per_layer[i][1] for i in indices],
         other=other,
         mtp_layers=len(indices) - int(decoder),
+        adapters=adapters,
     )
 
 
@@ -180,21 +193,68 @@ def plan_lines(cfg: TrainConfig, world_size: int, *, log: Callable[[str], None] 
 
 
 def memory_lines(cfg: TrainConfig, dims: ParallelDims, family: str, counts: ParamCounts) -> list[str]:
-    """Per-rank parameter/gradient/AdamW bytes of the most loaded pipeline rank."""
+    """Per-rank weight/gradient/AdamW bytes of the rank with the most training state."""
     dtype = cfg.model.params_dtype.lower()
-    pbytes = _DTYPE_BYTES.get(dtype, 4)
-    worst = max(rank_parameters(cfg, dims, counts))
-    weights = worst * pbytes
-    grads = worst * pbytes
-    adam = worst * 8  # two fp32 moments
-    total = weights + grads + adam
+    worst = max(rank_state(cfg, dims, counts), key=lambda s: s.total)
     expert_total = sum(counts.experts)
+    model = f"model: {family}, {counts.total / 1e9:.3f}B parameters" + (
+        f" ({expert_total / 1e9:.3f}B in routed experts)" if expert_total else ""
+    )
+    sizes = (
+        f"weights {worst.weights / _GIB:.2f} GiB + gradients {worst.gradients / _GIB:.2f} GiB + "
+        f"AdamW {worst.optimizer / _GIB:.2f} GiB = {worst.total / _GIB:.2f} GiB"
+    )
+    adapters = counts.adapters
+    if adapters is None:
+        return [
+            model,
+            f"memory per rank (most loaded pipeline rank, {dtype} weights): {worst.parameters / 1e6:.1f}M "
+            f"parameters -> {sizes} (training state; activations below)",
+        ]
     return [
-        f"model: {family}, {counts.total / 1e9:.3f}B parameters"
-        + (f" ({expert_total / 1e9:.3f}B in routed experts)" if expert_total else ""),
-        f"memory per rank (most loaded pipeline rank, {dtype} weights): {worst / 1e6:.1f}M parameters -> "
-        f"weights {weights / _GIB:.2f} GiB + gradients {grads / _GIB:.2f} GiB + AdamW {adam / _GIB:.2f} GiB "
-        f"= {total / _GIB:.2f} GiB (training state; activations below)",
+        model + f"; LoRA r={adapters.rank} on {adapters.targets} linears: "
+        f"{adapters.total / 1e6:.3f}M adapter parameters train, the base is frozen",
+        f"memory per rank (most loaded pipeline rank, {_frozen_dtype(cfg)} frozen base + {dtype} "
+        f"adapters): {worst.parameters / 1e6:.1f}M parameters, {worst.trainable / 1e6:.3f}M of them "
+        f"adapters -> {sizes} (gradients and AdamW of the adapters only; training state; activations below)",
+    ]
+
+
+def _frozen_dtype(cfg: TrainConfig) -> str:
+    """The dtype a LoRA run keeps its frozen base in: the compute dtype (apply_lora casts to it)."""
+    return (cfg.model.compute_dtype or cfg.model.params_dtype).lower()
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Training state of one rank of a pipeline stage (parameters in elements, the rest in bytes)."""
+
+    parameters: float  # every parameter the rank holds (a LoRA run: base and adapters)
+    trainable: float  # those with gradients and optimizer state
+    weights: float
+    gradients: float
+    optimizer: float  # AdamW: two fp32 moments per trainable parameter
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def rank_state(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -> list[RankState]:
+    """Training state of one rank of each pipeline stage, after TP, FSDP and EP sharding.
+
+    Full training: weights and gradients in ``params_dtype``, AdamW for every parameter. LoRA:
+    the frozen base in the compute dtype, the adapters in ``params_dtype``, gradients and AdamW
+    for the adapters alone.
+    """
+    pbytes = _DTYPE_BYTES.get(cfg.model.params_dtype.lower(), 4)
+    base = rank_parameters(cfg, dims, counts)
+    if counts.adapters is None:
+        return [RankState(p, p, p * pbytes, p * pbytes, p * 8) for p in base]
+    frozen = _DTYPE_BYTES.get(_frozen_dtype(cfg), pbytes)
+    return [
+        RankState(p + a, a, p * frozen + a * pbytes, a * pbytes, a * 8)
+        for p, a in zip(base, rank_adapters(cfg, dims, counts), strict=True)
     ]
 
 
@@ -210,7 +270,10 @@ def _rank_layers(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -> l
 
 
 def rank_parameters(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -> list[float]:
-    """Parameters held by one rank of each pipeline stage (after TP, FSDP and EP sharding)."""
+    """Parameters held by one rank of each pipeline stage (after TP, FSDP and EP sharding).
+
+    The base model's: a LoRA run's adapters are `rank_adapters`.
+    """
     out = []
     for rank, layers in enumerate(_rank_layers(cfg, dims, counts)):
         dense = sum(counts.layers[i] for i in layers if i < len(counts.layers))
@@ -226,6 +289,27 @@ def rank_parameters(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -
             if counts.mtp_layers and dims.pp > 1 and not counts.tied:
                 dense += counts.embedding
         out.append(dense / (dims.tp * dims.dense_shard_size) + experts / (dims.ep * dims.expert_shard))
+    return out
+
+
+def rank_adapters(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -> list[float]:
+    """Adapter parameters held by one rank of each pipeline stage (0 without LoRA).
+
+    The TP-split half of each adapter is divided by tp, the half each TP rank keeps whole is not;
+    both are sharded over the dense FSDP group (`plan_lora`).
+    """
+    adapters = counts.adapters
+    ranks = _rank_layers(cfg, dims, counts)
+    if adapters is None:
+        return [0.0] * len(ranks)
+    out = []
+    for rank, layers in enumerate(ranks):
+        parts = [adapters.layers.get(i, (0, 0)) for i in layers]
+        if rank == dims.pp - 1:
+            parts += [adapters.head, adapters.other]
+        split = sum(p[0] for p in parts)
+        whole = sum(p[1] for p in parts)
+        out.append((split / dims.tp + whole) / dims.dense_shard_size)
     return out
 
 
@@ -271,14 +355,13 @@ def activation_plan(
 ) -> list[RankActivations]:
     """Scale one micro-batch's measured activations to each pipeline rank of the layout."""
     par = cfg.parallelism
-    state_bytes = _DTYPE_BYTES.get(cfg.model.params_dtype.lower(), 4) * 2 + 8  # weights, grads, AdamW
     accum = cfg.training.accumulation_steps(dims.dp)
     interleave = int(par.pipeline_parallel_interleave_num)
     # The head's logits are vocabulary-sharded only under loss parallelism.
     outside = estimate.outside / (dims.tp if dims.tp > 1 and par.enable_loss_parallel else 1)
     rows = []
-    ranks = zip(_rank_layers(cfg, dims, counts), rank_parameters(cfg, dims, counts), strict=True)
-    for rank, (layers, params) in enumerate(ranks):
+    ranks = zip(_rank_layers(cfg, dims, counts), rank_state(cfg, dims, counts), strict=True)
+    for rank, (layers, state) in enumerate(ranks):
         flight = in_flight(
             par.pipeline_parallel_schedule, pp=dims.pp, rank=rank, micro_batches=accum, interleave=interleave
         )
@@ -286,9 +369,7 @@ def activation_plan(
         host = sum(estimate.layers[i].host for i in layers if i in estimate.layers) / dims.tp
         if rank == dims.pp - 1:
             device += outside
-        rows.append(
-            RankActivations(rank, len(layers), flight, device * flight, host * flight, params * state_bytes)
-        )
+        rows.append(RankActivations(rank, len(layers), flight, device * flight, host * flight, state.total))
     return rows
 
 
@@ -349,6 +430,16 @@ def measure_plan_activations(
     with torch.device("meta"):  # built once: the loss rule asks the model, then it is traced
         model = source.family.build(source.options)
     lm_loss = plan_lm_loss(cfg, model)
+    prepare = None
+    if cfg.lora_config is not None:
+        from meshforge.lora.apply import apply_lora
+        from meshforge.lora.settings import lora_settings
+
+        settings = lora_settings(cfg.lora_config)
+
+        def prepare(traced: nn.Module) -> None:
+            apply_lora(traced, settings, adapter_dtype=params_dtype)
+
     estimate = measure_activations(
         lambda: model,
         ActivationSettings(cfg.recompute, cfg.recompute_comm, cfg.swap),
@@ -358,6 +449,7 @@ def measure_plan_activations(
         chunk_loss_size=cfg.kernels.chunk_loss_size,
         mtp=cfg.training.mtp_loss_scaling_factor > 0,
         lm_loss=lm_loss,
+        prepare=prepare,
     )
     return estimate
 
