@@ -8,7 +8,7 @@ the metadata: `torch.load(weights_only=True)` reads only `torch.save`'s own form
 is a bare pickle), and the restricted unpickler behind it is a private module configured through
 a process-wide allowlist. So meshforge reads them itself:
 
-- `.metadata` through `_MetadataUnpickler`, a `pickle.Unpickler` whose `find_class` answers only
+- `.metadata` through `RestrictedUnpickler`, a `pickle.Unpickler` whose `find_class` answers only
   DCP's metadata classes, `torch.Size`, torch's dtypes, layouts and memory formats, the path
   classes DCP records the checkpoint id with, and plain containers; any other global is refused
   in one line naming the file and the global. The storage file names it lists must name files
@@ -26,8 +26,8 @@ from __future__ import annotations
 import io
 import pickle
 import re
-from pathlib import Path, PurePosixPath
-from typing import TypeVar
+from pathlib import Path
+from typing import BinaryIO, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from meshforge.checkpoint.readers import DCP_METADATA_FILE
+from meshforge.checkpoint.readers import DCP_METADATA_FILE, inside_folder
 
 V = TypeVar("V")  # a state dict's values (tensors, DTensors, nested optimizer state)
 
@@ -86,20 +86,44 @@ class RefusedGlobal(pickle.UnpicklingError):
         self.name = name
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """`pickle.Unpickler` that resolves only the globals DCP's metadata is made of.
+class RestrictedUnpickler(pickle.Unpickler):
+    """`pickle.Unpickler` that resolves only the globals in `allowed` (`(module, name)` pairs).
 
     Every way a pickle reaches a callable (`GLOBAL`, `STACK_GLOBAL`, `INST`, the extension
     registry) goes through `find_class`; with no `persistent_load` a persistent id is an error.
-    The allowed classes only build metadata records: none opens a file or imports a module.
+    With `torch_constants`, torch's dtypes, layouts and memory formats resolve too.
     """
 
+    def __init__(self, file: BinaryIO, allowed: frozenset[tuple[str, str]], *, torch_constants: bool) -> None:
+        super().__init__(file)
+        self.allowed = allowed
+        self.torch_constants = torch_constants
+
     def find_class(self, module: str, name: str) -> object:
-        if (module, name) in _METADATA_GLOBALS:
+        if (module, name) in self.allowed:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
+        if (
+            self.torch_constants
+            and module == "torch"
+            and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS)
+        ):
             return getattr(torch, name)
         raise RefusedGlobal(f"{module}.{name}")
+
+
+def first_global(file: Path) -> str | None:
+    """The first global a pickle file refers to, found by unpickling it with none allowed.
+
+    None when it refers to none (or is no pickle). Nothing it names is ever resolved.
+    """
+    try:
+        with file.open("rb") as stream:
+            RestrictedUnpickler(stream, frozenset(), torch_constants=False).load()
+    except RefusedGlobal as refused:
+        return refused.name
+    except Exception:  # noqa: BLE001 - only a refused global is of interest here
+        return None
+    return None
 
 
 def refusal(file: Path, name: str) -> str:
@@ -120,7 +144,7 @@ def read_metadata_file(file: Path) -> Metadata:
         raise FileNotFoundError(f"{file.parent}: no {file.name} (not a DCP checkpoint folder)")
     try:
         with file.open("rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
+            metadata = RestrictedUnpickler(stream, _METADATA_GLOBALS, torch_constants=True).load()
     except RefusedGlobal as refused:
         raise ValueError(refusal(file, refused.name)) from None
     except Exception as err:  # noqa: BLE001 - unpickling a damaged file can raise almost anything
@@ -146,12 +170,6 @@ def _check_storage_names(file: Path, metadata: Metadata) -> None:
                 f"{file}: names the data file {name!r}, which is not inside the checkpoint folder "
                 "(a checkpoint's files never point outside it)"
             )
-
-
-def inside_folder(name: str) -> bool:
-    """Whether a file name read from a checkpoint or model folder stays inside that folder."""
-    path = PurePosixPath(name)
-    return bool(name) and not path.is_absolute() and ".." not in path.parts and "\\" not in name
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -215,6 +233,9 @@ def load_dcp(state: dict[str, V], step: Path, *, no_dist: bool = False) -> None:
         ValueError: a refused or damaged file, as the one line this module wrote (DCP gathers a
             failure of any rank into a `CheckpointException` carrying every rank's traceback).
     """
+    # Read first: a refused or damaged `.metadata` is then this module's one line, not the
+    # message DCP composes from the reads of the global and of a per-rank metadata file.
+    read_metadata_file(step / DCP_METADATA_FILE)
     try:
         dcp.load(
             state,

@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshforge.checkpoint.readers import open_safetensors, read_json_object
+from meshforge.checkpoint.readers import inside_folder, open_safetensors, read_json_object
 from meshforge.models.common.dequant import quantized_view
 from meshforge.models.generic.hf import bind_generic, persistent_buffers, state_tensors
 
@@ -110,6 +110,12 @@ def find_hf_weights(path: str | Path) -> dict[str, Path]:
             raise ValueError(f"{index}: has no `weight_map` (key -> shard file)")
         if not all(isinstance(name, str) for name in weight_map.values()):
             raise ValueError(f"{index}: `weight_map` values must be shard file names")
+        outside = sorted(name for name in set(weight_map.values()) if not inside_folder(name))
+        if outside:
+            raise ValueError(
+                f"{index}: names the shard file {outside[0]!r}, which is not inside {folder} "
+                "(a model folder's files never point outside it)"
+            )
         files = {name: folder / name for name in set(weight_map.values())}
         missing = [name for name, file in files.items() if not file.is_file()]
         if missing:
@@ -122,6 +128,15 @@ def find_hf_weights(path: str | Path) -> dict[str, Path]:
     if single.is_file():
         with open_safetensors(single) as handle:
             return dict.fromkeys(handle.keys(), single)
+    pickled = sorted(file.name for file in folder.glob("*.bin")) + sorted(
+        file.name for file in folder.glob("*.pt")
+    )
+    if pickled:
+        raise FileNotFoundError(
+            f"{folder}: its weights are pickles ({_few(pickled)}), which can carry code; meshforge reads "
+            f"safetensors only ({SINGLE_FILE} or {INDEX_FILE}): convert them where you trust the files "
+            "(transformers' save_pretrained writes safetensors)"
+        )
     raise FileNotFoundError(
         f"{folder}: no Hugging Face weights ({SINGLE_FILE} or {INDEX_FILE}); "
         "set model.train_from_scratch: true to start from random weights"

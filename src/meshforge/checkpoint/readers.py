@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
 DCP_METADATA_FILE = ".metadata"
+
+
+def inside_folder(name: str) -> bool:
+    """Whether a file name read from a checkpoint or model folder stays inside that folder."""
+    path = PurePosixPath(name)
+    return bool(name) and not path.is_absolute() and ".." not in path.parts and "\\" not in name
 
 
 def read_json_object(file: Path) -> dict[str, object]:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from meshforge.checkpoint.dcp_reader import refusal
+from meshforge.checkpoint.dcp_reader import first_global, refusal
 from meshforge.utils.seed import RNGState
 
 FORMAT = "meshforge-rng/2"
@@ -88,6 +89,11 @@ def read_rng_file(file: Path) -> RNGState | None:
     """
     if not file.is_file():
         return None
+    if not zipfile.is_zipfile(file):
+        # meshforge has always written torch.save's zip format: a bare pickle is someone else's.
+        named = first_global(file)
+        if named is not None:
+            raise ValueError(refusal(file, named))
     try:
         with torch.serialization.safe_globals(_LEGACY_GLOBALS):
             loaded = torch.load(file, map_location="cpu", weights_only=True)

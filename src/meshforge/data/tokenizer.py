@@ -88,6 +88,37 @@ def _check_json(path: Path) -> None:
         ) from None
 
 
+def refuse_tokenizer_code(path: Path, *, trust_remote_code: bool) -> None:
+    """Refuse a tokenizer folder that ships its own Python code, unless `model.trust_remote_code`.
+
+    transformers imports a tokenizer's own code (a `tokenization_*.py` beside it, or a module of
+    another repository) through `auto_map`: in `tokenizer_config.json`, or an `AutoTokenizer`
+    entry of `config.json`. Such a folder is refused here, before transformers reads it, so that
+    whatever transformers' own rules are, a tokenizer folder runs no code unless the run says so.
+
+    Raises:
+        ValueError: naming the file and the `auto_map` it holds.
+    """
+    if trust_remote_code:
+        return
+    for name in ("tokenizer_config.json", "config.json"):
+        file = path / name
+        try:
+            data = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue  # a broken tokenizer_config.json is named by _check_json, config.json by the model
+        auto_map = data.get("auto_map") if isinstance(data, dict) else None
+        if name == "config.json" and not (isinstance(auto_map, dict) and "AutoTokenizer" in auto_map):
+            continue
+        if auto_map:
+            shown = json.dumps(auto_map)
+            raise ValueError(
+                f"{file}: the tokenizer ships its own code (auto_map: {shown[:120]}); meshforge runs no "
+                "code from a model folder unless model.trust_remote_code: true (set it only if you trust "
+                f"{path})"
+            )
+
+
 def build_tokenizer(
     name_or_path: str,
     *,
@@ -106,7 +137,8 @@ def build_tokenizer(
             tokenizer files); `meshforge://assets/tokenizer` is the bundled demo tokenizer, any other
             relative path resolves against the working directory.
         use_fast: load the Rust-backed tokenizer (the data pipeline needs it for batch speed).
-        trust_remote_code: allow custom tokenizer classes shipped as code in the folder.
+        trust_remote_code: allow custom tokenizer classes shipped as code in the folder
+            (`refuse_tokenizer_code` refuses them otherwise).
         split_special_tokens: tokenise special tokens in text as ordinary text (``<|im_end|>``
             becomes several pieces) instead of keeping each one whole.
         add_tokens: ordinary tokens to add (comma-separated string or list; `model.add_tokens`).
@@ -123,7 +155,8 @@ def build_tokenizer(
         FileNotFoundError: when the folder (or `new_special_tokens_config`) does not exist (hub
             names are not downloaded).
         ValueError: for an empty token or a malformed `new_special_tokens_config` (names the key),
-            or tokenizer files that do not load (names the file, and the line of broken JSON).
+            tokenizer files that do not load (names the file, and the line of broken JSON), or a
+            tokenizer with code of its own without `trust_remote_code`.
     """
     path = resolve_path(name_or_path)
     if not path.is_dir():
@@ -137,6 +170,7 @@ def build_tokenizer(
     kwargs = {"split_special_tokens": True} if split_special_tokens else {}
     for name in TOKENIZER_JSON_FILES:
         _check_json(path / name)
+    refuse_tokenizer_code(path, trust_remote_code=trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             str(path), use_fast=use_fast, trust_remote_code=trust_remote_code, local_files_only=True, **kwargs

@@ -183,7 +183,10 @@ def load_peft_adapter(
     check_adapter_config(src, settings)
     file = src / ADAPTER_WEIGHTS
     if not file.is_file():
-        raise FileNotFoundError(f"{KEY}: {src} has no {ADAPTER_WEIGHTS}")
+        pickled = " (adapter_model.bin is a pickle, which can carry code: never read)"
+        raise FileNotFoundError(
+            f"{KEY}: {src} has no {ADAPTER_WEIGHTS}{pickled if (src / 'adapter_model.bin').is_file() else ''}"
+        )
     ours = {hf: path for path, hf in hf_module_paths(model, family).items()}
     linears = dict(lora_linears(model))
     loaded = 0

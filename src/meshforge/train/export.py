@@ -166,6 +166,8 @@ def dcp_to_hf(
     Raises:
         FileNotFoundError: When the step folder or the config is missing (names the path and the
             ``--config`` option).
+        ValueError: The run folder's own config sets ``model.trust_remote_code`` (only a config
+            passed as ``config_path`` may), or a file of the step is refused (docs/security.md).
     """
     from meshforge.config import load_config
     from meshforge.utils.dtype import parse_dtype
@@ -183,6 +185,12 @@ def dcp_to_hf(
             "(it describes the model the checkpoint holds)"
         )
     cfg = load_config(str(cfg_file), [])
+    if config_path is None and cfg.model.trust_remote_code:
+        # The config came with the checkpoint: it may not switch on code from a model folder.
+        raise ValueError(
+            f"{cfg_file}: sets model.trust_remote_code: true; a checkpoint's own config never runs a "
+            "model folder's code: read it, then pass it yourself with --config"
+        )
     source = resolve_model_source(cfg.model, log=log)
     params_dtype = parse_dtype(cfg.model.params_dtype, key="model.params_dtype")
     tokenizer = _maybe_tokenizer(cfg.model, log)

@@ -35,6 +35,7 @@ from meshforge.data.megatron.gpt_dataset import (
     SPLIT_NAMES,
     GPTDataset,
     GPTDatasetConfig,
+    load_index_cache,
     split_document_indices,
 )
 from meshforge.data.megatron.indexed import IndexedDataset
@@ -250,8 +251,8 @@ class BlendedDataset:
                 "a copy on every node"
             )
         return (
-            np.load(paths["dataset_index.npy"], mmap_mode="r"),
-            np.load(paths["dataset_sample_index.npy"], mmap_mode="r"),
+            load_index_cache(paths["dataset_index.npy"]),
+            load_index_cache(paths["dataset_sample_index.npy"]),
         )
 
     def __len__(self) -> int:

@@ -43,6 +43,24 @@ EOD_PAD_LENGTH = 128  # MindFormers' fixed length of actual_seq_len with create_
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.8
 
 
+def load_index_cache(file: Path) -> np.ndarray:
+    """A cached index array, memory-mapped; never unpickled (`allow_pickle=False`).
+
+    Raises:
+        ValueError: naming the file, when it is not a plain integer array (a damaged cache, or an
+            array of Python objects, which would be pickles).
+    """
+    try:
+        array = np.load(file, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise ValueError(
+            f"{file}: not an index cache meshforge writes ({err}); delete it to have it rebuilt"
+        ) from None
+    if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{file}: not an index cache meshforge writes (not an integer array); delete it")
+    return array
+
+
 @dataclass(frozen=True)
 class GPTDatasetConfig:
     """Everything a GPTDataset's samples depend on besides the data.
@@ -338,9 +356,10 @@ class GPTDataset:
                 "path_to_cache must be a folder every rank can read (a shared filesystem), or set "
                 "train_dataset.no_shared_storage: true to build a copy on every node"
             )
-        return tuple(
-            np.load(paths[key], mmap_mode="r", allow_pickle=False)
-            for key in ("document_index", "sample_index", "shuffle_index")
+        return (
+            load_index_cache(paths["document_index"]),
+            load_index_cache(paths["sample_index"]),
+            load_index_cache(paths["shuffle_index"]),
         )
 
     def _save(self, paths: dict[str, Path], arrays: tuple[np.ndarray, ...]) -> None:
