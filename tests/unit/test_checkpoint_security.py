@@ -112,7 +112,7 @@ def test_a_crafted_rng_file_is_refused(
 def test_a_crafted_dcp_metadata_is_refused_by_resume_convert_and_generate(
     base: tuple[Path, Path, list[dict]], tmp_path: Path, where: str
 ) -> None:
-    from meshforge.checkpoint.readers import read_dcp_metadata
+    from meshforge.checkpoint.dcp_reader import read_dcp_metadata
 
     config, run, _ = base
     marker = tmp_path / "ran"
@@ -165,7 +165,7 @@ def test_a_crafted_value_in_the_dcp_data_is_refused(
 def test_a_data_file_outside_the_checkpoint_is_refused(
     base: tuple[Path, Path, list[dict]], tmp_path: Path
 ) -> None:
-    from meshforge.checkpoint.readers import read_dcp_metadata
+    from meshforge.checkpoint.dcp_reader import read_dcp_metadata
 
     config, run, _ = base
     marker = tmp_path / "ran"

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from meshforge.checkpoint.dcp_reader import read_dcp_metadata
 from meshforge.checkpoint.lora_base import is_adapter_parameter, weights_digest
-from meshforge.checkpoint.readers import read_dcp_metadata
 from meshforge.config import ConfigError, load_config
 from meshforge.train.trainer import Trainer
 from tests._compare import rel_error

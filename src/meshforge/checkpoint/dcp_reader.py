@@ -158,6 +158,16 @@ def read_metadata_file(file: Path) -> Metadata:
     return metadata
 
 
+def read_dcp_metadata(step_dir: Path) -> Metadata:
+    """The DCP metadata (global shapes and storage layout) of a checkpoint step folder.
+
+    Raises:
+        FileNotFoundError: when the folder has no `.metadata`.
+        ValueError: as `read_metadata_file`.
+    """
+    return read_metadata_file(step_dir / DCP_METADATA_FILE)
+
+
 def _check_storage_names(file: Path, metadata: Metadata) -> None:
     """Every data file the metadata names must be a relative path inside the step folder."""
     storage = metadata.storage_data

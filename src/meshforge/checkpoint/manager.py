@@ -48,9 +48,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from meshforge.checkpoint.dcp_reader import load_dcp
+from meshforge.checkpoint.dcp_reader import load_dcp, read_dcp_metadata
 from meshforge.checkpoint.identity import check_same_model, model_record, model_shapes
-from meshforge.checkpoint.readers import read_dcp_metadata, read_json_object
+from meshforge.checkpoint.readers import read_json_object
 from meshforge.checkpoint.rng_file import read_rng_file, write_rng_file
 from meshforge.optim.muon import optimizer_family
 from meshforge.utils.distributed import barrier

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from safetensors import safe_open as SafeOpen
-    from torch.distributed.checkpoint.metadata import Metadata
 
 DCP_METADATA_FILE = ".metadata"
 
@@ -67,19 +66,3 @@ def open_safetensors(file: Path) -> Iterator[SafeOpen]:
         ) from None
     with handle as opened:
         yield opened
-
-
-def read_dcp_metadata(step_dir: Path) -> Metadata:
-    """The DCP metadata (global shapes and storage layout) of a checkpoint step folder.
-
-    Read by meshforge's restricted unpickler (`checkpoint/dcp_reader.py`), never `pickle.load`.
-
-    Raises:
-        FileNotFoundError: when the folder has no `.metadata`.
-        ValueError: naming the file, when it cannot be unpickled (a truncated or foreign file),
-            names a global that is not DCP metadata (a file that would run code), or lists a
-            data file outside the folder.
-    """
-    from meshforge.checkpoint.dcp_reader import read_metadata_file
-
-    return read_metadata_file(step_dir / DCP_METADATA_FILE)

@@ -22,11 +22,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from meshforge.checkpoint.dcp_reader import load_dcp
+from meshforge.checkpoint.dcp_reader import load_dcp, read_dcp_metadata
 from meshforge.checkpoint.hf import save_hf
 from meshforge.checkpoint.manager import resolve_load_path
 from meshforge.checkpoint.offline import build_on_cpu, one_rank_group
-from meshforge.checkpoint.readers import read_dcp_metadata
 from meshforge.checkpoint.source import grown_options, resolve_model_source
 from meshforge.utils import distributed as dist_utils
 
