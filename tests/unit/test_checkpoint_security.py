@@ -327,3 +327,31 @@ def test_a_crafted_data_cache_is_refused(tmp_path: Path) -> None:
         "train", "--config", str(MEGATRON), f"--training.output_dir={tmp_path / 'b'}", *SMALL, cwd=tmp_path
     )
     assert _refused_line(proc, marker).startswith(f"error: {cache}: not an index cache meshforge writes (")
+
+
+@pytest.mark.slow  # a whole training
+def test_the_restricted_reader_reads_what_pickle_reads(base: tuple[Path, Path, list[dict]]) -> None:
+    from meshforge.checkpoint.dcp_reader import read_dcp_metadata
+
+    _, run, _ = base
+    step = run / "checkpoints" / "checkpoint-00000004"
+    with (step / ".metadata").open("rb") as file:
+        trusted = pickle.load(file)  # this test's own checkpoint
+    assert read_dcp_metadata(step) == trusted
+
+
+def test_a_pickle_that_changes_an_allowed_class_is_refused(tmp_path: Path) -> None:
+    """`BUILD` on a class itself would change that class for the whole process."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from meshforge.checkpoint.dcp_reader import read_metadata_file
+
+    file = tmp_path / ".metadata"
+    # Protocol 0: push the class, then set its attribute `x` through BUILD's slot state.
+    file.write_bytes(b"ctorch.distributed.checkpoint.metadata\nMetadata\n(N(dS'x'\nI1\nstb.")
+    with pytest.raises(ValueError) as refused:
+        read_metadata_file(file)
+    assert str(refused.value) == (
+        f"{file}: refused to load a state set on Metadata (a checkpoint must not carry code); do not load this folder"
+    )
+    assert not hasattr(Metadata, "x")
