@@ -486,6 +486,7 @@ def layout_model_issues(cfg: TrainConfig, world_size: int) -> list[tuple[str, st
     import torch
 
     from meshforge.checkpoint.source import resolve_model_source
+    from meshforge.models.common.tp_plan import DivisibilityError
 
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     if dims.tp == 1:
@@ -502,9 +503,10 @@ def layout_model_issues(cfg: TrainConfig, world_size: int) -> list[tuple[str, st
         model = spec.build(source.options)
     try:
         spec.tp_plan(model, tp=dims.tp, sequence_parallel=True, loss_parallel=False)
-    except ValueError as err:
+    except DivisibilityError as err:
+        return [(err.key, re.sub(r"^\((\d+)\)", r"\1", err.reason))]  # "(4) is" -> "4 is"
+    except ValueError as err:  # another rule of the family's plan, keyed by its own message
         text = str(err)
         key = text.split(" ", 1)[0].rstrip(":")
-        reason = re.sub(r"^\((\d+)\)", r"\1", text[len(key) :].lstrip(": "))  # "(4) is" -> "4 is"
-        return [(key, reason)]
+        return [(key, text[len(key) :].lstrip(": "))]
     return []

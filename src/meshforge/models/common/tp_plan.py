@@ -33,6 +33,16 @@ TP_KEY = "parallelism.tensor_parallel"
 _TP_KEY = TP_KEY
 
 
+class DivisibilityError(ValueError):
+    """A size the TP plan splits that the degree does not divide; `key` is its config key path,
+    `reason` the rest of the message (what `config validate` prints after the key)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key} {reason}")
+        self.key = key
+        self.reason = reason
+
+
 def check_divisible(sizes: dict[str, int], tp: int, *, prefix: str = "model") -> None:
     """Raise when a size that TP splits is not a multiple of the TP degree.
 
@@ -42,13 +52,14 @@ def check_divisible(sizes: dict[str, int], tp: int, *, prefix: str = "model") ->
         prefix: the config section the keys live in.
 
     Raises:
-        ValueError: naming the first offending key and `parallelism.tensor_parallel`.
+        DivisibilityError: naming the first offending key and `parallelism.tensor_parallel`.
     """
     for key, value in sizes.items():
         if value % tp:
-            raise ValueError(
-                f"{prefix}.{key} ({value}) is not divisible by {_TP_KEY} ({tp}): tensor parallelism "
-                f"splits it evenly over the TP ranks; choose a {_TP_KEY} that divides it"
+            raise DivisibilityError(
+                f"{prefix}.{key}",
+                f"({value}) is not divisible by {_TP_KEY} ({tp}): tensor parallelism "
+                f"splits it evenly over the TP ranks; choose a {_TP_KEY} that divides it",
             )
 
 
