@@ -226,3 +226,35 @@ def train_here(config: Path, overrides: list[str], *, log: Callable[[str], None]
         # tests that follow in this interpreter (a spawned rank's group belongs to the spawn).
         if not existed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+# The four-step run with attention dropout that the resume and security tests start from: a
+# resumed run equals the uninterrupted one only when every RNG is restored.
+DROPOUT = "--model.attention_dropout=0.2"
+
+
+def train_four_steps(config: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """`meshforge train` of four steps with dropout into `out` (in this process: `meshforge_here`)."""
+    return meshforge_here(
+        "train",
+        "--config",
+        str(config),
+        "--training.steps=4",
+        f"--training.output_dir={out}",
+        DROPOUT,
+        *overrides,
+        cwd=out.parent,
+    )
+
+
+@pytest.fixture(scope="module")
+def four_step_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    """The tiny config and an uninterrupted 4-step run with checkpoints at steps 2 and 4 (one per
+    test module that asks)."""
+    root = tmp_path_factory.mktemp("four-steps")
+    config = root / "tiny.yaml"
+    config.write_text(TINY_CONFIG.format(data=write_corpus(root / "corpus.jsonl")))
+    run = root / "full"
+    proc = train_four_steps(config, run)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return config, run, read_metrics(run)

@@ -18,57 +18,31 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.conftest import TINY_CONFIG, meshforge_here, read_metrics, write_corpus
-
-DROPOUT = "--model.attention_dropout=0.2"
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
-    """The tiny config and an uninterrupted 4-step run with checkpoints at steps 2 and 4."""
-    root = tmp_path_factory.mktemp("resume")
-    config = root / "tiny.yaml"
-    config.write_text(TINY_CONFIG.format(data=write_corpus(root / "corpus.jsonl")))
-    run = root / "full"
-    proc = _train(config, run)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return config, run, read_metrics(run)
+from tests.conftest import read_metrics, train_four_steps
 
 
 def _step(run: Path, step: int) -> Path:
     return run / "checkpoints" / f"checkpoint-{step:08d}"
 
 
-def _train(config: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """`meshforge train` of four steps into `out` (in this process: see `meshforge_here`)."""
-    return meshforge_here(
-        "train",
-        "--config",
-        str(config),
-        "--training.steps=4",
-        f"--training.output_dir={out}",
-        DROPOUT,
-        *overrides,
-        cwd=out.parent,
-    )
-
-
 def _resume(config: Path, out: Path, load_path: Path) -> subprocess.CompletedProcess[str]:
-    proc = _train(config, out, f"--checkpoint.load_path={load_path}")
+    proc = train_four_steps(config, out, f"--checkpoint.load_path={load_path}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
 
 def _refused(config: Path, out: Path, load_path: Path) -> str:
-    proc = _train(config, out, f"--checkpoint.load_path={load_path}")
+    proc = train_four_steps(config, out, f"--checkpoint.load_path={load_path}")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     return proc.stderr
 
 
 @pytest.mark.slow  # whole trainings
-def test_resume_with_dropout_is_exact_only_with_the_rng_state(base: tuple[Path, Path, list[dict]]) -> None:
-    config, run, full = base
+def test_resume_with_dropout_is_exact_only_with_the_rng_state(
+    four_step_run: tuple[Path, Path, list[dict]],
+) -> None:
+    config, run, full = four_step_run
     resumed_dir = run.parent / "resumed"
     _resume(config, resumed_dir, _step(run, 2))
     resumed = read_metrics(resumed_dir)
@@ -89,8 +63,8 @@ def test_resume_with_dropout_is_exact_only_with_the_rng_state(base: tuple[Path, 
 
 
 @pytest.mark.slow  # whole trainings
-def test_incomplete_step_folder_is_skipped_and_replaced(base: tuple[Path, Path, list[dict]]) -> None:
-    config, run, full = base
+def test_incomplete_step_folder_is_skipped_and_replaced(four_step_run: tuple[Path, Path, list[dict]]) -> None:
+    config, run, full = four_step_run
     copy = run.parent / "crashed"
     shutil.copytree(run, copy)
     (_step(copy, 4) / "COMPLETE").unlink()
@@ -108,8 +82,8 @@ def test_incomplete_step_folder_is_skipped_and_replaced(base: tuple[Path, Path, 
 
 
 @pytest.mark.slow  # whole trainings
-def test_damaged_checkpoint_files_are_named(base: tuple[Path, Path, list[dict]]) -> None:
-    config, run, _ = base
+def test_damaged_checkpoint_files_are_named(four_step_run: tuple[Path, Path, list[dict]]) -> None:
+    config, run, _ = four_step_run
     for name, damage, expected in (
         (".metadata", "truncate", "the DCP checkpoint metadata cannot be read"),
         ("trainer_state.json", '{"step": 2,', "not valid JSON"),

@@ -22,10 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import TINY_CONFIG, meshforge_here, read_metrics, write_corpus
+from tests.conftest import meshforge_here, read_metrics, train_four_steps
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
-DROPOUT = "--model.attention_dropout=0.2"
 
 
 class Payload:
@@ -36,31 +35,6 @@ class Payload:
 
     def __reduce__(self) -> tuple[object, tuple[str]]:
         return (os.system, (f"touch {self.marker}",))
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
-    """The tiny config and an uninterrupted 4-step run with dropout, saved at steps 2 and 4."""
-    root = tmp_path_factory.mktemp("security")
-    config = root / "tiny.yaml"
-    config.write_text(TINY_CONFIG.format(data=write_corpus(root / "corpus.jsonl")))
-    run = root / "full"
-    proc = _train(config, run)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return config, run, read_metrics(run)
-
-
-def _train(config: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return meshforge_here(
-        "train",
-        "--config",
-        str(config),
-        "--training.steps=4",
-        f"--training.output_dir={out}",
-        DROPOUT,
-        *overrides,
-        cwd=out.parent,
-    )
 
 
 def _step_copy(run: Path, dest: Path) -> Path:
@@ -83,16 +57,16 @@ def _refused_line(proc: subprocess.CompletedProcess[str], marker: Path) -> str:
 
 def _resume_refused(config: Path, step: Path, marker: Path) -> str:
     return _refused_line(
-        _train(config, step.parents[2] / "resumed", f"--checkpoint.load_path={step}"), marker
+        train_four_steps(config, step.parents[2] / "resumed", f"--checkpoint.load_path={step}"), marker
     )
 
 
 @pytest.mark.slow  # whole trainings
 @pytest.mark.parametrize("container", ["pickle", "torch.save"])
 def test_a_crafted_rng_file_is_refused(
-    base: tuple[Path, Path, list[dict]], tmp_path: Path, container: str
+    four_step_run: tuple[Path, Path, list[dict]], tmp_path: Path, container: str
 ) -> None:
-    config, run, _ = base
+    config, run, _ = four_step_run
     marker = tmp_path / "ran"
     step = _step_copy(run, tmp_path / "run")
     file = step / "rng" / "rank_00000.pt"
@@ -110,11 +84,11 @@ def test_a_crafted_rng_file_is_refused(
 @pytest.mark.slow  # whole trainings
 @pytest.mark.parametrize("where", ["whole file", "inside the metadata"])
 def test_a_crafted_dcp_metadata_is_refused_by_resume_convert_and_generate(
-    base: tuple[Path, Path, list[dict]], tmp_path: Path, where: str
+    four_step_run: tuple[Path, Path, list[dict]], tmp_path: Path, where: str
 ) -> None:
     from meshforge.checkpoint.dcp_reader import read_dcp_metadata
 
-    config, run, _ = base
+    config, run, _ = four_step_run
     marker = tmp_path / "ran"
     step = _step_copy(run, tmp_path / "run")
     file = step / ".metadata"
@@ -137,13 +111,13 @@ def test_a_crafted_dcp_metadata_is_refused_by_resume_convert_and_generate(
 
 @pytest.mark.slow  # whole trainings
 def test_a_crafted_value_in_the_dcp_data_is_refused(
-    base: tuple[Path, Path, list[dict]], tmp_path: Path
+    four_step_run: tuple[Path, Path, list[dict]], tmp_path: Path
 ) -> None:
     """The optimizer's param-group settings are pickles in the `.distcp` files (DCP's bytes items)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    config, run, _ = base
+    config, run, _ = four_step_run
     marker = tmp_path / "ran"
     step = _step_copy(run, tmp_path / "run")
     whole = tmp_path / "whole.pt"
@@ -163,11 +137,11 @@ def test_a_crafted_value_in_the_dcp_data_is_refused(
 
 @pytest.mark.slow  # whole trainings
 def test_a_data_file_outside_the_checkpoint_is_refused(
-    base: tuple[Path, Path, list[dict]], tmp_path: Path
+    four_step_run: tuple[Path, Path, list[dict]], tmp_path: Path
 ) -> None:
     from meshforge.checkpoint.dcp_reader import read_dcp_metadata
 
-    config, run, _ = base
+    config, run, _ = four_step_run
     marker = tmp_path / "ran"
     step = _step_copy(run, tmp_path / "run")
     metadata = read_dcp_metadata(step)
@@ -183,11 +157,11 @@ def test_a_data_file_outside_the_checkpoint_is_refused(
 
 @pytest.mark.slow  # whole trainings
 def test_rng_files_of_the_older_pickled_format_still_resume_bitwise(
-    base: tuple[Path, Path, list[dict]], tmp_path: Path
+    four_step_run: tuple[Path, Path, list[dict]], tmp_path: Path
 ) -> None:
     from meshforge.checkpoint.rng_file import read_rng_file
 
-    config, run, full = base
+    config, run, full = four_step_run
     step = _step_copy(run, tmp_path / "run")
     file = step / "rng" / "rank_00000.pt"
     state = read_rng_file(file)
@@ -195,7 +169,7 @@ def test_rng_files_of_the_older_pickled_format_still_resume_bitwise(
     torch.save(dict(state), file)  # what meshforge wrote before: the RNGState dict, pickled
     assert "numpy.ndarray" in torch.serialization.get_unsafe_globals_in_checkpoint(str(file))
     out = tmp_path / "resumed"
-    proc = _train(config, out, f"--checkpoint.load_path={step}")
+    proc = train_four_steps(config, out, f"--checkpoint.load_path={step}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = read_metrics(out)
     assert [r["step"] for r in resumed] == [3, 4]
@@ -221,9 +195,9 @@ def test_the_rng_file_holds_only_tensors_and_text(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # whole trainings
 def test_a_run_folders_own_config_cannot_turn_on_remote_code(
-    base: tuple[Path, Path, list[dict]], tmp_path: Path
+    four_step_run: tuple[Path, Path, list[dict]], tmp_path: Path
 ) -> None:
-    _, run, _ = base
+    _, run, _ = four_step_run
     step = _step_copy(run, tmp_path / "run")
     config = step.parents[1] / "config.yaml"
     config.write_text(config.read_text().replace("trust_remote_code: false", "trust_remote_code: true", 1))
@@ -330,10 +304,10 @@ def test_a_crafted_data_cache_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # a whole training
-def test_the_restricted_reader_reads_what_pickle_reads(base: tuple[Path, Path, list[dict]]) -> None:
+def test_the_restricted_reader_reads_what_pickle_reads(four_step_run: tuple[Path, Path, list[dict]]) -> None:
     from meshforge.checkpoint.dcp_reader import read_dcp_metadata
 
-    _, run, _ = base
+    _, run, _ = four_step_run
     step = run / "checkpoints" / "checkpoint-00000004"
     with (step / ".metadata").open("rb") as file:
         trusted = pickle.load(file)  # this test's own checkpoint
