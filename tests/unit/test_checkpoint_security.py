@@ -38,9 +38,12 @@ class Payload:
 
 
 def _step_copy(run: Path, dest: Path) -> Path:
-    """A copy of the run's step 2 folder (with the run's config.yaml two levels up)."""
+    """A copy of the run's step 2 folder (with the run's config.yaml two levels up), without its
+    `manifest.json`: whoever crafts a file can rewrite the manifest too, so the readers must
+    refuse on their own."""
     step = dest / "checkpoints" / "checkpoint-00000002"
     shutil.copytree(run / "checkpoints" / "checkpoint-00000002", step)
+    (step / "manifest.json").unlink()
     shutil.copy(run / "config.yaml", dest / "config.yaml")
     return step
 

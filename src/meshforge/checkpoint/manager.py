@@ -2,9 +2,11 @@
 
 On disk, one folder per saved step: `{save_path}/{prefix}-{step:08d}/` with the DCP shards of the
 model (and optimizer), `trainer_state.json` (step, tokens seen, data position, LR scheduler),
-`rng/rank_XXXXX.pt` (every RNG of every rank, as tensors and JSON: `checkpoint/rng_file.py`) and
-a `COMPLETE` marker written last. A folder without the marker (a crash mid-save) is never loaded
-and is replaced by the next save of that step. DCP stores global tensor shapes, so a checkpoint
+`rng/rank_XXXXX.pt` (every RNG of every rank, as tensors and JSON: `checkpoint/rng_file.py`),
+`manifest.json` (every file and its size) and a `COMPLETE` marker written last. A folder without
+the marker (a crash mid-save) is never loaded and is replaced by the next save of that step; a
+complete one whose files no longer match is passed over when resuming a run folder
+(`checkpoint/integrity.py`). DCP stores global tensor shapes, so a checkpoint
 saved with N ranks loads with M. Every file is read without unpickling code
 (`checkpoint/dcp_reader.py`, `rng_file.py`; docs/security.md).
 
@@ -50,6 +52,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from meshforge.checkpoint.dcp_reader import load_dcp, read_dcp_metadata
 from meshforge.checkpoint.identity import check_same_model, model_record, model_shapes
+from meshforge.checkpoint.integrity import damage, newest_sound, write_manifest
 from meshforge.checkpoint.readers import read_json_object
 from meshforge.checkpoint.rng_file import read_rng_file, write_rng_file
 from meshforge.optim.muon import optimizer_family
@@ -112,16 +115,23 @@ def list_complete_steps(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def resolve_load_path(load_path: str | Path) -> Path:
-    """A step folder as it is, or a run's checkpoint folder -> its latest complete step.
+def resolve_load_path(load_path: str | Path, *, log: Callable[[str], None] | None = None) -> Path:
+    """A step folder as it is, or a run's checkpoint folder -> its newest sound complete step.
+
+    A damaged step of a run folder is passed over for the one before it (each one logged with its
+    bad file, `checkpoint/integrity.py`); a damaged step folder named directly is an error.
 
     Raises:
         FileNotFoundError: naming `checkpoint.load_path` and what was looked for.
+        ValueError: the step folder named is damaged, or every step of the run folder is.
     """
     path = Path(load_path).expanduser().resolve()
     if not path.exists():
         raise FileNotFoundError(f"checkpoint.load_path: {path} does not exist")
     if is_complete(path):
+        found = damage(path)
+        if found is not None:
+            raise ValueError(f"{found} (checkpoint.load_path: {path} is damaged: load another step folder)")
         return path
     if (path / ".metadata").is_file():
         raise FileNotFoundError(
@@ -135,7 +145,13 @@ def resolve_load_path(load_path: str | Path) -> Path:
             f"checkpoint.load_path: {path} holds no complete checkpoint (a step folder with a "
             f"{COMPLETE_MARKER} marker, or a folder of them)"
         )
-    return steps[-1][1]
+    sound = newest_sound(steps, log=log)
+    if sound is None:
+        raise ValueError(
+            f"checkpoint.load_path: every complete checkpoint in {path} is damaged "
+            f"(newest: {damage(steps[-1][1])})"
+        )
+    return sound[1]
 
 
 class CheckpointManager:
@@ -315,6 +331,7 @@ class CheckpointManager:
             dist.barrier(group=self._group)
         barrier()
         if self.rank == 0:
+            write_manifest(target)
             (target / COMPLETE_MARKER).write_text(f"{step}\n")
             self._prune(step)
         barrier()
@@ -349,7 +366,7 @@ class CheckpointManager:
                 stage's embedding): a checkpoint saved with the weights tied has optimizer state
                 under the source name only, which then loads into the copy.
         """
-        path = resolve_load_path(load_path)
+        path = resolve_load_path(load_path, log=self.log)
         meta = read_trainer_state(path)
         # Read up front so that a damaged checkpoint is reported by name before DCP touches it.
         saved = read_dcp_metadata(path)

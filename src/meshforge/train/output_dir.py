@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshforge.checkpoint.config import CheckpointConfig
+from meshforge.checkpoint.integrity import newest_sound
 from meshforge.checkpoint.manager import list_complete_steps
 from meshforge.config.root import TrainConfig
 from meshforge.utils.resources import resolve_path
@@ -60,8 +61,17 @@ def claim_output_dir(cfg: TrainConfig, output_dir: Path) -> OutputClaim:
     steps = list_complete_steps(save_dir)
     load = cfg.checkpoint.load_path
     if load == AUTO:
+        damaged: list[str] = []
+        sound = newest_sound(steps, log=damaged.append)
+        passed = "".join(f"{line}; " for line in damaged)
+        if sound is not None:
+            return OutputClaim(str(sound[1]), note=f"{passed}checkpoint.load_path auto: resuming {sound[1]}")
         if steps:
-            return OutputClaim(str(steps[-1][1]), note=f"checkpoint.load_path auto: resuming {steps[-1][1]}")
+            raise ValueError(
+                f"checkpoint.load_path auto: every complete checkpoint in {save_dir} is damaged "
+                f"({'; '.join(damaged)}); name a step folder to load, or start over with "
+                "--training.overwrite_output_dir true"
+            )
         note = f"checkpoint.load_path auto: no complete checkpoint in {save_dir}; starting at step 0"
         if not records:
             return OutputClaim("", note=note)
