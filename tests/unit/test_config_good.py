@@ -329,6 +329,14 @@ def test_mindspeed_defaults_applied(tmp_path):
     assert cfg.train_dataset.drop_remainder is False and cfg.train_dataset.num_parallel_workers == 0
 
 
+def test_mindspeed_resume_from_checkpoint_true_is_auto(tmp_path):
+    """The HF Trainer's `true` (the output folder's latest checkpoint) is `auto`; `false` loads nothing."""
+    on = _load(tmp_path, "model_name_or_path: /m\noutput_dir: ./o\nresume_from_checkpoint: true\n")
+    assert on.checkpoint.load_path == "auto"
+    off = _load(tmp_path, "model_name_or_path: /m\noutput_dir: ./o\nresume_from_checkpoint: false\n")
+    assert off.checkpoint.load_path == ""
+
+
 def test_mindspeed_constant_scheduler_drops_min_lr(tmp_path):
     lines: list[str] = []
     cfg = _load(

@@ -101,8 +101,11 @@ def training(flat: Flat, given: Flat, to: To, choice: Choice, say: Say, issues: 
             (not value) if isinstance(value, bool) else value,
             "disable_shuffling",
         )
-    if "resume_from_checkpoint" in flat and flat["resume_from_checkpoint"] is not None:
-        to("checkpoint.load_path", flat["resume_from_checkpoint"], "resume_from_checkpoint")
+    resume = flat.get("resume_from_checkpoint")
+    if resume is not None and resume is not False:
+        # `true` is the HF Trainer's "the latest checkpoint of output_dir": meshforge's `auto`
+        # (which also starts fresh when there is none, so a restarted job can always pass it).
+        to("checkpoint.load_path", "auto" if resume is True else resume, "resume_from_checkpoint")
     if "dataloader_prefetch_factor" in flat and flat["dataloader_prefetch_factor"] is not None:
         to("train_dataset.prefetch_size", flat["dataloader_prefetch_factor"], "dataloader_prefetch_factor")
     if "profile_level" in flat:
