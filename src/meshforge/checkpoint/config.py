@@ -6,6 +6,8 @@ MindSpeed-LLM keys of the same name a native home.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from meshforge.config.base import AtLeastOne, Bool, Int, StrictSection, describe
 
 
@@ -41,6 +43,11 @@ class CheckpointConfig(StrictSection):
     reshard_worker_num: AtLeastOne = describe(1, "Number of workers used when resharding on load.")
     save_epochs: Int | None = describe(
         None, "Also save at every this many epoch boundaries (MindSpeed `save_epochs`)."
+    )
+    on_save_error: Literal["stop", "continue"] = describe(
+        "stop",
+        "After a save that cannot be written (full or read-only disk): stop the run (naming the last "
+        "complete checkpoint), or continue training and try again at the next save.",
     )
     save_hf_weights: Bool = describe(
         False, "Export Hugging Face safetensors at the end of training (MindSpeed `save_hf_weights`)."

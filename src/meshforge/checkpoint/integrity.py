@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshforge.checkpoint.dcp_reader import read_dcp_metadata
+from meshforge.checkpoint.trainer_state import read_trainer_state
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -80,8 +81,6 @@ def damage(step_dir: Path) -> str | None:
     """What is wrong with a complete step folder, starting with the bad file's path; None when it
     loads whole. The readers' own messages come first (they say what is wrong inside a file),
     then the sizes against the manifest and against the byte ranges of `.metadata`."""
-    from meshforge.checkpoint.manager import read_trainer_state
-
     try:
         metadata = read_dcp_metadata(step_dir)
         read_trainer_state(step_dir)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,36 +53,20 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from meshforge.checkpoint.dcp_reader import load_dcp, read_dcp_metadata
 from meshforge.checkpoint.identity import check_same_model, model_record, model_shapes
 from meshforge.checkpoint.integrity import damage, newest_sound, write_manifest
-from meshforge.checkpoint.readers import read_json_object
+from meshforge.checkpoint.optim_groups import alias_tied_state, groups_not_saved, restore_extra_groups
 from meshforge.checkpoint.rng_file import read_rng_file, write_rng_file
+from meshforge.checkpoint.save_failure import SAVE_ERRORS, SaveGuard
+from meshforge.checkpoint.trainer_state import TRAINER_STATE_FILE, TrainerState, read_trainer_state
 from meshforge.optim.muon import optimizer_family
 from meshforge.utils.distributed import barrier
 from meshforge.utils.seed import RNGState
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
+    pass
 
 COMPLETE_MARKER = "COMPLETE"
-TRAINER_STATE_FILE = "trainer_state.json"
 
 StateDict = dict[str, object]
-
-
-class TrainerState(TypedDict, total=False):
-    """`trainer_state.json`: the trainer's part of a step (`train.build.trainer_state`) and what
-    the manager adds (`has_optimizer`, `optimizer_type`, `lora`, `model`: what model it holds,
-    `checkpoint/identity.py`). Empty for a weights-only load."""
-
-    step: int
-    tokens_seen: int
-    scheduler: StateDict
-    data: dict[str, int]  # the loader's position (bools as ints: shuffle, stream)
-    world_size: int
-    global_batch_size: int
-    has_optimizer: bool
-    optimizer_type: str
-    lora: StateDict
-    model: StateDict
 
 
 @dataclass
@@ -168,6 +152,7 @@ class CheckpointManager:
         async_save: `checkpoint.async_save`: write in the background (see the module docstring).
         lora_base: for a LoRA run, where its frozen base weights come from: `("hf", folder)`,
             `("dcp", step folder)` or `("init", None)` (seeded random init); None otherwise.
+        on_save_error: `checkpoint.on_save_error`: `stop` or `continue` after a failed save.
     """
 
     def __init__(
@@ -185,6 +170,7 @@ class CheckpointManager:
         lora_base: tuple[str, Path | None] | None = None,
         cache_save_plan: bool = True,
         model_identity: tuple[str, object] | None = None,
+        on_save_error: str = "stop",
     ) -> None:
         self.save_dir = save_dir
         self.prefix = prefix
@@ -201,6 +187,9 @@ class CheckpointManager:
         self._pending: tuple[Future, Path, int] | None = None
         self._staging: Future | None = None
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        # The vote after each phase of a save runs on the host, whatever the training backend.
+        vote = self._group or (dist.new_group(backend="gloo") if dist.is_initialized() else None)
+        self.guard = SaveGuard(vote, rank=rank, on_error=on_save_error, log=log)
         self.lora_base = lora_base
         self._lora_ref: StateDict | None = None
         self._stager = _background_stager() if async_save else None
@@ -226,18 +215,27 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         trainer_state: TrainerState,
         rng_state: RNGState,
-    ) -> Path:
+    ) -> Path | None:
         """Write one step folder collectively (every rank must call this).
 
-        Returns the folder; with async saving it is complete only after `finalize()` (or the
-        next save) has run, and `wait_staging()` must run before the state changes in place.
+        Returns the folder, or None when the save failed under `checkpoint.on_save_error:
+        continue` (`checkpoint/save_failure.py`); with async saving it is complete only after
+        `finalize()` (or the next save) has run, and `wait_staging()` must run before the state
+        changes in place.
         """
         self.finalize()
         target = self.save_dir / step_dir_name(self.prefix, step)
-        if self.rank == 0:
-            if target.exists():
-                shutil.rmtree(target)
-            target.mkdir(parents=True)
+        last = self.last_complete()
+        error: BaseException | None = None
+        try:
+            if self.rank == 0:
+                if target.exists():
+                    shutil.rmtree(target)
+                target.mkdir(parents=True)
+        except SAVE_ERRORS as err:
+            error = err
+        if not self.guard.settle(error, target=target, step=step, last=last):
+            return None
         barrier()
         options = self._options()
         if self.save_optimizer:
@@ -245,18 +243,16 @@ class CheckpointManager:
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
         else:
             state = {"model": get_model_state_dict(model, options=options)}
-        (target / "rng").mkdir(exist_ok=True)
-        write_rng_file(target / "rng" / f"rank_{self.rank:05d}.pt", rng_state)
         record = self._model_record(state["model"])
-        if self.rank == 0:
-            payload = dict(trainer_state, has_optimizer=self.save_optimizer)
-            if record is not None:
-                payload["model"] = record
-            if self.save_optimizer:
-                payload["optimizer_type"] = optimizer_family(optimizer)
-            if self.lora_base is not None:
-                payload["lora"] = {"base": self._base_reference()}
-            (target / TRAINER_STATE_FILE).write_text(json.dumps(payload, indent=2, default=_json_default))
+        try:
+            (target / "rng").mkdir(exist_ok=True)
+            write_rng_file(target / "rng" / f"rank_{self.rank:05d}.pt", rng_state)
+            if self.rank == 0:
+                self._write_trainer_state(target, trainer_state, record, optimizer)
+        except SAVE_ERRORS as err:
+            error = err
+        if not self.guard.settle(error, target=target, step=step, last=last):
+            return None
         if self.async_save:
             if torch.accelerator.is_available():
                 # The stager copies on a stream of its own, which does not wait for the training
@@ -274,10 +270,37 @@ class CheckpointManager:
             self._staging = response.staging_completion
             self._pending = (response.upload_completion, target, step)
         else:
-            dcp.save(state, checkpoint_id=str(target), planner=self._save_planner())
-            self._mark_complete(target, step)
+            try:
+                dcp.save(state, checkpoint_id=str(target), planner=self._save_planner())
+            except SAVE_ERRORS as err:
+                error = err
+            if not self.guard.settle(error, target=target, step=step, last=last):
+                return None
+            if not self._mark_complete(target, step, last):
+                return None
         self.last_saved_step = step
         return target
+
+    def _write_trainer_state(
+        self,
+        target: Path,
+        trainer_state: TrainerState,
+        record: dict[str, object] | None,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        payload = dict(trainer_state, has_optimizer=self.save_optimizer)
+        if record is not None:
+            payload["model"] = record
+        if self.save_optimizer:
+            payload["optimizer_type"] = optimizer_family(optimizer)
+        if self.lora_base is not None:
+            payload["lora"] = {"base": self._base_reference()}
+        (target / TRAINER_STATE_FILE).write_text(json.dumps(payload, indent=2, default=_json_default))
+
+    def last_complete(self) -> Path | None:
+        """The newest complete step folder of this run's checkpoint folder, if any."""
+        steps = list_complete_steps(self.save_dir)
+        return steps[-1][1] if steps else None
 
     def _model_record(self, model_sd: Mapping[str, object]) -> dict[str, object] | None:
         """This run's `model` record (`checkpoint/identity.py`), made once: the layout of a run
@@ -310,15 +333,25 @@ class CheckpointManager:
             staging.result()
 
     def finalize(self) -> None:
-        """Wait for a background save (if any) and mark it complete; call before exiting."""
+        """Wait for a background save (if any) and mark it complete; call before exiting.
+
+        A background write that failed is settled as a synchronous one is (`save_failure.py`).
+        """
         if self._pending is None:
             return
         self.wait_staging()
         future, target, step = self._pending
         self._pending = None
-        future.result()
-        self._mark_complete(target, step)
-        self.log(f"checkpoint: background save of step {step} finished ({target})")
+        last = self.last_complete()
+        error: BaseException | None = None
+        try:
+            future.result()
+        except SAVE_ERRORS as err:
+            error = err
+        if self.guard.settle(error, target=target, step=step, last=last) and self._mark_complete(
+            target, step, last
+        ):
+            self.log(f"checkpoint: background save of step {step} finished ({target})")
 
     def close(self) -> None:
         """Release the staging thread and the host buffers (left alone while a save is pending)."""
@@ -326,15 +359,24 @@ class CheckpointManager:
             self._stager.close()
             self._stager = None
 
-    def _mark_complete(self, target: Path, step: int) -> None:
+    def _mark_complete(self, target: Path, step: int, last: Path | None) -> bool:
+        """Write the manifest and the marker once every rank has written (False: that failed)."""
         if self._group is not None:
             dist.barrier(group=self._group)
         barrier()
+        error: BaseException | None = None
         if self.rank == 0:
-            write_manifest(target)
-            (target / COMPLETE_MARKER).write_text(f"{step}\n")
+            try:
+                write_manifest(target)
+                (target / COMPLETE_MARKER).write_text(f"{step}\n")
+            except SAVE_ERRORS as err:
+                error = err
+        if not self.guard.settle(error, target=target, step=step, last=last):
+            return False
+        if self.rank == 0:
             self._prune(step)
         barrier()
+        return True
 
     def _prune(self, newest: int) -> None:
         """Keep `keep` complete steps up to `newest`, the step just saved: a folder of a later
@@ -404,13 +446,13 @@ class CheckpointManager:
             check_same_model(
                 path, saved, model_sd, recorded=meta.get("model"), ours=self._model_record(model_sd)
             )
-            moved = _alias_tied_state(optim_sd, tied_aliases or {}, saved)
-            extra_groups = _groups_not_saved(optim_sd, saved)
+            moved = alias_tied_state(optim_sd, tied_aliases or {}, saved)
+            extra_groups = groups_not_saved(optim_sd, saved)
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
             load_dcp(state, path)
             for copy, source in moved.items():
                 optim_sd["state"][copy] = optim_sd["state"].pop(source)
-            _restore_extra_groups(optim_sd, extra_groups)
+            restore_extra_groups(optim_sd, extra_groups)
             for group, names in zip(optim_sd.get("param_groups", []), own_groups, strict=True):
                 group["params"] = names
             set_state_dict(
@@ -505,76 +547,6 @@ def _background_stager() -> DefaultStager:
             use_non_blocking_copy=accelerator,
         )
     )
-
-
-def read_trainer_state(step_dir: Path) -> TrainerState:
-    """`trainer_state.json` of a step folder (step, tokens seen, schedule and data position).
-
-    Raises:
-        FileNotFoundError: when the folder has none.
-        ValueError: naming the file, when it is not a JSON object or has no integer `step`.
-    """
-    file = step_dir / TRAINER_STATE_FILE
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"checkpoint.load_path: {step_dir} has no {TRAINER_STATE_FILE} (not a meshforge checkpoint folder)"
-        )
-    state = read_json_object(file)
-    step = state.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"{file}: `step` must be a non-negative integer, got {step!r}")
-    # The file is this module's own writing; only `step` is checked (older checkpoints lack keys).
-    return cast("TrainerState", state)
-
-
-def _alias_tied_state(
-    optim_sd: dict[str, Any], aliases: dict[str, str], metadata: Metadata
-) -> dict[str, str]:
-    """Rename a tied copy's optimizer state to its source's name when only the source was saved.
-
-    Returns the renames made (copy -> source), to undo after loading.
-    """
-    if not aliases:
-        return {}
-    saved = metadata.state_dict_metadata
-    state = optim_sd.get("state", {})
-    moved: dict[str, str] = {}
-    for copy, source in aliases.items():
-        has_copy = any(key.startswith(f"optimizer.state.{copy}.") for key in saved)
-        has_source = any(key.startswith(f"optimizer.state.{source}.") for key in saved)
-        if copy in state and source not in state and not has_copy and has_source:
-            state[source] = state.pop(copy)
-            moved[copy] = source
-    return moved
-
-
-def _groups_not_saved(optim_sd: dict[str, Any], metadata: Metadata) -> list[dict[str, Any]]:
-    """Take off (and return) the param groups this run has beyond those the checkpoint holds.
-
-    A run with `parallelism.ignored_modules` keeps the unsharded parameters in groups of their
-    own after the usual decay / no-decay groups (fused AdamW cannot mix them with DTensors);
-    a checkpoint from a run without them holds fewer groups. Their settings are restored
-    from a saved group by `_restore_extra_groups`.
-    """
-    saved = metadata.state_dict_metadata
-    prefix = "optimizer.param_groups."
-    indices = {int(key[len(prefix) :].split(".", 1)[0]) for key in saved if key.startswith(prefix)}
-    groups = optim_sd.get("param_groups", [])
-    if not indices or len(groups) <= len(indices):
-        return []
-    optim_sd["param_groups"] = groups[: len(indices)]
-    return groups[len(indices) :]
-
-
-def _restore_extra_groups(optim_sd: dict[str, Any], extra: list[dict[str, Any]]) -> None:
-    """Give each group the checkpoint did not hold the loaded settings of the group with its weight decay."""
-    if not extra:
-        return
-    loaded = optim_sd["param_groups"]
-    for group in extra:
-        like = next((g for g in loaded if g.get("weight_decay") == group.get("weight_decay")), loaded[0])
-        group.update({key: value for key, value in like.items() if key != "params"})
-    optim_sd["param_groups"] = loaded + extra
 
 
 def _json_default(value: object) -> object:

@@ -161,6 +161,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
 
+    from meshforge.checkpoint.save_failure import CheckpointSaveError
     from meshforge.train.callbacks import CallbackError, CallbackHookError, PeerCallbackError
     from meshforge.train.trainer import Trainer, TrainingDivergedError
     from meshforge.utils.distributed import destroy_process_group
@@ -192,6 +193,12 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         if rank == 0 or isinstance(err, CallbackHookError):
             print(f"error: {err}", file=sys.stderr)
         return 1 if hook else 2
+    except CheckpointSaveError as err:
+        # Every rank stops at the same save (the ranks vote on each phase of it).
+        destroy_process_group()
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 1
     except TrainingDivergedError as err:
         # Every rank stops at the same step (the trainer reduces the decision): leave together.
         destroy_process_group()

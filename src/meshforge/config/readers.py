@@ -259,6 +259,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "checkpoint.prefix",
         "checkpoint.load_path",
         "checkpoint.no_load_optim",
+        "checkpoint.on_save_error",
         "training.steps",
         "training.rampup_batch_size",
         "training.epochs",

@@ -292,6 +292,7 @@ def build_checkpointer(ckpt: CheckpointConfig, env: RunEnv, model: ModelParts) -
         lora_base=model.lora_base,
         cache_save_plan=ckpt.save_global_layout_cache,
         model_identity=(model.family.name, getattr(model.module, "config", None)),
+        on_save_error=ckpt.on_save_error,
     )
 
 

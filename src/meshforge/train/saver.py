@@ -63,10 +63,13 @@ class CheckpointSaver(BuiltinCallback):
         if (save or (stop and self.checkpointer.enabled)) and self.checkpointer.last_saved_step != step:
             self.save()
 
-    def save(self) -> Path:
-        """Save now (collective); the user callbacks' `on_save` get the folder."""
+    def save(self) -> Path | None:
+        """Save now (collective); the user callbacks' `on_save` get the folder. None: the save
+        failed and `checkpoint.on_save_error: continue` goes on (the manager logged why)."""
         state = self.trainer_state()
         path = self.checkpointer.save(state["step"], self.model, self.optimizer, state, rng_state())
+        if path is None:
+            return None
         self.last_path = path
         how = "started saving" if self.checkpointer.async_save else "saved"
         self.log(f"checkpoint: {how} step {state['step']} to {path}")

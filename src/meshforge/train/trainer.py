@@ -428,9 +428,10 @@ class Trainer:
 
     def _stop_unhealthy(self) -> None:
         """Save the last good state (skipped steps left the weights alone) and stop every rank."""
-        path = self.run.watch.checkpoint_saver.save()
+        saver = self.run.watch.checkpoint_saver
+        saver.save()
         self.run.optim.checkpointer.finalize()
-        raise HealthStopError(self.run.watch.health.stop_message(str(path)))
+        raise HealthStopError(self.run.watch.health.stop_message(str(saver.last_path)))
 
     def _eval_due(self, total: int) -> bool:
         if not self.run.data.eval_loaders:
