@@ -186,6 +186,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "parallelism.disable_gradient_division",
         "training.log_cpu_memory",
         "train_dataset.pin_memory",
+        "training.step_timeout_s",
     ),
     "meshforge.train.health": (
         "monitor.health_checkpoint.embedding_local_norm_threshold",

@@ -60,6 +60,12 @@ class TrainingConfig(StrictSection):
         None, "Validation batches per evaluation on each rank (Megatron eval_iters); None = the whole split."
     )
     log_interval: PosInt = describe(1, "Log every this many steps (MindSpeed logging_steps).")
+    step_timeout_s: NonNegFloat | None = describe(
+        None,
+        "A step running longer writes every rank's stack and collective to {output_dir}/hang-rank{R}.txt, "
+        "names the ranks that had not arrived and exits 3; null: max(10 min, 20x the median step), "
+        "20 min over the first 3 steps; 0: off.",
+    )
     stage: Literal["pt", "sft"] = describe(
         "pt", "Training stage: pretraining (pt) or supervised fine-tuning (sft)."
     )

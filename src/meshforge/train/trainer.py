@@ -38,6 +38,7 @@ from meshforge.train.evaluation import eval_line, reshard_fsdp
 from meshforge.train.export import export_run_hf, export_run_lora
 from meshforge.train.health import HealthStopError, TrainingDivergedError, finite_or_none
 from meshforge.train.run import Progress, Run, TrainSummary
+from meshforge.train.watchdog import StepWatchdog
 from meshforge.utils import distributed as dist_utils
 from meshforge.utils.comms import comm_stats_enabled
 from meshforge.utils.log import get_logger
@@ -306,6 +307,15 @@ class Trainer:
         losses: list[float] = []
         run_tokens = 0
         self.model.train()
+        # training.step_timeout_s: a step that outlives it reports every rank and exits.
+        self._watchdog = StepWatchdog(
+            self.cfg.training.step_timeout_s,
+            output_dir=env.output_dir,
+            rank=env.dist.rank,
+            world_size=env.dist.world_size,
+            log=self.log,
+        )
+        self._watchdog.start()
         watch.preemption.install()
         self._callback_stop = False
         try:
@@ -330,6 +340,7 @@ class Trainer:
             elif self.cfg.checkpoint.save_hf_weights:
                 self._hf_export = self.export_hf(env.output_dir / "hf")
         finally:
+            self._watchdog.close()
             watch.preemption.uninstall()
             self.close()
         wall = time.perf_counter() - start_time
@@ -368,18 +379,19 @@ class Trainer:
     def _run_one_step(self, total: int, start_time: float, losses: list[float]) -> int:
         """Train, record, log and maybe save one step; return the tokens it processed."""
         env, parts, watch, progress = self.run.env, self.run.model, self.run.watch, self.progress
-        for builtin in watch.builtin_callbacks:
-            builtin.on_step_begin(self.step + 1)
-        t0 = time.perf_counter()
-        if self._count_comms:
-            from meshforge.utils.comms import CommCounter
+        with self._watchdog.step(self.step + 1):
+            for builtin in watch.builtin_callbacks:
+                builtin.on_step_begin(self.step + 1)
+            t0 = time.perf_counter()
+            if self._count_comms:
+                from meshforge.utils.comms import CommCounter
 
-            with CommCounter() as counter:
+                with CommCounter() as counter:
+                    metrics = self.train_step()
+                metrics["comm_bytes"] = counter.total_bytes
+                metrics["comm_calls"] = counter.total_calls
+            else:
                 metrics = self.train_step()
-            metrics["comm_bytes"] = counter.total_bytes
-            metrics["comm_calls"] = counter.total_calls
-        else:
-            metrics = self.train_step()
         progress.step += 1
         elapsed = time.perf_counter() - t0
         progress.tokens_seen += metrics["tokens"]

@@ -34,8 +34,12 @@ def env_dist_info() -> DistInfo:
     )
 
 
-def init_process_group(backend: str, info: DistInfo, *, timeout_s: int = 600) -> None:
-    """Initialise the default process group (idempotent)."""
+def init_process_group(backend: str, info: DistInfo, *, timeout_s: int = 1800) -> None:
+    """Initialise the default process group (idempotent).
+
+    The timeout is torch's default (30 min): the step watchdog (`train/watchdog.py`, at most 25
+    min) speaks first, naming the ranks and the collective, instead of the group's bare timeout.
+    """
     if dist.is_initialized():
         return
     # Read by `python -m meshforge` to leave without interpreter finalization (see __main__.py).
