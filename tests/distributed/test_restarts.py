@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 STEPS = 14
 
 
-def _kill_after(proc: subprocess.Popen[str], out: Path, rank: int, records: int, spared: set[int]) -> int:
+def _kill_after(
+    proc: subprocess.Popen[bytes], out: Path, rank: int, records: int, spared: set[int], stderr: Path
+) -> int:
     """SIGKILL `rank` of the current attempt (a worker not in `spared`) once `records` steps are logged."""
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
@@ -32,7 +34,9 @@ def _kill_after(proc: subprocess.Popen[str], out: Path, rank: int, records: int,
             os.kill(workers[rank], signal.SIGKILL)
             return workers[rank]
         time.sleep(0.02)
-    raise AssertionError(f"no rank {rank} at {records} records (exit {proc.poll()})")
+    raise AssertionError(
+        f"no rank {rank} at {records} records (exit {proc.poll()}):\n{stderr.read_text()[-5000:]}"
+    )
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -49,22 +53,31 @@ def test_two_sigkills_under_max_restarts_end_as_the_uninterrupted_run(
         "-m", "meshforge", "train", "--config", str(tiny_config), *common,
         f"--training.output_dir={out}", "--checkpoint.load_path=auto",
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        first = _kill_after(proc, out, nproc - 1, 5, set())
-        # The restarted attempt truncates metrics.jsonl to its checkpoint's step and logs on from there.
-        _kill_after(proc, out, nproc - 1, 10, {first})
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # Files, not pipes: nobody reads a pipe until the end, and the failed attempts' tracebacks fill one.
+    log_out, log_err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with log_out.open("w") as stdout_file, log_err.open("w") as stderr_file:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=worker_env(), stdout=stdout_file, stderr=stderr_file)
+        try:
+            first = _kill_after(proc, out, nproc - 1, 5, set(), log_err)
+            # The restarted attempt truncates metrics.jsonl to its checkpoint's step and logs on from there.
+            _kill_after(proc, out, nproc - 1, 10, {first}, log_err)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    stdout, stderr = log_out.read_text(), log_err.read_text()
     assert proc.returncode == 0, stdout + stderr
     assert stdout.count("checkpoint.load_path auto: no complete checkpoint") == 1, stdout
     resumed = [line for line in stdout.splitlines() if "checkpoint.load_path auto: resuming" in line]
     assert len(resumed) == 2, stdout
     reference, records = read_metrics(full), read_metrics(out)
+    # Every log step of a several-rank run carries the spread of its step time (monitor/stragglers.py).
+    for record in reference:
+        spread = (record.get("step_time_median_s"), record.get("step_time_max_s"), record.get("slowest_rank"))
+        if nproc == 1:
+            assert spread == (None, None, None)
+        else:
+            assert spread[2] in (0, 1) and 0 < spread[0] <= spread[1], record
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm", "lr"):  # bitwise: JSON floats round-trip exactly
         assert [r[key] for r in records] == [r[key] for r in reference], key

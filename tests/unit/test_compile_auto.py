@@ -66,11 +66,14 @@ def test_a_resumed_run_counts_only_the_steps_it_has_left(tmp_path: Path) -> None
     import json
     from types import SimpleNamespace
 
+    import torch.distributed.checkpoint as dcp
+
     from meshforge.train.build_model import _run_length
 
     model = _qwen3()
     step = tmp_path / "checkpoints" / "checkpoint-00000400"
     step.mkdir(parents=True)
+    dcp.save({"weight": torch.zeros(2)}, checkpoint_id=step)  # a real, loadable step folder
     (step / "trainer_state.json").write_text(json.dumps({"step": 400}))
     (step / "COMPLETE").write_text("")
     training = config_from_dict({"training": {"steps": 403}}).training

@@ -187,6 +187,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "training.log_cpu_memory",
         "train_dataset.pin_memory",
         "training.step_timeout_s",
+        "training.rerun_mode",
     ),
     "meshforge.train.health": (
         "monitor.health_checkpoint.embedding_local_norm_threshold",

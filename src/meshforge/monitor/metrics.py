@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from meshforge.monitor.stragglers import straggler_note
+
 
 class JsonlMetrics:
     """Append-only per-step metrics file, truncated to `resume_step` on resume."""
@@ -89,6 +91,9 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")
     if "memory_bytes" in record:
         parts.append(f"mem {record['memory_bytes'] / 2**30:.2f} GiB")
+    straggler = straggler_note(record)
+    if straggler is not None:
+        parts.append(straggler)
     return " | ".join(parts)
 
 

@@ -60,6 +60,12 @@ class TrainingConfig(StrictSection):
         None, "Validation batches per evaluation on each rank (Megatron eval_iters); None = the whole split."
     )
     log_interval: PosInt = describe(1, "Log every this many steps (MindSpeed logging_steps).")
+    rerun_mode: Literal["validate_results", "disabled"] = describe(
+        "validate_results",
+        "A skipped step (non-finite, or above the health threshold) is computed again from the same state "
+        "and data: the same result is a real divergence, another one a transient fault (logged with the "
+        "rank; the rerun's result stands). Megatron-LM's --rerun-mode.",
+    )
     step_timeout_s: NonNegFloat | None = describe(
         None,
         "A step running longer writes every rank's stack and collective to {output_dir}/hang-rank{R}.txt, "

@@ -22,6 +22,7 @@ from meshforge.data.inputs import input_issues
 from meshforge.loss.cross_entropy import count_valid_tokens
 from meshforge.loss.mtp import mtp_loss_sum
 from meshforge.monitor.memory import memory_fields
+from meshforge.monitor.stragglers import step_time_spread
 from meshforge.monitor.throughput import throughput_fields
 from meshforge.monitor.train_state import is_log_step
 from meshforge.train.batches import (
@@ -36,12 +37,14 @@ from meshforge.train.build import build_run
 from meshforge.train.callbacks import TrainInfo
 from meshforge.train.evaluation import eval_line, reshard_fsdp
 from meshforge.train.export import export_run_hf, export_run_lora
-from meshforge.train.health import HealthStopError, TrainingDivergedError, finite_or_none
+from meshforge.train.health import HealthStopError, StepVerdict, TrainingDivergedError, finite_or_none
+from meshforge.train.rerun import StepResult, ranks_that_changed, reproduced, rerun_line
 from meshforge.train.run import Progress, Run, TrainSummary
 from meshforge.train.watchdog import StepWatchdog
 from meshforge.utils import distributed as dist_utils
 from meshforge.utils.comms import comm_stats_enabled
 from meshforge.utils.log import get_logger
+from meshforge.utils.seed import RNGState, rng_state, set_rng_state
 
 __all__ = ["BatchPlan", "HealthStopError", "TrainSummary", "Trainer", "TrainingDivergedError", "plan_batches"]
 
@@ -199,58 +202,23 @@ class Trainer:
         # What this rank divides its loss sum by; the summed gradients are then the gradient of
         # the global token mean, or of the mean of per-rank means (disable_gradient_division off).
         normalizer = self._loss_normalizer(local_tokens, global_tokens)
-        self._aux_sum = torch.zeros((), device=device, dtype=torch.float32)
-        self._mtp_sum = torch.zeros((), device=device, dtype=torch.float32)
-        if watch.moe_monitor is not None:
-            watch.moe_monitor.begin(self.step + 1)
-        phase = self._phase("forward_backward")
-        if optim.pipeline is not None:
-            # The schedule runs forward and backward of every micro-batch over the stages and
-            # returns the CE sum on every pipeline rank.
-            with phase:
-                loss_sum = optim.pipeline.step(micro, normalizer)
-            if parts.aux_loss_enabled:
-                self._aux_sum = self._aux_sum + optim.pipeline.aux_sum
-            self._mtp_sum = self._mtp_sum + optim.pipeline.mtp_sum
-        else:
-            loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-            with phase:
-                for mb in micro:
-                    loss_sum += self.forward_backward(mb, normalizer)
-                    optim.grad_accum.after_micro_batch()
-                optim.grad_accum.finish()
-        if parts.fsdp and parts.ignored_params:
-            from meshforge.parallel.fsdp import sync_ignored_grads
-
-            # Parameters FSDP leaves alone (parallelism.ignored_modules): sum their gradients here.
-            sync_ignored_grads(self.model, loss_group)
-        loss = dist_utils.all_reduce_sum(loss_sum / normalizer, loss_group)
-        extra: dict[str, float] = {}
-        if parts.aux_loss_enabled:
-            extra["aux_loss"] = float(dist_utils.all_reduce_sum(self._aux_sum, loss_group))
-        if parts.mtp_coef:
-            extra["mtp_loss"] = float(dist_utils.all_reduce_sum(self._mtp_sum, loss_group))
-        total = self.run.data.total_steps
-        if watch.train_state is not None and is_log_step(
-            self.step + 1, self.cfg.training.log_interval, total
-        ):
-            extra.update(
-                watch.train_state.collect(
-                    self.model,
-                    loss_sum=float(_plain(loss_sum)),
-                    local_tokens=int(local_tokens),
-                    normalizer=float(normalizer),
-                )
-            )
-        embedding_norm = watch.health.embedding_local_norm(self.model)  # before clipping
-        with self._phase("clip_grads"):
-            grad_norm = self.clip_grads()
-        loss_value, norm_value = float(loss), float(grad_norm)
+        rerun = self.cfg.training.rerun_mode == "validate_results"
+        rng_before = rng_state() if rerun else None
+        result = self._compute_step(micro, normalizer, local_tokens)
         # Decided over the world before the update: a skipped step (non-finite, or above
         # monitor.health_checkpoint's threshold) changes neither the weights nor the schedule.
-        self.progress.verdict = verdict = watch.health.decide(
-            loss_value, norm_value, embedding_norm, stop_requested=watch.preemption.requested
+        verdict = watch.health.decide(
+            result.loss, result.grad_norm, result.embedding_norm, stop_requested=watch.preemption.requested
         )
+        rerun_kind = None
+        if verdict.skip and rng_before is not None:
+            result, verdict, rerun_kind = self._rerun_step(
+                micro, normalizer, local_tokens, result, rng_before
+            )
+        self.progress.verdict = verdict
+        loss_value, norm_value, extra = result.loss, result.grad_norm, result.extra
+        if rerun_kind is not None:
+            extra["rerun"] = rerun_kind
         lr = float(optim.optimizer.param_groups[0]["lr"])
         if not verdict.skip:
             # A background save may still be copying the weights this step updates in place.
@@ -279,6 +247,82 @@ class Trainer:
         if verdict.skip:
             record.update(skipped=True, skip_reason=verdict.reason)
         return record
+
+    def _compute_step(
+        self, micro: list[Batch], normalizer: torch.Tensor, local_tokens: torch.Tensor | int
+    ) -> StepResult:
+        """Forward and backward of every micro-batch, the global loss and the clipped norm."""
+        env, parts, optim, watch = self.run.env, self.run.model, self.run.optim, self.run.watch
+        device = env.device
+        loss_group = env.mesh.view("loss").get_group()
+        self._aux_sum = torch.zeros((), device=device, dtype=torch.float32)
+        self._mtp_sum = torch.zeros((), device=device, dtype=torch.float32)
+        if watch.moe_monitor is not None:
+            watch.moe_monitor.begin(self.step + 1)
+        phase = self._phase("forward_backward")
+        if optim.pipeline is not None:
+            # The schedule runs forward and backward of every micro-batch over the stages and
+            # returns the CE sum on every pipeline rank.
+            with phase:
+                loss_sum = optim.pipeline.step(micro, normalizer)
+            if parts.aux_loss_enabled:
+                self._aux_sum = self._aux_sum + optim.pipeline.aux_sum
+            self._mtp_sum = self._mtp_sum + optim.pipeline.mtp_sum
+        else:
+            loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+            with phase:
+                for mb in micro:
+                    loss_sum += self.forward_backward(mb, normalizer)
+                    optim.grad_accum.after_micro_batch()
+                optim.grad_accum.finish()
+        if parts.fsdp and parts.ignored_params:
+            from meshforge.parallel.fsdp import sync_ignored_grads
+
+            # Parameters FSDP leaves alone (parallelism.ignored_modules): sum their gradients here.
+            sync_ignored_grads(self.model, loss_group)
+        loss = dist_utils.all_reduce_sum(loss_sum / normalizer, loss_group)
+        extra: dict[str, float | str] = {}
+        if parts.aux_loss_enabled:
+            extra["aux_loss"] = float(dist_utils.all_reduce_sum(self._aux_sum, loss_group))
+        if parts.mtp_coef:
+            extra["mtp_loss"] = float(dist_utils.all_reduce_sum(self._mtp_sum, loss_group))
+        total = self.run.data.total_steps
+        if watch.train_state is not None and is_log_step(
+            self.step + 1, self.cfg.training.log_interval, total
+        ):
+            extra.update(
+                watch.train_state.collect(
+                    self.model,
+                    loss_sum=float(_plain(loss_sum)),
+                    local_tokens=int(local_tokens),
+                    normalizer=float(normalizer),
+                )
+            )
+        embedding_norm = watch.health.embedding_local_norm(self.model)  # before clipping
+        with self._phase("clip_grads"):
+            grad_norm = self.clip_grads()
+        return StepResult(loss_sum, float(loss), float(grad_norm), embedding_norm, extra)
+
+    def _rerun_step(
+        self,
+        micro: list[Batch],
+        normalizer: torch.Tensor,
+        local_tokens: torch.Tensor | int,
+        first: StepResult,
+        rng_before: RNGState,
+    ) -> tuple[StepResult, StepVerdict, str]:
+        """The bad step computed again from the same state and data (`train/rerun.py`)."""
+        watch, step = self.run.watch, self.step + 1
+        self.run.optim.optimizer.zero_grad(set_to_none=True)
+        set_rng_state(rng_before)
+        again = self._compute_step(micro, normalizer, local_tokens)
+        verdict = watch.health.decide(
+            again.loss, again.grad_norm, again.embedding_norm, stop_requested=watch.preemption.requested
+        )
+        real = reproduced(first, again)
+        changed = [] if real else ranks_that_changed(first, again, self.run.env.device)
+        self.log(rerun_line(step, first, again, changed, real=real))
+        return again, verdict, "divergence" if real else "transient"
 
     def _loss_normalizer(self, local_tokens: torch.Tensor | int, global_tokens: torch.Tensor) -> torch.Tensor:
         """The divisor of this rank's loss sum for one optimizer step.
@@ -394,6 +438,8 @@ class Trainer:
                 metrics = self.train_step()
         progress.step += 1
         elapsed = time.perf_counter() - t0
+        if env.dist.world_size > 1 and is_log_step(self.step, self.cfg.training.log_interval, total):
+            metrics.update(step_time_spread(elapsed, device=env.device))
         progress.tokens_seen += metrics["tokens"]
         record = {
             "step": self.step,

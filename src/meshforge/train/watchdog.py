@@ -49,16 +49,21 @@ _STEPS_MEASURED = 3
 _REPORT_WAIT_S = 5.0
 # The public collectives and point-to-point calls of `torch.distributed`, looked up at install.
 _COLLECTIVE = re.compile(r"gather|scatter|reduce|broadcast|all_to_all|send|recv|barrier")
+# Left as they are: `P2POp` checks its `op` by identity against these two (the pipeline's
+# `batch_isend_irecv`, which is followed, carries them).
+_IDENTITY_CHECKED = frozenset({"isend", "irecv"})
 
 
-def _describe_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+def _describe_args(args: tuple[object, ...], kwargs: dict[str, object]) -> str:
     shapes = []
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             shapes.append(f"{value.dtype}".removeprefix("torch.") + str(list(value.shape)))
         elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
             shapes.append(f"{len(value)} tensors")
-    group = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    named = kwargs.get("group")
+    group = named if isinstance(named, dist.ProcessGroup) else None
+    group = group or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
     try:
         size = dist.get_world_size(group) if dist.is_initialized() else 1
     except (RuntimeError, ValueError):
@@ -81,6 +86,7 @@ class CollectiveTracker:
             original = getattr(dist, name)
             if (
                 name.startswith("_")
+                or name in _IDENTITY_CHECKED
                 or name[0].isupper()
                 or not _COLLECTIVE.search(name)
                 or not callable(original)

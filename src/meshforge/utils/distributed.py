@@ -46,13 +46,38 @@ def init_process_group(backend: str, info: DistInfo, *, timeout_s: int = 1800) -
     dist._meshforge_used = True  # type: ignore[attr-defined]
     timeout = timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout)
+        store = _attempt_store(info.world_size, timeout)
+        dist.init_process_group(
+            backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
+        )
     else:
         if info.world_size != 1:
             raise RuntimeError(
                 f"WORLD_SIZE={info.world_size} but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun"
             )
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """The store of this torchrun attempt, or None to let torch make it from MASTER_ADDR/PORT.
+
+    torchrun's agent keeps one store for every restart of a job (the shared rendezvous store),
+    and torch's env:// rendezvous puts no per-attempt prefix on it: a restarted attempt's gloo
+    groups can then read the address a dead worker of the previous attempt published, and fail
+    with "connectFullMesh failed ... Connection refused". Prefixing the keys with the restart
+    count gives each attempt keys of its own.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"meshforge/attempt_{restart}", client)
 
 
 def destroy_process_group(*, synchronize: bool = True) -> None:
