@@ -1,8 +1,9 @@
 """What a run may do with its output folder: start in it, resume the run it holds, or start over.
 
 A folder that holds an earlier run (records in its `metrics.jsonl`, or complete checkpoints) is
-never written over without being asked: `checkpoint.load_path: auto` resumes its latest complete
-checkpoint (torchtitan's habit), a `load_path` inside the folder resumes that step,
+never written over without being asked: `checkpoint.load_path: auto` resumes its newest complete
+checkpoint that loads whole (torchtitan's habit; a damaged newer one is passed over and named,
+`checkpoint/integrity.py`), a `load_path` inside the folder resumes that step,
 `training.overwrite_output_dir: true` starts over in it (the HF Trainer's key: the earlier
 checkpoints and metrics are removed, and the log says so), and anything else is refused in one
 line that names the folder and these ways on (LLaMA-Factory refuses too). `auto` in a folder
