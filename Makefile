@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# torchft for parallelism.fault_tolerance (--no-deps: torch stays pinned); its tests skip without it.
+	$(PY) -m pip install -q --no-deps torchft==0.2.0 || echo "warning: torchft==0.2.0 not installed; fault-tolerance tests will skip"
 	touch $(STAMP)
 
 # Each `make demo` trains afresh: the earlier demo run in output/demo is replaced, by request.

@@ -92,6 +92,7 @@ VALUES: dict[str, dict[str, Any]] = {
     "parallelism.chunk_mbs_modules": {"parallelism": {"chunk_mbs_modules": ["model.layers.{*}.mlp"]}},
     "parallelism.chunk_mbs_kwarg_names": {"parallelism": {"chunk_mbs_kwarg_names": ["position_ids"]}},
     "parallelism.chunk_mbs_arg_indexs": {"parallelism": {"chunk_mbs_arg_indexs": [1]}},
+    "parallelism.fault_tolerance.replica_id": {"parallelism": {"fault_tolerance": {"replica_id": 1}}},
     "optimizer.type": {"optimizer": {"type": "FusedAdamW"}},
     "optimizer.betas": {"optimizer": {"betas": [0.8, 0.9]}},
     "optimizer.weight_decay_include": {"optimizer": {"weight_decay_include": ["*.weight"]}},

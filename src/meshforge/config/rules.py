@@ -184,9 +184,26 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
             )
 
     issues.extend(_quant_issues(cfg))
+    issues.extend(_fault_tolerance_issues(cfg))
     num_layers = cfg.model.num_hidden_layers()
     if num_layers is not None:
         issues.extend(layer_issues(cfg, num_layers))
+    return issues
+
+
+def _fault_tolerance_issues(cfg: TrainConfig) -> list[Issue]:
+    """Training options that do not combine with torchft replica groups (`train/replicas.py`)."""
+    if not cfg.parallelism.fault_tolerance.enable:
+        return []
+    issues: list[Issue] = []
+    if cfg.training.rampup_batch_size:
+        issues.append(
+            (
+                "training.rampup_batch_size",
+                "a batch ramp does not combine with parallelism.fault_tolerance.enable (replica groups "
+                "share one fixed per-group batch)",
+            )
+        )
     return issues
 
 

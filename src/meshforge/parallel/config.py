@@ -18,6 +18,7 @@ from meshforge.config.base import (
     Bool,
     DtypeName,
     Int,
+    PosFloat,
     PosInt,
     StrictSection,
     describe,
@@ -41,6 +42,58 @@ def _normalize_patterns(value: object) -> object:
     if isinstance(value, list):
         return [normalize_pattern(v) if isinstance(v, str) else v for v in value]
     return value
+
+
+class FaultToleranceConfig(StrictSection):
+    """`parallelism.fault_tolerance:` replica groups over torchft (`train/replicas.py`, docs/torchft.md).
+
+    Each replica group is a job of its own (its own torchrun world, FSDP inside it); the groups
+    average their gradients through torchft's managed all-reduce, a failed group leaves the quorum
+    and a restarted one copies the live state from a peer.
+    """
+
+    enable: Bool = describe(
+        False, "Train as one torchft replica group among parallelism.fault_tolerance.replica_groups."
+    )
+    replica_groups: PosInt = describe(
+        2,
+        "Replica groups the data is sharded over (each one job); the quorum may hold fewer while one is down.",
+    )
+    replica_id: Int | None = describe(
+        None, "This group's index in [0, replica_groups); null = env REPLICA_GROUP_ID or TORCHFT_REPLICA_ID."
+    )
+    min_replicas: PosInt = describe(
+        1, "Replica groups a step needs to commit (the lighthouse's quorum minimum)."
+    )
+    lighthouse: str | None = describe(
+        None, "Lighthouse address (http://host:port); null = env TORCHFT_LIGHTHOUSE."
+    )
+    timeout_s: PosFloat = describe(
+        60.0,
+        "Seconds a cross-group collective, commit vote or recovery transfer may take before the step is dropped.",
+    )
+    quorum_timeout_s: PosFloat = describe(60.0, "Seconds to wait for a quorum at the start of a step.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> FaultToleranceConfig:
+        if self.replica_id is not None and not 0 <= self.replica_id < self.replica_groups:
+            raise rule_error(
+                "replica_id", f"must be in [0, replica_groups={self.replica_groups}), got {self.replica_id}"
+            )
+        if self.min_replicas > self.replica_groups:
+            raise rule_error(
+                "min_replicas", f"({self.min_replicas}) cannot exceed replica_groups ({self.replica_groups})"
+            )
+        return self
+
+
+# Degrees that do not combine with replica groups: name -> why (checked when enabled).
+FT_REFUSED_DEGREES = {
+    "pipeline_parallel": "a pipeline stage's gradients would need a managed all-reduce per stage",
+    "tensor_parallel": "not tested with DTensor-sharded TP gradients across replica groups",
+    "context_parallel": "not tested with CP across replica groups",
+    "expert_parallel": "expert shards are not tested across replica groups",
+}
 
 
 class ParallelismConfig(StrictSection):
@@ -156,6 +209,9 @@ class ParallelismConfig(StrictSection):
     chunk_mbs_modules: list[str] = describe(list(MS_LAYER_MODULES), "Module patterns run chunk by chunk.")
     chunk_mbs_arg_indexs: list[Int] = describe([0], "Positional argument indices chunked.")
     chunk_mbs_kwarg_names: list[str] = describe(list(MS_CHUNK_KWARGS), "Keyword arguments chunked.")
+    fault_tolerance: FaultToleranceConfig = describe(
+        FaultToleranceConfig(), "Replica-level fault tolerance with torchft (docs/torchft.md)."
+    )
 
     _normalize = field_validator(
         "fsdp_modules",
@@ -217,6 +273,20 @@ class ParallelismConfig(StrictSection):
                     raise rule_error(name, "has no effect unless parallelism.enable_chunk_batch: true")
         if not self.fsdp_modules:
             raise rule_error("fsdp_modules", "must list at least one module pattern")
+        if self.fault_tolerance.enable:
+            for name, why in FT_REFUSED_DEGREES.items():
+                if getattr(self, name) > 1:
+                    raise rule_error(
+                        "fault_tolerance.enable",
+                        f"does not combine with parallelism.{name}: {getattr(self, name)} ({why}); "
+                        f"replica groups support FSDP inside each group only",
+                    )
+            if self.dense_fsdp_shard_size is not None:
+                raise rule_error(
+                    "fault_tolerance.enable",
+                    "does not combine with parallelism.dense_fsdp_shard_size (HSDP inside a group): the "
+                    "replicate dimension is the replica groups themselves",
+                )
         if self.num_to_forward_prefetch < 0:
             raise rule_error("num_to_forward_prefetch", f"must be >= 0, got {self.num_to_forward_prefetch}")
         if self.num_to_backward_prefetch < 0:
