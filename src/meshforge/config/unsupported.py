@@ -142,33 +142,16 @@ def _sft_entries() -> list[Unsupported]:
     return entries
 
 
-def _dpo_with(predicate: Callable[[TrainConfig], bool]) -> Callable[[TrainConfig], bool]:
-    return lambda cfg: cfg.training.stage == "dpo" and predicate(cfg)
-
-
-_PARALLEL_DEGREES = ("tensor_parallel", "context_parallel", "pipeline_parallel", "expert_parallel")
-
-
-def _dpo_parallel(name: str) -> Callable[[TrainConfig], bool]:
-    return lambda cfg: cfg.training.stage == "dpo" and int(getattr(cfg.parallelism, name)) > 1
-
-
 def _pref_field_set(name: str) -> Callable[[TrainConfig], bool]:
     return lambda cfg: getattr(cfg.training, name) != _default(TrainingConfig, name)
 
 
-_DPO = "with training.stage: dpo (preference training runs on FSDP / one process)"
 # What preference training (train/preference.py) does not combine with yet.
 PREFERENCE_ENTRIES: list[Unsupported] = [
     Unsupported(
         "training.stage",
-        lambda c: c.training.stage == "rm",
-        "rm: reward-model training (a scalar head and a pairwise loss)",
-    ),
-    Unsupported(
-        "training.stage",
-        lambda c: c.training.stage == "dpo",
-        "dpo: the preference trainer (the losses of loss/preference.py are built, the trainer is not)",
+        lambda c: c.training.stage in ("dpo", "rm"),
+        "dpo and rm: the preference trainer and reward models (loss/preference.py holds the losses)",
     ),
     *[
         Unsupported(
@@ -178,41 +161,6 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
         )
         for name in ("pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "simpo_gamma")
     ],
-    *[Unsupported(f"parallelism.{name}", _dpo_parallel(name), _DPO) for name in _PARALLEL_DEGREES],
-    Unsupported(
-        "train_dataset.packing",
-        _dpo_with(lambda c: c.train_dataset.packing or c.train_dataset.neat_packing),
-        "packing pairwise rows " + _DPO,
-    ),
-    Unsupported(
-        "train_dataset.streaming", _dpo_with(lambda c: c.train_dataset.streaming), "streaming " + _DPO
-    ),
-    Unsupported(
-        "train_dataset.tokenized_path",
-        _dpo_with(lambda c: bool(c.train_dataset.tokenized_path)),
-        "saved tokenized pairwise data " + _DPO,
-    ),
-    Unsupported(
-        "training.eval_interval",
-        _dpo_with(
-            lambda c: (
-                c.training.eval_interval is not None
-                or c.train_dataset.val_size > 1e-6
-                or c.train_dataset.eval_dataset is not None
-            )
-        ),
-        "evaluation (eval_interval, val_size, eval_dataset) " + _DPO,
-    ),
-    Unsupported(
-        "training.router_aux_loss_coef",
-        _dpo_with(lambda c: c.training.router_aux_loss_coef > 0),
-        "the MoE router loss " + _DPO,
-    ),
-    Unsupported(
-        "training.rampup_batch_size",
-        _dpo_with(lambda c: c.training.rampup_batch_size is not None),
-        "batch-size ramp-up " + _DPO,
-    ),
 ]
 
 _P = "parallelism"
