@@ -76,6 +76,15 @@ TRIGGERS: dict[str, dict] = {
     "train_dataset.reset_attention_mask": {
         "train_dataset": {"reset_attention_mask": True, "append_eod": True}
     },
+    "training.stage": {
+        "training": {"stage": "dpo"},
+        "train_dataset": {"dataloader": {"type": "SFTDataLoader"}},
+    },
+    "training.pref_beta": {"training": {"pref_beta": 0.2}},
+    "training.pref_loss": {"training": {"pref_loss": "ipo"}},
+    "training.pref_ftx": {"training": {"pref_ftx": 0.1}},
+    "training.dpo_label_smoothing": {"training": {"dpo_label_smoothing": 0.1}},
+    "training.simpo_gamma": {"training": {"simpo_gamma": 1.0}},
 }
 
 

@@ -42,16 +42,13 @@ def cross_section_issues(cfg: TrainConfig) -> list[Issue]:
         )
 
     loader = data.dataloader.type
-    if (
-        "stage" in training.model_fields_set
-        and loader
-        and (training.stage == "sft") != (loader == SFT_LOADER)
-    ):
-        wanted = f"{SFT_LOADER}" if training.stage == "sft" else f"a pretraining loader, not {SFT_LOADER}"
+    chat = training.stage in ("sft", "dpo", "rm")
+    if "stage" in training.model_fields_set and loader and chat != (loader == SFT_LOADER):
+        wanted = f"{SFT_LOADER}" if chat else f"a pretraining loader, not {SFT_LOADER}"
         issues.append(
             (
                 "training.stage",
-                f"{training.stage!r} trains on {'chat/instruction' if training.stage == 'sft' else 'raw-text'} "
+                f"{training.stage!r} trains on {'chat/instruction' if chat else 'raw-text'} "
                 f"data: train_dataset.dataloader.type must be {wanted} (got {loader}); as in MindSpeed, sft "
                 "pairs with LLaMA-Factory-style data and pt with pretraining data",
             )

@@ -142,8 +142,30 @@ def _sft_entries() -> list[Unsupported]:
     return entries
 
 
+def _pref_field_set(name: str) -> Callable[[TrainConfig], bool]:
+    return lambda cfg: getattr(cfg.training, name) != _default(TrainingConfig, name)
+
+
+# What preference training (train/preference.py) does not combine with yet.
+PREFERENCE_ENTRIES: list[Unsupported] = [
+    Unsupported(
+        "training.stage",
+        lambda c: c.training.stage in ("dpo", "rm"),
+        "dpo and rm: the preference trainer and reward models (loss/preference.py holds the losses)",
+    ),
+    *[
+        Unsupported(
+            f"training.{name}",
+            _pref_field_set(name),
+            "preference-loss field: the preference trainer is not built yet",
+        )
+        for name in ("pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "simpo_gamma")
+    ],
+]
+
 _P = "parallelism"
 ENTRIES: list[Unsupported] = [
+    *PREFERENCE_ENTRIES,
     Unsupported(
         f"{_P}.expert_parallel_async_d2h",
         lambda c: c.parallelism.expert_parallel_async_d2h,

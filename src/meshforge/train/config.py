@@ -2,7 +2,7 @@
 
 Lives beside `trainer.py`, which consumes it. Holds the MindFormers TrainingConfig fields with the
 code's `__post_init__` rules, plus native homes for MindSpeed TrainingArguments (`output_dir`,
-`gradient_accumulation_steps`, `epochs`, `stage`, loss coefficients, logging switches).
+`gradient_accumulation_steps`, `epochs`, `stage`, loss coefficients, the preference-loss fields, logging switches).
 """
 
 from __future__ import annotations
@@ -72,9 +72,25 @@ class TrainingConfig(StrictSection):
         "names the ranks that had not arrived and exits 3; null: max(10 min, 20x the median step), "
         "20 min over the first 3 steps; 0: off.",
     )
-    stage: Literal["pt", "sft"] = describe(
-        "pt", "Training stage: pretraining (pt) or supervised fine-tuning (sft)."
+    stage: Literal["pt", "sft", "dpo", "rm"] = describe(
+        "pt",
+        "Training stage: pretraining (pt), supervised fine-tuning (sft), preference optimisation on "
+        "pairwise data (dpo; see docs/preference.md) or reward modelling (rm, not built yet).",
     )
+    pref_beta: PosFloat = describe(
+        0.1, "Preference loss beta: the weight of the log-ratio (DPO's beta, IPO's tau; LLaMA-Factory key)."
+    )
+    pref_loss: Literal["sigmoid", "hinge", "ipo", "orpo", "simpo"] = describe(
+        "sigmoid",
+        "Preference loss: sigmoid (DPO), hinge, ipo, orpo or simpo (the last two without a reference model).",
+    )
+    pref_ftx: NonNegFloat = describe(
+        0.0, "Weight of an SFT term (mean log-probability of the chosen answer) added to the preference loss."
+    )
+    dpo_label_smoothing: NonNegFloat = describe(
+        0.0, "Label smoothing of the sigmoid DPO loss (robust DPO), in [0, 0.5]."
+    )
+    simpo_gamma: NonNegFloat = describe(0.5, "SimPO's target reward margin gamma.")
     calculate_per_token_loss: Bool = describe(
         False, "MindSpeed switch; meshforge always normalises the loss by the global valid-token count."
     )
@@ -112,6 +128,8 @@ class TrainingConfig(StrictSection):
                 check_ramp(ramp[0], ramp[1], self.global_batch_size)
             except ValueError as err:
                 raise rule_error("rampup_batch_size", str(err).split(": ", 1)[1]) from None
+        if self.dpo_label_smoothing > 0.5:
+            raise rule_error("dpo_label_smoothing", f"must be in [0, 0.5], got {self.dpo_label_smoothing}")
         if self.gradient_accumulation_steps is not None and self.global_batch_size is not None:
             raise rule_error(
                 "gradient_accumulation_steps",

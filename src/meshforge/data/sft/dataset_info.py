@@ -155,8 +155,11 @@ def _files(file_name: str, base: Path, where: str) -> tuple[list[Path], str]:
     return files, types.pop()
 
 
-def resolve_datasets(dataset: object, dataset_dir: str) -> list[DatasetAttr]:
+def resolve_datasets(dataset: object, dataset_dir: str, *, ranking: bool | None = None) -> list[DatasetAttr]:
     """The `DatasetAttr` of every dataset `train_dataset.dataset` names.
+
+    `ranking`: True for preference training (every dataset must be `ranking: true`), False for
+    SFT (none may be), None to accept either.
 
     Raises:
         FileNotFoundError / ValueError: naming the key path (or dataset_info.json entry) at fault.
@@ -180,7 +183,18 @@ def resolve_datasets(dataset: object, dataset_dir: str) -> list[DatasetAttr]:
             name = str(item)  # `item` is one of the file's (str) keys
             info = info_file[name]
             where = f"{base / 'dataset_info.json'}: {item}"
-        attrs.append(_attr(name, info, base, where))
+        attr = _attr(name, info, base, where)
+        if ranking is not None and attr.ranking != ranking:
+            raise ValueError(
+                f"{where}.ranking: "
+                + (
+                    "a pairwise (ranking: true) dataset trains only with training.stage: dpo"
+                    if attr.ranking
+                    else "training.stage: dpo needs pairwise data: a dataset with ranking: true "
+                    "and chosen/rejected columns"
+                )
+            )
+        attrs.append(attr)
     return attrs
 
 
@@ -195,20 +209,22 @@ def _attr(name: str, info: object, base: Path, where: str) -> DatasetAttr:
     formatting = info.get("formatting", "alpaca")
     if formatting not in FORMATTINGS:
         raise ValueError(f"{where}.formatting: {formatting!r} is not one of {', '.join(FORMATTINGS)}")
-    if info.get("ranking"):
-        raise ValueError(f"{where}.ranking: preference (ranking) data is not supported; SFT data only")
     files, file_type = _files(str(info["file_name"]), base, where)
     tag_defaults = OPENAI_DEFAULTS if formatting == "openai" else TAG_DEFAULTS
     columns = _mapping(info, "columns", COLUMN_DEFAULTS, where)
     if formatting == "openai" and "columns" not in info:
         columns["messages"] = "messages"
-    media = [
-        key for key in ("images", "videos", "audios", "chosen", "rejected", "kto_tag") if columns.get(key)
-    ]
+    ranking = bool(info.get("ranking", False))
+    media = [key for key in ("images", "videos", "audios", "kto_tag") if columns.get(key)]
     if media:
         raise ValueError(
-            f"{where}.columns.{media[0]}: multimodal and preference columns are not supported (text SFT only)"
+            f"{where}.columns.{media[0]}: multimodal and KTO columns are not supported (text only)"
         )
+    pair_columns = [key for key in ("chosen", "rejected") if columns.get(key)]
+    if ranking and len(pair_columns) != 2:
+        raise ValueError(f"{where}.columns: a ranking dataset needs both `chosen` and `rejected` columns")
+    if pair_columns and not ranking:
+        raise ValueError(f"{where}.columns.{pair_columns[0]}: preference columns need ranking: true")
     num_samples = info.get("num_samples")
     if num_samples is not None and (
         isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0
@@ -219,7 +235,7 @@ def _attr(name: str, info: object, base: Path, where: str) -> DatasetAttr:
         files=files,
         file_type=file_type,
         formatting=formatting,
-        ranking=bool(info.get("ranking", False)),
+        ranking=ranking,
         split=str(info.get("split", "train")),
         num_samples=num_samples,
         columns=columns,

@@ -217,10 +217,10 @@ def mix_datasets(converted: list[D], cfg: TrainDatasetConfig, seed: int) -> D:
 def resolve_attrs(spec: object, cfg: TrainDatasetConfig, key: str) -> list[DatasetAttr]:
     # resolve_datasets names `train_dataset.dataset` in its messages; say `eval_dataset` for that key.
     if key == "train_dataset.dataset":
-        return resolve_datasets(spec, cfg.dataset_dir)
+        return resolve_datasets(spec, cfg.dataset_dir, ranking=False)
     rename = lambda text: re.sub(r"train_dataset\.dataset(?![_\w])", key, text)  # noqa: E731
     try:
-        attrs = resolve_datasets(spec, cfg.dataset_dir)
+        attrs = resolve_datasets(spec, cfg.dataset_dir, ranking=False)
     except (ValueError, FileNotFoundError) as err:
         raise type(err)(rename(str(err))) from None
     return [dataclasses.replace(attr, name=rename(attr.name)) for attr in attrs]
