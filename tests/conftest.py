@@ -202,12 +202,19 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def train_here(config: Path, overrides: list[str], *, log: Callable[[str], None] | None = None) -> None:
+def train_here(
+    config: Path,
+    overrides: list[str],
+    *,
+    log: Callable[[str], None] | None = None,
+    trainer_cls: type | None = None,
+) -> None:
     """A whole `meshforge train` run in this process: one rank of a spawn, or a single process.
 
     Cheaper than `run_train` (no fresh interpreter per run); the runs of a layout comparison share
     one spawn through `tests.distributed._spawn.train_runs`. `log` receives the trainer's log lines
-    (what `meshforge train` prints); by default they are dropped.
+    (what `meshforge train` prints); by default they are dropped. `trainer_cls` replaces the
+    `Trainer` (a subclass that injects a fault).
     """
     import torch.distributed as dist
 
@@ -217,7 +224,7 @@ def train_here(config: Path, overrides: list[str], *, log: Callable[[str], None]
     existed = dist.is_initialized()
     log = log or (lambda _line: None)
     # The config's own notes first, as `meshforge train` prints them before the trainer's lines.
-    trainer = Trainer(load_config(str(config), overrides, log=log), log=log)
+    trainer = (trainer_cls or Trainer)(load_config(str(config), overrides, log=log), log=log)
     try:
         trainer.setup()
         trainer.train()

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from meshforge.config import load_config
 from meshforge.train.trainer import Trainer
-from tests.conftest import DROPOUT, read_metrics
+from tests.conftest import DROPOUT, read_metrics, train_here
 
 
 class FaultyTrainer(Trainer):
@@ -36,18 +34,8 @@ class FaultyTrainer(Trainer):
 
 def _train(cls: type[Trainer], config: Path, out: Path, *overrides: str) -> list[str]:
     lines: list[str] = []
-    cfg = load_config(
-        str(config),
-        ["--training.steps=4", f"--training.output_dir={out}", DROPOUT, *overrides],
-        log=lines.append,
-    )
-    trainer = cls(cfg, log=lines.append)
-    try:
-        trainer.setup()
-        trainer.train()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    overrides_all = ["--training.steps=4", f"--training.output_dir={out}", DROPOUT, *overrides]
+    train_here(config, overrides_all, log=lines.append, trainer_cls=cls)
     return lines
 
 
