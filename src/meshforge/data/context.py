@@ -41,6 +41,8 @@ class LoaderContext:
             `total_steps` then holds the resulting number of optimizer steps.
         log: receives the data summary and notes (pass the rank-0 logger).
         shared: results a builder keeps for the other loader of the same run (the SFT pipeline).
+        pairwise: preference training (`training.stage: dpo`): the SFT loader reads ranking
+            datasets into pair rows (`data/sft/pairwise.py`).
     """
 
     tokenizer: PreTrainedTokenizerBase | None
@@ -53,6 +55,7 @@ class LoaderContext:
     epochs: float | None = None
     log: Callable[[str], None] | None = None
     shared: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+    pairwise: bool = False
 
     @property
     def global_batch(self) -> int:

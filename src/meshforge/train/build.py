@@ -167,6 +167,8 @@ def build_train_data(
         total_steps=training.steps,
         epochs=training.epochs,
         log=env.log,
+        # DPO reads ranking datasets, one pair per row (data/sft/pairwise.py).
+        pairwise=training.stage == "dpo",
     )
     return build_train_loader(dataset, context), context
 

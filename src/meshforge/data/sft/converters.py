@@ -20,12 +20,22 @@ USER, ASSISTANT, SYSTEM, FUNCTION, OBSERVATION = "user", "assistant", "system", 
 
 
 def _aligned(
-    prompt: list[dict[str, str]], response: list[dict[str, str]], system: object, tools: object, error: str
+    prompt: list[dict[str, str]],
+    response: list[dict[str, str]],
+    system: object,
+    tools: object,
+    error: str,
+    ranking: bool = False,
 ) -> dict[str, object]:
+    answers = 2 if ranking else 1  # a ranking example answers with (chosen, rejected)
     if error:
         prompt, response = [], []
-    elif not (len(prompt) % 2 == 1 and len(response) == 1):
-        error = "not one prompt ending in a user turn and one response"
+    elif not (len(prompt) % 2 == 1 and len(response) == answers):
+        error = (
+            "not one prompt ending in a user turn and a chosen and a rejected answer"
+            if ranking
+            else "not one prompt ending in a user turn and one response"
+        )
         prompt, response = [], []
     tools_text = tools if tools is None or isinstance(tools, str) else json.dumps(tools, ensure_ascii=False)
     return {
@@ -37,8 +47,13 @@ def _aligned(
     }
 
 
-def convert_alpaca(example: dict[str, Any], columns: dict[str, str | None]) -> dict[str, object]:
-    """One alpaca record -> aligned example (see the module docstring)."""
+def convert_alpaca(
+    example: dict[str, Any], columns: dict[str, str | None], ranking: bool = False
+) -> dict[str, object]:
+    """One alpaca record -> aligned example (see the module docstring).
+
+    A ranking record answers with its `chosen` and `rejected` columns (both strings), in that order.
+    """
     prompt: list[dict[str, str]] = []
     error = ""
     history = example.get(columns["history"]) if columns["history"] else None
@@ -55,15 +70,24 @@ def convert_alpaca(example: dict[str, Any], columns: dict[str, str | None]) -> d
     if columns["query"] and example.get(columns["query"]):
         query.append(example[columns["query"]])
     prompt.append({"role": USER, "content": "\n".join(query)})
-    value = example.get(columns["response"]) if columns["response"] else None
-    response = [{"role": ASSISTANT, "content": value}] if isinstance(value, str) else []
-    if not error and value is None:
-        error = "missing response"
-    elif not error and not query:
+    if ranking:
+        pair = [example.get(name) if (name := columns[key]) else None for key in ("chosen", "rejected")]
+        texts = [value for value in pair if isinstance(value, str)]
+        response = [{"role": ASSISTANT, "content": text} for text in texts] if len(texts) == 2 else []
+        if not error and len(texts) != 2:
+            error = "missing chosen or rejected answer"
+        elif not error and "" in texts:
+            error = "empty turn"
+    else:
+        value = example.get(columns["response"]) if columns["response"] else None
+        response = [{"role": ASSISTANT, "content": value}] if isinstance(value, str) else []
+        if not error and value is None:
+            error = "missing response"
+    if not error and not query:
         error = "empty turn"
     system = example.get(columns["system"]) if columns["system"] else ""
     tools = example.get(columns["tools"]) if columns["tools"] else ""
-    return _aligned(prompt, response, system, tools, error)
+    return _aligned(prompt, response, system, tools, error, ranking)
 
 
 def convert_sharegpt(
@@ -104,7 +128,33 @@ def convert_sharegpt(
     if not error and ((not ranking and len(aligned) % 2 != 0) or (ranking and len(aligned) % 2 == 0)):
         error = "odd number of messages"
     tools = example.get(columns["tools"]) if columns["tools"] else ""
+    if ranking:
+        answers, pair_error = _ranked_answers(example, columns, tags, roles)
+        return _aligned(aligned, answers, system, tools, error or pair_error, ranking)
     return _aligned(aligned[:-1], aligned[-1:], system, tools, error)
+
+
+def _ranked_answers(
+    example: dict[str, Any],
+    columns: dict[str, str | None],
+    tags: dict[str, str | None],
+    roles: dict[str | None, str],
+) -> tuple[list[dict[str, str]], str]:
+    """The chosen and rejected messages of a sharegpt ranking record (assistant or function turns)."""
+    role_tag, content_tag = tags["role_tag"], tags["content_tag"]
+    answers = []
+    for key in ("chosen", "rejected"):
+        name = columns[key]
+        message = example.get(name) if name else None
+        if not isinstance(message, dict):
+            return [], "missing chosen or rejected answer"
+        if message.get(role_tag) not in (tags["assistant_tag"], tags["function_tag"]):
+            return [], "chosen or rejected is not an assistant turn"
+        content = _content(message, content_tag)
+        if content is None or content == "":
+            return [], "empty turn"
+        answers.append({"role": roles[message[role_tag]], "content": content})
+    return answers, ""
 
 
 def _content(message: Mapping[str, object], content_tag: str | None) -> str | None:
@@ -184,7 +234,7 @@ def convert_batch(
     for i in range(size):
         example = {key: values[i] for key, values in batch.items()}
         if formatting == "alpaca":
-            row = convert_alpaca(example, columns)
+            row = convert_alpaca(example, columns, ranking)
         elif formatting == "openai":
             row = convert_openai(example, columns, tags)
         else:

@@ -59,13 +59,15 @@ def build_sft_parts(
     *,
     seed: int,
     log: Callable[[str], None] | None = None,
+    pairwise: bool = False,
 ) -> tuple[SFTDataset | SFTStream, Parts]:
     """(train, validation parts) of `train_dataset` (`cfg`): in-memory rows, or a stream when streaming.
 
     The parts are empty without validation data, `{MIXED_EVAL: rows}` for one validation set, and
     dataset name -> rows with `eval_on_each_dataset`. With `tokenized_path` holding saved data,
     that data is loaded (its validation part or parts, if any) and every other data option is
-    ignored (said in the log).
+    ignored (said in the log). `pairwise`: preference data, one pair row per ranking example
+    (`pairwise.py`; streaming and `tokenized_path` are refused for it by the config checks).
     """
     import datasets
 
@@ -78,9 +80,14 @@ def build_sft_parts(
     # train_dataset.data_shared_file_system the job's rank 0 alone; the others then load the
     # `datasets` cache, or `tokenized_path` when it is set, instead of tokenising again.
     with preparers_first(per_node=not cfg.data_shared_file_system) as preparer:
-        train, valid, from_disk = _prepare_splits(cfg, tokenizer, seed=seed, preparer=preparer, log=log)
-    train_rows = to_rows(train, cfg, tokenizer, from_disk=from_disk)
-    parts = {name: to_rows(ds, cfg, tokenizer, from_disk=from_disk) for name, ds in valid.items()}
+        train, valid, from_disk = _prepare_splits(
+            cfg, tokenizer, seed=seed, preparer=preparer, log=log, pairwise=pairwise
+        )
+    train_rows = to_rows(train, cfg, tokenizer, from_disk=from_disk, pairwise=pairwise)
+    parts = {
+        name: to_rows(ds, cfg, tokenizer, from_disk=from_disk, pairwise=pairwise)
+        for name, ds in valid.items()
+    }
     text = rows_summary(train_rows, "train") + (f"; {parts_summary(parts)}" if parts else "")
     say(log, f"sft data: {text}; {time.perf_counter() - start:.1f}s")
     return train_rows, parts
@@ -114,6 +121,7 @@ def _prepare_splits(
     seed: int,
     preparer: bool,
     log: Callable[[str], None] | None,
+    pairwise: bool = False,
 ) -> tuple[ArrowDataset, dict[str, ArrowDataset], bool]:
     """(train, validation parts, whether they came from `tokenized_path`) as `datasets` objects.
 
@@ -132,7 +140,7 @@ def _prepare_splits(
             "that folder to rebuild",
         )
     else:
-        train, valid = build_sft_splits(cfg, tokenizer, seed=seed, log=log)
+        train, valid = build_sft_splits(cfg, tokenizer, seed=seed, log=log, pairwise=pairwise)
         if path is not None and preparer:
             _save_tokenized(path, train, valid)
             say(
@@ -183,11 +191,12 @@ def build_sft_dataset(
     *,
     seed: int,
     log: Callable[[str], None] | None = None,
+    pairwise: bool = False,
 ) -> SFTDataset:
     """The SFT training rows of `train_dataset` (`cfg`), via `tokenized_path` when set."""
     if cfg.streaming:
         raise ValueError("train_dataset.streaming: a stream has no in-memory rows; use build_sft_data")
-    train, _ = build_sft_parts(cfg, tokenizer, seed=seed, log=log)
+    train, _ = build_sft_parts(cfg, tokenizer, seed=seed, log=log, pairwise=pairwise)
     assert isinstance(train, SFTDataset)
     return train
 
@@ -211,7 +220,7 @@ def _shared_data(dataset_cfg: TrainDatasetConfig, ctx: LoaderContext) -> tuple[S
         return kept.data
     if ctx.tokenizer is None:
         raise ValueError("SFTDataLoader: the run has no tokenizer; set model.tokenizer_name_or_path")
-    data = build_sft_parts(dataset_cfg, ctx.tokenizer, seed=ctx.seed, log=ctx.log)
+    data = build_sft_parts(dataset_cfg, ctx.tokenizer, seed=ctx.seed, log=ctx.log, pairwise=ctx.pairwise)
     ctx.shared[SHARED_KEY] = _Built(dataset_cfg, ctx.tokenizer, data)
     return data
 

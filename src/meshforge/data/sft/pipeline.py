@@ -36,6 +36,7 @@ from meshforge.data.sft.arrow import ArrowDataset
 from meshforge.data.sft.converters import check_columns, convert_batch
 from meshforge.data.sft.dataset_info import DatasetAttr, load_raw, resolve_datasets
 from meshforge.data.sft.packing import pack_batch
+from meshforge.data.sft.pairwise import encode_pair_batch
 from meshforge.data.sft.processor import IGNORE_INDEX, encode_batch
 from meshforge.data.sft.templates import Template, get_template
 
@@ -55,8 +56,16 @@ class SFTDataset:
     """Encoded SFT rows as a loader `SampleSource` (see the module docstring)."""
 
     def __init__(
-        self, columns: Mapping[str, Sequence[Sequence[int]]], *, row_length: int, pad_id: int, label_pad: int
+        self,
+        columns: Mapping[str, Sequence[Sequence[int]]],
+        *,
+        row_length: int,
+        pad_id: int,
+        label_pad: int,
+        pairwise: bool = False,
     ):
+        # pairwise: each row is one pair (chosen segment 1, rejected segment 2; see pairwise.py).
+        self.pairwise = pairwise
         self.num_rows = len(columns["input_ids"])
         self.row_length = row_length
         self.pad_id = pad_id
@@ -214,27 +223,42 @@ def mix_datasets(converted: list[D], cfg: TrainDatasetConfig, seed: int) -> D:
     )
 
 
-def resolve_attrs(spec: object, cfg: TrainDatasetConfig, key: str) -> list[DatasetAttr]:
+def resolve_attrs(
+    spec: object, cfg: TrainDatasetConfig, key: str, *, pairwise: bool = False
+) -> list[DatasetAttr]:
     # resolve_datasets names `train_dataset.dataset` in its messages; say `eval_dataset` for that key.
     if key == "train_dataset.dataset":
-        return resolve_datasets(spec, cfg.dataset_dir, ranking=False)
+        return resolve_datasets(spec, cfg.dataset_dir, ranking=pairwise)
     rename = lambda text: re.sub(r"train_dataset\.dataset(?![_\w])", key, text)  # noqa: E731
     try:
-        attrs = resolve_datasets(spec, cfg.dataset_dir, ranking=False)
+        attrs = resolve_datasets(spec, cfg.dataset_dir, ranking=pairwise)
     except (ValueError, FileNotFoundError) as err:
         raise type(err)(rename(str(err))) from None
     return [dataclasses.replace(attr, name=rename(attr.name)) for attr in attrs]
 
 
 def converted_datasets(
-    spec: object, cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None, key: str
+    spec: object,
+    cfg: TrainDatasetConfig,
+    seed: int,
+    log: Callable[[str], None] | None,
+    key: str,
+    *,
+    pairwise: bool = False,
 ) -> ArrowDataset:
     """The named datasets loaded, converted (broken records reported) and mixed: one `Dataset`."""
-    return mix_datasets(list(converted_each(spec, cfg, seed, log, key).values()), cfg, seed)
+    parts = converted_each(spec, cfg, seed, log, key, pairwise=pairwise)
+    return mix_datasets(list(parts.values()), cfg, seed)
 
 
 def converted_each(
-    spec: object, cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None, key: str
+    spec: object,
+    cfg: TrainDatasetConfig,
+    seed: int,
+    log: Callable[[str], None] | None,
+    key: str,
+    *,
+    pairwise: bool = False,
 ) -> dict[str, ArrowDataset]:
     """The named datasets loaded and converted, each on its own: dataset name -> `Dataset`.
 
@@ -242,7 +266,7 @@ def converted_each(
         ValueError: a dataset with no usable example, or one named twice (its parts would share
             one name).
     """
-    attrs = resolve_attrs(spec, cfg, key)
+    attrs = resolve_attrs(spec, cfg, key, pairwise=pairwise)
     names = [attr.name for attr in attrs]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
@@ -265,8 +289,10 @@ def converted_each(
 
 
 def encoder(
-    cfg: TrainDatasetConfig, tokenizer: PreTrainedTokenizerBase, template: Template
+    cfg: TrainDatasetConfig, tokenizer: PreTrainedTokenizerBase, template: Template, *, pairwise: bool = False
 ) -> tuple[Encoder, dict[str, object]]:
+    if pairwise:  # one neat-packed row per pair (pairwise.py); packing is refused for preference data
+        return encode_pair_batch, {"template": template, "tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len}
     common: dict[str, object] = {
         "template": template,
         "tokenizer": tokenizer,
@@ -287,8 +313,10 @@ def encode_dataset(
     tokenizer: PreTrainedTokenizerBase,
     template: Template,
     what: str,
+    *,
+    pairwise: bool = False,
 ) -> ArrowDataset:
-    fn, kwargs = encoder(cfg, tokenizer, template)
+    fn, kwargs = encoder(cfg, tokenizer, template, pairwise=pairwise)
     processed = ds.map(
         fn,
         batched=True,
@@ -297,7 +325,7 @@ def encode_dataset(
         remove_columns=ds.column_names,
         load_from_cache_file=not cfg.overwrite_cache,
         fn_kwargs=kwargs,
-        desc=("packing " if cfg.packing else "encoding ") + what,
+        desc=("encoding pairs of " if pairwise else "packing " if cfg.packing else "encoding ") + what,
     )
     if len(processed) == 0:
         raise ValueError(f"{what}: no example left after encoding (all broken or too long)")
@@ -335,36 +363,38 @@ def build_sft_splits(
     *,
     seed: int,
     log: Callable[[str], None] | None = None,
+    pairwise: bool = False,
 ) -> tuple[ArrowDataset, dict[str, ArrowDataset]]:
     """Run the pipeline (no tokenized_path logic): the processed train `Dataset` and validation parts.
 
     The parts are empty without validation data, `{MIXED_EVAL: dataset}` for one validation set,
-    and dataset name -> `Dataset` with `eval_on_each_dataset` and `eval_dataset`.
+    and dataset name -> `Dataset` with `eval_on_each_dataset` and `eval_dataset`. `pairwise`:
+    ranking datasets (only), one pair row each (`pairwise.py`).
 
     Raises:
         ValueError / FileNotFoundError: bad dataset entries, missing columns, an empty result.
     """
     template = build_template(cfg, tokenizer)
-    mixed = converted_datasets(cfg.dataset, cfg, seed, log, "train_dataset.dataset")
+    mixed = converted_datasets(cfg.dataset, cfg, seed, log, "train_dataset.dataset", pairwise=pairwise)
     converted: dict[str, ArrowDataset] = {}
     what = "train_dataset.eval_dataset"
     if cfg.val_size > 1e-6:
         mixed, converted[MIXED_EVAL] = split_validation(mixed, float(cfg.val_size), seed)
         what = "train_dataset.val_size"
     elif cfg.eval_dataset is not None:
-        converted = validation_converted(cfg, seed, log)
-    train = encode_dataset(mixed, cfg, tokenizer, template, "train_dataset.dataset")
-    return train, encode_parts(converted, cfg, tokenizer, template, what)
+        converted = validation_converted(cfg, seed, log, pairwise=pairwise)
+    train = encode_dataset(mixed, cfg, tokenizer, template, "train_dataset.dataset", pairwise=pairwise)
+    return train, encode_parts(converted, cfg, tokenizer, template, what, pairwise=pairwise)
 
 
 def validation_converted(
-    cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None
+    cfg: TrainDatasetConfig, seed: int, log: Callable[[str], None] | None, *, pairwise: bool = False
 ) -> dict[str, ArrowDataset]:
     """The converted `eval_dataset`: one mixed part, or one part per dataset (eval_on_each_dataset)."""
     key = "train_dataset.eval_dataset"
     if cfg.eval_on_each_dataset:
-        return converted_each(cfg.eval_dataset, cfg, seed, log, key)
-    return {MIXED_EVAL: converted_datasets(cfg.eval_dataset, cfg, seed, log, key)}
+        return converted_each(cfg.eval_dataset, cfg, seed, log, key, pairwise=pairwise)
+    return {MIXED_EVAL: converted_datasets(cfg.eval_dataset, cfg, seed, log, key, pairwise=pairwise)}
 
 
 def encode_parts(
@@ -373,10 +403,14 @@ def encode_parts(
     tokenizer: PreTrainedTokenizerBase,
     template: Template,
     what: str,
+    *,
+    pairwise: bool = False,
 ) -> dict[str, ArrowDataset]:
     """Each validation part encoded (packed within itself) on its own; messages name the part."""
     return {
-        name: encode_dataset(ds, cfg, tokenizer, template, f"{what} ({name})" if name else what)
+        name: encode_dataset(
+            ds, cfg, tokenizer, template, f"{what} ({name})" if name else what, pairwise=pairwise
+        )
         for name, ds in parts.items()
     }
 
@@ -407,7 +441,12 @@ def pad_ids(cfg: TrainDatasetConfig, tokenizer: PreTrainedTokenizerBase) -> tupl
 
 
 def to_rows(
-    processed: ArrowDataset, cfg: TrainDatasetConfig, tokenizer: PreTrainedTokenizerBase, *, from_disk: bool
+    processed: ArrowDataset,
+    cfg: TrainDatasetConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    from_disk: bool,
+    pairwise: bool = False,
 ) -> SFTDataset:
     # The encoders wrote these columns: lists of token ids (arrow.EncodedRow).
     columns = {
@@ -416,15 +455,23 @@ def to_rows(
         if key in processed.column_names
     }
     longest = max((len(r) for r in columns["input_ids"]), default=0)
-    row_length = max(cfg.cutoff_len, longest) if from_disk else cfg.cutoff_len
+    # A pair row holds two sequences of at most cutoff_len each.
+    cutoff = 2 * cfg.cutoff_len if pairwise else cfg.cutoff_len
+    row_length = max(cutoff, longest) if from_disk else cutoff
     pad_id, label_pad = pad_ids(cfg, tokenizer)
-    return SFTDataset(columns, row_length=row_length, pad_id=pad_id, label_pad=label_pad)
+    return SFTDataset(columns, row_length=row_length, pad_id=pad_id, label_pad=label_pad, pairwise=pairwise)
 
 
 def rows_summary(dataset: SFTDataset, what: str) -> str:
     tokens = dataset.real_tokens()
     flat = dataset.flat
-    kind = "neat-packed" if "segment_ids" in flat else ("packed" if "position_ids" in flat else "unpacked")
+    kind = (
+        "pair"
+        if dataset.pairwise
+        else "neat-packed"
+        if "segment_ids" in flat
+        else ("packed" if "position_ids" in flat else "unpacked")
+    )
     fill = tokens / max(1, len(dataset) * dataset.row_length)
     return f"{len(dataset):,} {kind} {what} rows of {dataset.row_length} tokens, {tokens:,} tokens ({fill:.0%} fill)"
 

@@ -192,6 +192,19 @@ class Template:
                     encoded[i] = encoded[i] + empty
         return [(encoded[i], encoded[i + 1]) for i in range(0, len(encoded), 2)]
 
+    def encode_oneturn(
+        self, tokenizer: PreTrainedTokenizerBase, messages: list[dict], system: str = "", tools: str = ""
+    ) -> tuple[list[int], list[int]]:
+        """(prompt ids, last answer ids): the whole history is prompt (LLaMA-Factory's `encode_oneturn`).
+
+        For reasoning templates LLaMA-Factory's one-turn rule (thoughts dropped from earlier
+        answers, the empty thought only on the last one) is the multi-turn rule under
+        `mask_history`, so this encodes with that switch on.
+        """
+        pairs = replace(self, mask_history=True).encode_multiturn(tokenizer, messages, system, tools)
+        prompt = [t for source, target in pairs[:-1] for t in source + target] + pairs[-1][0]
+        return prompt, pairs[-1][1]
+
     def fix_special_tokens(self, tokenizer: PreTrainedTokenizerBase) -> None:
         """LLaMA-Factory's eos/pad/stop-word fix, restricted to tokens already in the vocabulary.
 
