@@ -143,23 +143,69 @@ def _sft_entries() -> list[Unsupported]:
 
 
 def _pref_field_set(name: str) -> Callable[[TrainConfig], bool]:
-    return lambda cfg: getattr(cfg.training, name) != _default(TrainingConfig, name)
+    return lambda cfg: (
+        cfg.training.stage != "dpo" and getattr(cfg.training, name) != _default(TrainingConfig, name)
+    )
 
 
-# What preference training (train/preference.py) does not combine with yet.
+def _dpo_parallel(name: str) -> Callable[[TrainConfig], bool]:
+    return lambda cfg: cfg.training.stage == "dpo" and getattr(cfg.parallelism, name) > 1
+
+
+def _dpo_data(name: str) -> Callable[[TrainConfig], bool]:
+    return lambda cfg: cfg.training.stage == "dpo" and bool(getattr(cfg.train_dataset, name))
+
+
+# What preference training (train/preference.py) does not combine with yet. The layouts are
+# refused until a test shows each equal to one process (dp and FSDP sharding are tested).
+_DPO = "training.stage: dpo"
 PREFERENCE_ENTRIES: list[Unsupported] = [
     Unsupported(
         "training.stage",
-        lambda c: c.training.stage in ("dpo", "rm"),
-        "dpo and rm: the preference trainer and reward models (loss/preference.py holds the losses)",
+        lambda c: c.training.stage == "rm",
+        "rm: reward-model training (a scalar head and its pairwise loss)",
     ),
     *[
         Unsupported(
             f"training.{name}",
             _pref_field_set(name),
-            "preference-loss field: the preference trainer is not built yet",
+            "read only by training.stage: dpo (the preference loss)",
         )
         for name in ("pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "simpo_gamma")
+    ],
+    *[
+        Unsupported(
+            f"parallelism.{name}",
+            _dpo_parallel(name),
+            f"{_DPO} with {what}: {why}",
+        )
+        for name, what, why in (
+            ("tensor_parallel", "TP", "the pair log-probabilities do not gather vocabulary-sharded logits"),
+            ("context_parallel", "CP", "a pair's sequences split over ranks need their sums reduced"),
+            ("pipeline_parallel", "PP", "the pipeline's last stage computes the LM loss, not the pair loss"),
+            ("expert_parallel", "EP", "not tested equal to one process"),
+        )
+    ],
+    *[
+        Unsupported(
+            f"train_dataset.{name}",
+            _dpo_data(name),
+            f"{_DPO} with {why}",
+        )
+        for name, why in (
+            (
+                "packing",
+                "packing: each pair is already one neat-packed row; several pairs per row are not built",
+            ),
+            (
+                "neat_packing",
+                "packing: each pair is already one neat-packed row; several pairs per row are not built",
+            ),
+            ("streaming", "streaming: pairs are read from in-memory rows only"),
+            ("tokenized_path", "tokenized_path: saved pair rows are not built"),
+            ("val_size", "validation data: the preference metrics of an evaluation are not built"),
+            ("eval_dataset", "validation data: the preference metrics of an evaluation are not built"),
+        )
     ],
 ]
 

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 ADAPTER_CHILDREN = ("lora_A", "lora_B", "lora_dropout")
 _SCALING = "lora_scaling"
+_DISABLED = "_lora_disabled"
 
 
 def is_lora_linear(module: nn.Module) -> bool:
@@ -64,6 +65,8 @@ def adapter_part(linear: nn.Module, part: str) -> nn.Linear:
 
 
 def _adapter_forward_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+    if module.__dict__.get(_DISABLED):  # adapters_disabled: the base model's output
+        return output
     x = args[0]
     lora_a = adapter_part(module, "lora_A")
     lora_b = adapter_part(module, "lora_B")
@@ -174,6 +177,24 @@ def adapters_detached(model: nn.Module) -> Iterator[None]:
         for owner, children in taken:
             for name, child in children.items():
                 owner._modules[name] = child
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Forwards inside run the base model: every adapter's hook returns the base output unchanged.
+
+    The reference model of preference training with LoRA (the policy with its adapters off, no
+    second copy of the weights), as PEFT's `disable_adapter`. Parameters and modules stay as
+    they are, so FSDP and the optimizer see nothing change.
+    """
+    linears = [linear for _, linear in lora_linears(model)]
+    for linear in linears:
+        linear.__dict__[_DISABLED] = True
+    try:
+        yield
+    finally:
+        for linear in linears:
+            linear.__dict__.pop(_DISABLED, None)
 
 
 @torch.no_grad()

@@ -85,6 +85,13 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
     ]
     if record.get("skipped"):
         parts.insert(1, f"SKIPPED ({record.get('skip_reason', '')})")
+    if "rewards/margins" in record:  # preference training (train/preference.py)
+        parts.insert(
+            2,
+            f"rewards chosen {record['rewards/chosen']:.4f} rejected {record['rewards/rejected']:.4f} "
+            f"margin {record['rewards/margins']:.4f} acc {record['rewards/accuracies']:.2f} | "
+            f"logps chosen {record['logps/chosen']:.2f} rejected {record['logps/rejected']:.2f}",
+        )
     if "tflops_per_rank" in record:
         parts.append(f"{record['tflops_per_rank']:.3g} TFLOP/s/rank")
     if "mfu" in record:

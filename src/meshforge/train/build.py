@@ -29,6 +29,7 @@ from meshforge.monitor.train_state import TrainStateMonitor
 from meshforge.parallel.dims import ParallelDims
 from meshforge.train.batches import plan_batches
 from meshforge.train.build_model import build_model, build_tokenizer
+from meshforge.train.build_preference import build_preference
 from meshforge.train.callback_runner import CallbackRunner
 from meshforge.train.callbacks import BuiltinCallback, build_callbacks, builtin_callbacks
 from meshforge.train.health import StepHealth
@@ -80,6 +81,7 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
     rampup = build_rampup(cfg.training, env)
     tokenizer = build_tokenizer(cfg.model, log)
     model = build_model(cfg, env, tokenizer)
+    preference = build_preference(cfg, env, model, tokenizer)
     loader, loader_context = build_train_data(cfg.train_dataset, cfg.training, env, tokenizer)
     total_steps = resolve_total_steps(cfg.training, loader, log)
     eval_loaders = build_eval_data(cfg.train_dataset, cfg.training.eval_interval, loader_context, log)
@@ -91,7 +93,9 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
     optim = OptimParts(optimizer, scheduler, grad_accum, pipeline, checkpointer)
     progress = resume(cfg.checkpoint, env, model, data, optim)
     watch = build_watchers(cfg, env, model, data, optim, progress, callbacks=callbacks, plot=plot)
-    return Run(env=env, model=model, data=data, optim=optim, watch=watch, progress=progress)
+    return Run(
+        env=env, model=model, data=data, optim=optim, watch=watch, progress=progress, preference=preference
+    )
 
 
 def build_env(cfg: TrainConfig, log: Log) -> RunEnv:

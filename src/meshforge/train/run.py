@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from meshforge.train.callbacks import BuiltinCallback
     from meshforge.train.health import StepHealth
     from meshforge.train.preemption import PreemptionGuard
+    from meshforge.train.preference import PreferenceStep
     from meshforge.train.saver import CheckpointSaver
     from meshforge.utils.distributed import DistInfo
 
@@ -237,3 +238,5 @@ class Run:
     optim: OptimParts
     watch: Watchers
     progress: Progress
+    # training.stage: dpo: the step's pair forward, reference model and metrics (train/preference.py).
+    preference: PreferenceStep | None = None

@@ -51,6 +51,11 @@ __all__ = ["BatchPlan", "HealthStopError", "TrainSummary", "Trainer", "TrainingD
 Batch = dict[str, torch.Tensor]
 
 
+def count_valid_tokens_of(batch: Batch) -> torch.Tensor:
+    """The valid (labelled) tokens of a micro-batch: what the LM loss is a mean over."""
+    return count_valid_tokens(batch["labels"])
+
+
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a (replicated) DTensor result, e.g. the loss under loss parallel."""
     full = getattr(tensor, "full_tensor", None)
@@ -105,6 +110,8 @@ class Trainer:
     def forward_backward(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> torch.Tensor:
         """Forward one micro-batch, backward its share of the global mean; return its loss sum."""
         parts = self.run.model
+        if self.run.preference is not None:  # stage dpo: pairs, not tokens (train/preference.py)
+            return self.run.preference.forward_backward(self.model, batch, normalizer)
         loss_sum = self._loss_sum(batch)
         # Dividing by the global token count (not the local one) makes the summed gradients over
         # micro-batches and ranks equal the gradient of the global-batch mean.
@@ -195,7 +202,9 @@ class Trainer:
         step_tokens = sum(int(mb["input_ids"].numel()) for mb in micro) * dims.dp
         if dims.cp > 1:
             micro = [self._shard_for_cp(mb) for mb in micro]
-        local_tokens = sum(count_valid_tokens(mb["labels"]) for mb in micro)
+        # What the loss is a mean over: valid tokens, or pairs for preference training.
+        units = self.run.preference.count_pairs if self.run.preference is not None else count_valid_tokens_of
+        local_tokens = sum(units(mb) for mb in micro)
         loss_group = env.mesh.view("loss").get_group()
         global_tokens = dist_utils.all_reduce_sum(torch.as_tensor(local_tokens, device=device), loss_group)
         global_tokens = global_tokens.clamp(min=1).to(torch.float32)
@@ -235,7 +244,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": finite_or_none(norm_value),
             "tokens": step_tokens,
-            "valid_tokens": int(global_tokens.item()),
+            **({"valid_tokens": int(global_tokens.item())} if self.run.preference is None else {}),
             **({"swap_bytes": am.swap_bytes()} if (am := parts.activation_memory) and am.swapped else {}),
             **extra,
         }
@@ -286,6 +295,8 @@ class Trainer:
             extra["aux_loss"] = float(dist_utils.all_reduce_sum(self._aux_sum, loss_group))
         if parts.mtp_coef:
             extra["mtp_loss"] = float(dist_utils.all_reduce_sum(self._mtp_sum, loss_group))
+        if self.run.preference is not None:
+            extra.update(self.run.preference.step_metrics(loss_group))
         total = self.run.data.total_steps
         if watch.train_state is not None and is_log_step(
             self.step + 1, self.cfg.training.log_interval, total

@@ -1,0 +1,126 @@
+"""Summed log-probabilities of whole sequences (the answers of preference pairs).
+
+A preference row holds the sequences of a pair as segments (`segment_ids` 1 = chosen,
+2 = rejected; `data/sft/pairwise.py`). A position counts toward its segment's sum when its
+label is valid and its target token lies in the same segment: a label that crosses into the next
+segment (or into padding) belongs to no sequence. This is LLaMA-Factory's and TRL's shifted
+`get_batch_logps` applied to each sequence on its own.
+
+Only the labelled positions reach the head. From normed hidden states (`kernels.chunk_loss_size`
+or `kernels.fused_linear_cross_entropy`) the head runs chunk by chunk, each chunk's logits
+computed in the forward and once more in backward (`_SequenceLogps`), so no `[tokens, vocab]`
+tensor exists. The fused path's trick (gradients taken in the forward) does not apply: each
+sequence's upstream gradient comes from the preference loss, known only in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from meshforge.loss.cross_entropy import EAGER_STEPS, IGNORE_INDEX, _add_chunk_grads, _head_dtype, _whole
+
+SEGMENTS_PER_ROW = 2
+
+
+def sequence_keys(labels: torch.Tensor, segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat positions that count and the sequence each belongs to (`row * 2 + segment - 1`).
+
+    Returns:
+        `(positions [N] int64, keys [N] int64)`, both in row-major order (keys non-decreasing).
+    """
+    seg = segment_ids
+    # The target of position i is token i + 1: it must be in i's segment (the last position never is).
+    same_next = torch.zeros_like(seg, dtype=torch.bool)
+    same_next[:, :-1] = seg[:, :-1] == seg[:, 1:]
+    counted = (labels != IGNORE_INDEX) & (seg > 0) & same_next
+    rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
+    keys = rows * SEGMENTS_PER_ROW + seg - 1
+    positions = counted.reshape(-1).nonzero().squeeze(1)
+    return positions, keys.reshape(-1)[positions]
+
+
+def _chunk_token_logps(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(h, w).float()
+    picked = logits.gather(1, labels[:, None]).squeeze(1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+class _SequenceLogps(torch.autograd.Function):
+    """Per-sequence sums of `log softmax(hidden @ weight.T)[label]`, one chunk of logits at a time.
+
+    Forward keeps its inputs only; backward walks the chunks again with each token's upstream
+    gradient (its sequence's) as the scale of `softmax - one_hot` (the chunked loss's step).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, keys, num_keys, chunk_size, dtype):
+        sums = torch.zeros(num_keys, dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h_all, w = hidden.to(dtype), weight.to(dtype)
+            for start in range(0, hidden.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                sums.index_add_(0, keys[rows], _chunk_token_logps(h_all[rows], w, labels[rows]))
+        ctx.save_for_backward(hidden, weight, labels, keys)
+        ctx.chunk_size, ctx.dtype = chunk_size, dtype
+        return sums
+
+    @staticmethod
+    def backward(ctx, grad_sums):
+        hidden, weight, labels, keys = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # d logp / d logits = one_hot - softmax: the cross-entropy step's gradient, negated.
+        scale = -grad_sums.float()[keys]
+        with torch.autocast(hidden.device.type, enabled=False):
+            h_all, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
+            for start in range(0, hidden.shape[0], ctx.chunk_size):
+                rows = slice(start, start + ctx.chunk_size)
+                h = h_all[rows]
+                _, grad = EAGER_STEPS.grad(h, w, labels[rows], scale[rows])
+                _add_chunk_grads(grad, h, w, grad_h, grad_w, rows)
+                del grad
+        out_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        return grad_h, out_w, None, None, None, None, None
+
+
+def sequence_logps(
+    output: torch.Tensor,
+    labels: torch.Tensor,
+    segment_ids: torch.Tensor,
+    *,
+    head_weight: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probabilities and token counts of every sequence of a pair batch.
+
+    Args:
+        output: logits `[rows, S, V]`, or normed hidden states `[rows, S, H]` with `head_weight`.
+        labels: `[rows, S]`, shifted (labels[i] is the target of position i), -100 ignored.
+        segment_ids: `[rows, S]`, 1 and 2 for the two sequences of a row, 0 padding.
+        head_weight: the LM head `[V, H]` when `output` holds hidden states.
+        chunk_size: tokens per chunk of the head (hidden states only).
+
+    Returns:
+        `(sums [rows, 2] float32, counts [rows, 2] int64)`: column 0 the chosen sequence,
+        column 1 the rejected one.
+    """
+    rows = labels.shape[0]
+    num_keys = rows * SEGMENTS_PER_ROW
+    positions, keys = sequence_keys(labels, segment_ids)
+    counts = torch.bincount(keys, minlength=num_keys)
+    flat_labels = labels.reshape(-1)[positions]
+    picked = output.reshape(-1, output.shape[-1])[positions]
+    if head_weight is None:
+        token_logps = -F.cross_entropy(picked.float(), flat_labels, reduction="none")
+        sums = torch.zeros(num_keys, dtype=torch.float32, device=output.device).index_add(
+            0, keys, token_logps
+        )
+    else:
+        if chunk_size is None or chunk_size < 1:
+            raise ValueError("sequence_logps: hidden states need a positive chunk_size")
+        weight = _whole(head_weight)
+        dtype = _head_dtype(picked, weight)
+        sums = _SequenceLogps.apply(picked, weight, flat_labels, keys, num_keys, int(chunk_size), dtype)
+    return sums.view(rows, SEGMENTS_PER_ROW), counts.view(rows, SEGMENTS_PER_ROW)

@@ -1,0 +1,117 @@
+"""The preference step of `training.stage: dpo`: policy and reference log-probabilities, loss, metrics.
+
+Each micro-batch row is one pair (`data/sft/pairwise.py`: chosen = segment 1, rejected =
+segment 2), so one forward gives both answers' summed log-probabilities
+(`loss/sequence_logps.py`, through the head chunk by chunk when the run's loss takes hidden
+states). The reference model, for the losses that have one:
+* with LoRA, the policy itself with its adapters off (`lora.layer.adapters_disabled`): no second
+  copy of the weights, one more forward without gradients;
+* with full fine-tuning, a frozen copy built by the same `build_model` as the policy (the same
+  source or seeded init, the same parallelisation and FSDP sharding), in eval mode.
+
+Arithmetic: the trainer counts pairs instead of valid tokens (`count_pairs`), so the normalizer
+it passes is the number of pairs in the global batch and `sum(pair losses) / normalizer`,
+summed over micro-batches and ranks, is the gradient of the global-batch mean, as the token
+mean is for SFT. The metrics (`loss/preference.py`'s `METRIC_KEYS`) are summed per pair over the
+step and reduced once over the `loss` mesh at its end (`step_metrics`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from meshforge.loss.preference import METRIC_KEYS, PairLogps, PreferenceLoss
+from meshforge.loss.sequence_logps import sequence_logps
+from meshforge.utils import distributed as dist_utils
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+Batch = dict[str, torch.Tensor]
+ORPO_KEYS = ("sft_loss", "odds_ratio_loss")  # the extra metrics of the orpo loss
+
+
+@dataclass
+class PreferenceStep:
+    """The trainer's forward and backward for preference pairs, and the step's metric sums.
+
+    Attributes:
+        loss: the objective (`training.pref_loss` and its coefficients).
+        lora: reference = the policy with adapters off (LoRA runs).
+        reference: the frozen reference copy (full fine-tuning), else None.
+        chunk_size: the head's tokens per chunk when the model returns hidden states; None: logits.
+        autocast: the forward runs under autocast to `compute_dtype` (as the trainer's does).
+    """
+
+    loss: PreferenceLoss
+    lora: bool
+    reference: nn.Module | None
+    chunk_size: int | None
+    compute_dtype: torch.dtype
+    autocast: bool
+    device: torch.device
+    keys: tuple[str, ...] = METRIC_KEYS
+    _sums: torch.Tensor | None = field(default=None, repr=False)
+
+    @staticmethod
+    def count_pairs(batch: Batch) -> torch.Tensor:
+        """Pairs in a micro-batch: rows that hold a rejected segment (padding rows hold none)."""
+        return (batch["segment_ids"].amax(dim=1) >= 2).sum()
+
+    def _pair_logps(self, model: nn.Module, batch: Batch) -> PairLogps:
+        inputs = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast):
+            if self.chunk_size is not None:
+                hidden = model(batch["input_ids"], return_hidden=True, **inputs)
+                # Read after the forward: under FSDP the root keeps lm_head unsharded until backward.
+                head = cast(nn.Linear, model.lm_head)
+                sums, counts = sequence_logps(
+                    hidden,
+                    batch["labels"],
+                    batch["segment_ids"],
+                    head_weight=head.weight,
+                    chunk_size=self.chunk_size,
+                )
+            else:
+                sums, counts = sequence_logps(
+                    model(batch["input_ids"], **inputs), batch["labels"], batch["segment_ids"]
+                )
+        return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
+
+    def reference_logps(self, model: nn.Module, batch: Batch) -> PairLogps | None:
+        """The reference model's pair log-probabilities (no gradient), or None without a reference."""
+        if not self.loss.needs_reference:
+            return None
+        with torch.no_grad():
+            if self.reference is not None:
+                return self._pair_logps(self.reference, batch)
+            from meshforge.lora.layer import adapters_disabled
+
+            with adapters_disabled(model) if self.lora else contextlib.nullcontext():
+                return self._pair_logps(model, batch)
+
+    def forward_backward(self, model: nn.Module, batch: Batch, normalizer: torch.Tensor) -> torch.Tensor:
+        """Reference, then policy forward; backward of this micro-batch's share; its loss sum."""
+        reference = self.reference_logps(model, batch)
+        policy = self._pair_logps(model, batch)
+        losses, metrics = self.loss(policy, reference)
+        present = (batch["segment_ids"].amax(dim=1) >= 2).to(losses.dtype)
+        loss_sum = (losses * present).sum()
+        (loss_sum / normalizer).backward()
+        sums = torch.stack([present.sum(), *((metrics[k] * present).sum() for k in self.keys)])
+        self._sums = sums if self._sums is None else self._sums + sums
+        return loss_sum.detach()
+
+    def step_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float | int]:
+        """The step's mean metrics over its global pairs (one all-reduce); resets the sums."""
+        if self._sums is None:
+            return {}
+        total = dist_utils.all_reduce_sum(self._sums, group).tolist()
+        self._sums = None
+        pairs = max(total[0], 1.0)
+        return {"pairs": int(total[0]), **{k: v / pairs for k, v in zip(self.keys, total[1:], strict=True)}}
