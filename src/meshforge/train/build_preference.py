@@ -44,6 +44,13 @@ def build_preference(
     reference = None
     if loss.needs_reference and not lora:
         reference = build_reference(cfg, env, tokenizer)
+        if env.load_path:
+            # The copy comes from the model source; a checkpoint loads into the policy only.
+            env.log(
+                "warning: training.stage: dpo: the reference model is the model source (model_name_or_path "
+                "or the seeded init), not checkpoint.load_path: exact when resuming this run; to start DPO "
+                "from another run's weights, export them to an HF folder and name it in model_name_or_path"
+            )
     kind = (
         "none (reference-free loss)"
         if not loss.needs_reference
