@@ -105,8 +105,6 @@ DPO_TRIGGERS: list[tuple[str, dict]] = [
     *[
         (f"train_dataset.{key}", {**_DPO, "train_dataset": {**_DPO["train_dataset"], key: value}})
         for key, value in (
-            ("packing", True),
-            ("neat_packing", True),
             ("streaming", True),
             ("tokenized_path", "./tok"),
             ("val_size", 0.1),

@@ -78,3 +78,23 @@ def test_full_finetuning_resume_is_bitwise(tmp_path):
     want = [{k: r[k] for k in keys} for r in read_metrics(whole)]
     assert [{k: r[k] for k in keys} for r in read_metrics(resumed)] == want[2:]
     assert want[2]["rewards/margins"] != 0.0
+
+
+def test_packed_pairs_train_from_ln2(tmp_path):
+    """`train_dataset.packing`: several pairs per row; the loss is still the mean over pairs."""
+    out = tmp_path / "run"
+    packed = [
+        "--train_dataset.packing=true",
+        "--train_dataset.cutoff_len=128",
+        "--train_dataset.max_samples=16",
+        "--training.global_batch_size=2",
+        "--training.local_batch_size=1",
+    ]
+    run = train_one(
+        CONFIG, [*TINY, *packed, "--training.steps=2", f"--training.output_dir={out}"], cwd=tmp_path
+    )
+    assert "packed pair train rows of 256 tokens" in run.stdout
+    records = read_metrics(out)
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert records[0]["pairs"] > 2  # more pairs than the step's 2 rows
+    assert records[1]["loss"] != records[0]["loss"]

@@ -7,8 +7,9 @@ then rejected rows, with a frozen reference copy), called on a stand-in for the 
 holds only the attributes that method reads; for SimPO (in TRL's CPO trainer), the length-averaged
 `CPOTrainer.get_batch_logps` on the model's logits and `CPOTrainer.cpo_loss`. meshforge runs
 `train/preference.py`'s `PreferenceStep.forward_backward` on its own Qwen3 with the same weights,
-each pair as one row (chosen segment 1, rejected segment 2), normalised by the number of pairs,
-through the full-logits path and the chunked hidden-state path.
+each pair as one row (chosen segment 1, rejected segment 2) or two pairs packed in one row
+(segments 1-4), normalised by the number of pairs, through the full-logits path and the chunked
+hidden-state path.
 """
 
 from __future__ import annotations
@@ -82,14 +83,16 @@ def _trl_batch(pairs):
     return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
 
 
-def _pair_rows(pairs):
-    """meshforge's layout: one row per pair, chosen (segment 1) then rejected (segment 2), shifted labels."""
+def _pair_rows(pairs, per_row=1):
+    """meshforge's layout: pair k of a row in segments 2k + 1 (chosen) and 2k + 2 (rejected), shifted labels."""
     rows = []
-    for p, c, r in pairs:
-        ids = p + c + p + r
-        unshifted = [-100] * len(p) + c + [-100] * len(p) + r
-        seg = [1] * (len(p) + len(c)) + [2] * (len(p) + len(r))
-        pos = list(range(len(p) + len(c))) + list(range(len(p) + len(r)))
+    for first in range(0, len(pairs), per_row):
+        ids, unshifted, seg, pos = [], [], [], []
+        for k, (p, c, r) in enumerate(pairs[first : first + per_row]):
+            ids += p + c + p + r
+            unshifted += [-100] * len(p) + c + [-100] * len(p) + r
+            seg += [2 * k + 1] * (len(p) + len(c)) + [2 * k + 2] * (len(p) + len(r))
+            pos += list(range(len(p) + len(c))) + list(range(len(p) + len(r)))
         rows.append((ids, unshifted, seg, pos))
     width = max(len(r[0]) for r in rows)
     batch = {
@@ -154,9 +157,11 @@ def _trl_loss(loss_type: str, beta: float, gamma: float, pairs, hf, hf_ref) -> t
     return DPOTrainer._compute_loss(me, hf, batch, False)
 
 
-@pytest.mark.parametrize("chunk_size", [None, 4], ids=["logits", "chunked"])
+@pytest.mark.parametrize(
+    "chunk_size,per_row", [(None, 1), (4, 1), (4, 2)], ids=["logits", "chunked", "chunked-packed"]
+)
 @pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.1), ("ipo", 0.5), ("simpo", 2.0)])
-def test_loss_and_gradients_equal_trl(loss_type, beta, chunk_size):
+def test_loss_and_gradients_equal_trl(loss_type, beta, chunk_size, per_row):
     gamma = 0.5
     pairs = _pairs()
     hf_ref, hf = _hf_model(0), _hf_model(1)  # the policy differs from its reference
@@ -179,7 +184,7 @@ def test_loss_and_gradients_equal_trl(loss_type, beta, chunk_size):
         autocast=False,
         device=torch.device("cpu"),
     )
-    batch = _pair_rows(pairs)
+    batch = _pair_rows(pairs, per_row)  # packed: pairs 0 and 1 share a row, pair 2 is alone
     pairs_count = step.count_pairs(batch).to(torch.float32)
     loss_sum = step.forward_backward(ours, batch, pairs_count)
     got = loss_sum / pairs_count

@@ -97,7 +97,7 @@ def _lf_rows(records, info, template, cutoff_len, enable_thinking=True):
     return processor.preprocess_dataset(batch)
 
 
-def _ours(tmp_path, records, info, template, cutoff_len, enable_thinking=True):
+def _ours(tmp_path, records, info, template, cutoff_len, enable_thinking=True, packing=False):
     data = tmp_path / "pairs.json"
     data.write_text(json.dumps(records), encoding="utf-8")
     cfg = load_config(
@@ -108,6 +108,7 @@ def _ours(tmp_path, records, info, template, cutoff_len, enable_thinking=True):
             f"--train_dataset.template={template}",
             f"--train_dataset.cutoff_len={cutoff_len}",
             f"--train_dataset.enable_thinking={str(enable_thinking).lower()}",
+            f"--train_dataset.packing={str(packing).lower()}",
             "--train_dataset.dataset=" + json.dumps({"file_name": str(data), **info}),
             "--model.tokenizer_name_or_path=meshforge://assets/tokenizer",
         ],
@@ -155,3 +156,32 @@ def test_bundled_alpaca_pairs_equal_llamafactory(tmp_path, template):
     valid = batch["labels"] != -100
     chosen_tokens = (valid & (batch["segment_ids"] == 1)).sum(axis=1)
     assert chosen_tokens.tolist() == [sum(t != -100 for t in lab) for lab in expected["chosen_labels"]]
+
+
+def test_packed_pairs_are_llamafactorys_pairs(tmp_path):
+    """With packing, several pairs share a row (pair k in segments 2k + 1, 2k + 2): the same pairs."""
+    records = json.loads(resolve_path("meshforge://assets/sft/dpo_demo.json").read_text(encoding="utf-8"))
+    expected = _lf_rows([{**r, "history": r.get("history")} for r in records], ALPACA_INFO, "qwen3", 64)
+    rows, lines = _ours(tmp_path, records, ALPACA_INFO, "qwen3", 64, packing=True)
+    assert rows.row_length == 128 and len(rows) < len(records)
+    assert any("packed pair train rows of 128 tokens" in line for line in lines)
+    got = []
+    for i in range(len(rows)):
+        row = rows.row(i)
+        assert len(row["input_ids"]) <= 128
+        for k in range(int(row["segment_ids"].max()) // 2):
+            pair = []
+            for seg in (2 * k + 1, 2 * k + 2):
+                keep = row["segment_ids"] == seg
+                assert row["position_ids"][keep].tolist() == list(range(int(keep.sum())))
+                pair += [tuple(row["input_ids"][keep].tolist()), tuple(row["labels"][keep].tolist())]
+            got.append(tuple(pair))
+    want = [
+        tuple(
+            tuple(expected[f"{side}_{key}"][i])
+            for side in ("chosen", "rejected")
+            for key in ("input_ids", "labels")
+        )
+        for i in range(len(records))
+    ]
+    assert sorted(got) == sorted(want)

@@ -49,9 +49,10 @@ def test_sequence_logps_values_and_gradients_equal_a_float64_loop(mode):
     (expected * weights).sum().backward()
     got_h, got_w = h.float().requires_grad_(), w.float().requires_grad_()
     if mode == "logits":
-        sums, counts = sequence_logps(got_h @ got_w.T, labels, seg)
+        sums, counts, present = sequence_logps(got_h @ got_w.T, labels, seg)
     else:
-        sums, counts = sequence_logps(got_h, labels, seg, head_weight=got_w, chunk_size=4)
+        sums, counts, present = sequence_logps(got_h, labels, seg, head_weight=got_w, chunk_size=4)
+    assert present.tolist() == [True, True, True]
     (sums * weights.float()).sum().backward()
     assert torch.equal(counts, expected_counts) and expected_counts[2].tolist() == [4, 3]
 

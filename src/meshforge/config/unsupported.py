@@ -193,14 +193,6 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
             f"{_DPO} with {why}",
         )
         for name, why in (
-            (
-                "packing",
-                "packing: each pair is already one neat-packed row; several pairs per row are not built",
-            ),
-            (
-                "neat_packing",
-                "packing: each pair is already one neat-packed row; several pairs per row are not built",
-            ),
             ("streaming", "streaming: pairs are read from in-memory rows only"),
             ("tokenized_path", "tokenized_path: saved pair rows are not built"),
             ("val_size", "validation data: the preference metrics of an evaluation are not built"),

@@ -1,10 +1,11 @@
 """Summed log-probabilities of whole sequences (the answers of preference pairs).
 
-A preference row holds the sequences of a pair as segments (`segment_ids` 1 = chosen,
-2 = rejected; `data/sft/pairwise.py`). A position counts toward its segment's sum when its
-label is valid and its target token lies in the same segment: a label that crosses into the next
-segment (or into padding) belongs to no sequence. This is LLaMA-Factory's and TRL's shifted
-`get_batch_logps` applied to each sequence on its own.
+A preference row holds the sequences of its pairs as segments (`segment_ids` 2k + 1 = chosen
+and 2k + 2 = rejected answer of the row's pair k; one pair per row unless packed;
+`data/sft/pairwise.py`). A position counts toward its segment's sum when its label is valid and its
+target token lies in the same segment: a label that crosses into the next segment (or into
+padding) belongs to no sequence. This is LLaMA-Factory's and TRL's shifted `get_batch_logps`
+applied to each sequence on its own.
 
 Only the labelled positions reach the head. From normed hidden states (`kernels.chunk_loss_size`
 or `kernels.fused_linear_cross_entropy`) the head runs chunk by chunk, each chunk's logits
@@ -20,14 +21,23 @@ import torch.nn.functional as F
 
 from meshforge.loss.cross_entropy import EAGER_STEPS, IGNORE_INDEX, _add_chunk_grads, _head_dtype, _whole
 
-SEGMENTS_PER_ROW = 2
+
+def segments_per_row(segment_ids: torch.Tensor) -> int:
+    """Sequence slots per row: the largest segment id, rounded up to whole pairs (at least one)."""
+    top = int(segment_ids.max()) if segment_ids.numel() else 0
+    return max(2, top + top % 2)
 
 
-def sequence_keys(labels: torch.Tensor, segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The flat positions that count and the sequence each belongs to (`row * 2 + segment - 1`).
+def sequence_keys(
+    labels: torch.Tensor, segment_ids: torch.Tensor, slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flat positions that count, the sequence each belongs to, and every sequence's size.
+
+    A sequence's key is `row * slots + segment - 1`.
 
     Returns:
-        `(positions [N] int64, keys [N] int64)`, both in row-major order (keys non-decreasing).
+        `(positions [N] int64, keys [N] int64, tokens [rows * slots])`: the positions in row-major
+        order (keys non-decreasing); `tokens` counts every token of each sequence (labelled or not).
     """
     seg = segment_ids
     # The target of position i is token i + 1: it must be in i's segment (the last position never is).
@@ -35,9 +45,10 @@ def sequence_keys(labels: torch.Tensor, segment_ids: torch.Tensor) -> tuple[torc
     same_next[:, :-1] = seg[:, :-1] == seg[:, 1:]
     counted = (labels != IGNORE_INDEX) & (seg > 0) & same_next
     rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
-    keys = rows * SEGMENTS_PER_ROW + seg - 1
+    keys = (rows * slots + seg - 1).reshape(-1)
     positions = counted.reshape(-1).nonzero().squeeze(1)
-    return positions, keys.reshape(-1)[positions]
+    tokens = torch.bincount(keys[seg.reshape(-1) > 0], minlength=labels.shape[0] * slots)
+    return positions, keys[positions], tokens
 
 
 def _chunk_token_logps(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -92,23 +103,24 @@ def sequence_logps(
     *,
     head_weight: torch.Tensor | None = None,
     chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probabilities and token counts of every sequence of a pair batch.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed log-probabilities and labelled-token counts of every sequence of a pair batch.
 
     Args:
         output: logits `[rows, S, V]`, or normed hidden states `[rows, S, H]` with `head_weight`.
         labels: `[rows, S]`, shifted (labels[i] is the target of position i), -100 ignored.
-        segment_ids: `[rows, S]`, 1 and 2 for the two sequences of a row, 0 padding.
+        segment_ids: `[rows, S]`, 2k + 1 and 2k + 2 for the sequences of a row's pair k, 0 padding.
         head_weight: the LM head `[V, H]` when `output` holds hidden states.
         chunk_size: tokens per chunk of the head (hidden states only).
 
     Returns:
-        `(sums [rows, 2] float32, counts [rows, 2] int64)`: column 0 the chosen sequence,
-        column 1 the rejected one.
+        `(sums [P, 2] float32, counts [P, 2] int64, present [P] bool)` over the pair slots
+        `P = rows * slots / 2` (pair k of row r is slot `r * slots / 2 + k`): column 0 the chosen
+        sequence, column 1 the rejected one; `present` marks the slots that hold a pair.
     """
-    rows = labels.shape[0]
-    num_keys = rows * SEGMENTS_PER_ROW
-    positions, keys = sequence_keys(labels, segment_ids)
+    slots = segments_per_row(segment_ids)
+    num_keys = labels.shape[0] * slots
+    positions, keys, tokens = sequence_keys(labels, segment_ids, slots)
     counts = torch.bincount(keys, minlength=num_keys)
     flat_labels = labels.reshape(-1)[positions]
     picked = output.reshape(-1, output.shape[-1])[positions]
@@ -123,4 +135,5 @@ def sequence_logps(
         weight = _whole(head_weight)
         dtype = _head_dtype(picked, weight)
         sums = _SequenceLogps.apply(picked, weight, flat_labels, keys, num_keys, int(chunk_size), dtype)
-    return sums.view(rows, SEGMENTS_PER_ROW), counts.view(rows, SEGMENTS_PER_ROW)
+    present = tokens.view(-1, 2)[:, 1] > 0  # a pair slot is used when its rejected segment exists
+    return sums.view(-1, 2), counts.view(-1, 2), present

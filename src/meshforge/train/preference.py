@@ -60,17 +60,18 @@ class PreferenceStep:
 
     @staticmethod
     def count_pairs(batch: Batch) -> torch.Tensor:
-        """Pairs in a micro-batch: rows that hold a rejected segment (padding rows hold none)."""
-        return (batch["segment_ids"].amax(dim=1) >= 2).sum()
+        """Pairs in a micro-batch: each row's last rejected segment id is twice its pairs."""
+        return (batch["segment_ids"].amax(dim=1) // 2).sum()
 
-    def _pair_logps(self, model: nn.Module, batch: Batch) -> PairLogps:
+    def _pair_logps(self, model: nn.Module, batch: Batch) -> tuple[PairLogps, torch.Tensor]:
+        """The pair slots' log-probabilities and which slots hold a pair (`sequence_logps`)."""
         inputs = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast):
             if self.chunk_size is not None:
                 hidden = model(batch["input_ids"], return_hidden=True, **inputs)
                 # Read after the forward: under FSDP the root keeps lm_head unsharded until backward.
                 head = cast(nn.Linear, model.lm_head)
-                sums, counts = sequence_logps(
+                sums, counts, present = sequence_logps(
                     hidden,
                     batch["labels"],
                     batch["segment_ids"],
@@ -78,10 +79,13 @@ class PreferenceStep:
                     chunk_size=self.chunk_size,
                 )
             else:
-                sums, counts = sequence_logps(
+                sums, counts, present = sequence_logps(
                     model(batch["input_ids"], **inputs), batch["labels"], batch["segment_ids"]
                 )
-        return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
+        # Empty slots (rows with fewer pairs, padding rows) get a finite stand-in log-probability,
+        # so that no loss (ORPO's log(1 - p) at p = 1) turns them into a NaN that masking keeps.
+        sums = torch.where(present[:, None], sums, torch.full_like(sums, -1.0))
+        return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1]), present
 
     def reference_logps(self, model: nn.Module, batch: Batch) -> PairLogps | None:
         """The reference model's pair log-probabilities (no gradient), or None without a reference."""
@@ -89,21 +93,21 @@ class PreferenceStep:
             return None
         with torch.no_grad():
             if self.reference is not None:
-                return self._pair_logps(self.reference, batch)
+                return self._pair_logps(self.reference, batch)[0]
             from meshforge.lora.layer import adapters_disabled
 
             with adapters_disabled(model) if self.lora else contextlib.nullcontext():
-                return self._pair_logps(model, batch)
+                return self._pair_logps(model, batch)[0]
 
     def forward_backward(self, model: nn.Module, batch: Batch, normalizer: torch.Tensor) -> torch.Tensor:
         """Reference, then policy forward; backward of this micro-batch's share; its loss sum."""
         reference = self.reference_logps(model, batch)
-        policy = self._pair_logps(model, batch)
+        policy, present = self._pair_logps(model, batch)
         losses, metrics = self.loss(policy, reference)
-        present = (batch["segment_ids"].amax(dim=1) >= 2).to(losses.dtype)
-        loss_sum = (losses * present).sum()
+        loss_sum = torch.where(present, losses, torch.zeros_like(losses)).sum()
         (loss_sum / normalizer).backward()
-        sums = torch.stack([present.sum(), *((metrics[k] * present).sum() for k in self.keys)])
+        used = present.to(losses.dtype)
+        sums = torch.stack([used.sum(), *((metrics[k] * used).sum() for k in self.keys)])
         self._sums = sums if self._sums is None else self._sums + sums
         return loss_sum.detach()
 

@@ -6,17 +6,21 @@
 `infer_seqlen(prompt, longer answer)`, so both answers keep the same (truncated) prompt and are cut
 to the same budget. The prompt is never trained.
 
-A pair is stored as one neat-packed row: the chosen sequence (segment 1) then the rejected one
+A pair is stored in a neat-packed row: the chosen sequence (segment 1) then the rejected one
 (segment 2), position ids restarting at 0 for each, so one forward serves both and no pair is ever
-split between micro-batches or ranks. A row is at most `2 * cutoff_len` tokens. Labels are stored
-unshifted; after the loader's shift the last chosen position's target is the rejected sequence's
-first (prompt) token, which is -100, so each segment's labels stay inside it.
+split between micro-batches or ranks. A row is at most `2 * cutoff_len` tokens. With packing
+(`pack_pair_batch`) several pairs share a row, pair k in segments 2k + 1 and 2k + 2, placed by
+LLaMA-Factory's greedy knapsack within each preprocessing batch. Labels are stored unshifted;
+after the loader's shift a position whose target lies in the next segment belongs to no sequence
+(`loss/sequence_logps.py` leaves it out).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from meshforge.data.sft.packing import greedy_knapsack
 from meshforge.data.sft.processor import IGNORE_INDEX, infer_seqlen
 
 if TYPE_CHECKING:
@@ -65,19 +69,12 @@ def pair_row(
     }
 
 
-def encode_pair_batch(
-    batch: dict[str, list],
-    *,
-    template: Template,
-    tokenizer: PreTrainedTokenizerBase,
-    cutoff_len: int,
-) -> dict[str, list]:
-    """`datasets.map(batched=True)`: one pair row per usable example (rows with an `_error` dropped)."""
-    out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": []}
-    for i in range(len(batch["_prompt"])):
-        if batch["_error"][i]:
-            continue
-        row = pair_row(
+def _pair_rows(
+    batch: dict[str, list], template: Template, tokenizer: PreTrainedTokenizerBase, cutoff_len: int
+) -> list[dict[str, list[int]]]:
+    """The pair row of every usable example of a converted batch (rows with an `_error` dropped)."""
+    return [
+        pair_row(
             *encode_pair(
                 template,
                 tokenizer,
@@ -88,6 +85,53 @@ def encode_pair_batch(
                 cutoff_len=cutoff_len,
             )
         )
+        for i in range(len(batch["_prompt"]))
+        if not batch["_error"][i]
+    ]
+
+
+def _columns(rows: list[dict[str, list[int]]]) -> dict[str, list]:
+    out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": []}
+    for row in rows:
         for key, values in row.items():
             out[key].append(values)
     return out
+
+
+def encode_pair_batch(
+    batch: dict[str, list],
+    *,
+    template: Template,
+    tokenizer: PreTrainedTokenizerBase,
+    cutoff_len: int,
+) -> dict[str, list]:
+    """`datasets.map(batched=True)`: one pair row per usable example."""
+    return _columns(_pair_rows(batch, template, tokenizer, cutoff_len))
+
+
+def pack_pair_batch(
+    batch: dict[str, list],
+    *,
+    template: Template,
+    tokenizer: PreTrainedTokenizerBase,
+    cutoff_len: int,
+) -> dict[str, list]:
+    """`datasets.map(batched=True)`: the batch's pair rows packed into rows of `2 * cutoff_len` tokens.
+
+    Every pair fits (each sequence is at most `cutoff_len`); rows are not padded here (the loader
+    pads every row to its length).
+    """
+    pairs = _pair_rows(batch, template, tokenizer, cutoff_len)
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for i, pair in enumerate(pairs):
+        by_length[len(pair["input_ids"])].append(i)
+    rows = []
+    for knapsack in greedy_knapsack([len(p["input_ids"]) for p in pairs], 2 * cutoff_len):
+        row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": [], "segment_ids": []}
+        for k, length in enumerate(knapsack):
+            pair = pairs[by_length[length].pop()]
+            for key in ("input_ids", "labels", "position_ids"):
+                row[key] += pair[key]
+            row["segment_ids"] += [seg + 2 * k for seg in pair["segment_ids"]]
+        rows.append(row)
+    return _columns(rows)

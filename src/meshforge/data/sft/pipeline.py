@@ -36,7 +36,7 @@ from meshforge.data.sft.arrow import ArrowDataset
 from meshforge.data.sft.converters import check_columns, convert_batch
 from meshforge.data.sft.dataset_info import DatasetAttr, load_raw, resolve_datasets
 from meshforge.data.sft.packing import pack_batch
-from meshforge.data.sft.pairwise import encode_pair_batch
+from meshforge.data.sft.pairwise import encode_pair_batch, pack_pair_batch
 from meshforge.data.sft.processor import IGNORE_INDEX, encode_batch
 from meshforge.data.sft.templates import Template, get_template
 
@@ -291,8 +291,13 @@ def converted_each(
 def encoder(
     cfg: TrainDatasetConfig, tokenizer: PreTrainedTokenizerBase, template: Template, *, pairwise: bool = False
 ) -> tuple[Encoder, dict[str, object]]:
-    if pairwise:  # one neat-packed row per pair (pairwise.py); packing is refused for preference data
-        return encode_pair_batch, {"template": template, "tokenizer": tokenizer, "cutoff_len": cfg.cutoff_len}
+    if pairwise:  # pairs in neat-packed rows (pairwise.py): one per row, or several with packing
+        pair_kwargs: dict[str, object] = {
+            "template": template,
+            "tokenizer": tokenizer,
+            "cutoff_len": cfg.cutoff_len,
+        }
+        return (pack_pair_batch if cfg.packing else encode_pair_batch), pair_kwargs
     common: dict[str, object] = {
         "template": template,
         "tokenizer": tokenizer,
@@ -325,7 +330,7 @@ def encode_dataset(
         remove_columns=ds.column_names,
         load_from_cache_file=not cfg.overwrite_cache,
         fn_kwargs=kwargs,
-        desc=("encoding pairs of " if pairwise else "packing " if cfg.packing else "encoding ") + what,
+        desc=("packing " if cfg.packing else "encoding ") + ("pairs of " if pairwise else "") + what,
     )
     if len(processed) == 0:
         raise ValueError(f"{what}: no example left after encoding (all broken or too long)")
@@ -465,8 +470,9 @@ def to_rows(
 def rows_summary(dataset: SFTDataset, what: str) -> str:
     tokens = dataset.real_tokens()
     flat = dataset.flat
+    several = dataset.pairwise and bool(dataset.num_rows) and int(flat["segment_ids"].max()) > 2
     kind = (
-        "pair"
+        ("packed pair" if several else "pair")
         if dataset.pairwise
         else "neat-packed"
         if "segment_ids" in flat
