@@ -1,6 +1,7 @@
-"""DPO on 2 data-parallel ranks (FSDP over both) equals one process: LoRA and full fine-tuning.
+"""DPO on 2 ranks equals one process: data parallel (FSDP over both) and tensor parallel (with
+sequence parallelism), LoRA and full fine-tuning.
 
-Full fine-tuning shards the frozen reference copy over the same mesh as the policy; LoRA's
+Full fine-tuning shards (and tensor-splits) the frozen reference copy like the policy; LoRA's
 reference is the policy with its adapters off. The loss, the gradient norm and every preference
 metric of each step must equal the one-process run's (the pairs split over ranks, the metrics
 reduced over the `loss` mesh).
@@ -29,21 +30,41 @@ METRICS = (
 )
 
 
-def test_dp2_equals_one_process_lora_and_full(tmp_path: Path) -> None:
+# A reward is beta times a difference of two log-probabilities of about -200 each: float32 rounds
+# those to about 2e-5, so beta * 2e-5 (plus summation order) is the reward's own absolute precision.
+ABS = {k: 5e-6 for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")}
+LAYOUTS = {"dp2": [], "tp2": ["--parallelism.tensor_parallel=2"]}
+
+
+def test_dp2_and_tp2_equal_one_process_lora_and_full(tmp_path: Path) -> None:
     base = [*TINY, "--train_dataset.max_samples=16", "--training.steps=3"]
     tunings = {"lora": ["--lr_scheduler.learning_rate=2e-2"], "full": FULL}
-    runs = [
-        Run(CONFIG, [*base, *extra, f"--training.output_dir={tmp_path / name / str(nproc)}"], nproc)
-        for nproc in (1, 2)
+    one_process = [
+        Run(CONFIG, [*base, *extra, f"--training.output_dir={tmp_path / name / 'one'}"])
         for name, extra in tunings.items()
     ]
-    train_all(runs)
+    two_ranks = [
+        Run(CONFIG, [*base, *extra, *layout, f"--training.output_dir={tmp_path / name / key}"], 2)
+        for key, layout in LAYOUTS.items()
+        for name, extra in tunings.items()
+    ]
+    train_all([*one_process, *two_ranks])
+    failures = []
     for name in tunings:
-        one, two = read_metrics(tmp_path / name / "1"), read_metrics(tmp_path / name / "2")
-        assert len(one) == len(two) == 3
+        one = read_metrics(tmp_path / name / "one")
         assert len({r["loss"] for r in one}) == 3, one  # it trains
-        for a, b in zip(one, two, strict=True):
-            assert b["pairs"] == a["pairs"] == 8
-            for key in METRICS:
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (name, a["step"], key)
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (name, a["step"])
+        for key in LAYOUTS:
+            got = read_metrics(tmp_path / name / key)
+            assert len(got) == len(one) == 3
+            for a, b in zip(one, got, strict=True):
+                assert b["pairs"] == a["pairs"] == 8
+                failures += [
+                    f"{name} {key} step {a['step']} {m}: {b[m]} != {a[m]}"
+                    for m in METRICS
+                    if b[m] != pytest.approx(a[m], rel=1e-5, abs=ABS.get(m, 1e-7))
+                ]
+                if b["grad_norm"] != pytest.approx(a["grad_norm"], rel=1e-4):
+                    failures.append(
+                        f"{name} {key} step {a['step']} grad_norm: {b['grad_norm']} != {a['grad_norm']}"
+                    )
+    assert not failures, "\n".join(failures)

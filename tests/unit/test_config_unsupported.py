@@ -98,7 +98,6 @@ _DPO = {
 # What training.stage: dpo does not combine with yet; the SFT entries of the same train_dataset
 # keys are their own (they fire only with another loader).
 DPO_TRIGGERS: list[tuple[str, dict]] = [
-    ("parallelism.tensor_parallel", {**_DPO, "parallelism": {"tensor_parallel": 2}}),
     ("parallelism.context_parallel", {**_DPO, "parallelism": {"context_parallel": 2}}),
     ("parallelism.pipeline_parallel", {**_DPO, "parallelism": {"pipeline_parallel": 2}}),
     ("parallelism.expert_parallel", {**_DPO, "parallelism": {"expert_parallel": 2}}),

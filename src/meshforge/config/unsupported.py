@@ -180,7 +180,6 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
             f"{_DPO} with {what}: {why}",
         )
         for name, what, why in (
-            ("tensor_parallel", "TP", "the pair log-probabilities do not gather vocabulary-sharded logits"),
             ("context_parallel", "CP", "a pair's sequences split over ranks need their sums reduced"),
             ("pipeline_parallel", "PP", "the pipeline's last stage computes the LM loss, not the pair loss"),
             ("expert_parallel", "EP", "not tested equal to one process"),

@@ -118,6 +118,9 @@ def sequence_logps(
         `P = rows * slots / 2` (pair k of row r is slot `r * slots / 2 + k`): column 0 the chosen
         sequence, column 1 the rejected one; `present` marks the slots that hold a pair.
     """
+    # Under tensor parallelism the logits (vocabulary-sharded) or the hidden states (sequence-sharded)
+    # are gathered whole, differentiably: every TP rank computes every sum, as the LM loss does.
+    output = _whole(output)
     slots = segments_per_row(segment_ids)
     num_keys = labels.shape[0] * slots
     positions, keys, tokens = sequence_keys(labels, segment_ids, slots)
