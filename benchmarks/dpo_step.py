@@ -16,10 +16,11 @@ Steps alternate one by one between runners (the order rotates every repeat). tok
 real tokens of both sequences of every pair (no padding), the same for all runners.
 ``memory_bytes``: ``state`` = policy and reference parameters + gradients + AdamW state after one
 step; ``activations`` = bytes autograd holds for backward after one forward of policy and
-reference (``SavedTensorLedger``, parameters excluded); ``peak`` their sum. TRL is found through
-``TRL_REF`` or ``build/trl-ref`` (``pip install --no-deps --target build/trl-ref trl==1.16.0``).
+reference (``SavedTensorLedger``, parameters excluded); ``peak`` their sum. TRL must be importable:
+``pip install --no-deps --target build/trl-ref trl==1.16.0`` and put that folder on ``PYTHONPATH``.
 
-Run: ``python benchmarks/dpo_step.py [--quick] [--pairs 8]``; prints one JSON line.
+Run: ``PYTHONPATH=build/trl-ref python benchmarks/dpo_step.py [--quick] [--pairs 8]``; prints one
+JSON line.
 """
 
 from __future__ import annotations
@@ -27,12 +28,10 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import os
-import sys
 import time
 import types
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -152,7 +151,7 @@ def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def build_runners(num_pairs: int, beta: float, trl_ref: Path) -> tuple[dict[str, DPORunner], dict[str, Any]]:
+def build_runners(num_pairs: int, beta: float) -> tuple[dict[str, DPORunner], dict[str, Any]]:
     family = families()["qwen3"]
     args = shape_args(family, family.shapes["small"])
     pairs = make_pairs(num_pairs, args.vocab_size)
@@ -200,8 +199,6 @@ def build_runners(num_pairs: int, beta: float, trl_ref: Path) -> tuple[dict[str,
     meshforge_runner("full_chunked", 1024, lora=False)
     meshforge_runner("lora", 1024, lora=True)
 
-    if str(trl_ref) not in sys.path and trl_ref.is_dir():
-        sys.path.insert(0, str(trl_ref))
     from trl.trainer.dpo_trainer import DPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
@@ -258,10 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
-    repo = Path(__file__).resolve().parents[1]
-    runners, info = build_runners(
-        opts.pairs, opts.beta, Path(os.environ.get("TRL_REF", repo / "build" / "trl-ref"))
-    )
+    runners, info = build_runners(opts.pairs, opts.beta)
     memory = {name: memory_bytes(r, info["probes"][name]) for name, r in runners.items()}
     warmup, repeats = (1, 3) if opts.quick else (2, 8)
     for r in runners.values():

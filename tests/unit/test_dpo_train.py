@@ -98,3 +98,19 @@ def test_packed_pairs_train_from_ln2(tmp_path):
     assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert records[0]["pairs"] > 2  # more pairs than the step's 2 rows
     assert records[1]["loss"] != records[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "overrides,want",
+    [
+        ([], "dpo reference model: the policy with its LoRA adapters disabled: no extra weights"),
+        (["--lora_config=null"], "dpo reference model: a frozen copy sharded as the policy: +0.01 GiB"),
+        (["--training.pref_loss=simpo"], "dpo reference model: none (simpo is reference-free)"),
+    ],
+)
+def test_validate_names_the_reference_model_cost(overrides, want):
+    from meshforge.config import load_config
+    from meshforge.parallel.plan import plan_lines
+
+    lines = plan_lines(load_config(str(CONFIG), overrides), 2)
+    assert any(line.startswith(want) for line in lines), lines

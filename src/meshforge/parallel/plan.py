@@ -188,8 +188,30 @@ def plan_lines(cfg: TrainConfig, world_size: int, *, log: Callable[[str], None] 
         lines.append(f"memory: not estimated ({exc})")
         return lines
     lines += memory_lines(cfg, dims, family, counts)
+    lines += reference_lines(cfg, dims, counts)
     lines += activation_lines(cfg, dims, counts, log=log)
     return lines
+
+
+def reference_lines(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -> list[str]:
+    """What the reference model of `training.stage: dpo` costs each rank (train/preference.py)."""
+    training = cfg.training
+    if training.stage != "dpo":
+        return []
+    rows = "pair rows hold 2 x cutoff_len tokens (the activation estimate counts cutoff_len)"
+    if training.pref_loss in ("orpo", "simpo"):
+        return [f"dpo reference model: none ({training.pref_loss} is reference-free); {rows}"]
+    if counts.adapters is not None:
+        return [
+            "dpo reference model: the policy with its LoRA adapters disabled: no extra weights, one more "
+            f"forward without gradients per micro-batch; {rows}"
+        ]
+    pbytes = _DTYPE_BYTES.get(cfg.model.params_dtype.lower(), 4)
+    worst = max(rank_parameters(cfg, dims, counts))
+    return [
+        f"dpo reference model: a frozen copy sharded as the policy: +{worst * pbytes / _GIB:.2f} GiB of "
+        f"weights per rank (no gradients or AdamW), one more forward without gradients per micro-batch; {rows}"
+    ]
 
 
 def memory_lines(cfg: TrainConfig, dims: ParallelDims, family: str, counts: ParamCounts) -> list[str]:
