@@ -100,7 +100,6 @@ _DPO = {
 DPO_TRIGGERS: list[tuple[str, dict]] = [
     ("parallelism.context_parallel", {**_DPO, "parallelism": {"context_parallel": 2}}),
     ("parallelism.pipeline_parallel", {**_DPO, "parallelism": {"pipeline_parallel": 2}}),
-    ("parallelism.expert_parallel", {**_DPO, "parallelism": {"expert_parallel": 2}}),
     *[
         (f"train_dataset.{key}", {**_DPO, "train_dataset": {**_DPO["train_dataset"], key: value}})
         for key, value in (

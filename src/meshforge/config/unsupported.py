@@ -182,7 +182,6 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
         for name, what, why in (
             ("context_parallel", "CP", "a pair's sequences split over ranks need their sums reduced"),
             ("pipeline_parallel", "PP", "the pipeline's last stage computes the LM loss, not the pair loss"),
-            ("expert_parallel", "EP", "not tested equal to one process"),
         )
     ],
     *[

@@ -30,7 +30,10 @@ def build_preference(
     if training.stage != "dpo":
         return None
     if parts.aux_loss_enabled:
-        raise ValueError("not supported yet: training.router_aux_loss_coef with training.stage: dpo")
+        raise ValueError(
+            "not supported yet: the MoE router auxiliary loss with training.stage: dpo "
+            "(training.router_aux_loss_coef, or the model's router_aux_loss_coef: set it to 0)"
+        )
     if parts.mtp_coef:
         raise ValueError("not supported yet: multi-token prediction (MTP) with training.stage: dpo")
     loss = PreferenceLoss(
