@@ -34,7 +34,7 @@ METRICS = (
 # those to about 2e-5, so beta * 2e-5 (plus summation order) is the reward's own absolute precision.
 ABS = {k: 5e-6 for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")}
 LAYOUTS = {"dp2": [], "tp2": ["--parallelism.tensor_parallel=2"]}
-# A tiny Qwen3-MoE in place of the dense model (no router loss: refused with dpo for now).
+# A tiny Qwen3-MoE in place of the dense model, with its router loss.
 MOE = [
     "--lora_config=null",
     "--model.model_type=qwen3_moe",
@@ -42,7 +42,8 @@ MOE = [
     "--model.moe_intermediate_size=64",
     "--model.num_experts=4",
     "--model.num_experts_per_tok=2",
-    "--model.router_aux_loss_coef=0",
+    "--model.router_aux_loss_coef=0.01",
+    "--model.output_router_logits=true",
     "--lr_scheduler.learning_rate=1e-3",
 ]
 
@@ -68,6 +69,13 @@ def test_dp2_tp2_and_ep2_equal_one_process(tmp_path: Path) -> None:
         for key in layouts[name]:
             got = read_metrics(tmp_path / name / key)
             assert len(got) == len(one) == 3
+            if name == "moe":
+                assert all(r["aux_loss"] > 0 for r in one), one
+                failures += [
+                    f"moe {key} step {a['step']} aux_loss: {b['aux_loss']} != {a['aux_loss']}"
+                    for a, b in zip(one, got, strict=True)
+                    if b["aux_loss"] != pytest.approx(a["aux_loss"], rel=1e-5)
+                ]
             for a, b in zip(one, got, strict=True):
                 assert b["pairs"] == a["pairs"] == 8
                 failures += [

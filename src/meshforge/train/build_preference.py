@@ -29,11 +29,6 @@ def build_preference(
     training = cfg.training
     if training.stage != "dpo":
         return None
-    if parts.aux_loss_enabled:
-        raise ValueError(
-            "not supported yet: the MoE router auxiliary loss with training.stage: dpo "
-            "(training.router_aux_loss_coef, or the model's router_aux_loss_coef: set it to 0)"
-        )
     if parts.mtp_coef:
         raise ValueError("not supported yet: multi-token prediction (MTP) with training.stage: dpo")
     loss = PreferenceLoss(
@@ -71,6 +66,7 @@ def build_preference(
         autocast=parts.compute_dtype != torch.float32 and not parts.fsdp,
         device=env.device,
         keys=METRIC_KEYS + (ORPO_KEYS if loss.loss_type == "orpo" else ()),
+        aux_coef=parts.aux_coef if parts.aux_loss_enabled else 0.0,
     )
 
 

@@ -19,6 +19,7 @@ step and reduced once over the `loss` mesh at its end (`step_metrics`).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -46,6 +47,9 @@ class PreferenceStep:
         reference: the frozen reference copy (full fine-tuning), else None.
         chunk_size: the head's tokens per chunk when the model returns hidden states; None: logits.
         autocast: the forward runs under autocast to `compute_dtype` (as the trainer's does).
+        aux_coef: weight of the MoE router loss of the policy forward (0: none), added as the
+            trainer adds it to the LM loss: each micro-batch's router loss (a mean) weighted by
+            its share of the step's pairs, so one micro-batch on one rank gives `loss + coef * aux`.
     """
 
     loss: PreferenceLoss
@@ -56,6 +60,7 @@ class PreferenceStep:
     autocast: bool
     device: torch.device
     keys: tuple[str, ...] = METRIC_KEYS
+    aux_coef: float = 0.0
     _sums: torch.Tensor | None = field(default=None, repr=False)
 
     @staticmethod
@@ -105,9 +110,17 @@ class PreferenceStep:
         policy, present = self._pair_logps(model, batch)
         losses, metrics = self.loss(policy, reference)
         loss_sum = torch.where(present, losses, torch.zeros_like(losses)).sum()
-        (loss_sum / normalizer).backward()
+        objective = loss_sum / normalizer
         used = present.to(losses.dtype)
-        sums = torch.stack([used.sum(), *((metrics[k] * used).sum() for k in self.keys)])
+        aux_share = torch.zeros((), dtype=losses.dtype, device=losses.device)
+        if self.aux_coef:
+            # The router loss of the last forward: the policy's (the reference ran first).
+            router_loss = cast(Callable[[], torch.Tensor | None], model.aux_loss)()
+            if router_loss is not None:
+                aux_share = router_loss.float() * (used.sum() / normalizer)
+                objective = objective + self.aux_coef * aux_share
+        objective.backward()
+        sums = torch.stack([used.sum(), aux_share.detach(), *((metrics[k] * used).sum() for k in self.keys)])
         self._sums = sums if self._sums is None else self._sums + sums
         return loss_sum.detach()
 
@@ -118,4 +131,6 @@ class PreferenceStep:
         total = dist_utils.all_reduce_sum(self._sums, group).tolist()
         self._sums = None
         pairs = max(total[0], 1.0)
-        return {"pairs": int(total[0]), **{k: v / pairs for k, v in zip(self.keys, total[1:], strict=True)}}
+        means = {k: v / pairs for k, v in zip(self.keys, total[2:], strict=True)}
+        # aux_loss: the shares already divide by the step's pairs (replaces the trainer's zero).
+        return {"pairs": int(total[0]), **({"aux_loss": total[1]} if self.aux_coef else {}), **means}
