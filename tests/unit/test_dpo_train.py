@@ -114,3 +114,16 @@ def test_validate_names_the_reference_model_cost(overrides, want):
 
     lines = plan_lines(load_config(str(CONFIG), overrides), 2)
     assert any(line.startswith(want) for line in lines), lines
+
+
+def test_data_preview_shows_pair_rows():
+    from meshforge.config import load_config
+    from meshforge.data.preview import build_preview_loader
+
+    lines: list[str] = []
+    _, loader = build_preview_loader(
+        load_config(str(CONFIG), ["--train_dataset.max_samples=8"]), log=lines.append
+    )
+    batch = next(iter(loader))
+    assert any("8 pair train rows of 256 tokens" in line for line in lines), lines
+    assert batch["segment_ids"].max() == 2 and (batch["segment_ids"] == 2).any(axis=1).all()
