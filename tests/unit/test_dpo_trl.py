@@ -1,7 +1,7 @@
 """meshforge's preference step against TRL's on the same tiny model and batch: losses and gradients.
 
 TRL (test-only: `pip install --no-deps --target build/trl-ref trl==1.16.0`, found through
-`TRL_REF` or `build/trl-ref`) runs its own code on a transformers Qwen3: for sigmoid DPO and IPO,
+`TRL_REF` or `build/trl-ref`) runs its own code on a transformers Qwen3: for sigmoid DPO, hinge and IPO,
 `DPOTrainer._compute_loss` (its concatenated forward through `add_fused_lm_head`: chosen rows,
 then rejected rows, with a frozen reference copy), called on a stand-in for the trainer that
 holds only the attributes that method reads; for SimPO (in TRL's CPO trainer), the length-averaged
@@ -160,7 +160,7 @@ def _trl_loss(loss_type: str, beta: float, gamma: float, pairs, hf, hf_ref) -> t
 @pytest.mark.parametrize(
     "chunk_size,per_row", [(None, 1), (4, 1), (4, 2)], ids=["logits", "chunked", "chunked-packed"]
 )
-@pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.1), ("ipo", 0.5), ("simpo", 2.0)])
+@pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.1), ("hinge", 0.1), ("ipo", 0.5), ("simpo", 2.0)])
 def test_loss_and_gradients_equal_trl(loss_type, beta, chunk_size, per_row):
     gamma = 0.5
     pairs = _pairs()
