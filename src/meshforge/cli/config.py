@@ -60,8 +60,12 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     schema = sub.add_parser("schema", help="write the JSON schema of the config (for editors)")
     schema.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
 
-    imp = sub.add_parser("import", help="convert a MindSpeed-LLM YAML to native YAML")
-    imp.add_argument("file", help="MindSpeed-format YAML")
+    imp = sub.add_parser(
+        "import", help="convert a MindSpeed-LLM YAML or a Megatron-style launch script to native YAML"
+    )
+    imp.add_argument(
+        "file", help="MindSpeed-format YAML, or a launch script (SCRIPT.sh) running pretrain_gpt.py"
+    )
     imp.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     imp.add_argument("-q", "--quiet", action="store_true", help="do not report what each key became")
     imp.add_argument(
@@ -141,6 +145,20 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+FORMAT_NAMES = {
+    "mindspeed": "MindSpeed-LLM format",
+    "megatron": "Megatron-style launch script",
+    "native": "native",
+}
+
+
+def _import_format(file: str) -> str:
+    """`config import` reads a launch script as Megatron flags and any YAML as MindSpeed's."""
+    from meshforge.config.launch_script import is_launch_script
+
+    return "megatron" if Path(file).is_file() and is_launch_script(file) else "mindspeed"
+
+
 def run_config_command(args: argparse.Namespace) -> int:
     """Run a parsed `config` sub-command; returns the exit status (0 ok, 2 invalid config)."""
     from meshforge.config.dump import dump_config
@@ -167,7 +185,7 @@ def run_config_command(args: argparse.Namespace) -> int:
 
             try:
                 data, _, kind = load_native_dict(
-                    args.file, overrides, fmt="mindspeed", log=notes.append, origins=origins
+                    args.file, overrides, fmt=_import_format(args.file), log=notes.append, origins=origins
                 )
                 validate_imported(data, dict(origins), source=args.file)
             except ConfigError:
@@ -178,7 +196,7 @@ def run_config_command(args: argparse.Namespace) -> int:
             if not args.quiet:
                 for line in notes:
                     print(f"import: {line}", file=sys.stderr)
-            header = f"# Imported from {args.file} (MindSpeed-LLM format) by `meshforge config import`.\n"
+            header = f"# Imported from {args.file} ({FORMAT_NAMES[kind]}) by `meshforge config import`.\n"
             _write(header + dump_yaml(data), args.output)
             return 0
     except ConfigError as err:
