@@ -21,11 +21,12 @@ def _values_for(takes: str, tokens: Sequence[str], start: int) -> tuple[list[str
     """The values of a flag that takes `takes` starting at `tokens[start]`, and the next index."""
     if takes == "0":
         return [], start
-    if takes == "1":
-        return list(tokens[start : start + 1]), start + 1
     if takes.isdigit():
         count = int(takes)
-        return list(tokens[start : start + count]), start + count
+        values = list(tokens[start : start + count])
+        if any(value.startswith("--") for value in values):
+            values = values[: next(k for k, v in enumerate(values) if v.startswith("--"))]
+        return values, start + len(values)
     end = start
     while end < len(tokens) and not tokens[end].startswith("--"):
         end += 1

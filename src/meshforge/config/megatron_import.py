@@ -14,6 +14,7 @@ checkpoints and, when the flags name no other output folder, the run's metrics a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -338,7 +339,7 @@ def _outputs(flags: Flags, native: Native) -> None:
 def _logging(flags: Flags, native: Native) -> None:
     native.to("training.log_interval", flags.int("--log-interval", 100), "--log-interval")
     split = flags.text("--split", "969, 30, 1") or ""
-    shares = [float(v) for v in split.replace(" ", "").replace("/", ",").split(",") if v]
+    shares = [float(v) for v in re.findall(r"[0-9.]+", split)]
     iters = flags.int("--eval-iters", 100) or 0
     interval = flags.int("--eval-interval", 1000)
     if len(shares) > 1 and shares[1] > 0 and iters > 0 and "--data-path" in flags:
