@@ -245,6 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_library_output()  # before any command imports torch, transformers or datasets
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv[:1] == ["megatron"] and argv[1:2] not in (["-h"], ["--help"]):
+        # Megatron's flags as they come (argparse would reorder options and values)
+        from meshforge.cli.megatron import megatron_loader
+
+        return run_train(argparse.Namespace(config=None, format=None), [], load=megatron_loader(argv[1:]))
     argv, positional = _positional_config(argv)
     args, extra = parser.parse_known_args(argv)
     if positional is not None:
@@ -253,11 +258,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.config = positional
     if args.command == "train":
         return run_train(args, split_overrides(extra))
-    if args.command == "megatron":
-        from meshforge.cli.megatron import megatron_loader
-
-        args.config, args.format = None, None
-        return run_train(args, [], load=megatron_loader([*args.flags, *extra]))
     if args.command == "generate":
         from meshforge.cli.generate import run_generate_command
 

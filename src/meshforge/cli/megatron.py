@@ -21,7 +21,6 @@ def add_megatron_command(subparsers: argparse._SubParsersAction) -> None:
         "megatron",
         help="train from Megatron-LM flags (pretrain_gpt.py's), e.g. torchrun ... -m meshforge megatron $ARGS",
         description=__doc__,
-        add_help=False,
     )
     megatron.add_argument(
         "flags", nargs=argparse.REMAINDER, help="Megatron-LM flags, as pretrain_gpt.py takes them"

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from meshforge.config.base import Issue, suggest
 from meshforge.config.megatron_flags import FLAGS
+from meshforge.config.megatron_table import classify
 
 Value = str | list[str] | bool
 
@@ -62,6 +63,11 @@ def parse_flags(
         else:
             values, i = _values_for(takes, tokens, i)
         value: Value
+        if takes != "0" and not values and not eq:
+            known = classify(name)
+            if known is not None and known.kind == "refused":
+                flags[name] = []  # named as not built, whatever its value would have been
+                continue
         if takes == "0":
             if eq:
                 issues.append((name, f"takes no value, got {inline!r}"))

@@ -411,6 +411,11 @@ def model_section(flags: Flags, native: Native) -> str | None:
         flags.refuse("--load", f"not supported yet: model_type {family!r} from Megatron flags")
         return None
     _check_family_flags(family, flags)
+    if "--hidden-dropout" not in flags:
+        native.say(
+            "--hidden-dropout not given: Megatron's default 0.1 (residual dropout) is not built; "
+            "trained without it (give --hidden-dropout 0.0 to say so)"
+        )
     scratch = Native(flags, lambda _line: None, {})
     target = scratch if hf is not None else native
     _sizes(family, flags, target)

@@ -341,3 +341,24 @@ def markdown_table() -> str:
     lines += [f"- `{flag}`: {feature}" for flag, feature in REFUSED.items()]
     lines += ["- every other flag: not supported yet, named by its Megatron-LM argument group or project"]
     return "\n".join(lines) + "\n"
+
+
+def write_docs(path: str = "docs/config-mapping.md") -> None:
+    """Put `markdown_table()` between the doc's `megatron-table` markers."""
+    import re
+    from pathlib import Path
+
+    doc = Path(path)
+    text = doc.read_text(encoding="utf-8")
+    body = markdown_table()
+    new = re.sub(
+        r"(<!-- megatron-table:start -->\n).*?(<!-- megatron-table:end -->)",
+        lambda m: m.group(1) + body + m.group(2),
+        text,
+        flags=re.S,
+    )
+    doc.write_text(new, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    write_docs()

@@ -1,0 +1,91 @@
+"""Real clients: Megatron-LM's and MindSpeed-LLM's own example scripts (tests/data/megatron_scripts)
+import with the parallel degrees they set, or name each flag meshforge does not build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshforge.config.base import ConfigError
+from meshforge.config.loader import load_config, load_native_dict
+from tests.conftest import meshforge_here
+from tests.unit._megatron_scripts import filled
+
+
+def _refused(path: Path) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_native_dict(str(path))
+    return str(err.value)
+
+
+def test_mindspeed_qwen3_dense_and_moe_scripts_import_with_their_degrees(tmp_path: Path):
+    dense = load_config(str(filled("mindspeed_qwen3_0point6b_pretrain.sh", tmp_path)))
+    assert dense.model.model_type == "qwen3" and dense.parallelism.tensor_parallel == 1
+    assert dense.training.global_batch_size == 32 and dense.training.steps == 2000
+    assert dense.model.compute_dtype == "bfloat16"
+    moe = load_config(str(filled("mindspeed_qwen3_30b_a3b_pretrain.sh", tmp_path)))
+    assert moe.model.model_type == "qwen3_moe"
+    assert (moe.parallelism.pipeline_parallel, moe.parallelism.expert_parallel) == (2, 8)
+    assert moe.recompute.mode == "full"
+
+
+def test_config_import_of_a_script_writes_native_yaml(tmp_path: Path):
+    script = filled("mindspeed_qwen3_0point6b_pretrain.sh", tmp_path)
+    proc = meshforge_here("config", "import", str(script), "-o", str(tmp_path / "out.yaml"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "import: --tensor-model-parallel-size 1 -> parallelism.tensor_parallel: 1" in proc.stderr
+    text = (tmp_path / "out.yaml").read_text()
+    assert text.startswith(f"# Imported from {script} (Megatron-style launch script)")
+    assert yaml.safe_load(text)["model"]["num_hidden_layers"] == 28
+    assert load_config(str(tmp_path / "out.yaml")).parallelism.data_parallel_shard == -1
+
+
+@pytest.mark.parametrize(
+    ("name", "unbuilt"),
+    [
+        ("mindspeed_deepseek3_671b_pretrain.sh", ["--noop-layers", "--rope-scaling-type", "--expert-tensor-parallel-size", "--swap-optimizer"]),
+        ("mindspeed_qwen3_0point6b_lora_tune.sh", ["--is-instruction-dataset", "--prompt-type", "--handler-name"]),
+        ("megatron_llama3_8b_h100_fp8.sh", ["--apply-layernorm-1p", "--train-samples", "--fp8-format", "--mock-data"]),
+        ("megatron_mixtral_8x7b.sh", ["--tokenizer-type", "--num-experts"]),
+        ("megatron_gpt3_175b.sh", ["--normalization", "--swiglu", "--position-embedding-type", "--vocab-file"]),
+        ("megatron_mamba_train.sh", ["--hybrid-layer-pattern", "--tokenizer-type", "--train-samples"]),
+    ],
+)  # fmt: skip
+def test_scripts_of_unbuilt_features_name_each_flag(tmp_path: Path, name: str, unbuilt: list[str]):
+    text = _refused(filled(name, tmp_path))
+    assert [flag for flag in unbuilt if f"error: {flag}: not supported yet" not in text] == [], text
+
+
+def test_meshforge_megatron_refuses_an_unknown_flag_with_a_suggestion(tmp_path: Path):
+    proc = meshforge_here("megatron", "--num-layerz", "2", "--tensor-model-parallel-size", "1", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "error: --num-layerz: unknown flag" in proc.stderr and "did you mean '--num-layers'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_meshforge_megatron_trains_from_flags(tmp_path: Path):
+    """`meshforge megatron FLAGS` on one process: the model from the flags, Megatron data, outputs in --save."""
+    from tests.unit._megatron_scripts import TOKENIZER
+
+    corpus = Path(__file__).resolve().parents[2] / "assets" / "megatron" / "python_docstrings_text_document"
+    data = tmp_path / "data"
+    data.mkdir()
+    for suffix in (".bin", ".idx"):
+        (data / corpus.with_suffix(suffix).name).write_bytes(corpus.with_suffix(suffix).read_bytes())
+    save = tmp_path / "save"
+    flags = [
+        "--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "2",
+        "--kv-channels", "16", "--qk-layernorm", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+        "--position-embedding-type", "rope", "--max-position-embeddings", "64", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", str(TOKENIZER),
+        "--data-path", str(data / corpus.name), "--split", "100,0,0", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
+        "--save", str(save), "--log-interval", "1",
+    ]  # fmt: skip
+    proc = meshforge_here("megatron", *flags, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "--num-layers 1 -> model.num_hidden_layers: 1" in proc.stdout
+    records = [line for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(records) == 2
