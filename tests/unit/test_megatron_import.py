@@ -151,6 +151,7 @@ def test_module_names_data_schedule_recompute_and_outputs(tmp_path: Path):
         cfg["eod_mask_loss"] is True and cfg["reset_position_ids"] is True and cfg["eod"] == 2
     )  # <|im_end|>
     assert data["training"]["eval_interval"] == 5 and data["training"]["eval_iters"] == 2
+    assert data["train_dataset"]["dataloader"]["sizes"] == [0, (10 // 5 + 1) * 2 * 8, 2 * 8]
     assert data["lr_scheduler"] == {"learning_rate": 1e-4, "type": "CosineWithWarmUpLR", "warmup_steps": 0, "min_lr": 1e-5, "decay_steps": 8} | {"warmup_steps": 0}  # fmt: skip
     assert data["recompute"] == {"mode": "full", "full_recompute_layer": ["0"]}
     assert data["training"]["output_dir"] == str(save) and data["checkpoint"]["load_path"] == "auto"

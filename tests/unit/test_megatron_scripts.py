@@ -89,3 +89,13 @@ def test_meshforge_megatron_trains_from_flags(tmp_path: Path):
     assert "--num-layers 1 -> model.num_hidden_layers: 1" in proc.stdout
     records = [line for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(records) == 2
+
+
+def test_the_shipped_example_script_imports():
+    cfg = load_config(
+        str(Path(__file__).resolve().parents[2] / "configs" / "megatron" / "pretrain_qwen3_tiny.sh")
+    )
+    assert (
+        cfg.model.model_type == "qwen3" and cfg.training.steps == 10 and cfg.training.global_batch_size == 16
+    )
+    assert cfg.training.output_dir == "output/megatron_qwen3_tiny"

@@ -23,7 +23,7 @@ from pathlib import Path
 from meshforge.config.base import ConfigError
 
 ENTRY_POINTS = ("pretrain_gpt.py", "pretrain_mamba.py", "posttrain_gpt.py", "pretrain_llama.py", "train.py")
-LAUNCHERS = ("torchrun", "python", "python3", "python -m torch.distributed.run")
+LAUNCHERS = ("torchrun", "python", "python3", "deepspeed", "srun")
 
 
 class _Unknown(str):
@@ -318,10 +318,9 @@ def _condition(shell: Shell, words: list[str]) -> bool | None:
         elif len(words) >= 2 and words[0] in ("-n", "-z"):
             value = (words[1] != "") if words[0] == "-n" else (words[1] == "")
             words = words[2:]
-        elif len(words) == 1 or (len(words) > 1 and words[1] in ("||", "&&")):
-            value = words[0] == ""  # `-z` with an empty expansion
-            value = False
-            words = words[1:]
+        elif len(words) >= 2 and words[0] == "!" and words[1] in ("-n", "-z") and len(words) >= 3:
+            value = (words[2] == "") if words[1] == "-n" else (words[2] != "")
+            words = words[3:]
         else:
             return None
         result = value if result is None else (result or value) if joiner == "||" else (result and value)
@@ -413,7 +412,6 @@ def _assign(shell: Shell, words: list[Word]) -> bool:
     if not words:
         return False
     first = words[0]
-    raw = "".join(text for text, quote in first.parts if not quote)
     prefix = ""
     for text, quote in first.parts:
         if quote:
@@ -434,7 +432,7 @@ def _assign(shell: Shell, words: list[Word]) -> bool:
             consumed += len(text)
             if len(text) > take:
                 value_parts.append((text[take:], quote))
-    if raw.startswith(f"{name}{plus}=(") or (value_parts and value_parts[0] == ("(", "")):
+    if value_parts and value_parts[0] == ("(", ""):
         items: list[str] = []
         rest = [Word(value_parts[1:])] if len(value_parts) > 1 else []
         for word in rest + words[1:]:
@@ -444,7 +442,6 @@ def _assign(shell: Shell, words: list[Word]) -> bool:
         shell.arrays[name] = (shell.arrays.get(name, []) if plus else []) + items
         shell.vars.pop(name, None)
         return True
-    value = "".join(shell.expand(Word(value_parts))) if value_parts else ""
     if len(words) > 1:
         return False  # `X=1 command ...`: an environment prefix, not an assignment
     value = " ".join(shell.expand(Word(value_parts))) if value_parts else ""

@@ -350,6 +350,16 @@ def _logging(flags: Flags, native: Native) -> None:
             "--eval-iters",
             "each evaluation reads the validation split from its start",
         )
+        train_iters, gbs = flags.int("--train-iters"), flags.int("--global-batch-size")
+        if train_iters and gbs and interval:
+            # Megatron's valid/test sample counts: the validation dataset's order depends on them
+            valid = (train_iters // interval + 1) * iters * gbs
+            native.to(
+                "train_dataset.dataloader.sizes",
+                [0, valid, iters * gbs],
+                "--eval-iters",
+                "train: train_iters x global batch; valid and test as Megatron counts them",
+            )
     board = flags.text("--tensorboard-dir")
     if board is not None:
         native.to("monitor.tensorboard.output_dir", board, "--tensorboard-dir")
