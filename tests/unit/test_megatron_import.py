@@ -63,6 +63,10 @@ def test_llama_when_no_qk_layernorm_and_moe_and_mla_families():
     assert moe["model"]["model_type"] == "qwen3_moe" and moe["model"]["num_experts"] == 8
     assert moe["model"]["mlp_only_layers"] == [0] and moe["model"]["norm_topk_prob"] is True
     assert moe["training"]["router_aux_loss_coef"] == 0.01 and moe["parallelism"]["expert_parallel"] == 2
+    # Megatron's router renormalises the top-k unless --moe-router-pre-softmax
+    base = [*DENSE, "--num-experts", "8", "--moe-router-topk", "2"]
+    assert _import(base)[0]["model"]["norm_topk_prob"] is True
+    assert _import([*base, "--moe-router-pre-softmax"])[0]["model"]["norm_topk_prob"] is False
     mla_flags = [f for f in DENSE if f not in ("--qk-layernorm",)]
     mla, _ = _import(
         [*mla_flags, "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",

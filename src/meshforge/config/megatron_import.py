@@ -72,6 +72,8 @@ def _tokenizer_and_data(flags: Flags, native: Native) -> None:
     seq = flags.int("--seq-length")
     if seq is not None:
         native.to(f"{data}.config.seq_length", seq, "--seq-length")
+    else:
+        flags.refuse("--seq-length", "required with --data-path (the tokens per sample)")
     native.to(f"{data}.config.split", flags.text("--split", "969, 30, 1"), "--split")
     for flag in ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"):
         if flags.on(flag):
@@ -318,12 +320,12 @@ def _outputs(flags: Flags, native: Native) -> None:
             native.to("checkpoint.load_path", load, "--load")
         else:
             flags.refuse("--load", f"{load}: no such folder")
-    if flags.on("--no-load-optim") or flags.on("--finetune"):
-        native.to(
-            "checkpoint.no_load_optim",
-            True,
-            "--no-load-optim" if "--no-load-optim" in flags else "--finetune",
-        )
+    finetune, no_optim = flags.on("--finetune"), flags.on("--no-load-optim")
+    if finetune or no_optim:
+        note = "weights only, from step 0"
+        if no_optim and not finetune:
+            note += " (Megatron's --no-load-optim alone keeps the checkpoint's iteration)"
+        native.to("checkpoint.no_load_optim", True, "--finetune" if finetune else "--no-load-optim", note)
     if flags.on("--no-save-optim"):
         native.to("checkpoint.no_save_optim", True, "--no-save-optim")
     if flags.on("--no-shared-storage"):

@@ -282,7 +282,12 @@ def _moe(family: str, flags: Flags, native: Native) -> None:
     if score != want:
         flags.refuse("--moe-router-score-function", f"{family} routes with {want}, got {score}")
     if family == "qwen3_moe":
-        native.to("model.norm_topk_prob", flags.on("--norm-topk-prob"), "--norm-topk-prob")
+        # Megatron's router: top-k of the logits then a softmax over those k (= renormalised
+        # probabilities), unless --moe-router-pre-softmax (softmax over all experts, not renormalised)
+        pre = flags.on("--moe-router-pre-softmax")
+        norm = flags.on("--norm-topk-prob") or not pre
+        flag = "--norm-topk-prob" if "--norm-topk-prob" in flags else "--moe-router-pre-softmax"
+        native.to("model.norm_topk_prob", norm, flag)
         if flags.on("--moe-router-enable-expert-bias"):
             flags.refuse("--moe-router-enable-expert-bias", "not supported yet: an expert bias in qwen3_moe")
     else:
