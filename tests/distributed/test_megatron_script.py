@@ -124,3 +124,32 @@ def test_qwen3_pretrain_script_trains_and_its_first_loss_equals_transformers(tmp
     assert np.isfinite(got) and abs(got - want) / want < 2e-5, (got, want)
     # the comparison can tell batches apart: megatron-core's second global batch gives another loss
     assert abs(second_batch - want) / want > 1e-3, (second_batch, want)
+
+
+@pytest.mark.procs
+def test_torchrun_runs_meshforge_megatron_with_the_shipped_scripts_flags(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m meshforge megatron FLAGS`: the flags of
+    configs/megatron/pretrain_qwen3_tiny.sh's training line, paths and length given again at the
+    end (the last value counts, as in Megatron); the world size is torchrun's."""
+    import subprocess
+
+    from meshforge.config.launch_script import read_script
+    from tests.conftest import meshforge_cmd, worker_env
+
+    repo = Path(__file__).resolve().parents[2]
+    line = read_script(str(repo / "configs" / "megatron" / "pretrain_qwen3_tiny.sh"))
+    assert line.entry == "-m meshforge megatron" and line.launcher[0] == "torchrun"
+    save = tmp_path / "save"
+    again = [
+        "--data-path", str(ASSETS / "python_docstrings_text_document"), "--tokenizer-name-or-path", str(TOKENIZER),
+        "--data-cache-path", str(tmp_path / "cache"), "--save", str(save), "--train-iters", "2",
+        "--global-batch-size", "4", "--micro-batch-size", "2", "--num-layers", "1", "--hidden-size", "64",
+        "--ffn-hidden-size", "128", "--kv-channels", "16",
+    ]  # fmt: skip
+    cmd = meshforge_cmd("megatron", *line.flags, *again, nproc=2)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--train-iters given twice ('10', then '2')" in proc.stdout
+    assert "--tensor-model-parallel-size 1 -> parallelism.tensor_parallel: 1" in proc.stdout
+    assert "global batch 4 = dp 2 x local 2 x accumulation 1" in proc.stdout  # torchrun's 2 ranks
+    assert [r["step"] for r in read_metrics(save)] == [1, 2]

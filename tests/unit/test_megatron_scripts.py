@@ -64,33 +64,6 @@ def test_meshforge_megatron_refuses_an_unknown_flag_with_a_suggestion(tmp_path: 
     assert "error: --num-layerz: unknown flag" in proc.stderr and "did you mean '--num-layers'" in proc.stderr
 
 
-@pytest.mark.slow
-def test_meshforge_megatron_trains_from_flags(tmp_path: Path):
-    """`meshforge megatron FLAGS` on one process: the model from the flags, Megatron data, outputs in --save."""
-    from tests.unit._megatron_scripts import TOKENIZER
-
-    corpus = Path(__file__).resolve().parents[2] / "assets" / "megatron" / "python_docstrings_text_document"
-    data = tmp_path / "data"
-    data.mkdir()
-    for suffix in (".bin", ".idx"):
-        (data / corpus.with_suffix(suffix).name).write_bytes(corpus.with_suffix(suffix).read_bytes())
-    save = tmp_path / "save"
-    flags = [
-        "--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "2",
-        "--kv-channels", "16", "--qk-layernorm", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-        "--position-embedding-type", "rope", "--max-position-embeddings", "64", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", str(TOKENIZER),
-        "--data-path", str(data / corpus.name), "--split", "100,0,0", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
-        "--save", str(save), "--log-interval", "1",
-    ]  # fmt: skip
-    proc = meshforge_here("megatron", *flags, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr + proc.stdout
-    assert "--num-layers 1 -> model.num_hidden_layers: 1" in proc.stdout
-    records = [line for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert len(records) == 2
-
-
 def test_the_shipped_example_script_imports():
     cfg = load_config(
         str(Path(__file__).resolve().parents[2] / "configs" / "megatron" / "pretrain_qwen3_tiny.sh")
