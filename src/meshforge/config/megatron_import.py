@@ -51,16 +51,6 @@ def _tokenizer_and_data(flags: Flags, native: Native) -> None:
         flags.refuse(
             "--handler-name", f"not supported yet: {handler} (pretraining data: GeneralPretrainHandler)"
         )
-    for flag in ("--is-instruction-dataset", "--no-pad-to-seq-lengths"):
-        if flags.on(flag):
-            flags.refuse(
-                flag,
-                "not supported yet: MindSpeed-LLM's preprocessed instruction data (the _packed_*_document "
-                "indexed datasets); train SFT from the raw data with meshforge's SFT loader",
-            )
-    if "--prompt-type" in flags:
-        flags.text("--prompt-type")
-        flags.refuse("--prompt-type", "not supported yet: only with --is-instruction-dataset (not built)")
     paths = flags.words("--data-path")
     data = "train_dataset.dataloader"
     if not paths:
@@ -82,8 +72,6 @@ def _tokenizer_and_data(flags: Flags, native: Native) -> None:
     cache = flags.text("--data-cache-path")
     if cache is not None:
         native.to(f"{data}.config.path_to_cache", cache, "--data-cache-path")
-    if flags.on("--no-shuffle"):
-        flags.refuse("--no-shuffle", "not supported yet: Megatron data read without its shuffle index")
     workers = flags.int("--num-workers")
     if workers is not None:
         native.to("train_dataset.num_parallel_workers", workers, "--num-workers")
@@ -402,19 +390,6 @@ def _lora(flags: Flags, native: Native, family: str | None) -> None:
         )
 
 
-def _stage(flags: Flags, native: Native) -> None:
-    stage = flags.text("--stage")
-    if stage is None:
-        return
-    if stage != "sft":
-        flags.refuse("--stage", f"not supported yet: --stage {stage} (posttrain stages: sft)")
-        return
-    if not flags.on("--is-instruction-dataset"):
-        flags.refuse(
-            "--stage", "--stage sft reads MindSpeed-LLM's instruction data (--is-instruction-dataset)"
-        )
-
-
 def import_megatron(
     tokens: list[str],
     log: Callable[[str], None] | None = None,
@@ -440,12 +415,11 @@ def import_megatron(
     _outputs(flags, native)
     _logging(flags, native)
     _lora(flags, native, family)
-    _stage(flags, native)
     for flag in ("--use-mcore-models", "--group-query-attention", "--no-position-embedding"):
         flags.on(flag)
     unread = [f for f in given if f in READ and f not in flags.read]
     for flag in unread:
-        say(f"{flag}: read, no value needed here ({READ[flag]})")
+        say(f"{flag}: no effect with the other flags given ({READ[flag]})")
     if issues:
         raise ConfigError(issues)
     return native.data

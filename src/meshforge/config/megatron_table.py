@@ -100,15 +100,10 @@ READ: dict[str, str] = {
     "--reset-position-ids": "train_dataset.dataloader.config.reset_position_ids",
     "--reset-attention-mask": "train_dataset.dataloader.config.reset_attention_mask",
     "--eod-mask-loss": "train_dataset.dataloader.config.eod_mask_loss",
-    "--no-shuffle": "train_dataset.dataloader.config.seed (the GPTDataset order) is kept; shuffle off",
     "--num-workers": "train_dataset.num_parallel_workers",
     "--data-cache-path": "train_dataset.dataloader.config.path_to_cache",
     "--no-create-attention-mask-in-dataloader": "train_dataset.dataloader.config.create_attention_mask: false",
-    "--is-instruction-dataset": "not supported yet unless --stage pt (Megatron-format instruction data)",
-    "--prompt-type": "train_dataset.template",
-    "--stage": "training.stage",
     "--handler-name": "GeneralPretrainHandler only (the preprocessing handler)",
-    "--no-pad-to-seq-lengths": "(instruction data only)",
     # training
     "--micro-batch-size": "training.local_batch_size",
     "--global-batch-size": "training.global_batch_size",
@@ -246,6 +241,11 @@ WARNED_GROUPS: dict[str, str] = {
 
 # The feature that refused flags belong to, by flag.
 REFUSED: dict[str, str] = {
+    "--is-instruction-dataset": "MindSpeed-LLM's preprocessed instruction data (the _packed_input_ids/_attention_mask/_labels_document datasets); train SFT from the raw data with meshforge's SFT loader",
+    "--no-pad-to-seq-lengths": "MindSpeed-LLM's preprocessed instruction data (the _packed_input_ids/_attention_mask/_labels_document datasets); train SFT from the raw data with meshforge's SFT loader",
+    "--prompt-type": "MindSpeed-LLM's preprocessed instruction data (the _packed_input_ids/_attention_mask/_labels_document datasets); train SFT from the raw data with meshforge's SFT loader",
+    "--stage": "MindSpeed-LLM's posttrain stages (sft reads its preprocessed instruction data)",
+    "--no-shuffle": "Megatron data read without its shuffle index",
     "--train-samples": "a run length in samples (use --train-iters)",
     "--lr-decay-samples": "LR schedules in samples (use --lr-decay-iters)",
     "--lr-warmup-samples": "LR schedules in samples (use --lr-warmup-iters)",
