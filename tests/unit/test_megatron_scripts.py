@@ -72,3 +72,19 @@ def test_the_shipped_example_script_imports():
         cfg.model.model_type == "qwen3" and cfg.training.steps == 10 and cfg.training.global_batch_size == 16
     )
     assert cfg.training.output_dir == "output/megatron_qwen3_tiny"
+
+
+def test_config_validate_reads_a_script_and_a_missing_training_line_names_the_lines(tmp_path: Path):
+    script = filled("mindspeed_qwen3_30b_a3b_pretrain.sh", tmp_path)
+    proc = meshforge_here("config", "validate", str(script), "--no-path-checks", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "import: --expert-model-parallel-size 8 -> parallelism.expert_parallel: 8" in proc.stderr
+    broken = tmp_path / "broken.sh"
+    broken.write_text((tmp_path / script.name).read_text().replace("pretrain_gpt.py", "evaluate_gpt.py"))
+    proc = meshforge_here("config", "import", str(broken), cwd=tmp_path)
+    assert proc.returncode == 2
+    line = broken.read_text().splitlines().index("torchrun $DISTRIBUTED_ARGS evaluate_gpt.py \\") + 1
+    assert (
+        "no line runs a training entry point" in proc.stderr
+        and f"looked at: line {line}: torchrun" in proc.stderr
+    )
