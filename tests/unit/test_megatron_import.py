@@ -169,3 +169,16 @@ def test_a_value_with_no_flag_and_a_switch_given_a_value_are_errors():
     assert "stray: a value with no flag before it" in str(err.value) and "--swiglu: takes no value" in str(
         err.value
     )
+
+
+def test_run_length_and_schedule_in_samples():
+    flags = [f for f in DENSE]
+    at = flags.index("--train-iters")
+    del flags[at : at + 2]
+    data, lines = _import(
+        [*flags, "--data-path", "corpus_text_document", "--seq-length", "32", "--train-samples", "100", "--lr-warmup-samples", "16", "--lr-decay-samples", "80", "--lr-decay-style", "cosine"]
+    )  # fmt: skip
+    assert data["training"]["steps"] == 12  # 100 // 8, as Megatron's update_train_iters
+    # Megatron's default split 969,30,1 and --eval-iters 100: valid (12 // 1000 + 1) x 100 x 8 samples
+    assert data["train_dataset"]["dataloader"]["sizes"] == [100, 800, 800]
+    assert data["lr_scheduler"]["warmup_steps"] == 2 and data["lr_scheduler"]["decay_steps"] == 10

@@ -47,10 +47,10 @@ def test_config_import_of_a_script_writes_native_yaml(tmp_path: Path):
     [
         ("mindspeed_deepseek3_671b_pretrain.sh", ["--noop-layers", "--rope-scaling-type", "--expert-tensor-parallel-size", "--swap-optimizer"]),
         ("mindspeed_qwen3_0point6b_lora_tune.sh", ["--is-instruction-dataset", "--prompt-type", "--handler-name"]),
-        ("megatron_llama3_8b_h100_fp8.sh", ["--apply-layernorm-1p", "--train-samples", "--fp8-format", "--mock-data"]),
+        ("megatron_llama3_8b_h100_fp8.sh", ["--apply-layernorm-1p", "--decoupled-lr", "--fp8-format", "--mock-data"]),
         ("megatron_mixtral_8x7b.sh", ["--tokenizer-type", "--num-experts"]),
         ("megatron_gpt3_175b.sh", ["--normalization", "--swiglu", "--position-embedding-type", "--vocab-file"]),
-        ("megatron_mamba_train.sh", ["--hybrid-layer-pattern", "--tokenizer-type", "--train-samples"]),
+        ("megatron_mamba_train.sh", ["--hybrid-layer-pattern", "--tokenizer-type", "--position-embedding-type"]),
     ],
 )  # fmt: skip
 def test_scripts_of_unbuilt_features_name_each_flag(tmp_path: Path, name: str, unbuilt: list[str]):

@@ -106,13 +106,24 @@ def _training(flags: Flags, native: Native) -> None:
     gbs = flags.int("--global-batch-size")
     if gbs is not None:
         native.to("training.global_batch_size", gbs, "--global-batch-size")
-    iters = flags.int("--train-iters")
+    iters, samples = run_length(flags)
     if iters is None:
-        flags.refuse("--train-iters", "required: give --train-iters (a run length in samples is not built)")
-    else:
+        flags.refuse(
+            "--train-iters", "required: give --train-iters (or --train-samples with --global-batch-size)"
+        )
+    elif samples is None:
         native.to(
             "training.steps", iters, "--train-iters", "train samples: steps x global batch, as Megatron asks"
         )
+    else:
+        native.to("training.steps", iters, "--train-samples", f"{samples} samples // global batch {gbs}")
+        if "--data-path" in flags:
+            native.to(
+                "train_dataset.dataloader.sizes",
+                [samples],
+                "--train-samples",
+                "the GPTDataset's train samples",
+            )
     ramp = flags.words("--rampup-batch-size")
     if ramp:
         native.to("training.rampup_batch_size", [int(v) for v in ramp if v.isdigit()], "--rampup-batch-size")
@@ -145,6 +156,31 @@ def _training(flags: Flags, native: Native) -> None:
     _schedule(flags, native, iters)
 
 
+def run_length(flags: Flags) -> tuple[int | None, int | None]:
+    """(iterations, train samples when given in samples): Megatron's `train_samples // global batch`."""
+    iters = flags.int("--train-iters")
+    samples = flags.int("--train-samples")
+    gbs = flags.int("--global-batch-size")
+    if iters is not None or samples is None:
+        return iters, None
+    if gbs is None or flags.words("--rampup-batch-size"):
+        flags.refuse("--train-samples", "needs --global-batch-size and no --rampup-batch-size here")
+        return None, None
+    return samples // gbs, samples
+
+
+def _in_iterations(flags: Flags, flag: str, gbs: int | None) -> int | None:
+    """A schedule length in samples (`--lr-*-samples`) as iterations: Megatron steps its scheduler
+    by the global batch in sample mode, so the length in iterations is samples / global batch."""
+    samples = flags.int(flag)
+    if samples is None:
+        return None
+    if not gbs:
+        flags.refuse(flag, "needs --global-batch-size")
+        return None
+    return round(samples / gbs)
+
+
 def _schedule(flags: Flags, native: Native, iters: int | None) -> None:
     """Megatron's OptimizerParamScheduler: linear warm-up from --lr-warmup-init, then the decay
     style from --lr to --min-lr over --lr-decay-iters (default --train-iters), --min-lr after."""
@@ -153,7 +189,13 @@ def _schedule(flags: Flags, native: Native, iters: int | None) -> None:
         flags.refuse("--lr", "required: give --lr")
         return
     native.to("lr_scheduler.learning_rate", lr, "--lr")
-    decay = flags.int("--lr-decay-iters", iters)
+    gbs = flags.int("--global-batch-size")
+    decay = flags.int("--lr-decay-iters")
+    if decay is None:
+        decay = _in_iterations(flags, "--lr-decay-samples", gbs)
+        if decay is not None:
+            native.say(f"--lr-decay-samples -> {decay} decay iterations (samples / global batch {gbs})")
+    decay = iters if decay is None else decay
     style = flags.text("--lr-decay-style", "linear")
     types = {"linear": "LinearWithWarmUpLR", "cosine": "CosineWithWarmUpLR", "constant": "ConstantWarmUpLR"}
     if style not in types:
@@ -161,6 +203,8 @@ def _schedule(flags: Flags, native: Native, iters: int | None) -> None:
         return
     native.to("lr_scheduler.type", types[str(style)], "--lr-decay-style")
     warmup = flags.int("--lr-warmup-iters")
+    if warmup is None and "--lr-warmup-samples" in flags:
+        warmup = _in_iterations(flags, "--lr-warmup-samples", gbs)
     fraction = flags.float("--lr-warmup-fraction")
     if fraction is not None and decay is not None:
         warmup = int(fraction * decay)
@@ -171,7 +215,12 @@ def _schedule(flags: Flags, native: Native, iters: int | None) -> None:
             f"{fraction} x {decay} decay iterations",
         )
     else:
-        native.to("lr_scheduler.warmup_steps", warmup or 0, "--lr-warmup-iters")
+        flag = (
+            "--lr-warmup-samples"
+            if "--lr-warmup-samples" in flags and "--lr-warmup-iters" not in flags
+            else "--lr-warmup-iters"
+        )
+        native.to("lr_scheduler.warmup_steps", warmup or 0, flag)
     init = flags.float("--lr-warmup-init")
     if init:
         native.to("lr_scheduler.warmup_lr_init", init, "--lr-warmup-init")
@@ -340,13 +389,13 @@ def _logging(flags: Flags, native: Native) -> None:
             "--eval-iters",
             "each evaluation reads the validation split from its start",
         )
-        train_iters, gbs = flags.int("--train-iters"), flags.int("--global-batch-size")
+        (train_iters, samples), gbs = run_length(flags), flags.int("--global-batch-size")
         if train_iters and gbs and interval:
             # Megatron's valid/test sample counts: the validation dataset's order depends on them
             valid = (train_iters // interval + 1) * iters * gbs
             native.to(
                 "train_dataset.dataloader.sizes",
-                [0, valid, iters * gbs],
+                [samples or 0, valid, iters * gbs],
                 "--eval-iters",
                 "train: train_iters x global batch; valid and test as Megatron counts them",
             )
