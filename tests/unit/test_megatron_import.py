@@ -182,3 +182,18 @@ def test_run_length_and_schedule_in_samples():
     # Megatron's default split 969,30,1 and --eval-iters 100: valid (12 // 1000 + 1) x 100 x 8 samples
     assert data["train_dataset"]["dataloader"]["sizes"] == [100, 800, 800]
     assert data["lr_scheduler"]["warmup_steps"] == 2 and data["lr_scheduler"]["decay_steps"] == 10
+
+
+def test_a_family_without_modules_here_trains_through_transformers_from_its_folder(tmp_path: Path):
+    """Megatron's Mixtral flags with --load of a Mixtral HF folder: the generic path, sizes checked."""
+    flags = [f for f in DENSE if f != "--qk-layernorm"] + ["--num-experts", "4", "--moe-router-topk", "2"]
+    folder = _hf_folder(
+        tmp_path / "mixtral", model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4
+    )
+    data, lines = _import([*flags, "--load", str(folder)])
+    model = {"tokenizer_name_or_path": TOKENIZER, "model_name_or_path": str(folder), "compute_dtype": "float32"}
+    assert data["model"] == model
+    assert any("transformers' model (the generic path)" in line for line in lines)
+    other = _hf_folder(tmp_path / "mixtral8", model_type="mixtral", num_local_experts=8)
+    with pytest.raises(ConfigError, match="--num-experts gives num_local_experts 4 but .*config.json has 8"):
+        import_megatron([*flags, "--load", str(other)])

@@ -398,11 +398,48 @@ def _flag_of(key: str, _flags: Flags | None = None) -> str:
         "tie_word_embeddings": "--untie-embeddings-and-output-weights",
         "vocab_size": "--padded-vocab-size",
         "num_experts": "--num-experts",
+        "num_local_experts": "--num-experts",
         "n_routed_experts": "--num-experts",
         "num_experts_per_tok": "--moe-router-topk",
         "moe_intermediate_size": "--moe-ffn-hidden-size",
     }
     return table.get(key, f"(model.{key})")
+
+
+def _generic(flags: Flags, native: Native, hf: dict[str, object], load: str) -> None:
+    """A `--load` folder of a family meshforge has no module of (Mixtral, ...): transformers'
+    model through the generic path; the size flags given must still agree with its config.json."""
+    native.to(
+        "model.model_name_or_path",
+        load,
+        "--load",
+        f"model_type {hf.get('model_type')!r}: transformers' model (the generic path); the other model flags are config.json's",
+    )
+    given: dict[str, object] = {}
+    for key in (
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_experts_per_tok",
+    ):
+        flag = _flag_of(key)
+        value = flags.int(flag)
+        if value is not None:
+            given[key] = value
+    experts = flags.int("--num-experts")
+    if experts is not None:
+        key = next(
+            (k for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in hf), "num_experts"
+        )
+        given[key] = experts
+    groups = flags.int("--num-query-groups")
+    if flags.on("--group-query-attention") and groups is not None:
+        given["num_key_value_heads"] = groups
+    _agree(flags, given, hf, load)
+    coef = flags.float("--moe-aux-loss-coeff")
+    if coef is not None:
+        native.to("training.router_aux_loss_coef", coef, "--moe-aux-loss-coeff")
 
 
 def model_section(flags: Flags, native: Native) -> str | None:
@@ -413,8 +450,11 @@ def model_section(flags: Flags, native: Native) -> str | None:
     if family is None:
         return None
     if family not in ARCHITECTURES:
-        flags.refuse("--load", f"not supported yet: model_type {family!r} from Megatron flags")
-        return None
+        if hf is None or load is None:
+            flags.refuse("--model-type-hf", f"not supported yet: model_type {family!r} from Megatron flags")
+            return None
+        _generic(flags, native, hf, load)
+        return family
     _check_family_flags(family, flags)
     if "--hidden-dropout" not in flags:
         native.say(
