@@ -124,6 +124,10 @@ def test_load_of_a_hf_folder_must_agree_with_the_flags(tmp_path: Path):
     assert f"--hidden-size: --hidden-size gives hidden_size 64 but {other}/config.json has 96" in str(
         err.value
     )
+    with pytest.raises(
+        ConfigError, match="--model-type-hf gives the family 'llama' but .*config.json has model_type 'qwen3'"
+    ):
+        import_megatron([*DENSE, "--model-type-hf", "llama3", "--load", str(folder)])
     # the family comes from config.json when no --spec / --model-type-hf names it
     llama = _hf_folder(tmp_path / "llama", model_type="llama")
     with pytest.raises(ConfigError, match="llama has no q/k norm: drop --qk-layernorm"):
@@ -191,7 +195,11 @@ def test_a_family_without_modules_here_trains_through_transformers_from_its_fold
         tmp_path / "mixtral", model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4
     )
     data, lines = _import([*flags, "--load", str(folder)])
-    model = {"tokenizer_name_or_path": TOKENIZER, "model_name_or_path": str(folder), "compute_dtype": "float32"}
+    model = {
+        "tokenizer_name_or_path": TOKENIZER,
+        "model_name_or_path": str(folder),
+        "compute_dtype": "float32",
+    }
     assert data["model"] == model
     assert any("transformers' model (the generic path)" in line for line in lines)
     other = _hf_folder(tmp_path / "mixtral8", model_type="mixtral", num_local_experts=8)

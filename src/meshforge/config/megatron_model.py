@@ -449,6 +449,13 @@ def model_section(flags: Flags, native: Native) -> str | None:
     family = family_of(flags, hf)
     if family is None:
         return None
+    theirs = hf.get("model_type") if hf is not None else None
+    named = "--model-type-hf" if "--model-type-hf" in flags else "--spec" if "--spec" in flags else None
+    if theirs is not None and named is not None and theirs != family:
+        flags.refuse(
+            named, f"{named} gives the family {family!r} but {load}/config.json has model_type {theirs!r}"
+        )
+        return None
     if family not in ARCHITECTURES:
         if hf is None or load is None:
             flags.refuse("--model-type-hf", f"not supported yet: model_type {family!r} from Megatron flags")
