@@ -1,9 +1,10 @@
 """`meshforge config {validate,show,schema,import}`: inspect configs without importing torch.
 
 `validate` runs every rule (errors exit 2 with `error: <key path>: <reason>` lines, no traceback;
-features not built yet and unchecked passthrough keys are warnings, exit 0). `show` prints the
-resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM file to
-native YAML. Also runnable as `python -m meshforge.cli.config ...`.
+features not built yet and unchecked passthrough keys are warnings, exit 0); with `--world-size` it
+prints the layout's plan and memory, with `--device` the predicted step time and tokens/s. `show` prints the
+resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM file or a
+Megatron-style launch script (`SCRIPT.sh`) to native YAML. Also runnable as `python -m meshforge.cli.config ...`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshforge.config.base import ConfigError
+from meshforge.utils.hardware import HARDWARE
+
+if TYPE_CHECKING:
+    from meshforge.config.root import TrainConfig
 
 
 def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -31,6 +37,12 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     validate.add_argument(
         "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
+    )
+    validate.add_argument(
+        "--device",
+        choices=sorted(HARDWARE),
+        default=None,
+        help="also predict the step time and tokens/s on N of these devices (N = --world-size, default 1)",
     )
     validate.add_argument(
         "--no-path-checks",
@@ -85,7 +97,12 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     from meshforge.config.loader import split_cli_overrides
 
     rest = argparse.ArgumentParser(add_help=False)
-    own = {"world_size": ("--world-size",), "format": ("--format",), "output": ("-o", "--output")}
+    own = {
+        "world_size": ("--world-size",),
+        "format": ("--format",),
+        "output": ("-o", "--output"),
+        "device": ("--device",),
+    }
     for name, flags in own.items():
         if hasattr(args, name):
             rest.add_argument(*flags, dest=name, default=None)
@@ -97,6 +114,10 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     for name, value in vars(known).items():
         if value is not None:
             setattr(args, name, int(value) if name == "world_size" else value)
+    if getattr(args, "device", None) not in (None, *HARDWARE):
+        raise ConfigError(
+            [("--device", f"unknown device {args.device!r}; valid: {', '.join(sorted(HARDWARE))}")]
+        )
     if getattr(args, "format", None) not in (None, "native", "mindspeed"):
         raise ConfigError([("--format", f"must be native or mindspeed, got {args.format!r}")])
     return [f"--{o}" for o in split_cli_overrides(remaining)]
@@ -134,15 +155,32 @@ def _validate(args: argparse.Namespace) -> int:
     if report.errors:
         print(str(ConfigError(report.errors)), file=sys.stderr)
         return 2
-    where = f" for world size {args.world_size}" if args.world_size else ""
+    world_size = args.world_size or (1 if args.device else None)
+    where = f" for world size {world_size}" if world_size else ""
     print(f"{args.file}: valid{where} ({len(report.warnings)} warning(s))")
-    if args.world_size:
+    if world_size:
         # Imports torch (the model is built on the meta device); plain validation does not.
         from meshforge.parallel.plan import plan_lines
 
-        for line in plan_lines(cfg, args.world_size, log=lambda _: None):
+        for line in plan_lines(cfg, world_size, log=lambda _: None):
+            print(f"  {line}")
+    if args.device:
+        for line in _throughput_lines(cfg, world_size or 1, args.device):
             print(f"  {line}")
     return 0
+
+
+def _throughput_lines(cfg: TrainConfig, world_size: int, device: str) -> list[str]:
+    """The step-time model's prediction, or the reason there is none."""
+    from meshforge.parallel.step_time import predict_step, throughput_lines
+    from meshforge.utils.hardware import hardware
+
+    hw = hardware(device)
+    try:
+        prediction = predict_step(cfg, world_size, hw, log=lambda _: None)
+    except (ValueError, NotImplementedError) as exc:
+        return [f"predicted throughput: not estimated ({exc})"]
+    return throughput_lines(prediction, hw)
 
 
 FORMAT_NAMES = {

@@ -141,10 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     from meshforge.cli.config import add_config_commands
     from meshforge.cli.generate import add_generate_command
     from meshforge.cli.megatron import add_megatron_command
+    from meshforge.cli.plan import add_plan_command
     from meshforge.cli.preprocess import add_preprocess_command
 
     add_generate_command(sub)
     add_megatron_command(sub)
+    add_plan_command(sub)
 
     add_preprocess_command(sub)
     add_config_commands(sub)
@@ -262,6 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from meshforge.cli.generate import run_generate_command
 
         return run_generate_command(args, split_overrides(extra))
+    if args.command == "plan":
+        from meshforge.cli.plan import run_plan_command
+
+        return run_plan_command(args, split_overrides(extra))
     if args.command == "data":
         from meshforge.data.preview import run_preview
 
