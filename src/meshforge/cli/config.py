@@ -3,8 +3,8 @@
 `validate` runs every rule (errors exit 2 with `error: <key path>: <reason>` lines, no traceback;
 features not built yet and unchecked passthrough keys are warnings, exit 0); with `--world-size` it
 prints the layout's plan and memory, with `--device` the predicted step time and tokens/s. `show` prints the
-resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM file to
-native YAML. Also runnable as `python -m meshforge.cli.config ...`.
+resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM file or a
+Megatron-style launch script (`SCRIPT.sh`) to native YAML. Also runnable as `python -m meshforge.cli.config ...`.
 """
 
 from __future__ import annotations
@@ -72,8 +72,12 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     schema = sub.add_parser("schema", help="write the JSON schema of the config (for editors)")
     schema.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
 
-    imp = sub.add_parser("import", help="convert a MindSpeed-LLM YAML to native YAML")
-    imp.add_argument("file", help="MindSpeed-format YAML")
+    imp = sub.add_parser(
+        "import", help="convert a MindSpeed-LLM YAML or a Megatron-style launch script to native YAML"
+    )
+    imp.add_argument(
+        "file", help="MindSpeed-format YAML, or a launch script (SCRIPT.sh) running pretrain_gpt.py"
+    )
     imp.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     imp.add_argument("-q", "--quiet", action="store_true", help="do not report what each key became")
     imp.add_argument(
@@ -179,6 +183,20 @@ def _throughput_lines(cfg: TrainConfig, world_size: int, device: str) -> list[st
     return throughput_lines(prediction, hw)
 
 
+FORMAT_NAMES = {
+    "mindspeed": "MindSpeed-LLM format",
+    "megatron": "Megatron-style launch script",
+    "native": "native",
+}
+
+
+def _import_format(file: str) -> str:
+    """`config import` reads a launch script as Megatron flags and any YAML as MindSpeed's."""
+    from meshforge.config.launch_script import is_launch_script
+
+    return "megatron" if Path(file).is_file() and is_launch_script(file) else "mindspeed"
+
+
 def run_config_command(args: argparse.Namespace) -> int:
     """Run a parsed `config` sub-command; returns the exit status (0 ok, 2 invalid config)."""
     from meshforge.config.dump import dump_config
@@ -205,7 +223,7 @@ def run_config_command(args: argparse.Namespace) -> int:
 
             try:
                 data, _, kind = load_native_dict(
-                    args.file, overrides, fmt="mindspeed", log=notes.append, origins=origins
+                    args.file, overrides, fmt=_import_format(args.file), log=notes.append, origins=origins
                 )
                 validate_imported(data, dict(origins), source=args.file)
             except ConfigError:
@@ -216,7 +234,7 @@ def run_config_command(args: argparse.Namespace) -> int:
             if not args.quiet:
                 for line in notes:
                     print(f"import: {line}", file=sys.stderr)
-            header = f"# Imported from {args.file} (MindSpeed-LLM format) by `meshforge config import`.\n"
+            header = f"# Imported from {args.file} ({FORMAT_NAMES[kind]}) by `meshforge config import`.\n"
             _write(header + dump_yaml(data), args.output)
             return 0
     except ConfigError as err:

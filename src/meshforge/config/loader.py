@@ -367,8 +367,10 @@ def load_native_dict(
     `origins` (MindSpeed files) receives native path -> (MindSpeed key, value) for the error
     messages of `validate_imported`.
     """
-    if fmt not in (None, "native", "mindspeed"):
-        raise ConfigError([("--format", f"must be native or mindspeed, got {fmt!r}")])
+    if fmt not in (None, "native", "mindspeed", "megatron"):
+        raise ConfigError([("--format", f"must be native, mindspeed or megatron, got {fmt!r}")])
+    if fmt == "megatron" or (fmt is None and path is not None and _launch_script(path)):
+        return _megatron_dict(str(path), overrides, log, origins)
     data, lines = read_config_file(path) if path is not None else ({}, {})
     source = str(path) if path is not None else "<defaults>"
     kind = fmt or detect_format(data)
@@ -386,6 +388,28 @@ def load_native_dict(
         where = {k: v for k, v in where.items() if k != key and not k.startswith(key + ".")}
         where[key] = "command line"
     return apply_overrides(data, overrides), where, kind
+
+
+def _launch_script(path: str | os.PathLike) -> bool:
+    from meshforge.config.launch_script import is_launch_script
+
+    return Path(path).is_file() and is_launch_script(path)
+
+
+def _megatron_dict(
+    path: str,
+    overrides: Sequence[str],
+    log: Callable[[str], None] | None,
+    origins: dict[str, tuple[str, object]] | None,
+) -> tuple[dict[str, object], dict[str, str], str]:
+    """A Megatron-style launch script (`config/megatron_import.py`); overrides are native paths."""
+    from meshforge.config.megatron_import import import_launch_script
+
+    if log:
+        log(f"{path}: a Megatron-style launch script; importing its training line")
+    data = import_launch_script(path, log, origins)
+    where = {".".join(parse_override(text)[0]): "command line" for text in overrides}
+    return apply_overrides(data, overrides), where, "megatron"
 
 
 def validate_imported(
