@@ -2,8 +2,8 @@
 
 `validate` runs every rule (errors exit 2 with `error: <key path>: <reason>` lines, no traceback;
 features not built yet and unchecked passthrough keys are warnings, exit 0). `show` prints the
-resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM file to
-native YAML. Also runnable as `python -m meshforge.cli.config ...`.
+resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM or
+LLaMA-Factory file to native YAML (saying which format it detected). Also runnable as `python -m meshforge.cli.config ...`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshforge.config.base import ConfigError
+
+FORMATS = ["native", "mindspeed", "llamafactory"]  # as config/loader.py's FORMATS (imported lazily there)
+FORMAT_NAMES = {"native": "native", "mindspeed": "MindSpeed-LLM", "llamafactory": "LLaMA-Factory"}
 
 
 def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -29,9 +32,7 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     validate.add_argument(
         "--world-size", type=int, default=None, help="also check parallel degrees for N processes"
     )
-    validate.add_argument(
-        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
-    )
+    validate.add_argument("--format", choices=FORMATS, default=None, help="config format (default: detect)")
     validate.add_argument(
         "--no-path-checks",
         action="store_true",
@@ -47,9 +48,7 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
 
     show = sub.add_parser("show", help="print the resolved config (defaults filled) as YAML")
     show.add_argument("file", help="native or MindSpeed-format YAML")
-    show.add_argument(
-        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
-    )
+    show.add_argument("--format", choices=FORMATS, default=None, help="config format (default: detect)")
     show.add_argument(
         "overrides",
         nargs=argparse.REMAINDER,
@@ -60,8 +59,13 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     schema = sub.add_parser("schema", help="write the JSON schema of the config (for editors)")
     schema.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
 
-    imp = sub.add_parser("import", help="convert a MindSpeed-LLM YAML to native YAML")
-    imp.add_argument("file", help="MindSpeed-format YAML")
+    imp = sub.add_parser(
+        "import", help="convert a MindSpeed-LLM or LLaMA-Factory YAML to native YAML (the format is detected)"
+    )
+    imp.add_argument("file", help="MindSpeed-LLM or LLaMA-Factory YAML")
+    imp.add_argument(
+        "--format", choices=FORMATS[1:], default=None, help="the file's format (default: detect)"
+    )
     imp.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     imp.add_argument("-q", "--quiet", action="store_true", help="do not report what each key became")
     imp.add_argument(
@@ -93,8 +97,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     for name, value in vars(known).items():
         if value is not None:
             setattr(args, name, int(value) if name == "world_size" else value)
-    if getattr(args, "format", None) not in (None, "native", "mindspeed"):
-        raise ConfigError([("--format", f"must be native or mindspeed, got {args.format!r}")])
+    if getattr(args, "format", None) not in (None, *FORMATS):
+        raise ConfigError([("--format", f"must be one of {', '.join(FORMATS)}, got {args.format!r}")])
     return [f"--{o}" for o in split_cli_overrides(remaining)]
 
 
@@ -141,6 +145,18 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_format(args: argparse.Namespace) -> str:
+    """`config import`'s format: --format, else detected; a native file is MindSpeed as before
+    (a flat file of keys both formats share)."""
+    if args.format:
+        return str(args.format)
+    from meshforge.config.loader import detect_format, read_config_file
+
+    data, _ = read_config_file(args.file)
+    kind = detect_format(data)
+    return "mindspeed" if kind == "native" else kind
+
+
 def run_config_command(args: argparse.Namespace) -> int:
     """Run a parsed `config` sub-command; returns the exit status (0 ok, 2 invalid config)."""
     from meshforge.config.dump import dump_config
@@ -167,9 +183,9 @@ def run_config_command(args: argparse.Namespace) -> int:
 
             try:
                 data, _, kind = load_native_dict(
-                    args.file, overrides, fmt="mindspeed", log=notes.append, origins=origins
+                    args.file, overrides, fmt=_import_format(args), log=notes.append, origins=origins
                 )
-                validate_imported(data, dict(origins), source=args.file)
+                validate_imported(data, dict(origins), source=args.file, fmt=kind)
             except ConfigError:
                 if not args.quiet:
                     for line in notes:
@@ -178,7 +194,11 @@ def run_config_command(args: argparse.Namespace) -> int:
             if not args.quiet:
                 for line in notes:
                     print(f"import: {line}", file=sys.stderr)
-            header = f"# Imported from {args.file} (MindSpeed-LLM format) by `meshforge config import`.\n"
+            if not args.quiet:
+                print(f"import: detected format: {FORMAT_NAMES[kind]}", file=sys.stderr)
+            header = (
+                f"# Imported from {args.file} ({FORMAT_NAMES[kind]} format) by `meshforge config import`.\n"
+            )
             _write(header + dump_yaml(data), args.output)
             return 0
     except ConfigError as err:
