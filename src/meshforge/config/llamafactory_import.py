@@ -75,7 +75,13 @@ def import_llamafactory(
         ConfigError: unknown keys (with a suggestion), refused features (`not supported yet`),
             values LLaMA-Factory would reject or meshforge cannot express.
     """
-    say = log or (lambda _line: None)
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        if log is not None:
+            log(line)
+
     issues: list[Issue] = []
     given: dict[str, object] = {}
     for key, value in raw.items():
@@ -113,9 +119,27 @@ def import_llamafactory(
     _method(imp)
     _data(imp)
     training_arguments(imp)
+    _unmentioned(imp, lines)
     if issues:
         raise ConfigError(issues)
     return native
+
+
+def _unmentioned(imp: Importer, lines: list[str]) -> None:
+    """Every key written is in the log or an issue: one the handlers left alone at its default
+    (`resume_from_checkpoint: null`) says so; any other would be a key this
+    importer ignores, which is refused rather than dropped."""
+    named = {line.removeprefix("warning: ").split(":")[0].split(" ")[0] for line in lines}
+    named |= {path for path, _ in imp.issues}
+    for key, value in imp.given.items():
+        if key in named:
+            continue
+        if value is None or value == BY_NAME[key].default:
+            imp.say(f"{key}: {value!r} -> nothing to set (LLaMA-Factory's default)")
+        else:
+            imp.issues.append(
+                (key, f"{value!r} was not read by the importer (a meshforge bug: please report it)")
+            )
 
 
 def _refused(imp: Importer, key: str) -> None:
@@ -197,6 +221,9 @@ def _model(imp: Importer) -> None:
     if flat.get("pure_bf16") is True:
         to("model.compute_dtype", "bfloat16", "pure_bf16")
         to("model.params_dtype", "bfloat16", "pure_bf16")
+        for key in ("bf16", "fp16"):
+            if given.get(key) is True:
+                imp.say(f"{key}: True -> unused: pure_bf16 trains in bfloat16 throughout")
     elif flat.get("bf16") is True and flat.get("fp16") is True:
         imp.issues.append(("bf16", "bf16 and fp16 are both true; set one"))
     elif flat.get("bf16") is True:
@@ -211,6 +238,8 @@ def _model(imp: Importer) -> None:
             )
         else:
             to("model.quant_recipe_name", "tensorwise", "fp8")
+            if "fp8_backend" in given:
+                imp.say(f"fp8_backend: {backend!r} -> torchao float8 (what meshforge uses)")
         if "fp8_enable_fsdp_float8_all_gather" in given:
             value = given["fp8_enable_fsdp_float8_all_gather"]
             to("model.enable_fsdp_low_precision_all_gather", value, "fp8_enable_fsdp_float8_all_gather")
@@ -274,9 +303,9 @@ def _method(imp: Importer) -> None:
     else:
         to("training.stage", stage, "stage")
     if flat.get("do_train", True) is not True:
-        imp.issues.append(
-            ("do_train", f"{flat['do_train']!r}: this file trains nothing (evaluation or prediction only)")
-        )
+        imp.refuse("do_train", "runs without training: evaluation or prediction only")
+    elif "do_train" in given:
+        imp.say("do_train: True -> meshforge train trains")
     kind = flat["finetuning_type"]
     if kind == "freeze":
         imp.issues.append(
@@ -424,6 +453,8 @@ def _pretraining_data(imp: Importer) -> None:
         imp.issues.append(("dataset", "stage pt needs the dataset names (dataset_info.json entries)"))
         return
     files, column = _dataset_files(imp, given["dataset"], str(flat["dataset_dir"]))
+    if "dataset_dir" in given:
+        imp.say(f"dataset_dir: {given['dataset_dir']!r} -> where the dataset names are looked up")
     if files:
         to("train_dataset.dataloader.data_path", files, "dataset")
         to("train_dataset.dataloader.text_key", column, "dataset")
@@ -453,12 +484,18 @@ def _pretraining_data(imp: Importer) -> None:
 
 
 def explain_errors(err: ConfigError, origins: dict[str, tuple[str, object]]) -> ConfigError:
-    """Validation errors of an imported file, each naming the LLaMA-Factory key it came from."""
+    """Validation errors of an imported file, each naming the LLaMA-Factory key it came from; a
+    chat template meshforge does not build is `not supported yet: template: <name>`."""
     issues: list[Issue] = []
     for path, reason in err.issues:
         origin = origins.get(path)
         if origin is None:
             issues.append((path, reason))
+        elif path == "train_dataset.template" and reason.startswith("unknown template"):
+            built = reason.split("(built: ", 1)[-1].rstrip(")")
+            issues.append(
+                (origin[0], f"not supported yet: template: {origin[1]} (a chat template; built: {built})")
+            )
         else:
             issues.append((path, f"{reason} (from LLaMA-Factory {origin[0]}: {origin[1]!r})"))
     return ConfigError(issues)

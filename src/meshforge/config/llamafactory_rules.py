@@ -539,3 +539,9 @@ def markdown_table() -> str:
         }
         lines.append(f"| `{arg.name}` | {GROUPS[arg.group].split(' (')[0]} | {what[kind]} |")
     return "\n".join(lines) + "\n"
+
+
+if (
+    __name__ == "__main__"
+):  # regenerate docs/config-mapping.md's table: python -m meshforge.config.llamafactory_rules
+    print(markdown_table(), end="")

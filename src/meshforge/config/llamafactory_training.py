@@ -145,6 +145,10 @@ def _schedule(imp: Importer) -> None:
         to("lr_scheduler.warmup_ratio", warmup, "warmup_steps")  # transformers 5: a float below 1 is a ratio
     elif warmup:
         to("lr_scheduler.warmup_steps", warmup, "warmup_steps")
+        if given.get("warmup_ratio"):
+            imp.say(
+                f"warmup_ratio: {given['warmup_ratio']!r} -> unused: warmup_steps wins (as in the HF Trainer)"
+            )
     elif given.get("warmup_ratio"):
         to("lr_scheduler.warmup_ratio", given["warmup_ratio"], "warmup_ratio")
     else:
@@ -183,13 +187,21 @@ def _optimizer(imp: Importer) -> None:
         )
     elif optim is not None and flat.get("use_muon") is not True:
         to("optimizer.type", "AdamW", "optim")
+    elif optim is not None:
+        imp.say(
+            f"optim: {optim!r} -> unused: use_muon picks Muon (its AdamW part takes the other parameters)"
+        )
     mca = given.get("optimizer")
     if mca is not None and mca != "adam":
         imp.refuse("optimizer", f"mcore_adapter's {mca} optimizer")
     elif mca is not None and flat.get("use_muon") is not True:
         to("optimizer.type", "AdamW", "optimizer")
+    elif mca is not None:
+        imp.say(f"optimizer: {mca!r} -> unused: use_muon picks Muon")
     to("optimizer.weight_decay", flat["weight_decay"], "weight_decay")
     to("optimizer.betas", [flat.get("adam_beta1", 0.9), flat["adam_beta2"]], "adam_beta2")
+    if "adam_beta1" in given:
+        imp.say(f"adam_beta1: {given['adam_beta1']!r} -> optimizer.betas[0]")
     _simple(imp, {"adam_epsilon": "optimizer.eps"})
 
 
@@ -219,6 +231,9 @@ def _evaluation(imp: Importer) -> None:
     if strategy == "steps":
         steps = given.get("eval_steps") or imp.flat["logging_steps"]
         to("training.eval_interval", steps, "eval_steps")
+        imp.say(
+            "eval_strategy: 'steps' -> evaluation every eval_steps and at the end (training.eval_interval)"
+        )
     elif strategy != "no":
         imp.refuse("eval_strategy", "evaluation by epoch")
     elif "eval_steps" in given:
@@ -283,6 +298,8 @@ def _profiler(imp: Importer) -> None:
     wait, warmup, active = (flat.get(f"profiler_{k}_steps", 1) for k in ("wait", "warmup", "active"))
     if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (wait, warmup, active)):
         start = int(wait) + int(warmup) + 1  # type: ignore[call-overload]
+        if "profiler_warmup_steps" in given:
+            imp.say(f"profiler_warmup_steps: {warmup!r} -> counted in profiler.start_step")
         to("profiler.start_step", start, "profiler_wait_steps")
         to("profiler.end_step", start + max(int(active), 1) - 1, "profiler_active_steps")  # type: ignore[call-overload]
     else:
@@ -443,11 +460,14 @@ def _megatron(imp: Importer) -> None:
         imp.issues.append(("moe_token_dispatcher_type", f"must be allgather or alltoall, got {dispatcher!r}"))
     if given.get("use_distributed_optimizer") is not None:
         imp.say(
-            f"use_distributed_optimizer: {given['use_distributed_optimizer']!r} -> nothing to set: FSDP2 shards the "
+            f"use_distributed_optimizer: {given['use_distributed_optimizer']!r} -> already so: FSDP2 shards the "
             "optimizer state (and gradients and weights)"
         )
     keys = ("recompute_granularity", "recompute_method", "recompute_num_layers")
     if any(k in given for k in keys):
+        for key in keys:
+            if key in given:
+                imp.say(f"{key}: {given[key]!r} -> recompute (Megatron's rules, below)")
         flat = {k: given.get(k) for k in keys}
         if flat["recompute_method"] == "recompute":
             flat["recompute_method"] = "block"  # mcore_adapter's name for Megatron's block method
