@@ -313,3 +313,53 @@ def test_config_import_says_which_format_it_detected(
 def test_docs_table_is_generated_from_the_importer_table() -> None:
     doc = (ROOT / "docs" / "config-mapping.md").read_text(encoding="utf-8")
     assert markdown_table() in doc, "regenerate: python -m meshforge.config.llamafactory_rules"
+
+
+def test_trainer_log_records_lf_fields_on_log_steps_and_resumes(tmp_path: Path) -> None:
+    from meshforge.monitor.trainer_log import TrainerLog
+
+    log = TrainerLog(tmp_path, total_steps=4, start_step=0, log_interval=2, steps_per_epoch=2.0)
+    for step in (1, 2, 3, 4):
+        log.write(
+            {
+                "step": step,
+                "loss": 2.0 / step,
+                "lr": 1e-4,
+                "elapsed_s": 10.0 * step,
+                "tokens_seen": 100 * step,
+            }
+        )
+    log.close()
+    records = [json.loads(line) for line in (tmp_path / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["current_steps"] for r in records] == [2, 4]
+    assert records[0] == {
+        "current_steps": 2,
+        "total_steps": 4,
+        "loss": 1.0,
+        "lr": 1e-4,
+        "epoch": 1.0,
+        "percentage": 50.0,
+        "elapsed_time": "0:00:20",
+        "remaining_time": "0:00:20",
+        "throughput": 10.0,
+        "total_tokens": 200,
+    }
+    resumed = TrainerLog(tmp_path, total_steps=4, start_step=2, log_interval=2, steps_per_epoch=None)
+    resumed.close()
+    assert [
+        json.loads(line)["current_steps"]
+        for line in (tmp_path / "trainer_log.jsonl").read_text().splitlines()
+    ] == [2]
+
+
+def test_loss_plot_smooths_as_llamafactory(tmp_path: Path) -> None:
+    from meshforge.monitor.plot import plot_loss, smooth
+
+    values = [4.0, 2.0, 3.0]
+    # LLaMA-Factory's EMA (extras/ploting.py): weight 1.8 * (sigmoid(0.05 * 3) - 0.5) = 0.0673742...
+    expected = [4.0, 2.1347484, 2.9417053]
+    assert smooth(values) == pytest.approx(expected, rel=1e-6)
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i + 1, "loss": v}) + "\n" for i, v in enumerate(values))
+    )
+    assert plot_loss(tmp_path).read_bytes()[:4] == b"\x89PNG"

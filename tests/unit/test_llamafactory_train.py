@@ -94,3 +94,56 @@ def test_lora_sft_example_leaves_a_peft_adapter_and_the_loss_picture(
     with torch.no_grad():
         after = model(ids).logits
     assert not torch.equal(before, after)  # trained B matrices change the output
+
+
+FULL = LF / "examples" / "train_full" / "qwen3_full_sft.yaml"
+PRETRAIN = LF / "examples" / "train_lora" / "qwen3_lora_pretrain.yaml"
+
+
+@pytest.mark.parametrize("example", [FULL, PRETRAIN], ids=["full_sft_ds_z3", "lora_pretrain"])
+def test_full_and_pretraining_examples_train(
+    example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The full SFT example (its DeepSpeed ZeRO-3 JSON read) leaves HF weights in output_dir; the
+    LoRA pretraining example packs c4_demo's text (stage pt) and leaves its adapter. Edited: model
+    path, step count, no preprocessing workers, and the pretraining rows shortened."""
+    hf = _save_hf_model(
+        tmp_path / "Qwen3-tiny", tied=False, shard=None, seed=3, options={"max_position_embeddings": 2048}
+    )
+    shutil.copytree(LF / "data", tmp_path / "data")
+    shutil.copytree(LF / "examples" / "deepspeed", tmp_path / "examples" / "deepspeed")
+    text = example.read_text(encoding="utf-8")
+    for old, new in {
+        "model_name_or_path: Qwen/Qwen3-4B-Instruct-2507": f"model_name_or_path: {hf}",
+        "num_train_epochs: 3.0": "max_steps: 2",
+        "preprocessing_num_workers: 16\n": "",
+        # pt packs full rows: 2 steps x 8 micro-batches x 2048 tokens cost 10 s in bf16 on 2 cores.
+        "cutoff_len: 2048": "cutoff_len: 256" if example is PRETRAIN else "cutoff_len: 2048",
+    }.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    config = tmp_path / example.name
+    config.write_text(text, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    lines: list[str] = []
+    train_here(config, [], log=lines.append)
+    out = tmp_path / yaml_output_dir(text)
+    assert len(read_metrics(out)) == 2
+    assert (out / "trainer_log.jsonl").is_file() and (out / "training_loss.png").is_file()
+    if example is FULL:
+        assert any(line.startswith("deepspeed: ZeRO-3 -> FSDP2 full sharding") for line in lines)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+        changed = [n for n, p in reloaded.named_parameters() if not torch.equal(p, base.get_parameter(n))]
+        assert changed  # the trained weights, as LLaMA-Factory leaves them in output_dir
+    else:
+        assert any("train_dataset.dataloader.type = 'TextDataLoader'" in line for line in lines)
+        assert (out / "adapter_model.safetensors").is_file()
+
+
+def yaml_output_dir(text: str) -> str:
+    return next(
+        line.split(":", 1)[1].split("#")[0].strip()
+        for line in text.splitlines()
+        if line.startswith("output_dir:")
+    )
