@@ -363,3 +363,35 @@ def test_loss_plot_smooths_as_llamafactory(tmp_path: Path) -> None:
         "".join(json.dumps({"step": i + 1, "loss": v}) + "\n" for i, v in enumerate(values))
     )
     assert plot_loss(tmp_path).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_hub_id_online_is_fetched_through_huggingface_hub(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No network in tests: huggingface_hub's `snapshot_download` is replaced; the import asks it
+    for the id and trains from the folder it returns (or says in one line why not)."""
+    import huggingface_hub
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    asked: list[str] = []
+
+    def fetched(repo_id: str, **_kwargs: object) -> str:
+        asked.append(repo_id)
+        if repo_id == "org/missing":
+            raise OSError("404 Client Error: repository not found")
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fetched)
+    lines: list[str] = []
+    native = import_llamafactory({"model_name_or_path": "Qwen/Qwen3-4B-Instruct-2507"}, lines.append)
+    assert asked == ["Qwen/Qwen3-4B-Instruct-2507"]
+    assert native["model"] == {"model_name_or_path": str(tmp_path)}
+    assert (
+        f"model_name_or_path: 'Qwen/Qwen3-4B-Instruct-2507' is not a local folder: downloaded to {tmp_path}"
+        in lines
+    )
+    with pytest.raises(
+        ConfigError, match="'org/missing' is not a local folder, and the hub did not give it: 404"
+    ):
+        import_llamafactory({"model_name_or_path": "org/missing"})

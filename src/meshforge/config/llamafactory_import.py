@@ -57,7 +57,7 @@ LF_DEFAULTS: dict[str, object] = {
 SFT_KEYS = tuple(
     key for key, text in MAPPED.items() if text == f"`train_dataset.{key}`" and BY_NAME[key].group == "data"
 )
-_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # `org/name` or `name`, not `./dir`
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
@@ -180,9 +180,15 @@ def _model_folder(imp: Importer, value: object) -> str | None:
         return None
     from huggingface_hub import snapshot_download  # the hub client transformers downloads with
 
-    folder = snapshot_download(
-        value, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
-    )
+    try:
+        folder = snapshot_download(
+            value, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+        )
+    except Exception as err:  # noqa: BLE001 - any hub failure is one line for the user
+        imp.issues.append(
+            ("model_name_or_path", f"{value!r} is not a local folder, and the hub did not give it: {err}")
+        )
+        return None
     imp.say(f"model_name_or_path: {value!r} is not a local folder: downloaded to {folder}")
     return str(folder)
 
