@@ -29,11 +29,11 @@ GROUPS: dict[str, str] = {
     "model": "ModelArguments",
     "data": "DataArguments",
     "finetuning": "FinetuningArguments",
-    "training": "TrainingArguments (LLaMA-Factory's own fields)",
+    "training": "LF TrainingArguments",  # LLaMA-Factory's own fields (FP8, profiler, Ray)
     "generating": "GeneratingArguments",
-    "hf": "Seq2SeqTrainingArguments (transformers 5.24)",
-    "hf4": "TrainingArguments of transformers 4.57 (removed in 5)",
-    "mca": "mcore_adapter TrainingArguments (USE_MCA=1)",
+    "hf": "HF Seq2SeqTrainingArguments",  # transformers 5.24
+    "hf4": "HF TrainingArguments 4.57",  # fields transformers 5 removed
+    "mca": "mcore_adapter",  # TrainingArguments of the MCA path (USE_MCA=1)
 }
 
 

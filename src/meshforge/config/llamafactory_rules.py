@@ -537,7 +537,7 @@ def markdown_table() -> str:
             "refused": f"not supported yet: {text}",
             "warned": f"warned, no effect: {text}",
         }
-        lines.append(f"| `{arg.name}` | {GROUPS[arg.group].split(' (')[0]} | {what[kind]} |")
+        lines.append(f"| `{arg.name}` | {GROUPS[arg.group]} | {what[kind]} |")
     return "\n".join(lines) + "\n"
 
 
