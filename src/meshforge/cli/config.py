@@ -2,9 +2,10 @@
 
 `validate` runs every rule (errors exit 2 with `error: <key path>: <reason>` lines, no traceback;
 features not built yet and unchecked passthrough keys are warnings, exit 0); with `--world-size` it
-prints the layout's plan and memory, with `--device` the predicted step time and tokens/s. `show` prints the
-resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM file or a
-Megatron-style launch script (`SCRIPT.sh`) to native YAML. Also runnable as `python -m meshforge.cli.config ...`.
+prints the layout's plan and memory, with `--device` the predicted step time and tokens/s. `show`
+prints the resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM or
+LLaMA-Factory YAML or a Megatron-style launch script (`SCRIPT.sh`) to native YAML (saying which format
+it detected). Also runnable as `python -m meshforge.cli.config ...`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,21 @@ from meshforge.utils.hardware import HARDWARE
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
 
+FORMATS = ["native", "mindspeed", "llamafactory"]  # as config/loader.py's FORMATS (imported lazily there)
+FORMAT_NAMES = {
+    "native": "native",
+    "mindspeed": "MindSpeed-LLM",
+    "llamafactory": "LLaMA-Factory",
+    "megatron": "Megatron-style launch script",
+}
+# What the imported file's header calls each format.
+FORMAT_TITLES = {
+    "native": "native",
+    "mindspeed": "MindSpeed-LLM format",
+    "llamafactory": "LLaMA-Factory format",
+    "megatron": "Megatron-style launch script",
+}
+
 
 def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     """Register the `config` command and its sub-commands on a `meshforge` argparse subparsers object."""
@@ -35,9 +51,7 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     validate.add_argument(
         "--world-size", type=int, default=None, help="also check parallel degrees for N processes"
     )
-    validate.add_argument(
-        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
-    )
+    validate.add_argument("--format", choices=FORMATS, default=None, help="config format (default: detect)")
     validate.add_argument(
         "--device",
         choices=sorted(HARDWARE),
@@ -59,9 +73,7 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
 
     show = sub.add_parser("show", help="print the resolved config (defaults filled) as YAML")
     show.add_argument("file", help="native or MindSpeed-format YAML")
-    show.add_argument(
-        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
-    )
+    show.add_argument("--format", choices=FORMATS, default=None, help="config format (default: detect)")
     show.add_argument(
         "overrides",
         nargs=argparse.REMAINDER,
@@ -73,10 +85,15 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     schema.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
 
     imp = sub.add_parser(
-        "import", help="convert a MindSpeed-LLM YAML or a Megatron-style launch script to native YAML"
+        "import",
+        help="convert a MindSpeed-LLM or LLaMA-Factory YAML, or a Megatron-style launch script, to native YAML",
     )
     imp.add_argument(
-        "file", help="MindSpeed-format YAML, or a launch script (SCRIPT.sh) running pretrain_gpt.py"
+        "file",
+        help="MindSpeed-LLM or LLaMA-Factory YAML, or a launch script (SCRIPT.sh) running pretrain_gpt.py",
+    )
+    imp.add_argument(
+        "--format", choices=FORMATS[1:], default=None, help="the file's format (default: detect)"
     )
     imp.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     imp.add_argument("-q", "--quiet", action="store_true", help="do not report what each key became")
@@ -118,8 +135,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         raise ConfigError(
             [("--device", f"unknown device {args.device!r}; valid: {', '.join(sorted(HARDWARE))}")]
         )
-    if getattr(args, "format", None) not in (None, "native", "mindspeed"):
-        raise ConfigError([("--format", f"must be native or mindspeed, got {args.format!r}")])
+    if getattr(args, "format", None) not in (None, *FORMATS):
+        raise ConfigError([("--format", f"must be one of {', '.join(FORMATS)}, got {args.format!r}")])
     return [f"--{o}" for o in split_cli_overrides(remaining)]
 
 
@@ -183,18 +200,20 @@ def _throughput_lines(cfg: TrainConfig, world_size: int, device: str) -> list[st
     return throughput_lines(prediction, hw)
 
 
-FORMAT_NAMES = {
-    "mindspeed": "MindSpeed-LLM format",
-    "megatron": "Megatron-style launch script",
-    "native": "native",
-}
-
-
-def _import_format(file: str) -> str:
-    """`config import` reads a launch script as Megatron flags and any YAML as MindSpeed's."""
+def _import_format(args: argparse.Namespace) -> str:
+    """`config import`'s format: --format, else a launch script's Megatron flags, else detected from
+    the YAML; a native-looking file is MindSpeed as before (a flat file of keys both formats share)."""
+    if args.format:
+        return str(args.format)
     from meshforge.config.launch_script import is_launch_script
 
-    return "megatron" if Path(file).is_file() and is_launch_script(file) else "mindspeed"
+    if Path(args.file).is_file() and is_launch_script(args.file):
+        return "megatron"
+    from meshforge.config.loader import detect_format, read_config_file
+
+    data, _ = read_config_file(args.file)
+    kind = detect_format(data)
+    return "mindspeed" if kind == "native" else kind
 
 
 def run_config_command(args: argparse.Namespace) -> int:
@@ -223,9 +242,9 @@ def run_config_command(args: argparse.Namespace) -> int:
 
             try:
                 data, _, kind = load_native_dict(
-                    args.file, overrides, fmt=_import_format(args.file), log=notes.append, origins=origins
+                    args.file, overrides, fmt=_import_format(args), log=notes.append, origins=origins
                 )
-                validate_imported(data, dict(origins), source=args.file)
+                validate_imported(data, dict(origins), source=args.file, fmt=kind)
             except ConfigError:
                 if not args.quiet:
                     for line in notes:
@@ -234,7 +253,9 @@ def run_config_command(args: argparse.Namespace) -> int:
             if not args.quiet:
                 for line in notes:
                     print(f"import: {line}", file=sys.stderr)
-            header = f"# Imported from {args.file} ({FORMAT_NAMES[kind]}) by `meshforge config import`.\n"
+            if not args.quiet:
+                print(f"import: detected format: {FORMAT_NAMES[kind]}", file=sys.stderr)
+            header = f"# Imported from {args.file} ({FORMAT_TITLES[kind]}) by `meshforge config import`.\n"
             _write(header + dump_yaml(data), args.output)
             return 0
     except ConfigError as err:

@@ -80,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", "-c", default=None, help="native or MindSpeed-format YAML (default: demo)")
     train.add_argument(
-        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
+        "--format",
+        choices=["native", "mindspeed", "llamafactory"],
+        default=None,
+        help="config format (default: detect)",
     )
     convert = sub.add_parser(
         "convert",
@@ -124,7 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", "-c", default=None, help="native or MindSpeed-format YAML (default: demo)"
     )
     preview.add_argument(
-        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
+        "--format",
+        choices=["native", "mindspeed", "llamafactory"],
+        default=None,
+        help="config format (default: detect)",
     )
     preview.add_argument("--num-samples", "-n", type=int, default=4, help="rows to show (default 4)")
     preview.add_argument(
