@@ -85,6 +85,16 @@ def _write_config(source: Path, entry: Ranked, num_layers: int, output: str) -> 
 
 
 def run_plan_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Exit status: 0 when a layout fits, 2 when none does or the config is invalid."""
+    try:
+        return _plan(args, overrides)
+    except (ConfigError, ValueError) as err:
+        print(str(err) if isinstance(err, ConfigError) else f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from meshforge.config.launch_script import is_launch_script
     from meshforge.config.loader import detect_format, load_config, read_config_file
     from meshforge.parallel.layout_search import search
     from meshforge.utils.hardware import hardware
@@ -92,7 +102,9 @@ def run_plan_command(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.world_size < 1:
         raise ConfigError([("--world-size", f"must be >= 1, got {args.world_size}")])
     cfg = load_config(args.file, overrides, log=lambda line: print(f"import: {line}", file=sys.stderr))
-    if args.output and detect_format(read_config_file(args.file)[0]) != "native":
+    if args.output and (
+        is_launch_script(args.file) or detect_format(read_config_file(args.file)[0]) != "native"
+    ):
         raise ConfigError(
             [("-o", "writes native YAML only: run `meshforge config import` on this file first")]
         )
