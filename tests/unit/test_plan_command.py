@@ -94,3 +94,12 @@ def test_plan_explains_a_refusal(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert code == 2
     out = capsys.readouterr().out
     assert "no layout fits 0.0 GiB on NVIDIA A100" in out and "the smallest predicted peak is" in out
+
+
+def test_plan_writes_native_yaml_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = ROOT / "configs/megatron/pretrain_qwen3_tiny.sh"
+    out = tmp_path / "best.yaml"
+    assert main(["plan", str(script), "--world-size", "2", "--device", "h100", "-o", str(out)]) == 2
+    assert "-o: writes native YAML only" in capsys.readouterr().err and not out.exists()
+    assert main(["plan", str(_write(tmp_path)), "--world-size", "0", "--device", "h100"]) == 2
+    assert "--world-size: must be >= 1" in capsys.readouterr().err
