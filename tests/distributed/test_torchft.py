@@ -1,0 +1,131 @@
+"""torchft replica groups on gloo: a group SIGKILLed mid-run, restarted, and re-admitted with equal weights.
+
+Two replica groups train against a lighthouse in this process. Group 1 is killed once it has
+logged a few steps and started again (a fresh job, no checkpoint); group 0 must keep stepping
+through the failure, and group 1 must continue at group 0's step with group 0's weights. The
+steps before the kill, with both groups in the quorum, must have the losses of one job over the
+same global batch (each group reads half of it and the gradients are summed over the groups).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._compare import rel_error
+from tests.conftest import meshforge_cmd, read_metrics, train_here, worker_env
+from tests.distributed.test_preemption import _children
+
+torchft = pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.slow
+
+STEPS = 90
+PACE_S = 0.1  # each step of a group takes at least this long: the survivor outlives the restart
+KILL_AFTER = 3  # records of group 1 before it is killed
+WORKER = Path(__file__).with_name("_ft_worker.py")
+
+
+def _launch(config: Path, out: Path, group: int, lighthouse: str, nproc: int, log: Path) -> subprocess.Popen[bytes]:
+    overrides = [
+        f"--training.steps={STEPS}",
+        f"--training.global_batch_size={4 * nproc}",
+        f"--training.output_dir={out}",
+        "--checkpoint.enable_save=false",
+        "--parallelism.fault_tolerance.enable=true",
+        f"--parallelism.fault_tolerance.replica_id={group}",
+        f"--parallelism.fault_tolerance.lighthouse={lighthouse}",
+        "--parallelism.fault_tolerance.quorum_timeout_s=60",
+        "--monitor.plot_curves=false",
+    ]
+    script = [str(WORKER), str(PACE_S), str(config), *overrides]
+    cmd = meshforge_cmd(nproc=nproc)[:-2] + script if nproc > 1 else [sys.executable, *script]
+    with log.open("w") as sink:
+        return subprocess.Popen(cmd, env=worker_env(), stdout=sink, stderr=subprocess.STDOUT, cwd=out.parent)
+
+
+def _records(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _wait(proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log.read_text()[-6000:]
+
+
+def _params(out: Path, nproc: int) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(out / f"params-rank{r}.pt", weights_only=True) for r in range(nproc)]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_group_killed_and_restarted_rejoins_with_the_survivors_weights(
+    tiny_config: Path, tmp_path: Path, nproc: int
+) -> None:
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000)
+    survivor, killed, restarted = (tmp_path / name for name in ("g0", "g1", "g1-restarted"))
+    logs = [tmp_path / f"{name}.log" for name in ("g0", "g1", "g1-restarted")]
+    try:
+        first = _launch(tiny_config, survivor, 0, lighthouse.address(), nproc, logs[0])
+        doomed = _launch(tiny_config, killed, 1, lighthouse.address(), nproc, logs[1])
+        deadline = time.monotonic() + 120
+        while _records(killed) < KILL_AFTER and doomed.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _records(killed) >= KILL_AFTER, logs[1].read_text()[-6000:]
+        # Under torchrun, one worker dies and the agent (no --max-restarts) takes the group down.
+        workers = _children(doomed.pid) if nproc > 1 else [doomed.pid]
+        os.kill(workers[-1], signal.SIGKILL)
+        doomed.wait(timeout=60)
+        again = _launch(tiny_config, restarted, 1, lighthouse.address(), nproc, logs[2])
+        _wait(again, logs[2])
+        _wait(first, logs[0])
+    finally:
+        lighthouse.shutdown()
+
+    alive, rejoined, before = read_metrics(survivor), read_metrics(restarted), read_metrics(killed)
+    # The survivor never stopped: every step is logged, it trained alone for a while, and most
+    # steps committed (only a step the peer died inside may not).
+    assert [r["step"] for r in alive] == list(range(1, STEPS + 1))
+    assert any(r["replicas"] == 1 for r in alive) and alive[-1]["replicas"] == 2, alive
+    assert sum(not r["replica_committed"] for r in alive) <= 2, alive
+    # The restarted group recovered from the survivor and went on at its step, not at step 1.
+    assert "recovered from a live group at step" in logs[2].read_text()
+    assert rejoined[0]["step"] > KILL_AFTER + 1 and rejoined[-1]["step"] == STEPS
+    by_step = {r["step"]: r for r in alive}
+    for record in rejoined:
+        assert record["loss"] == by_step[record["step"]]["loss"], record
+    for got, want in zip(_params(restarted, nproc), _params(survivor, nproc), strict=True):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert rel_error(got[name], want[name]) == 0.0, name
+
+    # Before the kill both groups were in every quorum: one job over the same global batch.
+    reference = tmp_path / "one-job"
+    train_here(
+        tiny_config,
+        [
+            f"--training.steps={KILL_AFTER}",
+            f"--training.global_batch_size={4 * nproc}",
+            f"--training.output_dir={reference}",
+            "--checkpoint.enable_save=false",
+        ],
+    )
+    expected = read_metrics(reference)
+    for got in (alive[:KILL_AFTER], before[:KILL_AFTER]):
+        assert [r["replicas"] for r in got] == [2] * KILL_AFTER
+        for mine, theirs in zip(got, expected, strict=True):
+            assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * abs(theirs["loss"]), (mine, theirs)
+            assert abs(mine["grad_norm"] - theirs["grad_norm"]) <= 1e-5 * theirs["grad_norm"], (mine, theirs)
