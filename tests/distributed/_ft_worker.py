@@ -1,8 +1,12 @@
-"""One torchft replica group of test_torchft.py: a `meshforge train` whose steps take at least PACE_S.
+"""One torchft replica group of test_torchft.py: a `meshforge train` whose lone steps take PACE_S.
 
-Usage: python _ft_worker.py PACE_S CONFIG OVERRIDE...   (or under torchrun for a several-rank group)
+Usage: python _ft_worker.py PACE_S GO_FILE CONFIG OVERRIDE...   (or under torchrun for a several-rank group)
 
-The pace keeps the survivor stepping while the killed group restarts. At the end each rank writes
+With a GO_FILE other than `-`, the process imports everything and then waits for that file
+before it builds the run: a stand-by that replaces a killed group without paying the start-up.
+
+A step that ran without every group (the survivor's, while its peer restarts) takes at least
+PACE_S, so that the survivor is still stepping when the peer comes back; the others run at full speed. At the end each rank writes
 `params-rank{R}.pt` (its local weights) into the run folder, for the comparison across groups.
 """
 
@@ -11,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,13 +30,17 @@ class PacedTrainer(Trainer):
     def train_step(self) -> dict[str, object]:
         start = time.perf_counter()
         record = super().train_step()
-        time.sleep(max(0.0, self.pace_s - (time.perf_counter() - start)))
+        if record["replicas"] < self.cfg.parallelism.fault_tolerance.replica_groups:
+            time.sleep(max(0.0, self.pace_s - (time.perf_counter() - start)))
         return record
 
 
 if __name__ == "__main__":
     PacedTrainer.pace_s = float(sys.argv[1])
-    trainer = PacedTrainer(load_config(sys.argv[2], sys.argv[3:]))
+    go = Path(sys.argv[2])
+    while sys.argv[2] != "-" and not go.exists():
+        time.sleep(0.02)
+    trainer = PacedTrainer(load_config(sys.argv[3], sys.argv[4:]))
     trainer.setup()
     trainer.train()
     rank = trainer.run.env.dist.rank

@@ -27,13 +27,15 @@ torchft = pytest.importorskip("torchft")
 
 pytestmark = pytest.mark.slow
 
-STEPS = 90
-PACE_S = 0.1  # each step of a group takes at least this long: the survivor outlives the restart
+STEPS = 30
+PACE_S = 0.3  # a step without the peer takes at least this long: the survivor outlives the restart
 KILL_AFTER = 3  # records of group 1 before it is killed
 WORKER = Path(__file__).with_name("_ft_worker.py")
 
 
-def _launch(config: Path, out: Path, group: int, lighthouse: str, nproc: int, log: Path) -> subprocess.Popen[bytes]:
+def _launch(
+    config: Path, out: Path, group: int, lighthouse: str, nproc: int, log: Path, go: str = "-"
+) -> subprocess.Popen[bytes]:
     overrides = [
         f"--training.steps={STEPS}",
         f"--training.global_batch_size={4 * nproc}",
@@ -45,7 +47,7 @@ def _launch(config: Path, out: Path, group: int, lighthouse: str, nproc: int, lo
         "--parallelism.fault_tolerance.quorum_timeout_s=60",
         "--monitor.plot_curves=false",
     ]
-    script = [str(WORKER), str(PACE_S), str(config), *overrides]
+    script = [str(WORKER), str(PACE_S), go, str(config), *overrides]
     cmd = meshforge_cmd(nproc=nproc)[:-2] + script if nproc > 1 else [sys.executable, *script]
     with log.open("w") as sink:
         return subprocess.Popen(cmd, env=worker_env(), stdout=sink, stderr=subprocess.STDOUT, cwd=out.parent)
@@ -75,21 +77,27 @@ def test_group_killed_and_restarted_rejoins_with_the_survivors_weights(
 ) -> None:
     from torchft._torchft import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000)
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000
+    )
     survivor, killed, restarted = (tmp_path / name for name in ("g0", "g1", "g1-restarted"))
     logs = [tmp_path / f"{name}.log" for name in ("g0", "g1", "g1-restarted")]
     try:
         first = _launch(tiny_config, survivor, 0, lighthouse.address(), nproc, logs[0])
         doomed = _launch(tiny_config, killed, 1, lighthouse.address(), nproc, logs[1])
+        # The replacement starts now and waits, imports done, for the go file: the test then
+        # measures the recovery, not an interpreter's start-up.
+        go = tmp_path / "go"
+        again = _launch(tiny_config, restarted, 1, lighthouse.address(), nproc, logs[2], go=str(go))
         deadline = time.monotonic() + 120
         while _records(killed) < KILL_AFTER and doomed.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert _records(killed) >= KILL_AFTER, logs[1].read_text()[-6000:]
-        # Under torchrun, one worker dies and the agent (no --max-restarts) takes the group down.
-        workers = _children(doomed.pid) if nproc > 1 else [doomed.pid]
-        os.kill(workers[-1], signal.SIGKILL)
+        # The whole group dies at once (a lost node): every worker, then torchrun's agent.
+        for pid in [*(_children(doomed.pid) if nproc > 1 else []), doomed.pid]:
+            os.kill(pid, signal.SIGKILL)
         doomed.wait(timeout=60)
-        again = _launch(tiny_config, restarted, 1, lighthouse.address(), nproc, logs[2])
+        go.touch()
         _wait(again, logs[2])
         _wait(first, logs[0])
     finally:

@@ -92,8 +92,22 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
     optim = OptimParts(optimizer, scheduler, grad_accum, pipeline, checkpointer)
     progress = resume(cfg.checkpoint, env, model, data, optim)
     watch = build_watchers(cfg, env, model, data, optim, progress, callbacks=callbacks, plot=plot)
-    replicas = build_replicas(cfg.parallelism.fault_tolerance, env, model, data, optim, progress)
-    return Run(env=env, model=model, data=data, optim=optim, watch=watch, progress=progress, replicas=replicas)
+    replicas = build_replicas(
+        cfg.parallelism.fault_tolerance,
+        rank=env.dist.rank,
+        world_size=env.dist.world_size,
+        device=env.device,
+        data_parallel=env.dims.dp,
+        model=model.module,
+        optimizer=optim.optimizer,
+        scheduler=optim.scheduler,
+        loader=data.loader,
+        progress=progress,
+        log=env.log,
+    )
+    return Run(
+        env=env, model=model, data=data, optim=optim, watch=watch, progress=progress, replicas=replicas
+    )
 
 
 def build_env(cfg: TrainConfig, log: Log) -> RunEnv:

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshforge.train.run import Progress
-
 # A recovery state: nested dicts of plain tensors and JSON-able values.
-ReplicaState = dict[str, Any]
+ReplicaState = dict[str, object]
+
+
+class Position(Protocol):
+    """The loop's position (`train.run.Progress`), which a recovery moves to the peer's."""
+
+    step: int
+    tokens_seen: int
 
 
 def _local(value: object) -> object:
@@ -52,9 +57,9 @@ class ReplicaStateFns:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    loader_state: Callable[[], dict[str, Any]]
-    load_loader_state: Callable[[dict[str, Any]], None]
-    progress: Progress
+    loader_state: Callable[[], dict[str, int]]
+    load_loader_state: Callable[[dict[str, int]], None]
+    progress: Position
     on_loaded: Callable[[int, int], None]
 
     def state_dict(self) -> ReplicaState:
@@ -70,19 +75,21 @@ class ReplicaStateFns:
     def load_state_dict(self, state: ReplicaState) -> None:
         """Take a peer's state in place; the loop then continues at the peer's step."""
         params = dict(self.model.named_parameters())
-        missing = sorted(set(params) - set(state["model"]))
+        weights = cast(dict[str, torch.Tensor], state["model"])
+        missing = sorted(set(params) - set(weights))
         if missing:
             raise RuntimeError(f"replica recovery: the peer's state lacks parameters {missing[:5]}")
         with torch.no_grad():
             for name, param in params.items():
-                local_tensor(param).copy_(state["model"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
+                local_tensor(param).copy_(weights[name])
+        self.optimizer.load_state_dict(cast(dict[str, object], state["optimizer"]))
         _redistribute_optimizer_state(self.optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.load_loader_state(state["data"])
+        self.scheduler.load_state_dict(cast(dict[str, object], state["scheduler"]))
+        self.load_loader_state(cast(dict[str, int], state["data"]))
+        position = cast(dict[str, int], state["progress"])
         old = self.progress.step
-        self.progress.step = int(state["progress"]["step"])
-        self.progress.tokens_seen = int(state["progress"]["tokens_seen"])
+        self.progress.step = int(position["step"])
+        self.progress.tokens_seen = int(position["tokens_seen"])
         self.on_loaded(old, self.progress.step)
 
 
@@ -111,4 +118,3 @@ def _redistribute_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                             shape=param.shape,
                             stride=param.stride(),
                         )
-

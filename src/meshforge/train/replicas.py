@@ -38,18 +38,18 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from meshforge.train.replica_state import ReplicaStateFns, local_tensor
+from meshforge.train.replica_state import Position, ReplicaStateFns, local_tensor
 
 if TYPE_CHECKING:
     from torchft import Manager
 
+    from meshforge.data.loader import StatefulLoader, StreamLoader
     from meshforge.parallel.config import FaultToleranceConfig, ParallelismConfig
-    from meshforge.train.run import ModelParts, OptimParts, Progress, RunData, RunEnv
 
 REPLICA_ENV_VARS = ("REPLICA_GROUP_ID", "TORCHFT_REPLICA_ID")
 LIGHTHOUSE_ENV_VAR = "TORCHFT_LIGHTHOUSE"
@@ -192,7 +192,7 @@ class ReplicaGroup:
         self._committed = bool(self.manager.should_commit())
         return self._committed
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> dict[str, int | bool]:
         """This step's record entries: the groups that took part and whether the step committed."""
         return {"replicas": self._participants, "replica_committed": self._committed}
 
@@ -208,15 +208,29 @@ class ReplicaGroup:
 
 def build_replicas(
     ft: FaultToleranceConfig,
-    env: RunEnv,
-    model: ModelParts,
-    data: RunData,
-    optim: OptimParts,
-    progress: Progress,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    data_parallel: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loader: StatefulLoader | StreamLoader,
+    progress: Position,
+    log: Callable[[str], None],
 ) -> ReplicaGroup | None:
     """This rank's replica group over torchft, or None when `parallelism.fault_tolerance` is off.
 
     Collective over the group (rank 0 opens the group's store and shares its address).
+
+    Args:
+        ft: the `parallelism.fault_tolerance` section.
+        rank, world_size: this rank in its own group (its torchrun world).
+        device: the run's device (NCCL across groups on CUDA, gloo otherwise).
+        data_parallel: the group's data-parallel ranks (for the log line's data shards).
+        model, optimizer, scheduler, loader, progress: what a recovery copies from a peer.
+        log: the run's log.
     """
     if not ft.enable:
         return None
@@ -229,10 +243,10 @@ def build_replicas(
         ) from err
     index = replica_id(ft)
     lighthouse = lighthouse_address(ft)
-    host, port, store = _group_store(env.dist.rank)
+    host, port, store = _group_store(rank)
     timeout = timedelta(seconds=ft.timeout_s)
     # NCCL in a subprocess on accelerators: an abort after a peer's failure cannot wedge the trainer.
-    pg = ProcessGroupBabyNCCL(timeout=timeout) if env.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+    pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
     group: ReplicaGroup | None = None
 
     def on_loaded(old: int, new: int) -> None:
@@ -240,11 +254,11 @@ def build_replicas(
         group.recovered(old, new)
 
     fns = ReplicaStateFns(
-        model=model.module,
-        optimizer=optim.optimizer,
-        scheduler=optim.scheduler,
-        loader_state=data.loader.state_dict,
-        load_loader_state=data.loader.load_state_dict,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader_state=loader.state_dict,
+        load_loader_state=loader.load_state_dict,
         progress=progress,
         on_loaded=on_loaded,
     )
@@ -257,8 +271,8 @@ def build_replicas(
         use_async_quorum=False,
         timeout=timeout,
         quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-        rank=env.dist.rank,
-        world_size=env.dist.world_size,
+        rank=rank,
+        world_size=world_size,
         store_addr=host,
         store_port=port,
         lighthouse_addr=lighthouse,
@@ -275,13 +289,13 @@ def build_replicas(
         groups=ft.replica_groups,
         first_quorum_timeout_s=ft.quorum_timeout_s,
         fresh=progress.step == 0,
-        log=env.log,
+        log=log,
         keep_alive=store,
     )
-    env.log(
+    log(
         f"replica group {index} of {ft.replica_groups} (torchft): lighthouse {lighthouse}, at least "
-        f"{ft.min_replicas} group(s) per step, data shards {index * env.dims.dp}..{(index + 1) * env.dims.dp - 1} "
-        f"of {ft.replica_groups * env.dims.dp}"
+        f"{ft.min_replicas} group(s) per step, data shards {index * data_parallel}..{(index + 1) * data_parallel - 1} "
+        f"of {ft.replica_groups * data_parallel}"
     )
     return group
 
