@@ -234,6 +234,8 @@ def build_replicas(
     """
     if not ft.enable:
         return None
+    # torchft's Rust servers log every quorum and commit at info level; RUST_LOG=info shows them.
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         from torchft import Manager
         from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
