@@ -9,8 +9,7 @@ same global batch (each group reads half of it and the gradients are summed over
 
 from __future__ import annotations
 
-import os
-import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,8 +19,7 @@ import pytest
 import torch
 
 from tests._compare import rel_error
-from tests.conftest import meshforge_cmd, read_metrics, train_here, worker_env
-from tests.distributed.test_preemption import _children
+from tests.conftest import read_metrics, train_here, worker_env
 
 torchft = pytest.importorskip("torchft")
 
@@ -33,9 +31,16 @@ KILL_AFTER = 3  # records of group 1 before it is killed
 WORKER = Path(__file__).with_name("_ft_worker.py")
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return int(sock.getsockname()[1])
+
+
 def _launch(
     config: Path, out: Path, group: int, lighthouse: str, nproc: int, log: Path, go: str = "-"
-) -> subprocess.Popen[bytes]:
+) -> list[subprocess.Popen[bytes]]:
+    """One replica group: `nproc` ranks started directly (torchrun's environment, without its agent)."""
     overrides = [
         f"--training.steps={STEPS}",
         f"--training.global_batch_size={4 * nproc}",
@@ -47,10 +52,23 @@ def _launch(
         "--parallelism.fault_tolerance.quorum_timeout_s=60",
         "--monitor.plot_curves=false",
     ]
-    script = [str(WORKER), str(PACE_S), go, str(config), *overrides]
-    cmd = meshforge_cmd(nproc=nproc)[:-2] + script if nproc > 1 else [sys.executable, *script]
-    with log.open("w") as sink:
-        return subprocess.Popen(cmd, env=worker_env(), stdout=sink, stderr=subprocess.STDOUT, cwd=out.parent)
+    cmd = [sys.executable, str(WORKER), str(PACE_S), go, str(config), *overrides]
+    port = str(_free_port())
+    procs = []
+    for rank in range(nproc):
+        env = worker_env()
+        if nproc > 1:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
+            env.update(MASTER_ADDR="localhost", MASTER_PORT=port)
+        with log.with_suffix(f".rank{rank}.log").open("w") as sink:
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=out.parent)
+            )
+    return procs
+
+
+def _log(log: Path) -> str:
+    return "".join(path.read_text()[-4000:] for path in sorted(log.parent.glob(f"{log.stem}.rank*.log")))
 
 
 def _records(out: Path) -> int:
@@ -58,13 +76,15 @@ def _records(out: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _wait(proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
+def _wait(procs: list[subprocess.Popen[bytes]], log: Path, timeout: float = 120) -> None:
     try:
-        proc.wait(timeout=timeout)
+        for proc in procs:
+            proc.wait(timeout=timeout)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, log.read_text()[-6000:]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert all(proc.returncode == 0 for proc in procs), _log(log)
 
 
 def _params(out: Path, nproc: int) -> list[dict[str, torch.Tensor]]:
@@ -82,6 +102,8 @@ def test_group_killed_and_restarted_rejoins_with_the_survivors_weights(
     )
     survivor, killed, restarted = (tmp_path / name for name in ("g0", "g1", "g1-restarted"))
     logs = [tmp_path / f"{name}.log" for name in ("g0", "g1", "g1-restarted")]
+    first: list[subprocess.Popen[bytes]] = []
+    again: list[subprocess.Popen[bytes]] = []
     try:
         first = _launch(tiny_config, survivor, 0, lighthouse.address(), nproc, logs[0])
         doomed = _launch(tiny_config, killed, 1, lighthouse.address(), nproc, logs[1])
@@ -90,17 +112,21 @@ def test_group_killed_and_restarted_rejoins_with_the_survivors_weights(
         go = tmp_path / "go"
         again = _launch(tiny_config, restarted, 1, lighthouse.address(), nproc, logs[2], go=str(go))
         deadline = time.monotonic() + 120
-        while _records(killed) < KILL_AFTER and doomed.poll() is None and time.monotonic() < deadline:
+        while _records(killed) < KILL_AFTER and doomed[0].poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _records(killed) >= KILL_AFTER, logs[1].read_text()[-6000:]
-        # The whole group dies at once (a lost node): every worker, then torchrun's agent.
-        for pid in [*(_children(doomed.pid) if nproc > 1 else []), doomed.pid]:
-            os.kill(pid, signal.SIGKILL)
-        doomed.wait(timeout=60)
+        assert _records(killed) >= KILL_AFTER, _log(logs[1])
+        # The whole group dies at once (a lost node).
+        for proc in doomed:
+            proc.kill()
+        for proc in doomed:
+            proc.wait(timeout=60)
         go.touch()
         _wait(again, logs[2])
         _wait(first, logs[0])
     finally:
+        for proc in [*first, *again]:
+            if proc.poll() is None:
+                proc.kill()
         lighthouse.shutdown()
 
     alive, rejoined, before = read_metrics(survivor), read_metrics(restarted), read_metrics(killed)
@@ -110,7 +136,7 @@ def test_group_killed_and_restarted_rejoins_with_the_survivors_weights(
     assert any(r["replicas"] == 1 for r in alive) and alive[-1]["replicas"] == 2, alive
     assert sum(not r["replica_committed"] for r in alive) <= 2, alive
     # The restarted group recovered from the survivor and went on at its step, not at step 1.
-    assert "recovered from a live group at step" in logs[2].read_text()
+    assert "recovered from a live group at step" in _log(logs[2])
     assert rejoined[0]["step"] > KILL_AFTER + 1 and rejoined[-1]["step"] == STEPS
     by_step = {r["step"]: r for r in alive}
     for record in rejoined:
