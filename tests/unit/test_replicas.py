@@ -164,3 +164,28 @@ def test_a_fresh_run_waits_for_every_group_before_its_first_step() -> None:
     assert manager.quorums == 3 and group.fields()["replicas"] == 2
     group.start_step()  # later steps ask once
     assert manager.quorums == 4
+
+
+def test_an_unreachable_lighthouse_is_one_error_naming_the_key() -> None:
+    pytest.importorskip("torchft")
+    from meshforge.train.replicas import build_replicas
+
+    model, optimizer, scheduler = _parts(0)
+    loader = _Loader()
+    ft = _parallelism(replica_id=0, lighthouse="http://localhost:1", timeout_s=1).fault_tolerance
+    with pytest.raises(
+        ValueError, match=r"parallelism.fault_tolerance.lighthouse: cannot reach http://localhost:1"
+    ):
+        build_replicas(
+            ft,
+            rank=0,
+            world_size=1,
+            device=torch.device("cpu"),
+            data_parallel=1,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            loader=loader,  # type: ignore[arg-type]
+            progress=Progress(),
+            log=print,
+        )

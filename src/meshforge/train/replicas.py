@@ -245,7 +245,7 @@ def build_replicas(
         ) from err
     index = replica_id(ft)
     lighthouse = lighthouse_address(ft)
-    host, port, store = _group_store(rank)
+    host, port, store = _group_store(rank, world_size)
     timeout = timedelta(seconds=ft.timeout_s)
     # NCCL in a subprocess on accelerators: an abort after a peer's failure cannot wedge the trainer.
     pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -264,25 +264,35 @@ def build_replicas(
         progress=progress,
         on_loaded=on_loaded,
     )
-    manager = Manager(
-        pg=pg,
-        load_state_dict=fns.load_state_dict,
-        state_dict=fns.state_dict,
-        min_replica_size=ft.min_replicas,
-        # Synchronous quorum: a recovering group loads the peer's state before its forward.
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-        rank=rank,
-        world_size=world_size,
-        store_addr=host,
-        store_port=port,
-        lighthouse_addr=lighthouse,
-        # torchft reads the trailing digits as the group's index.
-        replica_id=f"meshforge_replica_{index}",
-        # Every group initialises the same weights from training.seed: no copy at step 0.
-        init_sync=False,
-    )
+    try:
+        manager = Manager(
+            pg=pg,
+            load_state_dict=fns.load_state_dict,
+            state_dict=fns.state_dict,
+            min_replica_size=ft.min_replicas,
+            # Synchronous quorum: a recovering group loads the peer's state before its forward.
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=rank,
+            world_size=world_size,
+            store_addr=host,
+            store_port=port,
+            lighthouse_addr=lighthouse,
+            # torchft reads the trailing digits as the group's index.
+            replica_id=f"meshforge_replica_{index}",
+            # Every group initialises the same weights from training.seed: no copy at step 0.
+            init_sync=False,
+        )
+    except RuntimeError as err:
+        if "failed to connect" not in str(err):
+            raise
+        raise ValueError(
+            f"parallelism.fault_tolerance.lighthouse: cannot reach {lighthouse} within timeout_s "
+            f"({ft.timeout_s:g} s); is the lighthouse running (torchft_lighthouse --min_replicas 1)? "
+            f"torchft: {str(err).splitlines()[0]}"
+        ) from err
     # A resumed group counts its commits from the checkpoint's step, as its peers do.
     manager.load_state_dict({"step": progress.step, "batches_committed": 0})
     group = ReplicaGroup(
@@ -302,7 +312,7 @@ def build_replicas(
     return group
 
 
-def _group_store(rank: int) -> tuple[str, int, dist.TCPStore | None]:
+def _group_store(rank: int, world_size: int) -> tuple[str, int, dist.TCPStore | None]:
     """A TCPStore of this group's own, opened by its rank 0: `(host, port, the store on rank 0)`.
 
     torchft keeps its manager's address there and every group's cross-group process group
@@ -316,6 +326,6 @@ def _group_store(rank: int) -> tuple[str, int, dist.TCPStore | None]:
         host = socket.gethostname()
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         address = [host, store.port]
-    if dist.get_world_size() > 1:
+    if world_size > 1:
         dist.broadcast_object_list(address, src=0)
     return str(address[0]), int(str(address[1])), store
