@@ -1,13 +1,12 @@
 """One torchft replica group of test_torchft.py: a `meshforge train` whose lone steps take PACE_S.
 
-Usage: python _ft_worker.py PACE_S GO_FILE CONFIG OVERRIDE...   (or under torchrun for a several-rank group)
+Usage: python _ft_worker.py PACE_S GO_FILE CONFIG OVERRIDE...   (one process per rank of the group)
 
 With a GO_FILE other than `-`, the process imports everything and then waits for that file
 before it builds the run: a stand-by that replaces a killed group without paying the start-up.
-
 A step that ran without every group (the survivor's, while its peer restarts) takes at least
-PACE_S, so that the survivor is still stepping when the peer comes back; the others run at full speed. At the end each rank writes
-`params-rank{R}.pt` (its local weights) into the run folder, for the comparison across groups.
+PACE_S, so that the survivor is still stepping when the peer comes back; the others run at full
+speed. At the end each rank writes `params-rank{R}.pt` (its local weights) into the run folder.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch
 
 from meshforge.config import load_config
 from meshforge.train.replica_state import local_tensor
+from meshforge.train.run import TrainSummary
 from meshforge.train.trainer import Trainer
 
 
@@ -34,6 +34,12 @@ class PacedTrainer(Trainer):
             time.sleep(max(0.0, self.pace_s - (time.perf_counter() - start)))
         return record
 
+    def train(self) -> TrainSummary:
+        summary = super().train()
+        params = {name: local_tensor(p).detach().clone() for name, p in self.model.named_parameters()}
+        torch.save(params, self.run.env.output_dir / f"params-rank{self.run.env.dist.rank}.pt")
+        return summary
+
 
 if __name__ == "__main__":
     PacedTrainer.pace_s = float(sys.argv[1])
@@ -43,9 +49,6 @@ if __name__ == "__main__":
     trainer = PacedTrainer(load_config(sys.argv[3], sys.argv[4:]))
     trainer.setup()
     trainer.train()
-    rank = trainer.run.env.dist.rank
-    params = {name: local_tensor(p).detach().clone() for name, p in trainer.model.named_parameters()}
-    torch.save(params, trainer.run.env.output_dir / f"params-rank{rank}.pt")
     sys.stdout.flush()
     # No interpreter finalization after gloo work (pytorch/pytorch#179291), as `python -m meshforge` does.
     os._exit(0)

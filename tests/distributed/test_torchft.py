@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,15 +21,24 @@ import torch
 
 from tests._compare import rel_error
 from tests.conftest import read_metrics, train_here, worker_env
+from tests.distributed._ft_worker import PacedTrainer
 
 torchft = pytest.importorskip("torchft")
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # torchft's own logger calls the deprecated Logger.warn.
+    pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated:DeprecationWarning"),
+]
 
 STEPS = 30
 PACE_S = 0.3  # a step without the peer takes at least this long: the survivor outlives the restart
 KILL_AFTER = 3  # records of group 1 before it is killed
 WORKER = Path(__file__).with_name("_ft_worker.py")
+
+
+class _Survivor(PacedTrainer):
+    pace_s = PACE_S
 
 
 def _free_port() -> int:
@@ -37,11 +47,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _launch(
-    config: Path, out: Path, group: int, lighthouse: str, nproc: int, log: Path, go: str = "-"
-) -> list[subprocess.Popen[bytes]]:
-    """One replica group: `nproc` ranks started directly (torchrun's environment, without its agent)."""
-    overrides = [
+def _overrides(out: Path, group: int, lighthouse: str, nproc: int) -> list[str]:
+    return [
         f"--training.steps={STEPS}",
         f"--training.global_batch_size={4 * nproc}",
         f"--training.output_dir={out}",
@@ -52,6 +59,12 @@ def _launch(
         "--parallelism.fault_tolerance.quorum_timeout_s=60",
         "--monitor.plot_curves=false",
     ]
+
+
+def _launch(
+    config: Path, overrides: list[str], nproc: int, log: Path, go: str = "-"
+) -> list[subprocess.Popen[bytes]]:
+    """One replica group: `nproc` ranks started directly (torchrun's environment, without its agent)."""
     cmd = [sys.executable, str(WORKER), str(PACE_S), go, str(config), *overrides]
     port = str(_free_port())
     procs = []
@@ -62,9 +75,22 @@ def _launch(
             env.update(MASTER_ADDR="localhost", MASTER_PORT=port)
         with log.with_suffix(f".rank{rank}.log").open("w") as sink:
             procs.append(
-                subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=out.parent)
+                subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=log.parent)
             )
     return procs
+
+
+def _kill_when_due(doomed: list[subprocess.Popen[bytes]], out: Path, go: Path) -> None:
+    """SIGKILL every rank of a group once it has logged KILL_AFTER steps, then let its stand-by go."""
+    deadline = time.monotonic() + 120
+    while _records(out) < KILL_AFTER and doomed[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # The whole group dies at once (a lost node).
+    for proc in doomed:
+        proc.kill()
+    for proc in doomed:
+        proc.wait(timeout=60)
+    go.touch()
 
 
 def _log(log: Path) -> str:
@@ -102,29 +128,29 @@ def test_group_killed_and_restarted_rejoins_with_the_survivors_weights(
     )
     survivor, killed, restarted = (tmp_path / name for name in ("g0", "g1", "g1-restarted"))
     logs = [tmp_path / f"{name}.log" for name in ("g0", "g1", "g1-restarted")]
-    first: list[subprocess.Popen[bytes]] = []
+    address = lighthouse.address()
+    go = tmp_path / "go"
+    doomed: list[subprocess.Popen[bytes]] = []
     again: list[subprocess.Popen[bytes]] = []
+    first: list[subprocess.Popen[bytes]] = []
     try:
-        first = _launch(tiny_config, survivor, 0, lighthouse.address(), nproc, logs[0])
-        doomed = _launch(tiny_config, killed, 1, lighthouse.address(), nproc, logs[1])
+        doomed = _launch(tiny_config, _overrides(killed, 1, address, nproc), nproc, logs[1])
         # The replacement starts now and waits, imports done, for the go file: the test then
         # measures the recovery, not an interpreter's start-up.
-        go = tmp_path / "go"
-        again = _launch(tiny_config, restarted, 1, lighthouse.address(), nproc, logs[2], go=str(go))
-        deadline = time.monotonic() + 120
-        while _records(killed) < KILL_AFTER and doomed[0].poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+        again = _launch(tiny_config, _overrides(restarted, 1, address, nproc), nproc, logs[2], go=str(go))
+        killer = threading.Thread(target=_kill_when_due, args=(doomed, killed, go), daemon=True)
+        killer.start()
+        if nproc == 1:
+            # A one-process survivor trains in this process: one interpreter fewer to start.
+            train_here(tiny_config, _overrides(survivor, 0, address, nproc), trainer_cls=_Survivor)
+        else:
+            first = _launch(tiny_config, _overrides(survivor, 0, address, nproc), nproc, logs[0])
+            _wait(first, logs[0])
+        killer.join(timeout=120)
         assert _records(killed) >= KILL_AFTER, _log(logs[1])
-        # The whole group dies at once (a lost node).
-        for proc in doomed:
-            proc.kill()
-        for proc in doomed:
-            proc.wait(timeout=60)
-        go.touch()
         _wait(again, logs[2])
-        _wait(first, logs[0])
     finally:
-        for proc in [*first, *again]:
+        for proc in [*doomed, *first, *again]:
             if proc.poll() is None:
                 proc.kill()
         lighthouse.shutdown()
