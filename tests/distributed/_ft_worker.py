@@ -6,7 +6,7 @@ With a GO_FILE other than `-`, the process imports everything and then waits for
 before it builds the run: a stand-by that replaces a killed group without paying the start-up.
 A step that ran without every group (the survivor's, while its peer restarts) takes at least
 PACE_S, so that the survivor is still stepping when the peer comes back; the others run at full
-speed. At the end each rank writes `params-rank{R}.pt` (its local weights) into the run folder.
+speed. Group 0's loss of step 2 is NaN once (a transient fault). At the end each rank writes `params-rank{R}.pt` (its local weights) into the run folder.
 """
 
 from __future__ import annotations
@@ -26,6 +26,19 @@ from meshforge.train.trainer import Trainer
 
 class PacedTrainer(Trainer):
     pace_s = 0.0
+    # Replica group 0's loss of this step is NaN on its first computation only: a transient fault
+    # that `training.rerun_mode` must recompute on every group together.
+    poison_step = 2
+    _poisoned = False
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> torch.Tensor:
+        loss = super().forward_backward(batch, normalizer)
+        replicas = self.run.replicas
+        if self.step + 1 == self.poison_step and replicas is not None and replicas.replica_id == 0:
+            if not self._poisoned:
+                self._poisoned = True
+                return loss * float("nan")
+        return loss
 
     def train_step(self) -> dict[str, object]:
         start = time.perf_counter()

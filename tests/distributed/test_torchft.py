@@ -4,7 +4,9 @@ Two replica groups train against a lighthouse in this process. Group 1 is killed
 logged a few steps and started again (a fresh job, no checkpoint); group 0 must keep stepping
 through the failure, and group 1 must continue at group 0's step with group 0's weights. The
 steps before the kill, with both groups in the quorum, must have the losses of one job over the
-same global batch (each group reads half of it and the gradients are summed over the groups).
+same global batch (each group reads half of it and the gradients are summed over the groups),
+including step 2, whose loss group 0 makes NaN once: `training.rerun_mode` recomputes it on both
+groups together and the recomputed result stands.
 """
 
 from __future__ import annotations
@@ -186,6 +188,8 @@ def test_group_killed_and_restarted_rejoins_with_the_survivors_weights(
     expected = read_metrics(reference)
     for got in (alive[:KILL_AFTER], before[:KILL_AFTER]):
         assert [r["replicas"] for r in got] == [2] * KILL_AFTER
+        # Group 0's transient fault at step 2 was recomputed on both groups; the rerun's result stands.
+        assert got[1]["rerun"] == "transient" and not got[1].get("skipped"), got
         for mine, theirs in zip(got, expected, strict=True):
             assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * abs(theirs["loss"]), (mine, theirs)
             assert abs(mine["grad_norm"] - theirs["grad_norm"]) <= 1e-5 * theirs["grad_norm"], (mine, theirs)
