@@ -26,6 +26,7 @@ from meshforge.monitor.moe import MoeMonitor
 from meshforge.monitor.profiling import StepProfiler
 from meshforge.monitor.trackers import TrackerSink, build_trackers, check_trackers
 from meshforge.monitor.train_state import TrainStateMonitor
+from meshforge.monitor.trainer_log import TrainerLog
 from meshforge.parallel.dims import ParallelDims
 from meshforge.train.batches import plan_batches
 from meshforge.train.build_model import build_model, build_tokenizer
@@ -375,7 +376,13 @@ def resume(
 
 
 def build_metrics_logger(
-    monitor: MonitorConfig, env: RunEnv, *, total_steps: int, start_step: int, log_interval: int
+    monitor: MonitorConfig,
+    env: RunEnv,
+    *,
+    total_steps: int,
+    start_step: int,
+    log_interval: int,
+    steps_per_epoch: float | None = None,
 ) -> MetricsLogger:
     """The sinks (console, metrics.jsonl, TensorBoard, trackers: rank 0 only) as one `MetricsLogger`.
 
@@ -401,7 +408,28 @@ def build_metrics_logger(
     trackers: list[TrackerSink] = build_trackers(
         monitor, output_dir=env.output_dir, config=config, resuming=start_step > 0
     )
-    return MetricsLogger(jsonl=jsonl, tensorboard=tensorboard, trackers=trackers, console=console)
+    trainer_log = None
+    if monitor.trainer_log:
+        trainer_log = TrainerLog(
+            env.output_dir,
+            total_steps=total_steps,
+            start_step=start_step,
+            log_interval=log_interval,
+            steps_per_epoch=steps_per_epoch,
+        )
+    return MetricsLogger(
+        jsonl=jsonl, tensorboard=tensorboard, trackers=trackers, console=console, trainer_log=trainer_log
+    )
+
+
+def _steps_per_epoch(data: RunData, global_batch_size: int) -> float | None:
+    """Optimizer steps per pass over the training rows (the `epoch` of trainer_log.jsonl), when
+    the loader knows its rows (a streamed dataset does not)."""
+    from meshforge.data.loader import StatefulLoader
+
+    if not isinstance(data.loader, StatefulLoader) or data.rampup is not None:
+        return None
+    return data.loader.num_samples / global_batch_size
 
 
 def build_watchers(
@@ -426,6 +454,7 @@ def build_watchers(
         total_steps=data.total_steps,
         start_step=progress.step,
         log_interval=cfg.training.log_interval,
+        steps_per_epoch=_steps_per_epoch(data, env.plan.global_batch_size),
     )
     monitor = cfg.monitor
     health = StepHealth.from_monitor(

@@ -36,7 +36,7 @@ from meshforge.train.batches import (
 from meshforge.train.build import build_run
 from meshforge.train.callbacks import TrainInfo
 from meshforge.train.evaluation import eval_line, reshard_fsdp
-from meshforge.train.export import export_run_hf, export_run_lora
+from meshforge.train.export import export_dir, export_run_hf, export_run_lora
 from meshforge.train.health import HealthStopError, StepVerdict, TrainingDivergedError, finite_or_none
 from meshforge.train.rerun import StepResult, ranks_that_changed, reproduced, rerun_line
 from meshforge.train.run import Progress, Run, TrainSummary
@@ -392,7 +392,7 @@ class Trainer:
                     self.run, merged=self.cfg.checkpoint.save_hf_weights, log=self.log
                 )
             elif self.cfg.checkpoint.save_hf_weights:
-                self._hf_export = self.export_hf(env.output_dir / "hf")
+                self._hf_export = self.export_hf(export_dir(self.run, "hf"))
         finally:
             self._watchdog.close()
             watch.preemption.uninstall()
