@@ -34,7 +34,7 @@ pytestmark = [
 ]
 
 STEPS = 30
-PACE_S = 0.3  # a step without the peer takes at least this long: the survivor outlives the restart
+PACE_S = 0.5  # a step without the peer takes at least this long: the survivor outlives the restart
 KILL_AFTER = 3  # records of group 1 before it is killed
 WORKER = Path(__file__).with_name("_ft_worker.py")
 
