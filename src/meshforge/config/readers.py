@@ -248,6 +248,15 @@ READERS: dict[str, tuple[str, ...]] = {
     ),
     "meshforge.train.config": ("training.gradient_accumulation_steps",),
     "meshforge.train.saver": ("checkpoint.async_save",),
+    "meshforge.train.replicas": (
+        "parallelism.fault_tolerance.enable",
+        "parallelism.fault_tolerance.replica_groups",
+        "parallelism.fault_tolerance.replica_id",
+        "parallelism.fault_tolerance.min_replicas",
+        "parallelism.fault_tolerance.lighthouse",
+        "parallelism.fault_tolerance.timeout_s",
+        "parallelism.fault_tolerance.quorum_timeout_s",
+    ),
     "meshforge.train.output_dir": ("training.overwrite_output_dir", "checkpoint.save_path"),
     "meshforge.train.build": (
         "monitor.trainer_log",

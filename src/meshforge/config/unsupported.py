@@ -254,11 +254,6 @@ ENTRIES: list[Unsupported] = [
     Unsupported(
         "checkpoint.save_epochs", lambda c: c.checkpoint.save_epochs is not None, "epoch-based saving"
     ),
-    Unsupported(
-        f"{_P}.fault_tolerance",
-        lambda c: bool(c.parallelism.fault_tolerance.model_fields_set),
-        "torchft replica groups (the config section and its refusals exist; the training hooks are not built)",
-    ),
     *_sft_entries(),
 ]
 

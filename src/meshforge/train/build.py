@@ -35,6 +35,7 @@ from meshforge.train.callbacks import BuiltinCallback, build_callbacks, builtin_
 from meshforge.train.health import StepHealth
 from meshforge.train.output_dir import checkpoint_folder, claim_output_dir, remove_earlier_run
 from meshforge.train.preemption import PreemptionGuard
+from meshforge.train.replicas import build_replicas, data_shard, replica_groups
 from meshforge.train.run import ModelParts, OptimParts, Progress, Run, RunData, RunEnv, Watchers
 from meshforge.train.saver import CheckpointSaver
 from meshforge.utils import distributed as dist_utils
@@ -92,7 +93,22 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
     optim = OptimParts(optimizer, scheduler, grad_accum, pipeline, checkpointer)
     progress = resume(cfg.checkpoint, env, model, data, optim)
     watch = build_watchers(cfg, env, model, data, optim, progress, callbacks=callbacks, plot=plot)
-    return Run(env=env, model=model, data=data, optim=optim, watch=watch, progress=progress)
+    replicas = build_replicas(
+        cfg.parallelism.fault_tolerance,
+        rank=env.dist.rank,
+        world_size=env.dist.world_size,
+        device=env.device,
+        data_parallel=env.dims.dp,
+        model=model.module,
+        optimizer=optim.optimizer,
+        scheduler=optim.scheduler,
+        loader=data.loader,
+        progress=progress,
+        log=env.log,
+    )
+    return Run(
+        env=env, model=model, data=data, optim=optim, watch=watch, progress=progress, replicas=replicas
+    )
 
 
 def build_env(cfg: TrainConfig, log: Log) -> RunEnv:
@@ -111,7 +127,8 @@ def build_env(cfg: TrainConfig, log: Log) -> RunEnv:
     dist_utils.init_process_group(backend_for(device), dist)
     dims = ParallelDims.from_config(cfg.parallelism, dist.world_size)
     mesh = dims.build_mesh(device.type)
-    plan, batch_note = plan_batches(cfg.training, dims.dp)
+    # Torchft replica groups are data-parallel replicas: the global batch spans every group.
+    plan, batch_note = plan_batches(cfg.training, dims.dp * replica_groups(cfg.parallelism))
     if batch_note:
         log(f"warning: {batch_note}")
     output_dir = resolve_path(cfg.training.output_dir)
@@ -156,12 +173,16 @@ def build_train_data(
     """
     from meshforge.data.build import LoaderContext, build_train_loader
 
+    # This rank's shard among every replica group's data ranks (the group's own without torchft).
+    dp_rank, dp_size = data_shard(
+        env.cfg.parallelism, dp_rank=env.mesh.view("batch").get_local_rank(), dp_size=env.dims.dp
+    )
     # One context for the train and the eval loader: SFT data is prepared once for both.
     context = LoaderContext(
         tokenizer=tokenizer,
         local_batch_size=env.plan.local_batch_size,
-        dp_rank=env.mesh.view("batch").get_local_rank(),
-        dp_size=env.dims.dp,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
         global_batch_size=env.plan.global_batch_size,
         seed=training.seed,
         # Megatron-format data sizes its sample index as steps x global batch, as Megatron does.

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from meshforge.train.callbacks import BuiltinCallback
     from meshforge.train.health import StepHealth
     from meshforge.train.preemption import PreemptionGuard
+    from meshforge.train.replicas import ReplicaGroup
     from meshforge.train.saver import CheckpointSaver
     from meshforge.utils.distributed import DistInfo
 
@@ -237,3 +238,5 @@ class Run:
     optim: OptimParts
     watch: Watchers
     progress: Progress
+    # parallelism.fault_tolerance: this rank's torchft replica group (train/replicas.py); None when off.
+    replicas: ReplicaGroup | None = None

@@ -188,7 +188,9 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over `grad_accum_steps` micro-batches (the ramp's count while it lasts)."""
         env, parts, optim, watch = self.run.env, self.run.model, self.run.optim, self.run.watch
-        device, dims = env.device, env.dims
+        device, dims, replicas = env.device, env.dims, self.run.replicas
+        if replicas is not None:
+            replicas.start_step()  # torchft quorum; a group that is behind recovers from a peer here
         ramp = self.run.data.rampup
         count = ramp.accumulation_at(self.step + 1) if ramp is not None else env.plan.grad_accum_steps
         micro = [self._to_device(next(self.data_iter)) for _ in range(count)]
@@ -198,6 +200,8 @@ class Trainer:
         local_tokens = sum(count_valid_tokens(mb["labels"]) for mb in micro)
         loss_group = env.mesh.view("loss").get_group()
         global_tokens = dist_utils.all_reduce_sum(torch.as_tensor(local_tokens, device=device), loss_group)
+        if replicas is not None:
+            global_tokens = replicas.sum_tokens(global_tokens)  # over every live replica group
         global_tokens = global_tokens.clamp(min=1).to(torch.float32)
         # What this rank divides its loss sum by; the summed gradients are then the gradient of
         # the global token mean, or of the mean of per-rank means (disable_gradient_division off).
@@ -220,13 +224,17 @@ class Trainer:
         if rerun_kind is not None:
             extra["rerun"] = rerun_kind
         lr = float(optim.optimizer.param_groups[0]["lr"])
-        if not verdict.skip:
+        # torchft's vote: a step that a replica group failed in leaves the weights alone.
+        committed = replicas is None or replicas.should_commit()
+        if committed and not verdict.skip:
             # A background save may still be copying the weights this step updates in place.
             optim.checkpointer.wait_staging()
             with self._phase("optimizer"):
                 optim.optimizer.step()
             optim.scheduler.step()
         optim.optimizer.zero_grad(set_to_none=True)
+        if replicas is not None:
+            extra.update(replicas.fields())
         if watch.moe_monitor is not None:
             moe_fields, self._moe_lines = watch.moe_monitor.end(self.step + 1)
             extra.update(moe_fields)
@@ -281,6 +289,8 @@ class Trainer:
             # Parameters FSDP leaves alone (parallelism.ignored_modules): sum their gradients here.
             sync_ignored_grads(self.model, loss_group)
         loss = dist_utils.all_reduce_sum(loss_sum / normalizer, loss_group)
+        if self.run.replicas is not None:
+            loss = self.run.replicas.reduce_step(self.model, loss)  # gradients and loss over the groups
         extra: dict[str, float | str] = {}
         if parts.aux_loss_enabled:
             extra["aux_loss"] = float(dist_utils.all_reduce_sum(self._aux_sum, loss_group))
@@ -552,6 +562,8 @@ class Trainer:
         """Flush and close the checkpointer and the sinks; the monitors and the profiler once."""
         watch = self.run.watch
         self.run.optim.checkpointer.close()
+        if self.run.replicas is not None:
+            self.run.replicas.close()
         watch.metrics_logger.close()
         if self._watchers_closed:
             return
