@@ -33,9 +33,6 @@ TRIGGERS: dict[str, dict] = {
         "parallelism": {"pipeline_parallel": 2, "pipeline_parallel_microbatch_size": 4}
     },
     "parallelism.sequence_parallel": {"parallelism": {"tensor_parallel": 2, "sequence_parallel": False}},
-    "parallelism.fault_tolerance": {
-        "parallelism": {"fault_tolerance": {"enable": True, "replica_groups": 2}}
-    },
     "kernels.use_triton_gdn": {"kernels": {"use_triton_gdn": True}},
     "kernels.use_flash_gdn": {"kernels": {"use_flash_gdn": True}},
     "kernels.use_triton_rmsnormgated": {"kernels": {"use_triton_rmsnormgated": True}},
@@ -100,6 +97,10 @@ _DPO = {
 DPO_TRIGGERS: list[tuple[str, dict]] = [
     ("parallelism.context_parallel", {**_DPO, "parallelism": {"context_parallel": 2}}),
     ("parallelism.pipeline_parallel", {**_DPO, "parallelism": {"pipeline_parallel": 2}}),
+    (
+        "parallelism.fault_tolerance.enable",
+        {**_DPO, "parallelism": {"fault_tolerance": {"enable": True, "replica_groups": 2}}},
+    ),
     *[
         (f"train_dataset.{key}", {**_DPO, "train_dataset": {**_DPO["train_dataset"], key: value}})
         for key, value in (

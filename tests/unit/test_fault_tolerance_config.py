@@ -58,7 +58,8 @@ def test_layouts_that_do_not_combine_are_refused_by_name(par: dict[str, Any]) ->
     assert "parallelism.fault_tolerance.enable" in text and next(iter(par)) in text
 
 
-def test_enabled_section_is_refused_until_the_runtime_is_built() -> None:
+def test_enabled_section_trains_and_refuses_per_rank_means() -> None:
+    check_trainable(_cfg({"enable": True}))
     with pytest.raises(ConfigError) as err:
-        check_trainable(_cfg({"enable": True}))
-    assert "parallelism.fault_tolerance" in str(err.value) and "not supported yet" in str(err.value)
+        check_trainable(_cfg({"enable": True}, disable_gradient_division=False))
+    assert "parallelism.disable_gradient_division" in str(err.value)

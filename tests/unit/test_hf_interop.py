@@ -36,9 +36,11 @@ HF_OPTIONS = {
 }
 
 
-def _save_hf_model(folder: Path, *, tied: bool, shard: str | None, seed: int = 0) -> Path:
+def _save_hf_model(
+    folder: Path, *, tied: bool, shard: str | None, seed: int = 0, options: dict | None = None
+) -> Path:
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(**HF_OPTIONS, tie_word_embeddings=tied)
+    cfg = transformers.Qwen3Config(**{**HF_OPTIONS, **(options or {})}, tie_word_embeddings=tied)
     model = transformers.Qwen3ForCausalLM(cfg)
     # Non-trivial norm weights, so a norm loaded as ones would be caught.
     with torch.no_grad():

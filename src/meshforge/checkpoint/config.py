@@ -52,3 +52,9 @@ class CheckpointConfig(StrictSection):
     save_hf_weights: Bool = describe(
         False, "Export Hugging Face safetensors at the end of training (MindSpeed `save_hf_weights`)."
     )
+    export_dir: str | None = describe(
+        None,
+        "Folder of the end-of-run exports: a LoRA run's PEFT adapter files, a full run's Hugging Face "
+        "weights (save_hf_weights); null = {output_dir}/adapter and {output_dir}/hf. LLaMA-Factory's "
+        "layout is the run folder itself (its output_dir).",
+    )

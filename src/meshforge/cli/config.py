@@ -1,9 +1,11 @@
 """`meshforge config {validate,show,schema,import}`: inspect configs without importing torch.
 
 `validate` runs every rule (errors exit 2 with `error: <key path>: <reason>` lines, no traceback;
-features not built yet and unchecked passthrough keys are warnings, exit 0). `show` prints the
-resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM file to
-native YAML. Also runnable as `python -m meshforge.cli.config ...`.
+features not built yet and unchecked passthrough keys are warnings, exit 0); with `--world-size` it
+prints the layout's plan and memory, with `--device` the predicted step time and tokens/s. `show`
+prints the resolved config, `schema` the JSON schema for editors, `import` converts a MindSpeed-LLM or
+LLaMA-Factory YAML or a Megatron-style launch script (`SCRIPT.sh`) to native YAML (saying which format
+it detected). Also runnable as `python -m meshforge.cli.config ...`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,28 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshforge.config.base import ConfigError
+from meshforge.utils.hardware import HARDWARE
+
+if TYPE_CHECKING:
+    from meshforge.config.root import TrainConfig
+
+FORMATS = ["native", "mindspeed", "llamafactory"]  # as config/loader.py's FORMATS (imported lazily there)
+FORMAT_NAMES = {
+    "native": "native",
+    "mindspeed": "MindSpeed-LLM",
+    "llamafactory": "LLaMA-Factory",
+    "megatron": "Megatron-style launch script",
+}
+# What the imported file's header calls each format.
+FORMAT_TITLES = {
+    "native": "native",
+    "mindspeed": "MindSpeed-LLM format",
+    "llamafactory": "LLaMA-Factory format",
+    "megatron": "Megatron-style launch script",
+}
 
 
 def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -29,8 +51,12 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     validate.add_argument(
         "--world-size", type=int, default=None, help="also check parallel degrees for N processes"
     )
+    validate.add_argument("--format", choices=FORMATS, default=None, help="config format (default: detect)")
     validate.add_argument(
-        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
+        "--device",
+        choices=sorted(HARDWARE),
+        default=None,
+        help="also predict the step time and tokens/s on N of these devices (N = --world-size, default 1)",
     )
     validate.add_argument(
         "--no-path-checks",
@@ -47,9 +73,7 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
 
     show = sub.add_parser("show", help="print the resolved config (defaults filled) as YAML")
     show.add_argument("file", help="native or MindSpeed-format YAML")
-    show.add_argument(
-        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
-    )
+    show.add_argument("--format", choices=FORMATS, default=None, help="config format (default: detect)")
     show.add_argument(
         "overrides",
         nargs=argparse.REMAINDER,
@@ -60,8 +84,17 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
     schema = sub.add_parser("schema", help="write the JSON schema of the config (for editors)")
     schema.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
 
-    imp = sub.add_parser("import", help="convert a MindSpeed-LLM YAML to native YAML")
-    imp.add_argument("file", help="MindSpeed-format YAML")
+    imp = sub.add_parser(
+        "import",
+        help="convert a MindSpeed-LLM or LLaMA-Factory YAML, or a Megatron-style launch script, to native YAML",
+    )
+    imp.add_argument(
+        "file",
+        help="MindSpeed-LLM or LLaMA-Factory YAML, or a launch script (SCRIPT.sh) running pretrain_gpt.py",
+    )
+    imp.add_argument(
+        "--format", choices=FORMATS[1:], default=None, help="the file's format (default: detect)"
+    )
     imp.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     imp.add_argument("-q", "--quiet", action="store_true", help="do not report what each key became")
     imp.add_argument(
@@ -81,7 +114,12 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     from meshforge.config.loader import split_cli_overrides
 
     rest = argparse.ArgumentParser(add_help=False)
-    own = {"world_size": ("--world-size",), "format": ("--format",), "output": ("-o", "--output")}
+    own = {
+        "world_size": ("--world-size",),
+        "format": ("--format",),
+        "output": ("-o", "--output"),
+        "device": ("--device",),
+    }
     for name, flags in own.items():
         if hasattr(args, name):
             rest.add_argument(*flags, dest=name, default=None)
@@ -93,8 +131,12 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     for name, value in vars(known).items():
         if value is not None:
             setattr(args, name, int(value) if name == "world_size" else value)
-    if getattr(args, "format", None) not in (None, "native", "mindspeed"):
-        raise ConfigError([("--format", f"must be native or mindspeed, got {args.format!r}")])
+    if getattr(args, "device", None) not in (None, *HARDWARE):
+        raise ConfigError(
+            [("--device", f"unknown device {args.device!r}; valid: {', '.join(sorted(HARDWARE))}")]
+        )
+    if getattr(args, "format", None) not in (None, *FORMATS):
+        raise ConfigError([("--format", f"must be one of {', '.join(FORMATS)}, got {args.format!r}")])
     return [f"--{o}" for o in split_cli_overrides(remaining)]
 
 
@@ -130,15 +172,48 @@ def _validate(args: argparse.Namespace) -> int:
     if report.errors:
         print(str(ConfigError(report.errors)), file=sys.stderr)
         return 2
-    where = f" for world size {args.world_size}" if args.world_size else ""
+    world_size = args.world_size or (1 if args.device else None)
+    where = f" for world size {world_size}" if world_size else ""
     print(f"{args.file}: valid{where} ({len(report.warnings)} warning(s))")
-    if args.world_size:
+    if world_size:
         # Imports torch (the model is built on the meta device); plain validation does not.
         from meshforge.parallel.plan import plan_lines
 
-        for line in plan_lines(cfg, args.world_size, log=lambda _: None):
+        for line in plan_lines(cfg, world_size, log=lambda _: None):
+            print(f"  {line}")
+    if args.device:
+        for line in _throughput_lines(cfg, world_size or 1, args.device):
             print(f"  {line}")
     return 0
+
+
+def _throughput_lines(cfg: TrainConfig, world_size: int, device: str) -> list[str]:
+    """The step-time model's prediction, or the reason there is none."""
+    from meshforge.parallel.step_time import predict_step, throughput_lines
+    from meshforge.utils.hardware import hardware
+
+    hw = hardware(device)
+    try:
+        prediction = predict_step(cfg, world_size, hw, log=lambda _: None)
+    except (ValueError, NotImplementedError) as exc:
+        return [f"predicted throughput: not estimated ({exc})"]
+    return throughput_lines(prediction, hw)
+
+
+def _import_format(args: argparse.Namespace) -> str:
+    """`config import`'s format: --format, else a launch script's Megatron flags, else detected from
+    the YAML; a native-looking file is MindSpeed as before (a flat file of keys both formats share)."""
+    if args.format:
+        return str(args.format)
+    from meshforge.config.launch_script import is_launch_script
+
+    if Path(args.file).is_file() and is_launch_script(args.file):
+        return "megatron"
+    from meshforge.config.loader import detect_format, read_config_file
+
+    data, _ = read_config_file(args.file)
+    kind = detect_format(data)
+    return "mindspeed" if kind == "native" else kind
 
 
 def run_config_command(args: argparse.Namespace) -> int:
@@ -167,9 +242,9 @@ def run_config_command(args: argparse.Namespace) -> int:
 
             try:
                 data, _, kind = load_native_dict(
-                    args.file, overrides, fmt="mindspeed", log=notes.append, origins=origins
+                    args.file, overrides, fmt=_import_format(args), log=notes.append, origins=origins
                 )
-                validate_imported(data, dict(origins), source=args.file)
+                validate_imported(data, dict(origins), source=args.file, fmt=kind)
             except ConfigError:
                 if not args.quiet:
                     for line in notes:
@@ -178,7 +253,9 @@ def run_config_command(args: argparse.Namespace) -> int:
             if not args.quiet:
                 for line in notes:
                     print(f"import: {line}", file=sys.stderr)
-            header = f"# Imported from {args.file} (MindSpeed-LLM format) by `meshforge config import`.\n"
+            if not args.quiet:
+                print(f"import: detected format: {FORMAT_NAMES[kind]}", file=sys.stderr)
+            header = f"# Imported from {args.file} ({FORMAT_TITLES[kind]}) by `meshforge config import`.\n"
             _write(header + dump_yaml(data), args.output)
             return 0
     except ConfigError as err:

@@ -9,7 +9,9 @@
         [--chat] [--interactive] [--max-new-tokens N] [--do-sample] ... [--section.key=value ...]
         (torchrun --nproc-per-node N -m meshforge generate ... shards the model with FSDP)
     meshforge data preview [--config FILE] [--num-samples N] [--output FILE.jsonl] [--section.key=value ...]
-    meshforge config {validate,show,schema,import} ...
+    meshforge config {validate,show,schema,import} ...   (import: a MindSpeed YAML or a launch SCRIPT.sh)
+    meshforge megatron FLAGS...   (Megatron-LM's pretrain_gpt.py flags: torchrun ... -m meshforge megatron $ARGS;
+        `meshforge train SCRIPT.sh` runs a Megatron-style launch script's training line)
 
 `train` with no `--config` runs the built-in demo (tiny Qwen3 on the bundled corpus).
 Heavy imports (torch, transformers) happen inside the commands that need them, so
@@ -21,7 +23,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshforge.config.root import TrainConfig
 
 
 def split_overrides(extra: Sequence[str]) -> list[str]:
@@ -74,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", "-c", default=None, help="native or MindSpeed-format YAML (default: demo)")
     train.add_argument(
-        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
+        "--format",
+        choices=["native", "mindspeed", "llamafactory"],
+        default=None,
+        help="config format (default: detect)",
     )
     convert = sub.add_parser(
         "convert",
@@ -118,7 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", "-c", default=None, help="native or MindSpeed-format YAML (default: demo)"
     )
     preview.add_argument(
-        "--format", choices=["native", "mindspeed"], default=None, help="config format (default: detect)"
+        "--format",
+        choices=["native", "mindspeed", "llamafactory"],
+        default=None,
+        help="config format (default: detect)",
     )
     preview.add_argument("--num-samples", "-n", type=int, default=4, help="rows to show (default 4)")
     preview.add_argument(
@@ -134,24 +146,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from meshforge.cli.config import add_config_commands
     from meshforge.cli.generate import add_generate_command
+    from meshforge.cli.megatron import add_megatron_command
+    from meshforge.cli.plan import add_plan_command
     from meshforge.cli.preprocess import add_preprocess_command
 
     add_generate_command(sub)
+    add_megatron_command(sub)
+    add_plan_command(sub)
 
     add_preprocess_command(sub)
     add_config_commands(sub)
     return parser
 
 
-def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
+def run_train(
+    args: argparse.Namespace,
+    overrides: list[str],
+    load: Callable[[Callable[[str], None]], TrainConfig] | None = None,
+) -> int:
+    """`meshforge train`; `load` replaces the config file (`meshforge megatron`'s flags)."""
     from meshforge.config import ConfigError, load_config
     from meshforge.utils.resources import builtin_config
 
     rank = int(os.environ.get("RANK", 0))
-    path = args.config if args.config is not None else str(builtin_config("demo"))
+    path = args.config if args.config is not None or load else str(builtin_config("demo"))
     messages: list[str] = []
     try:
-        cfg = load_config(path, overrides, fmt=args.format, log=messages.append)
+        if load is not None:
+            cfg = load(messages.append)
+        else:
+            cfg = load_config(path, overrides, fmt=args.format, log=messages.append)
     except ConfigError as err:
         if rank == 0:
             print(str(err), file=sys.stderr)
@@ -168,7 +192,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshforge.utils.log import get_logger
 
     logger = get_logger("cli")
-    if args.config is None:
+    if args.config is None and load is None:
         logger.info(f"meshforge train: no --config given, running the built-in demo ({path})")
     for message in messages:
         logger.info(message)
@@ -209,7 +233,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         destroy_process_group(synchronize=False)
         raise
     destroy_process_group()
-    if rank == 0 and summary.preempted:  # the trainer said where its checkpoint is
+    if rank == 0 and summary.preempted and load is None:  # the trainer said where its checkpoint is
         from meshforge.train.output_dir import resume_command
 
         world = int(os.environ.get("WORLD_SIZE", 1))
@@ -229,6 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_library_output()  # before any command imports torch, transformers or datasets
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv[:1] == ["megatron"] and argv[1:2] not in (["-h"], ["--help"]):
+        # Megatron's flags as they come (argparse would reorder options and values)
+        from meshforge.cli.megatron import megatron_loader
+
+        return run_train(argparse.Namespace(config=None, format=None), [], load=megatron_loader(argv[1:]))
     argv, positional = _positional_config(argv)
     args, extra = parser.parse_known_args(argv)
     if positional is not None:
@@ -241,6 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from meshforge.cli.generate import run_generate_command
 
         return run_generate_command(args, split_overrides(extra))
+    if args.command == "plan":
+        from meshforge.cli.plan import run_plan_command
+
+        return run_plan_command(args, split_overrides(extra))
     if args.command == "data":
         from meshforge.data.preview import run_preview
 

@@ -145,6 +145,8 @@ def read_config_file(path: str | os.PathLike) -> tuple[dict[str, object], dict[s
 
 # --- format detection ------------------------------------------------------------------------
 
+FORMATS = ("native", "mindspeed", "llamafactory")
+
 NATIVE_ONLY = frozenset(SECTIONS) - {"model", "training", "inference"}
 _TRAINING_NATIVE = frozenset(TrainingConfig.model_fields) - set(importer.TRAINING_KEYS)
 _TRAINING_MS = frozenset(importer.TRAINING_KEYS) - set(TrainingConfig.model_fields)
@@ -162,8 +164,30 @@ def _ms_key(key: str, value: object) -> bool:
     return (key in importer.ALL_KEYS or key in MINDSPEED_ARGUMENTS) and key not in SECTIONS
 
 
+def _llamafactory(data: Mapping[str, object]) -> bool:
+    """Whether a top level is a LLaMA-Factory file: a key only LLaMA-Factory has (`learning_rate`,
+    `finetuning_type`, `ddp_timeout`, ...); mixed with a key it does not have, an error."""
+    from meshforge.config.llamafactory_import import llamafactory_only
+
+    ours, others = llamafactory_only(dict(data), lambda k: k in importer.ALL_KEYS or k in MINDSPEED_ARGUMENTS)
+    if ours and others:
+        raise ConfigError(
+            [
+                (
+                    others[0],
+                    f"this file mixes the LLaMA-Factory format ({ours[0]!r}) with another ({others[0]!r} is no "
+                    "LLaMA-Factory argument); write one format",
+                )
+            ]
+        )
+    return bool(ours)
+
+
 def detect_format(data: Mapping[str, object]) -> str:
-    """Return 'native' or 'mindspeed' for parsed YAML; a mixture raises ConfigError naming one key of each."""
+    """Return 'native', 'mindspeed' or 'llamafactory' for parsed YAML; a mixture raises ConfigError
+    naming one key of each."""
+    if _llamafactory(data):
+        return "llamafactory"
     native_keys = [k for k, v in data.items() if k in NATIVE_ONLY and not _ms_key(k, v)]
     ms_keys = [k for k, v in data.items() if _ms_key(k, v)]
     training = data.get("training")
@@ -359,7 +383,8 @@ def load_native_dict(
     log: Callable[[str], None] | None = None,
     origins: dict[str, tuple[str, object]] | None = None,
 ) -> tuple[dict[str, object], dict[str, str], str]:
-    """Read, detect the format, import if MindSpeed, apply overrides: (native dict, where, format).
+    """Read, detect the format, import if MindSpeed or LLaMA-Factory, apply overrides: (native dict,
+    where, format). Overrides of a LLaMA-Factory file are native paths, applied after the import.
 
     `where` maps a key path to where its value was written: `FILE:LINE`, or `command line` for a
     key an override set (which wins over the file's line for that key and the keys under it).
@@ -367,8 +392,10 @@ def load_native_dict(
     `origins` (MindSpeed files) receives native path -> (MindSpeed key, value) for the error
     messages of `validate_imported`.
     """
-    if fmt not in (None, "native", "mindspeed"):
-        raise ConfigError([("--format", f"must be native or mindspeed, got {fmt!r}")])
+    if fmt not in (None, *FORMATS, "megatron"):
+        raise ConfigError([("--format", f"must be one of {', '.join([*FORMATS, 'megatron'])}, got {fmt!r}")])
+    if fmt == "megatron" or (fmt is None and path is not None and _launch_script(path)):
+        return _megatron_dict(str(path), overrides, log, origins)
     data, lines = read_config_file(path) if path is not None else ({}, {})
     source = str(path) if path is not None else "<defaults>"
     kind = fmt or detect_format(data)
@@ -380,6 +407,9 @@ def load_native_dict(
         data = importer.import_mindspeed(data, log, origins)
         lines = {}
         overrides = native_over
+    elif kind == "llamafactory":
+        data = _import_llamafactory(data, source, log, origins)
+        lines = {}
     where = {key: f"{source}:{line}" for key, line in lines.items()}
     for text in overrides:
         key = ".".join(parse_override(text)[0])
@@ -388,16 +418,59 @@ def load_native_dict(
     return apply_overrides(data, overrides), where, kind
 
 
+def _launch_script(path: str | os.PathLike) -> bool:
+    from meshforge.config.launch_script import is_launch_script
+
+    return Path(path).is_file() and is_launch_script(path)
+
+
+def _megatron_dict(
+    path: str,
+    overrides: Sequence[str],
+    log: Callable[[str], None] | None,
+    origins: dict[str, tuple[str, object]] | None,
+) -> tuple[dict[str, object], dict[str, str], str]:
+    """A Megatron-style launch script (`config/megatron_import.py`); overrides are native paths."""
+    from meshforge.config.megatron_import import import_launch_script
+
+    if log:
+        log(f"{path}: a Megatron-style launch script; importing its training line")
+    data = import_launch_script(path, log, origins)
+    where = {".".join(parse_override(text)[0]): "command line" for text in overrides}
+    return apply_overrides(data, overrides), where, "megatron"
+
+
+def _import_llamafactory(
+    data: dict[str, object],
+    source: str,
+    log: Callable[[str], None] | None,
+    origins: dict[str, tuple[str, object]] | None,
+) -> dict[str, object]:
+    """A LLaMA-Factory file imported (`config/llamafactory_import.py`); overrides stay native."""
+    from meshforge.config.llamafactory_import import import_llamafactory
+
+    if log:
+        log(f"{source}: LLaMA-Factory format; importing")
+    return import_llamafactory(data, log, origins)
+
+
 def validate_imported(
-    data: dict[str, object], origins: dict[str, tuple[str, object]], *, source: str = "<dict>"
+    data: dict[str, object],
+    origins: dict[str, tuple[str, object]],
+    *,
+    source: str = "<dict>",
+    fmt: str = "mindspeed",
 ) -> TrainConfig:
-    """`config_from_dict` for an imported MindSpeed file: errors name the MindSpeed key they came
-    from, and a value MindSpeed accepts that is not built here is `not supported yet: <key>=<value>`."""
+    """`config_from_dict` for an imported file: errors name the MindSpeed or LLaMA-Factory key they
+    came from, and a value MindSpeed accepts that is not built here is `not supported yet: <key>=<value>`."""
+    from meshforge.config.llamafactory_import import explain_errors
     from meshforge.config.mindspeed_checks import explain_choices
 
     try:
         return config_from_dict(data, source=source)
     except ConfigError as err:
+        if fmt == "llamafactory":
+            raise explain_errors(err, origins) from None
         raise explain_choices(err, origins) from None
 
 
@@ -421,20 +494,21 @@ def load_config(
     fmt: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TrainConfig:
-    """Load and validate a config file (native or MindSpeed format) with `--section.key=value` overrides.
+    """Load and validate a config file (native, MindSpeed or LLaMA-Factory format) with
+    `--section.key=value` overrides.
 
     Args:
         path: YAML file, or None for the defaults.
         overrides: e.g. `["--training.steps=100", "optimizer.betas=[0.9, 0.99]"]`.
-        fmt: None to detect, or "native"/"mindspeed" to force.
+        fmt: None to detect, or "native"/"mindspeed"/"llamafactory"/"megatron" to force.
         log: receives what each MindSpeed key became.
 
     Raises:
         ConfigError: every problem found, each with its key path.
     """
     origins: dict[str, tuple[str, object]] = {}
-    data, where, _ = load_native_dict(path, overrides, fmt=fmt, log=log, origins=origins)
+    data, where, kind = load_native_dict(path, overrides, fmt=fmt, log=log, origins=origins)
     try:
-        return validate_imported(data, origins, source=str(path))
+        return validate_imported(data, origins, source=str(path), fmt=kind)
     except ConfigError as err:
         raise _with_places(err, where) from None

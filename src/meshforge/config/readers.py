@@ -204,7 +204,8 @@ READERS: dict[str, tuple[str, ...]] = {
         "monitor.moe_monitor.save_tokens_per_expert_interval",
         "monitor.moe_monitor.target_layers",
     ),
-    "meshforge.train.callbacks": ("monitor.plot_curves",),
+    "meshforge.train.callbacks": ("monitor.plot_curves", "monitor.plot_loss"),
+    "meshforge.train.export": ("checkpoint.export_dir",),
     "meshforge.monitor.config": ("monitor.report_to",),
     "meshforge.monitor.trackers": (
         "monitor.wandb.project",
@@ -247,8 +248,18 @@ READERS: dict[str, tuple[str, ...]] = {
     ),
     "meshforge.train.config": ("training.gradient_accumulation_steps",),
     "meshforge.train.saver": ("checkpoint.async_save",),
+    "meshforge.train.replicas": (
+        "parallelism.fault_tolerance.enable",
+        "parallelism.fault_tolerance.replica_groups",
+        "parallelism.fault_tolerance.replica_id",
+        "parallelism.fault_tolerance.min_replicas",
+        "parallelism.fault_tolerance.lighthouse",
+        "parallelism.fault_tolerance.timeout_s",
+        "parallelism.fault_tolerance.quorum_timeout_s",
+    ),
     "meshforge.train.output_dir": ("training.overwrite_output_dir", "checkpoint.save_path"),
     "meshforge.train.build": (
+        "monitor.trainer_log",
         "training.deterministic",
         "training.output_dir",
         "context.device_target",

@@ -201,6 +201,14 @@ def _fault_tolerance_issues(cfg: TrainConfig) -> list[Issue]:
                 "share one fixed per-group batch)",
             )
         )
+    if not cfg.parallelism.disable_gradient_division:
+        issues.append(
+            (
+                "parallelism.disable_gradient_division",
+                "false (a mean per data rank) does not combine with parallelism.fault_tolerance.enable: "
+                "replica groups divide by the valid tokens of every live group (true)",
+            )
+        )
     return issues
 
 

@@ -184,6 +184,11 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
             ("pipeline_parallel", "PP", "the pipeline's last stage computes the LM loss, not the pair loss"),
         )
     ],
+    Unsupported(
+        "parallelism.fault_tolerance.enable",
+        lambda c: c.training.stage == "dpo" and c.parallelism.fault_tolerance.enable,
+        f"{_DPO} with torchft replica groups: the pair metrics are reduced within a group only, untested",
+    ),
     *[
         Unsupported(
             f"train_dataset.{name}",
@@ -289,11 +294,6 @@ ENTRIES: list[Unsupported] = [
     ),
     Unsupported(
         "checkpoint.save_epochs", lambda c: c.checkpoint.save_epochs is not None, "epoch-based saving"
-    ),
-    Unsupported(
-        f"{_P}.fault_tolerance",
-        lambda c: bool(c.parallelism.fault_tolerance.model_fields_set),
-        "torchft replica groups (the config section and its refusals exist; the training hooks are not built)",
     ),
     *_sft_entries(),
 ]

@@ -23,6 +23,7 @@ for corpora beyond a few hundred MB, preprocess into Megatron indexed files inst
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -233,7 +234,11 @@ class TextDataset:
         start = time.perf_counter()
         files = list_text_files(options.data_path)
         eod = eod_token_id(tokenizer) if options.append_eod else None
-        docs = (text for path in files for text in read_documents(path, options.text_key))
+        docs = (
+            text
+            for path in files
+            for text in itertools.islice(read_documents(path, options.text_key), options.max_documents)
+        )
         stream, num_docs, num_empty = tokenize_documents(docs, tokenizer, eod_id=eod)
         seq = options.seq_length
         if len(stream) < seq + 1:

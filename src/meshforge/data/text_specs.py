@@ -44,6 +44,11 @@ class TextDataLoaderOptions(TextSequenceOptions):
     append_eod: StrictBool = Field(
         default=True, description="Append the end-of-document token after every document."
     )
+    max_documents: int | None = Field(
+        default=None,
+        gt=0,
+        description="Read at most this many documents of each file (LLaMA-Factory's max_samples); null = all.",
+    )
 
     @field_validator("data_path", mode="before")
     @classmethod

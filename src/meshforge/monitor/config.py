@@ -147,6 +147,16 @@ class MonitorConfig(StrictSection):
         "Draw {output_dir}/metrics.png (loss, lr, grad norm, tokens/s) when the run ends, on rank 0; "
         "MESHFORGE_PLOT=0 in the environment switches it off as well.",
     )
+    trainer_log: Bool = describe(
+        False,
+        "Also write {output_dir}/trainer_log.jsonl on rank 0, LLaMA-Factory's per-step record "
+        "(current_steps, total_steps, loss, lr, epoch, percentage, elapsed_time, remaining_time).",
+    )
+    plot_loss: Bool = describe(
+        False,
+        "Draw {output_dir}/training_loss.png when the run ends (LLaMA-Factory's plot_loss: the loss "
+        "and its smoothed curve), on rank 0.",
+    )
     wandb: WandbConfig = describe(WandbConfig(), "Weights & Biases run settings.")
     swanlab: SwanLabConfig = describe(SwanLabConfig(), "SwanLab experiment settings.")
 

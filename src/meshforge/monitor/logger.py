@@ -1,6 +1,7 @@
 """The run's metric sinks as one built-in, always-on callback (rank 0).
 
-`metrics.jsonl`, TensorBoard, the experiment trackers (W&B, SwanLab) and the console line all
+`metrics.jsonl` (and LLaMA-Factory's `trainer_log.jsonl` with `monitor.trainer_log`), TensorBoard,
+the experiment trackers (W&B, SwanLab) and the console line all
 take each step's record; the trainer calls this callback directly from its `log_step` hook (it
 is not one of the `callbacks:` list, whose requests the ranks agree on every step), so a run
 pays nothing for it beyond the writes themselves.
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from meshforge.monitor.console import ConsoleProgress
     from meshforge.monitor.metrics import JsonlMetrics, TensorBoardMetrics
     from meshforge.monitor.trackers import TrackerSink
+    from meshforge.monitor.trainer_log import TrainerLog
 
 
 class MetricsLogger(BuiltinCallback):
@@ -30,8 +32,10 @@ class MetricsLogger(BuiltinCallback):
         tensorboard: TensorBoardMetrics | None,
         trackers: list[TrackerSink],
         console: ConsoleProgress | None,
+        trainer_log: TrainerLog | None = None,
     ) -> None:
         super().__init__()
+        self.trainer_log = trainer_log
         self.jsonl = jsonl
         self.tensorboard = tensorboard
         self.trackers = trackers
@@ -40,6 +44,8 @@ class MetricsLogger(BuiltinCallback):
     def on_step_end(self, record: dict[str, Any]) -> None:
         if self.jsonl is not None:
             self.jsonl.write(record)
+        if self.trainer_log is not None:
+            self.trainer_log.write(record)
         if self.tensorboard is not None:
             self.tensorboard.write(record)
         for tracker in self.trackers:
@@ -63,6 +69,9 @@ class MetricsLogger(BuiltinCallback):
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
+        if self.trainer_log is not None:
+            self.trainer_log.close()
+            self.trainer_log = None
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None

@@ -4,6 +4,7 @@ Four panels against the step: loss (eval loss dashed, and with per-dataset evalu
 dataset's `eval_loss/<name>` in thinner dash patterns of the run's colour), learning rate, gradient
 norm and tokens/s, one colour per run. Read from each run's `metrics.jsonl`; a skipped step's null values leave a
 gap. Drawn with matplotlib's headless Agg backend, so it works on a machine without a display.
+`plot_loss` draws LLaMA-Factory's `training_loss.png` (`monitor.plot_loss`) from the same records.
 """
 
 from __future__ import annotations
@@ -96,6 +97,44 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def smooth(values: list[float]) -> list[float]:
+    """LLaMA-Factory's curve smoothing: TensorBoard's EMA with a weight that grows with the length."""
+    if not values:
+        return []
+    weight = 1.8 * (1 / (1 + math.exp(-0.05 * len(values))) - 0.5)
+    last, out = values[0], []
+    for value in values:
+        last = last * weight + (1 - weight) * value
+        out.append(last)
+    return out
+
+
+def plot_loss(run_dir: Path, out: Path | None = None) -> Path:
+    """LLaMA-Factory's `plot_loss` picture: the run's loss and its smoothed curve, in
+    `run_dir/training_loss.png` (or `out`)."""
+    steps, losses = _series(read_run(run_dir), "loss")
+    kept = [(s, v) for s, v in zip(steps, losses, strict=True) if math.isfinite(v)]
+    if not kept:
+        raise PlotError(f"{run_dir / 'metrics.jsonl'}: no finite loss to plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    xs, ys = [s for s, _ in kept], [v for _, v in kept]
+    plt.plot(xs, ys, color="#1f77b4", alpha=0.4, label="original")
+    plt.plot(xs, smooth(ys), color="#1f77b4", label="smoothed")
+    plt.title(f"training loss of {run_dir}")
+    plt.xlabel("step")
+    plt.ylabel("loss")
+    plt.legend()
+    target = out or run_dir / "training_loss.png"
+    fig.savefig(target, format="png", dpi=100)
+    plt.close(fig)
+    return target
 
 
 def _plot_eval(ax: Any, records: list[dict[str, Any]], label: str, colour: str) -> None:

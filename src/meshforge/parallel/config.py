@@ -70,7 +70,7 @@ class FaultToleranceConfig(StrictSection):
     )
     timeout_s: PosFloat = describe(
         60.0,
-        "Seconds a cross-group collective, commit vote or recovery transfer may take before the step is dropped.",
+        "Seconds a cross-group collective, commit vote or recovery transfer may take before the step is dropped (and connecting to the lighthouse).",
     )
     quorum_timeout_s: PosFloat = describe(60.0, "Seconds to wait for a quorum at the start of a step.")
 

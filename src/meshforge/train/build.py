@@ -26,6 +26,7 @@ from meshforge.monitor.moe import MoeMonitor
 from meshforge.monitor.profiling import StepProfiler
 from meshforge.monitor.trackers import TrackerSink, build_trackers, check_trackers
 from meshforge.monitor.train_state import TrainStateMonitor
+from meshforge.monitor.trainer_log import TrainerLog
 from meshforge.parallel.dims import ParallelDims
 from meshforge.train.batches import plan_batches
 from meshforge.train.build_model import build_model, build_tokenizer
@@ -35,6 +36,7 @@ from meshforge.train.callbacks import BuiltinCallback, build_callbacks, builtin_
 from meshforge.train.health import StepHealth
 from meshforge.train.output_dir import checkpoint_folder, claim_output_dir, remove_earlier_run
 from meshforge.train.preemption import PreemptionGuard
+from meshforge.train.replicas import build_replicas, data_shard, replica_groups
 from meshforge.train.run import ModelParts, OptimParts, Progress, Run, RunData, RunEnv, Watchers
 from meshforge.train.saver import CheckpointSaver
 from meshforge.utils import distributed as dist_utils
@@ -93,8 +95,28 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
     optim = OptimParts(optimizer, scheduler, grad_accum, pipeline, checkpointer)
     progress = resume(cfg.checkpoint, env, model, data, optim)
     watch = build_watchers(cfg, env, model, data, optim, progress, callbacks=callbacks, plot=plot)
+    replicas = build_replicas(
+        cfg.parallelism.fault_tolerance,
+        rank=env.dist.rank,
+        world_size=env.dist.world_size,
+        device=env.device,
+        data_parallel=env.dims.dp,
+        model=model.module,
+        optimizer=optim.optimizer,
+        scheduler=optim.scheduler,
+        loader=data.loader,
+        progress=progress,
+        log=env.log,
+    )
     return Run(
-        env=env, model=model, data=data, optim=optim, watch=watch, progress=progress, preference=preference
+        env=env,
+        model=model,
+        data=data,
+        optim=optim,
+        watch=watch,
+        progress=progress,
+        replicas=replicas,
+        preference=preference,
     )
 
 
@@ -114,7 +136,8 @@ def build_env(cfg: TrainConfig, log: Log) -> RunEnv:
     dist_utils.init_process_group(backend_for(device), dist)
     dims = ParallelDims.from_config(cfg.parallelism, dist.world_size)
     mesh = dims.build_mesh(device.type)
-    plan, batch_note = plan_batches(cfg.training, dims.dp)
+    # Torchft replica groups are data-parallel replicas: the global batch spans every group.
+    plan, batch_note = plan_batches(cfg.training, dims.dp * replica_groups(cfg.parallelism))
     if batch_note:
         log(f"warning: {batch_note}")
     output_dir = resolve_path(cfg.training.output_dir)
@@ -159,12 +182,16 @@ def build_train_data(
     """
     from meshforge.data.build import LoaderContext, build_train_loader
 
+    # This rank's shard among every replica group's data ranks (the group's own without torchft).
+    dp_rank, dp_size = data_shard(
+        env.cfg.parallelism, dp_rank=env.mesh.view("batch").get_local_rank(), dp_size=env.dims.dp
+    )
     # One context for the train and the eval loader: SFT data is prepared once for both.
     context = LoaderContext(
         tokenizer=tokenizer,
         local_batch_size=env.plan.local_batch_size,
-        dp_rank=env.mesh.view("batch").get_local_rank(),
-        dp_size=env.dims.dp,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
         global_batch_size=env.plan.global_batch_size,
         seed=training.seed,
         # Megatron-format data sizes its sample index as steps x global batch, as Megatron does.
@@ -360,7 +387,13 @@ def resume(
 
 
 def build_metrics_logger(
-    monitor: MonitorConfig, env: RunEnv, *, total_steps: int, start_step: int, log_interval: int
+    monitor: MonitorConfig,
+    env: RunEnv,
+    *,
+    total_steps: int,
+    start_step: int,
+    log_interval: int,
+    steps_per_epoch: float | None = None,
 ) -> MetricsLogger:
     """The sinks (console, metrics.jsonl, TensorBoard, trackers: rank 0 only) as one `MetricsLogger`.
 
@@ -386,7 +419,28 @@ def build_metrics_logger(
     trackers: list[TrackerSink] = build_trackers(
         monitor, output_dir=env.output_dir, config=config, resuming=start_step > 0
     )
-    return MetricsLogger(jsonl=jsonl, tensorboard=tensorboard, trackers=trackers, console=console)
+    trainer_log = None
+    if monitor.trainer_log:
+        trainer_log = TrainerLog(
+            env.output_dir,
+            total_steps=total_steps,
+            start_step=start_step,
+            log_interval=log_interval,
+            steps_per_epoch=steps_per_epoch,
+        )
+    return MetricsLogger(
+        jsonl=jsonl, tensorboard=tensorboard, trackers=trackers, console=console, trainer_log=trainer_log
+    )
+
+
+def _steps_per_epoch(data: RunData, global_batch_size: int) -> float | None:
+    """Optimizer steps per pass over the training rows (the `epoch` of trainer_log.jsonl), when
+    the loader knows its rows (a streamed dataset does not)."""
+    from meshforge.data.loader import StatefulLoader
+
+    if not isinstance(data.loader, StatefulLoader) or data.rampup is not None:
+        return None
+    return data.loader.num_samples / global_batch_size
 
 
 def build_watchers(
@@ -411,6 +465,7 @@ def build_watchers(
         total_steps=data.total_steps,
         start_step=progress.step,
         log_interval=cfg.training.log_interval,
+        steps_per_epoch=_steps_per_epoch(data, env.plan.global_batch_size),
     )
     monitor = cfg.monitor
     health = StepHealth.from_monitor(

@@ -192,16 +192,25 @@ def builtin_callbacks(
     environment that lost it the plot is skipped with one warning: a missing plotting package
     must not stop a training run.
     """
+    plots: list[BuiltinCallback] = []
+    if monitor.plot_loss:
+        # Asked for by name (LLaMA-Factory's plot_loss): MESHFORGE_PLOT does not switch it off.
+        if importlib.util.find_spec("matplotlib") is None:
+            warn(
+                f"warning: monitor.plot_loss: no training_loss.png, matplotlib is not installed ({_PLOT_EXTRA})"
+            )
+        else:
+            plots.append(_LossPlot(warn))
     if not monitor.plot_curves or os.environ.get("MESHFORGE_PLOT", "1") == "0":
-        return []
+        return plots
     if any(_REGISTRY.get(item.type) is PlotCurves for item in items):
-        return []
+        return plots
     if importlib.util.find_spec("matplotlib") is None:
         warn(f"warning: monitor.plot_curves: no end-of-run plot, matplotlib is not installed ({_PLOT_EXTRA})")
-        return []
+        return plots
     plot = _DefaultPlot(warn)
     plot.config_name = "monitor.plot_curves (PlotCurves)"
-    return [plot]
+    return [*plots, plot]
 
 
 class _DefaultPlot(PlotCurves, BuiltinCallback):
@@ -218,6 +227,32 @@ class _DefaultPlot(PlotCurves, BuiltinCallback):
             super().on_train_end(summary)
         except PlotError as err:
             self.warn(f"warning: monitor.plot_curves: no plot ({err})")
+
+
+class _LossPlot(BuiltinCallback):
+    """`monitor.plot_loss`: LLaMA-Factory's `training_loss.png` when the run ends, on rank 0."""
+
+    config_name = "monitor.plot_loss"
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        super().__init__()
+        self.warn = warn
+        self.info: TrainInfo | None = None
+
+    def on_train_start(self, info: TrainInfo) -> None:
+        self.info = info
+
+    def on_train_end(self, summary: Any) -> None:
+        if self.info is None or not self.info.is_main:
+            return
+        from meshforge.monitor.plot import PlotError, plot_loss
+
+        try:
+            out = plot_loss(self.info.output_dir)
+        except PlotError as err:
+            self.warn(f"warning: monitor.plot_loss: no plot ({err})")
+            return
+        print(f"plot: {out}", flush=True)
 
 
 def resolve_callback_type(type_name: str, where: str) -> type[Callback]:

@@ -82,19 +82,25 @@ def export_lora_from_memory(
     family: FamilySpec,
     output_dir: Path,
     *,
+    adapter_dir: Path | None = None,
     section: LoraConfig,
     base_model: str | None,
     merged: bool,
     tokenizer: PreTrainedTokenizerBase | None,
     log: Callable[[str], None],
 ) -> Path:
-    """A LoRA run's exports (collective): the PEFT adapter folder `{output_dir}/adapter`, and with
-    `checkpoint.save_hf_weights` the merged Hugging Face folder `{output_dir}/hf`."""
+    """A LoRA run's exports (collective): the PEFT adapter folder (`adapter_dir`, default
+    `{output_dir}/adapter`), and with `checkpoint.save_hf_weights` the merged Hugging Face folder
+    `{output_dir}/hf`."""
     from meshforge.lora.peft_io import save_merged_hf, save_peft_adapter
     from meshforge.lora.settings import lora_settings
 
     adapter = save_peft_adapter(
-        model, family, output_dir / "adapter", settings=lora_settings(section), base_model=base_model or ""
+        model,
+        family,
+        adapter_dir or output_dir / "adapter",
+        settings=lora_settings(section),
+        base_model=base_model or "",
     )
     log(f"lora: wrote the PEFT adapter folder {adapter}")
     if merged:
@@ -104,6 +110,13 @@ def export_lora_from_memory(
         )
         return out
     return adapter
+
+
+def export_dir(run: Run, default: str) -> Path:
+    """Where a run's end-of-run export goes: `checkpoint.export_dir` (LLaMA-Factory's layout: the
+    run folder itself), else `{output_dir}/<default>`."""
+    chosen = run.env.cfg.checkpoint.export_dir
+    return Path(chosen).expanduser() if chosen else run.env.output_dir / default
 
 
 def export_run_hf(run: Run, out_dir: Path, *, log: Log) -> Path:
@@ -133,6 +146,7 @@ def export_run_lora(run: Run, *, merged: bool, log: Log) -> Path | None:
         parts.module,
         parts.family,
         env.output_dir,
+        adapter_dir=export_dir(run, "adapter"),
         section=section,
         base_model=run.optim.checkpointer.lora_base_path() or env.cfg.model.model_name_or_path,
         merged=merged,

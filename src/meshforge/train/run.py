@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from meshforge.train.health import StepHealth
     from meshforge.train.preemption import PreemptionGuard
     from meshforge.train.preference import PreferenceStep
+    from meshforge.train.replicas import ReplicaGroup
     from meshforge.train.saver import CheckpointSaver
     from meshforge.utils.distributed import DistInfo
 
@@ -240,3 +241,5 @@ class Run:
     progress: Progress
     # training.stage: dpo: the step's pair forward, reference model and metrics (train/preference.py).
     preference: PreferenceStep | None = None
+    # parallelism.fault_tolerance: this rank's torchft replica group (train/replicas.py); None when off.
+    replicas: ReplicaGroup | None = None

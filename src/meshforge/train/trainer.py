@@ -36,7 +36,7 @@ from meshforge.train.batches import (
 from meshforge.train.build import build_run
 from meshforge.train.callbacks import TrainInfo
 from meshforge.train.evaluation import eval_line, reshard_fsdp
-from meshforge.train.export import export_run_hf, export_run_lora
+from meshforge.train.export import export_dir, export_run_hf, export_run_lora
 from meshforge.train.health import HealthStopError, StepVerdict, TrainingDivergedError, finite_or_none
 from meshforge.train.rerun import StepResult, ranks_that_changed, reproduced, rerun_line
 from meshforge.train.run import Progress, Run, TrainSummary
@@ -195,7 +195,9 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over `grad_accum_steps` micro-batches (the ramp's count while it lasts)."""
         env, parts, optim, watch = self.run.env, self.run.model, self.run.optim, self.run.watch
-        device, dims = env.device, env.dims
+        device, dims, replicas = env.device, env.dims, self.run.replicas
+        if replicas is not None:
+            replicas.start_step()  # torchft quorum; a group that is behind recovers from a peer here
         ramp = self.run.data.rampup
         count = ramp.accumulation_at(self.step + 1) if ramp is not None else env.plan.grad_accum_steps
         micro = [self._to_device(next(self.data_iter)) for _ in range(count)]
@@ -207,6 +209,8 @@ class Trainer:
         local_tokens = sum(units(mb) for mb in micro)
         loss_group = env.mesh.view("loss").get_group()
         global_tokens = dist_utils.all_reduce_sum(torch.as_tensor(local_tokens, device=device), loss_group)
+        if replicas is not None:
+            global_tokens = replicas.sum_tokens(global_tokens)  # over every live replica group
         global_tokens = global_tokens.clamp(min=1).to(torch.float32)
         # What this rank divides its loss sum by; the summed gradients are then the gradient of
         # the global token mean, or of the mean of per-rank means (disable_gradient_division off).
@@ -229,13 +233,17 @@ class Trainer:
         if rerun_kind is not None:
             extra["rerun"] = rerun_kind
         lr = float(optim.optimizer.param_groups[0]["lr"])
-        if not verdict.skip:
+        # torchft's vote: a step that a replica group failed in leaves the weights alone.
+        committed = replicas is None or replicas.should_commit()
+        if committed and not verdict.skip:
             # A background save may still be copying the weights this step updates in place.
             optim.checkpointer.wait_staging()
             with self._phase("optimizer"):
                 optim.optimizer.step()
             optim.scheduler.step()
         optim.optimizer.zero_grad(set_to_none=True)
+        if replicas is not None:
+            extra.update(replicas.fields())
         if watch.moe_monitor is not None:
             moe_fields, self._moe_lines = watch.moe_monitor.end(self.step + 1)
             extra.update(moe_fields)
@@ -290,6 +298,8 @@ class Trainer:
             # Parameters FSDP leaves alone (parallelism.ignored_modules): sum their gradients here.
             sync_ignored_grads(self.model, loss_group)
         loss = dist_utils.all_reduce_sum(loss_sum / normalizer, loss_group)
+        if self.run.replicas is not None:
+            loss = self.run.replicas.reduce_step(self.model, loss)  # gradients and loss over the groups
         extra: dict[str, float | str] = {}
         if parts.aux_loss_enabled:
             extra["aux_loss"] = float(dist_utils.all_reduce_sum(self._aux_sum, loss_group))
@@ -393,7 +403,7 @@ class Trainer:
                     self.run, merged=self.cfg.checkpoint.save_hf_weights, log=self.log
                 )
             elif self.cfg.checkpoint.save_hf_weights:
-                self._hf_export = self.export_hf(env.output_dir / "hf")
+                self._hf_export = self.export_hf(export_dir(self.run, "hf"))
         finally:
             self._watchdog.close()
             watch.preemption.uninstall()
@@ -563,6 +573,8 @@ class Trainer:
         """Flush and close the checkpointer and the sinks; the monitors and the profiler once."""
         watch = self.run.watch
         self.run.optim.checkpointer.close()
+        if self.run.replicas is not None:
+            self.run.replicas.close()
         watch.metrics_logger.close()
         if self._watchers_closed:
             return
