@@ -48,7 +48,7 @@ UNBUILT: dict[str, set[str]] = {
     "extras/pissa/llama3_lora_sft.yaml": {"pissa_init", "pissa_convert"},
     "megatron/qwen3_moe_full.yaml": set(),
     "train_full/qwen3_full_sft.yaml": set(),
-    "train_lora/qwen3_lora_dpo.yaml": {"stage"},
+    "train_lora/qwen3_lora_dpo.yaml": set(),
     "train_lora/qwen3_lora_kto.yaml": {"stage"},
     "train_lora/qwen3_lora_pretrain.yaml": set(),
     "train_lora/qwen3_lora_reward.yaml": {"stage"},

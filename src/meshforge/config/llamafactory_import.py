@@ -297,17 +297,21 @@ def _remote_code(imp: Importer, folder: str | None) -> None:
 def _method(imp: Importer) -> None:
     flat, given, to = imp.flat, imp.given, imp.to
     stage = flat["stage"]
-    if stage in ("dpo", "kto", "rm", "ppo"):
+    if stage in ("kto", "rm", "ppo"):
         imp.issues.append(
             (
                 "stage",
                 f"not supported yet: stage: {stage} (preference and reward training from LLaMA-Factory files)",
             )
         )
-    elif stage not in ("pt", "sft"):
+    elif stage not in ("pt", "sft", "dpo"):
         imp.issues.append(("stage", f"must be one of pt, sft, rm, ppo, dpo, kto; got {stage!r}"))
     else:
         to("training.stage", stage, "stage")
+    # The DPO loss keys keep their names (training.*); with another stage meshforge refuses them.
+    for key in ("pref_beta", "pref_ftx", "pref_loss", "dpo_label_smoothing", "simpo_gamma"):
+        if key in given:
+            to(f"training.{key}", given[key], key)
     if flat.get("do_train", True) is not True:
         imp.refuse("do_train", "runs without training: evaluation or prediction only")
     elif "do_train" in given:

@@ -66,7 +66,11 @@ MAPPED: dict[str, str] = {
     "cutoff_len": "`train_dataset.cutoff_len` (sft); `train_dataset.dataloader.seq_length` (pt)",
     "packing": "`train_dataset.packing` (sft; pt always packs: the text loader)",
     # finetuning
-    "stage": "`training.stage` pt (the text loader over the dataset_info files) or sft; dpo/kto/rm/ppo refused",
+    "stage": "`training.stage` pt (the text loader over the dataset_info files), sft or dpo; kto/rm/ppo refused",
+    **{
+        key: f"`training.{key}` (stage dpo)"
+        for key in ("pref_beta", "pref_ftx", "pref_loss", "dpo_label_smoothing", "simpo_gamma")
+    },
     "finetuning_type": "lora -> `lora_config`; full -> full training, HF weights exported into output_dir; freeze and oft refused",
     "pure_bf16": "`model.compute_dtype` and `model.params_dtype`: bfloat16",
     "use_muon": "`optimizer.type: Muon`",
@@ -246,15 +250,10 @@ REFUSED: dict[str, str] = _each(
         "PiSSA": ("pissa_init", "pissa_iter", "pissa_convert"),
         "a second, new adapter": ("create_new_adapter",),
         "OFT": ("module_dropout", "oft_rank", "oft_block_size", "oft_target"),
-        "preference and reward training (stage dpo/kto/rm/ppo)": (
-            "pref_beta",
-            "pref_ftx",
+        "preference and reward training beyond DPO (stage kto/rm/ppo, BCO, a separate reference model)": (
             "pref_bco_weight",
-            "pref_loss",
-            "dpo_label_smoothing",
             "kto_chosen_weight",
             "kto_rejected_weight",
-            "simpo_gamma",
             "ppo_buffer_size",
             "ppo_epochs",
             "ppo_score_norm",
