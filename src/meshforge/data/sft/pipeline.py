@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from meshforge.data.config import TrainDatasetConfig
 
 COLUMNS = ("input_ids", "labels", "position_ids", "segment_ids")
+# Pair rows are padded to a multiple of this many tokens (see `SFTDataset.get_batch`).
+PAIR_PAD_MULTIPLE = 64
 CONVERTED = ("_prompt", "_response", "_system", "_tools", "_error")
 STOPPING = {"interleave_under": "first_exhausted", "interleave_over": "all_exhausted"}
 D = TypeVar("D")  # a `datasets.Dataset` or `IterableDataset` (`arrow.ArrowDataset` / `ArrowStream`)
@@ -108,16 +110,25 @@ class SFTDataset:
         return {key: flat[a:b] for key, flat in self.flat.items()}
 
     def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Rows padded to `row_length`; labels shifted so labels[i] is the target of token i."""
+        """Rows padded to `row_length`; labels shifted so labels[i] is the target of token i.
+
+        Pair rows (up to `2 * cutoff_len`, usually far shorter) are padded only to the batch's
+        longest row rounded up to `PAIR_PAD_MULTIPLE` tokens (a length tensor and sequence
+        parallelism divide), so a short pair does not pay for attention over the whole row.
+        """
         rows = []
         for index in np.asarray(indices, dtype=np.int64):
             if not 0 <= index < self.num_rows:
                 raise IndexError(f"row {index} out of range [0, {self.num_rows})")
             rows.append(self.row(int(index)))
+        width = self.row_length
+        if self.pairwise and rows:
+            longest = max(len(row["input_ids"]) for row in rows)
+            width = min(width, -(-longest // PAIR_PAD_MULTIPLE) * PAIR_PAD_MULTIPLE)
         return pad_rows(
             rows,
             keys=[key for key in COLUMNS if key in self.flat],
-            row_length=self.row_length,
+            row_length=width,
             pad_id=self.pad_id,
             label_pad=self.label_pad,
         )
