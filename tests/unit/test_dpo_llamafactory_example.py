@@ -21,8 +21,8 @@ pytest.importorskip("transformers")
 
 LF = Path(__file__).resolve().parents[1] / "data" / "llamafactory"
 EXAMPLE = LF / "examples" / "train_lora" / "qwen3_lora_dpo.yaml"
-# One step (8 pairs of up to 2 x 2048 tokens, the example's cutoff_len): about 11 s on 2 cores.
-STEPS = 1
+# Two steps of 8 pairs (each sequence up to the example's cutoff_len, 2048 tokens).
+STEPS = 2
 
 
 def test_llamafactory_dpo_lora_example_trains_from_ln2(
@@ -58,3 +58,4 @@ def test_llamafactory_dpo_lora_example_trains_from_ln2(
     assert first["pairs"] == 8  # per_device_train_batch_size 1 x gradient_accumulation_steps 8
     assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0.0
     assert first["logps/chosen"] < 0 and first["logps/rejected"] < 0
+    assert records[1]["pairs"] == 8 and records[1]["rewards/margins"] != 0.0  # the adapters moved
