@@ -58,6 +58,22 @@ def test_first_loss_is_ln2_and_the_loss_falls(tmp_path, tuning, extra, reference
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
     assert records[-1]["rewards/margins"] > 0 and records[-1]["rewards/accuracies"] > 0.5
     assert "rewards chosen" in run.stdout and "margin" in run.stdout  # the console line
+    # The end-of-run picture's loss panel carries the reward margin on its second axis.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from meshforge.monitor.plot import plot_margin, plot_runs
+
+    assert plot_runs([out], tmp_path / "curves.png").stat().st_size > 0
+
+    fig, ax = plt.subplots()
+    twin = plot_margin(ax, records, tuning, "C0")
+    assert twin is not None and twin.get_ylabel() == "reward margin (dotted)"
+    assert list(twin.lines[0].get_ydata()) == [r["rewards/margins"] for r in records]
+    assert plot_margin(ax, [{"step": 1, "loss": 1.0}], tuning, "C0") is None  # not a preference run
+    plt.close(fig)
 
 
 def test_full_finetuning_resume_is_bitwise(tmp_path):

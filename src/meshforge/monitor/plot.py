@@ -1,8 +1,8 @@
 """`meshforge plot RUN_DIR [RUN_DIR ...] [-o FILE]`: the curves of one or more runs in one PNG.
 
 Four panels against the step: loss (eval loss dashed, and with per-dataset evaluation each
-dataset's `eval_loss/<name>` in thinner dash patterns of the run's colour), learning rate, gradient
-norm and tokens/s, one colour per run. Read from each run's `metrics.jsonl`; a skipped step's null values leave a
+dataset's `eval_loss/<name>` in thinner dash patterns of the run's colour; a preference run's
+`rewards/margins` dotted on a second axis), learning rate, gradient norm and tokens/s, one colour per run. Read from each run's `metrics.jsonl`; a skipped step's null values leave a
 gap. Drawn with matplotlib's headless Agg backend, so it works on a machine without a display.
 `plot_loss` draws LLaMA-Factory's `training_loss.png` (`monitor.plot_loss`) from the same records.
 """
@@ -89,6 +89,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
             ax.plot(steps, values, color=colour, label=label, linewidth=1.2)
             if key == "loss":
                 _plot_eval(ax, records, label, colour)
+                plot_margin(ax, records, label, colour)
             ax.set_title(title)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
@@ -148,6 +149,17 @@ def _plot_eval(ax: Any, records: list[dict[str, Any]], label: str, colour: str) 
         else:
             dashes = DATASET_DASHES[(i - 1) % len(DATASET_DASHES)]
             ax.plot(steps, values, linestyle=dashes, color=colour, linewidth=0.9, label=f"{label} ({suffix})")
+
+
+def plot_margin(ax: Any, records: list[dict[str, Any]], label: str, colour: str) -> Any:
+    """A preference run's reward margin, dotted, on a second y axis of the loss panel (or None)."""
+    steps, values = _series(records, "rewards/margins")
+    if not steps:
+        return None
+    twin = ax.twinx()
+    twin.plot(steps, values, color=colour, linestyle=":", linewidth=1.2, label=f"{label} reward margin")
+    twin.set_ylabel("reward margin (dotted)")
+    return twin
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:
