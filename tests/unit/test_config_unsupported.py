@@ -106,8 +106,6 @@ DPO_TRIGGERS: list[tuple[str, dict]] = [
         for key, value in (
             ("streaming", True),
             ("tokenized_path", "./tok"),
-            ("val_size", 0.1),
-            ("eval_dataset", "x"),
         )
     ],
 ]

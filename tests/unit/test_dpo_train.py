@@ -143,3 +143,19 @@ def test_data_preview_shows_pair_rows():
     batch = next(iter(loader))
     assert any("8 pair train rows of 256 tokens" in line for line in lines), lines
     assert batch["segment_ids"].max() == 2 and (batch["segment_ids"] == 2).any(axis=1).all()
+
+
+def test_validation_pairs_are_evaluated(tmp_path):
+    """`val_size` with dpo: the validation loss is the mean pair loss, with the validation rewards."""
+    out = tmp_path / "run"
+    extra = ["--train_dataset.max_samples=16", "--train_dataset.val_size=4", "--training.eval_interval=1"]
+    run = train_one(
+        CONFIG, [*TINY, *extra, "--training.steps=2", f"--training.output_dir={out}"], cwd=tmp_path
+    )
+    records = read_metrics(out)
+    first = records[0]
+    assert first["eval_pairs"] == 4 and "eval_tokens" not in first
+    # Evaluated after the first update: no longer ln 2, and the rewards are the validation pairs'.
+    assert math.isfinite(first["eval_loss"]) and first["eval_loss"] != pytest.approx(math.log(2), abs=1e-6)
+    assert first["eval_rewards/margins"] != 0.0 and 0.0 <= first["eval_rewards/accuracies"] <= 1.0
+    assert "eval step 1: eval_loss" in run.stdout and "over 4 pairs; rewards accuracy" in run.stdout

@@ -198,8 +198,6 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
         for name, why in (
             ("streaming", "streaming: pairs are read from in-memory rows only"),
             ("tokenized_path", "tokenized_path: saved pair rows are not built"),
-            ("val_size", "validation data: the preference metrics of an evaluation are not built"),
-            ("eval_dataset", "validation data: the preference metrics of an evaluation are not built"),
         )
     ],
 ]

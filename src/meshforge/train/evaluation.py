@@ -77,14 +77,20 @@ def eval_sums(
 
 
 def eval_metrics(
-    sums: dict[str, torch.Tensor], *, loss_group: dist.ProcessGroup | DeviceMesh | None
+    sums: dict[str, torch.Tensor],
+    *,
+    loss_group: dist.ProcessGroup | DeviceMesh | None,
+    unit: str = "tokens",
 ) -> dict[str, float]:
     """The evaluation metrics of every named loader's local `[CE sum, tokens]`, one all-reduce for all.
+
+    `unit` names what the loss is a mean over: `tokens`, or `pairs` for preference training (the
+    sums are then pair losses and pair counts).
 
     Returns:
         `eval_loss` (total CE / total valid tokens; nan without any) and `eval_tokens` over all
         loaders, and `eval_loss/<name>`, `eval_tokens/<name>` for each loader with a name (the
-        `MIXED_EVAL` loader has none).
+        `MIXED_EVAL` loader has none); `eval_pairs` for `eval_tokens` with `unit="pairs"`.
     """
     names = list(sums)
     totals = torch.stack([sums[name] for name in names])
@@ -93,22 +99,28 @@ def eval_metrics(
     rows = totals.cpu().tolist()
     loss_total = math.fsum(row[0] for row in rows)
     token_total = math.fsum(row[1] for row in rows)
-    metrics = {"eval_loss": _mean(loss_total, token_total), "eval_tokens": float(int(token_total))}
+    metrics = {"eval_loss": _mean(loss_total, token_total), f"eval_{unit}": float(int(token_total))}
     for name, (loss_sum, tokens) in zip(names, rows, strict=True):
         if name != MIXED_EVAL:
             metrics[f"eval_loss/{name}"] = _mean(loss_sum, tokens)
-            metrics[f"eval_tokens/{name}"] = float(int(tokens))
+            metrics[f"eval_{unit}/{name}"] = float(int(tokens))
     return metrics
 
 
 def eval_line(metrics: dict[str, float]) -> str:
     """The console text of `eval_metrics`: the overall loss, then each dataset's."""
     names = [key.removeprefix("eval_loss/") for key in metrics if key.startswith("eval_loss/")]
+    unit = "pairs" if "eval_pairs" in metrics else "tokens"
     parts = [
-        f"{key} {metrics[key]:.4f} over {int(metrics[tokens]):,} tokens"
-        for key, tokens in [("eval_loss", "eval_tokens")]
-        + [(f"eval_loss/{name}", f"eval_tokens/{name}") for name in names]
+        f"{key} {metrics[key]:.4f} over {int(metrics[tokens]):,} {unit}"
+        for key, tokens in [("eval_loss", f"eval_{unit}")]
+        + [(f"eval_loss/{name}", f"eval_{unit}/{name}") for name in names]
     ]
+    if "eval_rewards/accuracies" in metrics:  # preference training
+        parts.append(
+            f"rewards accuracy {metrics['eval_rewards/accuracies']:.2f} "
+            f"margin {metrics['eval_rewards/margins']:.4f}"
+        )
     return "; ".join(parts)
 
 

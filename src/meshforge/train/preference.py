@@ -62,6 +62,7 @@ class PreferenceStep:
     keys: tuple[str, ...] = METRIC_KEYS
     aux_coef: float = 0.0
     _sums: torch.Tensor | None = field(default=None, repr=False)
+    _eval_sums: torch.Tensor | None = field(default=None, repr=False)
 
     @staticmethod
     def count_pairs(batch: Batch) -> torch.Tensor:
@@ -123,6 +124,26 @@ class PreferenceStep:
         sums = torch.stack([used.sum(), aux_share.detach(), *((metrics[k] * used).sum() for k in self.keys)])
         self._sums = sums if self._sums is None else self._sums + sums
         return loss_sum.detach()
+
+    def eval_forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A validation batch (no gradient): its pair loss sum and pair count; keeps its metric sums."""
+        with torch.no_grad():
+            reference = self.reference_logps(model, batch)
+            policy, present = self._pair_logps(model, batch)
+            losses, metrics = self.loss(policy, reference)
+        used = present.to(losses.dtype)
+        sums = torch.stack([used.sum(), *((metrics[k] * used).sum() for k in METRIC_KEYS)])
+        self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
+        return torch.where(present, losses, torch.zeros_like(losses)).sum(), present.sum()
+
+    def eval_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float]:
+        """`eval_<metric>` over the evaluation's pairs (one all-reduce); resets the sums."""
+        if self._eval_sums is None:
+            return {}
+        total = dist_utils.all_reduce_sum(self._eval_sums, group).tolist()
+        self._eval_sums = None
+        pairs = max(total[0], 1.0)
+        return {f"eval_{k}": v / pairs for k, v in zip(METRIC_KEYS, total[1:], strict=True)}
 
     def step_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float | int]:
         """The step's mean metrics over its global pairs (one all-reduce); resets the sums."""

@@ -548,7 +548,12 @@ class Trainer:
                     sums[name] = eval_sums(
                         self._eval_forward, loader, device=env.device, max_batches=max_batches
                     )
-            return eval_metrics(sums, loss_group=env.mesh.view("loss").get_group())
+            group = env.mesh.view("loss").get_group()
+            preference = self.run.preference
+            if preference is None:
+                return eval_metrics(sums, loss_group=group)
+            # Preference runs: the mean pair loss over the validation pairs, and their rewards.
+            return {**eval_metrics(sums, loss_group=group, unit="pairs"), **preference.eval_metrics(group)}
         finally:
             self.model.train()
             # A forward without backward leaves FSDP's root unsharded; the next training forward
@@ -557,6 +562,8 @@ class Trainer:
 
     def _eval_forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """CE sum and valid-token count of one validation batch (sharded for CP first)."""
+        if self.run.preference is not None:  # the pair loss sum and the pair count
+            return self.run.preference.eval_forward(self.model, batch)
         if self.run.env.dims.cp > 1:
             batch = self._shard_for_cp(batch)
         loss_sum = self._loss_sum(batch)
