@@ -103,10 +103,7 @@ DPO_TRIGGERS: list[tuple[str, dict]] = [
     ),
     *[
         (f"train_dataset.{key}", {**_DPO, "train_dataset": {**_DPO["train_dataset"], key: value}})
-        for key, value in (
-            ("streaming", True),
-            ("tokenized_path", "./tok"),
-        )
+        for key, value in (("streaming", True),)
     ],
 ]
 

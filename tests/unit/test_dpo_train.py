@@ -159,3 +159,24 @@ def test_validation_pairs_are_evaluated(tmp_path):
     assert math.isfinite(first["eval_loss"]) and first["eval_loss"] != pytest.approx(math.log(2), abs=1e-6)
     assert first["eval_rewards/margins"] != 0.0 and 0.0 <= first["eval_rewards/accuracies"] <= 1.0
     assert "eval step 1: eval_loss" in run.stdout and "over 4 pairs; rewards accuracy" in run.stdout
+
+
+def test_tokenized_pairs_are_saved_reused_and_kept_from_sft(tmp_path):
+    from meshforge.config import load_config
+    from meshforge.data.preview import build_preview_loader
+
+    tok = tmp_path / "tok"
+    first, second = tmp_path / "first", tmp_path / "second"
+    base = [*TINY, "--training.steps=1", f"--train_dataset.tokenized_path={tok}"]
+    train_one(CONFIG, [*base, f"--training.output_dir={first}"], cwd=tmp_path)
+    run = train_one(CONFIG, [*base, f"--training.output_dir={second}"], cwd=tmp_path)
+    assert "loaded tokenized data from" in run.stdout
+    assert (
+        read_metrics(second)[0]["loss"]
+        == read_metrics(first)[0]["loss"]
+        == pytest.approx(math.log(2), abs=1e-6)
+    )
+    assert read_metrics(second)[0]["pairs"] == 8
+    sft = load_config(str(CONFIG), ["--training.stage=sft", f"--train_dataset.tokenized_path={tok}"])
+    with pytest.raises(ValueError, match="holds pair rows of a dpo run; this run"):
+        build_preview_loader(sft)

@@ -195,10 +195,7 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
             _dpo_data(name),
             f"{_DPO} with {why}",
         )
-        for name, why in (
-            ("streaming", "streaming: pairs are read from in-memory rows only"),
-            ("tokenized_path", "tokenized_path: saved pair rows are not built"),
-        )
+        for name, why in (("streaming", "streaming: pairs are read from in-memory rows only"),)
     ],
 ]
 

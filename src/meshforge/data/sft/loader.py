@@ -51,6 +51,9 @@ Parts = dict[str, SFTDataset]
 # `validation_0`, `validation_1`, ... (split names allow no paths or dashes, dataset names do)
 # and this file lists their dataset names in that order.
 PART_NAMES_FILE = "eval_dataset_names.json"
+# In a `tokenized_path` folder of preference data (pair rows, `pairwise.py`): this file marks it,
+# so a dpo run never reads SFT rows as pairs, nor an SFT run pairs as packed examples.
+PAIRWISE_FILE = "pair_rows.txt"
 
 
 def build_sft_parts(
@@ -132,6 +135,15 @@ def _prepare_splits(
     from_disk = path is not None and path.is_dir() and any(path.iterdir())
     if from_disk:
         assert path is not None
+        saved_pairs = (path / PAIRWISE_FILE).is_file()
+        if saved_pairs != pairwise:
+            held, wanted = (
+                ("pair rows of a dpo run", "SFT rows") if saved_pairs else ("SFT rows", "pair rows")
+            )
+            raise ValueError(
+                f"train_dataset.tokenized_path: {path} holds {held}; this run (training.stage) needs "
+                f"{wanted}: name another folder, or delete that one to rebuild"
+            )
         train, valid = _load_tokenized(path)
         say(
             log,
@@ -143,6 +155,8 @@ def _prepare_splits(
         train, valid = build_sft_splits(cfg, tokenizer, seed=seed, log=log, pairwise=pairwise)
         if path is not None and preparer:
             _save_tokenized(path, train, valid)
+            if pairwise:
+                (path / PAIRWISE_FILE).write_text("pair rows for training.stage: dpo\n", encoding="utf-8")
             say(
                 log,
                 f"sft data: tokenized data saved to {path} (later runs load it and ignore other data options)",
