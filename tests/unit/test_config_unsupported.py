@@ -92,8 +92,7 @@ _DPO = {
     "training": {"stage": "dpo"},
     "train_dataset": {"dataloader": {"type": "SFTDataLoader"}, "dataset": "dpo_demo"},
 }
-# What training.stage: dpo does not combine with yet; the SFT entries of the same train_dataset
-# keys are their own (they fire only with another loader).
+# What training.stage: dpo does not combine with yet.
 DPO_TRIGGERS: list[tuple[str, dict]] = [
     ("parallelism.context_parallel", {**_DPO, "parallelism": {"context_parallel": 2}}),
     ("parallelism.pipeline_parallel", {**_DPO, "parallelism": {"pipeline_parallel": 2}}),
@@ -101,17 +100,11 @@ DPO_TRIGGERS: list[tuple[str, dict]] = [
         "parallelism.fault_tolerance.enable",
         {**_DPO, "parallelism": {"fault_tolerance": {"enable": True, "replica_groups": 2}}},
     ),
-    *[
-        (f"train_dataset.{key}", {**_DPO, "train_dataset": {**_DPO["train_dataset"], key: value}})
-        for key, value in (("streaming", True),)
-    ],
 ]
 
 
 @pytest.mark.parametrize("path,raw", DPO_TRIGGERS, ids=[p for p, _ in DPO_TRIGGERS])
 def test_dpo_refuses_what_it_does_not_combine_with(path, raw):
-    if path.endswith("streaming"):
-        raw["train_dataset"]["val_size"] = 0  # streaming's own rule wants an integer val_size
     cfg = config_from_dict(raw)
     notes = [e.note for e in ENTRIES if e.path == path and e.is_set(cfg)]
     assert path in unsupported_features(cfg) and any("training.stage: dpo" in n for n in notes)

@@ -180,3 +180,13 @@ def test_tokenized_pairs_are_saved_reused_and_kept_from_sft(tmp_path):
     sft = load_config(str(CONFIG), ["--training.stage=sft", f"--train_dataset.tokenized_path={tok}"])
     with pytest.raises(ValueError, match="holds pair rows of a dpo run; this run"):
         build_preview_loader(sft)
+
+
+def test_streamed_pairs_train_from_ln2(tmp_path):
+    """`train_dataset.streaming`: pair rows encoded on the fly, the same first step."""
+    out = tmp_path / "run"
+    stream = ["--train_dataset.streaming=true", "--train_dataset.max_samples=null", "--training.steps=1"]
+    run = train_one(CONFIG, [*TINY, *stream, f"--training.output_dir={out}"], cwd=tmp_path)
+    assert "encoded on the fly into pair rows of 96 tokens" in run.stdout
+    first = read_metrics(out)[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["pairs"] == 8

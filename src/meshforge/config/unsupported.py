@@ -152,12 +152,8 @@ def _dpo_parallel(name: str) -> Callable[[TrainConfig], bool]:
     return lambda cfg: cfg.training.stage == "dpo" and getattr(cfg.parallelism, name) > 1
 
 
-def _dpo_data(name: str) -> Callable[[TrainConfig], bool]:
-    return lambda cfg: cfg.training.stage == "dpo" and bool(getattr(cfg.train_dataset, name))
-
-
 # What preference training (train/preference.py) does not combine with yet. The layouts are
-# refused until a test shows each equal to one process (dp and FSDP sharding are tested).
+# refused until a test shows each equal to one process (dp/FSDP, TP and EP are tested).
 _DPO = "training.stage: dpo"
 PREFERENCE_ENTRIES: list[Unsupported] = [
     Unsupported(
@@ -189,14 +185,6 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
         lambda c: c.training.stage == "dpo" and c.parallelism.fault_tolerance.enable,
         f"{_DPO} with torchft replica groups: the pair metrics are reduced within a group only, untested",
     ),
-    *[
-        Unsupported(
-            f"train_dataset.{name}",
-            _dpo_data(name),
-            f"{_DPO} with {why}",
-        )
-        for name, why in (("streaming", "streaming: pairs are read from in-memory rows only"),)
-    ],
 ]
 
 _P = "parallelism"

@@ -78,7 +78,7 @@ def build_sft_parts(
     if not is_rank0():
         datasets.disable_progress_bars()  # one set of progress bars per job, not one per rank
     if cfg.streaming:
-        return build_sft_stream(cfg, tokenizer, seed=seed, log=log)
+        return build_sft_stream(cfg, tokenizer, seed=seed, log=log, pairwise=pairwise)
     # LLaMA-Factory's rule: the first rank of each node prepares (node-local caches), or with
     # train_dataset.data_shared_file_system the job's rank 0 alone; the others then load the
     # `datasets` cache, or `tokenized_path` when it is set, instead of tokenising again.

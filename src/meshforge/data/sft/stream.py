@@ -156,8 +156,11 @@ def build_sft_stream(
     *,
     seed: int,
     log: Callable[[str], None] | None = None,
+    pairwise: bool = False,
 ) -> tuple[SFTStream, dict[str, SFTDataset]]:
     """The streamed training rows and the in-memory validation parts (name -> rows, see the module docstring).
+
+    `pairwise`: ranking datasets encoded into pair rows of up to `2 * cutoff_len` tokens (dpo).
 
     Raises:
         ValueError: options a stream cannot honour (tokenized_path), missing columns, no data.
@@ -170,7 +173,7 @@ def build_sft_stream(
             "fly, nothing is saved); remove one of them"
         )
     template = build_template(cfg, tokenizer)
-    attrs = resolve_attrs(cfg.dataset, cfg, "train_dataset.dataset")
+    attrs = resolve_attrs(cfg.dataset, cfg, "train_dataset.dataset", pairwise=pairwise)
     streams = []
     for k, attr in enumerate(attrs):
         where = f"train_dataset.dataset ({attr.name}: {', '.join(map(str, attr.files))})"
@@ -205,7 +208,8 @@ def build_sft_stream(
         )
     indexed = mix_datasets(streams, cfg, seed)
     pad_id, label_pad = pad_ids(cfg, tokenizer)
-    encode = encoder(cfg, tokenizer, template)
+    encode = encoder(cfg, tokenizer, template, pairwise=pairwise)
+    row_length = 2 * cfg.cutoff_len if pairwise else cfg.cutoff_len
     parts: dict[str, SFTDataset] = {}
     held_out: frozenset[int] = frozenset()
     stream = SFTStream(
@@ -214,7 +218,7 @@ def build_sft_stream(
         seed=seed,
         held_out=held_out,
         encode=encode,
-        row_length=cfg.cutoff_len,
+        row_length=row_length,
         pad_id=pad_id,
         label_pad=label_pad,
         log=log,
@@ -230,18 +234,23 @@ def build_sft_stream(
             )
         stream.held_out = frozenset(cast(int, r["_row"]) for r in taken)  # set by _numbered_records
         valid = datasets.Dataset.from_list([{k: r[k] for k in CONVERTED} for r in taken])
-        valid = encode_dataset(valid, cfg, tokenizer, template, "train_dataset.val_size")
-        parts[MIXED_EVAL] = to_rows(valid, cfg, tokenizer, from_disk=False)
+        valid = encode_dataset(valid, cfg, tokenizer, template, "train_dataset.val_size", pairwise=pairwise)
+        parts[MIXED_EVAL] = to_rows(valid, cfg, tokenizer, from_disk=False, pairwise=pairwise)
     elif cfg.eval_dataset is not None:
         # Evaluation data is read whole (not streamed): it is meant to be small and is read
         # repeatedly; with eval_on_each_dataset, one part per dataset, as without streaming.
-        converted = validation_converted(cfg, seed, log)
-        encoded = encode_parts(converted, cfg, tokenizer, template, "train_dataset.eval_dataset")
-        parts = {name: to_rows(ds, cfg, tokenizer, from_disk=False) for name, ds in encoded.items()}
+        converted = validation_converted(cfg, seed, log, pairwise=pairwise)
+        encoded = encode_parts(
+            converted, cfg, tokenizer, template, "train_dataset.eval_dataset", pairwise=pairwise
+        )
+        parts = {
+            name: to_rows(ds, cfg, tokenizer, from_disk=False, pairwise=pairwise)
+            for name, ds in encoded.items()
+        }
     say(
         log,
         f"sft data: streaming {len(attrs)} dataset(s) with a shuffle buffer of {cfg.buffer_size}, encoded "
-        f"on the fly into rows of {cfg.cutoff_len} tokens"
+        f"on the fly into {'pair ' if pairwise else ''}rows of {row_length} tokens"
         + (f"; {parts_summary(parts)}" if parts else "")
         + "; broken records are counted and reported at the end of each epoch",
     )
