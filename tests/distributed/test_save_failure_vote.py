@@ -20,6 +20,18 @@ pytestmark = pytest.mark.slow
 
 
 def _worker(rank: int, world: int, root: str) -> list[str]:
+    import meshforge.checkpoint.save_failure as save_failure_module
+
+    # Each rank reads another free space (as two nodes' disks would): the line names the failing rank's.
+    real_free = save_failure_module.free_space
+    save_failure_module.free_space = lambda _path: f"{rank + 1}00.0 MiB free"  # type: ignore[assignment]
+    try:
+        return _saves(rank, root)
+    finally:
+        save_failure_module.free_space = real_free
+
+
+def _saves(rank: int, root: str) -> list[str]:
     import meshforge.checkpoint.manager as manager_module
     from meshforge.checkpoint.integrity import damage
     from meshforge.checkpoint.manager import CheckpointManager
@@ -67,7 +79,7 @@ def test_a_write_failing_on_one_rank_is_settled_on_both(tmp_path: Path) -> None:
     rng1 = tmp_path / "continue" / "checkpoint-00000002" / "rng" / "rank_00001.pt"
     assert lines[0].startswith(
         f"continue: returned None; checkpoint: saving step 2 to {rng1.parents[1]} failed on rank 1: "
-        f"Read-only file system ({rng1}) ("
+        f"Read-only file system ({rng1}) (200.0 MiB free there); "
     ), lines[0]
     assert lines[0].endswith(
         f"the last complete checkpoint is {step1}; training goes on (checkpoint.on_save_error: continue)"

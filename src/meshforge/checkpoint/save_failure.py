@@ -103,16 +103,17 @@ class SaveGuard:
             if not int(flag.item()):
                 return True
             reports: list[object] = [None] * dist.get_world_size(self.group)
-            mine = None if error is None else (self.rank, reason(error))
+            # The failing rank's own reading of the free space: every rank logs the same line, and
+            # a node-local disk is measured where the write failed.
+            mine = None if error is None else (self.rank, reason(error), free_space(target))
             dist.all_gather_object(reports, mine, group=self.group)
             found = next(report for report in reports if isinstance(report, tuple))
-            failing_rank, cause = found
+            failing_rank, cause, free = found
         elif error is None:
             return True
         else:
-            failing_rank, cause = self.rank, reason(error)
+            failing_rank, cause, free = self.rank, reason(error), free_space(target)
         self.failures += 1
-        free = free_space(target)  # as the failed write found it, before the folder is removed
         if self.rank == 0:
             shutil.rmtree(target, ignore_errors=True)
         where = f" on rank {failing_rank}" if several else ""
