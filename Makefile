@@ -14,6 +14,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the path of that one test file only.
 LF_REF := build/llamafactory-ref
 LF_STAMP := $(LF_REF)/.installed
+# TRL is only a test reference for the DPO, IPO and SimPO losses and gradients (tests/unit/test_dpo_trl.py
+# finds this folder itself) and for benchmarks/dpo_step.py; --no-deps keeps torch pinned.
+TRL_REF := build/trl-ref
+TRL_STAMP := $(TRL_REF)/.installed
 
 .PHONY: install demo test test-fast lint format bench check-pythons clean readme-check
 
@@ -51,15 +55,20 @@ $(LF_STAMP): $(STAMP)
 	  llamafactory==0.9.5 peft==0.21.2 omegaconf==2.4.0 accelerate==1.15.0
 	touch $(LF_STAMP)
 
+$(TRL_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(TRL_REF) trl==1.16.0
+	touch $(TRL_STAMP)
+
 # Two xdist workers: one runs the `procs` tests (the xdist group `procs`, one test at a time: their
 # ranks, a shared pool, see tests/README.md, wait on each other's messages and leave most of a core
 # idle), the other takes the tests that start no process beside it, and the first joins it once the
 # group is done.
 PYTEST := $(VENV)/bin/pytest -q
-LF_TESTS := tests/unit/test_sft_llamafactory.py tests/unit/test_sft_llamafactory_eval.py
+LF_TESTS := tests/unit/test_sft_llamafactory.py tests/unit/test_sft_llamafactory_eval.py \
+  tests/unit/test_pairwise_llamafactory.py
 NO_LF := $(foreach t,$(LF_TESTS),--ignore=$(t))
 
-test: $(STAMP) lint $(LF_STAMP)
+test: $(STAMP) lint $(LF_STAMP) $(TRL_STAMP)
 	$(test_env) $(PYTEST) -n 2 --dist loadgroup --durations=25 tests $(NO_LF)
 	$(test_env) PYTHONPATH=$(LF_REF) $(PYTEST) $(LF_TESTS) \
 	  "tests/unit/test_tokenizer_extension.py::test_desc_init_cross_check_with_llamafactory"
