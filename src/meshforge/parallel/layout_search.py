@@ -190,7 +190,6 @@ class _Activations:
     """One traced micro-batch per recompute setting, scaled to a candidate's tokens per rank."""
 
     def __init__(self, cfg: TrainConfig, log: Callable[[str], None] | None) -> None:
-        self._cfg = cfg
         self._log = log
         self._traced: dict[bool, ActivationEstimate] = {}
         self._seq = int(cfg.train_dataset.seq_length() or 0)
