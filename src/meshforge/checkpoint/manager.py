@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -58,7 +59,7 @@ from meshforge.checkpoint.rng_file import read_rng_file, write_rng_file
 from meshforge.checkpoint.save_failure import SAVE_ERRORS, SaveGuard
 from meshforge.checkpoint.trainer_state import TRAINER_STATE_FILE, TrainerState, read_trainer_state
 from meshforge.optim.muon import optimizer_family
-from meshforge.utils.distributed import barrier
+from meshforge.utils.distributed import barrier, host_backend
 from meshforge.utils.seed import RNGState
 
 if TYPE_CHECKING:
@@ -186,9 +187,10 @@ class CheckpointManager:
         self._planner_key = f"meshforge-{id(self)}"
         self._pending: tuple[Future, Path, int] | None = None
         self._staging: Future | None = None
-        self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        host = host_backend()
+        self._group = dist.new_group(backend=host) if async_save and dist.is_initialized() else None
         # The vote after each phase of a save runs on the host, whatever the training backend.
-        vote = self._group or (dist.new_group(backend="gloo") if dist.is_initialized() else None)
+        vote = self._group or (dist.new_group(backend=host) if dist.is_initialized() else None)
         self.guard = SaveGuard(vote, rank=rank, on_error=on_save_error, log=log)
         self.lora_base = lora_base
         self._lora_ref: StateDict | None = None
@@ -280,6 +282,22 @@ class CheckpointManager:
                 return None
         self.last_saved_step = step
         return target
+
+    def local_save_plan(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> SavePlan:
+        """This rank's DCP save plan of the state `save` would write, made without writing.
+
+        A dry run (`train/dry_run.py`) makes it on fake tensors: the state dict is gathered
+        with the save's options and the planner lays out every item, as a save would.
+        """
+        options = self._options()
+        if self.save_optimizer:
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(model, options=options)}
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, None, self.rank == 0)
+        return planner.create_local_plan()
 
     def _write_trainer_state(
         self,

@@ -59,6 +59,15 @@ def add_config_commands(subparsers: argparse._SubParsersAction) -> None:
         help="also predict the step time and tokens/s on N of these devices (N = --world-size, default 1)",
     )
     validate.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=None,
+        help="run one whole training step of one rank of the --world-size layout on fake tensors",
+    )
+    validate.add_argument(
+        "--rank", type=int, default=None, help="the rank the dry run runs (default: the most loaded)"
+    )
+    validate.add_argument(
         "--no-path-checks",
         action="store_true",
         default=None,
@@ -119,18 +128,20 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         "format": ("--format",),
         "output": ("-o", "--output"),
         "device": ("--device",),
+        "rank": ("--rank",),
     }
     for name, flags in own.items():
         if hasattr(args, name):
             rest.add_argument(*flags, dest=name, default=None)
     if hasattr(args, "quiet"):
         rest.add_argument("-q", "--quiet", dest="quiet", action="store_true", default=None)
-    if hasattr(args, "no_path_checks"):
-        rest.add_argument("--no-path-checks", dest="no_path_checks", action="store_true", default=None)
+    for flag in ("no_path_checks", "dry_run"):
+        if hasattr(args, flag):
+            rest.add_argument(f"--{flag.replace('_', '-')}", dest=flag, action="store_true", default=None)
     known, remaining = rest.parse_known_args(list(getattr(args, "overrides", None) or []))
     for name, value in vars(known).items():
         if value is not None:
-            setattr(args, name, int(value) if name == "world_size" else value)
+            setattr(args, name, int(value) if name in ("world_size", "rank") else value)
     if getattr(args, "device", None) not in (None, *HARDWARE):
         raise ConfigError(
             [("--device", f"unknown device {args.device!r}; valid: {', '.join(sorted(HARDWARE))}")]
@@ -184,6 +195,23 @@ def _validate(args: argparse.Namespace) -> int:
     if args.device:
         for line in _throughput_lines(cfg, world_size or 1, args.device):
             print(f"  {line}")
+    if args.dry_run:
+        return _dry_run(cfg, world_size or 1, args.rank, args.device)
+    return 0
+
+
+def _dry_run(cfg: TrainConfig, world_size: int, rank: int | None, device: str | None) -> int:
+    """One step of one rank on fake tensors; exit 1 with the layout and module when it fails."""
+    from meshforge.train.dry_run import DryRunError, dry_run
+
+    print(f"dry run of rank {'(most loaded)' if rank is None else rank} of {world_size}...", flush=True)
+    try:
+        report = dry_run(cfg, world_size=world_size, rank=rank, device=device, log=lambda _: None)
+    except DryRunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for line in report.lines():
+        print(line)
     return 0
 
 

@@ -144,8 +144,10 @@ class _VocabParallelCrossEntropySum(torch.autograd.Function):
         softmax, index, mine, valid = ctx.saved_tensors
         grad = softmax.clone()
         rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows[mine], index[mine]] -= 1.0
-        grad[~valid] = 0.0
+        # Masks as factors, not boolean indexing: no data-dependent shape (no device sync, and a
+        # dry run's fake tensors can run it). Each row is indexed once; `index` is 0 where not mine.
+        grad[rows, index] -= mine.to(grad.dtype)
+        grad.mul_(valid[:, None].to(grad.dtype))
         return grad.mul_(grad_loss), None, None, None
 
 

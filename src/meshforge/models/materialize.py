@@ -73,6 +73,22 @@ def materialize_and_init(model: nn.Module, *, device: torch.device, seed: int, i
             param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
+    _reset_buffers(model)
+
+
+def materialize_fake(model: nn.Module, *, device: torch.device) -> None:
+    """Give `model` storage on `device` without initialising it, buffers reset.
+
+    Called under a `FakeTensorMode` by a dry run (`train/dry_run.py`): the parameters become
+    fake tensors of their real shapes and placements, so a step measures memory and records
+    collectives without any value being computed.
+    """
+    to_empty_keeping_ties(model, device)
+    _reset_buffers(model)
+
+
+def _reset_buffers(model: nn.Module) -> None:
+    """Recompute the model's derived buffers (RoPE tables, ...) after its storage moved."""
     reset_buffers = getattr(model, "reset_buffers", None)
     if callable(reset_buffers):
         reset_buffers()

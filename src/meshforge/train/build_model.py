@@ -92,7 +92,7 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
     from meshforge.lora.apply import with_adapter_init
     from meshforge.lora.layer import adapters_detached
     from meshforge.lora.settings import lora_settings
-    from meshforge.models.materialize import materialize_and_init
+    from meshforge.models.materialize import materialize_and_init, materialize_fake
     from meshforge.models.vocab import init_new_rows, vocab_plan
     from meshforge.monitor.throughput import peak_flops
     from meshforge.parallel.float8 import quant_settings
@@ -172,7 +172,14 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
     init_fn = _no_init if load_hf else cast("InitFn", model.init_full_parameter_)
     if lora is not None:
         init_fn = with_adapter_init(init_fn, lora)
-    materialize_and_init(model, device=env.device, seed=seed, init_fn=init_fn)
+    if env.fake_tensors is not None:
+        # A dry run: fake storage of the right shapes, nothing drawn, loaded or resized.
+        with env.fake_tensors:
+            materialize_fake(model, device=env.device)
+        log("model: fake tensors (dry run): no weights initialised or loaded")
+        load_hf = False
+    else:
+        materialize_and_init(model, device=env.device, seed=seed, init_fn=init_fn)
     if load_hf and source.hf_dir is not None:
         # The Hugging Face folder holds the base model: the adapters stay out of its key check.
         with adapters_detached(model):
@@ -190,8 +197,11 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
     lora_base: tuple[str, Path | None] | None = None
     if lora is not None and cfg.lora_config is not None:
         lora_base = ("hf", source.hf_dir) if load_hf and source.hf_dir is not None else ("init", None)
-        _load_adapter(model, family, lora, cfg.lora_config.adapter_path, partial=split is not None, log=log)
-    if vocab.resized:
+        if env.fake_tensors is None:
+            _load_adapter(
+                model, family, lora, cfg.lora_config.adapter_path, partial=split is not None, log=log
+            )
+    if vocab.resized and env.fake_tensors is None:
         init_new_rows(model, vocab, tokenizer, model_cfg.init_special_tokens, seed, log=log)
     num_params = sum(p.numel() for p in model.parameters())
     note = _sharding_note(dims, cfg.parallelism, split=split, fsdp=parallel.fsdp)

@@ -12,6 +12,7 @@ end.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,6 +81,9 @@ class RunEnv:
     output_dir: Path
     # `checkpoint.load_path` as this run reads it: `auto` resolved against the folder ("" none).
     load_path: str = ""
+    # A dry run's FakeTensorMode (train/dry_run.py): the model is materialised as fake tensors
+    # under it, with nothing drawn or loaded; None for a real run.
+    fake_tensors: AbstractContextManager[object] | None = None
 
 
 @dataclass(frozen=True)

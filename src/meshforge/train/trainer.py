@@ -72,12 +72,15 @@ class Trainer:
     _aux_sum: torch.Tensor
     _mtp_sum: torch.Tensor
 
-    def __init__(self, cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, *, log: Callable[[str], None] | None = None, check_inputs: bool = True
+    ) -> None:
+        """`check_inputs: False` skips the data and checkpoint path checks (a dry run reads no data)."""
         self.cfg = cfg
         self.log = log or get_logger("trainer").info
         check_trainable(cfg, log=self.log)
         # Missing data, model or checkpoint paths: one error naming each key, as validate says.
-        missing = input_issues(cfg)
+        missing = input_issues(cfg) if check_inputs else []
         if missing:
             raise ConfigError(missing)
         self._hf_export: Path | None = None
@@ -269,34 +272,15 @@ class Trainer:
         self, micro: list[Batch], normalizer: torch.Tensor, local_tokens: torch.Tensor | int
     ) -> StepResult:
         """Forward and backward of every micro-batch, the global loss and the clipped norm."""
-        env, parts, optim, watch = self.run.env, self.run.model, self.run.optim, self.run.watch
+        env, parts, watch = self.run.env, self.run.model, self.run.watch
         device = env.device
         loss_group = env.mesh.view("loss").get_group()
         self._aux_sum = torch.zeros((), device=device, dtype=torch.float32)
         self._mtp_sum = torch.zeros((), device=device, dtype=torch.float32)
         if watch.moe_monitor is not None:
             watch.moe_monitor.begin(self.step + 1)
-        phase = self._phase("forward_backward")
-        if optim.pipeline is not None:
-            # The schedule runs forward and backward of every micro-batch over the stages and
-            # returns the CE sum on every pipeline rank.
-            with phase:
-                loss_sum = optim.pipeline.step(micro, normalizer)
-            if parts.aux_loss_enabled:
-                self._aux_sum = self._aux_sum + optim.pipeline.aux_sum
-            self._mtp_sum = self._mtp_sum + optim.pipeline.mtp_sum
-        else:
-            loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-            with phase:
-                for mb in micro:
-                    loss_sum += self.forward_backward(mb, normalizer)
-                    optim.grad_accum.after_micro_batch()
-                optim.grad_accum.finish()
-        if parts.fsdp and parts.ignored_params:
-            from meshforge.parallel.fsdp import sync_ignored_grads
-
-            # Parameters FSDP leaves alone (parallelism.ignored_modules): sum their gradients here.
-            sync_ignored_grads(self.model, loss_group)
+        with self._phase("forward_backward"):
+            loss_sum = self.backward_micro_batches(micro, normalizer)
         loss = dist_utils.all_reduce_sum(loss_sum / normalizer, loss_group)
         if self.run.replicas is not None:
             loss = self.run.replicas.reduce_step(self.model, loss)  # gradients and loss over the groups
@@ -323,6 +307,30 @@ class Trainer:
         with self._phase("clip_grads"):
             grad_norm = self.clip_grads()
         return StepResult(loss_sum, float(loss), float(grad_norm), embedding_norm, extra)
+
+    def backward_micro_batches(self, micro: list[Batch], normalizer: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns this rank's loss sum as a tensor
+        (`train/dry_run.py` runs this same code on fake tensors and never reads a value)."""
+        parts, optim, device = self.run.model, self.run.optim, self.run.env.device
+        if optim.pipeline is not None:
+            # The schedule runs forward and backward of every micro-batch over the stages and
+            # returns the CE sum on every pipeline rank.
+            loss_sum = optim.pipeline.step(micro, normalizer)
+            if parts.aux_loss_enabled:
+                self._aux_sum = self._aux_sum + optim.pipeline.aux_sum
+            self._mtp_sum = self._mtp_sum + optim.pipeline.mtp_sum
+        else:
+            loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+            for mb in micro:
+                loss_sum += self.forward_backward(mb, normalizer)
+                optim.grad_accum.after_micro_batch()
+            optim.grad_accum.finish()
+        if parts.fsdp and parts.ignored_params:
+            from meshforge.parallel.fsdp import sync_ignored_grads
+
+            # Parameters FSDP leaves alone (parallelism.ignored_modules): sum their gradients here.
+            sync_ignored_grads(self.model, self.run.env.mesh.view("loss").get_group())
+        return loss_sum
 
     def _rerun_step(
         self,

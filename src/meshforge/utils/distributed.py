@@ -113,3 +113,12 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def host_backend() -> str:
+    """The backend of a process group for host-side votes and metadata: gloo, or the default
+    group's own when that is torch's fake group (a dry run, `train/dry_run.py`, makes no real
+    groups)."""
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        return "fake"
+    return "gloo"
