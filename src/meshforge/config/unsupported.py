@@ -148,12 +148,8 @@ def _pref_field_set(name: str) -> Callable[[TrainConfig], bool]:
     )
 
 
-def _dpo_parallel(name: str) -> Callable[[TrainConfig], bool]:
-    return lambda cfg: cfg.training.stage == "dpo" and getattr(cfg.parallelism, name) > 1
-
-
-# What preference training (train/preference.py) does not combine with yet. The layouts are
-# refused until a test shows each equal to one process (dp/FSDP, TP and EP are tested).
+# What preference training (train/preference.py) does not combine with yet (dp/FSDP, TP, EP, CP
+# and PP are each tested equal to one process).
 _DPO = "training.stage: dpo"
 PREFERENCE_ENTRIES: list[Unsupported] = [
     Unsupported(
@@ -168,17 +164,6 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
             "read only by training.stage: dpo (the preference loss)",
         )
         for name in ("pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "simpo_gamma")
-    ],
-    *[
-        Unsupported(
-            f"parallelism.{name}",
-            _dpo_parallel(name),
-            f"{_DPO} with {what}: {why}",
-        )
-        for name, what, why in (
-            ("context_parallel", "CP", "a pair's sequences split over ranks need their sums reduced"),
-            ("pipeline_parallel", "PP", "the pipeline's last stage computes the LM loss, not the pair loss"),
-        )
     ],
     Unsupported(
         "parallelism.fault_tolerance.enable",

@@ -36,6 +36,7 @@ from meshforge.train.callbacks import BuiltinCallback, build_callbacks, builtin_
 from meshforge.train.health import StepHealth
 from meshforge.train.output_dir import checkpoint_folder, claim_output_dir, remove_earlier_run
 from meshforge.train.preemption import PreemptionGuard
+from meshforge.train.preference_pipeline import attach_pipeline_pairs
 from meshforge.train.replicas import build_replicas, data_shard, replica_groups
 from meshforge.train.run import ModelParts, OptimParts, Progress, Run, RunData, RunEnv, Watchers
 from meshforge.train.saver import CheckpointSaver
@@ -91,6 +92,7 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
     optimizer, scheduler = build_optimizer(cfg.optimizer, cfg.lr_scheduler, model, data)
     grad_accum = build_grad_accumulation(cfg.optimizer, model, log)
     pipeline = build_pipeline(cfg.parallelism, env, model)
+    attach_pipeline_pairs(cfg, env, model, pipeline, preference, tokenizer)
     checkpointer = build_checkpointer(cfg.checkpoint, env, model)
     optim = OptimParts(optimizer, scheduler, grad_accum, pipeline, checkpointer)
     progress = resume(cfg.checkpoint, env, model, data, optim)

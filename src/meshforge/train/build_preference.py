@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from meshforge.config.root import TrainConfig
+    from meshforge.train.preference_cp import CPPairs
     from meshforge.train.run import ModelParts, RunEnv
 
 
@@ -40,7 +41,8 @@ def build_preference(
     )
     lora = parts.lora is not None
     reference = None
-    if loss.needs_reference and not lora:
+    # Under PP the frozen copy runs as a pipeline of its own (`train/preference_pipeline.py`).
+    if loss.needs_reference and not lora and env.dims.pp == 1:
         reference = build_reference(cfg, env, tokenizer)
         if env.load_path:
             # The copy comes from the model source; a checkpoint loads into the policy only.
@@ -67,7 +69,17 @@ def build_preference(
         device=env.device,
         keys=METRIC_KEYS + (ORPO_KEYS if loss.loss_type == "orpo" else ()),
         aux_coef=parts.aux_coef if parts.aux_loss_enabled else 0.0,
+        cp=_cp_pairs(cfg, env),
     )
+
+
+def _cp_pairs(cfg: TrainConfig, env: RunEnv) -> CPPairs | None:
+    """The whole-row side of the pair sums under context parallelism (`train/preference_cp.py`)."""
+    if env.dims.cp == 1:
+        return None
+    from meshforge.train.preference_cp import CPPairs
+
+    return CPPairs(env.mesh.view("cp"), cfg.parallelism.cp_method())
 
 
 def build_reference(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
