@@ -1,7 +1,8 @@
 """DPO on 2 ranks equals one process: data parallel (FSDP over both), tensor parallel (with
 sequence parallelism), context parallel (each pair row split over the ranks, load-balanced) and
 pipeline parallel (the pair loss on the last stage; 1F1B for LoRA, GPipe for full fine-tuning),
-LoRA and full fine-tuning; expert parallel and PP with the router loss for a tiny Qwen3-MoE (full).
+LoRA and full fine-tuning; expert parallel and PP with the router loss for a tiny Qwen3-MoE (full);
+on 4 ranks dp2 x cp2 (LoRA) and pp2 x cp2 (full).
 
 Full fine-tuning shards (and tensor-splits, pipeline-splits) the frozen reference copy like the
 policy; LoRA's reference is the policy with its adapters off. The loss, the gradient norm and
@@ -44,6 +45,8 @@ FULL_LAYOUTS = {
     **LAYOUTS,
     "pp2": [*PP2, "--parallelism.pipeline_parallel_schedule=gpipe", "--checkpoint.save_interleaved_steps=2"],
 }
+# On 4 ranks: CP inside data parallelism (LoRA) and inside the pipeline (full, with validation).
+FOUR_RANKS = {"lora": {"dp2cp2": CP2}, "full": {"pp2cp2": [*PP2, *CP2]}}
 EVAL = ["--train_dataset.val_size=4", "--training.eval_interval=3"]
 EVAL_METRICS = ("eval_loss", "eval_rewards/margins", "eval_rewards/accuracies", "eval_logps/chosen")
 # A tiny Qwen3-MoE in place of the dense model, with its router loss.
@@ -60,7 +63,7 @@ MOE = [
 ]
 
 
-def test_dp2_tp2_cp2_pp2_and_ep2_equal_one_process(tmp_path: Path) -> None:
+def test_dp_tp_cp_pp_and_ep_layouts_equal_one_process(tmp_path: Path) -> None:
     base = [*TINY, "--train_dataset.max_samples=16", "--training.steps=3"]
     tunings = {"lora": ["--lr_scheduler.learning_rate=2e-2"], "full": [*FULL, *EVAL], "moe": MOE}
     layouts = {
@@ -89,12 +92,17 @@ def test_dp2_tp2_cp2_pp2_and_ep2_equal_one_process(tmp_path: Path) -> None:
         ],
         2,
     )
-    train_all([*one_process, *two_ranks, resumed])
+    four_ranks = [
+        Run(CONFIG, [*base, *tunings[name], *layout, f"--training.output_dir={tmp_path / name / key}"], 4)
+        for name, runs in FOUR_RANKS.items()
+        for key, layout in runs.items()
+    ]
+    train_all([*one_process, *two_ranks, resumed, *four_ranks])
     failures = []
     for name in tunings:
         one = read_metrics(tmp_path / name / "one")
         assert len({r["loss"] for r in one}) == 3, one  # it trains
-        for key in layouts[name]:
+        for key in [*layouts[name], *FOUR_RANKS.get(name, {})]:
             got = read_metrics(tmp_path / name / key)
             assert len(got) == len(one) == 3
             if name == "moe":

@@ -194,7 +194,8 @@ def pipeline_eval_sums(
     for index, batch in enumerate(loader):
         if max_batches is not None and index >= max_batches:
             break
-        group.append(to_device(batch))
+        batch = to_device(batch)
+        group.append(stage_loss.shard(batch) if stage_loss is not None else batch)
         if len(group) == group_size:
             flush()
     if group:

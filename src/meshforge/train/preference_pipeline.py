@@ -70,6 +70,10 @@ class PipelinePairs:
     def units(self, micro_batch: Batch) -> torch.Tensor:
         return self.step.count_pairs(micro_batch)
 
+    def shard(self, batch: Batch) -> Batch:
+        """An evaluation batch as the trainer hands a training one to the pipeline (CP: this rank's slice)."""
+        return self.step.cp.shard(batch) if self.step.cp is not None else batch
+
     def begin(self, pipeline: Pipeline, micro: list[Batch], *, train: bool) -> None:
         """The reference's forward over the same micro-batches (the last stage keeps its log-probabilities)."""
         self._train = train

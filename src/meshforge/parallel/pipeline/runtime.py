@@ -78,7 +78,8 @@ class StageLoss(Protocol):
     the micro-batch's router aux loss (None without one) and returns the objective to
     backpropagate and the detached loss sum to report. `begin` and `end` run around every
     schedule call (`train` False: an evaluation); `units` is what an evaluation counts per
-    micro-batch (a filler micro-batch without labels must count, and add, nothing).
+    micro-batch (a filler micro-batch without labels must count, and add, nothing) and `shard`
+    turns a whole evaluation batch into this rank's micro-batch (its slice under CP).
     """
 
     def target(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor: ...
@@ -97,6 +98,8 @@ class StageLoss(Protocol):
     def end(self, pipeline: Pipeline, *, train: bool) -> None: ...
 
     def units(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
 
 def _describe(t: torch.Tensor) -> tuple[tuple[int, ...], str]:
