@@ -190,15 +190,16 @@ def _group_name(arg: object) -> str | None:
 
 def group_dims(mesh: ParallelMesh) -> dict[str, str]:
     """Process-group name -> the mesh dimension it spans (`tp`, `fsdp:dp_shard_cp`, ...)."""
-    names: dict[str, str] = {}
-    for dim in mesh.root.mesh_dim_names or ():
-        names.setdefault(mesh.root.get_group(dim).group_name, dim)
+    labels: dict[str, list[str]] = {}
     for purpose, view in mesh.views.items():
         dims = view.mesh_dim_names or ()
         for i, dim in enumerate(dims):
             label = purpose if len(dims) == 1 else f"{purpose}:{dim}"
-            names.setdefault(view.get_group(i).group_name, label)
-    return names
+            labels.setdefault(view.get_group(i).group_name, []).append(label)
+    for dim in mesh.root.mesh_dim_names or ():
+        labels.setdefault(mesh.root.get_group(dim).group_name, [dim])
+    # One group serves several purposes (FSDP's shards are also the loss's ranks): name them all.
+    return {name: "/".join(dict.fromkeys(found)) for name, found in labels.items()}
 
 
 @contextlib.contextmanager
@@ -452,6 +453,12 @@ def _step(
     )
     # The dry-run step reaches no watcher (no health verdict, sinks or callbacks).
     trainer.run = Run(env, parts, data, optim, cast(Watchers, None), Progress(), preference=preference)
+    if pipeline is not None:
+        _simulate_pipeline_peers(pipeline, cfg, dims, parts)
+        notes.append(
+            "pipeline: the neighbouring stages' shapes are taken as [micro-batch, sequence / cp, "
+            "hidden] in the compute dtype (the ranks that would send them are not run)"
+        )
     tracker.install(parts.module)
     recorder = CollectiveRecorder(group_dims(mesh))
     memory = _new_step_peak()
@@ -494,31 +501,93 @@ def _step(
     return peak, recorder.rows(), items, notes
 
 
-def _step_peak_class() -> type:
-    from torch.distributed._tools.mem_tracker import MemTracker
+def _simulate_pipeline_peers(pipeline: Any, cfg: TrainConfig, dims: ParallelDims, parts: ModelParts) -> None:
+    """Stand in for the other pipeline ranks' half of torch's stage set-up.
 
-    class StepPeak(MemTracker):
-        """torch's `MemTracker` for the step's high-water mark only: its per-module statistics
-        refuse a module entered twice from the top (every micro-batch and pipeline stage does),
-        and the dry run reads the global peak alone, so the module hooks do nothing."""
+    torch's schedule votes on static or dynamic shape inference and then receives each stage's
+    input shapes from the previous rank (and its output-gradient shapes from the next) as
+    pickled objects: the fake process group delivers nothing, so this rank's stages answer
+    themselves: the activations that cross a stage boundary (hidden states, and the router
+    statistics with the aux loss), and for gradients the shapes of this stage's own outputs.
+    """
+    from torch.distributed.pipelining._utils import (
+        InferenceMode,
+        _StageBackwardMeta,
+        _StageForwardMeta,
+        extract_tensor_metas,
+    )
 
-        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-            pass
+    rows = int(cfg.training.local_batch_size)  # the schedule's micro-batch is the trainer's
+    seq = int(cfg.train_dataset.seq_length() or cfg.model.seq_length or 0) // dims.cp
+    if dims.tp > 1:
+        seq //= dims.tp  # sequence parallelism (always on with TP): the hidden states stay split
+    hidden_size = int(getattr(getattr(parts.module, "config", None), "hidden_size", 0) or 0)
+    if not hidden_size:
+        raise NotImplementedError(
+            "not supported yet: a dry run of a pipeline whose model has no config.hidden_size"
+        )
 
-        def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
-            pass
+    def boundary() -> tuple[torch.Tensor, ...]:
+        hidden = torch.empty(rows, seq, hidden_size, dtype=parts.compute_dtype, requires_grad=True)
+        if pipeline.aux_experts is None:
+            return (hidden,)
+        carry = torch.empty(2 * pipeline.aux_experts + 1, dtype=torch.float32, requires_grad=True)
+        return hidden, carry
 
-        def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
-            pass
+    for stage in pipeline.stages:
 
-        def _post_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
-            pass
+        def recv(src: int, stage: Any = stage) -> object:
+            if src < stage.stage_index:
+                metas = extract_tensor_metas(boundary())
+                assert metas is not None
+                return _StageForwardMeta(forward_metas=metas)
+            outputs = stage._stage_meta.outputs
+            return _StageBackwardMeta(backward_metas=tuple(m if m.requires_grad else None for m in outputs))
 
-    return StepPeak
+        stage._recv_meta = recv
+        stage._send_meta = lambda meta, dst: None
+
+    def vote(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.DYNAMIC
+
+    for schedule in pipeline._schedules.values():
+        schedule._warmup_p2p = vote
+
+
+class _NoModules:
+    """The module tracker `MemTracker` consults, tracking nothing: torch's `ModTracker` hooks
+    every module's inputs for backward, which a pipeline stage's `autograd.grad` on its leaf
+    inputs refuses, and re-entering a module (every micro-batch does) trips its statistics.
+    The dry run reads the step's global high-water mark only."""
+
+    is_bw = False
+    parents: set[str] = set()
+
+    def register_user_hooks(self, *hooks: object) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def get_known_fqn(self, module: object) -> str | None:
+        return None
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        pass
 
 
 def _new_step_peak() -> Any:
-    return _step_peak_class()()
+    """torch's `MemTracker` (allocations and frees of every storage, storage resizes included)
+    without its per-module statistics."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    memory = MemTracker()
+    memory._mod_tracker = _NoModules()  # type: ignore[assignment]
+    return memory
 
 
 def _tokenizer(cfg: TrainConfig, log: Log, notes: list[str]) -> Any:
