@@ -126,7 +126,8 @@ class DryRunError(RuntimeError):
 
 
 class CollectiveRecorder(TorchDispatchMode):
-    """Counts every collective op that passes, keyed by (mesh dimension, kind), with its bytes.
+    """Counts every collective op that passes, keyed by (mesh dimension, kind), with its bytes,
+    and refuses matmuls of mixed dtypes as the device kernels do.
 
     The bytes of a call are its largest buffer (the gathered output of an all-gather, the input
     of a reduce-scatter, the tensor of an all-reduce), as the step-time model prices them.
@@ -145,9 +146,11 @@ class CollectiveRecorder(TorchDispatchMode):
         args: Sequence[object] = (),
         kwargs: dict[str, object] | None = None,
     ) -> object:
-        result = func(*args, **(kwargs or {}))
         namespace = getattr(func, "namespace", "")
         name = func._schema.name.split("::")[-1]
+        if namespace == "aten" and name in _SAME_DTYPE_OPS:
+            _check_same_dtype(name, args)
+        result = func(*args, **(kwargs or {}))
         if namespace in ("c10d", "_c10d_functional") and name in _KINDS:
             key = (self._dim_of(args), _KINDS[name])
             self.counts[key] += 1
@@ -167,6 +170,21 @@ class CollectiveRecorder(TorchDispatchMode):
             CollectiveRow(dim, kind, count, int(self.bytes[(dim, kind)]))
             for (dim, kind), count in sorted(self.counts.items())
         ]
+
+
+# Matmuls whose device kernels require one dtype for every operand; their fake-tensor shape
+# functions do not check it, so a float32 activation meeting bf16 weights would pass unseen.
+_SAME_DTYPE_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm"}
+
+
+def _check_same_dtype(name: str, args: Sequence[object]) -> None:
+    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    if len(set(dtypes)) > 1:
+        found = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise RuntimeError(
+            f"aten.{name}: expected one dtype for every operand, got {found} (the device kernel refuses "
+            "mixed dtypes: a module returned another dtype than the next one computes in)"
+        )
 
 
 def _tensor_bytes(value: object) -> int:
@@ -371,7 +389,8 @@ class _ModuleTracker:
         for name, module in model.named_modules():
             label = name or type(module).__name__
             self.handles.append(module.register_forward_pre_hook(self._enter(label)))
-            self.handles.append(module.register_forward_hook(self._leave(label), always_call=True))
+            # Not `always_call`: a failing module stays on the stack, to be named.
+            self.handles.append(module.register_forward_hook(self._leave(label)))
 
     def _enter(self, label: str) -> Callable[..., None]:
         def hook(*_args: object) -> None:
@@ -453,19 +472,31 @@ def _step(
     )
     # The dry-run step reaches no watcher (no health verdict, sinks or callbacks).
     trainer.run = Run(env, parts, data, optim, cast(Watchers, None), Progress(), preference=preference)
+    steps = _micro_batches_to_run(plan.grad_accum_steps, pipeline, dims)
+    if steps < plan.grad_accum_steps:
+        notes.append(
+            f"ran {steps} of the step's {plan.grad_accum_steps} micro-batches: the peak does not grow "
+            "with more (accumulation adds no live activations; a pipeline's in-flight count is "
+            "reached); the collectives above are those of the micro-batches run"
+        )
     if pipeline is not None:
+        pipeline._schedule_for(steps)  # built before the peers are simulated on every schedule
         _simulate_pipeline_peers(pipeline, cfg, dims, parts)
         notes.append(
             "pipeline: the neighbouring stages' shapes are taken as [micro-batch, sequence / cp, "
             "hidden] in the compute dtype (the ranks that would send them are not run)"
         )
+    from meshforge.models.common.moe import ExpertsBase
+
+    if any(isinstance(m, ExpertsBase) for m in parts.module.modules()):
+        notes.append("MoE routing taken as balanced (fake tensors carry no router values)")
     tracker.install(parts.module)
     recorder = CollectiveRecorder(group_dims(mesh))
     memory = _new_step_peak()
     with fake:
         micro = [
             to_device(synthetic_batch(cfg, parts, pairs=preference is not None), device, pin=False)
-            for _ in range(plan.grad_accum_steps)
+            for _ in range(steps)
         ]
         if dims.cp > 1:
             micro = [trainer._shard_for_cp(mb) for mb in micro]
@@ -484,21 +515,44 @@ def _step(
             if preference is not None:
                 preference._sums = None  # the metric sums hold no values worth reducing
             trainer.clip_grads()
+            before_update = _total(memory.get_tracker_snapshot("current"))
+        # The update runs outside the tracker: DTensor's sharding propagation of the foreach
+        # optimizer ops allocates global-shape fake tensors that no device ever holds; the
+        # optimizer's own allocation is its state, measured below from its tensors.
+        with recorder:
             optimizer.step()
             scheduler.step()
+        update_peak = before_update + _local_bytes(list(_state_tensors(optimizer)))
+        with recorder:
             optimizer.zero_grad(set_to_none=True)
     tracker.remove()
     # Outside the mode: DCP's planner makes small real tensors of its own (shard offsets); the
     # state's fake tensors still dispatch to their mode.
     items = _save_plan_items(optim, parts)
-    snapshot = memory.get_tracker_snapshot("peak")
-    peak = max((int(stats.get("Total", 0)) for stats in snapshot.values()), default=0)
+    peak = max(_total(memory.get_tracker_snapshot("peak")), update_peak)
     if device_type != "cuda":
         notes.append(
             "fake tensors on the CPU device type (this torch has no CUDA runtime): CUDA-only kernels, "
             "streams and events were not exercised"
         )
     return peak, recorder.rows(), items, notes
+
+
+def _micro_batches_to_run(total: int, pipeline: Any, dims: ParallelDims) -> int:
+    """Enough of the step's micro-batches to reach its peak: two without a pipeline (the
+    second meets the first's gradients), two rounds of the stages with one."""
+    if pipeline is None:
+        return min(total, 2)
+    from meshforge.parallel.pipeline.runtime import check_microbatches
+
+    fewer = 2 * pipeline.split.num_stages
+    if fewer >= total:
+        return total
+    try:
+        check_microbatches(pipeline.schedule_name, fewer, dims.pp)
+    except ValueError:
+        return total
+    return fewer
 
 
 def _simulate_pipeline_peers(pipeline: Any, cfg: TrainConfig, dims: ParallelDims, parts: ModelParts) -> None:
@@ -588,6 +642,28 @@ def _new_step_peak() -> Any:
     memory = MemTracker()
     memory._mod_tracker = _NoModules()  # type: ignore[assignment]
     return memory
+
+
+def _total(snapshot: dict[Any, dict[Any, int]]) -> int:
+    return max((int(stats.get("Total", 0)) for stats in snapshot.values()), default=0)
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _local_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    storages = [
+        local.untyped_storage()
+        for t in tensors
+        if (local := t.to_local() if isinstance(t, DTensor) else t).numel() > 1  # not step counters
+    ]
+    # The list keeps every storage object alive, so no two share an id.
+    return sum({id(st): st.nbytes() for st in storages}.values())
 
 
 def _tokenizer(cfg: TrainConfig, log: Log, notes: list[str]) -> Any:
