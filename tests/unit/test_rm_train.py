@@ -207,3 +207,37 @@ def test_resume_is_bitwise(tmp_path, tuning):
     keys = ("loss", "grad_norm", "pairs", *REWARDS)
     want = [{k: r[k] for k in keys} for r in read_metrics(whole)]
     assert [{k: r[k] for k in keys} for r in read_metrics(resumed)] == want[2:]
+
+
+def test_llamafactory_reward_example_trains(tmp_path, monkeypatch):
+    """LLaMA-Factory's reward LoRA example (`stage: rm`) on its own dpo_en_demo pairs, unchanged but
+    for the model path, the step count, its 16 encoding processes and a shorter cutoff_len."""
+    import shutil
+
+    from tests.conftest import train_here
+    from tests.unit.test_hf_interop import _save_hf_model
+
+    lf = REPO / "tests" / "data" / "llamafactory"
+    hf = _save_hf_model(
+        tmp_path / "Qwen3-tiny", tied=False, shard=None, seed=3, options={"max_position_embeddings": 2048}
+    )
+    shutil.copytree(lf / "data", tmp_path / "data")
+    text = (lf / "examples" / "train_lora" / "qwen3_lora_reward.yaml").read_text(encoding="utf-8")
+    edits = {
+        "model_name_or_path: Qwen/Qwen3-4B-Instruct-2507": f"model_name_or_path: {hf}",
+        "num_train_epochs: 3.0": "max_steps: 1",
+        "preprocessing_num_workers: 16\n": "",
+        "cutoff_len: 2048": "cutoff_len: 256",  # pair rows of 512 tokens, not 4096 (CPU time)
+    }
+    for old, new in edits.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    config = tmp_path / "qwen3_lora_reward.yaml"
+    config.write_text(text, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    lines: list[str] = []
+    train_here(config, [], log=lines.append)
+    assert any("reward model: value head score" in s for s in lines), lines
+    records = read_metrics(tmp_path / "saves" / "qwen3-4b" / "lora" / "reward")
+    assert [r["step"] for r in records] == [1]
+    assert all(r["pairs"] == 8 and math.isfinite(r["loss"]) and all(k in r for k in REWARDS) for r in records)

@@ -66,7 +66,7 @@ MAPPED: dict[str, str] = {
     "cutoff_len": "`train_dataset.cutoff_len` (sft); `train_dataset.dataloader.seq_length` (pt)",
     "packing": "`train_dataset.packing` (sft; pt always packs: the text loader)",
     # finetuning
-    "stage": "`training.stage` pt (the text loader over the dataset_info files), sft or dpo; kto/rm/ppo refused",
+    "stage": "`training.stage` pt (the text loader over the dataset_info files), sft, dpo or rm (a reward model: value head `score`); kto/ppo refused",
     **{
         key: f"`training.{key}` (stage dpo)"
         for key in ("pref_beta", "pref_ftx", "pref_loss", "dpo_label_smoothing", "simpo_gamma")
