@@ -250,7 +250,7 @@ REFUSED: dict[str, str] = _each(
         "PiSSA": ("pissa_init", "pissa_iter", "pissa_convert"),
         "a second, new adapter": ("create_new_adapter",),
         "OFT": ("module_dropout", "oft_rank", "oft_block_size", "oft_target"),
-        "preference and reward training beyond DPO (stage kto/rm/ppo, BCO, a separate reference model)": (
+        "preference and reward training beyond DPO (stage kto/ppo, BCO, a separate reference model)": (
             "pref_bco_weight",
             "kto_chosen_weight",
             "kto_rejected_weight",
