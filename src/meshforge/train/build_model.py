@@ -24,7 +24,14 @@ from meshforge.models.common.kernels import (
     resolve_kernel_options,
     supports_hidden_output,
 )
-from meshforge.train.reward_head import HEAD, attach_value_head, init_std, value_head_detached, with_head_init
+from meshforge.train.reward_head import (
+    HEAD,
+    attach_value_head,
+    freeze_lm_head,
+    init_std,
+    value_head_detached,
+    with_head_init,
+)
 from meshforge.train.run import ModelParts, tied_aliases
 from meshforge.utils.dtype import parse_dtype
 from meshforge.utils.resources import resolve_path
@@ -126,6 +133,7 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
     reward = cfg.training.stage == "rm"
     if reward:  # the value head of a reward model (train/reward_head.py), on the meta device too
         attach_value_head(model, tp_mesh=env.mesh.view("tp") if dims.tp > 1 else None)
+        freeze_lm_head(model)
     seq = cfg.train_dataset.seq_length() or model_cfg.seq_length
     # The FLOPs of a token, counted once for the compile decision and the throughput log.
     run = _run_length(model, cfg.training, seq=seq, env=env, no_load_optim=cfg.checkpoint.no_load_optim)

@@ -58,6 +58,23 @@ def attach_value_head(model: nn.Module, *, tp_mesh: DeviceMesh | None = None) ->
     return head
 
 
+def freeze_lm_head(model: nn.Module) -> bool:
+    """Freeze an untied LM head, which a reward model never runs; True when one was frozen.
+
+    It gets no gradient, so training it would only leave the optimizer without its state (and a
+    resumed run without the state it expects). A head tied to the input embedding is that
+    embedding and keeps training. The weights stay in the model and its checkpoints.
+    """
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    if not isinstance(weight, nn.Parameter):
+        return False
+    owners = [name for name, p in model.named_parameters(remove_duplicate=False) if p is weight]
+    if len(owners) > 1:
+        return False
+    weight.requires_grad_(False)
+    return True
+
+
 def value_head(model: nn.Module) -> nn.Linear:
     """The model's value head (after `attach_value_head`)."""
     head = model._modules.get(HEAD)
