@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import read_metrics
 from tests.distributed._layouts import Run, train_all
+from tests.distributed.rm_layouts import rm_failures, rm_runs
 from tests.unit.test_dpo_train import CONFIG, FULL, TINY
 
 pytestmark = pytest.mark.slow
@@ -61,8 +62,9 @@ def test_dp2_tp2_and_ep2_equal_one_process(tmp_path: Path) -> None:
         for name, extra in tunings.items()
         for key, layout in layouts[name].items()
     ]
-    train_all([*one_process, *two_ranks])
-    failures = []
+    rm_one, rm_two = rm_runs(tmp_path)  # the reward-model runs share the spawn
+    train_all([*one_process, *rm_one, *two_ranks, *rm_two])
+    failures = rm_failures(tmp_path)
     for name in tunings:
         one = read_metrics(tmp_path / name / "one")
         assert len({r["loss"] for r in one}) == 3, one  # it trains

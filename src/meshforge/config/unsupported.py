@@ -156,11 +156,6 @@ def _dpo_parallel(name: str) -> Callable[[TrainConfig], bool]:
 # refused until a test shows each equal to one process (dp/FSDP, TP and EP are tested).
 _DPO = "training.stage: dpo"
 PREFERENCE_ENTRIES: list[Unsupported] = [
-    Unsupported(
-        "training.stage",
-        lambda c: c.training.stage == "rm",
-        "rm: reward-model training (a scalar head and its pairwise loss)",
-    ),
     *[
         Unsupported(
             f"training.{name}",
@@ -187,9 +182,32 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
     ),
 ]
 
+
+def _rm_parallel(name: str) -> Callable[[TrainConfig], bool]:
+    return lambda cfg: cfg.training.stage == "rm" and getattr(cfg.parallelism, name) > 1
+
+
+# What reward-model training (train/reward.py) does not combine with yet (dp/FSDP, TP, EP are tested).
+_RM = "training.stage: rm"
+REWARD_ENTRIES: list[Unsupported] = [
+    *[
+        Unsupported(f"parallelism.{name}", _rm_parallel(name), f"{_RM} with {what}: {why}")
+        for name, what, why in (
+            ("context_parallel", "CP", "a sequence's last token lies on one CP rank only; untested"),
+            ("pipeline_parallel", "PP", "the pipeline's last stage computes the LM loss, not the value head"),
+        )
+    ],
+    Unsupported(
+        "parallelism.fault_tolerance.enable",
+        lambda c: c.training.stage == "rm" and c.parallelism.fault_tolerance.enable,
+        f"{_RM} with torchft replica groups: the pair metrics are reduced within a group only, untested",
+    ),
+]
+
 _P = "parallelism"
 ENTRIES: list[Unsupported] = [
     *PREFERENCE_ENTRIES,
+    *REWARD_ENTRIES,
     Unsupported(
         f"{_P}.expert_parallel_async_d2h",
         lambda c: c.parallelism.expert_parallel_async_d2h,

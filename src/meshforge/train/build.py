@@ -31,6 +31,7 @@ from meshforge.parallel.dims import ParallelDims
 from meshforge.train.batches import plan_batches
 from meshforge.train.build_model import build_model, build_tokenizer
 from meshforge.train.build_preference import build_preference
+from meshforge.train.build_reward import build_reward
 from meshforge.train.callback_runner import CallbackRunner
 from meshforge.train.callbacks import BuiltinCallback, build_callbacks, builtin_callbacks
 from meshforge.train.health import StepHealth
@@ -83,7 +84,7 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
     rampup = build_rampup(cfg.training, env)
     tokenizer = build_tokenizer(cfg.model, log)
     model = build_model(cfg, env, tokenizer)
-    preference = build_preference(cfg, env, model, tokenizer)
+    preference = build_preference(cfg, env, model, tokenizer) or build_reward(cfg, env, model)
     loader, loader_context = build_train_data(cfg.train_dataset, cfg.training, env, tokenizer)
     total_steps = resolve_total_steps(cfg.training, loader, log)
     eval_loaders = build_eval_data(cfg.train_dataset, cfg.training.eval_interval, loader_context, log)
@@ -198,8 +199,8 @@ def build_train_data(
         total_steps=training.steps,
         epochs=training.epochs,
         log=env.log,
-        # DPO reads ranking datasets, one pair per row (data/sft/pairwise.py).
-        pairwise=training.stage == "dpo",
+        # DPO and reward models read ranking datasets, one pair per row (data/sft/pairwise.py).
+        pairwise=training.stage in ("dpo", "rm"),
     )
     return build_train_loader(dataset, context), context
 

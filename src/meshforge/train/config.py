@@ -75,7 +75,7 @@ class TrainingConfig(StrictSection):
     stage: Literal["pt", "sft", "dpo", "rm"] = describe(
         "pt",
         "Training stage: pretraining (pt), supervised fine-tuning (sft), preference optimisation on "
-        "pairwise data (dpo; see docs/preference.md) or reward modelling (rm, not built yet).",
+        "pairwise data (dpo) or a reward model trained on the same pairs (rm; see docs/preference.md).",
     )
     pref_beta: PosFloat = describe(
         0.1, "Preference loss beta: the weight of the log-ratio (DPO's beta, IPO's tau; LLaMA-Factory key)."
