@@ -100,3 +100,33 @@ def test_lookup_matches_the_forward_on_packed_rows():
     for name in ("chosen", "rejected", "chosen_tokens", "rejected_tokens"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert got.rejected[3] == -1.0 and got.chosen[2] == 0.0  # the empty slot; no counted label
+
+
+def test_validate_names_what_each_reference_choice_costs():
+    """`config validate`: the frozen copy's weights are in the predicted peak, the table's pass is not."""
+    from meshforge.config import load_config
+    from meshforge.parallel.plan import plan_lines
+
+    def plan(*overrides: str) -> tuple[str, float]:
+        lines = plan_lines(
+            load_config(
+                str(CONFIG), [*overrides, "--model.hidden_size=512", "--model.intermediate_size=1536"]
+            ),
+            2,
+        )
+        reference = next(line for line in lines if line.startswith("dpo reference model:"))
+        peak = next(line for line in lines if line.startswith("predicted peak per rank"))
+        return reference, float(peak.split("= ")[-1].split(" GiB")[0])
+
+    adapters, lora_peak = plan()
+    table_lora, table_lora_peak = plan("--training.pref_ref_logps=precompute")
+    copy, copy_peak = plan("--lora_config=null")
+    table, table_peak = plan("--lora_config=null", "--training.pref_ref_logps=precompute")
+    assert "LoRA adapters disabled: no extra weights" in adapters and table_lora_peak == lora_peak
+    assert "with the policy with its LoRA adapters disabled" in table_lora
+    assert copy.startswith("dpo reference model: a frozen copy sharded as the policy: +")
+    weights = float(copy.split(": +")[1].split(" GiB")[0])
+    assert "included in the predicted peak" in copy
+    assert table.startswith("dpo reference model: precomputed (training.pref_ref_logps: precompute)")
+    assert "8 bytes a pair" in table and f"+{weights:.2f} GiB per rank during that pass only" in table
+    assert weights >= 0.03 and copy_peak - table_peak == pytest.approx(weights, abs=0.016)

@@ -27,7 +27,6 @@ from meshforge.loss.sequence_logps import segments_per_row, sequence_keys
 
 Batch = dict[str, torch.Tensor]
 ROW_INDEX = "row_index"  # the batch key: each row's index in the table
-BYTES_PER_PAIR = 8  # two float32 sums
 
 
 class IndexedRows:
