@@ -44,6 +44,32 @@ def _close(got: np.ndarray, want: np.ndarray, rel: float = 1e-5) -> None:
         assert diff < rel, (key, got[:, j], want[:, j])
 
 
+def _watch_the_reference_copy(monkeypatch) -> list[bool]:
+    """After each table pass, whether the reference copy it built is still alive."""
+    import gc
+    import weakref
+
+    from meshforge.train import build, build_preference
+
+    built: list[weakref.ref] = []
+    alive: list[bool] = []
+    make, attach = build_preference.build_reference, build.precompute_reference
+
+    def record(*args, **kwargs):
+        module = make(*args, **kwargs)
+        built.append(weakref.ref(module))
+        return module
+
+    def check(*args, **kwargs):
+        attach(*args, **kwargs)
+        gc.collect()
+        alive.extend(ref() is not None for ref in built)
+
+    monkeypatch.setattr(build_preference, "build_reference", record)
+    monkeypatch.setattr(build, "precompute_reference", check)
+    return alive
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -51,13 +77,16 @@ def _close(got: np.ndarray, want: np.ndarray, rel: float = 1e-5) -> None:
         pytest.param(FULL, id="full-sigmoid"),
     ],
 )
-def test_precomputed_reference_gives_the_same_losses(tmp_path, extra):
+def test_precomputed_reference_gives_the_same_losses(tmp_path, monkeypatch, extra):
     model_run, table_run, again = tmp_path / "model", tmp_path / "table", tmp_path / "again"
     tok = tmp_path / "tok"
     base = [*BASE, *extra, f"--train_dataset.tokenized_path={tok}"]
     train_one(CONFIG, [*base, f"--training.output_dir={model_run}"], cwd=tmp_path)
     precompute = [*base, "--training.pref_ref_logps=precompute"]
+    copies = _watch_the_reference_copy(monkeypatch)
     run = train_one(CONFIG, [*precompute, f"--training.output_dir={table_run}"], cwd=tmp_path)
+    # Full fine-tuning builds the copy for the pass only; it is gone before the optimizer exists.
+    assert copies == ([False] if extra is FULL else [])
     assert "reference model: precomputed log-probabilities" in run.stdout
     assert "reference log-probabilities of 20 rows computed in" in run.stdout
     assert len(list(tok.glob("reference_logps-*.npz"))) == 1  # beside the cached pair rows
