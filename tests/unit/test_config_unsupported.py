@@ -81,6 +81,7 @@ TRIGGERS: dict[str, dict] = {
     "training.pref_ftx": {"training": {"pref_ftx": 0.1}},
     "training.dpo_label_smoothing": {"training": {"dpo_label_smoothing": 0.1}},
     "training.simpo_gamma": {"training": {"simpo_gamma": 1.0}},
+    "training.pref_ref_logps": {"training": {"pref_ref_logps": "precompute"}},
 }
 
 
@@ -88,6 +89,7 @@ _DPO = {
     "training": {"stage": "dpo"},
     "train_dataset": {"dataloader": {"type": "SFTDataLoader"}, "dataset": "dpo_demo"},
 }
+_PRECOMPUTE = {**_DPO, "training": {"stage": "dpo", "pref_ref_logps": "precompute"}}
 # What training.stage: dpo does not combine with yet.
 DPO_TRIGGERS: list[tuple[str, dict]] = [
     ("parallelism.context_parallel", {**_DPO, "parallelism": {"context_parallel": 2}}),
@@ -96,6 +98,15 @@ DPO_TRIGGERS: list[tuple[str, dict]] = [
         "parallelism.fault_tolerance.enable",
         {**_DPO, "parallelism": {"fault_tolerance": {"enable": True, "replica_groups": 2}}},
     ),
+    *[
+        ("training.pref_ref_logps", {**_PRECOMPUTE, **extra})
+        for extra in (
+            {"train_dataset": {**_DPO["train_dataset"], "streaming": True}},
+            {"parallelism": {"context_parallel": 2}},
+            {"parallelism": {"pipeline_parallel": 2}},
+            {"parallelism": {"fault_tolerance": {"enable": True, "replica_groups": 2}}},
+        )
+    ],
 ]
 
 

@@ -152,6 +152,35 @@ def _dpo_parallel(name: str) -> Callable[[TrainConfig], bool]:
     return lambda cfg: cfg.training.stage == "dpo" and getattr(cfg.parallelism, name) > 1
 
 
+# What the precomputed reference table (train/reference_table.py) does not combine with yet.
+_PRECOMPUTE_REFUSED: list[tuple[Callable[[TrainConfig], bool], str, str]] = [
+    (
+        lambda c: c.train_dataset.streaming,
+        "train_dataset.streaming",
+        "the table is keyed by the row's place in in-memory data; a stream has none",
+    ),
+    (
+        lambda c: c.parallelism.context_parallel > 1,
+        "CP",
+        "the table pass gives each data-parallel rank whole rows, not sequence shards",
+    ),
+    (
+        lambda c: c.parallelism.pipeline_parallel > 1,
+        "PP",
+        "the table pass runs the reference forward outside the pipeline schedule",
+    ),
+    (
+        lambda c: c.parallelism.fault_tolerance.enable,
+        "torchft replica groups",
+        "the table pass shards rows over one replica group's ranks, untested",
+    ),
+]
+
+
+def _precompute_with(on: Callable[[TrainConfig], bool]) -> Callable[[TrainConfig], bool]:
+    return lambda c: c.training.stage == "dpo" and c.training.pref_ref_logps == "precompute" and on(c)
+
+
 # What preference training (train/preference.py) does not combine with yet. The layouts are
 # refused until a test shows each equal to one process (dp/FSDP, TP and EP are tested).
 _DPO = "training.stage: dpo"
@@ -162,7 +191,22 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
             _pref_field_set(name),
             "read only by training.stage: dpo (the preference loss)",
         )
-        for name in ("pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "simpo_gamma")
+        for name in (
+            "pref_beta",
+            "pref_loss",
+            "pref_ftx",
+            "dpo_label_smoothing",
+            "simpo_gamma",
+            "pref_ref_logps",
+        )
+    ],
+    *[
+        Unsupported(
+            "training.pref_ref_logps",
+            _precompute_with(on),
+            f"{_DPO} with pref_ref_logps: precompute and {what}: {why}",
+        )
+        for on, what, why in _PRECOMPUTE_REFUSED
     ],
     *[
         Unsupported(

@@ -9,6 +9,7 @@ import torch
 
 from meshforge.loss.preference import METRIC_KEYS, PreferenceLoss
 from meshforge.train.preference import ORPO_KEYS, PreferenceStep
+from meshforge.train.reference_table import ReferenceTable
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,8 +41,10 @@ def build_preference(
     )
     lora = parts.lora is not None
     reference = None
+    precompute = loss.needs_reference and training.pref_ref_logps == "precompute"
     if loss.needs_reference and not lora:
-        reference = build_reference(cfg, env, tokenizer)
+        if not precompute:  # else built, used and freed by the table pass (train/reference_table.py)
+            reference = build_reference(cfg, env, tokenizer)
         if env.load_path:
             # The copy comes from the model source; a checkpoint loads into the policy only.
             env.log(
@@ -52,6 +55,8 @@ def build_preference(
     kind = (
         "none (reference-free loss)"
         if not loss.needs_reference
+        else "precomputed log-probabilities (train/reference_table.py)"
+        if precompute
         else "the policy with LoRA adapters disabled"
         if lora
         else "a frozen copy of the model, sharded as the policy"
@@ -67,6 +72,7 @@ def build_preference(
         device=env.device,
         keys=METRIC_KEYS + (ORPO_KEYS if loss.loss_type == "orpo" else ()),
         aux_coef=parts.aux_coef if parts.aux_loss_enabled else 0.0,
+        table=ReferenceTable() if precompute else None,
     )
 
 
