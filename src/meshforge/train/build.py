@@ -37,6 +37,7 @@ from meshforge.train.callbacks import BuiltinCallback, build_callbacks, builtin_
 from meshforge.train.health import StepHealth
 from meshforge.train.output_dir import checkpoint_folder, claim_output_dir, remove_earlier_run
 from meshforge.train.preemption import PreemptionGuard
+from meshforge.train.preference import PreferenceStep
 from meshforge.train.reference_pass import precompute_reference
 from meshforge.train.replicas import build_replicas, data_shard, replica_groups
 from meshforge.train.run import ModelParts, OptimParts, Progress, Run, RunData, RunEnv, Watchers
@@ -90,7 +91,9 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
     total_steps = resolve_total_steps(cfg.training, loader, log)
     eval_loaders = build_eval_data(cfg.train_dataset, cfg.training.eval_interval, loader_context, log)
     data = RunData(loader, eval_loaders, loader_context, total_steps, rampup)
-    if preference is not None:  # training.pref_ref_logps: precompute: the table pass, before the optimizer
+    if isinstance(
+        preference, PreferenceStep
+    ):  # pref_ref_logps: precompute: the table pass, before the optimizer
         precompute_reference(cfg, env, model, tokenizer, preference, data)
     optimizer, scheduler = build_optimizer(cfg.optimizer, cfg.lr_scheduler, model, data)
     grad_accum = build_grad_accumulation(cfg.optimizer, model, log)
