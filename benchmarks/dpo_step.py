@@ -10,7 +10,13 @@ runner; the policy and its reference start from different weights so the loss is
   weights, each pair one row (two segments), a frozen reference copy; full logits, or the head
   chunk by chunk (``kernels.chunk_loss_size``: no ``[tokens, vocab]`` tensor);
 * ``lora``: the same with rank-8 adapters on every linear, the reference being the policy with its
-  adapters off (no weights of its own).
+  adapters off (no weights of its own);
+* ``full_precompute``: ``full_chunked`` with ``training.pref_ref_logps: precompute``: the reference
+  copy's sums computed once (``ReferenceTable``, `train/reference_table.py`), the copy then freed,
+  each step reading the table; ``trl_precompute``: TRL's ``precompute_ref_log_probs``, its
+  ``compute_ref_log_probs`` once with a reference copy, then ``_compute_loss`` reading
+  ``ref_chosen_logps`` / ``ref_rejected_logps`` from the batch. The one-off pass is timed apart
+  (``reference_pass_s``) and not in tokens/s.
 
 Steps alternate one by one between runners (the order rotates every repeat). tokens/s counts the
 real tokens of both sequences of every pair (no padding), the same for all runners.
@@ -26,6 +32,7 @@ JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import os
 import time
@@ -44,6 +51,7 @@ from meshforge.lora.apply import LoraSettings, apply_lora  # noqa: E402
 from meshforge.loss.preference import PreferenceLoss  # noqa: E402
 from meshforge.memory.ledger import SavedTensorLedger  # noqa: E402
 from meshforge.train.preference import PreferenceStep  # noqa: E402
+from meshforge.train.reference_table import ROW_INDEX, ReferenceTable  # noqa: E402
 
 ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -159,7 +167,9 @@ def build_runners(num_pairs: int, beta: float) -> tuple[dict[str, DPORunner], di
     runners: dict[str, DPORunner] = {}
     probes: dict[str, Any] = {}
 
-    def meshforge_runner(name: str, chunk: int | None, lora: bool) -> None:
+    passes: dict[str, float] = {}
+
+    def meshforge_runner(name: str, chunk: int | None, lora: bool, precompute: bool = False) -> None:
         policy = family.model_cls(args).train()
         policy.load_state_dict(build_hf(family, args, seed=1).state_dict())
         reference = None
@@ -187,6 +197,14 @@ def build_runners(num_pairs: int, beta: float) -> tuple[dict[str, DPORunner], di
             device=torch.device("cpu"),
         )
         batch = pair_rows(pairs)
+        if precompute:  # one reference pass, then the copy is dropped and the steps read the table
+            t0 = time.perf_counter()
+            logps = step.reference_forward(policy, batch)
+            table = ReferenceTable()
+            table.values = torch.stack([logps.chosen, logps.rejected], dim=1).view(len(pairs), 1, 2)
+            passes[name] = round(time.perf_counter() - t0, 3)
+            step.reference, step.table, reference = None, table, None
+            batch[ROW_INDEX] = torch.arange(len(pairs))
         count = step.count_pairs(batch).float()
         params = [p for p in policy.parameters() if p.requires_grad]
         own = list(reference.parameters()) if reference is not None else []
@@ -198,6 +216,7 @@ def build_runners(num_pairs: int, beta: float) -> tuple[dict[str, DPORunner], di
     meshforge_runner("full_logits", None, lora=False)
     meshforge_runner("full_chunked", 1024, lora=False)
     meshforge_runner("lora", 1024, lora=True)
+    meshforge_runner("full_precompute", 1024, lora=False, precompute=True)
 
     from trl.trainer.dpo_trainer import DPOTrainer
     from trl.trainer.utils import add_fused_lm_head
@@ -221,7 +240,33 @@ def build_runners(num_pairs: int, beta: float) -> tuple[dict[str, DPORunner], di
         lambda: DPOTrainer._compute_loss(me, hf, batch, False),
         list(hf.parameters()) + runner.reference,
     )
-    return runners, {"pairs": num_pairs, "tokens_per_step": tokens, "probes": probes}
+
+    # TRL's precompute_ref_log_probs: its compute_ref_log_probs once, the copy then dropped.
+    hf2, pass_ref = build_hf(family, args, seed=1), build_hf(family, args, seed=0).eval()
+    add_fused_lm_head(hf2, outputs=outputs)
+    add_fused_lm_head(pass_ref, outputs=outputs)
+    me2 = trl_stand_in(hf2, pass_ref, beta)
+    me2.accelerator.autocast = contextlib.nullcontext
+    t0 = time.perf_counter()
+    ref_chosen, ref_rejected = DPOTrainer.compute_ref_log_probs(me2, pass_ref, batch)
+    passes["trl_precompute"] = round(time.perf_counter() - t0, 3)
+    me2.ref_model, me2.precompute_ref_logps = None, True
+    del pass_ref
+    batch2 = {**batch, "ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected}
+
+    def trl_precompute_step() -> float:
+        loss = DPOTrainer._compute_loss(me2, hf2, batch2, False)
+        loss.backward()
+        return float(loss.detach())
+
+    runner = DPORunner("trl_precompute", list(hf2.parameters()), [], tokens)
+    runner.step_fn = trl_precompute_step
+    runners["trl_precompute"] = runner
+    probes["trl_precompute"] = (
+        lambda: DPOTrainer._compute_loss(me2, hf2, batch2, False),
+        list(hf2.parameters()),
+    )
+    return runners, {"pairs": num_pairs, "tokens_per_step": tokens, "probes": probes, "passes": passes}
 
 
 def memory_bytes(runner: DPORunner, probe: tuple[Callable[[], Any], list[torch.Tensor]]) -> dict[str, int]:
@@ -287,6 +332,13 @@ def main(argv: list[str] | None = None) -> None:
             n: round(m["peak"] / memory["trl"]["peak"], 3) for n, m in memory.items() if n != "trl"
         },
         "first_loss": {n: round(r.first_loss or 0.0, 5) for n, r in runners.items()},
+        "reference_pass_s": info["passes"],
+        "full_precompute_over_trl_precompute": {
+            "tokens_per_s": round(
+                runners["full_precompute"].tokens_per_s / runners["trl_precompute"].tokens_per_s, 3
+            ),
+            "peak": round(memory["full_precompute"]["peak"] / memory["trl_precompute"]["peak"], 3),
+        },
     }
     emit(result)
 

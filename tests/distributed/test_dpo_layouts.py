@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import read_metrics
 from tests.distributed._layouts import Run, train_all
+from tests.distributed.rm_layouts import rm_failures, rm_runs
 from tests.unit.test_dpo_train import CONFIG, FULL, TINY
 
 pytestmark = pytest.mark.slow
@@ -97,8 +98,9 @@ def test_dp_tp_cp_pp_and_ep_layouts_equal_one_process(tmp_path: Path) -> None:
         for name, runs in FOUR_RANKS.items()
         for key, layout in runs.items()
     ]
-    train_all([*one_process, *two_ranks, resumed, *four_ranks])
-    failures = []
+    rm_one, rm_two = rm_runs(tmp_path)  # the reward-model runs share the spawn
+    train_all([*one_process, *rm_one, *two_ranks, *rm_two, resumed, *four_ranks])
+    failures = rm_failures(tmp_path)
     for name in tunings:
         one = read_metrics(tmp_path / name / "one")
         assert len({r["loss"] for r in one}) == 3, one  # it trains

@@ -76,15 +76,12 @@ TRIGGERS: dict[str, dict] = {
     "train_dataset.reset_attention_mask": {
         "train_dataset": {"reset_attention_mask": True, "append_eod": True}
     },
-    "training.stage": {
-        "training": {"stage": "rm"},
-        "train_dataset": {"dataloader": {"type": "SFTDataLoader"}},
-    },
     "training.pref_beta": {"training": {"pref_beta": 0.2}},
     "training.pref_loss": {"training": {"pref_loss": "ipo"}},
     "training.pref_ftx": {"training": {"pref_ftx": 0.1}},
     "training.dpo_label_smoothing": {"training": {"dpo_label_smoothing": 0.1}},
     "training.simpo_gamma": {"training": {"simpo_gamma": 1.0}},
+    "training.pref_ref_logps": {"training": {"pref_ref_logps": "precompute"}},
 }
 
 
@@ -92,12 +89,22 @@ _DPO = {
     "training": {"stage": "dpo"},
     "train_dataset": {"dataloader": {"type": "SFTDataLoader"}, "dataset": "dpo_demo"},
 }
+_PRECOMPUTE = {**_DPO, "training": {"stage": "dpo", "pref_ref_logps": "precompute"}}
 # What training.stage: dpo does not combine with yet.
 DPO_TRIGGERS: list[tuple[str, dict]] = [
     (
         "parallelism.fault_tolerance.enable",
         {**_DPO, "parallelism": {"fault_tolerance": {"enable": True, "replica_groups": 2}}},
     ),
+    *[
+        ("training.pref_ref_logps", {**_PRECOMPUTE, **extra})
+        for extra in (
+            {"train_dataset": {**_DPO["train_dataset"], "streaming": True}},
+            {"parallelism": {"context_parallel": 2}},
+            {"parallelism": {"pipeline_parallel": 2}},
+            {"parallelism": {"fault_tolerance": {"enable": True, "replica_groups": 2}}},
+        )
+    ],
 ]
 
 
@@ -113,8 +120,29 @@ def test_default_config_has_no_unsupported_features():
     assert unsupported_features(TrainConfig()) == []
 
 
+_RM = {**_DPO, "training": {"stage": "rm"}}
+# What training.stage: rm does not combine with yet.
+RM_TRIGGERS: list[tuple[str, dict]] = [
+    ("parallelism.context_parallel", {**_RM, "parallelism": {"context_parallel": 2}}),
+    ("parallelism.pipeline_parallel", {**_RM, "parallelism": {"pipeline_parallel": 2}}),
+    (
+        "parallelism.fault_tolerance.enable",
+        {**_RM, "parallelism": {"fault_tolerance": {"enable": True, "replica_groups": 2}}},
+    ),
+]
+
+
+@pytest.mark.parametrize("path,raw", RM_TRIGGERS, ids=[p for p, _ in RM_TRIGGERS])
+def test_rm_refuses_what_it_does_not_combine_with(path, raw):
+    cfg = config_from_dict(raw)
+    notes = [e.note for e in ENTRIES if e.path == path and e.is_set(cfg)]
+    assert path in unsupported_features(cfg) and any("training.stage: rm" in n for n in notes)
+    assert unsupported_features(config_from_dict(_RM)) == []  # rm itself trains
+
+
 def test_every_entry_has_a_trigger():
-    assert sorted([*TRIGGERS, *(p for p, _ in DPO_TRIGGERS)]) == sorted(entry.path for entry in ENTRIES)
+    triggers = [*TRIGGERS, *(p for p, _ in DPO_TRIGGERS), *(p for p, _ in RM_TRIGGERS)]
+    assert sorted(triggers) == sorted(entry.path for entry in ENTRIES)
 
 
 @pytest.mark.parametrize("path", sorted(TRIGGERS))

@@ -51,7 +51,7 @@ UNBUILT: dict[str, set[str]] = {
     "train_lora/qwen3_lora_dpo.yaml": set(),
     "train_lora/qwen3_lora_kto.yaml": {"stage"},
     "train_lora/qwen3_lora_pretrain.yaml": set(),
-    "train_lora/qwen3_lora_reward.yaml": {"stage"},
+    "train_lora/qwen3_lora_reward.yaml": set(),
     "train_lora/qwen3_lora_sft.yaml": set(),
     "train_lora/qwen3_lora_sft_ds3.yaml": set(),
     "train_lora/qwen3_lora_sft_ray.yaml": {"ray_num_workers"},

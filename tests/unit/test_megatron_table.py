@@ -46,7 +46,8 @@ def test_the_tables_name_only_real_flags():
 def test_every_read_flag_is_handled_by_the_mapper():
     """As config/readers.py's rule: the module that reads a flag names it."""
     source = "".join(
-        (SRC / f).read_text(encoding="utf-8") for f in ("megatron_import.py", "megatron_model.py")
+        (SRC / f).read_text(encoding="utf-8")
+        for f in ("megatron_import.py", "megatron_model.py", "megatron_preference.py")
     )
     assert [flag for flag in table.READ if f'"{flag}"' not in source] == []
 

@@ -297,14 +297,14 @@ def _remote_code(imp: Importer, folder: str | None) -> None:
 def _method(imp: Importer) -> None:
     flat, given, to = imp.flat, imp.given, imp.to
     stage = flat["stage"]
-    if stage in ("kto", "rm", "ppo"):
+    if stage in ("kto", "ppo"):
         imp.issues.append(
             (
                 "stage",
                 f"not supported yet: stage: {stage} (preference and reward training from LLaMA-Factory files)",
             )
         )
-    elif stage not in ("pt", "sft", "dpo"):
+    elif stage not in ("pt", "sft", "dpo", "rm"):
         imp.issues.append(("stage", f"must be one of pt, sft, rm, ppo, dpo, kto; got {stage!r}"))
     else:
         to("training.stage", stage, "stage")

@@ -66,7 +66,7 @@ MAPPED: dict[str, str] = {
     "cutoff_len": "`train_dataset.cutoff_len` (sft); `train_dataset.dataloader.seq_length` (pt)",
     "packing": "`train_dataset.packing` (sft; pt always packs: the text loader)",
     # finetuning
-    "stage": "`training.stage` pt (the text loader over the dataset_info files), sft or dpo; kto/rm/ppo refused",
+    "stage": "`training.stage` pt (the text loader over the dataset_info files), sft, dpo or rm (a reward model: value head `score`); kto/ppo refused",
     **{
         key: f"`training.{key}` (stage dpo)"
         for key in ("pref_beta", "pref_ftx", "pref_loss", "dpo_label_smoothing", "simpo_gamma")
@@ -250,7 +250,7 @@ REFUSED: dict[str, str] = _each(
         "PiSSA": ("pissa_init", "pissa_iter", "pissa_convert"),
         "a second, new adapter": ("create_new_adapter",),
         "OFT": ("module_dropout", "oft_rank", "oft_block_size", "oft_target"),
-        "preference and reward training beyond DPO (stage kto/rm/ppo, BCO, a separate reference model)": (
+        "preference and reward training beyond DPO (stage kto/ppo, BCO, a separate reference model)": (
             "pref_bco_weight",
             "kto_chosen_weight",
             "kto_rejected_weight",

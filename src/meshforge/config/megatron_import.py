@@ -22,6 +22,7 @@ from meshforge.config.base import ConfigError, Issue
 from meshforge.config.launch_script import read_script
 from meshforge.config.megatron_cmdline import parse_flags
 from meshforge.config.megatron_model import model_section, module_names
+from meshforge.config.megatron_preference import preference_flags
 from meshforge.config.megatron_table import READ, classify
 from meshforge.config.megatron_values import Flags, Native
 from meshforge.config.recompute_import import megatron_recompute
@@ -464,6 +465,7 @@ def import_megatron(
     _outputs(flags, native)
     _logging(flags, native)
     _lora(flags, native, family)
+    preference_flags(flags, native)
     for flag in ("--use-mcore-models", "--group-query-attention", "--no-position-embedding"):
         flags.on(flag)
     unread = [f for f in given if f in READ and f not in flags.read]

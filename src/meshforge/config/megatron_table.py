@@ -168,6 +168,13 @@ READ: dict[str, str] = {
     "--lora-alpha": "lora_config.lora_alpha",
     "--lora-target-modules": "lora_config.target_modules (the family's module names)",
     "--no-shared-storage": "train_dataset.no_shared_storage",
+    # preference training (MindSpeed-LLM's posttrain_gpt.py; megatron_preference.py)
+    "--stage": "training.stage (dpo; the other posttrain stages are refused)",
+    "--dpo-beta": "training.pref_beta",
+    "--dpo-loss-type": "training.pref_loss (sigmoid, hinge, ipo)",
+    "--dpo-label-smoothing": "training.dpo_label_smoothing",
+    "--pref-ftx": "training.pref_ftx",
+    "--ref-model": "the policy's own source only (the reference is built from model.model_name_or_path)",
 }
 
 # Flags with no effect on what meshforge trains, and why.
@@ -247,7 +254,7 @@ REFUSED: dict[str, str] = {
     "--is-instruction-dataset": "MindSpeed-LLM's preprocessed instruction data (the _packed_input_ids/_attention_mask/_labels_document datasets); train SFT from the raw data with meshforge's SFT loader",
     "--no-pad-to-seq-lengths": "MindSpeed-LLM's preprocessed instruction data (the _packed_input_ids/_attention_mask/_labels_document datasets); train SFT from the raw data with meshforge's SFT loader",
     "--prompt-type": "MindSpeed-LLM's preprocessed instruction data (the _packed_input_ids/_attention_mask/_labels_document datasets); train SFT from the raw data with meshforge's SFT loader",
-    "--stage": "MindSpeed-LLM's posttrain stages (sft reads its preprocessed instruction data)",
+    "--is-pairwise-dataset": "MindSpeed-LLM's preprocessed pairwise data (the _packed_chosen_/_packed_rejected_ input_ids and labels datasets); train DPO from the raw ranking data with meshforge's SFT loader (a `ranking: true` dataset, docs/preference.md)",
     "--no-shuffle": "Megatron data read without its shuffle index",
     "--decoupled-lr": "a separate LR for the embedding and output layer",
     "--decoupled-min-lr": "a separate LR for the embedding and output layer",

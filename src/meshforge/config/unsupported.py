@@ -148,22 +148,61 @@ def _pref_field_set(name: str) -> Callable[[TrainConfig], bool]:
     )
 
 
+# What the precomputed reference table (train/reference_table.py) does not combine with yet.
+_PRECOMPUTE_REFUSED: list[tuple[Callable[[TrainConfig], bool], str, str]] = [
+    (
+        lambda c: c.train_dataset.streaming,
+        "train_dataset.streaming",
+        "the table is keyed by the row's place in in-memory data; a stream has none",
+    ),
+    (
+        lambda c: c.parallelism.context_parallel > 1,
+        "CP",
+        "the table pass gives each data-parallel rank whole rows, not sequence shards",
+    ),
+    (
+        lambda c: c.parallelism.pipeline_parallel > 1,
+        "PP",
+        "the table pass runs the reference forward outside the pipeline schedule",
+    ),
+    (
+        lambda c: c.parallelism.fault_tolerance.enable,
+        "torchft replica groups",
+        "the table pass shards rows over one replica group's ranks, untested",
+    ),
+]
+
+
+def _precompute_with(on: Callable[[TrainConfig], bool]) -> Callable[[TrainConfig], bool]:
+    return lambda c: c.training.stage == "dpo" and c.training.pref_ref_logps == "precompute" and on(c)
+
+
 # What preference training (train/preference.py) does not combine with yet (dp/FSDP, TP, EP, CP
 # and PP are each tested equal to one process).
 _DPO = "training.stage: dpo"
 PREFERENCE_ENTRIES: list[Unsupported] = [
-    Unsupported(
-        "training.stage",
-        lambda c: c.training.stage == "rm",
-        "rm: reward-model training (a scalar head and its pairwise loss)",
-    ),
     *[
         Unsupported(
             f"training.{name}",
             _pref_field_set(name),
             "read only by training.stage: dpo (the preference loss)",
         )
-        for name in ("pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "simpo_gamma")
+        for name in (
+            "pref_beta",
+            "pref_loss",
+            "pref_ftx",
+            "dpo_label_smoothing",
+            "simpo_gamma",
+            "pref_ref_logps",
+        )
+    ],
+    *[
+        Unsupported(
+            "training.pref_ref_logps",
+            _precompute_with(on),
+            f"{_DPO} with pref_ref_logps: precompute and {what}: {why}",
+        )
+        for on, what, why in _PRECOMPUTE_REFUSED
     ],
     Unsupported(
         "parallelism.fault_tolerance.enable",
@@ -172,9 +211,32 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
     ),
 ]
 
+
+def _rm_parallel(name: str) -> Callable[[TrainConfig], bool]:
+    return lambda cfg: cfg.training.stage == "rm" and getattr(cfg.parallelism, name) > 1
+
+
+# What reward-model training (train/reward.py) does not combine with yet (dp/FSDP, TP, EP are tested).
+_RM = "training.stage: rm"
+REWARD_ENTRIES: list[Unsupported] = [
+    *[
+        Unsupported(f"parallelism.{name}", _rm_parallel(name), f"{_RM} with {what}: {why}")
+        for name, what, why in (
+            ("context_parallel", "CP", "a sequence's last token lies on one CP rank only; untested"),
+            ("pipeline_parallel", "PP", "the pipeline's last stage computes the LM loss, not the value head"),
+        )
+    ],
+    Unsupported(
+        "parallelism.fault_tolerance.enable",
+        lambda c: c.training.stage == "rm" and c.parallelism.fault_tolerance.enable,
+        f"{_RM} with torchft replica groups: the pair metrics are reduced within a group only, untested",
+    ),
+]
+
 _P = "parallelism"
 ENTRIES: list[Unsupported] = [
     *PREFERENCE_ENTRIES,
+    *REWARD_ENTRIES,
     Unsupported(
         f"{_P}.expert_parallel_async_d2h",
         lambda c: c.parallelism.expert_parallel_async_d2h,

@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")  # one row of a stream, as its `collate` takes it
 
-BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
+# row_index ([B]): each row's index in the precomputed reference table (train/reference_table.py).
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids", "row_index")
 IGNORE_INDEX = -100
 
 

@@ -111,7 +111,7 @@ def build_preview_loader(
         total_steps=training.steps,
         epochs=training.epochs,  # a run sized by epochs sizes Megatron data by them too
         log=log,
-        pairwise=training.stage == "dpo",  # pair rows, as the run reads them
+        pairwise=training.stage in ("dpo", "rm"),  # pair rows, as the run reads them
     )
     loader = build_train_loader(unshuffled(cfg.train_dataset), context)
     return tokenizer, loader

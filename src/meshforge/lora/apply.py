@@ -49,6 +49,9 @@ class LoraSettings:
     dropout: float = 0.0
     a_std: float = 0.01
     b_std: float = 0.0
+    # Root modules trained whole next to the adapters, in the adapter dtype (PEFT's
+    # `modules_to_save`): a reward model's value head.
+    trainable_modules: tuple[str, ...] = ()
 
     @property
     def scaling(self) -> float:
@@ -179,7 +182,10 @@ def apply_lora(
             gradient and no optimizer state, so a wider master copy would only cost memory.
     """
     targets = select_targets(model, settings.target_modules, settings.exclude_layers)
+    kept = {id(p) for name in settings.trainable_modules for p in model.get_submodule(name).parameters()}
     for param in model.parameters():
+        if id(param) in kept:
+            continue
         param.requires_grad_(False)
         if frozen_dtype is not None and param.dtype != frozen_dtype and param.is_floating_point():
             param.data = param.data.to(frozen_dtype)

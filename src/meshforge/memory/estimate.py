@@ -9,8 +9,9 @@ tensors take the CPU's kernel choices, so what attention saves is what a real CP
 (the ledger of a real one-process forward equals it byte for byte on dense models); flash
 attention on CUDA saves the same output and log-sum-exp.
 
-Where a layer cannot run without data (MoE routing counts tokens per expert, then splits by
-those counts), its feed-forward (``mlp``, else the child holding the routed experts) is replaced by a pass-through for the trace and the experts
+meshforge's MoE layers run here with balanced routing counts (fake tensors have no values;
+``models/common/moe.host_ints``). Where a layer still cannot run without data (a transformers
+model's own routing code), its feed-forward (``mlp``, else the child holding the routed experts) is replaced by a pass-through for the trace and the experts
 are added by formula, for N tokens, k experts per token, expert width I, model width h and
 element size d: routed experts ``N*(h + k*(3h + 4I))*d`` (the block's input; per assignment the
 gathered input, gate, up, activation, product, output and its weighted copy) plus the router's

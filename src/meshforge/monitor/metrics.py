@@ -89,8 +89,12 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
         parts.insert(
             2,
             f"rewards chosen {record['rewards/chosen']:.4f} rejected {record['rewards/rejected']:.4f} "
-            f"margin {record['rewards/margins']:.4f} acc {record['rewards/accuracies']:.2f} | "
-            f"logps chosen {record['logps/chosen']:.2f} rejected {record['logps/rejected']:.2f}",
+            f"margin {record['rewards/margins']:.4f} acc {record['rewards/accuracies']:.2f}"
+            + (
+                f" | logps chosen {record['logps/chosen']:.2f} rejected {record['logps/rejected']:.2f}"
+                if "logps/chosen" in record  # dpo; a reward model (rm) has no log-probabilities
+                else ""
+            ),
         )
     if "tflops_per_rank" in record:
         parts.append(f"{record['tflops_per_rank']:.3g} TFLOP/s/rank")

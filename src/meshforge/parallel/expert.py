@@ -81,7 +81,7 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from meshforge.models.common.moe import ExpertCompute, ExpertsBase
+from meshforge.models.common.moe import ExpertCompute, ExpertsBase, even_split, expert_counts, host_ints
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -340,12 +340,18 @@ class AllToAllExchange:
             # One host sync for both directions (the splits must be Python ints).
             send_matrix = send_counts.view(ep, n_local)
             recv_matrix = recv_counts.view(ep, n_local)
-            both = torch.cat([send_matrix.sum(1), recv_matrix.sum(1)]).tolist()
+            # Fake tensors (a dry run): every rank sends its rows evenly and receives as much.
+            both = host_ints(
+                torch.cat([send_matrix.sum(1), recv_matrix.sum(1)]),
+                lambda: even_split(grouped.shape[0], ep) * 2,
+            )
             send_splits, recv_splits = both[:ep], both[ep:]
             # Received rows come source by source, each source's rows by local expert; the local
             # experts want them expert by expert: a stable sort by (expert, source) regroups them.
             chunk = torch.arange(ep * n_local, device=counts.device)
-            chunk_of_row = torch.repeat_interleave(chunk, recv_counts.to(chunk.device))
+            chunk_of_row = torch.repeat_interleave(
+                chunk, recv_counts.to(chunk.device), output_size=sum(recv_splits)
+            )
             key = (chunk_of_row % n_local) * ep + chunk_of_row // n_local
             regroup = torch.argsort(key, stable=True)
             local_counts = recv_matrix.sum(0)
@@ -422,12 +428,14 @@ class DeduplicatedExchange(AllToAllExchange):
             # slots after them under the key `ep`; no host sync until the split sizes.
             key = torch.where(first, flat_dest, ep)
             by_dest = torch.argsort(key, stable=True)
-            rows_per_rank = torch.bincount(key, minlength=ep + 1)[:ep]
-            pairs_per_rank = torch.bincount(flat_dest, minlength=ep)  # (row, expert) pairs to run there
+            rows_per_rank = expert_counts(key, ep + 1)[:ep]
+            pairs_per_rank = expert_counts(flat_dest, ep)  # (row, expert) pairs to run there
             send_meta = torch.stack([rows_per_rank, pairs_per_rank], 1).reshape(-1)
             recv_meta = torch.empty_like(send_meta)
             dist.all_to_all_single(recv_meta, send_meta, group=self.group)
-            host = torch.cat([send_meta, recv_meta]).tolist()  # the one host sync
+            host = host_ints(  # the one host sync
+                torch.cat([send_meta, recv_meta]), lambda: _balanced_meta(num_tokens, top_k, ep) * 2
+            )
             send_splits, recv_splits = host[0 : 2 * ep : 2], host[2 * ep :: 2]
             num_pairs = sum(host[2 * ep + 1 :: 2])
             num_recv = sum(recv_splits)
@@ -470,7 +478,7 @@ class DeduplicatedExchange(AllToAllExchange):
             # token order inside an expert, exactly the rows `AllToAllExchange` would deliver.
             slot_key = torch.where(ids >= 0, ids, n_local).reshape(-1)
             position = torch.argsort(slot_key, stable=True)[:num_pairs]  # received slots m * k + j
-            local_counts = torch.bincount(slot_key, minlength=n_local + 1)[:n_local]
+            local_counts = expert_counts(slot_key, n_local + 1)[:n_local]
         local_in = rows_in.index_select(0, torch.div(position, top_k, rounding_mode="floor"))
         out = compute(local_in, local_counts)
         if out is None:
@@ -513,3 +521,15 @@ __all__ = [
     "expert_modules",
     "is_expert_parallel",
 ]
+
+
+def _balanced_meta(num_tokens: int, top_k: int, ep: int) -> list[int]:
+    """[rows, pairs] per destination rank under balanced routing (fake tensors: no values).
+
+    A token's k slots land on k uniformly chosen experts, so it is sent to a given rank with
+    probability 1 - (1 - 1/ep)^k (its row travels once per rank it reaches) and brings k/ep
+    (row, expert) pairs there on average.
+    """
+    rows = even_split(round(num_tokens * ep * (1 - (1 - 1 / ep) ** top_k)), ep)
+    pairs = even_split(num_tokens * top_k, ep)
+    return [v for pair in zip(rows, pairs, strict=True) for v in pair]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshforge.parallel.dims import ParallelDims
+from meshforge.parallel.plan_preference import ReferenceCost
 
 if TYPE_CHECKING:
     from torch import nn
@@ -188,30 +189,16 @@ def plan_lines(cfg: TrainConfig, world_size: int, *, log: Callable[[str], None] 
         lines.append(f"memory: not estimated ({exc})")
         return lines
     lines += memory_lines(cfg, dims, family, counts)
-    lines += reference_lines(cfg, dims, counts)
+    lines += reference_cost(cfg, dims, counts).lines(cfg.training.pref_loss)
     lines += activation_lines(cfg, dims, counts, log=log)
     return lines
 
 
-def reference_lines(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -> list[str]:
-    """What the reference model of `training.stage: dpo` costs each rank (train/preference.py)."""
-    training = cfg.training
-    if training.stage != "dpo":
-        return []
-    rows = "pair rows hold 2 x cutoff_len tokens (the activation estimate counts cutoff_len)"
-    if training.pref_loss in ("orpo", "simpo"):
-        return [f"dpo reference model: none ({training.pref_loss} is reference-free); {rows}"]
-    if counts.adapters is not None:
-        return [
-            "dpo reference model: the policy with its LoRA adapters disabled: no extra weights, one more "
-            f"forward without gradients per micro-batch; {rows}"
-        ]
+def reference_cost(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts) -> ReferenceCost:
+    """What the reference model of `training.stage: dpo` costs each rank (parallel/plan_preference.py)."""
     pbytes = _DTYPE_BYTES.get(cfg.model.params_dtype.lower(), 4)
-    worst = max(rank_parameters(cfg, dims, counts))
-    return [
-        f"dpo reference model: a frozen copy sharded as the policy: +{worst * pbytes / _GIB:.2f} GiB of "
-        f"weights per rank (no gradients or AdamW), one more forward without gradients per micro-batch; {rows}"
-    ]
+    copy = [p * pbytes for p in rank_parameters(cfg, dims, counts)]
+    return ReferenceCost.of(cfg, copy, lora=counts.adapters is not None)
 
 
 def memory_lines(cfg: TrainConfig, dims: ParallelDims, family: str, counts: ParamCounts) -> list[str]:
@@ -382,6 +369,7 @@ def activation_plan(
     # The head's logits are vocabulary-sharded only under loss parallelism.
     outside = estimate.outside / (dims.tp if dims.tp > 1 and par.enable_loss_parallel else 1)
     rows = []
+    reference = reference_cost(cfg, dims, counts).device_bytes  # a dpo run's frozen copy
     ranks = zip(_rank_layers(cfg, dims, counts), rank_state(cfg, dims, counts), strict=True)
     for rank, (layers, state) in enumerate(ranks):
         flight = in_flight(
@@ -391,7 +379,8 @@ def activation_plan(
         host = sum(estimate.layers[i].host for i in layers if i in estimate.layers) / dims.tp
         if rank == dims.pp - 1:
             device += outside
-        rows.append(RankActivations(rank, len(layers), flight, device * flight, host * flight, state.total))
+        state_bytes = state.total + reference[rank]
+        rows.append(RankActivations(rank, len(layers), flight, device * flight, host * flight, state_bytes))
     return rows
 
 

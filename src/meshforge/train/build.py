@@ -31,12 +31,15 @@ from meshforge.parallel.dims import ParallelDims
 from meshforge.train.batches import plan_batches
 from meshforge.train.build_model import build_model, build_tokenizer
 from meshforge.train.build_preference import build_preference
+from meshforge.train.build_reward import build_reward
 from meshforge.train.callback_runner import CallbackRunner
 from meshforge.train.callbacks import BuiltinCallback, build_callbacks, builtin_callbacks
 from meshforge.train.health import StepHealth
 from meshforge.train.output_dir import checkpoint_folder, claim_output_dir, remove_earlier_run
 from meshforge.train.preemption import PreemptionGuard
+from meshforge.train.preference import PreferenceStep
 from meshforge.train.preference_pipeline import attach_pipeline_pairs
+from meshforge.train.reference_pass import precompute_reference
 from meshforge.train.replicas import build_replicas, data_shard, replica_groups
 from meshforge.train.run import ModelParts, OptimParts, Progress, Run, RunData, RunEnv, Watchers
 from meshforge.train.saver import CheckpointSaver
@@ -84,15 +87,20 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
     rampup = build_rampup(cfg.training, env)
     tokenizer = build_tokenizer(cfg.model, log)
     model = build_model(cfg, env, tokenizer)
-    preference = build_preference(cfg, env, model, tokenizer)
+    preference = build_preference(cfg, env, model, tokenizer) or build_reward(cfg, env, model)
     loader, loader_context = build_train_data(cfg.train_dataset, cfg.training, env, tokenizer)
     total_steps = resolve_total_steps(cfg.training, loader, log)
     eval_loaders = build_eval_data(cfg.train_dataset, cfg.training.eval_interval, loader_context, log)
     data = RunData(loader, eval_loaders, loader_context, total_steps, rampup)
+    if isinstance(
+        preference, PreferenceStep
+    ):  # pref_ref_logps: precompute: the table pass, before the optimizer
+        precompute_reference(cfg, env, model, tokenizer, preference, data)
     optimizer, scheduler = build_optimizer(cfg.optimizer, cfg.lr_scheduler, model, data)
     grad_accum = build_grad_accumulation(cfg.optimizer, model, log)
     pipeline = build_pipeline(cfg.parallelism, env, model)
-    attach_pipeline_pairs(cfg, env, model, pipeline, preference, tokenizer)
+    if isinstance(preference, PreferenceStep):  # the pair loss on the last stage (rm refuses PP)
+        attach_pipeline_pairs(cfg, env, model, pipeline, preference, tokenizer)
     checkpointer = build_checkpointer(cfg.checkpoint, env, model)
     optim = OptimParts(optimizer, scheduler, grad_accum, pipeline, checkpointer)
     progress = resume(cfg.checkpoint, env, model, data, optim)
@@ -200,8 +208,8 @@ def build_train_data(
         total_steps=training.steps,
         epochs=training.epochs,
         log=env.log,
-        # DPO reads ranking datasets, one pair per row (data/sft/pairwise.py).
-        pairwise=training.stage == "dpo",
+        # DPO and reward models read ranking datasets, one pair per row (data/sft/pairwise.py).
+        pairwise=training.stage in ("dpo", "rm"),
     )
     return build_train_loader(dataset, context), context
 

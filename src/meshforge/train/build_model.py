@@ -7,6 +7,7 @@ config sections and values it needs, called in the order the run logs them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -22,6 +23,14 @@ from meshforge.models.common.kernels import (
     configure_model_kernels,
     resolve_kernel_options,
     supports_hidden_output,
+)
+from meshforge.train.reward_head import (
+    HEAD,
+    attach_value_head,
+    freeze_lm_head,
+    init_std,
+    value_head_detached,
+    with_head_init,
 )
 from meshforge.train.run import ModelParts, tied_aliases
 from meshforge.utils.dtype import parse_dtype
@@ -121,6 +130,10 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
     with torch.device("meta"):
         model = family.build(options)
     model.to(dtype=params_dtype)
+    reward = cfg.training.stage == "rm"
+    if reward:  # the value head of a reward model (train/reward_head.py), on the meta device too
+        attach_value_head(model, tp_mesh=env.mesh.view("tp") if dims.tp > 1 else None)
+        freeze_lm_head(model)
     seq = cfg.train_dataset.seq_length() or model_cfg.seq_length
     # The FLOPs of a token, counted once for the compile decision and the throughput log.
     run = _run_length(model, cfg.training, seq=seq, env=env, no_load_optim=cfg.checkpoint.no_load_optim)
@@ -136,6 +149,8 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
     )
     _check_parallel_support(dims, cfg.checkpoint)
     lora = lora_settings(cfg.lora_config) if cfg.lora_config is not None else None
+    if lora is not None and reward:
+        lora = dataclasses.replace(lora, trainable_modules=(HEAD,))
     parallel = parallelize_model(
         model,
         family=family,
@@ -172,6 +187,8 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
     init_fn = _no_init if load_hf else cast("InitFn", model.init_full_parameter_)
     if lora is not None:
         init_fn = with_adapter_init(init_fn, lora)
+    if reward:
+        init_fn = with_head_init(init_fn, init_std(model))
     if env.fake_tensors is not None:
         # A dry run: fake storage of the right shapes, nothing drawn, loaded or resized.
         with env.fake_tensors:
@@ -182,7 +199,7 @@ def build_model(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBas
         materialize_and_init(model, device=env.device, seed=seed, init_fn=init_fn)
     if load_hf and source.hf_dir is not None:
         # The Hugging Face folder holds the base model: the adapters stay out of its key check.
-        with adapters_detached(model):
+        with adapters_detached(model), value_head_detached(model):
             load_hf_weights(
                 model,
                 family,

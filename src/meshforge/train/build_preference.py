@@ -9,6 +9,7 @@ import torch
 
 from meshforge.loss.preference import METRIC_KEYS, PreferenceLoss
 from meshforge.train.preference import ORPO_KEYS, PreferenceStep
+from meshforge.train.reference_table import ReferenceTable
 
 if TYPE_CHECKING:
     from torch import nn
@@ -41,9 +42,12 @@ def build_preference(
     )
     lora = parts.lora is not None
     reference = None
-    # Under PP the frozen copy runs as a pipeline of its own (`train/preference_pipeline.py`).
-    if loss.needs_reference and not lora and env.dims.pp == 1:
-        reference = build_reference(cfg, env, tokenizer)
+    precompute = loss.needs_reference and training.pref_ref_logps == "precompute"
+    if loss.needs_reference and not lora:
+        # Else built, used and freed by the table pass (train/reference_table.py); under PP the
+        # frozen copy runs as a pipeline of its own (train/preference_pipeline.py).
+        if not precompute and env.dims.pp == 1:
+            reference = build_reference(cfg, env, tokenizer)
         if env.load_path:
             # The copy comes from the model source; a checkpoint loads into the policy only.
             env.log(
@@ -54,6 +58,8 @@ def build_preference(
     kind = (
         "none (reference-free loss)"
         if not loss.needs_reference
+        else "precomputed log-probabilities (train/reference_table.py)"
+        if precompute
         else "the policy with LoRA adapters disabled"
         if lora
         else "a frozen copy of the model, sharded as the policy"
@@ -69,6 +75,7 @@ def build_preference(
         device=env.device,
         keys=METRIC_KEYS + (ORPO_KEYS if loss.loss_type == "orpo" else ()),
         aux_coef=parts.aux_coef if parts.aux_loss_enabled else 0.0,
+        table=ReferenceTable() if precompute else None,
         cp=_cp_pairs(cfg, env),
     )
 

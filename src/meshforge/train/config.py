@@ -75,7 +75,7 @@ class TrainingConfig(StrictSection):
     stage: Literal["pt", "sft", "dpo", "rm"] = describe(
         "pt",
         "Training stage: pretraining (pt), supervised fine-tuning (sft), preference optimisation on "
-        "pairwise data (dpo; see docs/preference.md) or reward modelling (rm, not built yet).",
+        "pairwise data (dpo) or a reward model trained on the same pairs (rm; see docs/preference.md).",
     )
     pref_beta: PosFloat = describe(
         0.1, "Preference loss beta: the weight of the log-ratio (DPO's beta, IPO's tau; LLaMA-Factory key)."
@@ -91,6 +91,12 @@ class TrainingConfig(StrictSection):
         0.0, "Label smoothing of the sigmoid DPO loss (robust DPO), in [0, 0.5]."
     )
     simpo_gamma: NonNegFloat = describe(0.5, "SimPO's target reward margin gamma.")
+    pref_ref_logps: Literal["model", "precompute"] = describe(
+        "model",
+        "Where a reference-based preference loss reads the reference log-probabilities: model (a reference "
+        "forward every step) or precompute (one pass over the data before step 1, saved and reused; the "
+        "reference model is then freed; train/reference_table.py).",
+    )
     calculate_per_token_loss: Bool = describe(
         False, "MindSpeed switch; meshforge always normalises the loss by the global valid-token count."
     )
@@ -130,6 +136,10 @@ class TrainingConfig(StrictSection):
                 raise rule_error("rampup_batch_size", str(err).split(": ", 1)[1]) from None
         if self.dpo_label_smoothing > 0.5:
             raise rule_error("dpo_label_smoothing", f"must be in [0, 0.5], got {self.dpo_label_smoothing}")
+        if self.pref_ref_logps == "precompute" and self.pref_loss in ("orpo", "simpo"):
+            raise rule_error(
+                "pref_ref_logps", f"precompute: pref_loss {self.pref_loss} has no reference model; use model"
+            )
         if self.gradient_accumulation_steps is not None and self.global_batch_size is not None:
             raise rule_error(
                 "gradient_accumulation_steps",

@@ -126,7 +126,8 @@ class DryRunError(RuntimeError):
 
 
 class CollectiveRecorder(TorchDispatchMode):
-    """Counts every collective op that passes, keyed by (mesh dimension, kind), with its bytes.
+    """Counts every collective op that passes, keyed by (mesh dimension, kind), with its bytes,
+    and refuses matmuls of mixed dtypes as the device kernels do.
 
     The bytes of a call are its largest buffer (the gathered output of an all-gather, the input
     of a reduce-scatter, the tensor of an all-reduce), as the step-time model prices them.
@@ -145,9 +146,11 @@ class CollectiveRecorder(TorchDispatchMode):
         args: Sequence[object] = (),
         kwargs: dict[str, object] | None = None,
     ) -> object:
-        result = func(*args, **(kwargs or {}))
         namespace = getattr(func, "namespace", "")
         name = func._schema.name.split("::")[-1]
+        if namespace == "aten" and name in _SAME_DTYPE_OPS:
+            _check_same_dtype(name, args)
+        result = func(*args, **(kwargs or {}))
         if namespace in ("c10d", "_c10d_functional") and name in _KINDS:
             key = (self._dim_of(args), _KINDS[name])
             self.counts[key] += 1
@@ -167,6 +170,21 @@ class CollectiveRecorder(TorchDispatchMode):
             CollectiveRow(dim, kind, count, int(self.bytes[(dim, kind)]))
             for (dim, kind), count in sorted(self.counts.items())
         ]
+
+
+# Matmuls whose device kernels require one dtype for every operand; their fake-tensor shape
+# functions do not check it, so a float32 activation meeting bf16 weights would pass unseen.
+_SAME_DTYPE_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm"}
+
+
+def _check_same_dtype(name: str, args: Sequence[object]) -> None:
+    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    if len(set(dtypes)) > 1:
+        found = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise RuntimeError(
+            f"aten.{name}: expected one dtype for every operand, got {found} (the device kernel refuses "
+            "mixed dtypes: a module returned another dtype than the next one computes in)"
+        )
 
 
 def _tensor_bytes(value: object) -> int:
@@ -190,15 +208,16 @@ def _group_name(arg: object) -> str | None:
 
 def group_dims(mesh: ParallelMesh) -> dict[str, str]:
     """Process-group name -> the mesh dimension it spans (`tp`, `fsdp:dp_shard_cp`, ...)."""
-    names: dict[str, str] = {}
-    for dim in mesh.root.mesh_dim_names or ():
-        names.setdefault(mesh.root.get_group(dim).group_name, dim)
+    labels: dict[str, list[str]] = {}
     for purpose, view in mesh.views.items():
         dims = view.mesh_dim_names or ()
         for i, dim in enumerate(dims):
             label = purpose if len(dims) == 1 else f"{purpose}:{dim}"
-            names.setdefault(view.get_group(i).group_name, label)
-    return names
+            labels.setdefault(view.get_group(i).group_name, []).append(label)
+    for dim in mesh.root.mesh_dim_names or ():
+        labels.setdefault(mesh.root.get_group(dim).group_name, [dim])
+    # One group serves several purposes (FSDP's shards are also the loss's ranks): name them all.
+    return {name: "/".join(dict.fromkeys(found)) for name, found in labels.items()}
 
 
 @contextlib.contextmanager
@@ -370,7 +389,8 @@ class _ModuleTracker:
         for name, module in model.named_modules():
             label = name or type(module).__name__
             self.handles.append(module.register_forward_pre_hook(self._enter(label)))
-            self.handles.append(module.register_forward_hook(self._leave(label), always_call=True))
+            # Not `always_call`: a failing module stays on the stack, to be named.
+            self.handles.append(module.register_forward_hook(self._leave(label)))
 
     def _enter(self, label: str) -> Callable[..., None]:
         def hook(*_args: object) -> None:
@@ -409,6 +429,7 @@ def _step(
     from meshforge.train.build import build_grad_accumulation, build_optimizer, build_pipeline
     from meshforge.train.build_model import build_model
     from meshforge.train.build_preference import build_preference
+    from meshforge.train.build_reward import build_reward
     from meshforge.train.replicas import replica_groups
     from meshforge.train.run import OptimParts, Progress, Run, RunData, RunEnv, Watchers
     from meshforge.train.trainer import Trainer
@@ -434,7 +455,7 @@ def _step(
     )
     tokenizer = _tokenizer(cfg, log, notes)
     parts = build_model(cfg, env, tokenizer)
-    preference = build_preference(cfg, env, parts, tokenizer)
+    preference = build_preference(cfg, env, parts, tokenizer) or build_reward(cfg, env, parts)
     data = RunData(
         loader=cast(Any, None),  # the step's batches are synthetic; no loader is built
         eval_loaders={},
@@ -452,13 +473,31 @@ def _step(
     )
     # The dry-run step reaches no watcher (no health verdict, sinks or callbacks).
     trainer.run = Run(env, parts, data, optim, cast(Watchers, None), Progress(), preference=preference)
+    steps = _micro_batches_to_run(plan.grad_accum_steps, pipeline, dims)
+    if steps < plan.grad_accum_steps:
+        notes.append(
+            f"ran {steps} of the step's {plan.grad_accum_steps} micro-batches: the peak does not grow "
+            "with more (accumulation adds no live activations; a pipeline's in-flight count is "
+            "reached); the collectives above are those of the micro-batches run"
+        )
+    if pipeline is not None:
+        pipeline._schedule_for(steps)  # built before the peers are simulated on every schedule
+        _simulate_pipeline_peers(pipeline, cfg, dims, parts)
+        notes.append(
+            "pipeline: the neighbouring stages' shapes are taken as [micro-batch, sequence / cp, "
+            "hidden] in the compute dtype (the ranks that would send them are not run)"
+        )
+    from meshforge.models.common.moe import ExpertsBase
+
+    if any(isinstance(m, ExpertsBase) for m in parts.module.modules()):
+        notes.append("MoE routing taken as balanced (fake tensors carry no router values)")
     tracker.install(parts.module)
     recorder = CollectiveRecorder(group_dims(mesh))
     memory = _new_step_peak()
     with fake:
         micro = [
             to_device(synthetic_batch(cfg, parts, pairs=preference is not None), device, pin=False)
-            for _ in range(plan.grad_accum_steps)
+            for _ in range(steps)
         ]
         if dims.cp > 1:
             micro = [trainer._shard_for_cp(mb) for mb in micro]
@@ -477,15 +516,21 @@ def _step(
             if preference is not None:
                 preference._sums = None  # the metric sums hold no values worth reducing
             trainer.clip_grads()
+            before_update = _total(memory.get_tracker_snapshot("current"))
+        # The update runs outside the tracker: DTensor's sharding propagation of the foreach
+        # optimizer ops allocates global-shape fake tensors that no device ever holds; the
+        # optimizer's own allocation is its state, measured below from its tensors.
+        with recorder:
             optimizer.step()
             scheduler.step()
+        update_peak = before_update + _local_bytes(list(_state_tensors(optimizer)))
+        with recorder:
             optimizer.zero_grad(set_to_none=True)
     tracker.remove()
     # Outside the mode: DCP's planner makes small real tensors of its own (shard offsets); the
     # state's fake tensors still dispatch to their mode.
     items = _save_plan_items(optim, parts)
-    snapshot = memory.get_tracker_snapshot("peak")
-    peak = max((int(stats.get("Total", 0)) for stats in snapshot.values()), default=0)
+    peak = max(_total(memory.get_tracker_snapshot("peak")), update_peak)
     if device_type != "cuda":
         notes.append(
             "fake tensors on the CPU device type (this torch has no CUDA runtime): CUDA-only kernels, "
@@ -494,31 +539,132 @@ def _step(
     return peak, recorder.rows(), items, notes
 
 
-def _step_peak_class() -> type:
-    from torch.distributed._tools.mem_tracker import MemTracker
+def _micro_batches_to_run(total: int, pipeline: Any, dims: ParallelDims) -> int:
+    """Enough of the step's micro-batches to reach its peak: two without a pipeline (the
+    second meets the first's gradients), two rounds of the stages with one."""
+    if pipeline is None:
+        return min(total, 2)
+    from meshforge.parallel.pipeline.runtime import check_microbatches
 
-    class StepPeak(MemTracker):
-        """torch's `MemTracker` for the step's high-water mark only: its per-module statistics
-        refuse a module entered twice from the top (every micro-batch and pipeline stage does),
-        and the dry run reads the global peak alone, so the module hooks do nothing."""
+    fewer = 2 * pipeline.split.num_stages
+    if fewer >= total:
+        return total
+    try:
+        check_microbatches(pipeline.schedule_name, fewer, dims.pp)
+    except ValueError:
+        return total
+    return fewer
 
-        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-            pass
 
-        def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
-            pass
+def _simulate_pipeline_peers(pipeline: Any, cfg: TrainConfig, dims: ParallelDims, parts: ModelParts) -> None:
+    """Stand in for the other pipeline ranks' half of torch's stage set-up.
 
-        def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
-            pass
+    torch's schedule votes on static or dynamic shape inference and then receives each stage's
+    input shapes from the previous rank (and its output-gradient shapes from the next) as
+    pickled objects: the fake process group delivers nothing, so this rank's stages answer
+    themselves: the activations that cross a stage boundary (hidden states, and the router
+    statistics with the aux loss), and for gradients the shapes of this stage's own outputs.
+    """
+    from torch.distributed.pipelining._utils import (
+        InferenceMode,
+        _StageBackwardMeta,
+        _StageForwardMeta,
+        extract_tensor_metas,
+    )
 
-        def _post_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
-            pass
+    rows = int(cfg.training.local_batch_size)  # the schedule's micro-batch is the trainer's
+    seq = int(cfg.train_dataset.seq_length() or cfg.model.seq_length or 0) // dims.cp
+    if dims.tp > 1:
+        seq //= dims.tp  # sequence parallelism (always on with TP): the hidden states stay split
+    hidden_size = int(getattr(getattr(parts.module, "config", None), "hidden_size", 0) or 0)
+    if not hidden_size:
+        raise NotImplementedError(
+            "not supported yet: a dry run of a pipeline whose model has no config.hidden_size"
+        )
 
-    return StepPeak
+    def boundary() -> tuple[torch.Tensor, ...]:
+        hidden = torch.empty(rows, seq, hidden_size, dtype=parts.compute_dtype, requires_grad=True)
+        if pipeline.aux_experts is None:
+            return (hidden,)
+        carry = torch.empty(2 * pipeline.aux_experts + 1, dtype=torch.float32, requires_grad=True)
+        return hidden, carry
+
+    for stage in pipeline.stages:
+
+        def recv(src: int, stage: Any = stage) -> object:
+            if src < stage.stage_index:
+                metas = extract_tensor_metas(boundary())
+                assert metas is not None
+                return _StageForwardMeta(forward_metas=metas)
+            outputs = stage._stage_meta.outputs
+            return _StageBackwardMeta(backward_metas=tuple(m if m.requires_grad else None for m in outputs))
+
+        stage._recv_meta = recv
+        stage._send_meta = lambda meta, dst: None
+
+    def vote(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.DYNAMIC
+
+    for schedule in pipeline._schedules.values():
+        schedule._warmup_p2p = vote
+
+
+class _NoModules:
+    """The module tracker `MemTracker` consults, tracking nothing: torch's `ModTracker` hooks
+    every module's inputs for backward, which a pipeline stage's `autograd.grad` on its leaf
+    inputs refuses, and re-entering a module (every micro-batch does) trips its statistics.
+    The dry run reads the step's global high-water mark only."""
+
+    is_bw = False
+    parents: set[str] = set()
+
+    def register_user_hooks(self, *hooks: object) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def get_known_fqn(self, module: object) -> str | None:
+        return None
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        pass
 
 
 def _new_step_peak() -> Any:
-    return _step_peak_class()()
+    """torch's `MemTracker` (allocations and frees of every storage, storage resizes included)
+    without its per-module statistics."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    memory = MemTracker()
+    memory._mod_tracker = _NoModules()  # type: ignore[assignment]
+    return memory
+
+
+def _total(snapshot: dict[Any, dict[Any, int]]) -> int:
+    return max((int(stats.get("Total", 0)) for stats in snapshot.values()), default=0)
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _local_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    storages = [
+        local.untyped_storage()
+        for t in tensors
+        if (local := t.to_local() if isinstance(t, DTensor) else t).numel() > 1  # not step counters
+    ]
+    # The list keeps every storage object alive, so no two share an id.
+    return sum({id(st): st.nbytes() for st in storages}.values())
 
 
 def _tokenizer(cfg: TrainConfig, log: Log, notes: list[str]) -> Any:

@@ -125,6 +125,8 @@ def export_run_hf(run: Run, out_dir: Path, *, log: Log) -> Path:
     A pipeline run's comes from its final checkpoint (`export_hf_from_checkpoint`).
     """
     env, parts = run.env, run.model
+    if env.cfg.training.stage == "rm":  # a reward model: AutoModelForSequenceClassification's folder
+        return export_reward(run, out_dir, merge_adapters=False, log=log)
     if parts.pipeline_split is not None:
         return export_hf_from_checkpoint(
             run.watch.checkpoint_saver.last_path,
@@ -142,6 +144,7 @@ def export_run_lora(run: Run, *, merged: bool, log: Log) -> Path | None:
     """A LoRA run's PEFT adapter folder, and with `merged` the merged HF folder (returned; else None)."""
     env, parts, section = run.env, run.model, run.env.cfg.lora_config
     assert section is not None
+    reward = env.cfg.training.stage == "rm"  # its merged folder is written by export_reward
     out = export_lora_from_memory(
         parts.module,
         parts.family,
@@ -149,11 +152,28 @@ def export_run_lora(run: Run, *, merged: bool, log: Log) -> Path | None:
         adapter_dir=export_dir(run, "adapter"),
         section=section,
         base_model=run.optim.checkpointer.lora_base_path() or env.cfg.model.model_name_or_path,
-        merged=merged,
+        merged=merged and not reward,
         tokenizer=parts.tokenizer if env.dist.is_main else None,
         log=log,
     )
+    if merged and reward:
+        return export_reward(run, env.output_dir / "hf", merge_adapters=True, log=log)
     return out if merged else None
+
+
+def export_reward(run: Run, out_dir: Path, *, merge_adapters: bool, log: Log) -> Path:
+    """A reward model's sequence-classification folder of its current weights (collective)."""
+    from meshforge.train.reward_export import save_reward_hf
+
+    env, parts = run.env, run.model
+    tokenizer = parts.tokenizer if env.dist.is_main else None
+    out = save_reward_hf(
+        parts.module, parts.family, out_dir, tokenizer=tokenizer, merge_adapters=merge_adapters
+    )
+    log(
+        f"checkpoint: exported the reward model (AutoModelForSequenceClassification) to {out} (checkpoint.save_hf_weights)"
+    )
+    return out
 
 
 def dcp_to_hf(
@@ -208,6 +228,13 @@ def dcp_to_hf(
     params_dtype = parse_dtype(cfg.model.params_dtype, key="model.params_dtype")
     tokenizer = _maybe_tokenizer(cfg.model, log)
     options = grown_options(cfg.model, source, tokenizer, log)
+    if cfg.training.stage == "rm":  # a reward model: AutoModelForSequenceClassification's folder
+        from meshforge.train.reward_export import reward_step_to_hf
+
+        return reward_step_to_hf(
+            cfg, source, options, step, Path(out_dir), tokenizer=tokenizer, params_dtype=params_dtype,
+            shard_size=shard_size, dtype=dtype, log=log,
+        )  # fmt: skip
     if cfg.lora_config is not None:
         return _lora_step_to_hf(cfg, source, options, step, Path(out_dir), tokenizer, params_dtype, log)
     with one_rank_group():

@@ -7,7 +7,9 @@ states). The reference model, for the losses that have one:
 * with LoRA, the policy itself with its adapters off (`lora.layer.adapters_disabled`): no second
   copy of the weights, one more forward without gradients;
 * with full fine-tuning, a frozen copy built by the same `build_model` as the policy (the same
-  source or seeded init, the same parallelisation and FSDP sharding), in eval mode.
+  source or seeded init, the same parallelisation and FSDP sharding), in eval mode;
+* with `training.pref_ref_logps: precompute`, a table of both answers' sums per pair, computed
+  once before step 1 (`train/reference_table.py`): no reference forward and no copy in training.
 
 Arithmetic: the trainer counts pairs instead of valid tokens (`count_pairs`), so the normalizer
 it passes is the number of pairs in the global batch and `sum(pair losses) / normalizer`,
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from meshforge.train.preference_cp import CPPairs
+    from meshforge.train.reference_table import ReferenceTable
 
 Batch = dict[str, torch.Tensor]
 ORPO_KEYS = ("sft_loss", "odds_ratio_loss")  # the extra metrics of the orpo loss
@@ -64,6 +67,7 @@ class PreferenceStep:
     device: torch.device
     keys: tuple[str, ...] = METRIC_KEYS
     aux_coef: float = 0.0
+    table: ReferenceTable | None = None  # precomputed reference sums (train/reference_table.py)
     cp: CPPairs | None = None
     _sums: torch.Tensor | None = field(default=None, repr=False)
     _eval_sums: torch.Tensor | None = field(default=None, repr=False)
@@ -108,6 +112,12 @@ class PreferenceStep:
         """The reference model's pair log-probabilities (no gradient), or None without a reference."""
         if not self.loss.needs_reference:
             return None
+        if self.table is not None:  # training.pref_ref_logps: precompute
+            return self.table.lookup(batch)
+        return self.reference_forward(model, batch)
+
+    def reference_forward(self, model: nn.Module, batch: Batch) -> PairLogps:
+        """The reference forward: the frozen copy, or the policy (`model`) with its adapters off."""
         with torch.no_grad():
             if self.reference is not None:
                 return self._pair_logps(self.reference, batch)[0]

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from meshforge.train.preemption import PreemptionGuard
     from meshforge.train.preference import PreferenceStep
     from meshforge.train.replicas import ReplicaGroup
+    from meshforge.train.reward import RewardStep
     from meshforge.train.saver import CheckpointSaver
     from meshforge.utils.distributed import DistInfo
 
@@ -243,7 +244,8 @@ class Run:
     optim: OptimParts
     watch: Watchers
     progress: Progress
-    # training.stage: dpo: the step's pair forward, reference model and metrics (train/preference.py).
-    preference: PreferenceStep | None = None
+    # training.stage: dpo: the step's pair forward, reference model and metrics (train/preference.py);
+    # rm: the reward model's pair forward and metrics (train/reward.py), called the same way.
+    preference: PreferenceStep | RewardStep | None = None
     # parallelism.fault_tolerance: this rank's torchft replica group (train/replicas.py); None when off.
     replicas: ReplicaGroup | None = None

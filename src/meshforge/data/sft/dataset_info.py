@@ -188,9 +188,9 @@ def resolve_datasets(dataset: object, dataset_dir: str, *, ranking: bool | None 
             raise ValueError(
                 f"{where}.ranking: "
                 + (
-                    "a pairwise (ranking: true) dataset trains only with training.stage: dpo"
+                    "a pairwise (ranking: true) dataset trains only with training.stage: dpo or rm"
                     if attr.ranking
-                    else "training.stage: dpo needs pairwise data: a dataset with ranking: true "
+                    else "training.stage: dpo and rm need pairwise data: a dataset with ranking: true "
                     "and chosen/rejected columns"
                 )
             )

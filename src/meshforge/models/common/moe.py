@@ -78,6 +78,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from meshforge.models.common.mlp import activation
 from meshforge.utils.distributed import local_tensor
@@ -304,12 +305,29 @@ def group_sizes(grouped: torch.Tensor, counts: torch.Tensor) -> list[int]:
     checks tell the compiler they are sizes that add up to the rows, so the per-expert loop
     stays in the layer's graph instead of breaking it.
     """
-    sizes = counts.tolist()
+    sizes = host_ints(counts, lambda: even_split(grouped.shape[0], counts.numel()))
     if torch.compiler.is_compiling():
         for size in sizes:
             torch._check(size >= 0)
         torch._check(sum(sizes) == grouped.shape[0])
     return sizes
+
+
+def host_ints(values: torch.Tensor, balanced: Callable[[], list[int]]) -> list[int]:
+    """``values.tolist()``: the one host sync of a routing step.
+
+    On fake tensors (``meshforge config validate --dry-run``) there are no values: routing is
+    taken as balanced, ``balanced()``, which is also the load a router's balancing loss aims for.
+    """
+    if not torch.compiler.is_compiling() and is_fake(values):
+        return balanced()
+    return [int(v) for v in values.tolist()]
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` rows over ``parts`` as evenly as integers allow (the first ones get the remainder)."""
+    base, extra = divmod(int(total), parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def skip_empty(group: torch.Tensor) -> bool:
@@ -550,6 +568,8 @@ __all__ = [
     "ExpertCompute",
     "expert_counts",
     "group_sizes",
+    "host_ints",
+    "even_split",
     "skip_empty",
     "traceable_grouped_mm",
     "GroupedExperts",

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from meshforge.models.common.moe import dispatch_to_experts
+from meshforge.models.common.moe import dispatch_to_experts, group_sizes
 
 if TYPE_CHECKING:
     from meshforge.models.common.moe import TokenExchange
@@ -112,7 +112,7 @@ def _local_experts(module: nn.Module, grouped: torch.Tensor, counts: torch.Tenso
         return None
     gate_up, down = _local(module.get_parameter("gate_up_proj")), _local(module.get_parameter("down_proj"))
     outputs = []
-    for expert, rows in enumerate(grouped.split(counts.tolist())):
+    for expert, rows in enumerate(grouped.split(group_sizes(grouped, counts))):
         hidden = module._apply_gate(F.linear(rows, gate_up[expert]))  # type: ignore[operator]
         outputs.append(F.linear(hidden, down[expert]))
     return torch.cat(outputs)

@@ -20,11 +20,13 @@ Exchanges use the autograd-aware functional collectives, except inside ``FusedRi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed import _functional_collectives as funcol
 
 from meshforge.models.common.sink_attention import causal_mask, sink_attention
@@ -32,6 +34,16 @@ from meshforge.models.common.sink_attention import causal_mask, sink_attention
 
 def wait(x: torch.Tensor) -> torch.Tensor:
     return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+def host_index(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A token-position index (a function of the sequence length and the rank, never of data)
+    built outside any fake-tensor mode: the ring's block plan reads its values on the host
+    (:func:`runs`), which a dry run on fake tensors (`train/dry_run.py`) could not otherwise."""
+    if torch.compiler.is_compiling():
+        return make()
+    with unset_fake_temporarily():
+        return make()
 
 
 def runs(index: torch.Tensor) -> list[tuple[int, int, int]]:

@@ -18,6 +18,7 @@ from meshforge.parallel.context.blocks import (
     attend,
     block_update,
     heads_to_seq,
+    host_index,
     runs,
     seq_to_heads,
     wait,
@@ -73,7 +74,7 @@ class ContextParallel:
     # ---- per forward -------------------------------------------------------------------
 
     def _index(self, seq_len: int, rank: int, device: torch.device) -> torch.Tensor:
-        return local_token_index(seq_len, self.size, rank, method=self.method).to(device)
+        return host_index(lambda: local_token_index(seq_len, self.size, rank, method=self.method).to(device))
 
     def prepare(
         self,
@@ -245,7 +246,9 @@ class ContextParallel:
     def _group_index(self, seq_len: int, ring_rank: int, device: torch.device) -> torch.Tensor:
         """Positions a ulysses group holds after its all-to-all, in gathered (member) order."""
         u = self.ulysses_size
-        return torch.cat([self._index(seq_len, ring_rank * u + j, device) for j in range(u)])
+        return host_index(
+            lambda: torch.cat([self._index(seq_len, ring_rank * u + j, device) for j in range(u)])
+        )
 
     @torch.compiler.disable
     def _hybrid_ring(
@@ -259,14 +262,15 @@ class ContextParallel:
         window: int | None,
     ) -> torch.Tensor:
         gathered = self._group_index(mask.seq_len, self.ring_rank, q.device)
-        order = torch.argsort(gathered)
+        order = host_index(lambda: torch.argsort(gathered))
+        gathered_sorted = host_index(lambda: gathered[order])
         # Sorted, a group's positions are two contiguous chunks (the coarse ring layout).
         q, k, v = (x.index_select(2, order) for x in (q, k, v))
 
         def kv_index(ring_rank: int) -> torch.Tensor:
-            return self._group_index(mask.seq_len, ring_rank, q.device).sort().values
+            return host_index(lambda: self._group_index(mask.seq_len, ring_rank, q.device).sort().values)
 
-        out = self._ring(q, k, v, gathered[order], kv_index, mask, scale, sinks, window, tag="hybrid")
+        out = self._ring(q, k, v, gathered_sorted, kv_index, mask, scale, sinks, window, tag="hybrid")
         return out.index_select(2, torch.argsort(order))
 
     def _ring_shift(self, x: torch.Tensor) -> torch.Tensor:

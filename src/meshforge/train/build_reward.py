@@ -1,0 +1,44 @@
+"""Build the step of a `training.stage: rm` run (`train/reward.py`) from the built model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from meshforge.models.common.kernels import supports_hidden_output
+from meshforge.train.reward import RewardStep
+from meshforge.train.reward_head import value_head
+
+if TYPE_CHECKING:
+    from meshforge.config.root import TrainConfig
+    from meshforge.train.run import ModelParts, RunEnv
+
+
+def build_reward(cfg: TrainConfig, env: RunEnv, parts: ModelParts) -> RewardStep | None:
+    """The reward-model step of a `stage: rm` run (None for other stages).
+
+    Raises:
+        ValueError: a model part the step does not compute (MTP) or a model without final
+            hidden states, named by key.
+    """
+    if cfg.training.stage != "rm":
+        return None
+    if parts.mtp_coef:
+        raise ValueError("not supported yet: multi-token prediction (MTP) with training.stage: rm")
+    if not supports_hidden_output(parts.module):
+        raise ValueError(
+            "training.stage: rm: the model gives no final hidden states (forward(..., return_hidden=True)); "
+            "use a meshforge model family (model.model_type)"
+        )
+    head = value_head(parts.module)
+    trains = "trained with the adapters" if parts.lora is not None else "trained"
+    env.log(
+        f"reward model: value head score [{head.in_features} -> 1] on the last token of each sequence, {trains}"
+    )
+    return RewardStep(
+        compute_dtype=parts.compute_dtype,
+        autocast=parts.compute_dtype != torch.float32 and not parts.fsdp,
+        device=env.device,
+        aux_coef=parts.aux_coef if parts.aux_loss_enabled else 0.0,
+    )

@@ -1,0 +1,131 @@
+"""`meshforge config validate --dry-run`: one whole step of one rank of an N-rank layout, in
+this process, on fake tensors and torch's fake process group (`train/dry_run.py`).
+
+Each layout runs the trainer's own build and step code; the seeded bugs are real bug classes
+(a TP plan that misses a module, experts that do not split over EP, a stage boundary that
+cuts a block, a dtype mismatch under mixed precision), each of which the dry run must report
+with the layout and the module it failed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from meshforge.config.loader import load_config
+from meshforge.train.dry_run import DryRunError, DryRunReport, dry_run
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = ROOT / "configs/llama/tiny.yaml"
+QWEN3_MOE = ROOT / "configs/qwen3_moe/tiny.yaml"
+SMALL = [
+    "--model.num_hidden_layers=2",
+    "--training.local_batch_size=2",
+    "--train_dataset.dataloader.seq_length=64",
+]
+
+
+def _run(config: Path, world: int, *overrides: str, rank: int | None = None) -> DryRunReport:
+    cfg = load_config(config, [*SMALL, *overrides])
+    return dry_run(cfg, world_size=world, rank=rank)
+
+
+def _kinds(report: DryRunReport, dim: str) -> dict[str, int]:
+    return {row.kind: row.count for row in report.collectives if dim in row.dim.split("/")}
+
+
+def _local_param_bytes(world: int, *overrides: str) -> int:
+    """Bytes of one rank's parameters, from the full model's size over its shards (fp32)."""
+    from meshforge.parallel.plan import count_parameters
+
+    cfg = load_config(LLAMA, [*SMALL, *overrides])
+    _family, counts = count_parameters(cfg)
+    return int(counts.total * 4 / world)
+
+
+def test_tp_fsdp_step_reports_peak_collectives_and_save_plan() -> None:
+    report = _run(LLAMA, 4, "--parallelism.tensor_parallel=2")
+    assert report.lines()[0].startswith("dry run (rank ")
+    assert "one step ok" in report.lines()[0]
+    tp = _kinds(report, "tp")
+    assert tp.get("all-gather", 0) > 0 and tp.get("reduce-scatter", 0) > 0  # sequence parallelism
+    fsdp = _kinds(report, "fsdp")
+    assert fsdp.get("all-gather", 0) > 0 and fsdp.get("reduce-scatter", 0) > 0
+    assert report.save_plan_items > 0
+    # Weights, gradients and AdamW's two moments of this rank's shard are all live at the update.
+    assert report.peak_bytes > 4 * _local_param_bytes(4)
+
+
+@pytest.mark.slow
+def test_expert_parallel_step_exchanges_tokens_all_to_all() -> None:
+    report = _run(QWEN3_MOE, 4, "--parallelism.expert_parallel=2")
+    assert _kinds(report, "ep").get("all-to-all", 0) > 0
+    assert any("balanced" in note for note in report.notes)
+
+
+@pytest.mark.slow
+def test_pipeline_last_stage_and_context_parallel_steps_run() -> None:
+    last = _run(LLAMA, 2, "--parallelism.pipeline_parallel=2", "--training.global_batch_size=4", rank=1)
+    pp = _kinds(last, "pp")
+    assert pp.get("send", 0) > 0 and pp.get("recv", 0) > 0
+    cp = _run(LLAMA, 2, "--parallelism.context_parallel=2")
+    assert cp.peak_bytes > 0
+
+
+def _without_o_proj(plan: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    def seeded(model: torch.nn.Module, **kwargs: Any) -> dict[str, Any]:
+        return {k: v for k, v in plan(model, **kwargs).items() if not k.endswith("o_proj")}
+
+    return seeded
+
+
+def test_seeded_tp_plan_missing_a_module_is_reported_with_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    import meshforge.models.llama.parallelize as llama_tp
+
+    monkeypatch.setattr(llama_tp, "checked_tp_plan", _without_o_proj(llama_tp.checked_tp_plan))
+    with pytest.raises(DryRunError, match=r"tp=2.*failed in module model\.layers\.0\.self_attn"):
+        _run(LLAMA, 2, "--parallelism.tensor_parallel=2")
+
+
+@pytest.mark.slow
+def test_seeded_uneven_expert_split_is_reported_by_key() -> None:
+    # 8 experts over 3 expert-parallel ranks.
+    with pytest.raises((ValueError, DryRunError), match="expert_parallel"):
+        _run(QWEN3_MOE, 3, "--parallelism.expert_parallel=3", "--training.global_batch_size=6")
+
+
+@pytest.mark.slow
+def test_seeded_stage_boundary_inside_a_moe_block_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split that leaves a block's sparse feed-forward off the stage that runs the block."""
+    import meshforge.parallel.pipeline as pipeline_package
+
+    original = pipeline_package.split_model
+
+    def cut_inside_block(model: torch.nn.Module, **kwargs: Any) -> Any:
+        split = original(model, **kwargs)
+        last = split.stages[0].layer_keys[-1]
+        del model.get_submodule(f"model.layers.{last}")._modules["mlp"]
+        return split
+
+    monkeypatch.setattr(pipeline_package, "split_model", cut_inside_block)
+    with pytest.raises(DryRunError, match=r"pp=2.*failed in module model\.layers\.0"):
+        _run(QWEN3_MOE, 2, "--parallelism.pipeline_parallel=2", "--training.global_batch_size=4", rank=0)
+
+
+@pytest.mark.slow
+def test_seeded_dtype_mismatch_under_mixed_precision_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A norm that hands float32 to bf16 projections (a custom kernel that forgets to cast back)."""
+    from meshforge.models.common import norms
+
+    forward = norms.RMSNorm.forward
+
+    def float32_out(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return forward(self, x).float()  # type: ignore[arg-type]
+
+    monkeypatch.setattr(norms.RMSNorm, "forward", float32_out)
+    with pytest.raises(DryRunError, match=r"failed in module model\.layers\.0\.self_attn\.q_proj.*dtype"):
+        _run(LLAMA, 2, "--model.compute_dtype=bfloat16", "--parallelism.param_dtype=bfloat16")
