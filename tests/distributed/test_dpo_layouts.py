@@ -139,3 +139,70 @@ def test_dp_tp_cp_pp_and_ep_layouts_equal_one_process(tmp_path: Path) -> None:
     again = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in again] == [3]
     assert {k: again[0][k] for k in keys} == {k: whole[2][k] for k in keys}
+
+
+def test_torchft_replica_groups_equal_one_process(tmp_path: Path) -> None:
+    """Two torchft replica groups (one process each) give one process's steps and pair metrics.
+
+    Group 0 trains in this process, group 1 in a fresh one, against a lighthouse here; each group
+    reads half of every global batch, and the pair counts and reward sums are summed over both.
+    """
+    pytest.importorskip("torchft")
+    import subprocess
+
+    from torchft._torchft import LighthouseServer
+
+    from tests.conftest import meshforge_cmd, train_here, worker_env
+
+    base = [
+        *TINY,
+        "--train_dataset.max_samples=16",
+        "--training.steps=3",
+        "--lr_scheduler.learning_rate=2e-2",
+    ]
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000
+    )
+
+    def group(g: int) -> list[str]:
+        return [
+            *base,
+            f"--training.output_dir={tmp_path / f'g{g}'}",
+            "--checkpoint.enable_save=false",
+            "--parallelism.fault_tolerance.enable=true",
+            f"--parallelism.fault_tolerance.replica_id={g}",
+            f"--parallelism.fault_tolerance.lighthouse={lighthouse.address()}",
+            "--parallelism.fault_tolerance.quorum_timeout_s=60",
+        ]
+
+    log = tmp_path / "g1.log"
+    with log.open("w") as sink:
+        peer = subprocess.Popen(
+            meshforge_cmd("train", "--config", str(CONFIG), *group(1)),
+            cwd=tmp_path,
+            env=worker_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        train_here(CONFIG, group(0))
+        peer.wait(timeout=120)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        lighthouse.shutdown()
+    assert peer.returncode == 0, log.read_text()[-4000:]
+    train_here(CONFIG, [*base, f"--training.output_dir={tmp_path / 'one'}"])
+    one = read_metrics(tmp_path / "one")
+    failures = []
+    for g in (0, 1):
+        got = read_metrics(tmp_path / f"g{g}")
+        assert [r["replicas"] for r in got] == [2, 2, 2] and len(one) == 3
+        for a, b in zip(one, got, strict=True):
+            assert b["pairs"] == a["pairs"] == 8
+            failures += [
+                f"group {g} step {a['step']} {m}: {b[m]} != {a[m]}"
+                for m in (*METRICS, "grad_norm")
+                if b[m] != pytest.approx(a[m], rel=1e-5, abs=ABS.get(m, 1e-7))
+            ]
+    assert not failures, "\n".join(failures)

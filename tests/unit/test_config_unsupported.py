@@ -92,10 +92,6 @@ _DPO = {
 _PRECOMPUTE = {**_DPO, "training": {"stage": "dpo", "pref_ref_logps": "precompute"}}
 # What training.stage: dpo does not combine with yet.
 DPO_TRIGGERS: list[tuple[str, dict]] = [
-    (
-        "parallelism.fault_tolerance.enable",
-        {**_DPO, "parallelism": {"fault_tolerance": {"enable": True, "replica_groups": 2}}},
-    ),
     *[
         ("training.pref_ref_logps", {**_PRECOMPUTE, **extra})
         for extra in (
@@ -114,6 +110,19 @@ def test_dpo_refuses_what_it_does_not_combine_with(path, raw):
     notes = [e.note for e in ENTRIES if e.path == path and e.is_set(cfg)]
     assert path in unsupported_features(cfg) and any("training.stage: dpo" in n for n in notes)
     assert "training.stage" not in unsupported_features(cfg)  # dpo itself trains
+
+
+@pytest.mark.parametrize(
+    "parallelism",
+    [
+        {"context_parallel": 2},
+        {"pipeline_parallel": 2},
+        {"fault_tolerance": {"enable": True, "replica_groups": 2}},
+    ],
+    ids=["cp", "pp", "torchft"],
+)
+def test_dpo_trains_under_cp_pp_and_torchft(parallelism):
+    assert unsupported_features(config_from_dict({**_DPO, "parallelism": parallelism})) == []
 
 
 def test_default_config_has_no_unsupported_features():

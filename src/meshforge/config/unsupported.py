@@ -204,11 +204,6 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
         )
         for on, what, why in _PRECOMPUTE_REFUSED
     ],
-    Unsupported(
-        "parallelism.fault_tolerance.enable",
-        lambda c: c.training.stage == "dpo" and c.parallelism.fault_tolerance.enable,
-        f"{_DPO} with torchft replica groups: the pair metrics are reduced within a group only, untested",
-    ),
 ]
 
 

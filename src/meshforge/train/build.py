@@ -118,6 +118,8 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
         progress=progress,
         log=env.log,
     )
+    if isinstance(preference, PreferenceStep) and replicas is not None:
+        preference.over_groups = replicas.sum_over_groups  # the pair metrics over every live group
     return Run(
         env=env,
         model=model,

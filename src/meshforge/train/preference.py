@@ -56,6 +56,8 @@ class PreferenceStep:
             trainer adds it to the LM loss: each micro-batch's router loss (a mean) weighted by
             its share of the step's pairs, so one micro-batch on one rank gives `loss + coef * aux`.
         cp: under context parallelism, the whole-row side of the sums (`train/preference_cp.py`).
+        over_groups: with torchft replica groups, the sum over the live groups (`train/replicas.py`)
+            of the step's metric sums, after their sum over the group's `loss` mesh.
     """
 
     loss: PreferenceLoss
@@ -69,6 +71,7 @@ class PreferenceStep:
     aux_coef: float = 0.0
     table: ReferenceTable | None = None  # precomputed reference sums (train/reference_table.py)
     cp: CPPairs | None = None
+    over_groups: Callable[[torch.Tensor], torch.Tensor] | None = None
     _sums: torch.Tensor | None = field(default=None, repr=False)
     _eval_sums: torch.Tensor | None = field(default=None, repr=False)
 
@@ -207,7 +210,10 @@ class PreferenceStep:
         """The step's mean metrics over its global pairs (one all-reduce); resets the sums."""
         if self._sums is None:
             return {}
-        total = dist_utils.all_reduce_sum(self._sums, group).tolist()
+        summed = dist_utils.all_reduce_sum(self._sums, group)
+        if self.over_groups is not None:
+            summed = self.over_groups(summed)
+        total = summed.tolist()
         self._sums = None
         pairs = max(total[0], 1.0)
         means = {k: v / pairs for k, v in zip(self.keys, total[2:], strict=True)}

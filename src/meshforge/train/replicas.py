@@ -163,6 +163,12 @@ class ReplicaGroup:
         self._all_reduce_sum(total)
         return total.reshape(()).to(tokens.dtype)
 
+    def sum_over_groups(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the groups of this step's quorum (a preference step's metric sums)."""
+        total = tensor.detach().to(torch.float64).clone()
+        self._all_reduce_sum(total)
+        return total.to(tensor.dtype)
+
     def reduce_step(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
         """Sum the gradients (in place) and the loss over the live groups; return the summed loss.
 
