@@ -153,11 +153,13 @@ def test_lora_run_logs_rewards_evaluates_and_exports(tmp_path):
         "--train_dataset.val_size=4",
         "--training.eval_interval=3",
         "--checkpoint.save_hf_weights=true",
+        "--kernels.chunk_loss_size=16",  # an LM-loss setting: said to have no effect
     ]
     run = train_one(
         CONFIG, [*TINY, *extra, "--training.steps=3", f"--training.output_dir={out}"], cwd=tmp_path
     )
     assert "reward model: value head score [64 -> 1]" in run.stdout
+    assert "warning: kernels.chunk_loss_size: no effect with training.stage: rm" in run.stdout
     records = read_metrics(out)
     assert all(r["pairs"] == 8 and all(k in r for k in REWARDS) and "logps/chosen" not in r for r in records)
     losses = [r["loss"] for r in records]

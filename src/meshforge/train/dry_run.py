@@ -409,6 +409,7 @@ def _step(
     from meshforge.train.build import build_grad_accumulation, build_optimizer, build_pipeline
     from meshforge.train.build_model import build_model
     from meshforge.train.build_preference import build_preference
+    from meshforge.train.build_reward import build_reward
     from meshforge.train.replicas import replica_groups
     from meshforge.train.run import OptimParts, Progress, Run, RunData, RunEnv, Watchers
     from meshforge.train.trainer import Trainer
@@ -434,7 +435,7 @@ def _step(
     )
     tokenizer = _tokenizer(cfg, log, notes)
     parts = build_model(cfg, env, tokenizer)
-    preference = build_preference(cfg, env, parts, tokenizer)
+    preference = build_preference(cfg, env, parts, tokenizer) or build_reward(cfg, env, parts)
     data = RunData(
         loader=cast(Any, None),  # the step's batches are synthetic; no loader is built
         eval_loaders={},
