@@ -171,7 +171,11 @@ def test_lora_run_logs_rewards_evaluates_and_exports(tmp_path):
     last = records[-1]
     assert last["eval_pairs"] == 4 and math.isfinite(last["eval_loss"])
     assert 0.0 <= last["eval_rewards/accuracies"] <= 1.0 and "eval_rewards/margins" in last
-    _check_export(out / "hf", out / "checkpoints" / "checkpoint-00000003")
+    step = out / "checkpoints" / "checkpoint-00000003"
+    _check_export(out / "hf", step)  # checkpoint.save_hf_weights: from memory, adapters merged
+    from meshforge.train.export import dcp_to_hf
+
+    _check_export(dcp_to_hf(step, tmp_path / "converted", log=lambda _: None), step)  # convert --to hf
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
