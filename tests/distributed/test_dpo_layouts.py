@@ -1,10 +1,14 @@
-"""DPO on 2 ranks equals one process: data parallel (FSDP over both) and tensor parallel (with
-sequence parallelism), LoRA and full fine-tuning; expert parallel for a tiny Qwen3-MoE (full).
+"""DPO on 2 ranks equals one process: data parallel (FSDP over both), tensor parallel (with
+sequence parallelism), context parallel (each pair row split over the ranks, load-balanced) and
+pipeline parallel (the pair loss on the last stage; 1F1B for LoRA, GPipe for full fine-tuning),
+LoRA and full fine-tuning; expert parallel and PP with the router loss for a tiny Qwen3-MoE (full);
+on 4 ranks dp2 x cp2 (LoRA) and pp2 x cp2 (full).
 
-Full fine-tuning shards (and tensor-splits) the frozen reference copy like the policy; LoRA's
-reference is the policy with its adapters off. The loss, the gradient norm and every preference
-metric of each step must equal the one-process run's (the pairs split over ranks, the metrics
-reduced over the `loss` mesh).
+Full fine-tuning shards (and tensor-splits, pipeline-splits) the frozen reference copy like the
+policy; LoRA's reference is the policy with its adapters off. The loss, the gradient norm and
+every preference metric of each step must equal the one-process run's (the pairs split over
+ranks, the metrics reduced over the `loss` mesh), and the full fine-tuning runs' validation
+metrics too. A full fine-tuning PP run resumed from its step-2 checkpoint repeats step 3 bitwise.
 """
 
 from __future__ import annotations
@@ -34,7 +38,18 @@ METRICS = (
 # A reward is beta times a difference of two log-probabilities of about -200 each: float32 rounds
 # those to about 2e-5, so beta * 2e-5 (plus summation order) is the reward's own absolute precision.
 ABS = {k: 5e-6 for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")}
-LAYOUTS = {"dp2": [], "tp2": ["--parallelism.tensor_parallel=2"]}
+CP2 = ["--parallelism.context_parallel=2"]
+PP2 = ["--parallelism.pipeline_parallel=2"]
+LAYOUTS = {"dp2": [], "tp2": ["--parallelism.tensor_parallel=2"], "cp2": CP2, "pp2": PP2}
+# Validation pairs (evaluated after the last step) and a checkpoint at step 2 to resume from.
+FULL_LAYOUTS = {
+    **LAYOUTS,
+    "pp2": [*PP2, "--parallelism.pipeline_parallel_schedule=gpipe", "--checkpoint.save_interleaved_steps=2"],
+}
+# On 4 ranks: CP inside data parallelism (LoRA) and inside the pipeline (full, with validation).
+FOUR_RANKS = {"lora": {"dp2cp2": CP2}, "full": {"pp2cp2": [*PP2, *CP2]}}
+EVAL = ["--train_dataset.val_size=4", "--training.eval_interval=3"]
+EVAL_METRICS = ("eval_loss", "eval_rewards/margins", "eval_rewards/accuracies", "eval_logps/chosen")
 # A tiny Qwen3-MoE in place of the dense model, with its router loss.
 MOE = [
     "--lora_config=null",
@@ -49,10 +64,14 @@ MOE = [
 ]
 
 
-def test_dp2_tp2_and_ep2_equal_one_process(tmp_path: Path) -> None:
+def test_dp_tp_cp_pp_and_ep_layouts_equal_one_process(tmp_path: Path) -> None:
     base = [*TINY, "--train_dataset.max_samples=16", "--training.steps=3"]
-    tunings = {"lora": ["--lr_scheduler.learning_rate=2e-2"], "full": FULL, "moe": MOE}
-    layouts = {"lora": LAYOUTS, "full": LAYOUTS, "moe": {"ep2": ["--parallelism.expert_parallel=2"]}}
+    tunings = {"lora": ["--lr_scheduler.learning_rate=2e-2"], "full": [*FULL, *EVAL], "moe": MOE}
+    layouts = {
+        "lora": LAYOUTS,
+        "full": FULL_LAYOUTS,
+        "moe": {"ep2": ["--parallelism.expert_parallel=2"], "pp2": PP2},
+    }
     one_process = [
         Run(CONFIG, [*base, *extra, f"--training.output_dir={tmp_path / name / 'one'}"])
         for name, extra in tunings.items()
@@ -62,13 +81,30 @@ def test_dp2_tp2_and_ep2_equal_one_process(tmp_path: Path) -> None:
         for name, extra in tunings.items()
         for key, layout in layouts[name].items()
     ]
+    step2 = tmp_path / "full" / "pp2" / "checkpoints" / "checkpoint-00000002"
+    resumed = Run(
+        CONFIG,
+        [
+            *base,
+            *tunings["full"],
+            *FULL_LAYOUTS["pp2"],
+            f"--checkpoint.load_path={step2}",
+            f"--training.output_dir={tmp_path / 'resumed'}",
+        ],
+        2,
+    )
+    four_ranks = [
+        Run(CONFIG, [*base, *tunings[name], *layout, f"--training.output_dir={tmp_path / name / key}"], 4)
+        for name, runs in FOUR_RANKS.items()
+        for key, layout in runs.items()
+    ]
     rm_one, rm_two = rm_runs(tmp_path)  # the reward-model runs share the spawn
-    train_all([*one_process, *rm_one, *two_ranks, *rm_two])
+    train_all([*one_process, *rm_one, *two_ranks, *rm_two, resumed, *four_ranks])
     failures = rm_failures(tmp_path)
     for name in tunings:
         one = read_metrics(tmp_path / name / "one")
         assert len({r["loss"] for r in one}) == 3, one  # it trains
-        for key in layouts[name]:
+        for key in [*layouts[name], *FOUR_RANKS.get(name, {})]:
             got = read_metrics(tmp_path / name / key)
             assert len(got) == len(one) == 3
             if name == "moe":
@@ -89,4 +125,17 @@ def test_dp2_tp2_and_ep2_equal_one_process(tmp_path: Path) -> None:
                     failures.append(
                         f"{name} {key} step {a['step']} grad_norm: {b['grad_norm']} != {a['grad_norm']}"
                     )
+            if name == "full":  # evaluated after step 3
+                assert (key, got[-1]["eval_pairs"], one[-1]["eval_pairs"]) == (key, 4, 4)
+                failures += [
+                    f"full {key} {m}: {got[-1][m]} != {one[-1][m]}"
+                    for m in EVAL_METRICS
+                    if got[-1][m] != pytest.approx(one[-1][m], rel=1e-5, abs=5e-6)
+                ]
     assert not failures, "\n".join(failures)
+    # The resumed PP run (the policy loaded, the reference pipeline rebuilt) repeats step 3 bitwise.
+    keys = ("loss", "grad_norm", "pairs", *METRICS)
+    whole = read_metrics(tmp_path / "full" / "pp2")
+    again = read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in again] == [3]
+    assert {k: again[0][k] for k in keys} == {k: whole[2][k] for k in keys}

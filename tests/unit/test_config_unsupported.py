@@ -92,8 +92,6 @@ _DPO = {
 _PRECOMPUTE = {**_DPO, "training": {"stage": "dpo", "pref_ref_logps": "precompute"}}
 # What training.stage: dpo does not combine with yet.
 DPO_TRIGGERS: list[tuple[str, dict]] = [
-    ("parallelism.context_parallel", {**_DPO, "parallelism": {"context_parallel": 2}}),
-    ("parallelism.pipeline_parallel", {**_DPO, "parallelism": {"pipeline_parallel": 2}}),
     (
         "parallelism.fault_tolerance.enable",
         {**_DPO, "parallelism": {"fault_tolerance": {"enable": True, "replica_groups": 2}}},

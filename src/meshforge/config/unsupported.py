@@ -148,10 +148,6 @@ def _pref_field_set(name: str) -> Callable[[TrainConfig], bool]:
     )
 
 
-def _dpo_parallel(name: str) -> Callable[[TrainConfig], bool]:
-    return lambda cfg: cfg.training.stage == "dpo" and getattr(cfg.parallelism, name) > 1
-
-
 # What the precomputed reference table (train/reference_table.py) does not combine with yet.
 _PRECOMPUTE_REFUSED: list[tuple[Callable[[TrainConfig], bool], str, str]] = [
     (
@@ -181,8 +177,8 @@ def _precompute_with(on: Callable[[TrainConfig], bool]) -> Callable[[TrainConfig
     return lambda c: c.training.stage == "dpo" and c.training.pref_ref_logps == "precompute" and on(c)
 
 
-# What preference training (train/preference.py) does not combine with yet. The layouts are
-# refused until a test shows each equal to one process (dp/FSDP, TP and EP are tested).
+# What preference training (train/preference.py) does not combine with yet (dp/FSDP, TP, EP, CP
+# and PP are each tested equal to one process).
 _DPO = "training.stage: dpo"
 PREFERENCE_ENTRIES: list[Unsupported] = [
     *[
@@ -207,17 +203,6 @@ PREFERENCE_ENTRIES: list[Unsupported] = [
             f"{_DPO} with pref_ref_logps: precompute and {what}: {why}",
         )
         for on, what, why in _PRECOMPUTE_REFUSED
-    ],
-    *[
-        Unsupported(
-            f"parallelism.{name}",
-            _dpo_parallel(name),
-            f"{_DPO} with {what}: {why}",
-        )
-        for name, what, why in (
-            ("context_parallel", "CP", "a pair's sequences split over ranks need their sums reduced"),
-            ("pipeline_parallel", "PP", "the pipeline's last stage computes the LM loss, not the pair loss"),
-        )
     ],
     Unsupported(
         "parallelism.fault_tolerance.enable",

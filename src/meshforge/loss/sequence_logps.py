@@ -16,6 +16,8 @@ sequence's upstream gradient comes from the preference loss, known only in backw
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -28,27 +30,67 @@ def segments_per_row(segment_ids: torch.Tensor) -> int:
     return max(2, top + top % 2)
 
 
-def sequence_keys(
+def _counted_and_keys(
     labels: torch.Tensor, segment_ids: torch.Tensor, slots: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The flat positions that count, the sequence each belongs to, and every sequence's size.
-
-    A sequence's key is `row * slots + segment - 1`.
-
-    Returns:
-        `(positions [N] int64, keys [N] int64, tokens [rows * slots])`: the positions in row-major
-        order (keys non-decreasing); `tokens` counts every token of each sequence (labelled or not).
-    """
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[rows, S]` masks of the positions that count and every position's sequence key."""
     seg = segment_ids
     # The target of position i is token i + 1: it must be in i's segment (the last position never is).
     same_next = torch.zeros_like(seg, dtype=torch.bool)
     same_next[:, :-1] = seg[:, :-1] == seg[:, 1:]
     counted = (labels != IGNORE_INDEX) & (seg > 0) & same_next
     rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
-    keys = (rows * slots + seg - 1).reshape(-1)
+    return counted, rows * slots + seg - 1
+
+
+def pairs_in_rows(labels: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """The pairs of whole rows: each row's last rejected segment id is twice its pairs (rows with labels)."""
+    return ((segment_ids.amax(dim=1) // 2) * (labels != IGNORE_INDEX).any(dim=1)).sum()
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Which positions of a batch count for which sequence (`sequence_layout`).
+
+    Attributes:
+        positions: flat positions `[N]` of the (local) batch whose log-probability counts.
+        keys: the sequence key of each (`row * slots + segment - 1`).
+        counts: labelled tokens of every sequence `[rows * slots]` (whole rows).
+        present: which pair slots hold a pair `[rows * slots / 2]`.
+    """
+
+    positions: torch.Tensor
+    keys: torch.Tensor
+    counts: torch.Tensor
+    present: torch.Tensor
+
+    @property
+    def num_keys(self) -> int:
+        return self.counts.shape[0]
+
+
+def sequence_layout(
+    labels: torch.Tensor, segment_ids: torch.Tensor, local_index: torch.Tensor | None = None
+) -> SequenceLayout:
+    """The layout of whole rows `labels`, `segment_ids` `[rows, S]`.
+
+    `local_index` (context parallelism: the global positions this rank holds, in its local order)
+    makes `positions` index this rank's `[rows, len(local_index)]` slice of the rows, while the
+    segments, counts and pair slots still come from the whole rows, the same on every rank.
+    """
+    slots = segments_per_row(segment_ids)
+    counted, keys = _counted_and_keys(labels, segment_ids, slots)
+    num_keys = labels.shape[0] * slots
+    counts = torch.bincount(keys[counted], minlength=num_keys)
+    tokens = torch.bincount(keys[segment_ids > 0], minlength=num_keys)
+    if local_index is not None:
+        counted, keys = counted[:, local_index], keys[:, local_index]
     positions = counted.reshape(-1).nonzero().squeeze(1)
-    tokens = torch.bincount(keys[seg.reshape(-1) > 0], minlength=labels.shape[0] * slots)
-    return positions, keys[positions], tokens
+    # A pair slot is used when its rejected segment exists in a row with labels (an evaluation's
+    # padding rows, copies of a sample without labels, hold none).
+    labelled = (labels != IGNORE_INDEX).any(dim=1).repeat_interleave(slots // 2)
+    present = (tokens.view(-1, 2)[:, 1] > 0) & labelled
+    return SequenceLayout(positions, keys.reshape(-1)[positions], counts, present)
 
 
 def _chunk_token_logps(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -103,6 +145,7 @@ def sequence_logps(
     *,
     head_weight: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    layout: SequenceLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed log-probabilities and labelled-token counts of every sequence of a pair batch.
 
@@ -112,6 +155,9 @@ def sequence_logps(
         segment_ids: `[rows, S]`, 2k + 1 and 2k + 2 for the sequences of a row's pair k, 0 padding.
         head_weight: the LM head `[V, H]` when `output` holds hidden states.
         chunk_size: tokens per chunk of the head (hidden states only).
+        layout: the positions that count, when the caller computed them from whole rows (under
+            context parallelism `output` and `labels` are this rank's slice); None: from
+            `labels` and `segment_ids`. The sums are then this slice's part of each sequence's.
 
     Returns:
         `(sums [P, 2] float32, counts [P, 2] int64, present [P] bool)` over the pair slots
@@ -121,10 +167,9 @@ def sequence_logps(
     # Under tensor parallelism the logits (vocabulary-sharded) or the hidden states (sequence-sharded)
     # are gathered whole, differentiably: every TP rank computes every sum, as the LM loss does.
     output = _whole(output)
-    slots = segments_per_row(segment_ids)
-    num_keys = labels.shape[0] * slots
-    positions, keys, tokens = sequence_keys(labels, segment_ids, slots)
-    counts = torch.bincount(keys, minlength=num_keys)
+    if layout is None:
+        layout = sequence_layout(labels, segment_ids)
+    positions, keys, num_keys = layout.positions, layout.keys, layout.num_keys
     flat_labels = labels.reshape(-1)[positions]
     picked = output.reshape(-1, output.shape[-1])[positions]
     if head_weight is None:
@@ -138,5 +183,4 @@ def sequence_logps(
         weight = _whole(head_weight)
         dtype = _head_dtype(picked, weight)
         sums = _SequenceLogps.apply(picked, weight, flat_labels, keys, num_keys, int(chunk_size), dtype)
-    present = tokens.view(-1, 2)[:, 1] > 0  # a pair slot is used when its rejected segment exists
-    return sums.view(-1, 2), counts.view(-1, 2), present
+    return sums.view(-1, 2), layout.counts.view(-1, 2), layout.present

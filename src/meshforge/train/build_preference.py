@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from meshforge.config.root import TrainConfig
+    from meshforge.train.preference_cp import CPPairs
     from meshforge.train.run import ModelParts, RunEnv
 
 
@@ -42,7 +43,8 @@ def build_preference(
     lora = parts.lora is not None
     reference = None
     precompute = loss.needs_reference and training.pref_ref_logps == "precompute"
-    if loss.needs_reference and not lora:
+    # Under PP the frozen copy runs as a pipeline of its own (`train/preference_pipeline.py`).
+    if loss.needs_reference and not lora and env.dims.pp == 1:
         if not precompute:  # else built, used and freed by the table pass (train/reference_table.py)
             reference = build_reference(cfg, env, tokenizer)
         if env.load_path:
@@ -73,7 +75,17 @@ def build_preference(
         keys=METRIC_KEYS + (ORPO_KEYS if loss.loss_type == "orpo" else ()),
         aux_coef=parts.aux_coef if parts.aux_loss_enabled else 0.0,
         table=ReferenceTable() if precompute else None,
+        cp=_cp_pairs(cfg, env),
     )
+
+
+def _cp_pairs(cfg: TrainConfig, env: RunEnv) -> CPPairs | None:
+    """The whole-row side of the pair sums under context parallelism (`train/preference_cp.py`)."""
+    if env.dims.cp == 1:
+        return None
+    from meshforge.train.preference_cp import CPPairs
+
+    return CPPairs(env.mesh.view("cp"), cfg.parallelism.cp_method())
 
 
 def build_reference(cfg: TrainConfig, env: RunEnv, tokenizer: PreTrainedTokenizerBase) -> nn.Module:

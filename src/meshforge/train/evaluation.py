@@ -175,8 +175,13 @@ def pipeline_eval_sums(
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     group: list[Batch] = []
 
+    stage_loss = pipeline.stage_loss  # a preference run counts pairs
+
     def flush() -> None:
-        tokens = sum(int(count_valid_tokens(mb["labels"])) for mb in group)
+        if stage_loss is not None:
+            tokens = sum(int(stage_loss.units(mb)) for mb in group)
+        else:
+            tokens = sum(int(count_valid_tokens(mb["labels"])) for mb in group)
         while len(group) < group_size:
             filler = {k: v.clone() for k, v in group[0].items()}
             filler["labels"].fill_(-100)
@@ -189,7 +194,8 @@ def pipeline_eval_sums(
     for index, batch in enumerate(loader):
         if max_batches is not None and index >= max_batches:
             break
-        group.append(to_device(batch))
+        batch = to_device(batch)
+        group.append(stage_loss.shard(batch) if stage_loss is not None else batch)
         if len(group) == group_size:
             flush()
     if group:

@@ -29,12 +29,13 @@ import torch
 from torch import nn
 
 from meshforge.loss.preference import METRIC_KEYS, PairLogps, PreferenceLoss
-from meshforge.loss.sequence_logps import sequence_logps
+from meshforge.loss.sequence_logps import pairs_in_rows, sequence_logps
 from meshforge.utils import distributed as dist_utils
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from meshforge.train.preference_cp import CPPairs
     from meshforge.train.reference_table import ReferenceTable
 
 Batch = dict[str, torch.Tensor]
@@ -54,6 +55,7 @@ class PreferenceStep:
         aux_coef: weight of the MoE router loss of the policy forward (0: none), added as the
             trainer adds it to the LM loss: each micro-batch's router loss (a mean) weighted by
             its share of the step's pairs, so one micro-batch on one rank gives `loss + coef * aux`.
+        cp: under context parallelism, the whole-row side of the sums (`train/preference_cp.py`).
     """
 
     loss: PreferenceLoss
@@ -66,13 +68,15 @@ class PreferenceStep:
     keys: tuple[str, ...] = METRIC_KEYS
     aux_coef: float = 0.0
     table: ReferenceTable | None = None  # precomputed reference sums (train/reference_table.py)
+    cp: CPPairs | None = None
     _sums: torch.Tensor | None = field(default=None, repr=False)
     _eval_sums: torch.Tensor | None = field(default=None, repr=False)
 
-    @staticmethod
-    def count_pairs(batch: Batch) -> torch.Tensor:
-        """Pairs in a micro-batch: each row's last rejected segment id is twice its pairs."""
-        return (batch["segment_ids"].amax(dim=1) // 2).sum()
+    def count_pairs(self, batch: Batch) -> torch.Tensor:
+        """Pairs in a micro-batch: each row's last rejected segment id is twice its pairs (rows with labels)."""
+        if self.cp is not None:
+            return self.cp.count_pairs(batch)
+        return pairs_in_rows(batch["labels"], batch["segment_ids"])
 
     def _pair_logps(self, model: nn.Module, batch: Batch) -> tuple[PairLogps, torch.Tensor]:
         """The pair slots' log-probabilities and which slots hold a pair (`sequence_logps`)."""
@@ -81,18 +85,24 @@ class PreferenceStep:
             if self.chunk_size is not None:
                 hidden = model(batch["input_ids"], return_hidden=True, **inputs)
                 # Read after the forward: under FSDP the root keeps lm_head unsharded until backward.
-                head = cast(nn.Linear, model.lm_head)
-                sums, counts, present = sequence_logps(
-                    hidden,
-                    batch["labels"],
-                    batch["segment_ids"],
-                    head_weight=head.weight,
-                    chunk_size=self.chunk_size,
-                )
-            else:
-                sums, counts, present = sequence_logps(
-                    model(batch["input_ids"], **inputs), batch["labels"], batch["segment_ids"]
-                )
+                return self.logps_of(hidden, batch, cast(nn.Linear, model.lm_head).weight)
+            return self.logps_of(model(batch["input_ids"], **inputs), batch)
+
+    def logps_of(
+        self, output: torch.Tensor, batch: Batch, head_weight: torch.Tensor | None = None
+    ) -> tuple[PairLogps, torch.Tensor]:
+        """`_pair_logps` from the model's output: logits, or hidden states with `head_weight`."""
+        layout = self.cp.layout(batch) if self.cp is not None else None
+        sums, counts, present = sequence_logps(
+            output,
+            batch["labels"],
+            batch["segment_ids"],
+            head_weight=head_weight,
+            chunk_size=self.chunk_size if head_weight is not None else None,
+            layout=layout,
+        )
+        if self.cp is not None:
+            sums = self.cp.reduce(sums)
         # Empty slots (rows with fewer pairs, padding rows) get a finite stand-in log-probability,
         # so that no loss (ORPO's log(1 - p) at p = 1) turns them into a NaN that masking keeps.
         sums = torch.where(present[:, None], sums, torch.full_like(sums, -1.0))
@@ -120,32 +130,69 @@ class PreferenceStep:
         """Reference, then policy forward; backward of this micro-batch's share; its loss sum."""
         reference = self.reference_logps(model, batch)
         policy, present = self._pair_logps(model, batch)
-        losses, metrics = self.loss(policy, reference)
-        loss_sum = torch.where(present, losses, torch.zeros_like(losses)).sum()
-        objective = loss_sum / normalizer
-        used = present.to(losses.dtype)
-        aux_share = torch.zeros((), dtype=losses.dtype, device=losses.device)
+        router_loss = None
         if self.aux_coef:
             # The router loss of the last forward: the policy's (the reference ran first).
             router_loss = cast(Callable[[], torch.Tensor | None], model.aux_loss)()
-            if router_loss is not None:
-                aux_share = router_loss.float() * (used.sum() / normalizer)
-                objective = objective + self.aux_coef * aux_share
+        objective, loss_sum, sums = self.pair_loss(policy, present, reference, normalizer, router_loss)
         objective.backward()
+        self.keep(sums)
+        return loss_sum
+
+    def pair_loss(
+        self,
+        policy: PairLogps,
+        present: torch.Tensor,
+        reference: PairLogps | None,
+        normalizer: torch.Tensor,
+        router_loss: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One micro-batch's objective (to backpropagate), its reported loss sum and its metric sums.
+
+        `router_loss`: the policy forward's MoE router loss, weighted by the micro-batch's share of
+        the step's pairs (with `aux_coef`).
+        """
+        losses, metrics = self.loss(policy, reference)
+        loss_sum = torch.where(present, losses, torch.zeros_like(losses)).sum()
+        objective = loss_sum / normalizer
+        used = present.to(losses.dtype) * self._share()
+        aux_share = torch.zeros((), dtype=losses.dtype, device=losses.device)
+        if self.aux_coef and router_loss is not None:
+            aux_share = router_loss.float() * (used.sum() / normalizer)
+            objective = objective + self.aux_coef * aux_share
         sums = torch.stack([used.sum(), aux_share.detach(), *((metrics[k] * used).sum() for k in self.keys)])
-        self._sums = sums if self._sums is None else self._sums + sums
-        return loss_sum.detach()
+        return objective, loss_sum.detach() * self._share(), sums
+
+    def keep(self, sums: torch.Tensor, *, evaluation: bool = False) -> None:
+        """Add a micro-batch's metric sums (`pair_loss`, `eval_loss`) to the step's or the evaluation's."""
+        if evaluation:
+            self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
+        else:
+            self._sums = sums if self._sums is None else self._sums + sums
+
+    def _share(self) -> float:
+        """1, or under CP 0 on every CP rank but the one that counts the group's pairs."""
+        return 1.0 if self.cp is None or self.cp.owner else 0.0
 
     def eval_forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """A validation batch (no gradient): its pair loss sum and pair count; keeps its metric sums."""
+        if self.cp is not None:
+            batch = self.cp.shard(batch)
         with torch.no_grad():
             reference = self.reference_logps(model, batch)
             policy, present = self._pair_logps(model, batch)
-            losses, metrics = self.loss(policy, reference)
-        used = present.to(losses.dtype)
+            loss_sum, sums = self.eval_loss(policy, present, reference)
+        self.keep(sums, evaluation=True)
+        return loss_sum, sums[0]
+
+    def eval_loss(
+        self, policy: PairLogps, present: torch.Tensor, reference: PairLogps | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A validation micro-batch's pair loss sum and its metric sums (the pair count first)."""
+        losses, metrics = self.loss(policy, reference)
+        used = present.to(losses.dtype) * self._share()
         sums = torch.stack([used.sum(), *((metrics[k] * used).sum() for k in METRIC_KEYS)])
-        self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
-        return torch.where(present, losses, torch.zeros_like(losses)).sum(), present.sum()
+        return torch.where(present, losses, torch.zeros_like(losses)).sum() * self._share(), sums
 
     def eval_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float]:
         """`eval_<metric>` over the evaluation's pairs (one all-reduce); resets the sums."""

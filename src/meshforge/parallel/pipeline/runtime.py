@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,39 @@ def _forward_only(schedule: _PipelineSchedule, enabled: bool) -> Iterator[None]:
         yield
     finally:
         schedule.pipeline_order_with_comms = full
+
+
+class StageLoss(Protocol):
+    """What the last stage computes in place of the LM loss (`Pipeline.stage_loss`), e.g. a pair loss.
+
+    `target` is the last stage's target of the step's micro-batches, concatenated by rows (the
+    schedule splits it as it splits the labels). `__call__` gets one micro-batch's output (logits,
+    or normed hidden states with `head`, the head's weight), its target, the step's normalizer and
+    the micro-batch's router aux loss (None without one) and returns the objective to
+    backpropagate and the detached loss sum to report. `begin` and `end` run around every
+    schedule call (`train` False: an evaluation); `units` is what an evaluation counts per
+    micro-batch (a filler micro-batch without labels must count, and add, nothing) and `shard`
+    turns a whole evaluation batch into this rank's micro-batch (its slice under CP).
+    """
+
+    def target(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor: ...
+
+    def __call__(
+        self,
+        output: torch.Tensor,
+        target: torch.Tensor,
+        normalizer: torch.Tensor,
+        aux: torch.Tensor | None,
+        head: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def begin(self, pipeline: Pipeline, micro: list[dict[str, torch.Tensor]], *, train: bool) -> None: ...
+
+    def end(self, pipeline: Pipeline, *, train: bool) -> None: ...
+
+    def units(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
 
 def _describe(t: torch.Tensor) -> tuple[tuple[int, ...], str]:
@@ -154,6 +187,8 @@ class Pipeline:
         self._ce: list[torch.Tensor] = []
         self._shape: tuple[int, ...] | None = None
         self.schedule = self._schedule_for(n_microbatches)
+        # Set after the build (`train/preference_pipeline.py`): the last stage's loss instead of the LM loss.
+        self.stage_loss: StageLoss | None = None
 
     def _ce_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed CE of the last stage's output: logits, or normed hidden states (chunked/fused loss)."""
@@ -165,6 +200,13 @@ class Pipeline:
     def _loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         global_tokens = self._global_tokens
         assert global_tokens is not None, "_run sets the step's token count before the schedule runs"
+        if self.stage_loss is not None:
+            main, carry = output if self.aux_experts is not None else (output, None)
+            aux = self._aux_from_carry(carry) if carry is not None else None
+            head = self.model.get_parameter("lm_head.weight") if self.lm_loss.needs_hidden else None
+            objective, loss_sum = self.stage_loss(main, labels, global_tokens, aux, head)
+            self._ce.append(loss_sum)
+            return objective
         if self._mtp_run:
             # labels: [B, 1 + depths, S], the main targets then each depth's (loss.mtp_labels).
             logits, *depths = output
@@ -237,8 +279,12 @@ class Pipeline:
             aux loss times its token weight (what ``Trainer.forward_backward`` adds to its
             ``_aux_sum``), the same on every pp rank.
         """
+        if self.stage_loss is not None:
+            self.stage_loss.begin(self, micro, train=True)
         total = self._run(micro, global_tokens, train=True)
         self._sum_tied_grads()
+        if self.stage_loss is not None:
+            self.stage_loss.end(self, train=True)
         return total
 
     def _run(
@@ -267,7 +313,11 @@ class Pipeline:
         kwargs: dict[str, Any] = {k: batch[k] for k in ("position_ids", "segment_ids") if k in batch}
         kwargs["seq_len"] = int(batch["input_ids"].shape[-1])  # not a tensor: every micro-batch gets it
         args = (batch["input_ids"],) if self.split.has_first else ()
-        target = batch["labels"] if self.split.has_last else None
+        target = None
+        if self.split.has_last:
+            target = (
+                batch["labels"] if self.stage_loss is None else self.stage_loss.target(micro).to(self.device)
+            )
         self._mtp_run = train and self.mtp_coef > 0
         if self._mtp_run:
             from meshforge.loss.cross_entropy import mtp_labels
@@ -357,6 +407,16 @@ class Pipeline:
         Args:
             micro: Micro-batches as for ``step``.
         """
+        if self.stage_loss is not None:
+            self.stage_loss.begin(self, micro, train=False)
+        total = self.forward_only(micro)
+        if self.stage_loss is not None:
+            self.stage_loss.end(self, train=False)
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """``evaluate`` without the stage loss' ``begin``/``end`` (e.g. a reference model's forward)."""
         return self._run(micro, torch.ones((), device=self.device), train=False)
 
     def _tied_pair(self) -> tuple[nn.Parameter | None, int]:
