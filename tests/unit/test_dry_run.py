@@ -129,3 +129,16 @@ def test_seeded_dtype_mismatch_under_mixed_precision_is_reported(monkeypatch: py
     monkeypatch.setattr(norms.RMSNorm, "forward", float32_out)
     with pytest.raises(DryRunError, match=r"failed in module model\.layers\.0\.self_attn\.q_proj.*dtype"):
         _run(LLAMA, 2, "--model.compute_dtype=bfloat16", "--parallelism.param_dtype=bfloat16")
+
+
+def test_cli_prints_the_report_and_refuses_pair_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    from meshforge.cli.config import main
+
+    args = ["validate", str(LLAMA), "--world-size", "2", "--no-path-checks", "--dry-run", *SMALL]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "dry run (rank 0 of 2, cpu): one step ok in" in out
+    assert "collectives on " in out and "checkpoint: DCP save plan of" in out
+    dpo = ROOT / "configs/qwen3/dpo_lora.yaml"
+    assert main(["validate", str(dpo), "--world-size", "2", "--no-path-checks", "--dry-run"]) == 2
+    assert "not supported yet: a dry run of training.stage: dpo" in capsys.readouterr().err

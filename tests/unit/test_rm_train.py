@@ -129,8 +129,12 @@ def _check_export(folder: Path, step: Path) -> None:
     assert config["architectures"][0].endswith("ForSequenceClassification")
     from safetensors import safe_open
 
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        keys = set(f.keys())
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index names every key
+        keys = set(json.loads(index.read_text())["weight_map"])
+    else:
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
     assert "score.weight" in keys and "lm_head.weight" not in keys
     gen = torch.Generator().manual_seed(1)
     pad = config["pad_token_id"]
@@ -153,11 +157,13 @@ def test_lora_run_logs_rewards_evaluates_and_exports(tmp_path):
         "--train_dataset.val_size=4",
         "--training.eval_interval=3",
         "--checkpoint.save_hf_weights=true",
+        "--kernels.chunk_loss_size=16",  # an LM-loss setting: said to have no effect
     ]
     run = train_one(
         CONFIG, [*TINY, *extra, "--training.steps=3", f"--training.output_dir={out}"], cwd=tmp_path
     )
     assert "reward model: value head score [64 -> 1]" in run.stdout
+    assert "warning: kernels.chunk_loss_size: no effect with training.stage: rm" in run.stdout
     records = read_metrics(out)
     assert all(r["pairs"] == 8 and all(k in r for k in REWARDS) and "logps/chosen" not in r for r in records)
     losses = [r["loss"] for r in records]
@@ -169,7 +175,11 @@ def test_lora_run_logs_rewards_evaluates_and_exports(tmp_path):
     last = records[-1]
     assert last["eval_pairs"] == 4 and math.isfinite(last["eval_loss"])
     assert 0.0 <= last["eval_rewards/accuracies"] <= 1.0 and "eval_rewards/margins" in last
-    _check_export(out / "hf", out / "checkpoints" / "checkpoint-00000003")
+    step = out / "checkpoints" / "checkpoint-00000003"
+    _check_export(out / "hf", step)  # checkpoint.save_hf_weights: from memory, adapters merged
+    from meshforge.train.export import dcp_to_hf
+
+    _check_export(dcp_to_hf(step, tmp_path / "converted", log=lambda _: None), step)  # convert --to hf
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -180,7 +190,10 @@ def test_convert_writes_a_sequence_classification_folder(tmp_path, family):
     extra = [*FULL, *(LLAMA if family == "llama" else []), "--training.steps=1"]
     train_one(CONFIG, [*TINY, *extra, f"--training.output_dir={out}"], cwd=tmp_path)
     step = out / "checkpoints" / "checkpoint-00000001"
-    folder = dcp_to_hf(step, tmp_path / "hf", log=lambda _: None)
+    # llama: untied, in shards (the LM head left out of its shard, the head added to it).
+    shard = "1MB" if family == "llama" else "5GB"
+    folder = dcp_to_hf(step, tmp_path / "hf", shard_size=shard, log=lambda _: None)
+    assert (folder / "model.safetensors.index.json").is_file() == (family == "llama")
     _check_export(folder, step)
 
 

@@ -210,6 +210,9 @@ def _dry_run(cfg: TrainConfig, world_size: int, rank: int | None, device: str | 
     except DryRunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (ValueError, NotImplementedError) as exc:  # the layout or config, before the step ran
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     for line in report.lines():
         print(line)
     return 0

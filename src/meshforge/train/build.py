@@ -41,6 +41,7 @@ from meshforge.train.preference import PreferenceStep
 from meshforge.train.preference_pipeline import attach_pipeline_pairs
 from meshforge.train.reference_pass import precompute_reference
 from meshforge.train.replicas import build_replicas, data_shard, replica_groups
+from meshforge.train.reward import RewardStep
 from meshforge.train.run import ModelParts, OptimParts, Progress, Run, RunData, RunEnv, Watchers
 from meshforge.train.saver import CheckpointSaver
 from meshforge.utils import distributed as dist_utils
@@ -99,7 +100,7 @@ def build_run(cfg: TrainConfig, log: Log) -> Run:
     optimizer, scheduler = build_optimizer(cfg.optimizer, cfg.lr_scheduler, model, data)
     grad_accum = build_grad_accumulation(cfg.optimizer, model, log)
     pipeline = build_pipeline(cfg.parallelism, env, model)
-    if isinstance(preference, PreferenceStep):  # the pair loss on the last stage (rm refuses PP)
+    if not isinstance(preference, RewardStep):  # rm under PP is refused (config/unsupported.py)
         attach_pipeline_pairs(cfg, env, model, pipeline, preference, tokenizer)
     checkpointer = build_checkpointer(cfg.checkpoint, env, model)
     optim = OptimParts(optimizer, scheduler, grad_accum, pipeline, checkpointer)

@@ -31,6 +31,21 @@ def build_reward(cfg: TrainConfig, env: RunEnv, parts: ModelParts) -> RewardStep
             "training.stage: rm: the model gives no final hidden states (forward(..., return_hidden=True)); "
             "use a meshforge model family (model.model_type)"
         )
+    kernels = cfg.kernels
+    loss_keys = [
+        key
+        for key, on in (
+            ("kernels.chunk_loss_size", kernels.chunk_loss_size is not None),
+            ("kernels.fused_linear_cross_entropy", kernels.fused_linear_cross_entropy is True),
+            ("parallelism.enable_loss_parallel", cfg.parallelism.enable_loss_parallel and env.dims.tp > 1),
+        )
+        if on
+    ]
+    if loss_keys:
+        env.log(
+            f"warning: {', '.join(loss_keys)}: no effect with training.stage: rm (the LM head never runs; "
+            "the value head reads one hidden state per sequence)"
+        )
     head = value_head(parts.module)
     trains = "trained with the adapters" if parts.lora is not None else "trained"
     env.log(

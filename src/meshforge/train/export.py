@@ -232,9 +232,17 @@ def dcp_to_hf(
         from meshforge.train.reward_export import reward_step_to_hf
 
         return reward_step_to_hf(
-            cfg, source, options, step, Path(out_dir), tokenizer=tokenizer, params_dtype=params_dtype,
-            shard_size=shard_size, dtype=dtype, log=log,
-        )  # fmt: skip
+            cfg,
+            source,
+            options,
+            step,
+            Path(out_dir),
+            tokenizer=tokenizer,
+            params_dtype=params_dtype,
+            shard_size=shard_size,
+            dtype=dtype,
+            log=log,
+        )
     if cfg.lora_config is not None:
         return _lora_step_to_hf(cfg, source, options, step, Path(out_dir), tokenizer, params_dtype, log)
     with one_rank_group():

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from meshforge.loss.preference import PairLogps
-from meshforge.loss.sequence_logps import segments_per_row, sequence_layout
+from meshforge.loss.sequence_logps import sequence_layout
 
 Batch = dict[str, torch.Tensor]
 ROW_INDEX = "row_index"  # the batch key: each row's index in the table
@@ -63,8 +63,8 @@ class ReferenceTable:
                 "does not come from the run's indexed loaders)"
             )
         labels, segments = batch["labels"], batch["segment_ids"]
-        slots = segments_per_row(segments)
         layout = sequence_layout(labels, segments)
+        slots = layout.num_keys // labels.shape[0]
         counts, present = layout.counts.view(-1, 2), layout.present
         pairs = slots // 2
         if pairs > self.values.shape[1]:
