@@ -141,6 +141,8 @@ def test_dp_tp_cp_pp_and_ep_layouts_equal_one_process(tmp_path: Path) -> None:
     assert {k: again[0][k] for k in keys} == {k: whole[2][k] for k in keys}
 
 
+# torchft's own logger calls the deprecated Logger.warn.
+@pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated:DeprecationWarning")
 def test_torchft_replica_groups_equal_one_process(tmp_path: Path) -> None:
     """Two torchft replica groups (one process each) give one process's steps and pair metrics.
 
