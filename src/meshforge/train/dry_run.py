@@ -506,8 +506,9 @@ def _step(
         ]
         if dims.cp > 1:
             micro = [trainer._shard_for_cp(mb) for mb in micro]
+        _prime_optimizer_state(parts.module, optimizer)
         memory.track_external(parts.module, optimizer)
-        with memory, recorder:
+        with memory, recorder, _untracked_sharding_propagation(memory):
             units = sum(
                 (preference.count_pairs(mb) if preference else (mb["labels"] != -100).sum()) for mb in micro
             )
@@ -521,21 +522,14 @@ def _step(
             if preference is not None:
                 preference._sums = None  # the metric sums hold no values worth reducing
             trainer.clip_grads()
-            before_update = _total(memory.get_tracker_snapshot("current"))
-        # The update runs outside the tracker: DTensor's sharding propagation of the foreach
-        # optimizer ops allocates global-shape fake tensors that no device ever holds; the
-        # optimizer's own allocation is its state, measured below from its tensors.
-        with recorder:
             optimizer.step()
             scheduler.step()
-        update_peak = before_update + _local_bytes(list(_state_tensors(optimizer)))
-        with recorder:
             optimizer.zero_grad(set_to_none=True)
     tracker.remove()
     # Outside the mode: DCP's planner makes small real tensors of its own (shard offsets); the
     # state's fake tensors still dispatch to their mode.
     items = _save_plan_items(optim, parts)
-    peak = max(_total(memory.get_tracker_snapshot("peak")), update_peak)
+    peak = _total(memory.get_tracker_snapshot("peak"))
     if device_type != "cuda":
         notes.append(
             "fake tensors on the CPU device type (this torch has no CUDA runtime): CUDA-only kernels, "
@@ -650,26 +644,43 @@ def _new_step_peak() -> Any:
     return memory
 
 
+@contextlib.contextmanager
+def _untracked_sharding_propagation(memory: Any) -> Iterator[None]:
+    """DTensor derives an op's output shape by running it on global-shape fake tensors in the
+    active fake mode, which is the dry run's: the tracker would count a whole-model-size tensor
+    (the gathered logits of every TP rank) that no device ever holds. Untracked while it runs."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+    ignored = object()  # a "fake mode" no op runs in: the tracker skips what it sees meanwhile
+
+    def untracked(self: Any, op_schema: Any) -> Any:
+        entry, memory._fake_mode_on_entry = memory._fake_mode_on_entry, ignored
+        try:
+            return original(self, op_schema)
+        finally:
+            memory._fake_mode_on_entry = entry
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
 def _total(snapshot: dict[Any, dict[Any, int]]) -> int:
     return max((int(stats.get("Total", 0)) for stats in snapshot.values()), default=0)
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    for state in optimizer.state.values():
-        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-
-
-def _local_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (a DTensor's local shard)."""
-    from torch.distributed.tensor import DTensor
-
-    storages = [
-        local.untyped_storage()
-        for t in tensors
-        if (local := t.to_local() if isinstance(t, DTensor) else t).numel() > 1  # not step counters
-    ]
-    # The list keeps every storage object alive, so no two share an id.
-    return sum({id(st): st.nbytes() for st in storages}.values())
+def _prime_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One untracked update on zero gradients, so the measured step is a steady-state one: the
+    optimizer's state (AdamW's moments) is live through its forward and backward, as from the
+    second step of a run on."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _tokenizer(cfg: TrainConfig, log: Log, notes: list[str]) -> Any:
