@@ -178,8 +178,9 @@ def precompute_reference(
 
             reference = build_reference(cfg, env, tokenizer)
         step.reference = reference  # reference_forward reads the copy, or the policy with adapters off
-        devices = [env.device] if env.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        accelerator = env.device.type != "cpu"
+        devices = [env.device] if accelerator else []
+        with torch.random.fork_rng(devices=devices, device_type=env.device.type if accelerator else None):
             values = _compute(step, model.module, parts, env, shape)
         del reference
         if step.lora:
