@@ -142,3 +142,65 @@ def test_cli_prints_the_report_and_refuses_pair_stages(capsys: pytest.CaptureFix
     dpo = ROOT / "configs/qwen3/dpo_lora.yaml"
     assert main(["validate", str(dpo), "--world-size", "2", "--no-path-checks", "--dry-run"]) == 2
     assert "not supported yet: a dry run of training.stage: dpo" in capsys.readouterr().err
+
+
+EXAMPLES = ROOT / "configs/examples"
+DATA = ROOT / "tests/data"
+
+
+def _deepseek_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "deepseek_v3"
+    folder.mkdir()
+    (folder / "config.json").write_text((DATA / "deepseek_v3_config.json").read_text())
+    return folder
+
+
+# Each example at its documented world size, its depth cut to what its layout needs (the
+# full-depth runs are benchmarks/dry_run_examples.py's).
+EXAMPLE_RUNS: dict[str, tuple[int, list[str]]] = {
+    "llama3_1_70b_tp8_fsdp.yaml": (
+        64,
+        ["--model.num_hidden_layers=2", "--recompute.full_recompute_layer=[0-1]"],
+    ),
+    "qwen3_30b_a3b_sft_ep8.yaml": (
+        8,
+        ["--model.num_hidden_layers=2", "--recompute.full_recompute_layer=[0-1]"],
+    ),
+    "qwen3_8b_pretrain_fsdp8.yaml": (
+        8,
+        ["--model.num_hidden_layers=2", "--recompute.full_recompute_layer=[0-1]"],
+    ),
+    "qwen3_next_80b_a3b_ep8_fsdp32.yaml": (
+        32,
+        ["--model.num_hidden_layers=4", "--recompute.full_recompute_layer=[0-3]"],
+    ),
+    "deepseek_v3_671b.yaml": (
+        256,
+        [
+            "--model.num_hidden_layers=8",
+            "--parallelism.pipeline_parallel_layers_per_stage=auto",
+            "--recompute.full_recompute_layer=[0-7]",
+        ],
+    ),
+}
+MODEL_FOLDERS = {
+    "llama3_1_70b_tp8_fsdp.yaml": "llama3_1_70b",
+    "qwen3_30b_a3b_sft_ep8.yaml": "qwen3_30b_a3b",
+    "qwen3_8b_pretrain_fsdp8.yaml": "qwen3_8b",
+    "qwen3_next_80b_a3b_ep8_fsdp32.yaml": "qwen3_next_80b_a3b",
+}
+
+
+def test_every_example_is_covered() -> None:
+    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted(EXAMPLE_RUNS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXAMPLE_RUNS))
+def test_example_dry_runs_at_its_documented_world_size(name: str, tmp_path: Path) -> None:
+    world, overrides = EXAMPLE_RUNS[name]
+    folder = DATA / MODEL_FOLDERS[name] if name in MODEL_FOLDERS else _deepseek_folder(tmp_path)
+    cfg = load_config(EXAMPLES / name, [f"--model.model_name_or_path={folder}", *overrides])
+    report = dry_run(cfg, world_size=world)
+    assert report.world_size == world and report.peak_bytes > 0
+    assert report.collectives and report.save_plan_items > 0
