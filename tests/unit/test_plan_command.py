@@ -10,9 +10,9 @@ import yaml
 
 from meshforge.cli.main import main
 from meshforge.config.loader import load_config
+from meshforge.parallel.device_peak import peak_lines
 from meshforge.parallel.dims import ParallelDims
 from meshforge.parallel.layout_search import search
-from meshforge.parallel.plan import plan_lines
 from meshforge.parallel.step_time import predict_step
 from meshforge.utils.hardware import hardware
 
@@ -62,8 +62,8 @@ def test_search_ranks_valid_fitting_layouts(tmp_path: Path) -> None:
     # The config as written is priced exactly as `config validate --device` prices it.
     own = predict_step(cfg, 4, hw)
     assert result.own.prediction.step == pytest.approx(own.step, rel=1e-12)
-    peak_line = next(line for line in plan_lines(cfg, 4) if line.startswith("predicted peak"))
-    assert f"{result.own.peak_bytes / 1024**3:.2f} GiB" in peak_line
+    peak_line = next(line for line in peak_lines(cfg, 4) if line.startswith("predicted peak"))
+    assert f"= {result.own.peak_bytes / 1024**3:.2f} GiB on the device" in peak_line
 
 
 def test_plan_writes_the_best_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from meshforge.parallel.dims import ParallelDims
@@ -27,13 +27,14 @@ from meshforge.parallel.dims import ParallelDims
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
     from meshforge.memory.estimate import ActivationEstimate
+    from meshforge.parallel.device_peak import ModelFacts
     from meshforge.parallel.plan import ParamCounts
     from meshforge.parallel.step_time import StepPrediction
     from meshforge.parallel.workload import ModelWork
     from meshforge.utils.hardware import Hardware
 
 _GIB = 1024**3
-HEADROOM = 0.9  # share of device memory the predicted peak may use (allocator caches, buffers)
+HEADROOM = 0.9  # share of device memory the predicted peak may use (the caching allocator's fragmentation)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,7 @@ def search(
     log: Callable[[str], None] | None = None,
 ) -> SearchResult:
     """Price every candidate layout; keep those whose predicted peak fits the device."""
+    from meshforge.parallel.device_peak import model_facts
     from meshforge.parallel.plan import count_parameters, layout_model_issues
     from meshforge.parallel.step_time import predict_step
     from meshforge.parallel.workload import model_work
@@ -231,6 +233,7 @@ def search(
     _family, counts = count_parameters(cfg, log=log)
     num_layers = len(counts.layers) - counts.mtp_layers
     activations = _Activations(cfg, log)
+    facts = model_facts(cfg, work, log=log)
     result = SearchResult(limit_bytes=(memory_gib or hw.memory_gib) * _GIB * HEADROOM, num_layers=num_layers)
     result.own = _as_written(cfg, world_size, hw, work, counts, log)
     tp_ok: dict[int, bool] = {}
@@ -254,7 +257,18 @@ def search(
         if not tp_ok[layout.tp]:
             result.invalid += 1
             continue
-        peak = _peak(trial, dims, counts, activations.estimate(trial, layout))
+        rebuilt = None
+        if layout.recompute:  # what a recomputed layer rebuilds: the layer traced without recompute
+            plain = replace(layout, recompute=False)
+            rebuilt = activations.estimate(apply_layout(cfg, plain, num_layers), plain)
+        peak = _peak(
+            trial,
+            dims,
+            counts,
+            _facts_for(facts, layout.recompute),
+            activations.estimate(trial, layout),
+            rebuilt,
+        )
         prediction = predict_step(
             trial, world_size, hw, work=_with_recompute(work, layout.recompute), counts=counts
         )
@@ -274,7 +288,7 @@ def _as_written(
     log: Callable[[str], None] | None,
 ) -> Ranked | None:
     """The config's own layout and recompute, priced as `config validate` prices it."""
-    from meshforge.parallel.plan import measure_plan_activations
+    from meshforge.parallel.device_peak import model_facts, trace_estimates
     from meshforge.parallel.step_time import predict_step
 
     try:
@@ -282,25 +296,36 @@ def _as_written(
         cfg.training.accumulation_steps(dims.dp)
     except ValueError:
         return None
-    seq = int(cfg.train_dataset.seq_length() or 0)
-    estimate = measure_plan_activations(cfg, int(cfg.training.local_batch_size), seq // dims.cp, log=log)
+    estimate, rebuilt = trace_estimates(cfg, dims, log=log)
     return Ranked(
         own_layout(cfg, world_size),
-        _peak(cfg, dims, counts, estimate),
+        _peak(cfg, dims, counts, model_facts(cfg, work, log=log), estimate, rebuilt),
         predict_step(cfg, world_size, hw, work=work, counts=counts),
     )
 
 
-def _peak(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts, estimate: ActivationEstimate) -> float:
-    from meshforge.parallel.plan import activation_plan
+def _peak(
+    cfg: TrainConfig,
+    dims: ParallelDims,
+    counts: ParamCounts,
+    facts: ModelFacts,
+    estimate: ActivationEstimate,
+    rebuilt: ActivationEstimate | None,
+) -> float:
+    """The highest steady-state peak over the pipeline stages (`device_peak`), allocator memory
+    plus the CUDA context and NCCL buffers."""
+    from meshforge.parallel.device_peak import stage_peaks
 
-    return max(r.peak_bytes for r in activation_plan(cfg, dims, counts, estimate))
+    return max(p.device_total for p in stage_peaks(cfg, dims, counts, facts, estimate, rebuilt))
+
+
+def _facts_for(facts: ModelFacts, full: bool) -> ModelFacts:
+    """The model's facts with whole-layer recompute on every layer, or none."""
+    return replace(facts, recomputed=[1.0 if full else 0.0] * len(facts.recomputed))
 
 
 def _with_recompute(work: ModelWork, full: bool) -> ModelWork:
     """The model's work with whole-layer recompute on every layer, or none."""
-    from dataclasses import replace
-
     layers = [
         replace(layer, recompute=1.0 if full else 0.0, recompute_attention=full) for layer in work.layers
     ]
