@@ -13,13 +13,15 @@ Each case is a shipped config with layout overrides at a world size; the dry run
 (`train/dry_run.py`) runs one whole step of the planner's most loaded rank on fake tensors and
 reports its memory high-water mark. The first step is compared (`DevicePeak.first_step`: the
 optimizer's moments appear at its update), and the steady-state prediction is printed beside it.
-One JSON line per case: measured, predicted, their ratio, the peak's phase and the seconds.
+One JSON line per case: measured, predicted, their ratio, the peak's phase, the peak of forward and
+backward alone (read when the optimizer step starts) beside its prediction, and the seconds.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 from _harness import REPO, emit, utc_now
 
@@ -96,6 +98,38 @@ def quiet_sharding_propagation() -> None:
     ShardingPropagator._propagate_tensor_meta_non_cached = quiet  # type: ignore[method-assign,assignment]
 
 
+class _BeforeUpdate:
+    """The dry run's tracked peak when the optimizer step starts (forward and backward only).
+
+    Wraps `dry_run._new_step_peak` (the tracker the step uses) and `torch.optim.AdamW.step`.
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        import meshforge.train.dry_run as module
+
+        self.peak: float | None = None
+        self._tracker: Any = None
+        make, step = module._new_step_peak, torch.optim.AdamW.step
+
+        def new_tracker() -> Any:
+            self._tracker = make()
+            self.peak = None
+            return self._tracker
+
+        def wrapped(optimizer: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
+            if self.peak is None and self._tracker is not None:
+                self.peak = float(max(self._tracker._peak_mem.values(), default=0))
+            return step(optimizer, *args, **kwargs)
+
+        module._new_step_peak = new_tracker
+        torch.optim.AdamW.step = wrapped  # type: ignore[method-assign,assignment]
+
+
+_BEFORE = _BeforeUpdate()
+
+
 def run_case(name: str, config: str, world: int, overrides: list[str]) -> dict[str, object]:
     cfg = load_config(str(REPO / config), overrides, log=lambda _: None)
     started = time.perf_counter()
@@ -114,6 +148,13 @@ def run_case(name: str, config: str, world: int, overrides: list[str]) -> dict[s
         predicted_steady_mib=round(predicted.allocated / mib, 1),
         ratio=round(report.peak_bytes / predicted.first_step, 3),
         phase=predicted.phase,
+        # Forward and backward alone (the moments are not there yet in the first step).
+        measured_before_update_mib=round((_BEFORE.peak or 0) / mib, 1),
+        predicted_before_update_mib=(
+            round((predicted.allocated - predicted.optimizer) / mib, 1)
+            if predicted.phase != "optimizer"
+            else None
+        ),
         components_mib={k: round(v / mib, 1) for k, v in predicted.components().items()},
         dry_run_s=round(report.seconds, 1),
         predict_s=round(predict_s, 1),

@@ -1,11 +1,14 @@
 """`meshforge plan`: every layout of a config on N devices, those that fit, ranked by speed.
 
 A candidate changes only the layout keys of the user's config (tensor, context, pipeline and
-expert degrees, HSDP replicas, the pipeline schedule, the micro-batch size, whole-layer recompute
-on or off); the global batch, sequence, model and everything else stay as written. Each
-candidate is judged by the same two models `config validate` prints: the memory plan (training
-state per rank from `plan.rank_state`, activations from `plan.activation_plan`) and the
-step-time model (`step_time.predict_step`).
+expert degrees, HSDP replicas, the pipeline schedule: 1F1B, interleaved 1F1B, interleaved zero
+bubble or ZBV, the micro-batch size, whole-layer recompute on or off, and torchao's tensorwise
+float8 linears where the device has fp8 tensor cores and the config names no recipe); the global
+batch, sequence, model and everything else stay as written. Each candidate is judged by the same
+two models `config validate` prints: the per-device peak (`device_peak.stage_peaks`: training
+state, activations from `plan.activation_plan`, FSDP, loss and pipeline buffers, the CUDA context
+and NCCL) and the step-time model (`step_time.predict_step`). Float8's smaller saved inputs are not
+counted (the trace runs the linears in the compute dtype): its peak is the bf16 one.
 
 What makes it fast: the model is built on the meta device once (`workload.model_work`,
 `plan.count_parameters`), and activations are traced once per recompute setting at one
@@ -51,6 +54,7 @@ class Layout:
     schedule: str = "1f1b"
     interleave: int = 1
     shard: int = -1  # data_parallel_shard when there are replicas
+    quant: str | None = None  # model.quant_recipe_name (float8 linears), as written or tensorwise
 
     def describe(self) -> str:
         parts = [f"tp {self.tp}", f"cp {self.cp}", f"pp {self.pp}"]
@@ -62,11 +66,16 @@ class Layout:
             parts.append(f"hsdp {self.replicas}")
         parts.append(f"micro {self.micro}")
         parts.append("recompute full" if self.recompute else "no recompute")
+        if self.quant:
+            parts.append(f"float8 {self.quant}")
         return ", ".join(parts)
 
     def overrides(self, num_layers: int) -> dict[str, dict[str, object]]:
         """Section -> the keys this layout sets (`num_layers`: the decoder layers recompute covers)."""
-        return {
+        model: dict[str, dict[str, object]] = (
+            {"model": {"quant_recipe_name": self.quant}} if self.quant else {}
+        )
+        return model | {
             "parallelism": {
                 "tensor_parallel": self.tp,
                 "context_parallel": self.cp,
@@ -125,6 +134,7 @@ def own_layout(cfg: TrainConfig, world_size: int) -> Layout:
         recompute=full,
         schedule=par.pipeline_parallel_schedule,
         interleave=par.pipeline_parallel_interleave_num,
+        quant=cfg.model.quant_recipe_name,
     )
 
 
@@ -146,6 +156,10 @@ def candidates(
     experts = {round(layer.top_k / layer.active) for layer in work.layers if layer.top_k}
     node = hw.devices_per_node
     cps = [c for c in (1, 2, 4, 8) if seq % (2 * c) == 0 and seq // c >= 1024] or [1]
+    # Float8 linears as written; torchao's tensorwise recipe as well where the device has fp8
+    # tensor cores and the config asks for none.
+    written: str | None = cfg.model.quant_recipe_name
+    recipes: list[str | None] = [written] + (["tensorwise"] if written is None and hw.fp8_flops else [])
     for tp in _divisors(world_size, cap=node):
         for cp in cps:
             for pp in _divisors(world_size // (tp * cp), cap=max(1, decoder // 2)):
@@ -156,24 +170,28 @@ def candidates(
                     if experts:
                         eps = [e for e in _divisors(shard * cp) if all(n % e == 0 for n in experts)]
                     for ep in eps:
-                        schedules = [("1f1b", 1), ("interleaved1f1b", 2)] if pp > 1 else [("1f1b", 1)]
+                        schedules = [("1f1b", 1)]
+                        if pp > 1:
+                            schedules += [("interleaved1f1b", 2), ("interleavedzerobubble", 2), ("zbv", 2)]
                         for schedule, interleave in schedules:
                             if pp * interleave > decoder:
                                 continue
                             for micro in micro_batches:
                                 for recompute in (False, True):
-                                    yield Layout(
-                                        tp,
-                                        cp,
-                                        pp,
-                                        ep,
-                                        replicas,
-                                        micro,
-                                        recompute,
-                                        schedule,
-                                        interleave,
-                                        shard,
-                                    )
+                                    for quant in recipes:
+                                        yield Layout(
+                                            tp,
+                                            cp,
+                                            pp,
+                                            ep,
+                                            replicas,
+                                            micro,
+                                            recompute,
+                                            schedule,
+                                            interleave,
+                                            shard,
+                                            quant,
+                                        )
 
 
 def apply_layout(cfg: TrainConfig, layout: Layout, num_layers: int) -> TrainConfig:
@@ -184,7 +202,10 @@ def apply_layout(cfg: TrainConfig, layout: Layout, num_layers: int) -> TrainConf
     par = cfg.parallelism.model_copy(update=sections["parallelism"])
     training = cfg.training.model_copy(update=sections["training"])
     recompute = RecomputeConfig.model_validate(sections["recompute"])
-    return cfg.model_copy(update={"parallelism": par, "training": training, "recompute": recompute})
+    model = cfg.model.model_copy(update={"quant_recipe_name": layout.quant})
+    return cfg.model_copy(
+        update={"parallelism": par, "training": training, "recompute": recompute, "model": model}
+    )
 
 
 class _Activations:
