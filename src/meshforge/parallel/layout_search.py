@@ -7,8 +7,8 @@ float8 linears where the device has fp8 tensor cores and the config names no rec
 batch, sequence, model and everything else stay as written. Each candidate is judged by the same
 two models `config validate` prints: the per-device peak (`device_peak.stage_peaks`: training
 state, activations from `plan.activation_plan`, FSDP, loss and pipeline buffers, the CUDA context
-and NCCL) and the step-time model (`step_time.predict_step`). Float8's smaller saved inputs are not
-counted (the trace runs the linears in the compute dtype): its peak is the bf16 one.
+and NCCL) and the step-time model (`step_time.predict_step`). A float8 candidate's peak is the bf16
+one: the trace runs the linears in the compute dtype, and torchao's casts are not modelled.
 
 What makes it fast: the model is built on the meta device once (`workload.model_work`,
 `plan.count_parameters`), and activations are traced once per recompute setting at one
