@@ -81,3 +81,18 @@ def test_prediction_matches_the_dry_runs_measured_peak() -> None:
     predicted = predict_device_peak(cfg, 8, report.rank)
     assert report.predicted_peak_bytes == predicted.first_step
     assert 0.8 <= report.peak_bytes / predicted.first_step <= 1.25, (report.peak_bytes, predicted.describe())
+
+
+def test_expert_parallel_adds_the_dispatch_buffers_of_one_moe_layer() -> None:
+    moe = str(ROOT / "configs" / "qwen3_moe" / "tiny.yaml")
+    chunked = ["--kernels.chunk_loss_size=64"]  # the loss's chunk stays small: a layer's backward peaks
+    plain = predict_device_peak(load_config(moe, chunked, log=lambda _: None), 4)
+    ep = predict_device_peak(
+        load_config(moe, [*chunked, "--parallelism.expert_parallel=2"], log=lambda _: None), 4
+    )
+    assert plain.phase == ep.phase == "backward"
+    assert plain.dispatch == 0
+    # tokens of a micro-batch (2 x 128) x top-k 2 x hidden 256 x fp32, sent and received
+    assert ep.dispatch == 2 * (2 * 128) * 2 * 256 * 4
+    # Each EP rank gathers half the experts of a layer instead of all of them.
+    assert ep.unsharded_params < plain.unsharded_params
