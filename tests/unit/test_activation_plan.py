@@ -173,17 +173,20 @@ def test_layout_scaling_tp_pp_and_cp() -> None:
 
 
 def test_plan_lines_give_the_peak_and_the_device_memory_verdict() -> None:
-    cfg = _config(QWEN3, {}, context={"max_device_memory": "1GB"})
+    from meshforge.parallel.device_peak import peak_lines
+
+    cfg = _config(QWEN3, {}, context={"max_device_memory": "2GB"})
     dims = ParallelDims.from_config(cfg.parallelism, 1)
     _, counts = count_parameters(cfg)
     lines = activation_lines(cfg, dims, counts)
     assert lines[0].startswith(f"activations per rank (micro-batch {MICRO} x {SEQ} tokens, recompute None")
-    assert "predicted peak per rank (every rank): state" in lines[1]
-    assert lines[1].endswith("; fits context.max_device_memory 1GB")
+    peak = peak_lines(cfg, 1)
+    assert peak[0].startswith("predicted peak per rank (every rank): state")
+    assert peak[0].endswith("; fits context.max_device_memory 2GB")
     cfg = _config(QWEN3, {}, context={"max_device_memory": "0.001GB"})
-    assert activation_lines(cfg, dims, counts)[1].endswith("; does NOT fit context.max_device_memory 0.001GB")
+    assert peak_lines(cfg, 1)[0].endswith("; does NOT fit context.max_device_memory 0.001GB")
     # Without max_device_memory set there is no verdict (its default is an Ascend setting).
-    assert "max_device_memory" not in activation_lines(_config(QWEN3, {}), dims, counts)[1]
+    assert "max_device_memory" not in peak_lines(_config(QWEN3, {}), 1)[0]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next", "generic"])

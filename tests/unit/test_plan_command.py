@@ -10,9 +10,9 @@ import yaml
 
 from meshforge.cli.main import main
 from meshforge.config.loader import load_config
+from meshforge.parallel.device_peak import peak_lines
 from meshforge.parallel.dims import ParallelDims
 from meshforge.parallel.layout_search import search
-from meshforge.parallel.plan import plan_lines
 from meshforge.parallel.step_time import predict_step
 from meshforge.utils.hardware import hardware
 
@@ -57,13 +57,20 @@ def test_search_ranks_valid_fitting_layouts(tmp_path: Path) -> None:
     assert speeds[0] >= result.own.prediction.tokens_per_device
     kinds = {(r.layout.ep, r.layout.pp, r.layout.recompute) for r in result.ranked}
     assert {ep for ep, _, _ in kinds} >= {1, 2, 4} and {pp for _, pp, _ in kinds} >= {1, 2}
+    # Zero-bubble schedules and float8 linears (the H100 has fp8 tensor cores) are candidates too.
+    priced = result.ranked + result.too_big
+    assert {r.layout.schedule for r in priced if r.layout.pp > 1} >= {"interleavedzerobubble", "zbv"}
+    assert {r.layout.quant for r in priced} == {None, "tensorwise"}
+    assert hardware("a100").fp8_flops is None and not any(
+        r.layout.quant for r in search(cfg, 2, hardware("a100")).ranked
+    )
     for entry in result.ranked[:20]:
         assert entry.peak_bytes <= result.limit_bytes
     # The config as written is priced exactly as `config validate --device` prices it.
     own = predict_step(cfg, 4, hw)
     assert result.own.prediction.step == pytest.approx(own.step, rel=1e-12)
-    peak_line = next(line for line in plan_lines(cfg, 4) if line.startswith("predicted peak"))
-    assert f"{result.own.peak_bytes / 1024**3:.2f} GiB" in peak_line
+    peak_line = next(line for line in peak_lines(cfg, 4) if line.startswith("predicted peak"))
+    assert f"= {result.own.peak_bytes / 1024**3:.2f} GiB on the device" in peak_line
 
 
 def test_plan_writes_the_best_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,6 +91,7 @@ def test_plan_writes_the_best_layout(tmp_path: Path, capsys: pytest.CaptureFixtu
         best.ep,
     )
     assert written.training.local_batch_size == best.micro
+    assert written.model.quant_recipe_name == best.quant
     assert written.training.global_batch_size == 16 and written.model.hidden_size == 64
     ParallelDims.from_config(par, 4)  # a valid layout for 4 ranks
 

@@ -1,9 +1,9 @@
 """The memory figures the documentation quotes are what `meshforge config validate` prints now.
 
 README.md's table of real-size examples gives each example's predicted peak per rank; each
-example's opening comment quotes its plan (state + activations = peak, with and without
-recompute); docs/*.md show whole `config validate` outputs in ```text blocks that open with the
-command. Each is planned here, in this process, by the command the example or the block names,
+example's opening comment quotes its plan (state + activations + buffers = peak, with and
+without recompute); docs/*.md show whole `config validate` outputs in ```text blocks that open
+with the command. Each is planned here, in this process, by the command the example or the block names,
 and compared with the printed figures, digit for digit.
 """
 
@@ -25,7 +25,8 @@ NO_RECOMPUTE = ("--recompute.mode=None", "--recompute.full_recompute_layer=null"
 DEVICE_BYTES = 80e9
 _ROW = re.compile(r"^\| \[`(configs/examples/[\w.]+\.yaml)`\]\([^)]*\) \|.*\| ([0-9.]+) GiB \|$", re.M)
 _PEAK = re.compile(
-    r"predicted peak per rank \([^)]*\): (state [0-9.]+ GiB \+ activations [0-9.]+ GiB = ([0-9.]+) GiB)"
+    r"predicted peak per rank \([^)]*\): "
+    r"(state [0-9.]+ GiB \+ activations [0-9.]+ GiB \+ buffers [0-9.]+ GiB = ([0-9.]+) GiB)"
 )
 _BLOCK = re.compile(r"^```text\n(\$ meshforge config validate .*?)^```$", re.M | re.S)
 

@@ -188,9 +188,12 @@ def _validate(args: argparse.Namespace) -> int:
     print(f"{args.file}: valid{where} ({len(report.warnings)} warning(s))")
     if world_size:
         # Imports torch (the model is built on the meta device); plain validation does not.
+        from meshforge.parallel.device_peak import peak_lines
         from meshforge.parallel.plan import plan_lines
 
         for line in plan_lines(cfg, world_size, log=lambda _: None):
+            print(f"  {line}")
+        for line in peak_lines(cfg, world_size, log=lambda _: None):
             print(f"  {line}")
     if args.device:
         for line in _throughput_lines(cfg, world_size or 1, args.device):

@@ -1,11 +1,14 @@
 """`meshforge plan`: every layout of a config on N devices, those that fit, ranked by speed.
 
 A candidate changes only the layout keys of the user's config (tensor, context, pipeline and
-expert degrees, HSDP replicas, the pipeline schedule, the micro-batch size, whole-layer recompute
-on or off); the global batch, sequence, model and everything else stay as written. Each
-candidate is judged by the same two models `config validate` prints: the memory plan (training
-state per rank from `plan.rank_state`, activations from `plan.activation_plan`) and the
-step-time model (`step_time.predict_step`).
+expert degrees, HSDP replicas, the pipeline schedule: 1F1B, interleaved 1F1B, interleaved zero
+bubble or ZBV, the micro-batch size, whole-layer recompute on or off, and torchao's tensorwise
+float8 linears where the device has fp8 tensor cores and the config names no recipe); the global
+batch, sequence, model and everything else stay as written. Each candidate is judged by the same
+two models `config validate` prints: the per-device peak (`device_peak.stage_peaks`: training
+state, activations from `plan.activation_plan`, FSDP, loss and pipeline buffers, the CUDA context
+and NCCL) and the step-time model (`step_time.predict_step`). A float8 candidate's peak is the bf16
+one: the trace runs the linears in the compute dtype, and torchao's casts are not modelled.
 
 What makes it fast: the model is built on the meta device once (`workload.model_work`,
 `plan.count_parameters`), and activations are traced once per recompute setting at one
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from meshforge.parallel.dims import ParallelDims
@@ -27,13 +30,14 @@ from meshforge.parallel.dims import ParallelDims
 if TYPE_CHECKING:
     from meshforge.config.root import TrainConfig
     from meshforge.memory.estimate import ActivationEstimate
+    from meshforge.parallel.device_peak import ModelFacts
     from meshforge.parallel.plan import ParamCounts
     from meshforge.parallel.step_time import StepPrediction
     from meshforge.parallel.workload import ModelWork
     from meshforge.utils.hardware import Hardware
 
 _GIB = 1024**3
-HEADROOM = 0.9  # share of device memory the predicted peak may use (allocator caches, buffers)
+HEADROOM = 0.9  # share of device memory the predicted peak may use (the caching allocator's fragmentation)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Layout:
     schedule: str = "1f1b"
     interleave: int = 1
     shard: int = -1  # data_parallel_shard when there are replicas
+    quant: str | None = None  # model.quant_recipe_name (float8 linears), as written or tensorwise
 
     def describe(self) -> str:
         parts = [f"tp {self.tp}", f"cp {self.cp}", f"pp {self.pp}"]
@@ -61,11 +66,16 @@ class Layout:
             parts.append(f"hsdp {self.replicas}")
         parts.append(f"micro {self.micro}")
         parts.append("recompute full" if self.recompute else "no recompute")
+        if self.quant:
+            parts.append(f"float8 {self.quant}")
         return ", ".join(parts)
 
     def overrides(self, num_layers: int) -> dict[str, dict[str, object]]:
         """Section -> the keys this layout sets (`num_layers`: the decoder layers recompute covers)."""
-        return {
+        model: dict[str, dict[str, object]] = (
+            {"model": {"quant_recipe_name": self.quant}} if self.quant else {}
+        )
+        return model | {
             "parallelism": {
                 "tensor_parallel": self.tp,
                 "context_parallel": self.cp,
@@ -124,6 +134,7 @@ def own_layout(cfg: TrainConfig, world_size: int) -> Layout:
         recompute=full,
         schedule=par.pipeline_parallel_schedule,
         interleave=par.pipeline_parallel_interleave_num,
+        quant=cfg.model.quant_recipe_name,
     )
 
 
@@ -145,6 +156,10 @@ def candidates(
     experts = {round(layer.top_k / layer.active) for layer in work.layers if layer.top_k}
     node = hw.devices_per_node
     cps = [c for c in (1, 2, 4, 8) if seq % (2 * c) == 0 and seq // c >= 1024] or [1]
+    # Float8 linears as written; torchao's tensorwise recipe as well where the device has fp8
+    # tensor cores and the config asks for none.
+    written: str | None = cfg.model.quant_recipe_name
+    recipes: list[str | None] = [written] + (["tensorwise"] if written is None and hw.fp8_flops else [])
     for tp in _divisors(world_size, cap=node):
         for cp in cps:
             for pp in _divisors(world_size // (tp * cp), cap=max(1, decoder // 2)):
@@ -155,24 +170,28 @@ def candidates(
                     if experts:
                         eps = [e for e in _divisors(shard * cp) if all(n % e == 0 for n in experts)]
                     for ep in eps:
-                        schedules = [("1f1b", 1), ("interleaved1f1b", 2)] if pp > 1 else [("1f1b", 1)]
+                        schedules = [("1f1b", 1)]
+                        if pp > 1:
+                            schedules += [("interleaved1f1b", 2), ("interleavedzerobubble", 2), ("zbv", 2)]
                         for schedule, interleave in schedules:
                             if pp * interleave > decoder:
                                 continue
                             for micro in micro_batches:
                                 for recompute in (False, True):
-                                    yield Layout(
-                                        tp,
-                                        cp,
-                                        pp,
-                                        ep,
-                                        replicas,
-                                        micro,
-                                        recompute,
-                                        schedule,
-                                        interleave,
-                                        shard,
-                                    )
+                                    for quant in recipes:
+                                        yield Layout(
+                                            tp,
+                                            cp,
+                                            pp,
+                                            ep,
+                                            replicas,
+                                            micro,
+                                            recompute,
+                                            schedule,
+                                            interleave,
+                                            shard,
+                                            quant,
+                                        )
 
 
 def apply_layout(cfg: TrainConfig, layout: Layout, num_layers: int) -> TrainConfig:
@@ -183,7 +202,10 @@ def apply_layout(cfg: TrainConfig, layout: Layout, num_layers: int) -> TrainConf
     par = cfg.parallelism.model_copy(update=sections["parallelism"])
     training = cfg.training.model_copy(update=sections["training"])
     recompute = RecomputeConfig.model_validate(sections["recompute"])
-    return cfg.model_copy(update={"parallelism": par, "training": training, "recompute": recompute})
+    model = cfg.model.model_copy(update={"quant_recipe_name": layout.quant})
+    return cfg.model_copy(
+        update={"parallelism": par, "training": training, "recompute": recompute, "model": model}
+    )
 
 
 class _Activations:
@@ -222,6 +244,7 @@ def search(
     log: Callable[[str], None] | None = None,
 ) -> SearchResult:
     """Price every candidate layout; keep those whose predicted peak fits the device."""
+    from meshforge.parallel.device_peak import model_facts
     from meshforge.parallel.plan import count_parameters, layout_model_issues
     from meshforge.parallel.step_time import predict_step
     from meshforge.parallel.workload import model_work
@@ -231,6 +254,7 @@ def search(
     _family, counts = count_parameters(cfg, log=log)
     num_layers = len(counts.layers) - counts.mtp_layers
     activations = _Activations(cfg, log)
+    facts = model_facts(cfg, work, log=log)
     result = SearchResult(limit_bytes=(memory_gib or hw.memory_gib) * _GIB * HEADROOM, num_layers=num_layers)
     result.own = _as_written(cfg, world_size, hw, work, counts, log)
     tp_ok: dict[int, bool] = {}
@@ -254,7 +278,18 @@ def search(
         if not tp_ok[layout.tp]:
             result.invalid += 1
             continue
-        peak = _peak(trial, dims, counts, activations.estimate(trial, layout))
+        rebuilt = None
+        if layout.recompute:  # what a recomputed layer rebuilds: the layer traced without recompute
+            plain = replace(layout, recompute=False)
+            rebuilt = activations.estimate(apply_layout(cfg, plain, num_layers), plain)
+        peak = _peak(
+            trial,
+            dims,
+            counts,
+            _facts_for(facts, layout.recompute),
+            activations.estimate(trial, layout),
+            rebuilt,
+        )
         prediction = predict_step(
             trial, world_size, hw, work=_with_recompute(work, layout.recompute), counts=counts
         )
@@ -274,7 +309,7 @@ def _as_written(
     log: Callable[[str], None] | None,
 ) -> Ranked | None:
     """The config's own layout and recompute, priced as `config validate` prices it."""
-    from meshforge.parallel.plan import measure_plan_activations
+    from meshforge.parallel.device_peak import model_facts, trace_estimates
     from meshforge.parallel.step_time import predict_step
 
     try:
@@ -282,25 +317,36 @@ def _as_written(
         cfg.training.accumulation_steps(dims.dp)
     except ValueError:
         return None
-    seq = int(cfg.train_dataset.seq_length() or 0)
-    estimate = measure_plan_activations(cfg, int(cfg.training.local_batch_size), seq // dims.cp, log=log)
+    estimate, rebuilt = trace_estimates(cfg, dims, log=log)
     return Ranked(
         own_layout(cfg, world_size),
-        _peak(cfg, dims, counts, estimate),
+        _peak(cfg, dims, counts, model_facts(cfg, work, log=log), estimate, rebuilt),
         predict_step(cfg, world_size, hw, work=work, counts=counts),
     )
 
 
-def _peak(cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts, estimate: ActivationEstimate) -> float:
-    from meshforge.parallel.plan import activation_plan
+def _peak(
+    cfg: TrainConfig,
+    dims: ParallelDims,
+    counts: ParamCounts,
+    facts: ModelFacts,
+    estimate: ActivationEstimate,
+    rebuilt: ActivationEstimate | None,
+) -> float:
+    """The highest steady-state peak over the pipeline stages (`device_peak`), allocator memory
+    plus the CUDA context and NCCL buffers."""
+    from meshforge.parallel.device_peak import stage_peaks
 
-    return max(r.peak_bytes for r in activation_plan(cfg, dims, counts, estimate))
+    return max(p.device_total for p in stage_peaks(cfg, dims, counts, facts, estimate, rebuilt))
+
+
+def _facts_for(facts: ModelFacts, full: bool) -> ModelFacts:
+    """The model's facts with whole-layer recompute on every layer, or none."""
+    return replace(facts, recomputed=[1.0 if full else 0.0] * len(facts.recomputed))
 
 
 def _with_recompute(work: ModelWork, full: bool) -> ModelWork:
     """The model's work with whole-layer recompute on every layer, or none."""
-    from dataclasses import replace
-
     layers = [
         replace(layer, recompute=1.0 if full else 0.0, recompute_attention=full) for layer in work.layers
     ]

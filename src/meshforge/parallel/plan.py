@@ -8,8 +8,9 @@ on a laptop. Activations are measured, not guessed: one forward and loss of the 
 rank's shapes (micro-batch x sequence / cp) with the run's recompute and swap settings, traced on
 fake tensors under the saved-tensor ledger (`memory.estimate`), then scaled to the rank: / tp
 (sequence parallel), x the layers of its pipeline stage, x the micro-batches its schedule holds
-in flight. The predicted peak is training state + activations (allocator caches, temporaries of
-one op and communication buffers come on top). Multi-token-prediction blocks (DeepSeek-V3) sit on
+in flight. The predicted peak per rank adds the buffers a step holds besides them
+(`device_peak`: FSDP's unsharded parameters and gradients, the rebuilt layer, the loss's logits
+gradients, the CUDA context and NCCL). Multi-token-prediction blocks (DeepSeek-V3) sit on
 the last pipeline stage with their state, their activations when the run trains them, and the
 stage's own copy of the embedding they read. A LoRA run's state is its frozen base's weights plus
 its adapters, with gradients and optimizer state for the adapters only (`plan_lora`); its trace
@@ -387,7 +388,7 @@ def activation_plan(
 def activation_lines(
     cfg: TrainConfig, dims: ParallelDims, counts: ParamCounts, *, log: Callable[[str], None] | None = None
 ) -> list[str]:
-    """Measured activation bytes of the most loaded rank and its predicted peak."""
+    """Measured activation bytes of the most loaded rank (`device_peak.peak_lines` gives its peak)."""
     seq = cfg.train_dataset.seq_length()
     if not seq:
         return ["activations: not estimated (no sequence length: set the loader's seq_length)"]
@@ -412,16 +413,7 @@ def activation_lines(
         + f" = {top.device_bytes / _GIB:.2f} GiB"
         + (f" (+ {top.host_bytes / _GIB:.2f} GiB swapped to host)" if top.host_bytes else "")
     )
-    verdict = ""
-    if "max_device_memory" in cfg.context.model_fields_set:
-        limit = cfg.context.max_device_memory
-        fits = top.peak_bytes <= float(limit.strip().upper()[:-2]) * 1e9
-        verdict = f"; {'fits' if fits else 'does NOT fit'} context.max_device_memory {limit}"
-    peak = (
-        f"predicted peak per rank ({where}): state {top.state_bytes / _GIB:.2f} GiB + activations "
-        f"{top.device_bytes / _GIB:.2f} GiB = {top.peak_bytes / _GIB:.2f} GiB{verdict}"
-    )
-    return [line, peak]
+    return [line]
 
 
 def measure_plan_activations(

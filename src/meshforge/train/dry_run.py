@@ -248,36 +248,28 @@ class _VocabOnly:
 
 
 def default_rank(cfg: TrainConfig, dims: ParallelDims) -> tuple[int, float | None]:
-    """The first rank of the pipeline stage the planner predicts the highest peak for, and that peak."""
-    from meshforge.parallel.plan import activation_plan, count_parameters, measure_plan_activations
+    """The first rank of the pipeline stage the planner predicts the highest peak for, and that peak.
 
-    seq = cfg.train_dataset.seq_length()
-    if not seq:
-        return 0, None
+    The peak is `DevicePeak.first_step` (`parallel/device_peak.py`): one step from a fresh
+    optimizer, whose moments appear at its update, is what the dry run measures.
+    """
+    from meshforge.parallel.device_peak import predict_device_peak
+
     try:
-        _family, counts = count_parameters(cfg)
-        estimate = measure_plan_activations(cfg, int(cfg.training.local_batch_size), int(seq) // dims.cp)
-        rows = activation_plan(cfg, dims, counts, estimate)
+        peak = predict_device_peak(cfg, dims.world_size)
     except Exception:  # noqa: BLE001 - without a prediction the dry run still runs rank 0
         return 0, None
-    top = max(rows, key=lambda r: r.peak_bytes)
-    return top.rank * (dims.world_size // dims.pp), top.peak_bytes
+    return peak.rank, peak.first_step
 
 
 def predicted_peak(cfg: TrainConfig, dims: ParallelDims, rank: int) -> float | None:
-    """The planner's predicted peak of `rank`'s pipeline stage (None when it cannot estimate)."""
-    from meshforge.parallel.plan import activation_plan, count_parameters, measure_plan_activations
+    """The planner's predicted first-step peak of `rank` (None when it cannot estimate)."""
+    from meshforge.parallel.device_peak import predict_device_peak
 
-    seq = cfg.train_dataset.seq_length()
-    if not seq:
-        return None
     try:
-        _family, counts = count_parameters(cfg)
-        estimate = measure_plan_activations(cfg, int(cfg.training.local_batch_size), int(seq) // dims.cp)
-        rows = activation_plan(cfg, dims, counts, estimate)
+        return predict_device_peak(cfg, dims.world_size, rank).first_step
     except Exception:  # noqa: BLE001 - the dry run stands without the comparison
         return None
-    return rows[rank // (dims.world_size // dims.pp)].peak_bytes
 
 
 def synthetic_batch(cfg: TrainConfig, parts: ModelParts, *, pairs: bool) -> Batch:
