@@ -250,8 +250,8 @@ class _VocabOnly:
 def default_rank(cfg: TrainConfig, dims: ParallelDims) -> tuple[int, float | None]:
     """The first rank of the pipeline stage the planner predicts the highest peak for, and that peak.
 
-    The peak is `DevicePeak.first_step` (`parallel/device_peak.py`): one step from a fresh
-    optimizer, whose moments appear at its update, is what the dry run measures.
+    The peak is `DevicePeak.allocated` (`parallel/device_peak.py`): the steady state (the
+    optimizer's moments live through the step), which the dry run measures after priming them.
     """
     from meshforge.parallel.device_peak import predict_device_peak
 
@@ -259,15 +259,15 @@ def default_rank(cfg: TrainConfig, dims: ParallelDims) -> tuple[int, float | Non
         peak = predict_device_peak(cfg, dims.world_size)
     except Exception:  # noqa: BLE001 - without a prediction the dry run still runs rank 0
         return 0, None
-    return peak.rank, peak.first_step
+    return peak.rank, peak.allocated
 
 
 def predicted_peak(cfg: TrainConfig, dims: ParallelDims, rank: int) -> float | None:
-    """The planner's predicted first-step peak of `rank` (None when it cannot estimate)."""
+    """The planner's predicted steady-state peak of `rank` (None when it cannot estimate)."""
     from meshforge.parallel.device_peak import predict_device_peak
 
     try:
-        return predict_device_peak(cfg, dims.world_size, rank).first_step
+        return predict_device_peak(cfg, dims.world_size, rank).allocated
     except Exception:  # noqa: BLE001 - the dry run stands without the comparison
         return None
 
