@@ -28,7 +28,7 @@ COMMON = [
 
 
 def test_pp2_evaluates_and_zero_bubble_equals_one_process(tmp_path: Path) -> None:
-    one, pp, zb = tmp_path / "one", tmp_path / "pp", tmp_path / "zb"
+    one, pp, zb, ppcp = tmp_path / "one", tmp_path / "pp", tmp_path / "zb", tmp_path / "ppcp"
     train_all(
         [
             Run(SFT, [*COMMON, f"--training.output_dir={one}"]),
@@ -45,11 +45,22 @@ def test_pp2_evaluates_and_zero_bubble_equals_one_process(tmp_path: Path) -> Non
                 ],
                 nproc=2,
             ),
+            # The validation batches reach the first stage split over the CP ranks, as training's.
+            Run(
+                SFT,
+                [
+                    *COMMON,
+                    "--parallelism.pipeline_parallel=2",
+                    "--parallelism.context_parallel=2",
+                    f"--training.output_dir={ppcp}",
+                ],
+                nproc=4,
+            ),
         ]
     )
     ref = read_metrics(one)
     assert [r["step"] for r in ref if "eval_loss" in r] == [1, 2]
-    for run in (pp, zb):
+    for run in (pp, zb, ppcp):
         got = read_metrics(run)
         for x, y in zip(ref, got, strict=True):
             assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)

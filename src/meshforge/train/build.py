@@ -28,7 +28,7 @@ from meshforge.monitor.trackers import TrackerSink, build_trackers, check_tracke
 from meshforge.monitor.train_state import TrainStateMonitor
 from meshforge.monitor.trainer_log import TrainerLog
 from meshforge.parallel.dims import ParallelDims
-from meshforge.train.batches import plan_batches
+from meshforge.train.batches import plan_batches, shard_for_cp
 from meshforge.train.build_model import build_model, build_tokenizer
 from meshforge.train.build_preference import build_preference
 from meshforge.train.build_reward import build_reward
@@ -307,7 +307,7 @@ def build_pipeline(parallelism: ParallelismConfig, env: RunEnv, model: ModelPart
         return None
     from meshforge.parallel.pipeline import build_pipeline as build
 
-    return build(
+    pipeline = build(
         model.pipeline_split,
         model.module,
         env.mesh.view("pp"),
@@ -320,6 +320,11 @@ def build_pipeline(parallelism: ParallelismConfig, env: RunEnv, model: ModelPart
         lm_loss=model.lm_loss,
         mtp_coef=model.mtp_coef,
     )
+    if env.dims.cp > 1:
+        pipeline.eval_shard = functools.partial(
+            shard_for_cp, cp_mesh=env.mesh.view("cp"), method=parallelism.cp_method()
+        )
+    return pipeline
 
 
 def build_checkpointer(ckpt: CheckpointConfig, env: RunEnv, model: ModelParts) -> CheckpointManager:

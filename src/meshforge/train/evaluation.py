@@ -195,7 +195,11 @@ def pipeline_eval_sums(
         if max_batches is not None and index >= max_batches:
             break
         batch = to_device(batch)
-        group.append(stage_loss.shard(batch) if stage_loss is not None else batch)
+        if stage_loss is not None:
+            batch = stage_loss.shard(batch)
+        elif pipeline.eval_shard is not None:
+            batch = pipeline.eval_shard(batch)
+        group.append(batch)
         if len(group) == group_size:
             flush()
     if group:

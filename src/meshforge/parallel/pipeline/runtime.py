@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -189,6 +189,8 @@ class Pipeline:
         self.schedule = self._schedule_for(n_microbatches)
         # Set after the build (`train/preference_pipeline.py`): the last stage's loss instead of the LM loss.
         self.stage_loss: StageLoss | None = None
+        # An evaluation batch as training hands one to `step` (CP: this rank's slice); None: as is.
+        self.eval_shard: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
     def _ce_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed CE of the last stage's output: logits, or normed hidden states (chunked/fused loss)."""
