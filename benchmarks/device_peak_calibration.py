@@ -63,6 +63,20 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
         ],
     ),
     "llama fsdp8 lora": (_LLAMA, 8, ["--lora_config.lora_rank=8", "--lora_config.target_modules=all"]),
+    "llama one rank": (_LLAMA, 1, []),
+    "llama hsdp 2 x fsdp4": (_LLAMA, 8, ["--parallelism.data_parallel_shard=4"]),
+    "llama fsdp8 zero2": (_LLAMA, 8, ["--parallelism.data_parallel_shard_strategy=optim_grads"]),
+    "llama tp2 lora recompute chunked": (
+        _LLAMA,
+        8,
+        [
+            "--parallelism.tensor_parallel=2",
+            "--lora_config.lora_rank=8",
+            "--lora_config.target_modules=all",
+            *_RECOMPUTE,
+            "--kernels.chunk_loss_size=256",
+        ],
+    ),
     "llama pp2 x fsdp4 1f1b": (
         _LLAMA,
         8,

@@ -241,24 +241,24 @@ def stage_peaks(
         end_grads = 0.0  # the embedding's backward (first stage): the root's gradients all alive
         if not fsdp:
             gathered, grad_buffers = 0.0, 0.0
-        elif keep_unsharded:
-            gathered = (sum(sizes) + root / dims.tp) * cbytes
-            # Gradient sync is off until the last micro-batch: the stage's unsharded gradients
-            # accumulate in the reduce dtype (a copy when it is not the compute dtype).
-            acc_bytes = rbytes if rbytes != cbytes else cbytes
-            grad_buffers = (
-                (sum(sizes) + root / dims.tp) * acc_bytes + max(sizes, default=0.0) * cbytes
-            ) * train_share
         else:
             pair = max((a + b for a, b in zip(sizes, sizes[1:], strict=False)), default=sum(sizes))
-            gathered = (root / dims.tp + pair) * cbytes
-            layer_grad = max(sizes, default=0.0) * (cbytes + (rbytes if rbytes != cbytes else 0))
-            grad_buffers = (layer_grad + head_grad * cbytes) * train_share
-            if stage == 0:
-                # Each use of a weight (a tied one: the head and the embedding) gives its own
-                # gradient before they are summed, and the reduce-scatter takes one more copy.
-                copies = 2 + (1 if counts.tied and dims.pp == 1 else 0)
-                end_grads = root / dims.tp * cbytes * copies * train_share
+            gathered = (root / dims.tp + (sum(sizes) if keep_unsharded else pair)) * cbytes
+            if dims.pp > 1:
+                # Gradient sync is off until the last micro-batch: the stage's unsharded gradients
+                # accumulate in the reduce dtype (a copy when it is not the compute dtype).
+                acc_bytes = rbytes if rbytes != cbytes else cbytes
+                grad_buffers = (
+                    (sum(sizes) + root / dims.tp) * acc_bytes + max(sizes, default=0.0) * cbytes
+                ) * train_share
+            else:
+                layer_grad = max(sizes, default=0.0) * (cbytes + (rbytes if rbytes != cbytes else 0))
+                grad_buffers = (layer_grad + head_grad * cbytes) * train_share
+                if stage == 0:
+                    # Each use of a weight (a tied one: the head and the embedding) gives its own
+                    # gradient before they are summed, and the reduce-scatter takes one more copy.
+                    copies = 2 + (1 if counts.tied else 0)
+                    end_grads = root / dims.tp * cbytes * copies * train_share
         grads_alive = state.gradients if (accum > 1 or dims.pp > 1) else 0.0
         moments = 2.0 * state.gradients  # AdamW: exp_avg and exp_avg_sq in the parameters' dtype
         flight = row.in_flight
@@ -320,7 +320,8 @@ def stage_peaks(
                     base,
                     phase="loss",
                     activations=saved,
-                    unsharded_grads=0.0 if not keep_unsharded else base.unsharded_grads,
+                    # Accumulated stage gradients stay; without a pipeline none is unsharded yet.
+                    unsharded_grads=base.unsharded_grads if dims.pp > 1 else 0.0,
                     rebuilt=0.0,
                     working=0.0,
                     dispatch=0.0,
@@ -333,7 +334,7 @@ def stage_peaks(
                     base,
                     phase="embedding backward",
                     grads=state.gradients,
-                    unsharded_params=root / dims.tp * cbytes,
+                    unsharded_params=gathered if keep_unsharded else root / dims.tp * cbytes,
                     unsharded_grads=end_grads,
                     activations=0.0,
                     rebuilt=0.0,
