@@ -2,7 +2,8 @@
 
     PYTHONPATH=src .venv/bin/python benchmarks/device_peak_calibration.py [--quiet-sharding-prop] [name-fragment ...]
 
-`--quiet-sharding-prop` hides DTensor's sharding propagation from the dry run's memory tracker:
+`--quiet-sharding-prop` hides DTensor's sharding propagation from the dry run's memory tracker
+(`utils/fake_memory.sharding_propagation_untracked`):
 to learn an op's output shape, torch builds fake tensors of the *global* shapes of its DTensor
 arguments under the active fake mode, and the tracker counts them as allocations (a fused AdamW
 step over FSDP-sharded parameters then "holds" 16 bytes per global parameter: 1 TiB for a 70B
@@ -19,6 +20,7 @@ backward alone (read when the optimizer step starts) beside its prediction, and 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any
@@ -28,6 +30,7 @@ from _harness import REPO, emit, utc_now
 from meshforge.config.loader import load_config
 from meshforge.parallel.device_peak import predict_device_peak
 from meshforge.train.dry_run import dry_run
+from meshforge.utils.fake_memory import sharding_propagation_untracked
 
 _LLAMA = "configs/llama/tiny.yaml"
 _MOE = "configs/qwen3_moe/tiny.yaml"
@@ -60,6 +63,20 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
         ],
     ),
     "llama fsdp8 lora": (_LLAMA, 8, ["--lora_config.lora_rank=8", "--lora_config.target_modules=all"]),
+    "llama one rank": (_LLAMA, 1, []),
+    "llama hsdp 2 x fsdp4": (_LLAMA, 8, ["--parallelism.data_parallel_shard=4"]),
+    "llama fsdp8 zero2": (_LLAMA, 8, ["--parallelism.data_parallel_shard_strategy=optim_grads"]),
+    "llama tp2 lora recompute chunked": (
+        _LLAMA,
+        8,
+        [
+            "--parallelism.tensor_parallel=2",
+            "--lora_config.lora_rank=8",
+            "--lora_config.target_modules=all",
+            *_RECOMPUTE,
+            "--kernels.chunk_loss_size=256",
+        ],
+    ),
     "llama pp2 x fsdp4 1f1b": (
         _LLAMA,
         8,
@@ -82,20 +99,6 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
         [f"--model.model_name_or_path={REPO / 'tests/data/llama3_1_70b'}", "--training.global_batch_size=16"],
     ),
 }
-
-
-def quiet_sharding_propagation() -> None:
-    """Run DTensor's output-shape propagation outside the dry run's dispatch modes."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def quiet(self: ShardingPropagator, op_schema: object) -> object:
-        with _disable_current_modes():
-            return original(self, op_schema)
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = quiet  # type: ignore[method-assign,assignment]
 
 
 class _BeforeUpdate:
@@ -164,13 +167,13 @@ def run_case(name: str, config: str, world: int, overrides: list[str]) -> dict[s
 
 
 def main(only: list[str]) -> None:
-    if "--quiet-sharding-prop" in only:
-        only = [part for part in only if part != "--quiet-sharding-prop"]
-        quiet_sharding_propagation()
-    for name, (config, world, overrides) in CASES.items():
-        if only and not any(part in name for part in only):
-            continue
-        emit(run_case(name, config, world, overrides))
+    quiet = "--quiet-sharding-prop" in only
+    only = [part for part in only if part != "--quiet-sharding-prop"]
+    with sharding_propagation_untracked() if quiet else contextlib.nullcontext():
+        for name, (config, world, overrides) in CASES.items():
+            if only and not any(part in name for part in only):
+                continue
+            emit(run_case(name, config, world, overrides))
 
 
 if __name__ == "__main__":

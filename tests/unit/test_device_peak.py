@@ -96,3 +96,11 @@ def test_expert_parallel_adds_the_dispatch_buffers_of_one_moe_layer() -> None:
     assert ep.dispatch == 2 * (2 * 128) * 2 * 256 * 4
     # Each EP rank gathers half the experts of a layer instead of all of them.
     assert ep.unsharded_params < plain.unsharded_params
+
+
+def test_cpu_offload_moves_the_sharded_state_to_the_host() -> None:
+    on_device = _peak(8)
+    offloaded = _peak(8, "--parallelism.cpu_offload=true")
+    assert offloaded.params == offloaded.optimizer == 0 and on_device.params > 0
+    assert offloaded.host == pytest.approx(on_device.params * 4, rel=1e-9)  # weights, grads, 2 moments
+    assert offloaded.allocated == pytest.approx(on_device.allocated - on_device.params * 3, rel=1e-9)

@@ -8,16 +8,22 @@ the unsharded gradient of the layer in backward and its reduce-scatter copy in t
 layer that recompute rebuilds, the gradients flowing through a layer's backward, the loss's
 float32 softmax gradient over ``[tokens, vocab]`` (a chunk of it for the chunked and fused
 losses), the inputs tensor parallelism's sequence parallel gathers whole, and the expert
-dispatch buffers. On tiny layouts the ledger alone predicted about half of what a real step
-holds (`train/dry_run.py` measures it on fake tensors).
+dispatch buffers. On tiny layouts the ledger alone predicted about half of what a step holds
+(`train/dry_run.py` measures it on fake tensors; `benchmarks/device_peak_calibration.py`).
 
-A step's memory peaks in one of three places, and the prediction is the largest of them:
+A step's memory peaks in one of four places, and the prediction is the largest of them:
 
 * ``loss``: the last stage at the loss's backward, every micro-batch in flight saved, the
   loss's ``[tokens, vocab]`` float32 gradients alive;
 * ``backward``: the first layer backward of the stage (the logits freed), the rebuilt layer and
   the gradients flowing through it alive, its unsharded gradients and reduce-scatter buffer;
+* ``embedding backward`` (first stage, no pipeline): the end of backward, every sharded gradient
+  there and the root's unsharded gradients (one per use of a weight, and a copy) alive;
 * ``optimizer``: parameters, gradients and the AdamW moments (no activations).
+
+Not modelled: float8's casts (a float8 run is predicted as its compute dtype), the DPO reference
+model, and optimizers other than AdamW (Muon's one momentum is counted as two moments). Pipeline, context-parallel and MoE layouts are modelled from the code, not yet checked
+against a dry run (their dry runs stop at data-dependent values).
 
 ``allocated`` is the steady state (the optimizer's moments exist through forward and backward,
 as from the second step on): what decides whether a run fits. ``first_step`` is the first step,
@@ -85,7 +91,7 @@ class DevicePeak:
     loss: float = 0.0  # the loss's float32 [tokens, vocab] gradients (or one chunk's)
     pipeline: float = 0.0  # stage-boundary send/receive buffers
     dispatch: float = 0.0  # expert-parallel all-to-all buffers of one MoE layer
-    host: float = 0.0  # activations swapped to host memory (not on the device)
+    host: float = 0.0  # swapped activations and CPU-offloaded state in host memory (not on the device)
     overhead: float = 0.0  # CUDA context + NCCL buffers (outside the caching allocator)
     first_step: float = 0.0  # the first step's peak (moments created at its update)
     in_flight: float = 1.0  # micro-batches whose activations the stage holds at the peak
@@ -241,24 +247,24 @@ def stage_peaks(
         end_grads = 0.0  # the embedding's backward (first stage): the root's gradients all alive
         if not fsdp:
             gathered, grad_buffers = 0.0, 0.0
-        elif keep_unsharded:
-            gathered = (sum(sizes) + root / dims.tp) * cbytes
-            # Gradient sync is off until the last micro-batch: the stage's unsharded gradients
-            # accumulate in the reduce dtype (a copy when it is not the compute dtype).
-            acc_bytes = rbytes if rbytes != cbytes else cbytes
-            grad_buffers = (
-                (sum(sizes) + root / dims.tp) * acc_bytes + max(sizes, default=0.0) * cbytes
-            ) * train_share
         else:
             pair = max((a + b for a, b in zip(sizes, sizes[1:], strict=False)), default=sum(sizes))
-            gathered = (root / dims.tp + pair) * cbytes
-            layer_grad = max(sizes, default=0.0) * (cbytes + (rbytes if rbytes != cbytes else 0))
-            grad_buffers = (layer_grad + head_grad * cbytes) * train_share
-            if stage == 0:
-                # Each use of a weight (a tied one: the head and the embedding) gives its own
-                # gradient before they are summed, and the reduce-scatter takes one more copy.
-                copies = 2 + (1 if counts.tied and dims.pp == 1 else 0)
-                end_grads = root / dims.tp * cbytes * copies * train_share
+            gathered = (root / dims.tp + (sum(sizes) if keep_unsharded else pair)) * cbytes
+            if dims.pp > 1:
+                # Gradient sync is off until the last micro-batch: the stage's unsharded gradients
+                # accumulate in the reduce dtype (a copy when it is not the compute dtype).
+                acc_bytes = rbytes if rbytes != cbytes else cbytes
+                grad_buffers = (
+                    (sum(sizes) + root / dims.tp) * acc_bytes + max(sizes, default=0.0) * cbytes
+                ) * train_share
+            else:
+                layer_grad = max(sizes, default=0.0) * (cbytes + (rbytes if rbytes != cbytes else 0))
+                grad_buffers = (layer_grad + head_grad * cbytes) * train_share
+                if stage == 0:
+                    # Each use of a weight (a tied one: the head and the embedding) gives its own
+                    # gradient before they are summed, and the reduce-scatter takes one more copy.
+                    copies = 2 + (1 if counts.tied else 0)
+                    end_grads = root / dims.tp * cbytes * copies * train_share
         grads_alive = state.gradients if (accum > 1 or dims.pp > 1) else 0.0
         moments = 2.0 * state.gradients  # AdamW: exp_avg and exp_avg_sq in the parameters' dtype
         flight = row.in_flight
@@ -320,7 +326,8 @@ def stage_peaks(
                     base,
                     phase="loss",
                     activations=saved,
-                    unsharded_grads=0.0 if not keep_unsharded else base.unsharded_grads,
+                    # Accumulated stage gradients stay; without a pipeline none is unsharded yet.
+                    unsharded_grads=base.unsharded_grads if dims.pp > 1 else 0.0,
                     rebuilt=0.0,
                     working=0.0,
                     dispatch=0.0,
@@ -333,7 +340,7 @@ def stage_peaks(
                     base,
                     phase="embedding backward",
                     grads=state.gradients,
-                    unsharded_params=root / dims.tp * cbytes,
+                    unsharded_params=gathered if keep_unsharded else root / dims.tp * cbytes,
                     unsharded_grads=end_grads,
                     activations=0.0,
                     rebuilt=0.0,
@@ -355,6 +362,13 @@ def stage_peaks(
             in_flight=flight,
             notes=base.notes,
         )
+        if par.cpu_offload and fsdp:
+            # FSDP's CPU offload keeps the sharded state in host memory (the update runs there).
+            on_host = state.weights + state.gradients + moments
+            phases = [replace(p, params=0.0, grads=0.0, optimizer=0.0, host=p.host + on_host) for p in phases]
+            optimizer_phase = replace(
+                optimizer_phase, params=0.0, grads=0.0, optimizer=0.0, host=optimizer_phase.host + on_host
+            )
         steady = max([*phases, optimizer_phase], key=lambda p: p.allocated)
         first = max([p.allocated - p.optimizer for p in phases] + [optimizer_phase.allocated])
         out.append(replace(steady, first_step=first))

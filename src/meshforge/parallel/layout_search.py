@@ -1,8 +1,8 @@
 """`meshforge plan`: every layout of a config on N devices, those that fit, ranked by speed.
 
 A candidate changes only the layout keys of the user's config (tensor, context, pipeline and
-expert degrees, HSDP replicas, the pipeline schedule: 1F1B, interleaved 1F1B, interleaved zero
-bubble or ZBV, the micro-batch size, whole-layer recompute on or off, and torchao's tensorwise
+expert degrees, HSDP replicas, the pipeline schedule: 1F1B, interleaved 1F1B or interleaved zero
+bubble, the micro-batch size, whole-layer recompute on or off, and torchao's tensorwise
 float8 linears where the device has fp8 tensor cores and the config names no recipe); the global
 batch, sequence, model and everything else stay as written. Each candidate is judged by the same
 two models `config validate` prints: the per-device peak (`device_peak.stage_peaks`: training
@@ -172,7 +172,9 @@ def candidates(
                     for ep in eps:
                         schedules = [("1f1b", 1)]
                         if pp > 1:
-                            schedules += [("interleaved1f1b", 2), ("interleavedzerobubble", 2), ("zbv", 2)]
+                            # Not zbv: its V placement puts the last stage (head and loss) on pipeline
+                            # rank 0, and the memory plan places stages round-robin.
+                            schedules += [("interleaved1f1b", 2), ("interleavedzerobubble", 2)]
                         for schedule, interleave in schedules:
                             if pp * interleave > decoder:
                                 continue
