@@ -431,6 +431,7 @@ def _step(
     from meshforge.train.run import OptimParts, Progress, Run, RunData, RunEnv, Watchers
     from meshforge.train.trainer import Trainer
     from meshforge.utils.distributed import DistInfo, all_reduce_sum
+    from meshforge.utils.fake_memory import sharding_propagation_untracked
 
     notes: list[str] = []
     mesh = dims.build_mesh(device_type)
@@ -500,7 +501,7 @@ def _step(
             micro = [trainer._shard_for_cp(mb) for mb in micro]
         _prime_optimizer_state(parts.module, optimizer)
         memory.track_external(parts.module, optimizer)
-        with memory, recorder, _untracked_sharding_propagation(memory):
+        with memory, recorder, sharding_propagation_untracked():
             units = sum(
                 (preference.count_pairs(mb) if preference else (mb["labels"] != -100).sum()) for mb in micro
             )
@@ -634,30 +635,6 @@ def _new_step_peak() -> Any:
     memory = MemTracker()
     memory._mod_tracker = _NoModules()  # type: ignore[assignment]
     return memory
-
-
-@contextlib.contextmanager
-def _untracked_sharding_propagation(memory: Any) -> Iterator[None]:
-    """DTensor derives an op's output shape by running it on global-shape fake tensors in the
-    active fake mode, which is the dry run's: the tracker would count a whole-model-size tensor
-    (the gathered logits of every TP rank) that no device ever holds. Untracked while it runs."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
-    ignored = object()  # a "fake mode" no op runs in: the tracker skips what it sees meanwhile
-
-    def untracked(self: Any, op_schema: Any) -> Any:
-        entry, memory._fake_mode_on_entry = memory._fake_mode_on_entry, ignored
-        try:
-            return original(self, op_schema)
-        finally:
-            memory._fake_mode_on_entry = entry
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = untracked  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
 def _total(snapshot: dict[Any, dict[Any, int]]) -> int:
