@@ -48,6 +48,11 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
         8,
         ["--parallelism.tensor_parallel=2", "--parallelism.enable_loss_parallel=true"],
     ),
+    "llama tp2 loss-parallel bf16": (
+        _LLAMA,
+        8,
+        ["--parallelism.tensor_parallel=2", "--parallelism.enable_loss_parallel=true", *_BF16],
+    ),
     "llama fsdp8 recompute": (_LLAMA, 8, _RECOMPUTE),
     "llama fsdp8 chunked loss": (_LLAMA, 8, ["--kernels.chunk_loss_size=512"]),
     "llama fsdp8 recompute chunked": (_LLAMA, 8, [*_RECOMPUTE, "--kernels.chunk_loss_size=256"]),

@@ -163,9 +163,9 @@ def _bytes(name: str | None, default: int) -> int:
 
 
 def _loss_transient(
-    cfg: TrainConfig, dims: ParallelDims, facts: ModelFacts, tokens: int
+    cfg: TrainConfig, dims: ParallelDims, facts: ModelFacts, tokens: int, cbytes: int
 ) -> tuple[float, str]:
-    """Bytes of the loss's backward working set on the last stage, and the loss's name."""
+    """Bytes the loss holds besides what it saves (last stage), and the loss's name."""
     from meshforge.loss.lm import select_lm_loss
     from meshforge.models.common.kernels import fused_loss_on
 
@@ -181,9 +181,12 @@ def _loss_transient(
     lm = select_lm_loss(fused=fused, chunk_loss_size=cfg.kernels.chunk_loss_size, vocab_size=facts.vocab)
     vocab = facts.vocab / (dims.tp if loss_parallel else 1)
     if lm.mode == "logits":
-        # nll's float32 gradient and log-softmax's (the logits themselves are in the ledger);
-        # the vocabulary-parallel loss computes `softmax - one_hot` in one float32 buffer.
-        return (1.0 if loss_parallel else 2.0) * tokens * vocab * 4, lm.describe()
+        if loss_parallel:
+            # Its forward holds the head's logits and their float32 copy while it builds the
+            # saved softmax; its backward one float32 `softmax - one_hot`.
+            return max(4.0, cbytes + (4.0 if cbytes != 4 else 0.0)) * tokens * vocab, lm.describe()
+        # nll's float32 gradient and log-softmax's (the saved log-softmax is in the ledger).
+        return 2.0 * tokens * vocab * 4, lm.describe()
     chunk = min(tokens, int(lm.chunk_size or tokens))
     # One chunk's float32 logits and their log-softmax (or gradient).
     return 2.0 * chunk * vocab * 4, lm.describe()
@@ -220,7 +223,7 @@ def stage_peaks(
         if par.reshard_after_forward_policy == "default"
         else par.reshard_after_forward_policy == "never"
     )
-    loss_bytes, loss_name = _loss_transient(cfg, dims, facts, tokens)
+    loss_bytes, loss_name = _loss_transient(cfg, dims, facts, tokens, cbytes)
     lora = counts.adapters is not None
     groups = sum(1 for size in (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) if size > 1)
     overhead = CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * groups
