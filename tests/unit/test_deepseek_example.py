@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from meshforge.utils.hardware import hardware
 from tests.conftest import REPO, meshforge_cmd, worker_env
 
 EXAMPLE = REPO / "configs" / "examples" / "deepseek_v3_671b.yaml"
 PUBLISHED = REPO / "tests" / "data" / "deepseek_v3_config.json"
-DEVICE_BYTES = 80e9
+DEVICE_BYTES = hardware("h100").memory_gib * 2**30  # an 80 GB device's usable bytes
 
 
 def test_example_opens_with_its_launch_command() -> None:

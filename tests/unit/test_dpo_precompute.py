@@ -134,18 +134,17 @@ def test_lookup_matches_the_forward_on_packed_rows():
 def test_validate_names_what_each_reference_choice_costs():
     """`config validate`: the frozen copy's weights are in the predicted peak, the table's pass is not."""
     from meshforge.config import load_config
+    from meshforge.parallel.device_peak import peak_lines
     from meshforge.parallel.plan import plan_lines
 
     def plan(*overrides: str) -> tuple[str, float]:
-        lines = plan_lines(
-            load_config(
-                str(CONFIG), [*overrides, "--model.hidden_size=512", "--model.intermediate_size=1536"]
-            ),
-            2,
+        cfg = load_config(
+            str(CONFIG), [*overrides, "--model.hidden_size=512", "--model.intermediate_size=1536"]
         )
+        lines = plan_lines(cfg, 2) + peak_lines(cfg, 2)
         reference = next(line for line in lines if line.startswith("dpo reference model:"))
         peak = next(line for line in lines if line.startswith("predicted peak per rank"))
-        return reference, float(peak.split("= ")[-1].split(" GiB")[0])
+        return reference, float(peak.split(" GiB allocated")[0].split("= ")[-1])
 
     adapters, lora_peak = plan()
     table_lora, table_lora_peak = plan("--training.pref_ref_logps=precompute")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from meshforge.utils.hardware import hardware
 from tests.conftest import REPO, read_metrics
 from tests.distributed._layouts import train_one
 
@@ -27,7 +28,7 @@ REAL_SIZE_WORLDS = {
     "llama3_1_70b_tp8_fsdp.yaml": (64, "llama3_1_70b"),
     "qwen3_next_80b_a3b_ep8_fsdp32.yaml": (32, "qwen3_next_80b_a3b"),
 }
-DEVICE_BYTES = 80e9
+DEVICE_BYTES = hardware("h100").memory_gib * 2**30  # an 80 GB device's usable bytes
 
 
 @pytest.mark.parametrize("config", EXAMPLES, ids=lambda p: str(p.relative_to(REPO / "configs")))

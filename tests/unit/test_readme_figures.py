@@ -17,12 +17,13 @@ import shlex
 
 import pytest
 
+from meshforge.utils.hardware import hardware
 from tests.conftest import REPO
 
 README = REPO / "README.md"
 DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 NO_RECOMPUTE = ("--recompute.mode=None", "--recompute.full_recompute_layer=null")
-DEVICE_BYTES = 80e9
+DEVICE_BYTES = hardware("h100").memory_gib * 2**30  # an 80 GB device's usable bytes
 _ROW = re.compile(r"^\| \[`(configs/examples/[\w.]+\.yaml)`\]\([^)]*\) \|.*\| ([0-9.]+) GiB \|$", re.M)
 _PEAK = re.compile(
     r"predicted peak per rank \([^)]*\): "

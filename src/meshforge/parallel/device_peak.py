@@ -69,6 +69,7 @@ DEVICE_COMPONENTS = (
     "loss",
     "pipeline",
     "dispatch",
+    "reference",
 )
 
 
@@ -91,6 +92,7 @@ class DevicePeak:
     loss: float = 0.0  # the loss's float32 [tokens, vocab] gradients (or one chunk's)
     pipeline: float = 0.0  # stage-boundary send/receive buffers
     dispatch: float = 0.0  # expert-parallel all-to-all buffers of one MoE layer
+    reference: float = 0.0  # a dpo run's frozen reference copy (parallel/plan_preference.py)
     host: float = 0.0  # swapped activations and CPU-offloaded state in host memory (not on the device)
     overhead: float = 0.0  # CUDA context + NCCL buffers (outside the caching allocator)
     first_step: float = 0.0  # the first step's peak (moments created at its update)
@@ -207,7 +209,7 @@ def stage_peaks(
         rebuilt: The same without recompute (what a recomputed layer rebuilds); None when the
             run recomputes nothing.
     """
-    from meshforge.parallel.plan import _rank_layers, activation_plan, rank_state
+    from meshforge.parallel.plan import _rank_layers, activation_plan, rank_state, reference_cost
 
     par = cfg.parallelism
     pbytes = _bytes(cfg.model.params_dtype, 4)
@@ -229,6 +231,7 @@ def stage_peaks(
     overhead = CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * groups
     rows = activation_plan(cfg, dims, counts, estimate)
     states = rank_state(cfg, dims, counts)
+    reference = reference_cost(cfg, dims, counts).device_bytes
     out: list[DevicePeak] = []
     for stage, (layers, state, row) in enumerate(
         zip(_rank_layers(cfg, dims, counts), states, rows, strict=True)
@@ -317,6 +320,7 @@ def stage_peaks(
             working=BACKWARD_WORKING_SHARE * full_layer,
             pipeline=pipe,
             dispatch=dispatch,
+            reference=reference[stage],
             host=row.host_bytes,
             overhead=overhead,
             in_flight=flight,
@@ -360,6 +364,7 @@ def stage_peaks(
             params=state.weights,
             grads=state.gradients,
             optimizer=moments,
+            reference=reference[stage],
             host=row.host_bytes,
             overhead=overhead,
             in_flight=flight,

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 _T = 1e12
 _GB = 1e9
+# What an "80 GB" part gives the caching allocator: 80 GiB of HBM less what the driver keeps
+# (`torch.cuda.get_device_properties(0).total_memory` = 85,045,231,616 bytes on an H100 SXM5;
+# nvidia-smi's 81,559 MiB total includes the reserve). A decimal 80e9 would understate it by 5 GiB.
+_USABLE_80GB_GIB = 85_045_231_616 / 2**30
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ HARDWARE: dict[str, Hardware] = {
         bf16_flops=989.4 * _T,
         fp8_flops=1978.9 * _T,
         fp32_flops=494.7 * _T,
-        memory_gib=80e9 / 2**30,
+        memory_gib=_USABLE_80GB_GIB,
         memory_bandwidth=3.35e12,
         intra_node_bandwidth=450 * _GB,
         devices_per_node=8,
@@ -97,11 +101,11 @@ HARDWARE: dict[str, Hardware] = {
     ),
     "a100": Hardware(
         name="a100",
-        title="NVIDIA A100 SXM4 80 GB",
+        title="NVIDIA A100 SXM4 80 GB",  # memory: as the H100's 80 GB
         bf16_flops=312 * _T,
         fp8_flops=None,
         fp32_flops=156 * _T,
-        memory_gib=80e9 / 2**30,
+        memory_gib=_USABLE_80GB_GIB,
         memory_bandwidth=2.039e12,
         intra_node_bandwidth=300 * _GB,
         devices_per_node=8,
