@@ -239,12 +239,7 @@ class CheckpointManager:
         if not self.guard.settle(error, target=target, step=step, last=last):
             return None
         barrier()
-        options = self._options()
-        if self.save_optimizer:
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-        else:
-            state = {"model": get_model_state_dict(model, options=options)}
+        state = self._state(model, optimizer)
         record = self._model_record(state["model"])
         try:
             (target / "rng").mkdir(exist_ok=True)
@@ -283,18 +278,21 @@ class CheckpointManager:
         self.last_saved_step = step
         return target
 
+    def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What a save writes: the model's state dict, and the optimizer's unless turned off."""
+        options = self._options()
+        if self.save_optimizer:
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+            return {"model": model_sd, "optimizer": optim_sd}
+        return {"model": get_model_state_dict(model, options=options)}
+
     def local_save_plan(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> SavePlan:
         """This rank's DCP save plan of the state `save` would write, made without writing.
 
         A dry run (`train/dry_run.py`) makes it on fake tensors: the state dict is gathered
         with the save's options and the planner lays out every item, as a save would.
         """
-        options = self._options()
-        if self.save_optimizer:
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-        else:
-            state = {"model": get_model_state_dict(model, options=options)}
+        state = self._state(model, optimizer)
         planner = DefaultSavePlanner()
         planner.set_up_planner(state, None, self.rank == 0)
         return planner.create_local_plan()

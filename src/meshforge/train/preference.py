@@ -199,12 +199,8 @@ class PreferenceStep:
 
     def eval_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float]:
         """`eval_<metric>` over the evaluation's pairs (one all-reduce); resets the sums."""
-        if self._eval_sums is None:
-            return {}
-        total = dist_utils.all_reduce_sum(self._eval_sums, group).tolist()
-        self._eval_sums = None
-        pairs = max(total[0], 1.0)
-        return {f"eval_{k}": v / pairs for k, v in zip(METRIC_KEYS, total[1:], strict=True)}
+        sums, self._eval_sums = self._eval_sums, None
+        return eval_means(sums, METRIC_KEYS, group)
 
     def step_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float | int]:
         """The step's mean metrics over its global pairs (one all-reduce); resets the sums."""
@@ -219,3 +215,14 @@ class PreferenceStep:
         means = {k: v / pairs for k, v in zip(self.keys, total[2:], strict=True)}
         # aux_loss: the shares already divide by the step's pairs (replaces the trainer's zero).
         return {"pairs": int(total[0]), **({"aux_loss": total[1]} if self.aux_coef else {}), **means}
+
+
+def eval_means(
+    sums: torch.Tensor | None, keys: tuple[str, ...], group: dist.ProcessGroup | None
+) -> dict[str, float]:
+    """`eval_<key>` means of `[pairs, *metric sums]` summed over `group` (one all-reduce; {} without sums)."""
+    if sums is None:
+        return {}
+    total = dist_utils.all_reduce_sum(sums, group).tolist()
+    pairs = max(total[0], 1.0)
+    return {f"eval_{k}": v / pairs for k, v in zip(keys, total[1:], strict=True)}

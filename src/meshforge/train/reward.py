@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from meshforge.loss.reward import METRIC_KEYS, pair_rewards, pairwise_loss
+from meshforge.train.preference import eval_means
 from meshforge.train.reward_head import value_head
 from meshforge.utils import distributed as dist_utils
 
@@ -93,12 +94,8 @@ class RewardStep:
 
     def eval_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float]:
         """`eval_<metric>` over the evaluation's pairs (one all-reduce); resets the sums."""
-        if self._eval_sums is None:
-            return {}
-        total = dist_utils.all_reduce_sum(self._eval_sums, group).tolist()
-        self._eval_sums = None
-        pairs = max(total[0], 1.0)
-        return {f"eval_{k}": v / pairs for k, v in zip(METRIC_KEYS, total[1:], strict=True)}
+        sums, self._eval_sums = self._eval_sums, None
+        return eval_means(sums, METRIC_KEYS, group)
 
     def step_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float | int]:
         """The step's mean metrics over its global pairs (one all-reduce); resets the sums."""

@@ -11,6 +11,7 @@ its last non-pad token, which is where meshforge reads the reward).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from collections.abc import Callable
@@ -51,18 +52,7 @@ def save_reward_hf(
     weight = value_head(model).weight.detach()
     score = (weight.full_tensor() if isinstance(weight, DTensor) else weight).cpu()
     with value_head_detached(model):
-        if merge_adapters:
-            with merged_weights(model):
-                out = save_hf(
-                    model,
-                    family,
-                    out_dir,
-                    tokenizer=tokenizer,
-                    shard_size=shard_size,
-                    dtype=dtype,
-                    collective=collective,
-                )
-        else:
+        with merged_weights(model) if merge_adapters else contextlib.nullcontext():
             out = save_hf(
                 model,
                 family,
