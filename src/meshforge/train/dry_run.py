@@ -20,59 +20,29 @@ import contextlib
 import logging
 import tempfile
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from meshforge.train.dry_run_record import (
+    CollectiveRecorder,
+    CollectiveRow,
+    ModuleTracker,
+    group_dims,
+    new_step_peak,
+    peak_total,
+)
 
 if TYPE_CHECKING:
     from meshforge.config import TrainConfig
-    from meshforge.parallel.dims import ParallelDims, ParallelMesh
+    from meshforge.parallel.dims import ParallelDims
     from meshforge.train.run import ModelParts
 
 Batch = dict[str, torch.Tensor]
 Log = Callable[[str], None]
-
-# c10d ops (eager process-group calls) and functional collectives, by the kind of transfer.
-_KINDS = {
-    "_allgather_base_": "all-gather",
-    "allgather_": "all-gather",
-    "allgather_into_tensor_coalesced_": "all-gather",
-    "all_gather_into_tensor": "all-gather",
-    "all_gather_into_tensor_coalesced": "all-gather",
-    "_reduce_scatter_base_": "reduce-scatter",
-    "reduce_scatter_": "reduce-scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce-scatter",
-    "reduce_scatter_tensor": "reduce-scatter",
-    "reduce_scatter_tensor_coalesced": "reduce-scatter",
-    "allreduce_": "all-reduce",
-    "allreduce_coalesced_": "all-reduce",
-    "all_reduce": "all-reduce",
-    "all_reduce_coalesced": "all-reduce",
-    "alltoall_base_": "all-to-all",
-    "alltoall_": "all-to-all",
-    "all_to_all_single": "all-to-all",
-    "send": "send",
-    "recv_": "recv",
-    "recv_any_source_": "recv",
-    "broadcast_": "broadcast",
-    "broadcast": "broadcast",
-}
-
-
-@dataclass(frozen=True)
-class CollectiveRow:
-    """The collectives of one kind on one mesh dimension over the step."""
-
-    dim: str
-    kind: str
-    count: int
-    bytes: int
 
 
 @dataclass(frozen=True)
@@ -123,101 +93,6 @@ def _human_bytes(n: int) -> str:
 
 class DryRunError(RuntimeError):
     """The step failed: the layout, the module it failed in, and the original error."""
-
-
-class CollectiveRecorder(TorchDispatchMode):
-    """Counts every collective op that passes, keyed by (mesh dimension, kind), with its bytes,
-    and refuses matmuls of mixed dtypes as the device kernels do.
-
-    The bytes of a call are its largest buffer (the gathered output of an all-gather, the input
-    of a reduce-scatter, the tensor of an all-reduce), as the step-time model prices them.
-    """
-
-    def __init__(self, group_dims: dict[str, str]) -> None:
-        super().__init__()
-        self.group_dims = group_dims
-        self.counts: Counter[tuple[str, str]] = Counter()
-        self.bytes: Counter[tuple[str, str]] = Counter()
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Sequence[type],
-        args: Sequence[object] = (),
-        kwargs: dict[str, object] | None = None,
-    ) -> object:
-        namespace = getattr(func, "namespace", "")
-        name = func._schema.name.split("::")[-1]
-        if namespace == "aten" and name in _SAME_DTYPE_OPS:
-            _check_same_dtype(name, args)
-        result = func(*args, **(kwargs or {}))
-        if namespace in ("c10d", "_c10d_functional") and name in _KINDS:
-            key = (self._dim_of(args), _KINDS[name])
-            self.counts[key] += 1
-            self.bytes[key] += max([_tensor_bytes(a) for a in args] + [_tensor_bytes(result)])
-        return result
-
-    def _dim_of(self, args: Sequence[object]) -> str:
-        # The group is the last group-like argument (functional collectives pass the reduce op
-        # as a string before the group's name).
-        names = [name for arg in args if (name := _group_name(arg)) is not None]
-        if not names:
-            return "world"
-        return self.group_dims.get(names[-1], f"group {names[-1]}")
-
-    def rows(self) -> list[CollectiveRow]:
-        return [
-            CollectiveRow(dim, kind, count, int(self.bytes[(dim, kind)]))
-            for (dim, kind), count in sorted(self.counts.items())
-        ]
-
-
-# Matmuls whose device kernels require one dtype for every operand; their fake-tensor shape
-# functions do not check it, so a float32 activation meeting bf16 weights would pass unseen.
-_SAME_DTYPE_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm"}
-
-
-def _check_same_dtype(name: str, args: Sequence[object]) -> None:
-    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
-    if len(set(dtypes)) > 1:
-        found = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise RuntimeError(
-            f"aten.{name}: expected one dtype for every operand, got {found} (the device kernel refuses "
-            "mixed dtypes: a module returned another dtype than the next one computes in)"
-        )
-
-
-def _tensor_bytes(value: object) -> int:
-    leaves, _ = tree_flatten(value)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-
-
-def _group_name(arg: object) -> str | None:
-    """The process-group name of a collective's argument (a boxed ProcessGroup or a name)."""
-    import torch.distributed as dist
-
-    if isinstance(arg, str):
-        return arg
-    if isinstance(arg, torch.ScriptObject):
-        with contextlib.suppress(Exception):
-            return str(dist.ProcessGroup.unbox(arg).group_name)
-    if isinstance(arg, dist.ProcessGroup):
-        return str(arg.group_name)
-    return None
-
-
-def group_dims(mesh: ParallelMesh) -> dict[str, str]:
-    """Process-group name -> the mesh dimension it spans (`tp`, `fsdp:dp_shard_cp`, ...)."""
-    labels: dict[str, list[str]] = {}
-    for purpose, view in mesh.views.items():
-        dims = view.mesh_dim_names or ()
-        for i, dim in enumerate(dims):
-            label = purpose if len(dims) == 1 else f"{purpose}:{dim}"
-            labels.setdefault(view.get_group(i).group_name, []).append(label)
-    for dim in mesh.root.mesh_dim_names or ():
-        labels.setdefault(mesh.root.get_group(dim).group_name, [dim])
-    # One group serves several purposes (FSDP's shards are also the loss's ranks): name them all.
-    return {name: "/".join(dict.fromkeys(found)) for name, found in labels.items()}
 
 
 @contextlib.contextmanager
@@ -334,7 +209,7 @@ def dry_run(
         tempfile.TemporaryDirectory(prefix="meshforge-dry-run-") as tmp,
         _quiet_torch(),
     ):
-        tracker = _ModuleTracker()
+        tracker = ModuleTracker()
         try:
             peak, rows, items, notes = _step(cfg, dims, rank, device_type, Path(tmp), sink, tracker)
         except (ValueError, NotImplementedError):
@@ -375,41 +250,6 @@ def _quiet_torch() -> Iterator[None]:
         dist_logger.setLevel(level)
 
 
-class _ModuleTracker:
-    """The innermost module whose forward or backward is running (for the error message)."""
-
-    def __init__(self) -> None:
-        self.stack: list[str] = []
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
-
-    def install(self, model: torch.nn.Module) -> None:
-        for name, module in model.named_modules():
-            label = name or type(module).__name__
-            self.handles.append(module.register_forward_pre_hook(self._enter(label)))
-            # Not `always_call`: a failing module stays on the stack, to be named.
-            self.handles.append(module.register_forward_hook(self._leave(label)))
-
-    def _enter(self, label: str) -> Callable[..., None]:
-        def hook(*_args: object) -> None:
-            self.stack.append(label)
-
-        return hook
-
-    def _leave(self, label: str) -> Callable[..., None]:
-        def hook(*_args: object) -> None:
-            if self.stack and self.stack[-1] == label:
-                self.stack.pop()
-
-        return hook
-
-    def current(self) -> str:
-        return f"module {self.stack[-1]}" if self.stack else ""
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
 def _step(
     cfg: TrainConfig,
     dims: ParallelDims,
@@ -417,7 +257,7 @@ def _step(
     device_type: str,
     output_dir: Path,
     log: Log,
-    tracker: _ModuleTracker,
+    tracker: ModuleTracker,
 ) -> tuple[int, list[CollectiveRow], int, list[str]]:
     """Build rank `rank`'s run on fake tensors and run one optimizer step; (peak, collectives, plan items, notes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -491,7 +331,7 @@ def _step(
         notes.append("MoE routing taken as balanced (fake tensors carry no router values)")
     tracker.install(parts.module)
     recorder = CollectiveRecorder(group_dims(mesh))
-    memory = _new_step_peak()
+    memory = new_step_peak()
     with fake:
         micro = [
             to_device(synthetic_batch(cfg, parts, pairs=preference is not None), device, pin=False)
@@ -522,7 +362,7 @@ def _step(
     # Outside the mode: DCP's planner makes small real tensors of its own (shard offsets); the
     # state's fake tensors still dispatch to their mode.
     items = _save_plan_items(optim, parts)
-    peak = _total(memory.get_tracker_snapshot("peak"))
+    peak = peak_total(memory.get_tracker_snapshot("peak"))
     if device_type != "cuda":
         notes.append(
             "fake tensors on the CPU device type (this torch has no CUDA runtime): CUDA-only kernels, "
@@ -600,45 +440,6 @@ def _simulate_pipeline_peers(pipeline: Any, cfg: TrainConfig, dims: ParallelDims
 
     for schedule in pipeline._schedules.values():
         schedule._warmup_p2p = vote
-
-
-class _NoModules:
-    """The module tracker `MemTracker` consults, tracking nothing: torch's `ModTracker` hooks
-    every module's inputs for backward, which a pipeline stage's `autograd.grad` on its leaf
-    inputs refuses, and re-entering a module (every micro-batch does) trips its statistics.
-    The dry run reads the step's global high-water mark only."""
-
-    is_bw = False
-    parents: set[str] = set()
-
-    def register_user_hooks(self, *hooks: object) -> None:
-        pass
-
-    def clear_user_hooks(self) -> None:
-        pass
-
-    def get_known_fqn(self, module: object) -> str | None:
-        return None
-
-    def __enter__(self) -> _NoModules:
-        return self
-
-    def __exit__(self, *args: object) -> None:
-        pass
-
-
-def _new_step_peak() -> Any:
-    """torch's `MemTracker` (allocations and frees of every storage, storage resizes included)
-    without its per-module statistics."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    memory = MemTracker()
-    memory._mod_tracker = _NoModules()  # type: ignore[assignment]
-    return memory
-
-
-def _total(snapshot: dict[Any, dict[Any, int]]) -> int:
-    return max((int(stats.get("Total", 0)) for stats in snapshot.values()), default=0)
 
 
 def _prime_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
