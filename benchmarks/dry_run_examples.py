@@ -10,34 +10,18 @@ others their folders under tests/data. Prints one table row per example.
 
 from __future__ import annotations
 
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from _harness import REPO
+from planner_time import CASES, _model_args  # the same examples, world sizes and model folders
 
 from meshforge.config.loader import load_config
 from meshforge.train.dry_run import dry_run
 
-CASES = {
-    "qwen3_8b_pretrain_fsdp8.yaml": (8, "qwen3_8b"),
-    "qwen3_30b_a3b_sft_ep8.yaml": (8, "qwen3_30b_a3b"),
-    "llama3_1_70b_tp8_fsdp.yaml": (64, "llama3_1_70b"),
-    "qwen3_next_80b_a3b_ep8_fsdp32.yaml": (32, "qwen3_next_80b_a3b"),
-    "deepseek_v3_671b.yaml": (256, None),
-}
 GIB = 1024**3
-
-
-def _folder(name: str | None, tmp: Path) -> Path:
-    if name is not None:
-        return REPO / "tests" / "data" / name
-    published = tmp / "DeepSeek-V3"
-    published.mkdir(exist_ok=True)
-    shutil.copy(REPO / "tests" / "data" / "deepseek_v3_config.json", published / "config.json")
-    return published
 
 
 def run(only: list[str]) -> None:
@@ -47,8 +31,7 @@ def run(only: list[str]) -> None:
         for name, (world, folder) in CASES.items():
             if only and not any(part in name for part in only):
                 continue
-            path = _folder(folder, Path(tmp))
-            cfg = load_config(REPO / "configs" / "examples" / name, [f"--model.model_name_or_path={path}"])
+            cfg = load_config(REPO / "configs" / "examples" / name, _model_args(folder, Path(tmp)))
             start = time.perf_counter()
             report = dry_run(cfg, world_size=world)
             seconds = time.perf_counter() - start

@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TypeVar, cast
@@ -286,12 +287,15 @@ def load_dcp(state: dict[str, V], step: Path, *, no_dist: bool = False) -> None:
     # message DCP composes from the reads of the global and of a per-rank metadata file.
     read_metadata_file(step / DCP_METADATA_FILE)
     try:
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(str(step)),
-            planner=SafeLoadPlanner(step),
-            no_dist=no_dist,
-        )
+        with warnings.catch_warnings():
+            # `no_dist` reads in this process alone, on purpose: torch warns that it does.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(str(step)),
+                planner=SafeLoadPlanner(step),
+                no_dist=no_dist,
+            )
     except CheckpointException as failed:
         ours = [exc for _, (exc, _trace) in sorted(failed.failures.items()) if isinstance(exc, ValueError)]
         if ours:

@@ -13,7 +13,6 @@ its forward, so a model too large for one device still generates.
 from __future__ import annotations
 
 import tempfile
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,9 +106,7 @@ def load_generation_model(
         reset()  # non-persistent buffers (rotary tables of the generic path) are not in any checkpoint
     if step is not None:
         state = {"model": get_model_state_dict(model)}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            load_dcp(state, step, no_dist=not dist.is_initialized())
+        load_dcp(state, step, no_dist=not dist.is_initialized())
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         log(f"generate: weights from {step}")
     else:

@@ -7,7 +7,6 @@ adapters on a freshly initialised model), after checking the base's hash.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -42,9 +41,7 @@ def lora_record(trainer_state: TrainerState) -> dict[str, object] | None:
 
 
 def _dcp_load(state: dict[str, dict[str, ValueType]], step: Path) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_dcp(state, step, no_dist=not dist.is_initialized())
+    load_dcp(state, step, no_dist=not dist.is_initialized())
 
 
 @torch.no_grad()

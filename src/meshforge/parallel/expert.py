@@ -512,17 +512,6 @@ def _wait(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
-__all__ = [
-    "expert_types",
-    "AllToAllExchange",
-    "DeduplicatedExchange",
-    "adapted_experts",
-    "apply_ep",
-    "expert_modules",
-    "is_expert_parallel",
-]
-
-
 def _balanced_meta(num_tokens: int, top_k: int, ep: int) -> list[int]:
     """[rows, pairs] per destination rank under balanced routing (fake tensors: no values).
 
@@ -533,3 +522,14 @@ def _balanced_meta(num_tokens: int, top_k: int, ep: int) -> list[int]:
     rows = even_split(round(num_tokens * ep * (1 - (1 - 1 / ep) ** top_k)), ep)
     pairs = even_split(num_tokens * top_k, ep)
     return [v for pair in zip(rows, pairs, strict=True) for v in pair]
+
+
+__all__ = [
+    "expert_types",
+    "AllToAllExchange",
+    "DeduplicatedExchange",
+    "adapted_experts",
+    "apply_ep",
+    "expert_modules",
+    "is_expert_parallel",
+]

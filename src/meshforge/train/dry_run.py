@@ -122,52 +122,27 @@ class _VocabOnly:
         return self.size
 
 
-def default_rank(cfg: TrainConfig, dims: ParallelDims) -> tuple[int, float | None]:
-    """The first rank of the pipeline stage the planner predicts the highest peak for, and that peak.
-
-    The peak is `DevicePeak.allocated` (`parallel/device_peak.py`): the steady state (the
-    optimizer's moments live through the step), which the dry run measures after priming them.
-    """
+def prediction(cfg: TrainConfig, world_size: int, rank: int | None) -> tuple[int, float | None]:
+    """The rank to run (given, or the first rank of the stage the planner predicts the highest
+    peak for) and its predicted steady-state peak, `DevicePeak.allocated`
+    (`parallel/device_peak.py`); None when the planner cannot estimate it."""
     from meshforge.parallel.device_peak import predict_device_peak
 
     try:
-        peak = predict_device_peak(cfg, dims.world_size)
-    except Exception:  # noqa: BLE001 - without a prediction the dry run still runs rank 0
-        return 0, None
+        peak = predict_device_peak(cfg, world_size, rank)
+    except Exception:  # noqa: BLE001 - the dry run stands without the comparison
+        return (rank or 0), None
     return peak.rank, peak.allocated
 
 
-def predicted_peak(cfg: TrainConfig, dims: ParallelDims, rank: int) -> float | None:
-    """The planner's predicted steady-state peak of `rank` (None when it cannot estimate)."""
-    from meshforge.parallel.device_peak import predict_device_peak
-
-    try:
-        return predict_device_peak(cfg, dims.world_size, rank).allocated
-    except Exception:  # noqa: BLE001 - the dry run stands without the comparison
-        return None
-
-
-def synthetic_batch(cfg: TrainConfig, parts: ModelParts, *, pairs: bool) -> Batch:
+def synthetic_batch(cfg: TrainConfig, parts: ModelParts) -> Batch:
     """One micro-batch of the configured shape (token ids of the right range; no values matter)."""
     rows = int(cfg.training.local_batch_size)
     seq = int(cfg.train_dataset.seq_length() or cfg.model.seq_length or 0)
     if seq <= 0:
         raise ValueError("a dry run needs a sequence length: set the loader's seq_length or model.seq_length")
-    vocab = len(parts.tokenizer)
-    ids = torch.randint(0, vocab, (rows, seq))
-    batch = {
-        "input_ids": ids,
-        "labels": ids.clone(),
-        "position_ids": torch.arange(seq).repeat(rows, 1),
-    }
-    if pairs:
-        # One pair per row: chosen = segment 1, rejected = segment 2.
-        half = seq // 2
-        batch["segment_ids"] = torch.cat(
-            [torch.ones(rows, half, dtype=torch.long), torch.full((rows, seq - half), 2)], dim=1
-        )
-        batch["position_ids"] = torch.cat([torch.arange(half), torch.arange(seq - half)]).repeat(rows, 1)
-    return batch
+    ids = torch.randint(0, len(parts.tokenizer), (rows, seq))
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(seq).repeat(rows, 1)}
 
 
 def dry_run(
@@ -192,16 +167,11 @@ def dry_run(
             "the answer tokens by their label values, which fake tensors do not hold)"
         )
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    predicted: float | None
-    if rank is None:
-        rank, predicted = default_rank(cfg, dims)
-    else:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"--rank {rank}: must be in 0..{world_size - 1}")
-        predicted = predicted_peak(cfg, dims, rank)
+    if rank is not None and not 0 <= rank < world_size:
+        raise ValueError(f"--rank {rank}: must be in 0..{world_size - 1}")
+    rank, predicted = prediction(cfg, world_size, rank)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    lines: list[str] = []
-    sink = log or lines.append
+    sink = log or (lambda _: None)
     start = time.perf_counter()
     layout = dims.describe()
     with (
@@ -263,10 +233,13 @@ def _step(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from meshforge.train.batches import plan_batches, to_device
-    from meshforge.train.build import build_grad_accumulation, build_optimizer, build_pipeline
+    from meshforge.train.build import (
+        build_checkpointer,
+        build_grad_accumulation,
+        build_optimizer,
+        build_pipeline,
+    )
     from meshforge.train.build_model import build_model
-    from meshforge.train.build_preference import build_preference
-    from meshforge.train.build_reward import build_reward
     from meshforge.train.replicas import replica_groups
     from meshforge.train.run import OptimParts, Progress, Run, RunData, RunEnv, Watchers
     from meshforge.train.trainer import Trainer
@@ -293,7 +266,6 @@ def _step(
     )
     tokenizer = _tokenizer(cfg, log, notes)
     parts = build_model(cfg, env, tokenizer)
-    preference = build_preference(cfg, env, parts, tokenizer) or build_reward(cfg, env, parts)
     data = RunData(
         loader=cast(Any, None),  # the step's batches are synthetic; no loader is built
         eval_loaders={},
@@ -307,10 +279,11 @@ def _step(
     pipeline = build_pipeline(cfg.parallelism, env, parts)
     trainer = Trainer(cfg, log=log, check_inputs=False)
     optim = OptimParts(
-        optimizer, scheduler, grad_accum, pipeline, checkpointer=_checkpointer(cfg, env, parts)
+        optimizer, scheduler, grad_accum, pipeline, build_checkpointer(cfg.checkpoint, env, parts)
     )
-    # The dry-run step reaches no watcher (no health verdict, sinks or callbacks).
-    trainer.run = Run(env, parts, data, optim, cast(Watchers, None), Progress(), preference=preference)
+    # The dry-run step reaches no watcher (no health verdict, sinks or callbacks); `dry_run`
+    # refuses the pair stages, so there is no preference step.
+    trainer.run = Run(env, parts, data, optim, cast(Watchers, None), Progress())
     steps = _micro_batches_to_run(plan.grad_accum_steps, pipeline, dims)
     if steps < plan.grad_accum_steps:
         notes.append(
@@ -333,18 +306,13 @@ def _step(
     recorder = CollectiveRecorder(group_dims(mesh))
     memory = new_step_peak()
     with fake:
-        micro = [
-            to_device(synthetic_batch(cfg, parts, pairs=preference is not None), device, pin=False)
-            for _ in range(steps)
-        ]
+        micro = [to_device(synthetic_batch(cfg, parts), device, pin=False) for _ in range(steps)]
         if dims.cp > 1:
             micro = [trainer._shard_for_cp(mb) for mb in micro]
         _prime_optimizer_state(parts.module, optimizer)
         memory.track_external(parts.module, optimizer)
         with memory, recorder, sharding_propagation_untracked():
-            units = sum(
-                (preference.count_pairs(mb) if preference else (mb["labels"] != -100).sum()) for mb in micro
-            )
+            units = sum((mb["labels"] != -100).sum() for mb in micro)
             normalizer = all_reduce_sum(
                 torch.as_tensor(units, device=device), mesh.view("loss").get_group()
             ).to(torch.float32)
@@ -352,8 +320,6 @@ def _step(
             trainer._mtp_sum = torch.zeros((), device=device)
             loss_sum = trainer.backward_micro_batches(micro, normalizer)
             all_reduce_sum(loss_sum / normalizer, mesh.view("loss").get_group())
-            if preference is not None:
-                preference._sums = None  # the metric sums hold no values worth reducing
             trainer.clip_grads()
             optimizer.step()
             scheduler.step()
@@ -468,12 +434,6 @@ def _tokenizer(cfg: TrainConfig, log: Log, notes: list[str]) -> Any:
             f"no tokenizer at {path!r} ({type(exc).__name__}): vocabulary {vocab} from the model config"
         )
         return _VocabOnly(vocab)
-
-
-def _checkpointer(cfg: TrainConfig, env: Any, parts: ModelParts) -> Any:
-    from meshforge.train.build import build_checkpointer
-
-    return build_checkpointer(cfg.checkpoint, env, parts)
 
 
 def _save_plan_items(optim: Any, parts: ModelParts) -> int:

@@ -9,7 +9,6 @@ tokenizer, LoRA settings), which the checkpoint package does not import.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -249,9 +248,7 @@ def dcp_to_hf(
         model = build_on_cpu(source.family, options, params_dtype)
         state = {"model": get_model_state_dict(model)}
         # Read by this process alone: a training run exports from rank 0 while the others wait.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            load_dcp(state, step, no_dist=True)
+        load_dcp(state, step, no_dist=True)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         out = save_hf(
             model,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -155,9 +154,7 @@ def load_reward_step(
         model = build_on_cpu(source.family, options, dtype)
         attach_value_head(model)
         state = {"model": get_model_state_dict(model)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_dcp(state, step, no_dist=True)
+    load_dcp(state, step, no_dist=True)
     if cfg.lora_config is None:
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
     reset = getattr(model, "reset_buffers", None)
