@@ -21,7 +21,7 @@ import torch
 from meshforge.config import ConfigError, load_config
 from meshforge.memory.config import RecomputeConfig
 from meshforge.memory.ledger import SavedTensorLedger
-from meshforge.memory.recompute import apply_recompute, resolve_ops
+from meshforge.memory.recompute import apply_recompute, checkpoint_module, resolve_kept, resolve_ops
 from meshforge.train.trainer import Trainer
 from tests.conftest import REPO, write_corpus
 
@@ -74,7 +74,7 @@ MODES: list[tuple[str, list[str]]] = [
         [
             "--recompute.mode=full",
             "--recompute.full_recompute_layer=['0','2-3']",
-            "--recompute.exclude_op=['matmul', 'aten._softmax.default']",
+            "--recompute.exclude_op=['matmul/2', 'aten._softmax.default']",
         ],
     ),
 ]
@@ -223,11 +223,15 @@ def test_saved_bytes_fall_with_full_and_select_recompute() -> None:
     attention = _saved_bytes(RecomputeConfig(mode="select", select_module={"attention": ["0-3"]}))
     mlp = _saved_bytes(RecomputeConfig(mode="select", select_module={"mlp": ["0-3"]}))
     kept = _saved_bytes(RecomputeConfig(mode="full", full_recompute_layer=["0-3"], exclude_op=["matmul"]))
+    every_other = _saved_bytes(
+        RecomputeConfig(mode="full", full_recompute_layer=["0-3"], exclude_op=["matmul/2"])
+    )
     half = _saved_bytes(RecomputeConfig(mode="full", full_recompute_layer=["0-1"]))
     assert full <= 0.15 * none, (full, none)
     assert full < attention < none and full < mlp < none, (full, attention, mlp, none)
     # Keeping the matmul outputs keeps part of each layer; half the layers save about half.
     assert full < kept < none, (full, kept, none)
+    assert full < every_other < kept, (full, every_other, kept)
     assert full < half < none and half == pytest.approx((none + full) / 2, rel=0.1), (full, half, none)
 
 
@@ -355,6 +359,32 @@ def test_exclude_op_names_resolve_to_aten_operators() -> None:
     assert resolve_ops(["mm"]) == [aten.mm] == resolve_ops(["aten.mm"])
     assert set(resolve_ops(["MatMul"])) == {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
     assert aten._scaled_dot_product_flash_attention_for_cpu in resolve_ops(["flash_attention"])
+
+
+def test_every_second_matmul_is_kept_and_the_gradients_do_not_change() -> None:
+    """`matmul/2` keeps the outputs of the 1st and 3rd of four matmuls of a region (torchtitan's
+    op policy), per region call: each call starts counting afresh."""
+    torch.manual_seed(0)
+    widths = [4, 3, 5, 7, 11]
+    chain = torch.nn.Sequential(*[torch.nn.Linear(a, b, bias=False) for a, b in zip(widths, widths[1:])])
+    x = torch.randn(2, 4)
+    want = [g.clone() for g in torch.autograd.grad(chain(x).square().sum(), list(chain.parameters()))]
+    checkpoint_module(chain, ops=resolve_kept(["mm/2"]))
+    for _call in range(2):
+        ledger = SavedTensorLedger()
+        ledger.exclude(chain.parameters())
+        with ledger.recording():
+            out = chain(x)
+        # The region's input and the outputs of the first and third matmul ([2, 3] and [2, 7]).
+        assert ledger.device_bytes == 4 * (2 * 4 + 2 * 3 + 2 * 7), ledger.device_bytes
+        got = torch.autograd.grad(out.square().sum(), list(chain.parameters()))
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("entry", ["matmul/0", "matmul/x", "matmul/"])
+def test_a_bad_every_count_is_refused_naming_the_entry(entry: str) -> None:
+    with pytest.raises(ValueError, match=r"recompute.exclude_op\[0\]: .*whole number >= 1"):
+        resolve_kept([entry])
 
 
 class _Swapping(torch.nn.Module):

@@ -377,7 +377,7 @@ def recompute_issues(cfg: TrainConfig) -> list[Issue]:
                 (
                     f"recompute.exclude_op[{i}]",
                     f"{op!r} is not an operator name: write 'aten.mm', 'mm', 'aten.mm.default' or one of "
-                    f"{', '.join(sorted(OP_ALIASES))}",
+                    f"{', '.join(sorted(OP_ALIASES))}, optionally followed by /N (keep one call in N)",
                 )
             )
     par = cfg.parallelism

@@ -42,7 +42,10 @@ class RecomputeConfig(StrictSection):
     select_module: dict[str, LayerSpecList] | None = describe(
         None, "Select mode: module-path regex -> layer specs, e.g. {attention: ['0-1']}."
     )
-    exclude_op: list[str] | None = describe(None, "Operator names never recomputed.")
+    exclude_op: list[str] | None = describe(
+        None,
+        "Operators whose outputs are kept, not recomputed, e.g. [matmul, sdpa]; 'matmul/2' keeps every second call.",
+    )
     modules: list[str] | None = describe(
         None,
         "Module patterns recomputed whole in full mode (MindSpeed recompute_modules), e.g. ['model.layers.{*}'].",

@@ -31,9 +31,30 @@ OP_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
+def split_every(entry: str) -> tuple[str, int]:
+    """``"matmul/2"`` -> ``("matmul", 2)``: keep the output of one call in every N (1: every call).
+
+    torchtitan's selective op checkpointing keeps the outputs of every second matmul of a layer
+    (the first, third, ...): a middle ground between keeping them all and recomputing them all.
+
+    Raises:
+        ValueError: the part after ``/`` is not a whole number of at least 1.
+    """
+    name, slash, every = entry.strip().partition("/")
+    if not slash:
+        return name, 1
+    if not every.strip().isdigit() or int(every) < 1:
+        raise ValueError(f"{entry!r}: after '/' write how often a call's output is kept, a whole number >= 1")
+    return name.strip(), int(every)
+
+
 def is_operator_name(name: str) -> bool:
-    """Whether ``name`` has the shape of an operator name (an alias, ``aten.x[.overload]`` or ``x``)."""
-    name = name.strip()
+    """Whether ``name`` has the shape of an operator entry (an alias, ``aten.x[.overload]`` or
+    ``x``, optionally followed by ``/N``)."""
+    try:
+        name, _every = split_every(name)
+    except ValueError:
+        return False
     if name.lower() in OP_ALIASES:
         return True
     parts = name.split(".")

@@ -10,7 +10,8 @@ patterns (TP, FSDP units) and checkpoints stay as they were.
 
 ``recompute.exclude_op`` keeps the outputs of the named operators inside every recomputed
 region (``create_selective_checkpoint_contexts`` with a policy, as torchtitan's selective-op
-AC does); the rest of the region is recomputed.
+AC does); the rest of the region is recomputed. ``matmul/2`` keeps one call in two (torchtitan's
+default op policy keeps every second matmul of a layer).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.utils.checkpoint import (
 from meshforge.memory.config import RecomputeConfig
 from meshforge.memory.ledger import SavedTensorLedger, active_ledger
 from meshforge.memory.names import decoder_layers, layer_indices, match_submodules, no_match_error
-from meshforge.memory.ops import OP_ALIASES
+from meshforge.memory.ops import OP_ALIASES, split_every
 
 # What `recompute.exclude_op` names: one overload (`aten.mm.default`) or all of them (`aten.mm`).
 AtenOp: TypeAlias = torch._ops.OpOverload | torch._ops.OpOverloadPacket
@@ -73,9 +74,22 @@ def resolve_ops(names: Sequence[str] | None) -> list[AtenOp]:
     Raises:
         ValueError: ``recompute.exclude_op[i]`` names no operator.
     """
-    ops: list[AtenOp] = []
+    return [op for op, _every in resolve_kept(names)]
+
+
+def resolve_kept(names: Sequence[str] | None) -> list[tuple[AtenOp, int]]:
+    """``(operator, every)`` of each ``recompute.exclude_op`` entry: ``matmul/2`` keeps the output
+    of every second matmul call of a region (the first, third, ...), ``matmul`` of every call.
+
+    Raises:
+        ValueError: ``recompute.exclude_op[i]`` names no operator or a bad ``/N``.
+    """
+    kept: list[tuple[AtenOp, int]] = []
     for i, raw in enumerate(names or ()):
-        name = raw.strip()
+        try:
+            name, every = split_every(raw)
+        except ValueError as error:
+            raise ValueError(f"recompute.exclude_op[{i}]: {error}") from None
         targets = OP_ALIASES.get(name.lower(), (name,))
         for target in targets:
             op = _aten(target)
@@ -84,10 +98,11 @@ def resolve_ops(names: Sequence[str] | None) -> list[AtenOp]:
                     continue  # an alias lists kernels some builds lack (cuDNN attention on CPU)
                 raise ValueError(
                     f"recompute.exclude_op[{i}]: {raw!r} is not an aten operator or a known alias; "
-                    f"write 'aten.mm', 'mm', 'aten.mm.default' or one of {', '.join(sorted(OP_ALIASES))}"
+                    f"write 'aten.mm', 'mm', 'aten.mm.default' or one of {', '.join(sorted(OP_ALIASES))} "
+                    "(optionally followed by /N: keep one call's output in every N)"
                 )
-            ops.append(op)
-    return ops
+            kept.append((op, every))
+    return kept
 
 
 def _aten(name: str) -> AtenOp | None:
@@ -108,24 +123,44 @@ def _aten(name: str) -> AtenOp | None:
         return None
 
 
-def _policy(ops: Sequence[AtenOp]) -> Callable[..., CheckpointPolicy]:
-    overloads = frozenset(op for op in ops if isinstance(op, torch._ops.OpOverload))
-    packets = frozenset(op for op in ops if not isinstance(op, torch._ops.OpOverload))
+class _Policy:
+    """The selective-checkpoint policy of one region call: an operator of ``kept`` is saved on
+    one call in every ``every`` (counted per entry, separately in the forward and in the
+    recomputation, which run the same operators in the same order and so decide alike)."""
 
-    def policy(
-        _ctx: object, func: torch._ops.OpOverload, *_args: object, **_kwargs: object
+    def __init__(self, kept: Sequence[tuple[AtenOp, int]]) -> None:
+        self.kept = list(kept)
+        self.counts = {False: [0] * len(self.kept), True: [0] * len(self.kept)}
+        self.last: tuple[object, CheckpointPolicy] | None = None
+
+    def _entries(self, func: torch._ops.OpOverload) -> list[int]:
+        return [
+            i
+            for i, (op, _every) in enumerate(self.kept)
+            if func == op or (not isinstance(op, torch._ops.OpOverload) and func.overloadpacket == op)
+        ]
+
+    def __call__(
+        self, ctx: object, func: torch._ops.OpOverload, *_args: object, **_kwargs: object
     ) -> CheckpointPolicy:
-        if func in overloads or func.overloadpacket in packets:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+        counts = self.counts[bool(getattr(ctx, "is_recompute", False))]
+        save = False
+        for i in self._entries(func):
+            counts[i] += 1
+            save = save or (counts[i] - 1) % self.kept[i][1] == 0
+        decision = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+        self.last = (func, decision)
+        return decision
 
-    return policy
+    def decided_to_save(self, func: torch._ops.OpOverload) -> bool:
+        """Whether the forward's latest decision, for ``func``, was to keep its output."""
+        return self.last is not None and self.last[0] is func and self.last[1] == CheckpointPolicy.MUST_SAVE
 
 
 class _KeptOutputs(TorchDispatchMode):
     """Report to the ledger the outputs a selective policy keeps (they stay held for backward)."""
 
-    def __init__(self, ledger: SavedTensorLedger, policy: Callable[..., CheckpointPolicy]) -> None:
+    def __init__(self, ledger: SavedTensorLedger, policy: _Policy) -> None:
         super().__init__()
         self.ledger = ledger
         self.policy = policy
@@ -137,8 +172,9 @@ class _KeptOutputs(TorchDispatchMode):
         args: tuple[object, ...] = (),
         kwargs: dict[str, object] | None = None,
     ) -> object:
+        self.policy.last = None
         out = func(*args, **(kwargs or {}))
-        if self.policy(None, func, *args) == CheckpointPolicy.MUST_SAVE:
+        if self.policy.decided_to_save(func):
             for tensor in tree_leaves(out):
                 if isinstance(tensor, torch.Tensor):
                     self.ledger.add(tensor)
@@ -146,11 +182,10 @@ class _KeptOutputs(TorchDispatchMode):
 
 
 def _context_fn(
-    ops: Sequence[AtenOp],
+    kept: Sequence[tuple[AtenOp, int]],
 ) -> Callable[[], tuple[AbstractContextManager[object], AbstractContextManager[object]]]:
-    policy = _policy(ops)
-
     def context() -> tuple[AbstractContextManager[object], AbstractContextManager[object]]:
+        policy = _Policy(kept)
         forward, recompute = create_selective_checkpoint_contexts(policy)
         ledger = active_ledger()
         if ledger is None or in_recomputed_region():
@@ -219,19 +254,21 @@ def _checkpointed_call(
     return checkpoint(run, *args, use_reentrant=False, context_fn=module.__dict__[_OPS], early_stop=False)
 
 
-def checkpoint_module(module: nn.Module, *, ops: Sequence[AtenOp] = ()) -> None:
+def checkpoint_module(module: nn.Module, *, ops: Sequence[AtenOp | tuple[AtenOp, int]] = ()) -> None:
     """Make every call of ``module`` a non-reentrant checkpointed region, in place (idempotent).
 
     The module's class becomes a subclass of its class (as FSDP2's ``fully_shard`` does): the
     module tree, parameter names and ``isinstance`` checks are unchanged.
 
     Args:
-        ops: operators whose outputs are kept inside the region (a selective policy); empty:
-            everything but the inputs is recomputed.
+        ops: operators whose outputs are kept inside the region (a selective policy), each
+            alone (every call kept) or as ``(operator, every)``; empty: everything but the
+            inputs is recomputed.
     """
     if _OPS in module.__dict__:
         return
-    module.__dict__[_OPS] = _context_fn(ops) if ops else noop_context_fn
+    kept = [op if isinstance(op, tuple) else (op, 1) for op in ops]
+    module.__dict__[_OPS] = _context_fn(kept) if kept else noop_context_fn
     module.__class__ = _recomputed_class(type(module))
 
 
@@ -320,11 +357,18 @@ def apply_recompute(model: nn.Module, cfg: RecomputeConfig, *, num_layers: int) 
     Raises:
         ValueError: see ``recompute_plan``; an unknown ``recompute.exclude_op`` entry.
     """
-    ops = resolve_ops(cfg.exclude_op)
+    ops = resolve_kept(cfg.exclude_op)
     targets, applied = recompute_plan(model, cfg, num_layers=num_layers)
     for _path, module in targets:
         checkpoint_module(module, ops=ops)
     return applied
 
 
-__all__ = ["apply_recompute", "checkpoint_module", "in_recomputed_region", "recompute_plan", "resolve_ops"]
+__all__ = [
+    "apply_recompute",
+    "checkpoint_module",
+    "in_recomputed_region",
+    "recompute_plan",
+    "resolve_kept",
+    "resolve_ops",
+]
