@@ -1,5 +1,6 @@
 """The dry run of each real-size example at its documented world size: one step of the rank the
-planner names (or `--rank R`), its measured peak beside the predicted one, and the wall time.
+planner names (or `--rank R`), its measured peak beside the predicted one, the caching
+allocator's reserved bytes replayed from the step (train/allocator_replay.py), and the wall time.
 
     PYTHONPATH=src .venv/bin/python benchmarks/dry_run_examples.py [name-fragment ...]
 
@@ -25,8 +26,11 @@ GIB = 1024**3
 
 
 def run(only: list[str]) -> None:
-    print("| example | world | rank | step (s) | measured peak GiB | predicted GiB | measured/predicted |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| example | world | rank | step (s) | measured peak GiB | predicted GiB | measured/predicted "
+        "| reserved GiB | reserved/peak | compute stream reserved / its peak | collective streams GiB |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for name, (world, folder) in CASES.items():
             if only and not any(part in name for part in only):
@@ -37,9 +41,12 @@ def run(only: list[str]) -> None:
             seconds = time.perf_counter() - start
             predicted = report.predicted_peak_bytes or 0.0
             ratio = f"{report.peak_bytes / predicted:.2f}" if predicted else "n/a"
+            compute, live, side = report.reserved_split
             print(
                 f"| {name} | {world} | {report.rank} | {seconds:.0f} | {report.peak_bytes / GIB:.2f} | "
-                f"{predicted / GIB:.2f} | {ratio} |",
+                f"{predicted / GIB:.2f} | {ratio} | {report.reserved_bytes / GIB:.2f} | "
+                f"{report.reserved_bytes / max(report.peak_bytes, 1):.2f} | "
+                f"{compute / GIB:.2f} / {live / GIB:.2f} | {side / GIB:.2f} |",
                 flush=True,
             )
 

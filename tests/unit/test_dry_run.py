@@ -58,6 +58,11 @@ def test_tp_fsdp_step_reports_peak_collectives_and_save_plan() -> None:
     assert report.save_plan_items > 0
     # Weights, gradients and AdamW's two moments of this rank's shard are all live at the update.
     assert report.peak_bytes > 4 * _local_param_bytes(4)
+    # The allocator replay saw the same allocations: it maps at least the live peak, in pages.
+    assert report.reserved_bytes >= report.peak_bytes and report.reserved_bytes % (2 << 20) == 0
+    compute, live, side = report.reserved_split
+    assert compute >= live > 0 and side > 0 and compute + side == report.reserved_bytes  # FSDP's streams
+    assert any(line.startswith("  reserved by the caching allocator") for line in report.lines())
 
 
 @pytest.mark.slow
@@ -139,6 +144,7 @@ def test_cli_prints_the_report_and_refuses_pair_stages(capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert "dry run (rank 0 of 2, cpu): one step ok in" in out
     assert "collectives on " in out and "checkpoint: DCP save plan of" in out
+    assert "reserved by the caching allocator (expandable segments):" in out
     dpo = ROOT / "configs/qwen3/dpo_lora.yaml"
     assert main(["validate", str(dpo), "--world-size", "2", "--no-path-checks", "--dry-run"]) == 2
     assert "not supported yet: a dry run of training.stage: dpo" in capsys.readouterr().err

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from meshforge.train.allocator_replay import AllocatorReplay, streams_routed
 from meshforge.train.dry_run_record import (
     CollectiveRecorder,
     CollectiveRow,
@@ -59,6 +60,10 @@ class DryRunReport:
     save_plan_items: int
     predicted_peak_bytes: float | None = None
     notes: list[str] = field(default_factory=list)
+    # The caching allocator's mapped bytes (train/allocator_replay.py): all streams, then the
+    # compute stream's mapped bytes, its live high-water mark, and the collective streams' bytes.
+    reserved_bytes: int = 0
+    reserved_split: tuple[int, int, int] = (0, 0, 0)
 
     def lines(self) -> list[str]:
         """The printed report: the headline, then one line per mesh dimension's collectives."""
@@ -71,6 +76,14 @@ class DryRunReport:
             ratio = self.peak_bytes / self.predicted_peak_bytes
             head += f" (predicted {self.predicted_peak_bytes / gib:.2f} GiB: measured/predicted {ratio:.2f})"
         out = [head]
+        if self.reserved_bytes:
+            compute, live, side = self.reserved_split
+            out.append(
+                f"  reserved by the caching allocator (expandable segments): {self.reserved_bytes / gib:.2f} GiB "
+                f"({self.reserved_bytes / max(self.peak_bytes, 1):.2f}x the peak): the compute stream "
+                f"{compute / gib:.2f} for its {live / gib:.2f} GiB high-water mark, FSDP's collective streams "
+                f"{side / gib:.2f}"
+            )
         by_dim: dict[str, list[CollectiveRow]] = {}
         for row in self.collectives:
             by_dim.setdefault(row.dim, []).append(row)
@@ -180,8 +193,9 @@ def dry_run(
         _quiet_torch(),
     ):
         tracker = ModuleTracker()
+        replay = AllocatorReplay()
         try:
-            peak, rows, items, notes = _step(cfg, dims, rank, device_type, Path(tmp), sink, tracker)
+            peak, rows, items, notes = _step(cfg, dims, rank, device_type, Path(tmp), sink, tracker, replay)
         except (ValueError, NotImplementedError):
             raise
         except Exception as exc:
@@ -200,6 +214,8 @@ def dry_run(
         save_plan_items=items,
         predicted_peak_bytes=predicted,
         notes=notes,
+        reserved_bytes=replay.reserved_peak,
+        reserved_split=replay.split(),
     )
 
 
@@ -228,6 +244,7 @@ def _step(
     output_dir: Path,
     log: Log,
     tracker: ModuleTracker,
+    replay: AllocatorReplay,
 ) -> tuple[int, list[CollectiveRow], int, list[str]]:
     """Build rank `rank`'s run on fake tensors and run one optimizer step; (peak, collectives, plan items, notes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -304,14 +321,19 @@ def _step(
         notes.append("MoE routing taken as balanced (fake tensors carry no router values)")
     tracker.install(parts.module)
     recorder = CollectiveRecorder(group_dims(mesh))
-    memory = new_step_peak()
+    memory = new_step_peak(replay)
     with fake:
         micro = [to_device(synthetic_batch(cfg, parts), device, pin=False) for _ in range(steps)]
         if dims.cp > 1:
             micro = [trainer._shard_for_cp(mb) for mb in micro]
         _prime_optimizer_state(parts.module, optimizer)
         memory.track_external(parts.module, optimizer)
-        with memory, recorder, sharding_propagation_untracked():
+        with (
+            memory,
+            recorder,
+            sharding_propagation_untracked(),
+            streams_routed(replay, getattr(torch, device_type)),
+        ):
             units = sum((mb["labels"] != -100).sum() for mb in micro)
             normalizer = all_reduce_sum(
                 torch.as_tensor(units, device=device), mesh.view("loss").get_group()

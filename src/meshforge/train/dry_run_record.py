@@ -3,7 +3,8 @@
 `CollectiveRecorder` is a dispatch mode over the step: every c10d or functional collective by
 mesh dimension (`group_dims` names the process groups), kind, count and bytes, and matmuls of
 mixed dtypes refused as the device kernels refuse them (fake tensors' shape functions do not).
-`new_step_peak` is torch's `MemTracker` for the step's high-water mark alone; `ModuleTracker`
+`new_step_peak` is torch's `MemTracker` for the step's high-water mark alone (feeding an
+`AllocatorReplay` for the reserved bytes); `ModuleTracker`
 keeps the module a failing step was in.
 """
 
@@ -21,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 if TYPE_CHECKING:
     from meshforge.parallel.dims import ParallelMesh
+    from meshforge.train.allocator_replay import AllocatorReplay
 
 
 # c10d ops (eager process-group calls) and functional collectives, by the kind of transfer.
@@ -215,12 +217,25 @@ class _NoModules:
         pass
 
 
-def new_step_peak() -> Any:
+def new_step_peak(replay: AllocatorReplay | None = None) -> Any:
     """torch's `MemTracker` (allocations and frees of every storage, storage resizes included)
-    without its per-module statistics."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    without its per-module statistics; each allocation, resize and free also goes to `replay`
+    (the caching allocator's placement, for the reserved bytes) when given."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 
-    memory = MemTracker()
+    class _Replaying(MemTracker):
+        def _update_snap(
+            self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None
+        ) -> None:
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            if replay is None:
+                return
+            if u_type in (_UpdateType.ADD, _UpdateType.SIZE):
+                replay.allocate(winfo, int(winfo.mem_consumed))
+            elif u_type == _UpdateType.DEL:
+                replay.free(winfo)
+
+    memory = _Replaying()
     memory._mod_tracker = _NoModules()  # type: ignore[assignment]
     return memory
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import MutableMapping
 
 import torch
 
@@ -22,6 +23,28 @@ def _npu_available() -> bool:
     return bool(torch.npu.is_available())  # type: ignore[attr-defined]
 
 
+# The variables that configure PyTorch's caching allocator (the second is its older name).
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def prefer_expandable_segments(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Turn on the CUDA caching allocator's expandable segments unless the allocator is configured.
+
+    Why: without them each large request maps a segment of its own size, and a freed segment
+    serves only requests that fit it; a training step's tensors change size (activations,
+    logits, gathered weights), so the allocator keeps mapping new segments beside cached ones and
+    a run can fail to allocate with much of the device free. With them each pool is one range
+    that grows in pages, and the reserved bytes stay close to the live ones (torchtitan launches
+    with them too; `train/allocator_replay.py` measures the rest). It must be set before CUDA
+    first initialises in the process. Returns whether it was set here.
+    """
+    env = os.environ if environ is None else environ
+    if any(name in env for name in ALLOC_CONF_VARS):
+        return False
+    env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    return True
+
+
 def resolve_device(device_target: str, *, local_rank: int = 0) -> torch.device:
     """Map `context.device_target` to a torch device for this process.
 
@@ -34,6 +57,8 @@ def resolve_device(device_target: str, *, local_rank: int = 0) -> torch.device:
         raise ValueError(
             f"context.device_target: unknown device {device_target!r}; valid: auto, cpu, cuda, GPU, npu, Ascend"
         )
+    if kind in ("auto", "cuda"):
+        prefer_expandable_segments()
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else ("npu" if _npu_available() else "cpu")
     if kind == "cuda":
