@@ -28,7 +28,7 @@ GIB = 1024**3
 def run(only: list[str]) -> None:
     print(
         "| example | world | rank | step (s) | measured peak GiB | predicted GiB | measured/predicted "
-        "| reserved GiB | reserved/peak | compute stream reserved / its peak | collective streams GiB |"
+        "| reserved GiB | predicted reserved GiB | compute stream reserved / its peak | collective streams GiB |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,7 +45,7 @@ def run(only: list[str]) -> None:
             print(
                 f"| {name} | {world} | {report.rank} | {seconds:.0f} | {report.peak_bytes / GIB:.2f} | "
                 f"{predicted / GIB:.2f} | {ratio} | {report.reserved_bytes / GIB:.2f} | "
-                f"{report.reserved_bytes / max(report.peak_bytes, 1):.2f} | "
+                f"{(report.predicted_reserved_bytes or 0.0) / GIB:.2f} | "
                 f"{compute / GIB:.2f} / {live / GIB:.2f} | {side / GIB:.2f} |",
                 flush=True,
             )

@@ -37,6 +37,19 @@ def test_components_add_up_to_the_allocated_peak() -> None:
         assert peak.optimizer == pytest.approx(2 * 4 * peak.params / 4, rel=1e-9)
 
 
+def test_reserved_adds_fragmentation_and_fsdps_collective_stream_pools() -> None:
+    from meshforge.parallel.device_peak import FRAGMENTATION
+
+    alone = _peak(1)
+    assert alone.collective_pools == 0 and alone.reserved == pytest.approx(alone.allocated * FRAGMENTATION)
+    sharded = _peak(8)
+    # The reduce-scatter stream keeps the sharded gradients (freed at zero_grad, pages kept) and the
+    # all-gather stream the root's gathered weights: both outside the compute stream's peak.
+    grads = sharded.params  # fp32 gradients of the fp32 shard
+    assert sharded.grads == 0 and sharded.collective_pools > grads
+    assert sharded.reserved == pytest.approx(sharded.allocated * FRAGMENTATION + sharded.collective_pools)
+
+
 def test_full_logits_loss_peaks_at_the_loss_with_its_float32_gradients() -> None:
     peak = _peak(8)
     tokens, vocab = 16 * 128, 8192

@@ -56,6 +56,10 @@ NCCL_BYTES_PER_GROUP = 0.15 * _GIB
 # Gradients flowing through one layer's backward, as a share of what the layer saves without
 # recompute: the gradient of each intermediate lives while the next one is computed.
 BACKWARD_WORKING_SHARE = 0.5
+# The compute stream's reserved bytes over its live high-water mark under expandable segments,
+# replayed from the dry runs of the real-size examples (train/allocator_replay.py;
+# benchmarks/dry_run_examples.py): 1.02-1.22 over four of them, the median.
+FRAGMENTATION = 1.07
 # The components a caching allocator hands out (`DevicePeak.allocated` adds them up).
 DEVICE_COMPONENTS = (
     "params",
@@ -97,12 +101,23 @@ class DevicePeak:
     overhead: float = 0.0  # CUDA context + NCCL buffers (outside the caching allocator)
     first_step: float = 0.0  # the first step's peak (moments created at its update)
     in_flight: float = 1.0  # micro-batches whose activations the stage holds at the peak
+    # FSDP2's collective streams' pools (their own cached blocks): the all-gather buffers and the
+    # reduced gradients; `grads` above lives in them.
+    collective_pools: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     @property
     def allocated(self) -> float:
         """The steady-state peak the caching allocator hands out (the device components)."""
         return float(sum(getattr(self, name) for name in DEVICE_COMPONENTS))
+
+    @property
+    def reserved(self) -> float:
+        """What the caching allocator maps at the peak: the compute stream's share of
+        ``allocated`` with its fragmentation, plus FSDP2's collective streams' pools."""
+        if not self.collective_pools:
+            return self.allocated * FRAGMENTATION
+        return (self.allocated - self.grads) * FRAGMENTATION + max(self.collective_pools, self.grads)
 
     @property
     def device_total(self) -> float:
@@ -251,11 +266,19 @@ def stage_peaks(
         if counts.tied and dims.pp == 1:
             head_grad = root / dims.tp
         end_grads = 0.0  # the embedding's backward (first stage): the root's gradients all alive
+        pools = 0.0
         if not fsdp:
             gathered, grad_buffers = 0.0, 0.0
         else:
             pair = max((a + b for a, b in zip(sizes, sizes[1:], strict=False)), default=sum(sizes))
             gathered = (root / dims.tp + (sum(sizes) if keep_unsharded else pair)) * cbytes
+            # The all-gather stream keeps the largest gathered buffers (the root's, or the pair of
+            # layers in flight); the reduce-scatter stream the sharded gradients and the largest
+            # unit's reduced output in the reduce dtype.
+            largest_unit = max(root / dims.tp, max(sizes, default=0.0))
+            pools = max(root / dims.tp, pair) * cbytes + (
+                state.gradients + largest_unit / dims.dense_shard_size * rbytes * train_share
+            )
             if dims.pp > 1:
                 # Gradient sync is off until the last micro-batch: the stage's unsharded gradients
                 # accumulate in the reduce dtype (a copy when it is not the compute dtype).
@@ -324,6 +347,7 @@ def stage_peaks(
             host=row.host_bytes,
             overhead=overhead,
             in_flight=flight,
+            collective_pools=pools,
             notes=[loss_name] + list(estimate.notes),
         )
         phases = [base]
@@ -368,6 +392,7 @@ def stage_peaks(
             host=row.host_bytes,
             overhead=overhead,
             in_flight=flight,
+            collective_pools=pools,
             notes=base.notes,
         )
         if par.cpu_offload and fsdp:

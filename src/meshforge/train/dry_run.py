@@ -39,6 +39,7 @@ from meshforge.train.dry_run_record import (
 
 if TYPE_CHECKING:
     from meshforge.config import TrainConfig
+    from meshforge.parallel.device_peak import DevicePeak
     from meshforge.parallel.dims import ParallelDims
     from meshforge.train.run import ModelParts
 
@@ -64,6 +65,7 @@ class DryRunReport:
     # compute stream's mapped bytes, its live high-water mark, and the collective streams' bytes.
     reserved_bytes: int = 0
     reserved_split: tuple[int, int, int] = (0, 0, 0)
+    predicted_reserved_bytes: float | None = None  # DevicePeak.reserved
 
     def lines(self) -> list[str]:
         """The printed report: the headline, then one line per mesh dimension's collectives."""
@@ -83,6 +85,11 @@ class DryRunReport:
                 f"({self.reserved_bytes / max(self.peak_bytes, 1):.2f}x the peak): the compute stream "
                 f"{compute / gib:.2f} for its {live / gib:.2f} GiB high-water mark, FSDP's collective streams "
                 f"{side / gib:.2f}"
+                + (
+                    f" (predicted {self.predicted_reserved_bytes / gib:.2f} GiB)"
+                    if self.predicted_reserved_bytes
+                    else ""
+                )
             )
         by_dim: dict[str, list[CollectiveRow]] = {}
         for row in self.collectives:
@@ -135,17 +142,17 @@ class _VocabOnly:
         return self.size
 
 
-def prediction(cfg: TrainConfig, world_size: int, rank: int | None) -> tuple[int, float | None]:
+def prediction(cfg: TrainConfig, world_size: int, rank: int | None) -> tuple[int, DevicePeak | None]:
     """The rank to run (given, or the first rank of the stage the planner predicts the highest
-    peak for) and its predicted steady-state peak, `DevicePeak.allocated`
-    (`parallel/device_peak.py`); None when the planner cannot estimate it."""
+    peak for) and its predicted steady-state peak (`parallel/device_peak.py`); None when the
+    planner cannot estimate it."""
     from meshforge.parallel.device_peak import predict_device_peak
 
     try:
         peak = predict_device_peak(cfg, world_size, rank)
     except Exception:  # noqa: BLE001 - the dry run stands without the comparison
         return (rank or 0), None
-    return peak.rank, peak.allocated
+    return peak.rank, peak
 
 
 def synthetic_batch(cfg: TrainConfig, parts: ModelParts) -> Batch:
@@ -182,7 +189,8 @@ def dry_run(
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"--rank {rank}: must be in 0..{world_size - 1}")
-    rank, predicted = prediction(cfg, world_size, rank)
+    rank, predicted_peak = prediction(cfg, world_size, rank)
+    predicted = predicted_peak.allocated if predicted_peak is not None else None
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     sink = log or (lambda _: None)
     start = time.perf_counter()
@@ -216,6 +224,7 @@ def dry_run(
         notes=notes,
         reserved_bytes=replay.reserved_peak,
         reserved_split=replay.split(),
+        predicted_reserved_bytes=predicted_peak.reserved if predicted_peak is not None else None,
     )
 
 
