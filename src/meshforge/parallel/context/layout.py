@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -118,12 +117,17 @@ def unshard_sequence(x: torch.Tensor, cp_mesh: DeviceMesh, *, method: str, dim: 
     return gathered.index_select(dim, torch.argsort(order).to(x.device))
 
 
-@dataclass
 class CPMask:
     """What every attention layer of one forward needs about the full rows.
 
     Built once per forward by ``ContextParallel.prepare`` and passed to the layers in
     place of the ``[B, 1, S, S]`` mask.
+
+    Not a dataclass: FSDP2 casts each unit's forward inputs with a tree map that rebuilds
+    dataclasses field by field, which would hand every layer its own copy of ``cache`` (and
+    every layer would build and keep its own ring plan and masks: two ``[S/2, S/2]`` boolean
+    masks a layer under load-balanced ring attention, 16 GiB over 32 layers at 64k tokens). A
+    plain object is a leaf to such maps, so the layers of one forward share it.
 
     Attributes:
         q_index: Global positions of this rank's tokens ``[S_local]``.
@@ -132,10 +136,23 @@ class CPMask:
         cache: Masks derived from the above, shared by the layers of this forward.
     """
 
-    q_index: torch.Tensor
-    seq_len: int
-    segments: torch.Tensor | None
-    cache: dict[Any, Any] = field(default_factory=dict)
+    __slots__ = ("cache", "q_index", "segments", "seq_len")
+
+    def __init__(
+        self,
+        q_index: torch.Tensor,
+        seq_len: int,
+        segments: torch.Tensor | None,
+        cache: dict[Any, Any] | None = None,
+    ) -> None:
+        self.q_index = q_index
+        self.seq_len = seq_len
+        self.segments = segments
+        self.cache: dict[Any, Any] = {} if cache is None else cache
+
+    def __repr__(self) -> str:
+        rows = "none" if self.segments is None else f"{tuple(self.segments.shape)}"
+        return f"CPMask(local tokens={self.q_index.numel()}, seq_len={self.seq_len}, segments={rows})"
 
     def narrow_rows(self, start: int, stop: int) -> CPMask:
         """This mask for batch rows ``start:stop`` (chunked micro-batches run layers on row slices).
