@@ -54,11 +54,17 @@ class _Depth(threading.local):
 
 
 _DEPTH = _Depth()
+_AGAIN = _Depth()  # how many of those regions are recomputations (in backward)
 
 
 def in_recomputed_region() -> bool:
     """Whether a recomputed region is running now (its saved tensors are the checkpoint's)."""
     return _DEPTH.value > 0
+
+
+def recomputing() -> bool:
+    """Whether a region is running again in backward (hooks that count forwards skip it)."""
+    return _AGAIN.value > 0
 
 
 @contextmanager
@@ -237,10 +243,12 @@ def _recomputation(module: nn.Module, rerun: Callable[[], object]) -> object:
     ``module``'s modules that it rebound or added: those are the forward's records (see the
     module docstring); private ones belong to torch's and the hooks' own bookkeeping."""
     before = [(m, {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in module.modules()]
+    _AGAIN.value += 1
     try:
         with _region():
             return rerun()
     finally:
+        _AGAIN.value -= 1
         for m, kept in before:
             now = vars(m)
             for key in [k for k in now if not k.startswith("_") and k not in kept]:
@@ -356,4 +364,11 @@ def apply_recompute(model: nn.Module, cfg: RecomputeConfig, *, num_layers: int) 
     return applied
 
 
-__all__ = ["apply_recompute", "checkpoint_module", "in_recomputed_region", "recompute_plan", "resolve_ops"]
+__all__ = [
+    "apply_recompute",
+    "checkpoint_module",
+    "in_recomputed_region",
+    "recompute_plan",
+    "recomputing",
+    "resolve_ops",
+]
