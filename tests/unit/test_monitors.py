@@ -107,6 +107,32 @@ def test_moe_counts_every_micro_batch_of_a_due_step_and_writes_the_file(tmp_path
     assert (tmp_path / "moe" / "tokens_per_expert.jsonl").read_text() == ""
 
 
+class _GatedSparse(_Sparse):
+    """The toy block with its output depending on the router (so backward needs the region)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        top = logits.topk(2, dim=-1).indices
+        self.last_tokens_per_expert = torch.bincount(top.reshape(-1), minlength=self.gate.out_features)
+        return x * logits.sigmoid().mean(-1, keepdim=True)
+
+
+def test_moe_counts_a_recomputed_layer_once() -> None:
+    from meshforge.memory.recompute import checkpoint_module
+
+    torch.manual_seed(0)
+    model = _Model()
+    for layer in model.model.layers[1:]:
+        layer.mlp = _GatedSparse(4)
+        checkpoint_module(layer)
+    monitor = _moe(model, None, save_tokens_per_expert_interval=1)
+    assert monitor is not None
+    monitor.begin(1)
+    model(torch.randn(6, 3, requires_grad=True)).sum().backward()  # backward recomputes both layers
+    _record, lines = monitor.end(1)
+    assert [sum(line["counts"]) for line in lines] == [6 * 2, 6 * 2]
+
+
 def test_moe_monitor_errors_name_the_key() -> None:
     model = _Model()
     assert _moe(model, None) is None  # off

@@ -8,6 +8,12 @@ recomputation sees what the first run saw; the module's class is swapped for a s
 does this (as FSDP2 does), and nothing is added to the module tree: parameter names, module
 patterns (TP, FSDP units) and checkpoints stay as they were.
 
+The recomputation rebuilds saved tensors and nothing else: the records a forward leaves on its
+modules (an MoE block's routing statistics and counts) are put back as the forward left them.
+Left rebound, a record that carries autograd history (the router probabilities' sum) would keep
+the recomputed region's whole graph, every tensor it saved, alive until the next forward: with
+every layer recomputed, backward would end holding all of them, as if nothing were recomputed.
+
 ``recompute.exclude_op`` keeps the outputs of the named operators inside every recomputed
 region (``create_selective_checkpoint_contexts`` with a policy, as torchtitan's selective-op
 AC does); the rest of the region is recomputed. ``matmul/2`` keeps one call in two (torchtitan's
@@ -49,11 +55,17 @@ class _Depth(threading.local):
 
 
 _DEPTH = _Depth()
+_AGAIN = _Depth()  # how many of those regions are recomputations (in backward)
 
 
 def in_recomputed_region() -> bool:
     """Whether a recomputed region is running now (its saved tensors are the checkpoint's)."""
     return _DEPTH.value > 0
+
+
+def recomputing() -> bool:
+    """Whether a region is running again in backward (hooks that count forwards skip it)."""
+    return _AGAIN.value > 0
 
 
 @contextmanager
@@ -244,14 +256,39 @@ def _checkpointed_call(
             if isinstance(leaf, torch.Tensor):
                 ledger.add(leaf)
 
+    forward_done = False
+
     def run(*inputs: object) -> object:
+        nonlocal forward_done
+        if forward_done:
+            return _recomputation(module, lambda: call(module, *inputs, **kwargs))
         with _region():
-            return call(module, *inputs, **kwargs)
+            out = call(module, *inputs, **kwargs)
+        forward_done = True
+        return out
 
     # Keyword arguments go through the closure: none can clash with checkpoint's own. The
     # recomputation runs to the end (no early stop): hooks that undo what a pre-hook did (a
     # parameter swapped for its local shard, then back) must run in it as they did in forward.
     return checkpoint(run, *args, use_reentrant=False, context_fn=module.__dict__[_OPS], early_stop=False)
+
+
+def _recomputation(module: nn.Module, rerun: Callable[[], object]) -> object:
+    """Run ``rerun`` (the region again, in backward), then put back the public attributes of
+    ``module``'s modules that it rebound or added: those are the forward's records (see the
+    module docstring); private ones belong to torch's and the hooks' own bookkeeping."""
+    before = [(m, {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in module.modules()]
+    _AGAIN.value += 1
+    try:
+        with _region():
+            return rerun()
+    finally:
+        _AGAIN.value -= 1
+        for m, kept in before:
+            now = vars(m)
+            for key in [k for k in now if not k.startswith("_") and k not in kept]:
+                del now[key]
+            now.update(kept)
 
 
 def checkpoint_module(module: nn.Module, *, ops: Sequence[AtenOp | tuple[AtenOp, int]] = ()) -> None:
@@ -369,6 +406,7 @@ __all__ = [
     "checkpoint_module",
     "in_recomputed_region",
     "recompute_plan",
+    "recomputing",
     "resolve_kept",
     "resolve_ops",
 ]

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from meshforge.memory.recompute import recomputing
+
 if TYPE_CHECKING:
     from torch import nn
     from torch.utils.hooks import RemovableHandle
@@ -162,7 +164,8 @@ class MoeMonitor:
     def _hook_for(self, layer: int) -> Any:
         def hook(module: nn.Module, _args: object, _output: object) -> None:
             counts = getattr(module, "last_tokens_per_expert", None)
-            if not self._active or self._paused or counts is None:
+            # A checkpoint's recomputation runs the block's hooks again: its routing is counted once.
+            if not self._active or self._paused or counts is None or recomputing():
                 return
             counts = counts.detach().to(torch.int64)
             previous = self._counts.get(layer)
