@@ -51,8 +51,9 @@ def _row(index: str, entry: Ranked) -> str:
 def _report(result: SearchResult, hw: Hardware, top: int) -> list[str]:
     limit = result.limit_bytes / _GIB
     lines = [
-        f"{len(result.ranked)} layout(s) fit {limit:.1f} GiB per device (90% of the memory: the predicted "
-        f"peak counts buffers, the CUDA context and NCCL; the rest is for fragmentation); {len(result.too_big)} do not; "
+        f"{len(result.ranked)} layout(s) fit {limit:.1f} GiB per device (95% of the memory: the predicted "
+        f"peak is what the caching allocator reserves, buffers and fragmentation included, plus the CUDA context "
+        f"and NCCL; the rest covers the spread of fragmentation); {len(result.too_big)} do not; "
         f"{result.invalid} excluded by the degrees, batch or model rules; searched in {result.seconds:.1f} s",
         f"{'rank':>4}  {'layout':<66} {'peak GiB':>7} {'tok/s/dev':>10} {'MFU':>6}  "
         f"{'step s: comp/comm/bubble/opt':<24} bound by",

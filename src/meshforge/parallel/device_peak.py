@@ -28,9 +28,11 @@ against a dry run (their dry runs stop at data-dependent values).
 ``allocated`` is the steady state (the optimizer's moments exist through forward and backward,
 as from the second step on): what decides whether a run fits. ``first_step`` is the first step,
 whose moments appear at its optimizer step (torch creates them lazily): what a one-step dry run
-measures. Both count what the caching allocator hands out (no fragmentation); ``overhead`` (the
-CUDA context and NCCL's buffers, outside the allocator and unseen by a fake-tensor tracker) is
-kept apart, and ``device_total`` adds it.
+measures. Both count what the caching allocator hands out (no fragmentation). ``reserved`` is
+what it maps (its fragmentation of the compute stream's pool, as the dry run's allocator replay
+measures it, and FSDP2's collective streams' own pools: the gathered weights and the sharded
+gradients); ``overhead`` (the CUDA context and NCCL's buffers, outside the allocator and unseen by
+a fake-tensor tracker) is kept apart, and ``device_total`` adds it to ``reserved``.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ NCCL_BYTES_PER_GROUP = 0.15 * _GIB
 BACKWARD_WORKING_SHARE = 0.5
 # The compute stream's reserved bytes over its live high-water mark under expandable segments,
 # replayed from the dry runs of the real-size examples (train/allocator_replay.py;
-# benchmarks/dry_run_examples.py): 1.02-1.22 over four of them, the median.
-FRAGMENTATION = 1.07
+# benchmarks/dry_run_examples.py): 1.02-1.22 over the five, the median (1.047).
+FRAGMENTATION = 1.05
 # The components a caching allocator hands out (`DevicePeak.allocated` adds them up).
 DEVICE_COMPONENTS = (
     "params",
@@ -121,8 +123,8 @@ class DevicePeak:
 
     @property
     def device_total(self) -> float:
-        """``allocated`` plus the CUDA context and NCCL buffers: what the device must hold."""
-        return self.allocated + self.overhead
+        """``reserved`` plus the CUDA context and NCCL buffers: what the device must hold."""
+        return self.reserved + self.overhead
 
     def components(self) -> dict[str, float]:
         """Name -> bytes of every non-zero device component (they add up to ``allocated``)."""
@@ -491,8 +493,9 @@ def peak_lines(cfg: TrainConfig, world_size: int, *, log: Callable[[str], None] 
         f"predicted peak per rank ({where}): state {state / _GIB:.2f} GiB + activations {saved / _GIB:.2f} GiB "
         f"+ buffers {buffers / _GIB:.2f} GiB = {top.allocated / _GIB:.2f} GiB allocated at {top.phase}"
         + (f" (buffers: {detail})" if detail else "")
-        + f", first step {top.first_step / _GIB:.2f} GiB; + {top.overhead / _GIB:.2f} GiB CUDA context and NCCL "
-        f"= {top.device_total / _GIB:.2f} GiB on the device{verdict}"
+        + f", first step {top.first_step / _GIB:.2f} GiB; {top.reserved / _GIB:.2f} GiB reserved by the caching "
+        f"allocator + {top.overhead / _GIB:.2f} GiB CUDA context and NCCL = {top.device_total / _GIB:.2f} GiB "
+        f"on the device{verdict}"
     ]
     if dims.pp > 1:
         lines.append(
