@@ -167,8 +167,30 @@ def test_cli_prints_the_report_and_refuses_pair_stages(capsys: pytest.CaptureFix
     assert "collectives on " in out and "checkpoint: DCP save plan of" in out
     assert "reserved by the caching allocator (expandable segments):" in out
     dpo = ROOT / "configs/qwen3/dpo_lora.yaml"
-    assert main(["validate", str(dpo), "--world-size", "2", "--no-path-checks", "--dry-run"]) == 2
-    assert "not supported yet: a dry run of training.stage: dpo" in capsys.readouterr().err
+    cp = ["--parallelism.context_parallel=2"]
+    assert main(["validate", str(dpo), "--world-size", "2", "--no-path-checks", "--dry-run", *cp]) == 2
+    assert (
+        "not supported yet: a dry run of training.stage: dpo with context parallelism"
+        in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides"),
+    [
+        ("dpo_lora.yaml", []),
+        ("dpo_lora.yaml", ["--parallelism.pipeline_parallel=2", "--training.global_batch_size=8"]),
+        ("dpo_lora.yaml", ["--lora_config=null"]),  # a frozen reference copy
+        ("rm_lora.yaml", []),
+    ],
+)
+def test_preference_stages_dry_run_as_predicted(config: str, overrides: list[str]) -> None:
+    """The pair stages find their answer tokens from the synthetic batch's host values
+    (`utils/fake_values.py`), through the pipeline's micro-batch split too."""
+    cfg = load_config(ROOT / "configs/qwen3" / config, ["--checkpoint.enable_save=false", *overrides])
+    report = dry_run(cfg, world_size=4)
+    assert report.predicted_peak_bytes is not None
+    assert 0.8 <= report.peak_bytes / report.predicted_peak_bytes <= 1.25, report.lines()[0]
 
 
 EXAMPLES = ROOT / "configs/examples"

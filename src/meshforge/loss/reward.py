@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from meshforge.loss.cross_entropy import _whole
 from meshforge.loss.sequence_logps import segments_per_row
+from meshforge.utils.fake_values import on_host
 
 METRIC_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
@@ -25,10 +26,17 @@ METRIC_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewa
 def last_token_positions(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat position of every sequence slot's last token, and which slots hold a pair.
 
+    The slots depend on the values: on a dry run's fake tensors they come from the batch's host
+    values (`utils/fake_values.py`).
+
     Returns:
         `(positions [P, 2] int64, present [P] bool)` over the pair slots `P = rows * slots / 2`
         (slot order as `sequence_logps`); an absent sequence points at position 0.
     """
+    return on_host(_last_tokens, segment_ids, what="the reward stage's last tokens")
+
+
+def _last_tokens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, seq = segment_ids.shape
     slots = segments_per_row(segment_ids)
     row_index = torch.arange(rows, device=segment_ids.device)[:, None].expand(rows, seq)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from meshforge.loss.cross_entropy import EAGER_STEPS, IGNORE_INDEX, _add_chunk_grads, _head_dtype, _whole
+from meshforge.utils.fake_values import on_host
 
 
 def segments_per_row(segment_ids: torch.Tensor) -> int:
@@ -76,8 +77,17 @@ def sequence_layout(
 
     `local_index` (context parallelism: the global positions this rank holds, in its local order)
     makes `positions` index this rank's `[rows, len(local_index)]` slice of the rows, while the
-    segments, counts and pair slots still come from the whole rows, the same on every rank.
+    segments, counts and pair slots still come from the whole rows, the same on every rank. The
+    layout's sizes depend on the values: on a dry run's fake tensors it is computed from the
+    batch's host values (`utils/fake_values.py`).
     """
+    parts = on_host(_layout, labels, segment_ids, local_index, what="the preference stage's answer tokens")
+    return SequenceLayout(*parts)
+
+
+def _layout(
+    labels: torch.Tensor, segment_ids: torch.Tensor, local_index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     slots = segments_per_row(segment_ids)
     counted, keys = _counted_and_keys(labels, segment_ids, slots)
     num_keys = labels.shape[0] * slots
@@ -90,7 +100,7 @@ def sequence_layout(
     # padding rows, copies of a sample without labels, hold none).
     labelled = (labels != IGNORE_INDEX).any(dim=1).repeat_interleave(slots // 2)
     present = (tokens.view(-1, 2)[:, 1] > 0) & labelled
-    return SequenceLayout(positions, keys.reshape(-1)[positions], counts, present)
+    return positions, keys.reshape(-1)[positions], counts, present
 
 
 def _chunk_token_logps(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

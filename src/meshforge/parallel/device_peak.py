@@ -188,6 +188,9 @@ def _loss_transient(
     from meshforge.loss.lm import select_lm_loss
     from meshforge.models.common.kernels import fused_loss_on
 
+    if cfg.training.stage == "rm":
+        # The value head reads each sequence's last hidden state: no [tokens, vocab] logits.
+        return 0.0, "reward head on each sequence's last token"
     par = cfg.parallelism
     loss_parallel = dims.tp > 1 and par.enable_loss_parallel
     fused = fused_loss_on(
@@ -304,9 +307,12 @@ def stage_peaks(
         sp_layer = 2.0 * tokens * facts.hidden * cbytes * (1 - 1 / dims.tp)
         sp_extra = sum(sp_layer * (1 - facts.recomputed[i]) for i in layers if i < len(facts.recomputed))
         saved = row.device_bytes + sp_extra * flight
+        # What the trace saved outside the layers (the head's logits and the loss's saved softmax):
+        # held at the loss; a reward model's value head saves no logits.
         outside = (
             (estimate.outside / (dims.tp if dims.tp > 1 and par.enable_loss_parallel else 1)) if last else 0.0
         )
+        at_loss = saved - (outside if cfg.training.stage == "rm" else 0.0)
         full_layer = sp_layer + max(
             (
                 (rebuilt or estimate).layers[i].device / dims.tp
@@ -358,7 +364,7 @@ def stage_peaks(
                 replace(
                     base,
                     phase="loss",
-                    activations=saved,
+                    activations=at_loss,
                     # Accumulated stage gradients stay; without a pipeline none is unsharded yet.
                     unsharded_grads=base.unsharded_grads if dims.pp > 1 else 0.0,
                     rebuilt=0.0,

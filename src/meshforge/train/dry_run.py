@@ -156,13 +156,40 @@ def prediction(cfg: TrainConfig, world_size: int, rank: int | None) -> tuple[int
 
 
 def synthetic_batch(cfg: TrainConfig, parts: ModelParts) -> Batch:
-    """One micro-batch of the configured shape (token ids of the right range; no values matter)."""
+    """One micro-batch of the configured shape (token ids of the right range; no values matter).
+
+    The preference stages get one pair a row, as `data/sft/pairwise.py` lays it out: the chosen
+    sequence in the first half (segment 1), the rejected one in the second (segment 2), positions
+    restarting at each, the first quarter of each (the prompt) and its last token unlabelled.
+    """
     rows = int(cfg.training.local_batch_size)
     seq = int(cfg.train_dataset.seq_length() or cfg.model.seq_length or 0)
     if seq <= 0:
         raise ValueError("a dry run needs a sequence length: set the loader's seq_length or model.seq_length")
     ids = torch.randint(0, len(parts.tokenizer), (rows, seq))
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(seq).repeat(rows, 1)}
+    if cfg.training.stage not in ("dpo", "rm"):
+        return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(seq).repeat(rows, 1)}
+    half = seq // 2
+    segments = torch.zeros(rows, seq, dtype=torch.long)
+    segments[:, :half], segments[:, half : 2 * half] = 1, 2
+    labels = torch.full_like(ids, -100)
+    for start in (0, half):
+        answer = slice(start + half // 4, start + half - 1)
+        labels[:, answer] = ids[:, answer.start + 1 : answer.stop + 1]
+    positions = torch.cat([torch.arange(half), torch.arange(seq - half)]).repeat(rows, 1)
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "segment_ids": segments}
+
+
+def _fake_batch(batch: Batch, fake: Any, device: torch.device) -> Batch:
+    """The batch as fake tensors on `device`, each keeping its host values (`utils/fake_values.py`:
+    the preference stages read them to find the answer tokens)."""
+    from meshforge.utils.fake_values import keep
+
+    out: Batch = {}
+    for key, host in batch.items():
+        out[key] = fake.from_tensor(host).to(device)
+        keep(out[key], host)
+    return out
 
 
 def dry_run(
@@ -181,10 +208,16 @@ def dry_run(
     """
     from meshforge.parallel.dims import ParallelDims
 
-    if cfg.training.stage in ("dpo", "rm"):
+    stage = cfg.training.stage
+    if stage == "dpo" and cfg.training.pref_ref_logps == "precompute":
         raise NotImplementedError(
-            f"not supported yet: a dry run of training.stage: {cfg.training.stage} (the pair loss picks "
-            "the answer tokens by their label values, which fake tensors do not hold)"
+            "not supported yet: a dry run of training.pref_ref_logps: precompute (its table pass reads "
+            "the data set before the first step)"
+        )
+    if stage in ("dpo", "rm") and cfg.parallelism.context_parallel > 1:
+        raise NotImplementedError(
+            f"not supported yet: a dry run of training.stage: {stage} with context parallelism (the "
+            "answer tokens are found on the gathered rows, whose values fake tensors do not hold)"
         )
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     if rank is not None and not 0 <= rank < world_size:
@@ -266,6 +299,8 @@ def _step(
         build_pipeline,
     )
     from meshforge.train.build_model import build_model
+    from meshforge.train.build_preference import build_preference
+    from meshforge.train.build_reward import build_reward
     from meshforge.train.replicas import replica_groups
     from meshforge.train.run import OptimParts, Progress, Run, RunData, RunEnv, Watchers
     from meshforge.train.trainer import Trainer
@@ -292,6 +327,7 @@ def _step(
     )
     tokenizer = _tokenizer(cfg, log, notes)
     parts = build_model(cfg, env, tokenizer)
+    run_pref = build_preference(cfg, env, parts, tokenizer) or build_reward(cfg, env, parts)
     data = RunData(
         loader=cast(Any, None),  # the step's batches are synthetic; no loader is built
         eval_loaders={},
@@ -307,9 +343,8 @@ def _step(
     optim = OptimParts(
         optimizer, scheduler, grad_accum, pipeline, build_checkpointer(cfg.checkpoint, env, parts)
     )
-    # The dry-run step reaches no watcher (no health verdict, sinks or callbacks); `dry_run`
-    # refuses the pair stages, so there is no preference step.
-    trainer.run = Run(env, parts, data, optim, cast(Watchers, None), Progress())
+    # The dry-run step reaches no watcher (no health verdict, sinks or callbacks).
+    trainer.run = Run(env, parts, data, optim, cast(Watchers, None), Progress(), preference=run_pref)
     steps = _micro_batches_to_run(plan.grad_accum_steps, pipeline, dims)
     if steps < plan.grad_accum_steps:
         notes.append(
@@ -331,8 +366,13 @@ def _step(
     tracker.install(parts.module)
     recorder = CollectiveRecorder(group_dims(mesh))
     memory = new_step_peak(replay)
+    # The pair stages' batches are made on the host first: their values decide the answer tokens.
+    hosts = [synthetic_batch(cfg, parts) for _ in range(steps)] if run_pref is not None else []
     with fake:
-        micro = [to_device(synthetic_batch(cfg, parts), device, pin=False) for _ in range(steps)]
+        if run_pref is not None:
+            micro = [_fake_batch(host, fake, device) for host in hosts]
+        else:
+            micro = [to_device(synthetic_batch(cfg, parts), device, pin=False) for _ in range(steps)]
         if dims.cp > 1:
             micro = [trainer._shard_for_cp(mb) for mb in micro]
         _prime_optimizer_state(parts.module, optimizer)
@@ -343,7 +383,10 @@ def _step(
             sharding_propagation_untracked(),
             streams_routed(replay, getattr(torch, device_type)),
         ):
-            units = sum((mb["labels"] != -100).sum() for mb in micro)
+            count = (
+                run_pref.count_pairs if run_pref is not None else (lambda mb: (mb["labels"] != -100).sum())
+            )
+            units = sum(count(mb) for mb in micro)
             normalizer = all_reduce_sum(
                 torch.as_tensor(units, device=device), mesh.view("loss").get_group()
             ).to(torch.float32)
