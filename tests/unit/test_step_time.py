@@ -93,6 +93,22 @@ def test_dense_compute_is_flops_over_peak() -> None:
     assert p.exposed_comm == 0 and p.bubble == 0 and not p.collectives
 
 
+def test_kept_operators_are_not_priced_again_in_the_recomputation() -> None:
+    """`exclude_op: [mm/2, sdpa]` (torchtitan's op policy): the 1st, 3rd, 5th and 7th projection
+    of each layer (q, v, gate, down) and the attention core keep their outputs."""
+    full = {"mode": "full", "full_recompute_layer": ["0-3"]}
+    work = model_work(_config(recompute={**full, "exclude_op": ["mm/2", "sdpa"]}))
+    h, kv, inter = QWEN3["hidden_size"], QWEN3["num_key_value_heads"] * 16, QWEN3["intermediate_size"]
+    q, k, v, o = h * 4 * 16, h * kv, h * kv, 4 * 16 * h
+    gate, up, down = h * inter, h * inter, inter * h
+    recomputed = (k + o + up) / (q + k + v + o + gate + up + down)
+    for layer in work.layers:
+        assert math.isclose(layer.recompute, recomputed, rel_tol=1e-9)
+        assert not layer.recompute_attention
+    every = model_work(_config(recompute={**full, "exclude_op": ["matmul"]}))
+    assert all(layer.recompute == 0 and layer.recompute_attention for layer in every.layers)
+
+
 def test_full_recompute_adds_one_forward_of_the_layers() -> None:
     hw = hardware("h100")
     base = predict_step(_config(), 1, hw, eff=IDEAL)

@@ -9,7 +9,8 @@ whose score and value products grow with the context. Linear-attention and state
 (Qwen3-Next's gated delta rule, Mamba-3) have no such module: their cost is their projections.
 
 Recompute is read off the same `apply_activation_memory` the trainer and the planner run, so the
-extra forward priced for it covers exactly the layers and modules the run recomputes.
+extra forward priced for it covers exactly the layers and modules the run recomputes, less the
+matmuls and attention whose outputs `recompute.exclude_op` keeps.
 """
 
 from __future__ import annotations
@@ -146,6 +147,47 @@ def _recomputed_share(layer: nn.Module, paths: list[str]) -> tuple[float, bool]:
     return min(1.0, covered / total), attention
 
 
+@dataclass(frozen=True)
+class _KeptCalls:
+    """What `recompute.exclude_op` keeps: one matmul in every `matmul_every` (0: none), attention."""
+
+    matmul_every: int = 0
+    attention: bool = False
+
+
+def _kept_calls(entries: list[str] | None) -> _KeptCalls:
+    import torch
+
+    from meshforge.memory.recompute import resolve_kept
+
+    aten = torch.ops.aten
+    matmuls = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+    every = 0
+    attention = False
+    for op, n in resolve_kept(entries):
+        packet = getattr(op, "overloadpacket", op)
+        if packet in matmuls:
+            every = n if not every else min(every, n)
+        elif "scaled_dot_product" in str(packet):
+            attention = True
+    return _KeptCalls(every, attention)
+
+
+def _kept_matmul_share(layer: nn.Module, paths: list[str], every: int) -> float:
+    """Share of the layer's matmul weights whose outputs a `matmul/every` policy keeps in each
+    recomputed region: the linears in module order (their call order in a decoder layer), the
+    first of every `every` kept."""
+    from torch import nn
+
+    total = sum(p.numel() for p in layer.parameters() if p.dim() >= 2) or 1
+    kept = 0
+    for path in paths:
+        region = layer if path == "" else layer.get_submodule(path)
+        linears = [m for m in region.modules() if isinstance(m, nn.Linear)]
+        kept += sum(m.weight.numel() for i, m in enumerate(linears) if i % every == 0)
+    return kept / total
+
+
 def model_work(cfg: TrainConfig, *, log: Callable[[str], None] | None = None) -> ModelWork:
     """Build the configured model on the meta device and read its per-token work."""
     import torch
@@ -171,11 +213,14 @@ def model_work(cfg: TrainConfig, *, log: Callable[[str], None] | None = None) ->
             num_layers=len(layers),
             tp_mesh=None,
         )
+        kept = _kept_calls(cfg.recompute.exclude_op)
         for index, paths in applied.recomputed.items():
             if index < len(works):
-                works[index].recompute, works[index].recompute_attention = _recomputed_share(
-                    layers[index], paths
-                )
+                share, attention = _recomputed_share(layers[index], paths)
+                if kept.matmul_every:
+                    share -= _kept_matmul_share(layers[index], paths, kept.matmul_every)
+                works[index].recompute = max(0.0, share)
+                works[index].recompute_attention = attention and not kept.attention
     # Multi-token-prediction blocks are the trailing layers; they cost only when the run trains them.
     num_mtp = _int(getattr(model, "num_mtp_layers", None)) or 0
     if num_mtp and cfg.training.mtp_loss_scaling_factor <= 0:
