@@ -21,9 +21,9 @@ A step's memory peaks in one of four places, and the prediction is the largest o
   there and the root's unsharded gradients (one per use of a weight, and a copy) alive;
 * ``optimizer``: parameters, gradients and the AdamW moments (no activations).
 
-Not modelled: float8's casts (a float8 run is predicted as its compute dtype), the DPO reference
-model, and optimizers other than AdamW (Muon's one momentum is counted as two moments). Pipeline, context-parallel and MoE layouts are modelled from the code, not yet checked
-against a dry run (their dry runs stop at data-dependent values).
+Not modelled: float8's casts (a float8 run is predicted as its compute dtype) and optimizers
+other than AdamW (Muon's one momentum is counted as two moments). A dpo run's frozen reference
+copy is `reference` (`parallel/plan_preference.py`); a reward model's value head holds no logits.
 
 ``allocated`` is the steady state (the optimizer's moments exist through forward and backward,
 as from the second step on): what decides whether a run fits. ``first_step`` is the first step,
