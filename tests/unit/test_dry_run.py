@@ -80,6 +80,17 @@ def test_pipeline_last_stage_and_context_parallel_steps_run() -> None:
     assert pp.get("send", 0) > 0 and pp.get("recv", 0) > 0
     cp = _run(LLAMA, 2, "--parallelism.context_parallel=2")
     assert cp.peak_bytes > 0
+    hybrid = _run(
+        LLAMA,
+        4,
+        "--parallelism.context_parallel=4",
+        "--parallelism.context_parallel_method=hybrid",
+        "--parallelism.ulysses_degree_in_cp=2",
+    )
+    # Hybrid CP's sub-groups are named, not left as "group N".
+    assert _kinds(hybrid, "cp:ring").get("all-to-all", 0) > 0
+    assert _kinds(hybrid, "cp:ulysses").get("all-to-all", 0) > 0
+    assert not any(row.dim.startswith("group ") for row in hybrid.collectives)
 
 
 def test_full_recompute_of_a_hybrid_moe_model_peaks_as_predicted() -> None:

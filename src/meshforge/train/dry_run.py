@@ -364,7 +364,7 @@ def _step(
     if any(isinstance(m, ExpertsBase) for m in parts.module.modules()):
         notes.append("MoE routing taken as balanced (fake tensors carry no router values)")
     tracker.install(parts.module)
-    recorder = CollectiveRecorder(group_dims(mesh))
+    recorder = CollectiveRecorder(group_dims(mesh, parts.module))
     memory = new_step_peak(replay)
     # The pair stages' batches are made on the host first: their values decide the answer tokens.
     hosts = [synthetic_batch(cfg, parts) for _ in range(steps)] if run_pref is not None else []

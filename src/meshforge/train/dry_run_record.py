@@ -143,9 +143,19 @@ def _group_name(arg: object) -> str | None:
     return None
 
 
-def group_dims(mesh: ParallelMesh) -> dict[str, str]:
-    """Process-group name -> the mesh dimension it spans (`tp`, `fsdp:dp_shard_cp`, ...)."""
+def group_dims(mesh: ParallelMesh, model: torch.nn.Module | None = None) -> dict[str, str]:
+    """Process-group name -> the mesh dimension it spans (`tp`, `fsdp:dp_shard_cp`, ...); with
+    `model`, also hybrid context parallelism's sub-groups (`cp:ring`, `cp:ulysses`)."""
     labels: dict[str, list[str]] = {}
+    if model is not None:
+        from meshforge.parallel.context.plan import ContextParallel
+
+        for module in model.modules():
+            plan = getattr(module, "cp", None)
+            if isinstance(plan, ContextParallel) and plan.method == "hybrid":
+                for label, group in (("cp:ring", plan.ring_group), ("cp:ulysses", plan.ulysses_group)):
+                    if group is not None:
+                        labels.setdefault(group.group_name, [label])
     for purpose, view in mesh.views.items():
         dims = view.mesh_dim_names or ()
         for i, dim in enumerate(dims):
