@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from _harness import emit
@@ -35,6 +35,9 @@ from meshforge.parallel.dims import ParallelDims
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = Path(__file__).with_name("published_runs.yaml")
 _GIB = 1024**3
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def predict(run: dict[str, Any], folder: Path, index: int) -> dict[str, Any]:
@@ -81,7 +84,7 @@ def loss_peak(tokens: int, vocab: int, tp: int, *, torchtitan: bool) -> int:
         return _loss_peak(mesh, tokens, vocab, tp, torchtitan=torchtitan)
 
 
-def _loss_peak(mesh: Any, tokens: int, vocab: int, tp: int, *, torchtitan: bool) -> int:
+def _loss_peak(mesh: DeviceMesh, tokens: int, vocab: int, tp: int, *, torchtitan: bool) -> int:
     import torch
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode

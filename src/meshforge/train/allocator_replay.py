@@ -28,7 +28,7 @@ import bisect
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
 
 MIN_BLOCK = 512
 SMALL_REQUEST = 1 << 20  # requests up to this size come from the small pool
@@ -179,16 +179,19 @@ class AllocatorReplay:
         return sum(p.mapped for p in default), sum(p.live_peak for p in default), side
 
 
+_STREAM = "stream"  # the device module's stream-context function
+
+
 @contextlib.contextmanager
-def streams_routed(replay: AllocatorReplay, device_module: Any) -> Iterator[None]:
+def streams_routed(replay: AllocatorReplay, device_module: ModuleType) -> Iterator[None]:
     """Within the block, allocations made inside `device_module.stream(s)` (FSDP2's collective
     streams; `torch.cpu` or `torch.cuda`) go to the pools of `s`; the current stream's own
     object counts as the default stream."""
-    original = device_module.stream
+    original = getattr(device_module, _STREAM)
     default = device_module.current_stream()
 
     @contextlib.contextmanager
-    def routed(stream: Any) -> Iterator[None]:
+    def routed(stream: object) -> Iterator[None]:
         before = replay.stream
         replay.stream = None if stream is None or stream == default else stream
         try:
@@ -197,8 +200,8 @@ def streams_routed(replay: AllocatorReplay, device_module: Any) -> Iterator[None
         finally:
             replay.stream = before
 
-    device_module.stream = routed
+    setattr(device_module, _STREAM, routed)
     try:
         yield
     finally:
-        device_module.stream = original
+        setattr(device_module, _STREAM, original)

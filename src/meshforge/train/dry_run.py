@@ -38,6 +38,8 @@ from meshforge.train.dry_run_record import (
 )
 
 if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from meshforge.config import TrainConfig
     from meshforge.parallel.device_peak import DevicePeak
     from meshforge.parallel.dims import ParallelDims
@@ -180,7 +182,7 @@ def synthetic_batch(cfg: TrainConfig, parts: ModelParts) -> Batch:
     return {"input_ids": ids, "labels": labels, "position_ids": positions, "segment_ids": segments}
 
 
-def _fake_batch(batch: Batch, fake: Any, device: torch.device) -> Batch:
+def _fake_batch(batch: Batch, fake: FakeTensorMode, device: torch.device) -> Batch:
     """The batch as fake tensors on `device`, each keeping its host values (`utils/fake_values.py`:
     the preference stages read them to find the answer tokens)."""
     from meshforge.utils.fake_values import keep

@@ -13,7 +13,7 @@ calls the function directly.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch.utils._pytree import tree_map
@@ -81,7 +81,7 @@ def on_host(fn: Callable[..., T], *tensors: torch.Tensor | None, what: str) -> T
     with _disable_current_modes():
         result = fn(*hosts)
 
-    def to_fake(value: Any) -> Any:
+    def to_fake(value: object) -> object:
         return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
     return tree_map(to_fake, result)

@@ -143,12 +143,12 @@ class CPMask:
         q_index: torch.Tensor,
         seq_len: int,
         segments: torch.Tensor | None,
-        cache: dict[Any, Any] | None = None,
+        cache: dict[object, Any] | None = None,
     ) -> None:
         self.q_index = q_index
         self.seq_len = seq_len
         self.segments = segments
-        self.cache: dict[Any, Any] = {} if cache is None else cache
+        self.cache: dict[object, Any] = {} if cache is None else cache
 
     def __repr__(self) -> str:
         rows = "none" if self.segments is None else f"{tuple(self.segments.shape)}"
