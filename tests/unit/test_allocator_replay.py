@@ -131,3 +131,60 @@ def test_allocations_inside_a_stream_block_go_to_that_streams_pools() -> None:
     assert replay.live["reduced"][0] is replay.pool(side, False)
     assert replay.live["back"][0] is replay.large and replay.live["again"][1] == 0
     assert replay.reserved_peak == 2 * LARGE_PAGE  # one page in each stream's large pool
+
+
+def test_a_full_device_releases_cached_pages_and_retries() -> None:
+    """Capacity 60 MiB: A's freed pages are unmapped to make room for C (one retry)."""
+    replay = AllocatorReplay(capacity=3 * LARGE_PAGE)
+    replay.allocate("a", 30 * MIB)  # pages 0-1
+    replay.allocate("b", 5 * MIB)  # page 1
+    replay.free("a")
+    replay.allocate("c", 35 * MIB)  # no hole holds it: 35-70 MiB, pages 1-3 (page 0 cached: 80 MiB)
+    assert replay.retries == 1 and replay.out_of_memory_at is None
+    assert replay.reserved == replay.reserved_peak == 3 * LARGE_PAGE
+    # Without a capacity the cached page stays mapped.
+    free = AllocatorReplay()
+    for key, size in (("a", 30), ("b", 5)):
+        free.allocate(key, size * MIB)
+    free.free("a")
+    free.allocate("c", 35 * MIB)
+    assert free.reserved_peak == 4 * LARGE_PAGE and free.retries == 0
+
+
+def test_pages_in_use_beyond_the_capacity_are_out_of_memory() -> None:
+    replay = AllocatorReplay(capacity=2 * LARGE_PAGE)
+    replay.allocate("a", 30 * MIB)
+    assert replay.out_of_memory_at is None
+    replay.allocate("b", 20 * MIB)  # 50 MiB in use: three pages
+    assert replay.out_of_memory_at == 50 * MIB
+
+
+@pytest.mark.parametrize(
+    ("retries", "out_of_memory_at", "words"),
+    [
+        (0, None, "fits (2.00 GiB to spare)"),
+        (3, None, "fits once the allocator releases its cached pages (3 retries"),
+        (1, 9 << 30, "OUT OF MEMORY, 9.00 GiB in use"),
+    ],
+)
+def test_the_dry_run_report_says_whether_the_step_fits_the_device(
+    retries: int, out_of_memory_at: int | None, words: str
+) -> None:
+    from meshforge.train.dry_run import DryRunReport
+
+    report = DryRunReport(
+        rank=0,
+        world_size=8,
+        device="h100",
+        device_type="cpu",
+        seconds=1.0,
+        peak_bytes=6 << 30,
+        collectives=[],
+        save_plan_items=1,
+        reserved_bytes=8 << 30,
+        capacity=10 << 30,
+        retries=retries,
+        out_of_memory_at=out_of_memory_at,
+    )
+    line = next(line for line in report.lines() if line.startswith("  on h100: 10.0 GiB for the allocator"))
+    assert words in line, line

@@ -15,11 +15,12 @@ pool one growing address range, served best fit (the smallest free block that ho
 request, split when the rest is worth keeping: 512 bytes in the small pool, over 1 MiB in the
 large), freed blocks merged with free neighbours, a request no free block holds placed at the
 end of the range (reusing a free block that ends it) and the range mapped further. Mapped pages
-stay reserved until the cache is emptied. Each stream has its own pools, as a block freed on one
+stay reserved until the cache is emptied, or until a mapping would pass the device's capacity:
+then the pages no block in use touches are unmapped and the mapping retried (an out-of-memory
+error when that is not enough). Each stream has its own pools, as a block freed on one
 stream serves only that stream: `streams_routed` sends what FSDP2 allocates inside its
 all-gather and reduce-scatter stream blocks (the gathered buffers, the reduced gradients that
-become the sharded `.grad`) to their streams' pools. Not modelled: the cache released and the
-request retried when the device is full.
+become the sharded `.grad`) to their streams' pools.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class _Pool:
     page: int
     split_rest: int  # the smallest remainder a split leaves as its own free block
     top: int = 0  # the end of the last block
-    mapped: int = 0  # bytes of pages mapped (never unmapped: the cache keeps them)
+    pages: set[int] = field(default_factory=set)  # mapped pages (kept until the cache is released)
+    mapped_peak: int = 0
     live: int = 0  # bytes of the blocks in use
     live_peak: int = 0
     sizes: dict[int, int] = field(default_factory=dict)  # start -> size of every block
@@ -55,7 +57,13 @@ class _Pool:
     free: list[tuple[int, int]] = field(default_factory=list)  # sorted (size, start) of free blocks
     free_starts: set[int] = field(default_factory=set)
 
-    def allocate(self, size: int) -> int:
+    @property
+    def mapped(self) -> int:
+        """Bytes of the pages mapped now."""
+        return len(self.pages) * self.page
+
+    def allocate(self, size: int) -> tuple[int, int]:
+        """Place a block of `size` bytes: its start and the bytes of pages newly mapped for it."""
         self.live += size
         self.live_peak = max(self.live_peak, self.live)
         at = bisect.bisect_left(self.free, (size, -1))
@@ -66,7 +74,7 @@ class _Pool:
                 self._set(start, size)
                 self._set(start + size, block_size - size)
                 self._mark_free(start + size)
-            return start
+            return start, self._map(start, size)
         last = self.ends.get(self.top)
         start = last if last is not None and last in self.free_starts else self.top
         if start != self.top:
@@ -74,8 +82,23 @@ class _Pool:
             self._forget(start)
         self._set(start, size)
         self.top = start + size
-        self.mapped = max(self.mapped, _round_up(self.top, self.page))
-        return start
+        return start, self._map(start, size)
+
+    def _map(self, start: int, size: int) -> int:
+        before = len(self.pages)
+        self.pages.update(range(start // self.page, _round_up(start + size, self.page) // self.page))
+        return (len(self.pages) - before) * self.page
+
+    def release_cached(self) -> int:
+        """Unmap every page no block in use touches (what the allocator does when the device is
+        full, before it retries); the bytes unmapped."""
+        before = len(self.pages)
+        kept: set[int] = set()
+        for start, size in self.sizes.items():
+            if start not in self.free_starts:
+                kept.update(range(start // self.page, _round_up(start + size, self.page) // self.page))
+        self.pages = kept
+        return (before - len(kept)) * self.page
 
     def release(self, start: int) -> None:
         size = self.sizes[start]
@@ -117,14 +140,25 @@ class _Pool:
 class AllocatorReplay:
     """Feed it every allocation and free of a step, in order; `reserved_peak` is what the caching
     allocator would have mapped, `allocated_peak` the live bytes' high-water mark (both rounded as
-    the allocator rounds requests)."""
+    the allocator rounds requests).
 
-    def __init__(self) -> None:
+    With `capacity` (the bytes the allocator may map on the device), a mapping beyond it releases
+    the cached pages first, as the allocator does before it retries (`retries` counts them: each
+    synchronises the device); when the pages in use alone exceed it, the step runs out of memory
+    (`out_of_memory_at`: the bytes in use then).
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
         self.stream: object = None  # the stream allocations go to now (None: the default one)
         self.pools: dict[tuple[object, bool], _Pool] = {}
         self.live: dict[object, tuple[_Pool, int, int]] = {}
         self.allocated = 0
         self.allocated_peak = 0
+        self.capacity = capacity
+        self.reserved = 0
+        self.reserved_peak = 0
+        self.retries = 0
+        self.out_of_memory_at: int | None = None
 
     def pool(self, stream: object, small: bool) -> _Pool:
         """The small or large pool of `stream` (made on first use)."""
@@ -155,9 +189,18 @@ class AllocatorReplay:
             return
         size = _round_up(nbytes, MIN_BLOCK)
         pool = self.pool(self.stream, size <= SMALL_REQUEST)
-        self.live[key] = (pool, pool.allocate(size), size)
+        start, mapped = pool.allocate(size)
+        self.live[key] = (pool, start, size)
         self.allocated += size
         self.allocated_peak = max(self.allocated_peak, self.allocated)
+        self.reserved += mapped
+        if self.capacity is not None and mapped and self.reserved > self.capacity:
+            self.retries += 1
+            self.reserved -= sum(p.release_cached() for p in self.pools.values())
+            if self.reserved > self.capacity and self.out_of_memory_at is None:
+                self.out_of_memory_at = self.allocated
+        pool.mapped_peak = max(pool.mapped_peak, pool.mapped)
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
 
     def free(self, key: object) -> None:
         found = self.live.pop(key, None)
@@ -167,16 +210,12 @@ class AllocatorReplay:
         pool.release(start)
         self.allocated -= size
 
-    @property
-    def reserved_peak(self) -> int:
-        return sum(pool.mapped for pool in self.pools.values())
-
     def split(self) -> tuple[int, int, int]:
         """(the default stream's mapped bytes, its live high-water mark, the other streams'
         mapped bytes): fragmentation of the compute stream and the collective streams' caches."""
         default = [pool for (stream, _), pool in self.pools.items() if stream is None]
-        side = sum(pool.mapped for (stream, _), pool in self.pools.items() if stream is not None)
-        return sum(p.mapped for p in default), sum(p.live_peak for p in default), side
+        side = sum(pool.mapped_peak for (stream, _), pool in self.pools.items() if stream is not None)
+        return sum(p.mapped_peak for p in default), sum(p.live_peak for p in default), side
 
 
 _STREAM = "stream"  # the device module's stream-context function

@@ -68,6 +68,26 @@ class DryRunReport:
     reserved_bytes: int = 0
     reserved_split: tuple[int, int, int] = (0, 0, 0)
     predicted_reserved_bytes: float | None = None  # DevicePeak.reserved
+    # With --device: what the allocator may map there, its cache releases, where it ran out.
+    capacity: int | None = None
+    retries: int = 0
+    out_of_memory_at: int | None = None
+
+    def _fit_line(self) -> str:
+        """Whether the step fits the device, by the allocator replay with its capacity."""
+        gib = 1024**3
+        room = f"{self.device}: {(self.capacity or 0) / gib:.1f} GiB for the allocator after the CUDA context and NCCL"
+        if self.out_of_memory_at is not None:
+            return (
+                f"  on {room}: OUT OF MEMORY, {self.out_of_memory_at / gib:.2f} GiB in use when the pages "
+                "in use no longer fit"
+            )
+        if self.retries:
+            return (
+                f"  on {room}: fits once the allocator releases its cached pages ({self.retries} "
+                "retries in the step, each a device synchronisation)"
+            )
+        return f"  on {room}: fits ({((self.capacity or 0) - self.reserved_bytes) / gib:.2f} GiB to spare)"
 
     def lines(self) -> list[str]:
         """The printed report: the headline, then one line per mesh dimension's collectives."""
@@ -93,6 +113,8 @@ class DryRunReport:
                     else ""
                 )
             )
+        if self.capacity is not None:
+            out.append(self._fit_line())
         by_dim: dict[str, list[CollectiveRow]] = {}
         for row in self.collectives:
             by_dim.setdefault(row.dim, []).append(row)
@@ -142,6 +164,17 @@ class _VocabOnly:
 
     def __len__(self) -> int:
         return self.size
+
+
+def _allocator_capacity(device: str | None, peak: DevicePeak | None) -> int | None:
+    """The bytes the caching allocator may map on `device` (the hardware table's usable memory
+    less the CUDA context and NCCL), or None without a known device."""
+    from meshforge.utils.hardware import HARDWARE
+
+    if device is None or device.lower() not in HARDWARE or device.lower() == "cpu":
+        return None
+    overhead = peak.overhead if peak is not None else 0.0
+    return int(HARDWARE[device.lower()].memory_gib * 1024**3 - overhead)
 
 
 def prediction(cfg: TrainConfig, world_size: int, rank: int | None) -> tuple[int, DevicePeak | None]:
@@ -236,7 +269,7 @@ def dry_run(
         _quiet_torch(),
     ):
         tracker = ModuleTracker()
-        replay = AllocatorReplay()
+        replay = AllocatorReplay(_allocator_capacity(device, predicted_peak))
         try:
             peak, rows, items, notes = _step(cfg, dims, rank, device_type, Path(tmp), sink, tracker, replay)
         except (ValueError, NotImplementedError):
@@ -259,6 +292,9 @@ def dry_run(
         notes=notes,
         reserved_bytes=replay.reserved_peak,
         reserved_split=replay.split(),
+        capacity=replay.capacity,
+        retries=replay.retries,
+        out_of_memory_at=replay.out_of_memory_at,
         predicted_reserved_bytes=predicted_peak.reserved if predicted_peak is not None else None,
     )
 
