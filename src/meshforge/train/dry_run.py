@@ -6,8 +6,11 @@ trainer runs (`build_model`'s parallelisation in its fixed order, FSDP2, TP/SP, 
 schedule, recompute, LoRA, the optimizer and the DCP save plan) runs for rank R against torch's
 fake process group (every collective returns at once, with its output unchanged) with
 `FakeTensorMode` tensors (shapes, dtypes and placements, no values). Memory is what a caching
-allocator would see, tracked by torch's `MemTracker` (allocations and frees, no fragmentation);
-every collective is recorded with its mesh dimension and buffer size.
+allocator would see, tracked by torch's `MemTracker` (allocations and frees), and what it would
+reserve, those allocations replayed through its placement rules (`train/allocator_replay.py`:
+fragmentation, one pool per stream, with `--device` the device's capacity); every collective is
+recorded with its mesh dimension and buffer size. The preference stages' batch is made on the
+host and its values kept beside the fakes (`utils/fake_values.py`).
 
 The fake tensors live on the CPU device type when this torch has no CUDA runtime (FSDP2's
 CUDA streams and events need it), so CUDA-only kernels (flash attention, float8 matmuls) are
@@ -90,7 +93,8 @@ class DryRunReport:
         return f"  on {room}: fits ({((self.capacity or 0) - self.reserved_bytes) / gib:.2f} GiB to spare)"
 
     def lines(self) -> list[str]:
-        """The printed report: the headline, then one line per mesh dimension's collectives."""
+        """The printed report: the headline, the reserved bytes (and, with a device, whether the
+        step fits it), then one line per mesh dimension's collectives."""
         gib = 1024**3
         head = (
             f"dry run (rank {self.rank} of {self.world_size}, {self.device}): one step ok in "
