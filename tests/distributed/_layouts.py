@@ -45,6 +45,27 @@ class Run:
     log: Path | None = None
 
 
+def runs_by_tuning(
+    config: Path,
+    base: list[str],
+    tunings: dict[str, list[str]],
+    layouts: dict[str, dict[str, list[str]]],
+    root: Path,
+) -> tuple[list[Run], list[Run]]:
+    """Each tuning's one-process run (`root/<tuning>/one`) and its 2-rank runs, one per layout
+    of `layouts[tuning]` (`root/<tuning>/<layout>`)."""
+    one = [
+        Run(config, [*base, *extra, f"--training.output_dir={root / name / 'one'}"])
+        for name, extra in tunings.items()
+    ]
+    two = [
+        Run(config, [*base, *extra, *layout, f"--training.output_dir={root / name / key}"], 2)
+        for name, extra in tunings.items()
+        for key, layout in layouts[name].items()
+    ]
+    return one, two
+
+
 def _train(run: Run, rank: int) -> None:
     import torch
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import read_metrics
-from tests.distributed._layouts import Run
+from tests.distributed._layouts import Run, runs_by_tuning
 from tests.unit.test_rm_train import CONFIG, FULL, REWARDS, TINY
 
 LAYOUTS = {"dp2": [], "tp2": ["--parallelism.tensor_parallel=2"]}
@@ -35,16 +35,7 @@ BASE = [*TINY, "--train_dataset.max_samples=16", "--training.steps=3"]
 
 def rm_runs(root: Path) -> tuple[list[Run], list[Run]]:
     """The one-process runs and the 2-rank runs."""
-    one = [
-        Run(CONFIG, [*BASE, *extra, f"--training.output_dir={root / name / 'one'}"])
-        for name, extra in TUNINGS.items()
-    ]
-    two = [
-        Run(CONFIG, [*BASE, *extra, *layout, f"--training.output_dir={root / name / key}"], 2)
-        for name, extra in TUNINGS.items()
-        for key, layout in BY_TUNING[name].items()
-    ]
-    return one, two
+    return runs_by_tuning(CONFIG, BASE, TUNINGS, BY_TUNING, root)
 
 
 def rm_failures(root: Path) -> list[str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import read_metrics
-from tests.distributed._layouts import Run, train_all
+from tests.distributed._layouts import Run, runs_by_tuning, train_all
 from tests.distributed.rm_layouts import rm_failures, rm_runs
 from tests.unit.test_dpo_train import CONFIG, FULL, TINY
 
@@ -72,15 +72,7 @@ def test_dp_tp_cp_pp_and_ep_layouts_equal_one_process(tmp_path: Path) -> None:
         "full": FULL_LAYOUTS,
         "moe": {"ep2": ["--parallelism.expert_parallel=2"], "pp2": PP2},
     }
-    one_process = [
-        Run(CONFIG, [*base, *extra, f"--training.output_dir={tmp_path / name / 'one'}"])
-        for name, extra in tunings.items()
-    ]
-    two_ranks = [
-        Run(CONFIG, [*base, *extra, *layout, f"--training.output_dir={tmp_path / name / key}"], 2)
-        for name, extra in tunings.items()
-        for key, layout in layouts[name].items()
-    ]
+    one_process, two_ranks = runs_by_tuning(CONFIG, base, tunings, layouts, tmp_path)
     step2 = tmp_path / "full" / "pp2" / "checkpoints" / "checkpoint-00000002"
     resumed = Run(
         CONFIG,

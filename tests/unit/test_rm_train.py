@@ -18,25 +18,11 @@ import torch.nn.functional as F
 
 from tests.conftest import read_metrics
 from tests.distributed._layouts import train_one
+from tests.unit.test_dpo_train import REWARDS, TINY  # the same tiny pair runs
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "qwen3" / "rm_lora.yaml"
-TINY = [
-    "--model.hidden_size=64",
-    "--model.intermediate_size=128",
-    "--model.num_hidden_layers=2",
-    "--model.num_attention_heads=2",
-    "--model.num_key_value_heads=2",
-    "--model.head_dim=32",
-    "--train_dataset.cutoff_len=48",
-    "--train_dataset.max_samples=8",  # one global batch: every step sees the same 8 pairs
-    "--training.global_batch_size=8",
-    "--training.local_batch_size=4",
-    "--training.log_interval=1",
-    "--checkpoint.save_interleaved_steps=100",
-]
 FULL = ["--lora_config=null", "--lr_scheduler.learning_rate=1e-3"]
-REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 LLAMA = [
     "--model.model_type=llama",
     "--model.architectures=LlamaForCausalLM",

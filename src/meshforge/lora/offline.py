@@ -103,16 +103,14 @@ def build_adapted(
 ) -> nn.Module:
     """The family's model with adapters, storage allocated on `device` (contents unset)."""
     from meshforge.lora.apply import apply_lora
-    from meshforge.models.materialize import to_empty_keeping_ties
+    from meshforge.models.materialize import reset_buffers, to_empty_keeping_ties
 
     with torch.device("meta"):
         model = family.build(options)
     model.to(dtype=dtype)
     apply_lora(model, settings, adapter_dtype=dtype)
     to_empty_keeping_ties(model, device)
-    reset = getattr(model, "reset_buffers", None)
-    if callable(reset):
-        reset()
+    reset_buffers(model)
     return model
 
 

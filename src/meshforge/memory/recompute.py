@@ -135,31 +135,40 @@ def _aten(name: str) -> AtenOp | None:
         return None
 
 
+class _KeptIndex:
+    """`recompute.exclude_op`'s entries by operator (one overload, or every overload of a packet),
+    looked up once per dispatched operator."""
+
+    def __init__(self, kept: Sequence[tuple[AtenOp, int]]) -> None:
+        self.every = [every for _op, every in kept]
+        self.overloads: dict[object, list[int]] = {}
+        self.packets: dict[object, list[int]] = {}
+        for i, (op, _every) in enumerate(kept):
+            table = self.overloads if isinstance(op, torch._ops.OpOverload) else self.packets
+            table.setdefault(op, []).append(i)
+
+    def entries(self, func: torch._ops.OpOverload) -> list[int]:
+        return self.overloads.get(func, []) + self.packets.get(func.overloadpacket, [])
+
+
 class _Policy:
     """The selective-checkpoint policy of one region call: an operator of ``kept`` is saved on
     one call in every ``every`` (counted per entry, separately in the forward and in the
     recomputation, which run the same operators in the same order and so decide alike)."""
 
-    def __init__(self, kept: Sequence[tuple[AtenOp, int]]) -> None:
-        self.kept = list(kept)
-        self.counts = {False: [0] * len(self.kept), True: [0] * len(self.kept)}
+    def __init__(self, kept: _KeptIndex) -> None:
+        self.kept = kept
+        self.counts = {False: [0] * len(kept.every), True: [0] * len(kept.every)}
         self.last: tuple[object, CheckpointPolicy] | None = None
-
-    def _entries(self, func: torch._ops.OpOverload) -> list[int]:
-        return [
-            i
-            for i, (op, _every) in enumerate(self.kept)
-            if func == op or (not isinstance(op, torch._ops.OpOverload) and func.overloadpacket == op)
-        ]
 
     def __call__(
         self, ctx: object, func: torch._ops.OpOverload, *_args: object, **_kwargs: object
     ) -> CheckpointPolicy:
         counts = self.counts[bool(getattr(ctx, "is_recompute", False))]
         save = False
-        for i in self._entries(func):
+        for i in self.kept.entries(func):
             counts[i] += 1
-            save = save or (counts[i] - 1) % self.kept[i][1] == 0
+            save = save or (counts[i] - 1) % self.kept.every[i] == 0
         decision = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
         self.last = (func, decision)
         return decision
@@ -196,8 +205,10 @@ class _KeptOutputs(TorchDispatchMode):
 def _context_fn(
     kept: Sequence[tuple[AtenOp, int]],
 ) -> Callable[[], tuple[AbstractContextManager[object], AbstractContextManager[object]]]:
+    index = _KeptIndex(kept)
+
     def context() -> tuple[AbstractContextManager[object], AbstractContextManager[object]]:
-        policy = _Policy(kept)
+        policy = _Policy(index)
         forward, recompute = create_selective_checkpoint_contexts(policy)
         ledger = active_ledger()
         if ledger is None or in_recomputed_region():

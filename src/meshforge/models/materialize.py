@@ -73,7 +73,7 @@ def materialize_and_init(model: nn.Module, *, device: torch.device, seed: int, i
             param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
-    _reset_buffers(model)
+    reset_buffers(model)
 
 
 def materialize_fake(model: nn.Module, *, device: torch.device) -> None:
@@ -84,11 +84,11 @@ def materialize_fake(model: nn.Module, *, device: torch.device) -> None:
     collectives without any value being computed.
     """
     to_empty_keeping_ties(model, device)
-    _reset_buffers(model)
+    reset_buffers(model)
 
 
-def _reset_buffers(model: nn.Module) -> None:
+def reset_buffers(model: nn.Module) -> None:
     """Recompute the model's derived buffers (RoPE tables, ...) after its storage moved."""
-    reset_buffers = getattr(model, "reset_buffers", None)
-    if callable(reset_buffers):
-        reset_buffers()
+    reset = getattr(model, "reset_buffers", None)
+    if callable(reset):
+        reset()

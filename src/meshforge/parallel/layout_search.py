@@ -337,8 +337,8 @@ def _peak(
     estimate: ActivationEstimate,
     rebuilt: ActivationEstimate | None,
 ) -> float:
-    """The highest steady-state peak over the pipeline stages (`device_peak`), allocator memory
-    plus the CUDA context and NCCL buffers."""
+    """The highest steady-state peak over the pipeline stages (`device_peak`): what the caching
+    allocator reserves plus the CUDA context and NCCL buffers (`DevicePeak.device_total`)."""
     from meshforge.parallel.device_peak import stage_peaks
 
     return max(p.device_total for p in stage_peaks(cfg, dims, counts, facts, estimate, rebuilt))

@@ -129,6 +129,7 @@ def load_reward_step(
     )
 
     from meshforge.checkpoint.dcp_reader import load_dcp
+    from meshforge.models.materialize import reset_buffers
 
     if cfg.lora_config is not None:
         from meshforge.checkpoint.manager import read_trainer_state
@@ -157,9 +158,7 @@ def load_reward_step(
     load_dcp(state, step, no_dist=True)
     if cfg.lora_config is None:
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
-    reset = getattr(model, "reset_buffers", None)
-    if callable(reset):
-        reset()
+    reset_buffers(model)
     return model
 
 

@@ -16,6 +16,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -23,12 +26,6 @@ T = TypeVar("T")
 
 # Keyed by identity (a tensor's `==` is elementwise).
 _KEPT = WeakIdKeyDictionary()
-
-
-def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(tensor, FakeTensor)
 
 
 def keep(fake: torch.Tensor, host: torch.Tensor) -> None:
@@ -39,7 +36,7 @@ def keep(fake: torch.Tensor, host: torch.Tensor) -> None:
 def host_value(tensor: torch.Tensor) -> torch.Tensor | None:
     """The host values of `tensor`: itself when real, the kept tensor (or the matching view of
     the kept tensor it views) when fake, None when nothing was kept for it."""
-    if not _is_fake(tensor):
+    if not is_fake(tensor):
         return tensor
     found: torch.Tensor | None = _KEPT.get(tensor)
     if found is not None:
@@ -47,8 +44,6 @@ def host_value(tensor: torch.Tensor) -> torch.Tensor | None:
     base = tensor._base
     kept: torch.Tensor | None = _KEPT.get(base) if base is not None else None
     if kept is not None:
-        from torch.utils._python_dispatch import _disable_current_modes
-
         with _disable_current_modes():  # a host view, not an op of the fake step
             return kept.as_strided(tensor.size(), tensor.stride(), tensor.storage_offset())
     return None
@@ -62,11 +57,9 @@ def on_host(fn: Callable[..., T], *tensors: torch.Tensor | None, what: str) -> T
         NotImplementedError: a fake input with no host values (a tensor the step derived from
             the batch in a way that cannot be traced back), naming `what` needed them.
     """
-    fakes = [t for t in tensors if t is not None and _is_fake(t)]
+    fakes = [t for t in tensors if t is not None and is_fake(t)]
     if not fakes:
         return fn(*tensors)
-    from torch.utils._python_dispatch import _disable_current_modes
-
     hosts = []
     for tensor in tensors:
         value = None if tensor is None else host_value(tensor)
@@ -76,7 +69,8 @@ def on_host(fn: Callable[..., T], *tensors: torch.Tensor | None, what: str) -> T
                 "way, so their values are not known on fake tensors)"
             )
         hosts.append(value)
-    mode = fakes[0].fake_mode  # type: ignore[attr-defined]
+    mode = detect_fake_mode(fakes)
+    assert mode is not None, "fake inputs come with their fake mode"
     # Outside every dispatch mode (the fake mode, a dry run's trackers): host work, not the step's.
     with _disable_current_modes():
         result = fn(*hosts)
